@@ -1,0 +1,117 @@
+"""Symbolized profiles: what the resolver produces, the store keeps and the formats render.
+
+Stacks here are **root first**: the user-space root (`main`, `_start`) comes
+first, then the user frames down to the system call, then the kernel frames
+down to the leaf. That is the order of folded stacks and flamegraphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Frame kinds.
+KIND_KERNEL = "kernel"
+KIND_USER = "user"
+KIND_VDSO = "vdso"
+KIND_UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    name: str  # demangled function name; `module+0xoffset` when it cannot be named
+    module: str = ""  # ELF file name (basename), "vmlinux" or a kernel module name
+    file: str = ""  # source file from DWARF, "" when unknown
+    line: int = 0  # source line from DWARF, 0 when unknown
+    kind: str = KIND_USER
+    inlined: bool = False  # inlined into the frame that follows it toward the root
+
+
+@dataclass(slots=True)
+class Sample:
+    stack: tuple[int, ...]  # indexes into Profile.frames, root first
+    pid: int = 0
+    tid: int = 0
+    thread: str = ""
+    on_cpu: int = 0  # on-CPU sample count
+    off_cpu: int = 0  # off-CPU wait count
+    off_cpu_ns: int = 0  # off-CPU blocked time
+
+
+@dataclass(slots=True)
+class SessionMeta:
+    session_id: str
+    tenant: str = ""
+    service: str = ""
+    host: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    processes: dict[int, str] = field(default_factory=dict)  # pid -> comm
+    resource: str = ""
+    stall: str = "some"
+    threshold_us: int = 0
+    window_us: int = 0
+    cgroup: str = ""
+    trigger_time_ns: int = 0
+    avg10: float = 0.0
+    avg60: float = 0.0
+    avg300: float = 0.0
+    psi_total_us: int = 0
+    start_ns: int = 0
+    duration_ns: int = 0
+    period_ns: int = 0
+    kernel_release: str = ""
+    on_cpu: int = 0
+    off_cpu: int = 0
+    off_cpu_ns: int = 0
+
+    @property
+    def comm(self) -> str:
+        return next(iter(self.processes.values()), "")
+
+    @property
+    def pid(self) -> int:
+        return next(iter(self.processes), 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.session_id,
+            "tenant": self.tenant,
+            "service": self.service,
+            "host": self.host,
+            "labels": self.labels,
+            "comm": self.comm,
+            "pid": self.pid,
+            "processes": [{"pid": p, "comm": c} for p, c in self.processes.items()],
+            "trigger": {
+                "resource": self.resource,
+                "stall": self.stall,
+                "threshold_us": self.threshold_us,
+                "window_us": self.window_us,
+                "cgroup": self.cgroup,
+                "time_ns": self.trigger_time_ns,
+                "avg10": self.avg10,
+                "avg60": self.avg60,
+                "avg300": self.avg300,
+                "total_us": self.psi_total_us,
+            },
+            "start_ns": self.start_ns,
+            "duration_ns": self.duration_ns,
+            "period_ns": self.period_ns,
+            "kernel_release": self.kernel_release,
+            "samples": {"on_cpu": self.on_cpu, "off_cpu": self.off_cpu, "off_cpu_ns": self.off_cpu_ns},
+        }
+
+
+@dataclass(slots=True)
+class Profile:
+    """One symbolized session, or several merged (then `meta` describes the first)."""
+
+    meta: SessionMeta
+    frames: list[Frame] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def totals(self) -> tuple[int, int, int]:
+        on = sum(s.on_cpu for s in self.samples)
+        off = sum(s.off_cpu for s in self.samples)
+        off_ns = sum(s.off_cpu_ns for s in self.samples)
+        return on, off, off_ns

@@ -1,0 +1,104 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * Structures shared between the BPF programs and the Python agent.
+ *
+ * Every struct here has a ctypes mirror in bistouri/abi.py. tests/bpf/test_abi.py
+ * compares sizes and field offsets of the mirrors with the BTF of the built
+ * object, so a field added on one side only fails the test suite.
+ * Fixed-width types and explicit padding only: the layout must not depend on
+ * the compiler.
+ */
+#ifndef BISTOURI_H
+#define BISTOURI_H
+
+#ifndef BISTOURI_COMM_LEN
+#define BISTOURI_COMM_LEN 16      /* TASK_COMM_LEN, including the NUL */
+#endif
+#ifndef BISTOURI_MAX_DEPTH
+#define BISTOURI_MAX_DEPTH 127    /* PERF_MAX_STACK_DEPTH */
+#endif
+#ifndef BISTOURI_BUILD_ID_SIZE
+#define BISTOURI_BUILD_ID_SIZE 20 /* BPF_BUILD_ID_SIZE */
+#endif
+
+/* What a stack_event is. */
+enum bistouri_event_kind {
+	BISTOURI_EVENT_ON_CPU = 1,  /* perf cpu-clock sample */
+	BISTOURI_EVENT_OFF_CPU = 2, /* uninterruptible wait, timed at switch-in */
+};
+
+/* Bits of the pid filter value: what to capture for a tgid. */
+enum bistouri_filter_flags {
+	BISTOURI_FILTER_ON_CPU = 1,
+	BISTOURI_FILTER_OFF_CPU = 2,
+};
+
+/* Kinds of error_event; also indexes of the per-CPU counters map. */
+enum bistouri_counter {
+	BISTOURI_CNT_STACK_RESERVE_FAILED = 0, /* stack ring full: sample lost */
+	BISTOURI_CNT_EXEC_RESERVE_FAILED = 1,  /* exec ring full: discovery lost */
+	BISTOURI_CNT_KERNEL_STACK_ERROR = 2,   /* bpf_get_stack(kernel) < 0 */
+	BISTOURI_CNT_USER_STACK_ERROR = 3,     /* bpf_get_stack(user) < 0 */
+	BISTOURI_CNT_OFFCPU_PENDING_FULL = 4,  /* too many threads blocked at once */
+	BISTOURI_CNT_OFFCPU_RATE_LIMITED = 5,  /* wait skipped by the rate limit */
+	BISTOURI_CNT_OFFCPU_TOO_SHORT = 6,     /* wait shorter than offcpu_min_ns */
+	BISTOURI_CNT_ON_CPU_SAMPLES = 7,       /* samples emitted */
+	BISTOURI_CNT_OFF_CPU_SAMPLES = 8,      /* off-CPU waits emitted */
+	BISTOURI_CNT_EXEC_MATCHES = 9,         /* exec events emitted */
+	BISTOURI_CNT_MAX = 10,
+};
+
+/* One user frame: the kernel's struct bpf_stack_build_id, 32 bytes, no padding. */
+struct bistouri_user_frame {
+	__s32 status;                             /* 0 empty, 1 build id + offset, 2 raw ip */
+	__u8 build_id[BISTOURI_BUILD_ID_SIZE];
+	__u64 offset_or_ip;
+};
+
+/* A sampled stack, on-CPU or off-CPU. Sizes are in bytes, negative on error. */
+struct bistouri_stack_event {
+	__u32 kind;            /* enum bistouri_event_kind */
+	__u32 pid;             /* tgid */
+	__u32 tid;
+	__u32 cpu;
+	__u64 timestamp_ns;    /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
+	__u64 blocked_ns;      /* off-CPU: time spent blocked; 0 on-CPU */
+	__s32 kernel_stack_size;
+	__s32 user_stack_size;
+	__u8 comm[BISTOURI_COMM_LEN];
+	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
+	struct bistouri_user_frame user_stack[BISTOURI_MAX_DEPTH];
+};
+
+/* A process whose new comm matched a rule of the LPM trie at exec. */
+struct bistouri_exec_event {
+	__u32 rule_id;
+	__u32 pid;             /* tgid */
+	__u64 cgroup_id;       /* cgroup2 inode of the process */
+	__u8 comm[BISTOURI_COMM_LEN];
+};
+
+/* Why a sample or event was lost, with the process it concerned. */
+struct bistouri_error_event {
+	__u32 kind;            /* enum bistouri_counter */
+	__u32 pid;
+	__s64 code;            /* helper return value, 0 if none */
+	__u64 timestamp_ns;
+};
+
+/* Key of the comm LPM trie: prefixlen in bits over comm. */
+struct bistouri_comm_key {
+	__u32 prefixlen;
+	__u8 comm[BISTOURI_COMM_LEN];
+};
+
+/* Tunables written into .rodata before load. */
+struct bistouri_config {
+	__u64 offcpu_min_ns;      /* waits shorter than this are not reported */
+	__u64 offcpu_interval_ns; /* per-process minimum gap between off-CPU captures */
+	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
+	__u32 user_build_id;      /* 1: user frames as build id + offset */
+	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
+};
+
+#endif /* BISTOURI_H */
