@@ -1,0 +1,131 @@
+"""ctypes mirrors of the structs in bpf/bistouri.h.
+
+tests/bpf/test_abi.py compares every mirror (size and field offsets) with the
+BTF of the built object; `check_abi()` does the same at load time, so an agent
+never decodes events with a stale layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from ctypes import Structure, c_int32, c_int64, c_uint8, c_uint32, c_uint64
+from enum import IntEnum
+
+from .bpf import Btf
+
+COMM_LEN = 16
+MAX_DEPTH = 127
+BUILD_ID_SIZE = 20
+
+
+class EventKind(IntEnum):
+    ON_CPU = 1
+    OFF_CPU = 2
+
+
+class FilterFlags(IntEnum):
+    ON_CPU = 1
+    OFF_CPU = 2
+
+
+class Counter(IntEnum):
+    """Indexes of the BPF `counters` map, and kinds of error events."""
+
+    STACK_RESERVE_FAILED = 0
+    EXEC_RESERVE_FAILED = 1
+    KERNEL_STACK_ERROR = 2
+    USER_STACK_ERROR = 3
+    OFFCPU_PENDING_FULL = 4
+    OFFCPU_RATE_LIMITED = 5
+    OFFCPU_TOO_SHORT = 6
+    ON_CPU_SAMPLES = 7
+    OFF_CPU_SAMPLES = 8
+    EXEC_MATCHES = 9
+
+
+COUNTER_MAX = 10
+
+
+class UserFrame(Structure):
+    _fields_ = [("status", c_int32), ("build_id", c_uint8 * BUILD_ID_SIZE), ("offset_or_ip", c_uint64)]
+
+
+class StackEvent(Structure):
+    _fields_ = [
+        ("kind", c_uint32),
+        ("pid", c_uint32),
+        ("tid", c_uint32),
+        ("cpu", c_uint32),
+        ("timestamp_ns", c_uint64),
+        ("blocked_ns", c_uint64),
+        ("kernel_stack_size", c_int32),
+        ("user_stack_size", c_int32),
+        ("comm", c_uint8 * COMM_LEN),
+        ("kernel_stack", c_uint64 * MAX_DEPTH),
+        ("user_stack", UserFrame * MAX_DEPTH),
+    ]
+
+
+class ExecEvent(Structure):
+    _fields_ = [("rule_id", c_uint32), ("pid", c_uint32), ("cgroup_id", c_uint64), ("comm", c_uint8 * COMM_LEN)]
+
+
+class ErrorEvent(Structure):
+    _fields_ = [("kind", c_uint32), ("pid", c_uint32), ("code", c_int64), ("timestamp_ns", c_uint64)]
+
+
+class CommKey(Structure):
+    _fields_ = [("prefixlen", c_uint32), ("comm", c_uint8 * COMM_LEN)]
+
+
+class Config(Structure):
+    _fields_ = [
+        ("offcpu_min_ns", c_uint64),
+        ("offcpu_interval_ns", c_uint64),
+        ("wakeup_bytes", c_uint64),
+        ("user_build_id", c_uint32),
+        ("tp_btf_skip", c_uint32),
+    ]
+
+
+# C struct name -> mirror. Every shared struct must be listed here.
+MIRRORS: dict[str, type[Structure]] = {
+    "bistouri_user_frame": UserFrame,
+    "bistouri_stack_event": StackEvent,
+    "bistouri_exec_event": ExecEvent,
+    "bistouri_error_event": ErrorEvent,
+    "bistouri_comm_key": CommKey,
+    "bistouri_config": Config,
+}
+
+# Precompiled decoders for the hot path (the ring-buffer callback).
+STACK_HEADER = struct.Struct("<IIIIQQii16s")
+STACK_HEADER_SIZE = STACK_HEADER.size
+KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
+USER_STACK_OFFSET = StackEvent.user_stack.offset
+USER_FRAME = struct.Struct("<i20sQ")
+EXEC_EVENT = struct.Struct("<IIQ16s")
+ERROR_EVENT = struct.Struct("<IIqQ")
+
+
+def abi_mismatches(btf: Btf) -> list[str]:
+    """Differences between the mirrors and the object's BTF; empty when they agree."""
+    problems: list[str] = []
+    for cname, mirror in MIRRORS.items():
+        found = btf.struct(cname)
+        if found is None:
+            problems.append(f"struct {cname}: absent from the object's BTF (not anchored?)")
+            continue
+        size, members = found
+        if size != ctypes.sizeof(mirror):
+            problems.append(f"struct {cname}: size {size} in BTF, {ctypes.sizeof(mirror)} in abi.py")
+        c_fields = [(m.name, m.offset) for m in members]
+        py_fields = [(name, getattr(mirror, name).offset) for name, *_ in mirror._fields_]
+        if c_fields != py_fields:
+            problems.append(f"struct {cname}: fields {c_fields} in BTF, {py_fields} in abi.py")
+    return problems
+
+
+def comm_bytes(comm: bytes) -> str:
+    return comm.split(b"\0", 1)[0].decode(errors="replace")

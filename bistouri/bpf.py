@@ -1,0 +1,439 @@
+"""Owned handles over libbpf: the BPF object, its maps and programs, links, ring buffers.
+
+Every handle has an idempotent `close()` and is a context manager; children keep
+their parent and refuse to work once it is closed. `__del__` is only a safety
+net and warns when it has to free something.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _libbpf
+from .errors import BpfError
+
+log = logging.getLogger(__name__)
+libbpf_log = logging.getLogger("bistouri.libbpf")
+
+_lib: _libbpf.Library | None = None
+_lib_lock = threading.Lock()
+# Kept alive for the life of the process: libbpf may call it at any time.
+_print_cb: Any = None
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.vsnprintf.restype = ctypes.c_int
+_libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p]
+
+# libbpf_print_level -> logging level
+_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+
+BTF_KIND_STRUCT = 4
+BTF_KIND_DATASEC = 15
+
+
+def _on_libbpf_print(level: int, fmt: bytes, va: int) -> int:
+    try:
+        buf = ctypes.create_string_buffer(4096)
+        _libc.vsnprintf(buf, len(buf), fmt, va)
+        text = buf.value.decode(errors="replace").rstrip()
+        if text:
+            libbpf_log.log(_LEVELS.get(level, logging.DEBUG), "%s", text)
+    except BaseException:  # never let an exception cross into C
+        pass
+    return 0
+
+
+def library() -> _libbpf.Library:
+    """libbpf, loaded once, version-checked, with its log routed to `bistouri.libbpf`."""
+    global _lib, _print_cb
+    with _lib_lock:
+        if _lib is None:
+            lib = _libbpf.open_library()
+            if lib.version < _libbpf.MIN_VERSION:
+                raise BpfError(
+                    "loading libbpf",
+                    errno.ENOTSUP,
+                    hint=(
+                        f"{lib.path} is libbpf {lib.version[0]}.{lib.version[1]}; bistouri needs >= 1.0 "
+                        "(error conventions changed in 1.0). Install libbpf1 (Debian 12+, RHEL 9+)"
+                    ),
+                )
+            _print_cb = _libbpf.PRINT_FN(_on_libbpf_print)
+            lib.libbpf_set_print(_print_cb)
+            _lib = lib
+        return _lib
+
+
+def check_int(ret: int, op: str, log_text: str = "") -> int:
+    """libbpf >= 1.0 int APIs return -errno on failure."""
+    if ret < 0:
+        raise BpfError(op, -ret, log=log_text)
+    return ret
+
+
+def check_ptr(ptr: Any, op: str, log_text: str = "", hint: str = "") -> Any:
+    """libbpf >= 1.0 pointer APIs return NULL and set errno on failure."""
+    if not ptr:
+        err = ctypes.get_errno() or errno.EINVAL
+        raise BpfError(op, err, log=log_text, hint=hint)
+    return ptr
+
+
+class _Handle:
+    _closed = True  # a failed __init__ leaves a handle that __del__ may see
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            warnings.warn(f"{type(self).__name__} was not closed; freeing it now", ResourceWarning, stacklevel=1)
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class Map:
+    """A map of a loaded object. Keys and values are bytes-like of the exact sizes."""
+
+    def __init__(self, obj: BpfObject, ptr: Any) -> None:
+        self._obj = obj
+        self._ptr = ptr
+        lib = library()
+        self.name = lib.bpf_map__name(ptr).decode()
+        self.key_size = lib.bpf_map__key_size(ptr)
+        self.value_size = lib.bpf_map__value_size(ptr)
+
+    def _check(self) -> Any:
+        self._obj._check_open()
+        return self._ptr
+
+    @property
+    def fd(self) -> int:
+        return check_int(library().bpf_map__fd(self._check()), f"fd of map {self.name}")
+
+    def update(self, key: bytes, value: bytes, flags: int = 0) -> None:
+        ptr = self._check()
+        kb = ctypes.create_string_buffer(bytes(key), len(key))
+        vb = ctypes.create_string_buffer(bytes(value), len(value))
+        check_int(
+            library().bpf_map__update_elem(ptr, kb, len(key), vb, len(value), flags),
+            f"update of map {self.name}",
+        )
+
+    def lookup(self, key: bytes, value_size: int | None = None) -> bytes | None:
+        ptr = self._check()
+        size = value_size or self.value_size
+        kb = ctypes.create_string_buffer(bytes(key), len(key))
+        vb = ctypes.create_string_buffer(size)
+        ret = library().bpf_map__lookup_elem(ptr, kb, len(key), vb, size, 0)
+        if ret == -errno.ENOENT:
+            return None
+        check_int(ret, f"lookup in map {self.name}")
+        return vb.raw
+
+    def delete(self, key: bytes) -> bool:
+        ptr = self._check()
+        kb = ctypes.create_string_buffer(bytes(key), len(key))
+        ret = library().bpf_map__delete_elem(ptr, kb, len(key), 0)
+        if ret == -errno.ENOENT:
+            return False
+        check_int(ret, f"delete from map {self.name}")
+        return True
+
+    def keys(self) -> Iterator[bytes]:
+        ptr = self._check()
+        prev = None
+        nxt = ctypes.create_string_buffer(self.key_size)
+        while True:
+            ret = library().bpf_map__get_next_key(ptr, prev, nxt, self.key_size)
+            if ret == -errno.ENOENT:
+                return
+            check_int(ret, f"iteration of map {self.name}")
+            key = nxt.raw
+            yield key
+            prev = ctypes.create_string_buffer(key, len(key))
+
+    def lookup_percpu_u64(self, key: bytes) -> list[int]:
+        """Per-CPU values of a PERCPU map of u64: one value per possible CPU."""
+        ncpu = check_int(library().libbpf_num_possible_cpus(), "libbpf_num_possible_cpus")
+        raw = self.lookup(key, value_size=8 * ncpu)
+        if raw is None:
+            return [0] * ncpu
+        return [int.from_bytes(raw[i * 8 : i * 8 + 8], "little") for i in range(ncpu)]
+
+
+@dataclass(frozen=True, slots=True)
+class BtfMember:
+    name: str
+    offset: int  # bytes
+    size: int
+
+
+class Btf:
+    """Read-only view of a BTF blob (the object's), used for the ABI checks and .rodata offsets."""
+
+    def __init__(self, ptr: Any, owner: Any) -> None:
+        self._ptr = ptr
+        self._owner = owner  # keeps the object (and so the BTF memory) alive
+
+    def _type(self, type_id: int) -> Any:
+        return library().btf__type_by_id(self._ptr, type_id).contents
+
+    def _name(self, off: int) -> str:
+        return (library().btf__name_by_offset(self._ptr, off) or b"").decode()
+
+    def struct(self, name: str) -> tuple[int, list[BtfMember]] | None:
+        """Size and members (name, byte offset, byte size) of a struct, None if absent."""
+        lib = library()
+        tid = lib.btf__find_by_name_kind(self._ptr, name.encode(), BTF_KIND_STRUCT)
+        if tid < 0:
+            return None
+        t = self._type(tid)
+        vlen = t.info & 0xFFFF
+        kind_flag = t.info >> 31
+        base = ctypes.addressof(t) + ctypes.sizeof(_libbpf.btf_type)
+        members = []
+        for i in range(vlen):
+            m = _libbpf.btf_member.from_address(base + i * ctypes.sizeof(_libbpf.btf_member))
+            bit_off = m.offset & 0xFFFFFF if kind_flag else m.offset
+            size = lib.btf__resolve_size(self._ptr, m.type)
+            members.append(BtfMember(self._name(m.name_off), bit_off // 8, int(size)))
+        return t.size_or_type, members
+
+    def datasec_var_offset(self, section: str, var: str) -> int | None:
+        """Offset of variable `var` inside data section `section` (e.g. .rodata)."""
+        lib = library()
+        tid = lib.btf__find_by_name_kind(self._ptr, section.encode(), BTF_KIND_DATASEC)
+        if tid < 0:
+            return None
+        t = self._type(tid)
+        base = ctypes.addressof(t) + ctypes.sizeof(_libbpf.btf_type)
+        for i in range(t.info & 0xFFFF):
+            v = _libbpf.btf_var_secinfo.from_address(base + i * ctypes.sizeof(_libbpf.btf_var_secinfo))
+            if self._name(self._type(v.type).name_off) == var:
+                return int(v.offset)
+        return None
+
+
+class BtfFile(_Handle):
+    """BTF parsed from an ELF file without loading anything into the kernel."""
+
+    def __init__(self, path: str | Path) -> None:
+        ptr = check_ptr(library().btf__parse(str(path).encode(), None), f"parsing BTF of {path}")
+        self._ptr = ptr
+        self._closed = False
+        self.btf = Btf(ptr, self)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            library().btf__free(self._ptr)
+
+
+class Link(_Handle):
+    """An attached program. Destroying it detaches and closes the perf fd it owns."""
+
+    def __init__(self, ptr: Any, what: str) -> None:
+        self._ptr = ptr
+        self.what = what
+        self._closed = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            library().bpf_link__destroy(self._ptr)
+
+
+class Program:
+    def __init__(self, obj: BpfObject, ptr: Any) -> None:
+        self._obj = obj
+        self._ptr = ptr
+        self.name = library().bpf_program__name(ptr).decode()
+        # The verifier log of this program lands here if its load fails.
+        self._log_buf = ctypes.create_string_buffer(1 << 20)
+        library().bpf_program__set_log_buf(ptr, self._log_buf, len(self._log_buf))
+
+    @property
+    def verifier_log(self) -> str:
+        return self._log_buf.value.decode(errors="replace")
+
+    def set_autoload(self, autoload: bool) -> None:
+        check_int(library().bpf_program__set_autoload(self._ptr, autoload), f"set_autoload {self.name}")
+
+    def attach(self) -> Link:
+        self._obj._check_open()
+        ptr = check_ptr(library().bpf_program__attach(self._ptr), f"attaching program {self.name}")
+        return Link(ptr, self.name)
+
+    def attach_perf_event(self, perf_fd: int) -> Link:
+        """Attach to a perf event fd. The link owns the fd from then on (and closes it)."""
+        self._obj._check_open()
+        try:
+            ptr = check_ptr(
+                library().bpf_program__attach_perf_event(self._ptr, perf_fd),
+                f"attaching program {self.name} to perf event",
+            )
+        except BpfError:
+            os.close(perf_fd)  # not owned by a link: ours to close
+            raise
+        return Link(ptr, f"{self.name}@perf{perf_fd}")
+
+
+class BpfObject(_Handle):
+    """A BPF ELF object: open → configure (rodata, autoload) → load → attach."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        lib = library()
+        if not os.path.exists(self.path):
+            raise BpfError(
+                f"opening BPF object {self.path}",
+                errno.ENOENT,
+                hint="run `make bpf` in a source tree, or reinstall the package that ships it",
+            )
+        ptr = check_ptr(lib.bpf_object__open_file(self.path.encode(), None), f"opening BPF object {self.path}")
+        self._ptr = ptr
+        self._closed = False
+        self.loaded = False
+        self.maps: dict[str, Map] = {}
+        self.programs: dict[str, Program] = {}
+        m = lib.bpf_object__next_map(ptr, None)
+        while m:
+            mp = Map(self, m)
+            self.maps[mp.name] = mp
+            m = lib.bpf_object__next_map(ptr, m)
+        p = lib.bpf_object__next_program(ptr, None)
+        while p:
+            pr = Program(self, p)
+            self.programs[pr.name] = pr
+            p = lib.bpf_object__next_program(ptr, p)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BpfError("using a closed BPF object", errno.EBADF)
+
+    @property
+    def btf(self) -> Btf:
+        self._check_open()
+        return Btf(check_ptr(library().bpf_object__btf(self._ptr), "BTF of the BPF object"), self)
+
+    def _internal_map(self, suffix: str) -> Map:
+        # libbpf names internal maps "<obj prefix>.rodata": match the suffix.
+        for name, m in self.maps.items():
+            if name.endswith(suffix):
+                return m
+        raise BpfError(f"finding the {suffix} map of {self.path}", errno.ENOENT)
+
+    def write_rodata(self, var: str, data: bytes) -> None:
+        """Write a `const volatile` global before load (writes after load are ignored by the kernel)."""
+        self._check_open()
+        if self.loaded:
+            raise BpfError(f"writing .rodata variable {var}", errno.EBUSY, hint="it must be set before load")
+        offset = self.btf.datasec_var_offset(".rodata", var)
+        if offset is None:
+            raise BpfError(f"finding .rodata variable {var}", errno.ENOENT)
+        m = self._internal_map(".rodata")
+        size = ctypes.c_size_t()
+        ptr = check_ptr(library().bpf_map__initial_value(m._ptr, ctypes.byref(size)), "bpf_map__initial_value")
+        if offset + len(data) > size.value:
+            raise BpfError(f"writing .rodata variable {var}", errno.EOVERFLOW)
+        ctypes.memmove(ptr + offset, data, len(data))
+
+    def load(self) -> None:
+        self._check_open()
+        ret = library().bpf_object__load(self._ptr)
+        if ret < 0:
+            logs = "\n".join(
+                f"[{p.name}]\n{p.verifier_log}" for p in self.programs.values() if p.verifier_log.strip()
+            )
+            raise BpfError(f"loading BPF object {self.path}", -ret, log=logs)
+        self.loaded = True
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            library().bpf_object__close(self._ptr)
+
+
+class RingBuffer(_Handle):
+    """libbpf ring buffer manager over one or more ring maps.
+
+    Each map gets a handler `fn(data: bytes) -> None`. Handlers run on the
+    thread that calls `consume()`; an exception inside one stops the current
+    consume and is re-raised there, never swallowed by ctypes.
+    """
+
+    STOP = -4096  # returned by a callback to end consume() early (budget or error)
+
+    def __init__(self, maps: list[tuple[Map, Callable[[bytes], None]]]) -> None:
+        if not maps:
+            raise ValueError("a ring buffer needs at least one map")
+        lib = library()
+        self._callbacks: list[Any] = []  # CFUNCTYPE objects must outlive the ring buffer
+        self._error: BaseException | None = None
+        self._budget = 0
+        self._owner = maps[0][0]._obj
+        first, fn = maps[0]
+        cb = self._make_callback(fn)
+        ptr = check_ptr(lib.ring_buffer__new(first.fd, cb, None, None), f"ring buffer on map {first.name}")
+        self._ptr = ptr
+        self._closed = False
+        for m, fn in maps[1:]:
+            cb = self._make_callback(fn)
+            check_int(lib.ring_buffer__add(ptr, m.fd, cb, None), f"adding map {m.name} to ring buffer")
+
+    def _make_callback(self, fn: Callable[[bytes], None]) -> Any:
+        def trampoline(_ctx: int, data: int, size: int) -> int:
+            try:
+                fn(ctypes.string_at(data, size))
+            except BaseException as e:  # stored and re-raised by consume()
+                self._error = e
+                return self.STOP
+            self._budget -= 1
+            return self.STOP if self._budget <= 0 else 0
+
+        cb = _libbpf.RING_BUFFER_SAMPLE_FN(trampoline)
+        self._callbacks.append(cb)
+        return cb
+
+    def epoll_fd(self) -> int:
+        self._owner._check_open()
+        return check_int(library().ring_buffer__epoll_fd(self._ptr), "ring_buffer__epoll_fd")
+
+    def consume(self, budget: int = 4096) -> int:
+        """Handle at most about `budget` records; returns how many were handled.
+
+        Bounded because consume() does not return while the producer keeps up.
+        """
+        if self._closed:
+            raise BpfError("consuming a closed ring buffer", errno.EBADF)
+        self._owner._check_open()
+        self._budget = budget
+        ret = library().ring_buffer__consume(self._ptr)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        if ret < 0 and ret != self.STOP and ret != -errno.EINTR:
+            raise BpfError("ring_buffer__consume", -ret)
+        return budget - self._budget
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            library().ring_buffer__free(self._ptr)

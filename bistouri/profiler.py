@@ -1,0 +1,360 @@
+"""ProfilerAgent: loads the BPF object, attaches it, and drains its ring buffers on one thread.
+
+Lifecycle: open → configure (.rodata, autoload) → load → attach → run → close,
+always in that order; a failure at any step releases everything acquired so
+far. The programs are blind until user space fills `pid_filter` (what to
+sample) and `comm_rules` (which execs to report).
+
+The drain thread (`bistouri-ringbuf`) waits on libbpf's epoll fd plus a stop
+eventfd, with a bounded timeout, consumes in bounded batches, and hands decoded
+events to a bounded queue. A full queue drops the event and counts it: the
+kernel side is never blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from . import abi, perf
+from .bpf import BpfObject, Link, RingBuffer
+from .errors import BistouriError, BpfError
+
+log = logging.getLogger(__name__)
+
+OBJECT_ENV = "BISTOURI_BPF_OBJECT"
+_INSTALLED_OBJECT = "/usr/lib/bistouri/bistouri.bpf.o"
+
+
+def default_object_path() -> Path:
+    """The precompiled object: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
+    env = os.environ.get(OBJECT_ENV)
+    if env:
+        return Path(env)
+    packaged = Path(str(resources.files("bistouri"))) / "_bpfobj" / "bistouri.bpf.o"
+    if packaged.exists() or not Path(_INSTALLED_OBJECT).exists():
+        return packaged
+    return Path(_INSTALLED_OBJECT)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilerOptions:
+    freq_hz: int = 19
+    offcpu: bool = True
+    offcpu_min_ns: int = 1_000_000  # waits under 1 ms are noise for a stall profiler
+    offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
+    user_build_id: bool = True
+    wakeup_bytes: int = 1 << 20
+    drain_interval_s: float = 0.2
+    batch_budget: int = 2048
+    queue_size: int = 65536
+    object_path: Path | None = None
+    exec_discovery: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StackSample:
+    """One stack event, header decoded; the stacks stay raw until the orchestrator needs them."""
+
+    kind: int
+    pid: int
+    tid: int
+    cpu: int
+    timestamp_ns: int
+    blocked_ns: int
+    comm: str
+    kernel_len: int  # bytes of `stacks` holding kernel IPs (0 on error)
+    stacks: bytes  # kernel IPs then user frames: the dedup key
+
+
+@dataclass(frozen=True, slots=True)
+class ExecMatch:
+    rule_id: int
+    pid: int
+    cgroup_id: int
+    comm: str
+
+
+@dataclass(frozen=True, slots=True)
+class BpfErrorEvent:
+    kind: abi.Counter
+    pid: int
+    code: int
+
+
+def decode_stack(data: bytes) -> StackSample:
+    kind, pid, tid, cpu, ts, blocked, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
+    ksize = max(0, min(ksize, abi.MAX_DEPTH * 8))
+    usize = max(0, min(usize, abi.MAX_DEPTH * abi.USER_FRAME.size))
+    k0 = abi.KERNEL_STACK_OFFSET
+    u0 = abi.USER_STACK_OFFSET
+    return StackSample(
+        kind,
+        pid,
+        tid,
+        cpu,
+        ts,
+        blocked,
+        abi.comm_bytes(comm),
+        ksize,
+        data[k0 : k0 + ksize] + data[u0 : u0 + usize],
+    )
+
+
+def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, bytes, int]]]:
+    """Kernel IPs and (status, build_id, offset_or_ip) user frames, both leaf first."""
+    kernel = struct.unpack_from(f"<{kernel_len // 8}Q", sample_stacks)
+    user = []
+    for off in range(kernel_len, len(sample_stacks) - abi.USER_FRAME.size + 1, abi.USER_FRAME.size):
+        status, build_id, value = abi.USER_FRAME.unpack_from(sample_stacks, off)
+        if status == 0:  # BPF_STACK_BUILD_ID_EMPTY ends the stack
+            break
+        user.append((status, build_id, value))
+    return tuple(ip for ip in kernel if ip), user
+
+
+def decode_exec(data: bytes) -> ExecMatch:
+    rule_id, pid, cgroup_id, comm = abi.EXEC_EVENT.unpack_from(data)
+    return ExecMatch(rule_id, pid, cgroup_id, abi.comm_bytes(comm))
+
+
+def decode_error(data: bytes) -> BpfErrorEvent:
+    kind, pid, code, _ts = abi.ERROR_EVENT.unpack_from(data)
+    return BpfErrorEvent(abi.Counter(kind) if kind < abi.COUNTER_MAX else abi.Counter(0), pid, code)
+
+
+Event = StackSample | ExecMatch | BpfErrorEvent
+
+
+class ProfilerAgent:
+    """Owns the BPF object, every link, the ring buffers and the drain thread."""
+
+    def __init__(self, options: ProfilerOptions, notify: Callable[[], None] | None = None) -> None:
+        self.options = options
+        self.events: queue.Queue[Event] = queue.Queue(maxsize=options.queue_size)
+        self.dropped = 0  # events lost because the queue was full
+        self._notify = notify
+        self._obj: BpfObject | None = None
+        self._links: list[Link] = []
+        self._rb: RingBuffer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_fd = -1
+        self._thread_error: BaseException | None = None
+        self._filter_lock = threading.Lock()
+
+    # -- lifecycle --------------------------------------------------------------
+    def open(self) -> None:
+        """Open, configure, load and attach. On failure nothing is left behind."""
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        o = self.options
+        path = o.object_path or default_object_path()
+        obj = self._obj = BpfObject(path)
+        problems = abi.abi_mismatches(obj.btf)
+        if problems:
+            raise BistouriError(
+                f"the BPF object {path} does not match this agent's structures: " + "; ".join(problems)
+                + ". Rebuild it (`make bpf`) or reinstall the package"
+            )
+        cfg = abi.Config(
+            offcpu_min_ns=o.offcpu_min_ns,
+            offcpu_interval_ns=o.offcpu_interval_ns,
+            wakeup_bytes=o.wakeup_bytes,
+            user_build_id=1 if o.user_build_id else 0,
+            tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
+        )
+        obj.write_rodata("cfg", bytes(cfg))
+        obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
+        obj.programs["handle_exec"].set_autoload(o.exec_discovery)
+        obj.load()
+
+        for cpu in perf.online_cpus():
+            fd = perf.open_cpu_clock(cpu, o.freq_hz)
+            self._links.append(obj.programs["handle_perf"].attach_perf_event(fd))
+        if o.offcpu:
+            self._links.append(obj.programs["handle_sched_switch"].attach())
+        if o.exec_discovery:
+            self._links.append(obj.programs["handle_exec"].attach())
+
+        self._rb = RingBuffer(
+            [
+                (obj.maps["stack_events"], self._on_stack),
+                (obj.maps["exec_events"], self._on_exec),
+                (obj.maps["error_events"], self._on_error),
+            ]
+        )
+        log.info(
+            "BPF programs loaded and attached. object=%s freq_hz=%d offcpu=%s cpus=%d",
+            path,
+            o.freq_hz,
+            o.offcpu,
+            len(self._links) - int(o.offcpu) - int(o.exec_discovery),
+        )
+
+    def start(self) -> None:
+        """Start the drain thread."""
+        if self._rb is None:
+            raise BistouriError("ProfilerAgent.start() before open()")
+        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._thread = threading.Thread(target=self._drain_loop, name="bistouri-ringbuf", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread, free the ring buffer, detach, close the object. Idempotent."""
+        if self._thread is not None:
+            os.eventfd_write(self._stop_fd, 1)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
+            self._thread = None
+        if self._stop_fd >= 0:
+            os.close(self._stop_fd)
+            self._stop_fd = -1
+        if self._rb is not None:
+            self._rb.close()
+            self._rb = None
+        for link in reversed(self._links):
+            link.close()
+        self._links.clear()
+        if self._obj is not None:
+            self._obj.close()
+            self._obj = None
+
+    def __enter__(self) -> ProfilerAgent:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_thread(self) -> None:
+        """Re-raise on the owning thread an exception that killed the drain thread."""
+        if self._thread_error is not None:
+            err, self._thread_error = self._thread_error, None
+            raise err
+
+    # -- maps -----------------------------------------------------------------------
+    def _require(self) -> BpfObject:
+        if self._obj is None:
+            raise BistouriError("the BPF object is not loaded")
+        return self._obj
+
+    def set_pid_filter(self, pid: int, flags: int) -> None:
+        """Start (flags != 0) or stop (flags == 0) sampling a process."""
+        m = self._require().maps["pid_filter"]
+        key = struct.pack("<I", pid)
+        with self._filter_lock:
+            if flags:
+                m.update(key, struct.pack("<I", flags))
+            else:
+                m.delete(key)
+
+    def filtered_pids(self) -> dict[int, int]:
+        m = self._require().maps["pid_filter"]
+        out = {}
+        for key in m.keys():
+            val = m.lookup(key)
+            if val is not None:
+                out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]
+        return out
+
+    def set_comm_rules(self, entries: list[tuple[bytes, int]]) -> None:
+        """Make the LPM trie hold exactly `entries` (key bytes, rule id): add new, then drop stale."""
+        m = self._require().maps["comm_rules"]
+        wanted = dict(entries)
+        for key, rule_id in wanted.items():
+            m.update(key, struct.pack("<I", rule_id))
+        for key in list(m.keys()):
+            if key not in wanted:
+                m.delete(key)
+
+    def counters(self) -> dict[abi.Counter, int]:
+        """BPF-side counters summed over CPUs."""
+        m = self._require().maps["counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.Counter}
+
+    # -- ring-buffer thread --------------------------------------------------------
+    def _put(self, ev: Event) -> None:
+        try:
+            self.events.put_nowait(ev)
+        except queue.Full:
+            self.dropped += 1
+
+    def _on_stack(self, data: bytes) -> None:
+        self._put(decode_stack(data))
+
+    def _on_exec(self, data: bytes) -> None:
+        self._put(decode_exec(data))
+
+    def _on_error(self, data: bytes) -> None:
+        self._put(decode_error(data))
+
+    def drain(self) -> int:
+        """Consume everything available now, in bounded batches. Returns records handled."""
+        rb = self._rb
+        if rb is None:
+            return 0
+        total = 0
+        while True:
+            n = rb.consume(self.options.batch_budget)
+            total += n
+            if n < self.options.batch_budget:
+                return total
+
+    def _drain_loop(self) -> None:
+        assert self._rb is not None
+        poller = select.poll()
+        poller.register(self._rb.epoll_fd(), select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
+        timeout_ms = int(self.options.drain_interval_s * 1000)
+        try:
+            while True:
+                ready = poller.poll(timeout_ms)
+                if any(fd == self._stop_fd for fd, _ in ready):
+                    self.drain()  # what is already in the ring is not lost at shutdown
+                    if self._notify:
+                        self._notify()
+                    return
+                if self.drain() and self._notify:
+                    self._notify()
+        except BaseException as e:  # surfaced to the main thread by check_thread()
+            log.error("the ring-buffer thread failed: %s", e)
+            self._thread_error = e
+            if self._notify:
+                self._notify()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+__all__ = [
+    "BpfError",
+    "BpfErrorEvent",
+    "ExecMatch",
+    "ProfilerAgent",
+    "ProfilerOptions",
+    "StackSample",
+    "decode_stack",
+    "default_object_path",
+    "split_stacks",
+]
