@@ -1,0 +1,170 @@
+"""The `bistouri` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import BistouriError
+
+DESCRIPTION = """\
+Bistouri is a reactive profiler: the agent stays dormant until Linux PSI
+(pressure stall information) says a watched process's cgroup stalls on CPU,
+memory or I/O, then samples that process's stacks with eBPF and ships them to
+the symbolizer, which names, stores and shows them as flamegraphs.
+"""
+
+EPILOG = """\
+examples:
+  bistouri check                              can the agent run here? what to fix
+  bistouri check --config trigger.yaml        validate a trigger file, start nothing
+  bistouri agent --config /etc/bistouri/trigger.yaml --symbolizer-endpoint http://sym:8470
+  bistouri symbolizer --listen-addr 0.0.0.0:8470 --debug-dir /usr/lib/debug
+  bistouri record --duration 10 -- ./myprog --flag   profile a command now, write a flamegraph
+
+Run `bistouri COMMAND --help` for the options of each command.
+"""
+
+
+def _setup_logging(level: str) -> None:
+    # Under systemd the journal adds timestamps: do not print them twice.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if not os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from . import preflight
+
+    results = preflight.run_checks(config=args.config, config_only=args.config_only)
+    if args.json:
+        import json
+
+        print(json.dumps([{"status": r.status, "name": r.name, "detail": r.detail, "fix": r.fix} for r in results]))
+    else:
+        print(preflight.format_results(results))
+    status = preflight.exit_status(results)
+    if status:
+        print("\nThe agent cannot run until the FAIL lines above are fixed.", file=sys.stderr)
+    return status
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from .agent import run_agent
+    from .config import settings_from_args
+
+    settings = settings_from_args(args, os.environ)
+    return run_agent(settings)
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check",
+        help="check that this host can run the agent (and validate a config file)",
+        description="Report, one line each, what the agent needs: kernel, BTF, libbpf, PSI, cgroup2, "
+        "capabilities, perf events, kernel symbols, and that the BPF object loads. "
+        "Exit status 1 only when something prevents the agent from running.",
+    )
+    p.add_argument("--config", metavar="FILE", help="also validate this trigger file")
+    p.add_argument(
+        "--config-only", action="store_true", help="only validate --config, skip the host checks"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
+    p.set_defaults(func=cmd_check)
+
+
+def _add_agent(sub: argparse._SubParsersAction) -> None:
+    from .config import add_agent_arguments
+
+    p = sub.add_parser(
+        "agent",
+        help="run the agent: watch PSI, capture stacks under pressure, ship sessions",
+        description="Run the bistouri agent in the foreground (systemd runs it as bistouri-agent.service). "
+        "Every option also reads an environment variable, shown in brackets.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_agent_arguments(p)
+    p.set_defaults(func=cmd_agent)
+
+
+def _add_symbolizer(sub: argparse._SubParsersAction) -> None:
+    try:
+        from .symbolizer import cli as symbolizer_cli
+    except ImportError as e:
+        missing = str(e)
+
+        def unavailable(_args: argparse.Namespace) -> int:
+            print(
+                f"error: the symbolizer is not installed ({missing}). "
+                "Install the bistouri-symbolizer package, or `pip install bistouri[symbolizer]`.",
+                file=sys.stderr,
+            )
+            return 2
+
+        for name in ("symbolizer", "symbolize"):
+            sub.add_parser(name, help=f"(unavailable: {missing})").set_defaults(func=unavailable)
+        return
+    symbolizer_cli.register(sub)
+
+
+def _add_record(sub: argparse._SubParsersAction) -> None:
+    from .record import add_record_arguments, cmd_record
+
+    p = sub.add_parser(
+        "record",
+        help="profile a process, cgroup or command now and write flamegraph.html, pprof, folded, speedscope",
+        description="Profile now, on this host, without a symbolizer service: on-CPU and off-CPU stacks of "
+        "a target, symbolized in-process with the binaries on this host.",
+    )
+    add_record_arguments(p)
+    p.set_defaults(func=cmd_record)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bistouri",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"bistouri {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("BISTOURI_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity [BISTOURI_LOG_LEVEL] (default: info)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_check(sub)
+    _add_agent(sub)
+    _add_symbolizer(sub)
+    try:
+        _add_record(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    _setup_logging(getattr(args, "log_level", None) or "info")
+    try:
+        return int(args.func(args) or 0)
+    except BistouriError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""TriggerAgent: which processes to watch, their PSI watchers, and when to capture.
+
+Processes are found two ways: exec events from the BPF comm trie (fast path)
+and a periodic /proc walk (finds processes started before the agent and forks
+without exec). Every matching process is tracked — not only the first one of
+its cgroup — and a watcher goes away when no matching process is left in its
+cgroup. A PSI event starts one capture session per target watching that
+(cgroup, resource), with all of the target's live processes in that cgroup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import procfs
+from .capture import CaptureOrchestrator
+from .config import Target, TriggerConfig
+from .matcher import CommMatcher
+from .metrics import AgentMetrics
+from .profiler import ExecMatch
+from .psi import PsiEvent, PsiLoop
+
+log = logging.getLogger(__name__)
+
+SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
+
+
+@dataclass(frozen=True, slots=True)
+class FoundProcess:
+    pid: int
+    comm: str
+    cgroup: str  # cgroup2 path relative to the mount, "/" for the root
+    rule_ids: tuple[int, ...]
+    vdso: tuple[int, int] | None = None
+
+
+@dataclass(slots=True)
+class WalkResult:
+    generation: int
+    started: float  # monotonic time the walk started
+    duration_s: float
+    found: list[FoundProcess]
+
+
+# (cgroup, resource, stall, threshold %, window ms)
+WatchKey = tuple[str, str, str, float, int]
+
+
+@dataclass(slots=True)
+class WatchGroup:
+    key: WatchKey
+    path: str
+    rule_ids: set[int] = field(default_factory=set)
+    pids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Tracked:
+    comm: str
+    cgroup: str
+    rule_ids: tuple[int, ...]
+    added: float  # monotonic
+    keys: set[WatchKey] = field(default_factory=set)
+
+
+def walk_processes(matcher: CommMatcher, proc_root: str, generation: int, cancel: threading.Event) -> WalkResult:
+    """Scan /proc for processes whose comm matches a rule (runs on the walk thread)."""
+    started = time.monotonic()
+    found = []
+    own = os.getpid()
+    for st in procfs.iter_processes(proc_root):
+        if cancel.is_set():
+            break
+        if st.is_kernel_thread or st.pid == own:
+            continue
+        rule_ids = matcher.match(st.comm)
+        if not rule_ids:
+            continue
+        cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
+        if cgroup is None:
+            continue  # exited meanwhile
+        vdso = procfs.read_vdso_range(st.pid, proc_root)
+        found.append(FoundProcess(st.pid, st.comm, cgroup, tuple(rule_ids), vdso))
+    return WalkResult(generation, started, time.monotonic() - started, found)
+
+
+class TriggerAgent:
+    def __init__(
+        self,
+        loop: PsiLoop,
+        orchestrator: CaptureOrchestrator,
+        set_comm_rules: Callable[[list[tuple[bytes, int]]], None],
+        metrics: AgentMetrics,
+        *,
+        proc_root: str,
+        cgroup_root: str | None,
+        default_capture_s: float,
+    ) -> None:
+        self.loop = loop
+        self.orch = orchestrator
+        self._set_comm_rules = set_comm_rules
+        self.metrics = metrics
+        self.proc_root = proc_root
+        self.cgroup_root = cgroup_root
+        self.default_capture_s = default_capture_s
+        self.config: TriggerConfig | None = None
+        self.matcher = CommMatcher(())
+        self.generation = 0
+        self.processes: dict[int, Tracked] = {}
+        self.groups: dict[WatchKey, WatchGroup] = {}
+        self.watch_failures = 0
+
+    # -- configuration ------------------------------------------------------------
+    def apply_config(self, cfg: TriggerConfig) -> None:
+        """Install a config: purge watchers, rebuild both tries. The caller then walks /proc."""
+        matcher = CommMatcher(cfg.targets)
+        # The BPF trie first: if it fails, the running config stays as it was.
+        self._set_comm_rules(matcher.lpm_entries())
+        self.generation += 1  # walk results of the old config are discarded
+        self.loop.clear()
+        self.groups.clear()
+        self.processes.clear()
+        self.matcher = matcher
+        self.config = cfg
+        self.metrics.processes.set(0)
+        for line in cfg.summary():
+            log.info("Watching target. %s", line)
+
+    def _target(self, rule_id: int) -> Target | None:
+        return self.config.target(rule_id) if self.config else None
+
+    # -- discovery ---------------------------------------------------------------
+    def on_exec(self, ev: ExecMatch) -> None:
+        """An exec matched the BPF trie: re-validate against the current rules."""
+        self.metrics.exec_events.inc()
+        if not self.matcher.matches(ev.rule_id, ev.comm):
+            # Stale: emitted under an older config, or the trie value was another target's id.
+            rule_ids = self.matcher.match(ev.comm)
+            if not rule_ids:
+                self.metrics.stale_events.inc()
+                return
+        else:
+            rule_ids = self.matcher.match(ev.comm)
+        cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
+        if cgroup is None:
+            return  # already gone
+        self.orch.set_vdso(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
+        self._track(FoundProcess(ev.pid, ev.comm, cgroup, tuple(rule_ids)))
+
+    def on_walk(self, result: WalkResult) -> None:
+        if result.generation != self.generation:
+            return  # a reload happened while it ran
+        self.metrics.proc_walk_duration.observe(result.duration_s)
+        seen = set()
+        for p in result.found:
+            seen.add(p.pid)
+            self.orch.set_vdso(p.pid, p.vdso)
+            self._track(p)
+        # Forget processes that are gone, unless added after the walk started (exec during the walk).
+        for pid, t in list(self.processes.items()):
+            if pid not in seen and t.added < result.started:
+                self._untrack(pid)
+        log.debug("Process walk done. matched=%d duration=%.3fs", len(result.found), result.duration_s)
+
+    def _track(self, p: FoundProcess) -> None:
+        old = self.processes.get(p.pid)
+        if old is not None and (old.cgroup, old.rule_ids, old.comm) == (p.cgroup, p.rule_ids, p.comm):
+            return
+        if old is not None:
+            self._untrack(p.pid)  # moved cgroup or renamed: re-register
+        t = Tracked(p.comm, p.cgroup, p.rule_ids, time.monotonic())
+        self.processes[p.pid] = t
+        for rid in p.rule_ids:
+            target = self._target(rid)
+            if target is None:
+                continue
+            cgroup = SYSTEM if target.scope == "system" or self.cgroup_root is None else p.cgroup
+            for r in target.resources:
+                key: WatchKey = (cgroup, r.resource, r.stall, r.threshold, r.window_ms)
+                group = self.groups.get(key)
+                if group is None:
+                    group = self._watch(key, target)
+                    if group is None:
+                        continue
+                group.rule_ids.add(rid)
+                group.pids.add(p.pid)
+                t.keys.add(key)
+        self.metrics.processes.set(len(self.processes))
+        log.info(
+            "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)
+        )
+
+    def _untrack(self, pid: int) -> None:
+        t = self.processes.pop(pid, None)
+        if t is None:
+            return
+        for key in t.keys:
+            group = self.groups.get(key)
+            if group is None:
+                continue
+            group.pids.discard(pid)
+            if not group.pids:
+                del self.groups[key]
+                self.loop.remove(key)
+                log.info("PSI watcher removed: no matching process left. cgroup=%s resource=%s", key[0], key[1])
+        self.metrics.processes.set(len(self.processes))
+
+    def pressure_path(self, cgroup: str, resource: str) -> str:
+        if cgroup == SYSTEM or self.cgroup_root is None:
+            return os.path.join(self.proc_root, "pressure", resource)
+        d = procfs.cgroup_dir(self.cgroup_root, cgroup)
+        if d is None:
+            raise FileNotFoundError(f"cgroup {cgroup} is outside the cgroup2 mount {self.cgroup_root}")
+        return os.path.join(d, f"{resource}.pressure")
+
+    def _watch(self, key: WatchKey, target: Target) -> WatchGroup | None:
+        cgroup, resource, stall, threshold, window_ms = key
+        try:
+            path = self.pressure_path(cgroup, resource)
+            self.loop.add_watcher(
+                key, path, resource, stall, threshold, window_ms, target.cooldown(self.default_capture_s)
+            )
+        except OSError as e:
+            self.watch_failures += 1
+            self.metrics.sessions_dropped.labels("watcher_failed").inc()
+            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, resource, e)
+            return None
+        group = WatchGroup(key, path)
+        self.groups[key] = group
+        log.info("PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d", path, stall, threshold,
+                 window_ms)
+        return group
+
+    # -- triggering -------------------------------------------------------------------
+    def on_psi(self, ev: PsiEvent) -> list[str]:
+        """A watcher fired: one session per target of the watcher, with its live processes."""
+        key = ev.key
+        group = self.groups.get(key)  # type: ignore[arg-type]
+        if group is None:
+            return []
+        if ev.dead:  # the cgroup was removed: its processes are gone or moved
+            self.groups.pop(group.key, None)
+            for pid in list(group.pids):
+                t = self.processes.get(pid)
+                if t is not None:
+                    t.keys.discard(group.key)
+            return []
+        sessions = []
+        for rid in sorted(group.rule_ids):
+            target = self._target(rid)
+            if target is None:
+                continue
+            procs = {}
+            for pid in sorted(group.pids):
+                t = self.processes.get(pid)
+                if t is None or rid not in t.rule_ids:
+                    continue
+                if not os.path.exists(os.path.join(self.proc_root, str(pid))):
+                    self._untrack(pid)
+                    continue
+                procs[pid] = t.comm
+            sid = self.orch.start_session(
+                ev.to_trigger(group.key[0]),
+                target.service_id,
+                dict(target.labels),
+                procs,
+                target.capture_secs(self.default_capture_s),
+            )
+            if sid:
+                sessions.append(sid)
+        return sessions

@@ -1,0 +1,201 @@
+"""The real BPF object in the real kernel: on-CPU and off-CPU stacks, teardown without leaks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import Counter
+
+import pytest
+
+from bistouri import abi
+from bistouri.profiler import ExecMatch, ProfilerAgent, ProfilerOptions, StackSample, split_stacks
+from tests.helpers import bistouri_prog_ids, build_id, symbols, wait_until
+
+pytestmark = pytest.mark.requires_bpf
+
+
+def _collect(agent: ProfilerAgent, seconds: float) -> list:
+    events = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        agent.check_thread()
+        try:
+            events.append(agent.events.get(timeout=0.1))
+        except Exception:
+            pass
+    while not agent.events.empty():
+        events.append(agent.events.get_nowait())
+    return events
+
+
+def _function_at(syms: dict[str, tuple[int, int]], offset: int) -> str | None:
+    for name, (addr, size) in syms.items():
+        if addr <= offset < addr + size:
+            return name
+    return None
+
+
+def test_on_cpu_stacks_carry_build_id_and_offsets_in_the_call_chain(workloads):
+    burner = workloads / "burner"
+    bid = bytes.fromhex(build_id(burner))
+    syms = symbols(burner)
+    proc = subprocess.Popen([str(burner), "6"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            events = _collect(agent, 3.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    samples = [e for e in events if isinstance(e, StackSample) and e.pid == proc.pid]
+    assert len(samples) > 50, f"expected ~99 samples/s of the burner, got {len(samples)}"
+    assert all(s.kind == abi.EventKind.ON_CPU for s in samples)
+    chains = Counter()
+    for s in samples:
+        _kernel, user = split_stacks(s.stacks, s.kernel_len)
+        own = [(status, b, off) for status, b, off in user if b == bid]
+        assert own, "every sample of the burner has frames of the burner"
+        assert all(status == 1 for status, _, _ in own)
+        names = tuple(_function_at(syms, off if i == 0 else off - 1) for i, (_, _, off) in enumerate(own))
+        chains[names] += 1
+    top, count = chains.most_common(1)[0]
+    assert top == ("hot_spin", "level2", "level1", "main"), chains
+    assert count / len(samples) > 0.8
+
+
+def test_kernel_frames_present_for_samples_in_the_kernel(workloads, tmp_path):
+    # fsync spends its on-CPU time in the kernel: those samples must carry kernel IPs.
+    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "5"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            events = _collect(agent, 3.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    samples = [e for e in events if isinstance(e, StackSample) and e.pid == proc.pid]
+    assert samples
+    with_kernel = [s for s in samples if s.kernel_len > 0]
+    assert with_kernel, "fsync samples taken in the kernel have kernel frames"
+    kernel, _ = split_stacks(with_kernel[0].stacks, with_kernel[0].kernel_len)
+    assert all(ip >= 0xFFFF_8000_0000_0000 for ip in kernel)
+
+
+def _kallsyms_names(ips: list[int]) -> list[str]:
+    import bisect
+
+    addrs, names = [], []
+    with open("/proc/kallsyms") as f:
+        for line in f:
+            a, t, n = line.split()[:3]
+            if t in "tTwW":
+                addrs.append(int(a, 16))
+                names.append(n)
+    order = sorted(range(len(addrs)), key=addrs.__getitem__)
+    addrs = [addrs[i] for i in order]
+    names = [names[i] for i in order]
+    return [names[bisect.bisect_right(addrs, ip) - 1] for ip in ips]
+
+
+def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path):
+    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "6"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=True)) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU)
+            events = _collect(agent, 3.0)
+            counters = agent.counters()
+    finally:
+        proc.kill()
+        proc.wait()
+    waits = [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
+    assert waits, f"no off-CPU event; counters={counters}"
+    assert all(w.pid == proc.pid for w in waits)
+    assert all(w.blocked_ns >= 1_000_000 for w in waits), "waits under offcpu_min_ns are filtered"
+    names = set()
+    for w in waits:
+        kernel, user = split_stacks(w.stacks, w.kernel_len)
+        assert kernel and user
+        names.update(_kallsyms_names(list(kernel)))
+    assert "__schedule" in names or "schedule" in names, names
+    assert names & {"io_schedule", "io_schedule_timeout", "wait_for_completion_io", "folio_wait_bit_common",
+                    "wait_on_page_bit_common", "jbd2_log_wait_commit", "blk_mq_get_tag", "bit_wait_io",
+                    "file_write_and_wait_range", "filemap_fdatawait_range", "__filemap_fdatawait_range",
+                    "folio_wait_writeback", "wait_for_completion_io_timeout"}, names
+    # The per-process rate limit bounds the capture cost of an fsync storm.
+    assert counters[abi.Counter.OFF_CPU_SAMPLES] <= 3.0 * 100 + 50
+
+
+def test_exec_of_a_matching_comm_is_reported_with_rule_id_and_cgroup(workloads):
+    from bistouri.matcher import lpm_key
+
+    with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=False)) as agent:
+        agent.start()
+        agent.set_comm_rules([(lpm_key(b"burner", (len(b"burner") + 1) * 8), 7)])
+        proc = subprocess.Popen([str(workloads / "burner"), "0.2"])
+        proc.wait()
+        events = _collect(agent, 0.5)
+    matches = [e for e in events if isinstance(e, ExecMatch)]
+    assert [(m.rule_id, m.pid, m.comm) for m in matches] == [(7, proc.pid, "burner")]
+    assert matches[0].cgroup_id == os.stat("/sys/fs/cgroup/unified").st_ino or matches[0].cgroup_id > 0
+
+
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_twenty_load_attach_destroy_cycles_leak_nothing():
+    before_fds = _fd_count()
+    before_progs = bistouri_prog_ids()
+    for _ in range(20):
+        agent = ProfilerAgent(ProfilerOptions(freq_hz=19))
+        agent.open()
+        agent.start()
+        assert len(bistouri_prog_ids() - before_progs) == 3
+        agent.close()
+        agent.close()  # idempotent
+    assert _fd_count() == before_fds
+    # Programs are freed asynchronously (RCU): allow them a few seconds to go.
+    assert wait_until(lambda: bistouri_prog_ids() <= before_progs, 10), bistouri_prog_ids() - before_progs
+
+
+def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
+    from bistouri import perf
+
+    before_fds = _fd_count()
+    before_progs = bistouri_prog_ids()
+
+    def refuse(cpu: int, freq: int) -> int:
+        raise OSError(13, "refused for the test")
+
+    monkeypatch.setattr(perf, "open_cpu_clock", refuse)
+    agent = ProfilerAgent(ProfilerOptions(freq_hz=19))
+    with pytest.raises(OSError):
+        agent.open()
+    assert _fd_count() == before_fds
+    assert wait_until(lambda: bistouri_prog_ids() <= before_progs, 10)
+
+
+def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
+    from bistouri.bpf import RingBuffer
+
+    proc = subprocess.Popen([str(workloads / "burner"), "3"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+            obj = agent._obj
+            assert obj is not None
+
+            def boom(data: bytes) -> None:
+                raise ValueError("handler failed")
+
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            time.sleep(0.5)
+            with RingBuffer([(obj.maps["stack_events"], boom)]) as rb, pytest.raises(ValueError):
+                rb.consume()
+    finally:
+        proc.kill()
+        proc.wait()

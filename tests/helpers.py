@@ -1,0 +1,129 @@
+"""Helpers for tests that drive real processes, cgroups and PSI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def cgroup2_mount() -> Path:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if parts[2] == "cgroup2":
+            return Path(parts[1])
+    raise RuntimeError("no cgroup2 mount")
+
+
+class Cgroup:
+    """A child cgroup2 directory where tests place workloads to get per-cgroup *.pressure files."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.procs: list[subprocess.Popen] = []
+
+    @classmethod
+    def create(cls, prefix: str = "bistouri-test") -> Cgroup:
+        path = cgroup2_mount() / f"{prefix}-{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        return cls(path)
+
+    @property
+    def rel(self) -> str:
+        return "/" + str(self.path.relative_to(cgroup2_mount()))
+
+    def spawn(self, argv: Sequence[str], **kw) -> subprocess.Popen:
+        """Start a process inside this cgroup (it joins before exec)."""
+        procs_file = str(self.path / "cgroup.procs")
+
+        def join() -> None:
+            with open(procs_file, "w") as f:
+                f.write(str(os.getpid()))
+
+        p = subprocess.Popen(list(argv), preexec_fn=join, **kw)
+        self.procs.append(p)
+        return p
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def remove(self) -> None:
+        self.kill_all()
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    def __enter__(self) -> Cgroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.1) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(step)
+    return predicate()
+
+
+def symbols(binary: Path) -> dict[str, tuple[int, int]]:
+    """Function symbols of an ELF: name -> (address, size), via nm."""
+    out = subprocess.run(["nm", "-S", "--defined-only", str(binary)], capture_output=True, text=True, check=True)
+    syms = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in ("T", "t"):
+            syms[parts[3]] = (int(parts[0], 16), int(parts[1], 16))
+    return syms
+
+
+def build_id(binary: Path) -> str:
+    out = subprocess.run(["readelf", "-n", str(binary)], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        if "Build ID:" in line:
+            return line.split("Build ID:")[1].strip()
+    raise AssertionError(f"no build id in {binary}")
+
+
+def bpf_prog_ids() -> set[int]:
+    """IDs of every BPF program loaded in the kernel, via bpftool."""
+    import json
+
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
+    return {p["id"] for p in json.loads(out or "[]")}
+
+
+def bistouri_prog_ids() -> set[int]:
+    import json
+
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
+    names = {"handle_perf", "handle_sched_switch", "handle_exec", "handle_sched_sw"}
+    return {p["id"] for p in json.loads(out or "[]") if p.get("name", "") in names}

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from bistouri import preflight
+
+
+def _host(tmp_path: Path, caps: int, pressure: bool = True, mounts: str = "") -> preflight.Host:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self/status").write_text(f"Name:\tx\nCapEff:\t{caps:016x}\n")
+    (proc / "mounts").write_text(mounts or "cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n")
+    if pressure:
+        (proc / "pressure").mkdir()
+        for r in ("cpu", "memory", "io"):
+            (proc / "pressure" / r).write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    return preflight.Host(proc=str(proc), sys=str(tmp_path / "sys"))
+
+
+def test_missing_sys_resource_is_a_warning_with_guidance(tmp_path):
+    caps = 1 << preflight.CAP_BPF | 1 << preflight.CAP_PERFMON | 1 << preflight.CAP_SYSLOG
+    results = {r.name: r for r in preflight.check_capabilities(_host(tmp_path, caps))}
+    r = results["cap CAP_SYS_RESOURCE"]
+    assert r.status == preflight.WARN and "2 s" in r.detail and "AmbientCapabilities" in r.fix
+    assert results["cap CAP_BPF"].status == preflight.OK
+
+
+def test_missing_bpf_capability_fails(tmp_path):
+    results = {r.name: r for r in preflight.check_capabilities(_host(tmp_path, 0))}
+    assert results["cap CAP_BPF"].status == preflight.FAIL
+    assert preflight.exit_status(list(results.values())) == 1
+
+
+def test_sys_admin_covers_bpf_and_perfmon(tmp_path):
+    results = {r.name: r for r in preflight.check_capabilities(_host(tmp_path, 1 << preflight.CAP_SYS_ADMIN))}
+    assert results["cap CAP_BPF"].status == preflight.OK
+
+
+def test_psi_missing_says_boot_with_psi_1(tmp_path):
+    r = preflight.check_psi(_host(tmp_path, 0, pressure=False))
+    assert r.status == preflight.FAIL and "psi=1" in r.fix
+
+
+def test_unmounted_tracefs_is_a_warning_that_needs_no_action(tmp_path):
+    r = preflight.check_tracefs(_host(tmp_path, 0))
+    assert r.status == preflight.WARN and "tp_btf" in r.fix
+
+
+def test_warnings_do_not_change_the_exit_status():
+    results = [preflight.Result(preflight.WARN, "x", "y"), preflight.Result(preflight.OK, "z", "w")]
+    assert preflight.exit_status(results) == 0
+    text = preflight.format_results(results)
+    assert text.splitlines()[0].startswith("WARN")
