@@ -1,0 +1,181 @@
+"""The agent end to end: real BPF, real PSI in child cgroups, real workloads, spooled sessions."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bistouri import wire
+from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
+from tests.integration.agent_harness import AgentProcess, burner_config
+
+pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+
+
+def _frames_in(session: wire.Session, binary: Path) -> Counter:
+    """On-CPU samples by function of `binary` at the leaf of its own frames."""
+    bid = bytes.fromhex(build_id(binary))
+    syms = symbols(binary)
+    out: Counter = Counter()
+    for t in session.traces:
+        own = [f for f in t.user if f.kind == wire.FRAME_RESOLVED and f.build_id == bid]
+        if not own:
+            continue
+        off = own[0].address
+        name = next((n for n, (a, s) in syms.items() if a <= off < a + s), "?")
+        out[name] += t.on_cpu
+    return out
+
+
+def test_cpu_pressure_yields_a_session_in_the_hot_function(tmp_path, workloads):
+    with AgentProcess(tmp_path, burner_config()) as agent, Cgroup.create() as cg:
+        t0 = time.monotonic()
+        for _ in range(3):
+            cg.spawn([str(workloads / "burner"), "25"])
+        s = agent.wait_session(lambda s: s.trigger.resource == "cpu" and s.total_samples > 0, 15)
+        elapsed = time.monotonic() - t0
+        assert s is not None, f"no CPU session within 15 s\n{agent.log()[-3000:]}"
+        assert elapsed <= 15
+        assert s.service == "burner_svc" and s.tenant == "test"
+        assert (
+            s.trigger.cgroup == cg.rel
+            and s.trigger.avg10 >= 0
+            and s.trigger.window_us in (1_000_000, 2_000_000)
+        )
+        assert len(s.processes) == 3 and set(s.processes.values()) == {"burner"}
+        assert s.kernel.release and s.kernel.build_id and s.period_ns == 1_000_000_000 // 19
+        by_fn = _frames_in(s, workloads / "burner")
+        assert by_fn["hot_spin"] >= 0.8 * sum(by_fn.values()), by_fn
+        assert set(s.threads.values()) == {"burner"}
+        m = agent.metrics()
+        assert m['bistouri_sessions_started_total{resource="cpu"}'] >= 1
+        assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
+
+
+def test_io_pressure_yields_off_cpu_samples_with_blocked_time(tmp_path, workloads):
+    cfg = burner_config(comm="fsyncer", resource="io", threshold=5)
+    with AgentProcess(tmp_path, cfg) as agent, Cgroup.create() as cg:
+        cg.spawn([str(workloads / "fsyncer"), str(tmp_path / "fsync.dat"), "25"])
+        s = agent.wait_session(lambda s: s.trigger.resource == "io" and any(t.off_cpu for t in s.traces), 20)
+        assert s is not None, f"no io session with off-CPU samples\n{agent.log()[-3000:]}"
+        off = [t for t in s.traces if t.off_cpu]
+        assert sum(t.off_cpu_ns for t in off) > 0
+        assert all(t.kernel for t in off), "off-CPU waits carry kernel frames"
+
+
+def test_memory_pressure_from_page_cache_thrash(tmp_path, workloads):
+    memcg = Path("/sys/fs/cgroup/memory")
+    if not (memcg / "memory.limit_in_bytes").exists():
+        pytest.skip("no cgroup v1 memory controller to limit the workload (see environment notes)")
+    v1 = memcg / f"bistouri-test-{tmp_path.name[-8:]}"
+    v1.mkdir()
+    try:
+        (v1 / "memory.limit_in_bytes").write_text(str(64 << 20))
+        cfg = burner_config(comm="thrasher", resource="memory", threshold=1)
+        with AgentProcess(tmp_path, cfg) as agent, Cgroup.create() as cg:
+            procs_v1 = str(v1 / "cgroup.procs")
+            procs_v2 = str(cg.path / "cgroup.procs")
+
+            def join_both() -> None:
+                import os
+
+                for f in (procs_v2, procs_v1):
+                    with open(f, "w") as fh:
+                        fh.write(str(os.getpid()))
+
+            p = subprocess.Popen(
+                [str(workloads / "thrasher"), str(tmp_path / "thrash.dat"), "200", "40"], preexec_fn=join_both
+            )
+            cg.procs.append(p)
+            s = agent.wait_session(lambda s: s.trigger.resource == "memory", 40)
+            assert s is not None, f"no memory session\n{agent.log()[-3000:]}"
+            assert "thrasher" in s.processes.values()
+    finally:
+        for _ in range(50):
+            try:
+                v1.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_every_process_is_captured_including_older_and_forked_ones(tmp_path, workloads):
+    """Two processes with one comm in one cgroup, one started before the agent, and a fork without exec."""
+    cfg = burner_config() + burner_config(comm="fork-child").replace("targets:\n", "")
+    with Cgroup.create() as cg:
+        early = cg.spawn([str(workloads / "burner"), "40"])  # before the agent: only the walk finds it
+        time.sleep(0.3)
+        with AgentProcess(tmp_path, cfg, walk_interval=2) as agent:
+            late = cg.spawn([str(workloads / "burner"), "40"])  # found by the exec hook
+            cg.spawn([str(workloads / "forker"), "fork-child", "40"])  # the child never execs
+            cg.spawn([str(workloads / "burner"), "40"])
+
+            def both(s: wire.Session) -> bool:
+                return s.service == "burner_svc" and {early.pid, late.pid} <= set(s.processes)
+
+            s = agent.wait_session(both, 25)
+            assert s is not None, (
+                f"sessions: {[sorted(x.processes) for x in agent.sessions()]}\n{agent.log()[-3000:]}"
+            )
+            pids_with_samples = {t.pid for t in s.traces}
+            assert {early.pid, late.pid} <= pids_with_samples
+            forked = agent.wait_session(lambda s: s.service == "fork_child_svc", 25)
+            assert forked is not None, agent.log()[-3000:]
+            assert set(forked.processes.values()) == {"fork-child"}
+            assert any(t.on_cpu for t in forked.traces)
+
+
+def test_reload_changes_watches_and_keeps_the_config_when_invalid(tmp_path, workloads):
+    with (
+        Cgroup.create() as cg,
+        AgentProcess(tmp_path, burner_config(comm="nothing-here"), walk_interval=2) as agent,
+    ):
+        cg.spawn([str(workloads / "burner"), "60"])
+        time.sleep(3)
+        assert agent.metrics()["bistouri_psi_watchers"] == 0
+        # An atomic rename, as config management does it.
+        new = tmp_path / "trigger.yaml.new"
+        new.write_text(burner_config())
+        new.rename(agent.config_path)
+        assert wait_until(lambda: agent.metrics().get("bistouri_config_reloads_total", 0) >= 1, 10), (
+            agent.log()
+        )
+        assert wait_until(lambda: agent.metrics()["bistouri_psi_watchers"] == 1, 10), agent.log()[-2000:]
+        # An invalid file keeps the running config and counts the failure.
+        agent.config_path.write_text("targets:\n  - rule: {type: Exact, comm: x}\n    bogus: 1\n")
+        assert wait_until(lambda: agent.metrics().get("bistouri_config_reload_failures_total", 0) >= 1, 10)
+        assert agent.metrics()["bistouri_psi_watchers"] == 1
+        assert "keeping the running config" in agent.log()
+        # SIGHUP reloads (the file is valid again, same content as the running one).
+        agent.config_path.with_suffix(".tmp").write_text(burner_config(comm="other"))
+        agent.config_path.with_suffix(".tmp").rename(agent.config_path)
+        time.sleep(0.1)
+        before = agent.metrics()["bistouri_config_reloads_total"]
+        agent.signal(signal.SIGHUP)
+        assert wait_until(lambda: agent.metrics()["bistouri_config_reloads_total"] > before, 10)
+        assert wait_until(lambda: agent.metrics()["bistouri_psi_watchers"] == 0, 10)
+
+
+def test_sigterm_during_capture_flushes_and_detaches(tmp_path, workloads):
+    before = bistouri_prog_ids()
+    with Cgroup.create() as cg:
+        agent = AgentProcess(tmp_path, burner_config(capture=30)).start()
+        try:
+            for _ in range(3):
+                cg.spawn([str(workloads / "burner"), "30"])
+            assert wait_until(lambda: "Capture started" in agent.log(), 15), agent.log()[-2000:]
+            time.sleep(1.0)
+            took = agent.stop()
+        finally:
+            agent.stop()
+        assert agent.proc is not None and agent.proc.returncode == 0, agent.log()[-2000:]
+        assert took <= 2.0, f"exit took {took:.2f}s"
+        sessions = agent.sessions()
+        assert sessions and sessions[0].total_samples > 0, agent.log()[-2000:]
+        assert sessions[0].duration_ns < 30e9
+    assert wait_until(lambda: bistouri_prog_ids() <= before, 10), "BPF programs left in the kernel"
