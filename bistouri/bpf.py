@@ -127,6 +127,10 @@ class Map:
     def fd(self) -> int:
         return check_int(library().bpf_map__fd(self._check()), f"fd of map {self.name}")
 
+    def set_max_entries(self, n: int) -> None:
+        """Resize before load (for a ring buffer: its size in bytes, a power of 2)."""
+        check_int(library().bpf_map__set_max_entries(self._check(), n), f"resizing map {self.name}")
+
     def update(self, key: bytes, value: bytes, flags: int = 0) -> None:
         ptr = self._check()
         kb = ctypes.create_string_buffer(bytes(key), len(key))
@@ -273,6 +277,11 @@ class Program:
     def verifier_log(self) -> str:
         return self._log_buf.value.decode(errors="replace")
 
+    def release_log(self) -> None:
+        """Free the verifier log buffer once the object is loaded (1 MiB per program)."""
+        library().bpf_program__set_log_buf(self._ptr, None, 0)
+        self._log_buf = ctypes.create_string_buffer(1)
+
     def set_autoload(self, autoload: bool) -> None:
         check_int(library().bpf_program__set_autoload(self._ptr, autoload), f"set_autoload {self.name}")
 
@@ -364,6 +373,8 @@ class BpfObject(_Handle):
             )
             raise BpfError(f"loading BPF object {self.path}", -ret, log=logs)
         self.loaded = True
+        for p in self.programs.values():
+            p.release_log()
 
     def close(self) -> None:
         if not self._closed:

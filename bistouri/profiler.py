@@ -59,6 +59,20 @@ class ProfilerOptions:
     queue_size: int = 65536
     object_path: Path | None = None
     exec_discovery: bool = True
+    ring_bytes: int = 0  # 0: sized from CPUs x frequency
+
+
+def ring_size(ncpus: int, freq_hz: int) -> int:
+    """Room for ~0.5 s of samples from every CPU, as a power of two between 4 and 64 MiB.
+
+    The ring's pages are mapped into the agent (twice), so they count in its RSS:
+    no bigger than the drain interval and the forced wakeup need.
+    """
+    want = ncpus * freq_hz * 5136 // 2
+    size = 4 << 20
+    while size < want and size < (64 << 20):
+        size <<= 1
+    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +194,11 @@ class ProfilerAgent:
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
+        cpus = perf.online_cpus()
+        obj.maps["stack_events"].set_max_entries(o.ring_bytes or ring_size(len(cpus), o.freq_hz))
         obj.load()
 
-        for cpu in perf.online_cpus():
+        for cpu in cpus:
             fd = perf.open_cpu_clock(cpu, o.freq_hz)
             self._links.append(obj.programs["handle_perf"].attach_perf_event(fd))
         if o.offcpu:

@@ -58,7 +58,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 16 << 20);
+	__uint(max_entries, 4 << 20); /* resized at load from CPUs x frequency */
 } stack_events SEC(".maps");
 
 struct {
