@@ -1,0 +1,112 @@
+"""The session wire format: round trips, golden bytes, validation, size per sample."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from bistouri import wire
+from bistouri.errors import WireError
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v1.msgpack"
+
+
+def sample_session(n_stacks: int = 3, repeat: int = 1) -> wire.Session:
+    bid = bytes(range(20))
+    libc = bytes(range(20, 40))
+    traces = []
+    for i in range(n_stacks):
+        traces.append(
+            wire.Trace(
+                kernel=(0xFFFFFFFF81000000 + 0x100 * i, 0xFFFFFFFF81002000),
+                user=(
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x1150 + i),
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x11B8),
+                    wire.UserFrame(wire.FRAME_RESOLVED, libc, 0x2724A),
+                    wire.UserFrame(wire.FRAME_VDSO, b"", 0x7FFC12345678),
+                ),
+                pid=100,
+                tid=101 + i % 2,
+                on_cpu=10 * repeat,
+                off_cpu=i,
+                off_cpu_ns=1_500_000 * i,
+            )
+        )
+    return wire.Session(
+        session_id="6f1c2a8e-6b55-4a3e-9b9b-2a1f0d6c0001",
+        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/svc", 1_700_000_000_000_000_000, 12.5, 3.25, 1.0,
+                             123456),
+        kernel=wire.KernelInfo("6.18.44", bytes(range(100, 120)), 0xFFFFFFFF81000000),
+        start_ns=1_700_000_000_000_000_000,
+        duration_ns=3_000_000_000,
+        period_ns=52_631_578,
+        tenant="t",
+        service="svc",
+        host="host-1",
+        labels={"env": "prod"},
+        processes={100: "burner"},
+        threads={101: "burner", 102: "worker"},
+        traces=traces,
+    )
+
+
+def test_round_trip_is_exact():
+    s = sample_session()
+    assert wire.decode_session(wire.encode_session(s)) == s
+
+
+def test_golden_bytes_are_stable():
+    data = wire.encode_session(sample_session())
+    if not GOLDEN.exists():  # first run writes it; the file is committed
+        GOLDEN.write_bytes(data)
+    assert data == GOLDEN.read_bytes(), "the wire format changed: bump VERSION and update docs/wire-format.md"
+
+
+def test_batch_concatenates_encoded_sessions():
+    a, b = sample_session(), sample_session(2)
+    b.session_id = "other"
+    body = wire.encode_batch([wire.encode_session(a), wire.encode_session(b)])
+    maps = wire.decode_batch(body)
+    assert [wire.session_from_wire(m) for m in maps] == [a, b]
+    many = wire.encode_batch([wire.encode_session(a)] * 20)
+    assert len(wire.decode_batch(many)) == 20
+
+
+def test_repeated_stacks_cost_under_20_bytes_per_sample():
+    s = sample_session(n_stacks=20, repeat=50)
+    data = wire.encode_session(s)
+    assert len(data) / s.total_samples < 20
+    assert len(gzip.compress(data)) < len(data)
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda m: m.update(v=2), "unsupported_version"),
+        (lambda m: m.pop("traces"), "malformed"),
+        (lambda m: m["traces"].append([99, 0, 1, 0, 0]), "malformed"),
+        (lambda m: m["uframes"].append([0, 42, 1]), "malformed"),
+        (lambda m: m["trigger"].update(resource="disk"), "malformed"),
+        (lambda m: m["kframes"].append(-1), "malformed"),
+        (lambda m: m["uframes"].append([1, -1, -5]), "malformed"),
+        (lambda m: m.update(labels={"a": 1}), "malformed"),
+        (lambda m: m.update(id=""), "malformed"),
+    ],
+)
+def test_invalid_sessions_are_rejected_with_a_reason(mutate, reason):
+    m = wire.session_to_wire(sample_session())
+    mutate(m)
+    with pytest.raises(WireError) as e:
+        wire.session_from_wire(msgpack.unpackb(msgpack.packb(m, use_bin_type=True), raw=False))
+    assert e.value.reason == reason
+
+
+def test_garbage_is_malformed_not_a_crash():
+    for junk in (b"", b"\xc1", b"\x92\x01", b"not msgpack at all", msgpack.packb([1, 2])):
+        with pytest.raises(WireError):
+            wire.decode_session(junk)
+        with pytest.raises(WireError):
+            wire.decode_batch(junk)
