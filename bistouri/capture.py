@@ -153,6 +153,23 @@ class CaptureOrchestrator:
         )
         return s.session_id
 
+    def extend_session(self, session_id: str, processes: dict[int, str]) -> None:
+        """Add processes to a running session (new members of a cgroup, forks of a command)."""
+        s = self.sessions.get(session_id)
+        if s is None:
+            return
+        for pid, comm in processes.items():
+            if pid in s.processes:
+                continue
+            try:
+                self._ref(pid)
+            except OSError as e:
+                log.warning("Cannot add a process to the BPF filter. pid=%d error=%s", pid, e)
+                continue
+            s.processes[pid] = comm
+            self._by_pid.setdefault(pid, []).append(s)
+            self._remember_vdso(pid)
+
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
         if n == 0:
