@@ -1,0 +1,795 @@
+"""Configuration: the trigger file (YAML, hot-reloaded) and the agent's own settings.
+
+The trigger file keeps the original Bistouri schema (``targets: [{rule, service_id,
+resources, labels}]``) and adds optional keys with defaults: per resource ``stall``
+and ``window_ms``, per target ``scope``, ``capture_duration_secs`` and
+``cooldown_secs``. Every problem is collected with its path before anything is
+raised, so one run of ``bistouri check-config`` shows them all.
+
+Agent settings come from flags, then ``BISTOURI_*`` environment variables, then
+defaults (flag > env > default). docs/configuration.md is the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRIGGER_PATH = "/etc/bistouri/trigger.yaml"
+
+RESOURCES = ("cpu", "memory", "io")
+STALLS = ("some", "full")
+RULE_TYPES = ("Exact", "Prefix")
+SCOPES = ("cgroup", "system")
+
+COMM_MAX_BYTES = 15  # TASK_COMM_LEN - 1
+SERVICE_ID_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+SERVICE_ID_MAX = 32
+MAX_TARGETS = 1024  # entries of the BPF comm trie
+WINDOW_MS_MIN = 500  # kernel WINDOW_MIN_US
+WINDOW_MS_MAX = 10_000  # kernel WINDOW_MAX_US
+DEFAULT_WINDOW_MS = 1000
+CAPTURE_SECS_MAX = 3600.0
+COOLDOWN_SECS_MAX = 86_400.0
+LABEL_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
+LABEL_VALUE_MAX = 256
+
+_TOP_KEYS = ("targets",)
+_TARGET_KEYS = (
+    "rule",
+    "service_id",
+    "resources",
+    "labels",
+    "scope",
+    "capture_duration_secs",
+    "cooldown_secs",
+)
+_RULE_KEYS = ("type", "comm")
+_RESOURCE_KEYS = ("resource", "threshold", "stall", "window_ms")
+
+
+# ---------------------------------------------------------------------------
+# Trigger file model
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How a target's processes are recognised: by their comm (the kernel's 15-byte task name)."""
+
+    type: str  # Exact | Prefix
+    comm: str
+
+    @property
+    def comm_bytes(self) -> bytes:
+        return self.comm.encode("utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceTrigger:
+    """One PSI trigger: fire when `stall` time exceeds `threshold` % of a `window_ms` window."""
+
+    resource: str  # cpu | memory | io
+    threshold: float  # percent of the window, 0 < t < 100
+    stall: str = "some"  # some | full
+    window_ms: int = DEFAULT_WINDOW_MS
+
+    @property
+    def window_us(self) -> int:
+        return self.window_ms * 1000
+
+    @property
+    def stall_us(self) -> int:
+        """Stall time per window written to the kernel (truncated to whole microseconds)."""
+        return int(self.window_ms * 1000 * self.threshold / 100.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A watched service. `rule_id` is assigned at load, monotonic across reloads."""
+
+    rule_id: int
+    rule: Rule
+    service_id: str
+    resources: tuple[ResourceTrigger, ...]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    scope: str = "cgroup"  # cgroup: the process's own cgroup; system: /proc/pressure
+    capture_duration_secs: float | None = None  # None: the agent's --capture-duration-secs
+    cooldown_secs: float | None = None  # None: the capture duration
+
+    def capture_secs(self, default: float) -> float:
+        return self.capture_duration_secs if self.capture_duration_secs is not None else default
+
+    def cooldown(self, default_capture: float) -> float:
+        return self.cooldown_secs if self.cooldown_secs is not None else self.capture_secs(default_capture)
+
+    def __hash__(self) -> int:  # labels is a dict: hash by identity of the rule id
+        return hash(self.rule_id)
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerConfig:
+    targets: tuple[Target, ...]
+    source: str = ""
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def next_rule_id(self) -> int:
+        """The `first_rule_id` to pass on the next reload so ids never repeat."""
+        return max((t.rule_id for t in self.targets), default=0) + 1
+
+    def target(self, rule_id: int) -> Target | None:
+        for t in self.targets:
+            if t.rule_id == rule_id:
+                return t
+        return None
+
+    def summary(self) -> list[str]:
+        """One line per target, for the start-up and reload logs."""
+        lines = []
+        for t in self.targets:
+            res = ", ".join(f"{r.resource}:{r.stall}>{r.threshold:g}%/{r.window_ms}ms" for r in t.resources)
+            lines.append(
+                f"rule_id={t.rule_id} service_id={t.service_id} match={t.rule.type}:{t.rule.comm!r} "
+                f"scope={t.scope} resources=[{res}]"
+            )
+        return lines
+
+
+# ---------------------------------------------------------------------------
+# YAML loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"unhashable key {key!r}", key_node.start_mark
+            )
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        seen[key] = loader.construct_object(value_node, deep=True)
+    return seen
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "YAML"
+    text = f"{context}: {problem}" if context else str(problem)
+    return f"{where}: YAML syntax error: {text}"
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, path: str, text: str) -> None:
+        self.items.append(f"{path}: {text}" if path else text)
+
+    def unknown_keys(self, m: Mapping[Any, Any], allowed: tuple[str, ...], path: str) -> None:
+        for k in m:
+            if k in allowed:
+                continue
+            where = f"{path}.{k}" if path else str(k)
+            close = difflib.get_close_matches(str(k), allowed, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known keys: {', '.join(allowed)})"
+            self.add(where, f"unknown key{hint}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _choice(p: _Problems, v: Any, choices: tuple[str, ...], path: str) -> str | None:
+    if isinstance(v, str) and v in choices:
+        return v
+    hint = ""
+    if isinstance(v, str):
+        folded = {c.lower(): c for c in choices}
+        close = folded.get(v.lower()) or next(iter(difflib.get_close_matches(v, choices, n=1)), None)
+        if close:
+            hint = f" (did you mean {close!r}?)"
+    p.add(path, f"{v!r} is not one of {', '.join(choices)}{hint}")
+    return None
+
+
+def _parse_rule(p: _Problems, raw: Any, path: str) -> Rule | None:
+    if not isinstance(raw, dict):
+        p.add(path, "must be a mapping with 'type' (Exact or Prefix) and 'comm'")
+        return None
+    p.unknown_keys(raw, _RULE_KEYS, path)
+    rtype = None
+    if "type" not in raw:
+        p.add(f"{path}.type", "missing (Exact or Prefix)")
+    else:
+        rtype = _choice(p, raw["type"], RULE_TYPES, f"{path}.type")
+    comm = raw.get("comm")
+    if "comm" not in raw:
+        p.add(f"{path}.comm", "missing")
+        return None
+    if not isinstance(comm, str):
+        p.add(f"{path}.comm", f"must be a string, got {type(comm).__name__} (quote it)")
+        return None
+    n = len(comm.encode("utf-8"))
+    if n > COMM_MAX_BYTES:
+        p.add(
+            f"{path}.comm",
+            f"{n} bytes, max {COMM_MAX_BYTES} (the kernel truncates task names to 15 bytes; "
+            f"use Prefix {comm.encode()[:COMM_MAX_BYTES].decode('utf-8', 'ignore')!r})",
+        )
+        return None
+    if "\0" in comm:
+        p.add(f"{path}.comm", "must not contain NUL")
+        return None
+    return Rule(rtype, comm) if rtype else None
+
+
+def _parse_resource(p: _Problems, raw: Any, path: str) -> ResourceTrigger | None:
+    if not isinstance(raw, dict):
+        p.add(path, "must be a mapping with 'resource' and 'threshold'")
+        return None
+    p.unknown_keys(raw, _RESOURCE_KEYS, path)
+    ok = True
+    resource = None
+    if "resource" not in raw:
+        p.add(f"{path}.resource", f"missing ({', '.join(RESOURCES)})")
+        ok = False
+    else:
+        resource = _choice(p, raw["resource"], RESOURCES, f"{path}.resource")
+        ok = ok and resource is not None
+    stall = "some"
+    if "stall" in raw:
+        s = _choice(p, raw["stall"], STALLS, f"{path}.stall")
+        ok = ok and s is not None
+        stall = s or stall
+    window_ms = DEFAULT_WINDOW_MS
+    if "window_ms" in raw:
+        w = raw["window_ms"]
+        if not isinstance(w, int) or isinstance(w, bool):
+            p.add(f"{path}.window_ms", f"must be an integer number of milliseconds, got {w!r}")
+            ok = False
+        elif not WINDOW_MS_MIN <= w <= WINDOW_MS_MAX:
+            p.add(
+                f"{path}.window_ms", f"{w} is out of range {WINDOW_MS_MIN}..{WINDOW_MS_MAX} (kernel limits)"
+            )
+            ok = False
+        else:
+            window_ms = w
+    threshold = 0.0
+    if "threshold" not in raw:
+        p.add(f"{path}.threshold", "missing (percent of the window, 0 < threshold < 100)")
+        ok = False
+    else:
+        t = raw["threshold"]
+        if not _is_number(t):
+            p.add(f"{path}.threshold", f"must be a number, got {t!r}")
+            ok = False
+        elif not 0 < t < 100:
+            p.add(f"{path}.threshold", f"{t} is out of range: 0 < threshold < 100 (percent of the window)")
+            ok = False
+        else:
+            threshold = float(t)
+            if ok and int(window_ms * 1000 * threshold / 100.0) < 1:
+                p.add(f"{path}.threshold", f"{t}% of {window_ms} ms is under 1 µs of stall: raise it")
+                ok = False
+    if not ok or resource is None:
+        return None
+    return ResourceTrigger(resource=resource, threshold=threshold, stall=stall, window_ms=window_ms)
+
+
+def _parse_labels(p: _Problems, raw: Any, path: str) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        p.add(path, "must be a mapping of string keys to string values")
+        return {}
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not LABEL_KEY_RE.match(k):
+            p.add(f"{path}.{k}", "label keys must match [A-Za-z_][A-Za-z0-9_.-/]*")
+        elif not isinstance(v, str):
+            p.add(f"{path}.{k}", f"label values must be strings, got {type(v).__name__} (quote it)")
+        elif len(v) > LABEL_VALUE_MAX:
+            p.add(f"{path}.{k}", f"label value of {len(v)} characters, max {LABEL_VALUE_MAX}")
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_seconds(p: _Problems, raw: Any, path: str, lo_exclusive: bool, hi: float) -> float | None:
+    if not _is_number(raw):
+        p.add(path, f"must be a number of seconds, got {raw!r}")
+        return None
+    v = float(raw)
+    if (v <= 0 if lo_exclusive else v < 0) or v > hi:
+        low = "0 < " if lo_exclusive else "0 <= "
+        p.add(path, f"{raw} is out of range: {low}value <= {hi:g}")
+        return None
+    return v
+
+
+def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | None:
+    if not isinstance(raw, dict):
+        p.add(path, "must be a mapping with rule, service_id and resources")
+        return None
+    p.unknown_keys(raw, _TARGET_KEYS, path)
+    before = len(p.items)
+    rule = None
+    if "rule" not in raw:
+        p.add(f"{path}.rule", "missing")
+    else:
+        rule = _parse_rule(p, raw["rule"], f"{path}.rule")
+    service_id = raw.get("service_id")
+    if "service_id" not in raw:
+        p.add(f"{path}.service_id", "missing")
+    elif not isinstance(service_id, str):
+        p.add(f"{path}.service_id", f"must be a string, got {type(service_id).__name__}")
+    elif not 1 <= len(service_id) <= SERVICE_ID_MAX:
+        p.add(f"{path}.service_id", f"{len(service_id)} characters, must be 1 to {SERVICE_ID_MAX}")
+    elif not SERVICE_ID_RE.match(service_id):
+        p.add(f"{path}.service_id", f"{service_id!r} must match {SERVICE_ID_RE.pattern}")
+    resources: list[ResourceTrigger] = []
+    raw_res = raw.get("resources")
+    if "resources" not in raw:
+        p.add(f"{path}.resources", "missing (at least one of cpu, memory, io)")
+    elif not isinstance(raw_res, list) or not raw_res:
+        p.add(f"{path}.resources", "must be a non-empty list")
+    else:
+        seen: set[str] = set()
+        for i, r in enumerate(raw_res):
+            rt = _parse_resource(p, r, f"{path}.resources[{i}]")
+            if rt is None:
+                continue
+            if rt.resource in seen:
+                p.add(f"{path}.resources[{i}].resource", f"{rt.resource!r} is listed twice in this target")
+                continue
+            seen.add(rt.resource)
+            resources.append(rt)
+    labels = _parse_labels(p, raw.get("labels"), f"{path}.labels")
+    scope = "cgroup"
+    if "scope" in raw:
+        scope = _choice(p, raw["scope"], SCOPES, f"{path}.scope") or scope
+    capture = cooldown = None
+    if "capture_duration_secs" in raw:
+        capture = _parse_seconds(p, raw["capture_duration_secs"], f"{path}.capture_duration_secs", True, 3600)
+    if "cooldown_secs" in raw:
+        cooldown = _parse_seconds(p, raw["cooldown_secs"], f"{path}.cooldown_secs", False, 86_400)
+    if len(p.items) != before or rule is None or not isinstance(service_id, str):
+        return None
+    return Target(
+        rule_id=rule_id,
+        rule=rule,
+        service_id=service_id,
+        resources=tuple(resources),
+        labels=labels,
+        scope=scope,
+        capture_duration_secs=capture,
+        cooldown_secs=cooldown,
+    )
+
+
+def _check_unique(p: _Problems, raw_targets: list[Any]) -> None:
+    """Cross-target rules, on the raw entries so they are reported even beside other errors."""
+    by_service: dict[str, int] = {}
+    by_comm_res: dict[tuple[str, str], int] = {}
+    for i, raw in enumerate(raw_targets):
+        if not isinstance(raw, dict):
+            continue
+        sid = raw.get("service_id")
+        if isinstance(sid, str) and sid:
+            if sid in by_service:
+                p.add(f"targets[{i}].service_id", f"{sid!r} is already used by targets[{by_service[sid]}]")
+            else:
+                by_service[sid] = i
+        rule, resources = raw.get("rule"), raw.get("resources")
+        comm = rule.get("comm") if isinstance(rule, dict) else None
+        if not isinstance(comm, str) or not isinstance(resources, list):
+            continue
+        seen_here: set[str] = set()
+        for j, r in enumerate(resources):
+            res = r.get("resource") if isinstance(r, dict) else None
+            if res not in RESOURCES or res in seen_here:
+                continue
+            seen_here.add(res)
+            prev = by_comm_res.setdefault((comm, res), i)
+            if prev != i:
+                p.add(
+                    f"targets[{i}].resources[{j}]",
+                    f"comm {comm!r} already watches {res} in targets[{prev}] "
+                    "(one target per comm and resource)",
+                )
+
+
+def parse_trigger_config(
+    text: str | bytes, source: str = "<string>", first_rule_id: int = 1
+) -> TriggerConfig:
+    """Parse and validate a trigger file's content. Raises ConfigError listing every problem."""
+    if first_rule_id < 1:
+        raise ValueError(f"first_rule_id must be >= 1, got {first_rule_id}")
+    try:
+        doc = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        raise ConfigError([_yaml_problem(e)], source=source)
+    p = _Problems()
+    if doc is None:
+        raise ConfigError(["the file is empty: it needs a 'targets' list"], source=source)
+    if not isinstance(doc, dict):
+        raise ConfigError(
+            [f"the top level must be a mapping with 'targets', got {type(doc).__name__}"], source
+        )
+    p.unknown_keys(doc, _TOP_KEYS, "")
+    raw_targets = doc.get("targets")
+    targets: list[Target] = []
+    if "targets" not in doc:
+        p.add("targets", "missing (a list of at least one target)")
+    elif not isinstance(raw_targets, list) or not raw_targets:
+        p.add("targets", "must be a non-empty list")
+    elif len(raw_targets) > MAX_TARGETS:
+        p.add("targets", f"{len(raw_targets)} targets, max {MAX_TARGETS} (size of the BPF comm trie)")
+    else:
+        for i, raw in enumerate(raw_targets):
+            t = _parse_target(p, raw, f"targets[{i}]", first_rule_id + i)
+            if t is not None:
+                targets.append(t)
+        _check_unique(p, raw_targets)
+    if p.items:
+        raise ConfigError(p.items, source=source)
+    warnings = []
+    for t in targets:
+        if t.rule.type == "Exact" and t.rule.comm == "":
+            warnings.append(
+                f"targets[{t.rule_id - first_rule_id}].rule: Exact '' only matches a nameless task"
+            )
+    return TriggerConfig(targets=tuple(targets), source=source, warnings=tuple(warnings))
+
+
+def load_trigger_config(path: str = DEFAULT_TRIGGER_PATH, first_rule_id: int = 1) -> TriggerConfig:
+    """Read and validate the trigger file. Raises ConfigError (also when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(
+            [f"cannot read the trigger file: {e.strerror} (check --config / BISTOURI_CONFIG)"], path
+        )
+    return parse_trigger_config(data, source=path, first_rule_id=first_rule_id)
+
+
+# ---------------------------------------------------------------------------
+# Agent settings (flags and environment)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    config_path: str = DEFAULT_TRIGGER_PATH
+    tenant_id: str = "default"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    symbolizer_endpoint: str | None = None  # None: spool only, nothing is sent
+    symbolizer_token_file: str | None = None
+    symbolizer_ca_file: str | None = None
+    symbolizer_client_cert: str | None = None
+    symbolizer_client_key: str | None = None
+    capture_duration_secs: float = 10.0
+    freq: int = 19
+    metrics_port: int = 9464  # 0 disables the metrics endpoint
+    metrics_addr: str = "0.0.0.0"
+    proc_path: str = "/proc"
+    cgroup_path: str | None = None  # None: no cgroup2 mount found (only scope: system works)
+    spool_dir: str = "/var/lib/bistouri/spool"
+    spool_max_bytes: int = 256 * 1024 * 1024
+    walk_interval_secs: float = 30.0
+    offcpu: bool = True
+    log_level: str = "info"
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def period_ns(self) -> int:
+        return 1_000_000_000 // self.freq
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# (dest, env var or None) for every flag; the flag text is dest with dashes.
+_ENV = {
+    "config": "BISTOURI_CONFIG",
+    "tenant_id": "BISTOURI_TENANT_ID",
+    "label": "BISTOURI_LABELS",
+    "symbolizer_endpoint": "BISTOURI_SYMBOLIZER_ENDPOINT",
+    "symbolizer_token_file": "BISTOURI_SYMBOLIZER_TOKEN_FILE",
+    "symbolizer_ca_file": "BISTOURI_SYMBOLIZER_CA_FILE",
+    "symbolizer_client_cert": "BISTOURI_SYMBOLIZER_CLIENT_CERT",
+    "symbolizer_client_key": "BISTOURI_SYMBOLIZER_CLIENT_KEY",
+    "capture_duration_secs": "BISTOURI_CAPTURE_DURATION",
+    "freq": "BISTOURI_FREQ",
+    "metrics_port": "BISTOURI_METRICS_PORT",
+    "metrics_addr": "BISTOURI_METRICS_ADDR",
+    "proc_path": "BISTOURI_PROC_PATH",
+    "cgroup_path": "BISTOURI_CGROUP_PATH",
+    "spool_dir": "BISTOURI_SPOOL_DIR",
+    "spool_max_bytes": "BISTOURI_SPOOL_MAX_BYTES",
+    "walk_interval_secs": "BISTOURI_WALK_INTERVAL",
+    "offcpu": "BISTOURI_OFFCPU",
+    "log_level": "BISTOURI_LOG_LEVEL",
+}
+
+
+def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the agent's flags. Values stay raw strings: settings_from_args validates them all at once."""
+    g = parser.add_argument_group("agent", "each flag also reads the environment variable shown; flag wins")
+
+    def add(flag: str, dest: str, help: str, **kw: Any) -> None:
+        # SUPPRESS: an absent flag leaves no attribute, so the environment can fill in (and help
+        # formatters that print defaults do not show a misleading "None").
+        g.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"{help} [env {_ENV[dest]}]", **kw)
+
+    add("--config", "config", f"trigger file (default {DEFAULT_TRIGGER_PATH})", metavar="PATH")
+    add("--tenant-id", "tenant_id", "tenant recorded in every session (default 'default')", metavar="ID")
+    add("--label", "label", "label k=v added to every session; repeatable (env: comma-separated)",
+        action="append", metavar="K=V")  # fmt: skip
+    add(
+        "--symbolizer-endpoint",
+        "symbolizer_endpoint",
+        "symbolizer base URL; unset: spool only",
+        metavar="URL",
+    )
+    add("--symbolizer-token-file", "symbolizer_token_file", "file holding the bearer token", metavar="PATH")
+    add("--symbolizer-ca-file", "symbolizer_ca_file", "CA bundle to verify the symbolizer", metavar="PATH")
+    add("--symbolizer-client-cert", "symbolizer_client_cert", "TLS client certificate (PEM)", metavar="PATH")
+    add("--symbolizer-client-key", "symbolizer_client_key", "TLS client key (PEM)", metavar="PATH")
+    add(
+        "--capture-duration-secs",
+        "capture_duration_secs",
+        "length of a capture session (default 10)",
+        metavar="SECS",
+    )
+    add(
+        "--freq",
+        "freq",
+        "on-CPU sampling frequency in Hz, 1..1000 (default 19; prefer a prime)",
+        metavar="HZ",
+    )
+    add("--metrics-port", "metrics_port", "Prometheus port, 0 disables (default 9464)", metavar="PORT")
+    add("--metrics-addr", "metrics_addr", "Prometheus listen address (default 0.0.0.0)", metavar="ADDR")
+    add("--proc-path", "proc_path", "procfs mount (default /proc)", metavar="PATH")
+    add("--cgroup-path", "cgroup_path", "cgroup2 mount (default: found in <proc>/mounts)", metavar="PATH")
+    add(
+        "--spool-dir",
+        "spool_dir",
+        "where finished sessions wait to be sent (default /var/lib/bistouri/spool)",
+        metavar="PATH",
+    )
+    add(
+        "--spool-max-bytes", "spool_max_bytes", "spool size cap, e.g. 256MiB (default 256MiB)", metavar="SIZE"
+    )
+    add("--walk-interval-secs", "walk_interval_secs", "period of the /proc walk (default 30)", metavar="SECS")
+    add(
+        "--offcpu",
+        "offcpu",
+        "capture off-CPU (D state) stacks (default on)",
+        action=argparse.BooleanOptionalAction,
+    )
+    add("--log-level", "log_level", "debug, info, warning or error (default info)", metavar="LEVEL")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'268435456', '256MiB', '256M', '1g' → bytes (binary multiples). ValueError otherwise."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (bytes, or with K/M/G/T[iB])")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) * _SIZE_MULT[unit if unit != "b" else ""]
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def _parse_labels_text(items: list[str], where: str, problems: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        k, sep, v = item.partition("=")
+        k = k.strip()
+        if not sep or not LABEL_KEY_RE.match(k):
+            problems.append(
+                f"{where}: {item!r} must be key=value with a key matching [A-Za-z_][A-Za-z0-9_.-/]*"
+            )
+        else:
+            out[k] = v.strip()
+    return out
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentSettings:
+    """Resolve flags, then environment, then defaults; raise ConfigError with every problem found."""
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+    warnings: list[str] = []
+
+    def raw(dest: str) -> tuple[Any, str]:
+        """The value and where it came from, for error paths."""
+        v = getattr(args, dest, None)
+        if v is not None:
+            return v, "--" + dest.replace("_", "-")
+        name = _ENV[dest]
+        if env.get(name, "") != "":
+            return env[name], name
+        return None, ""
+
+    def text(dest: str, default: str | None) -> str | None:
+        v, _ = raw(dest)
+        return default if v is None else str(v)
+
+    def number(dest: str, default: float, lo: float, hi: float, integer: bool) -> float:
+        v, where = raw(dest)
+        if v is None:
+            return default
+        try:
+            n: float = int(v) if integer else float(v)
+        except ValueError:
+            problems.append(f"{where}: {v!r} is not {'an integer' if integer else 'a number'}")
+            return default
+        if not (lo <= n <= hi) or not math.isfinite(n):
+            problems.append(f"{where}: {v} is out of range {lo:g}..{hi:g}")
+            return default
+        return n
+
+    s: dict[str, Any] = {}
+    s["config_path"] = text("config", DEFAULT_TRIGGER_PATH)
+
+    tenant, where = raw("tenant_id")
+    if tenant is None:
+        tenant = "default"
+        warnings.append(
+            "no --tenant-id / BISTOURI_TENANT_ID given: sessions are filed under tenant 'default'"
+        )
+    elif not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$", tenant):
+        problems.append(
+            f"{where}: {tenant!r} must be 1-64 characters of [A-Za-z0-9_.-], starting alphanumeric"
+        )
+    s["tenant_id"] = tenant
+
+    lv, where = raw("label")
+    if lv is None:
+        s["labels"] = {}
+    elif isinstance(lv, list):
+        s["labels"] = _parse_labels_text(lv, where, problems)
+    else:
+        s["labels"] = _parse_labels_text(str(lv).split(","), where, problems)
+
+    endpoint, where = raw("symbolizer_endpoint")
+    if endpoint is not None:
+        u = urlsplit(endpoint)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            problems.append(f"{where}: {endpoint!r} must be an http:// or https:// URL with a host")
+        elif u.query or u.fragment:
+            problems.append(f"{where}: {endpoint!r} must be a base URL without query or fragment")
+        endpoint = endpoint.rstrip("/")
+    s["symbolizer_endpoint"] = endpoint
+
+    for dest in (
+        "symbolizer_token_file",
+        "symbolizer_ca_file",
+        "symbolizer_client_cert",
+        "symbolizer_client_key",
+    ):
+        v, where = raw(dest)
+        if v is not None and not os.path.isfile(v):
+            problems.append(f"{where}: {v} does not exist or is not a file")
+        s[dest] = v
+    if s["symbolizer_client_key"] and not s["symbolizer_client_cert"]:
+        problems.append("--symbolizer-client-key: needs --symbolizer-client-cert as well")
+    if endpoint is None and any(
+        s[d] for d in ("symbolizer_token_file", "symbolizer_ca_file", "symbolizer_client_cert")
+    ):
+        warnings.append("symbolizer TLS/token options are set but no --symbolizer-endpoint: they are unused")
+    if endpoint and endpoint.startswith("http://") and s["symbolizer_token_file"]:
+        warnings.append("the bearer token is sent over plain http: use https:// outside a trusted network")
+
+    s["capture_duration_secs"] = number("capture_duration_secs", 10.0, 0.1, CAPTURE_SECS_MAX, integer=False)
+    freq = int(number("freq", 19, 1, 1000, integer=True))
+    if not _is_prime(freq):
+        warnings.append(
+            f"--freq {freq} is not prime: sampling may alias with periodic work "
+            "(timers at 10, 100, 1000 Hz); "
+            "a prime such as 19, 97 or 997 avoids it"
+        )
+    s["freq"] = freq
+    s["metrics_port"] = int(number("metrics_port", 9464, 0, 65535, integer=True))
+    s["metrics_addr"] = text("metrics_addr", "0.0.0.0")
+    proc_path = text("proc_path", "/proc") or "/proc"
+    if not os.path.isdir(proc_path):
+        problems.append(f"{raw('proc_path')[1] or '--proc-path'}: {proc_path} is not a directory")
+    s["proc_path"] = proc_path
+
+    cg, where = raw("cgroup_path")
+    if cg is not None:
+        if not os.path.isfile(os.path.join(cg, "cgroup.procs")):
+            problems.append(f"{where}: {cg} is not a cgroup2 mount (no cgroup.procs)")
+    else:
+        from .procfs import find_cgroup2_mount
+
+        cg = find_cgroup2_mount(proc_path)
+        if cg is None:
+            warnings.append(
+                f"no cgroup2 mount in {proc_path}/mounts: only 'scope: system' targets can be watched; "
+                "mount cgroup2 or pass --cgroup-path"
+            )
+    s["cgroup_path"] = cg
+
+    s["spool_dir"] = text("spool_dir", "/var/lib/bistouri/spool")
+    sm, where = raw("spool_max_bytes")
+    s["spool_max_bytes"] = 256 * 1024 * 1024
+    if sm is not None:
+        try:
+            size = parse_size(str(sm))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+        else:
+            if size < 1024 * 1024:
+                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
+            else:
+                s["spool_max_bytes"] = size
+    s["walk_interval_secs"] = number("walk_interval_secs", 30.0, 1.0, 3600.0, integer=False)
+
+    off, where = raw("offcpu")
+    if off is None or isinstance(off, bool):
+        s["offcpu"] = True if off is None else off
+    else:
+        flag = str(off).strip().lower()
+        if flag in ("1", "true", "yes", "on"):
+            s["offcpu"] = True
+        elif flag in ("0", "false", "no", "off"):
+            s["offcpu"] = False
+        else:
+            problems.append(f"{where}: {off!r} is not a boolean (true/false)")
+            s["offcpu"] = True
+
+    level = (text("log_level", "info") or "info").lower()
+    if level not in LOG_LEVELS:
+        problems.append(f"{raw('log_level')[1]}: {level!r} is not one of {', '.join(LOG_LEVELS)}")
+        level = "info"
+    s["log_level"] = level
+
+    if problems:
+        raise ConfigError(problems, source="command line and environment")
+    for w in warnings:
+        log.warning("%s", w)
+    return AgentSettings(warnings=tuple(warnings), **s)

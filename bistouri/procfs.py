@@ -1,0 +1,226 @@
+"""Pure /proc and cgroupfs parsers.
+
+Every function takes the root it reads from (`proc_root`, `cgroup_root`) so tests
+run on fixture trees. A process or cgroup that vanished between listing and
+reading is a normal event: the functions return None (or skip it), never raise.
+Files are read as bytes; the comm is located with rfind(b")") because a task
+name may itself contain ") ".
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+PF_KTHREAD = 0x00200000  # task flags bit of kernel threads (include/linux/sched.h)
+AT_NULL = 0
+AT_SYSINFO_EHDR = 33  # auxv entry: base of the vDSO ELF image
+
+_WORD = struct.calcsize("P")
+_AUXV = struct.Struct(f"={'Q' if _WORD == 8 else 'I'}{'Q' if _WORD == 8 else 'I'}")
+_VDSO_FALLBACK_PAGES = 2  # when /proc/pid/maps is unreadable
+
+
+def _read(path: str, limit: int = 1 << 20) -> bytes | None:
+    """The file's bytes, or None if it (or its process) is gone or unreadable."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            return f.read(limit)
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+        return None
+    except OSError:
+        # ESRCH from a zombie's files, EIO from a dying process: treat as vanished.
+        return None
+
+
+def _decode(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+def read_comm(pid: int, proc_root: str = "/proc") -> str | None:
+    data = _read(f"{proc_root}/{pid}/comm", 64)
+    if data is None:
+        return None
+    return _decode(data.rstrip(b"\n"))
+
+
+def thread_name(pid: int, tid: int, proc_root: str = "/proc") -> str | None:
+    data = _read(f"{proc_root}/{pid}/task/{tid}/comm", 64)
+    if data is None:
+        return None
+    return _decode(data.rstrip(b"\n"))
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    pid: int
+    comm: str
+    state: str  # R, S, D, Z, ...
+    ppid: int
+    flags: int
+    num_threads: int
+    starttime: int  # clock ticks since boot: with pid, identifies a process across pid reuse
+
+    @property
+    def is_kernel_thread(self) -> bool:
+        return bool(self.flags & PF_KTHREAD)
+
+
+def parse_stat(data: bytes, pid: int = 0) -> ProcStat | None:
+    """Parse /proc/<pid>/stat content. None if it is truncated or malformed."""
+    lp = data.find(b"(")
+    rp = data.rfind(b")")
+    if lp < 0 or rp < lp:
+        return None
+    # Fields after the comm: 3=state 4=ppid ... 9=flags ... 20=num_threads ... 22=starttime.
+    rest = data[rp + 1 :].split()
+    if len(rest) < 20:
+        return None
+    try:
+        head_pid = int(data[:lp])
+        return ProcStat(
+            pid=head_pid if head_pid else pid,
+            comm=_decode(data[lp + 1 : rp]),
+            state=rest[0].decode("ascii", "replace"),
+            ppid=int(rest[1]),
+            flags=int(rest[6]),
+            num_threads=int(rest[17]),
+            starttime=int(rest[19]),
+        )
+    except ValueError:
+        return None
+
+
+def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
+    data = _read(f"{proc_root}/{pid}/stat", 4096)
+    return None if data is None else parse_stat(data, pid)
+
+
+def parse_cgroup2_path(data: bytes) -> str | None:
+    """The cgroup v2 path from /proc/<pid>/cgroup content (the `0::/path` line)."""
+    for line in data.splitlines():
+        if line.startswith(b"0::"):
+            return _decode(line[3:]) or "/"
+    return None
+
+
+def read_cgroup2_path(pid: int, proc_root: str = "/proc") -> str | None:
+    data = _read(f"{proc_root}/{pid}/cgroup", 64 * 1024)
+    return None if data is None else parse_cgroup2_path(data)
+
+
+def cgroup_dir(cgroup_root: str, path: str) -> str | None:
+    """The directory of cgroup `path` under the cgroup2 mount.
+
+    None when the path climbs above the root: /proc shows such paths (`/../x`)
+    for processes outside our cgroup namespace, and they are not reachable here.
+    """
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            return None
+        parts.append(part)
+    return os.path.join(cgroup_root, *parts) if parts else cgroup_root
+
+
+def cgroup_procs(directory: str) -> list[int]:
+    """PIDs listed in a cgroup's cgroup.procs; empty if the cgroup is gone."""
+    data = _read(os.path.join(directory, "cgroup.procs"), 16 << 20)
+    if not data:
+        return []
+    return [int(x) for x in data.split() if x.isdigit()]
+
+
+def _numeric_entries(path: str) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def iter_pids(proc_root: str = "/proc") -> Iterator[int]:
+    """Thread-group ids currently in /proc, ascending (threads are not listed at the top level)."""
+    yield from _numeric_entries(proc_root)
+
+
+def iter_tids(pid: int, proc_root: str = "/proc") -> Iterator[int]:
+    yield from _numeric_entries(f"{proc_root}/{pid}/task")
+
+
+def parse_auxv(data: bytes, key: int) -> int | None:
+    """Value of one auxv entry (native word size and endianness), or None."""
+    n = len(data) - len(data) % _AUXV.size
+    for k, v in _AUXV.iter_unpack(data[:n]):
+        if k == AT_NULL:
+            break
+        if k == key:
+            return int(v)
+    return None
+
+
+def parse_maps_range(data: bytes, name: bytes) -> tuple[int, int] | None:
+    """(start, end) of the first mapping whose path column is `name` (e.g. b"[vdso]")."""
+    for line in data.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].strip() == name:
+            lo, _, hi = fields[0].partition(b"-")
+            try:
+                return int(lo, 16), int(hi, 16)
+            except ValueError:
+                return None
+    return None
+
+
+def read_vdso_range(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
+    """[start, end) of the process's vDSO, from auxv AT_SYSINFO_EHDR and its /proc/pid/maps line."""
+    auxv = _read(f"{proc_root}/{pid}/auxv", 4096)
+    start = parse_auxv(auxv, AT_SYSINFO_EHDR) if auxv else None
+    maps = _read(f"{proc_root}/{pid}/maps", 16 << 20)
+    rng = parse_maps_range(maps, b"[vdso]") if maps else None
+    if rng is not None and (start is None or start == rng[0]):
+        return rng
+    if start:
+        return start, start + _VDSO_FALLBACK_PAGES * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def _unescape_mount(field: bytes) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as \ooo octal.
+    out = bytearray()
+    i = 0
+    while i < len(field):
+        digits = field[i + 1 : i + 4]
+        if field[i] == 0x5C and len(digits) == 3 and all(0x30 <= c <= 0x37 for c in digits):
+            out.append(int(digits, 8) & 0xFF)
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return bytes(out).decode("utf-8", "surrogateescape")
+
+
+def parse_cgroup2_mount(data: bytes) -> str | None:
+    """Mount point of the first cgroup2 filesystem in /proc/mounts content."""
+    for line in data.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[2] == b"cgroup2":
+            return _unescape_mount(fields[1])
+    return None
+
+
+def find_cgroup2_mount(proc_root: str = "/proc") -> str | None:
+    data = _read(f"{proc_root}/mounts") or _read(f"{proc_root}/self/mounts")
+    return None if data is None else parse_cgroup2_mount(data)
+
+
+def iter_processes(proc_root: str = "/proc") -> Iterator[ProcStat]:
+    """Every live process's stat, skipping the ones that exit during the walk."""
+    for pid in iter_pids(proc_root):
+        st = read_stat(pid, proc_root)
+        if st is not None:
+            yield st

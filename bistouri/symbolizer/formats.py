@@ -1,0 +1,476 @@
+"""Profile renderings: pprof, folded stacks, speedscope, d3-flamegraph trees, merge and diff.
+
+Pure functions of `model.Profile`: no I/O, no clocks, deterministic output (the
+golden tests depend on it). Stacks in the model are root first; pprof wants
+leaf first, everything else here keeps root first. docs/formats.md describes
+each output.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from .model import KIND_KERNEL, KIND_UNKNOWN, KIND_USER, KIND_VDSO, Frame, Profile, Sample, SessionMeta
+
+# The three sample values a profile carries, in pprof's sample_type order.
+VALUES = ("on_cpu", "off_cpu", "off_cpu_ns")
+_PPROF_TYPES = (("on_cpu", "count"), ("off_cpu", "count"), ("off_cpu_time", "nanoseconds"))
+_INT64_MAX = (1 << 63) - 1
+
+# flamegraph.pl's annotations: it colours `_[k]` frames as kernel and `_[i]` as inlined.
+_KIND_SUFFIX = {KIND_KERNEL: "_[k]", KIND_VDSO: "_[v]"}
+
+SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+
+
+def check_value(value: str) -> str:
+    if value not in VALUES:
+        raise ValueError(f"value {value!r} is not one of {', '.join(VALUES)}")
+    return value
+
+
+def sample_value(s: Sample, value: str) -> int:
+    if value == "on_cpu":
+        return s.on_cpu
+    if value == "off_cpu":
+        return s.off_cpu
+    return s.off_cpu_ns
+
+
+def display_name(f: Frame) -> str:
+    """A frame's name in the text formats: kernel, vDSO and inlined frames keep a visible mark."""
+    # `;` separates frames and a line break ends a folded line: neither may appear inside a name.
+    name = (f.name or "[unknown]").replace(";", ":")
+    if not name.isprintable():
+        name = "".join(c if c.isprintable() else "?" for c in name)
+    name += _KIND_SUFFIX.get(f.kind, "")
+    if f.inlined:
+        name += "_[i]"
+    return name
+
+
+# ---------------------------------------------------------------------------
+# Folded stacks
+
+
+def folded(profile: Profile, value: str = "on_cpu") -> str:
+    """Brendan Gregg's collapsed format: `root;...;leaf N` per distinct stack, sorted."""
+    check_value(value)
+    names = [display_name(f) for f in profile.frames]
+    acc: dict[str, int] = {}
+    for s in profile.samples:
+        v = sample_value(s, value)
+        if v <= 0:
+            continue
+        key = ";".join(names[i] for i in s.stack) or "[no frames]"
+        acc[key] = acc.get(key, 0) + v
+    return "".join(f"{k} {v}\n" for k, v in sorted(acc.items()))
+
+
+# ---------------------------------------------------------------------------
+# d3-flame-graph JSON tree
+
+
+def _node(
+    name: str, kind: str, file: str = "", line: int = 0, inlined: bool = False, module: str = ""
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "value": 0,
+        "children": [],
+        "kind": kind,
+        "file": file,
+        "line": line,
+        "inlined": inlined,
+        "module": module,
+    }
+
+
+def _tree(profile: Profile, value: str) -> dict[str, Any]:
+    """Build the call tree with children in dicts keyed by (name, kind, inlined)."""
+    root = _node("all", "root")
+    root["_kids"] = {}
+    for s in profile.samples:
+        v = sample_value(s, value)
+        if v <= 0:
+            continue
+        node = root
+        node["value"] += v
+        for i in s.stack:
+            f = profile.frames[i]
+            key = (f.name, f.kind, f.inlined)
+            kids = node["_kids"]
+            child = kids.get(key)
+            if child is None:
+                child = kids[key] = _node(
+                    f.name or "[unknown]", f.kind or KIND_UNKNOWN, f.file, f.line, f.inlined, f.module
+                )
+                child["_kids"] = {}
+            child["value"] += v
+            node = child
+    return root
+
+
+def _finish(node: dict[str, Any]) -> dict[str, Any]:
+    kids = node.pop("_kids")
+    node["children"] = [_finish(kids[k]) for k in sorted(kids)]
+    return node
+
+
+def flamegraph(profile: Profile, value: str = "on_cpu") -> dict[str, Any]:
+    """The call tree as d3-flame-graph reads it; the root is named "all"."""
+    check_value(value)
+    return _finish(_tree(profile, value))
+
+
+def diff(a: Profile, b: Profile, value: str = "on_cpu") -> dict[str, Any]:
+    """B's call tree, each node with `base` (A's value) and `delta` (B - A scaled to B's total).
+
+    A is scaled by total(B)/total(A) before subtracting, so a 10 s session and a
+    60 s one compare by share of time rather than by raw counts. Stacks only in
+    A do not appear: the tree is B's.
+    """
+    check_value(value)
+    ta = _tree(a, value)
+    tb = _tree(b, value)
+    scale = tb["value"] / ta["value"] if ta["value"] else 0.0
+
+    def walk(nb: dict[str, Any], na: dict[str, Any] | None) -> None:
+        base = na["value"] if na is not None else 0
+        nb["base"] = base
+        nb["delta"] = round(nb["value"] - base * scale, 3)
+        for key, child in nb["_kids"].items():
+            walk(child, na["_kids"].get(key) if na is not None else None)
+
+    walk(tb, ta)
+    return _finish(tb)
+
+
+# ---------------------------------------------------------------------------
+# Merge
+
+
+def merge(profiles: Iterable[Profile]) -> Profile:
+    """One profile summing several; identical stacks add up, per-thread identity is dropped.
+
+    `meta` is the first profile's, with sample totals summed and the time span
+    widened to cover every input.
+    """
+    frames: list[Frame] = []
+    frame_ids: dict[Frame, int] = {}
+    acc: dict[tuple[int, ...], list[int]] = {}
+    first: SessionMeta | None = None
+    start = end = 0
+    for p in profiles:
+        if first is None:
+            first = p.meta
+            start, end = p.meta.start_ns, p.meta.start_ns + p.meta.duration_ns
+        else:
+            start = min(start, p.meta.start_ns)
+            end = max(end, p.meta.start_ns + p.meta.duration_ns)
+        remap = []
+        for f in p.frames:
+            i = frame_ids.get(f)
+            if i is None:
+                i = frame_ids[f] = len(frames)
+                frames.append(f)
+            remap.append(i)
+        for s in p.samples:
+            key = tuple(remap[i] for i in s.stack)
+            c = acc.get(key)
+            if c is None:
+                c = acc[key] = [0, 0, 0]
+            c[0] += s.on_cpu
+            c[1] += s.off_cpu
+            c[2] += s.off_cpu_ns
+    samples = [Sample(stack=k, on_cpu=c[0], off_cpu=c[1], off_cpu_ns=c[2]) for k, c in acc.items()]
+    meta = (
+        replace(first, labels=dict(first.labels), processes=dict(first.processes))
+        if first
+        else SessionMeta("")
+    )
+    meta.start_ns, meta.duration_ns = start, end - start
+    meta.on_cpu = sum(s.on_cpu for s in samples)
+    meta.off_cpu = sum(s.off_cpu for s in samples)
+    meta.off_cpu_ns = sum(s.off_cpu_ns for s in samples)
+    return Profile(meta=meta, frames=frames, samples=samples)
+
+
+# ---------------------------------------------------------------------------
+# The whole profile as JSON
+
+
+def profile_json(profile: Profile) -> dict[str, Any]:
+    """Everything the profile holds: metadata, frames, samples (stacks as frame indexes, root first)."""
+    return {
+        "meta": profile.meta.to_json(),
+        "frames": [
+            {
+                "name": f.name,
+                "module": f.module,
+                "file": f.file,
+                "line": f.line,
+                "kind": f.kind,
+                "inlined": f.inlined,
+            }
+            for f in profile.frames
+        ],
+        "samples": [
+            {
+                "stack": list(s.stack),
+                "pid": s.pid,
+                "tid": s.tid,
+                "thread": s.thread,
+                "on_cpu": s.on_cpu,
+                "off_cpu": s.off_cpu,
+                "off_cpu_ns": s.off_cpu_ns,
+            }
+            for s in profile.samples
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------
+# speedscope
+
+
+def speedscope(profile: Profile, name: str = "") -> dict[str, Any]:
+    """A speedscope file: shared frames and one sampled profile per value type that has samples."""
+    title = name or profile.meta.session_id or "bistouri"
+    used: dict[int, int] = {}
+    frames: list[dict[str, Any]] = []
+    for s in profile.samples:
+        for i in s.stack:
+            if i not in used:
+                used[i] = len(frames)
+                f = profile.frames[i]
+                entry: dict[str, Any] = {"name": display_name(f)}
+                if f.file:
+                    entry["file"] = f.file
+                    if f.line > 0:
+                        entry["line"] = f.line
+                frames.append(entry)
+    out_profiles = []
+    for value in VALUES:
+        stacks: list[list[int]] = []
+        weights: list[int] = []
+        for s in profile.samples:
+            v = sample_value(s, value)
+            if v > 0:
+                stacks.append([used[i] for i in s.stack])
+                weights.append(v)
+        if not weights and value != "on_cpu":
+            continue
+        out_profiles.append(
+            {
+                "type": "sampled",
+                "name": f"{title} {value}",
+                "unit": "nanoseconds" if value == "off_cpu_ns" else "none",
+                "startValue": 0,
+                "endValue": sum(weights),
+                "samples": stacks,
+                "weights": weights,
+            }
+        )
+    return {
+        "$schema": SPEEDSCOPE_SCHEMA,
+        "shared": {"frames": frames},
+        "profiles": out_profiles,
+        "name": title,
+        "activeProfileIndex": 0,
+        "exporter": "bistouri",
+    }
+
+
+# ---------------------------------------------------------------------------
+# pprof: a hand-written encoder for perftools.profiles.Profile (google/pprof proto/profile.proto)
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n &= (1 << 64) - 1  # int64 negatives are ten-byte two's complement varints
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _varint(field << 3 | wire_type)
+
+
+def _int(field: int, n: int) -> bytes:
+    """A varint field; zero is the proto3 default and is left out."""
+    return _key(field, 0) + _varint(n) if n else b""
+
+
+def _bytes(field: int, data: bytes) -> bytes:
+    return _key(field, 2) + _varint(len(data)) + data
+
+
+def _packed(field: int, values: Sequence[int]) -> bytes:
+    if not values:
+        return b""
+    return _bytes(field, b"".join(_varint(v) for v in values))
+
+
+def _clamp(n: int) -> int:
+    return min(n, _INT64_MAX)
+
+
+class _Strings:
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {"": 0}
+        self.table: list[str] = [""]
+
+    def __call__(self, s: str) -> int:
+        i = self.index.get(s)
+        if i is None:
+            i = self.index[s] = len(self.table)
+            self.table.append(s)
+        return i
+
+
+def _mapping_name(f: Frame) -> str:
+    if f.kind == KIND_KERNEL:
+        return "[kernel]"
+    if f.kind == KIND_VDSO:
+        return "[vdso]"
+    return f.module or "[unknown]"
+
+
+def _locations(stack: Sequence[int], frames: Sequence[Frame]) -> list[tuple[int, ...]]:
+    """Group a root-first stack into pprof locations, leaf first.
+
+    A frame marked inlined belongs to the location of the frame before it (toward
+    the root); a location's lines run from the innermost inlined frame to its caller.
+    """
+    groups: list[list[int]] = []
+    for i in stack:
+        if frames[i].inlined and groups:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [tuple(reversed(g)) for g in reversed(groups)]
+
+
+def pprof(profile: Profile, compress: bool = True) -> bytes:
+    """The profile as a gzip-compressed pprof protobuf."""
+    st = _Strings()
+    frames = profile.frames
+    sample_types = b"".join(_bytes(1, _int(1, st(t)) + _int(2, st(u))) for t, u in _PPROF_TYPES)
+
+    mappings: dict[str, int] = {}
+    mapping_kinds: dict[str, set[str]] = {}
+    functions: dict[tuple[str, str], int] = {}
+    locations: dict[tuple[int, ...], int] = {}
+    function_msgs: list[bytes] = []
+    location_msgs: list[bytes] = []
+    sample_msgs: list[bytes] = []
+    comm = profile.meta.processes
+    k_pid, k_tid, k_thread, k_comm = st("pid"), st("tid"), st("thread_name"), st("comm")
+
+    def function_id(f: Frame) -> int:
+        key = (f.name, f.file)
+        fid = functions.get(key)
+        if fid is None:
+            fid = functions[key] = len(functions) + 1
+            body = _int(1, fid) + _int(2, st(f.name)) + _int(3, st(f.name)) + _int(4, st(f.file))
+            function_msgs.append(_bytes(5, body))
+        return fid
+
+    def location_id(group: tuple[int, ...]) -> int:
+        lid = locations.get(group)
+        if lid is None:
+            lid = locations[group] = len(locations) + 1
+            outer = frames[group[-1]]
+            mname = _mapping_name(outer)
+            mid = mappings.setdefault(mname, len(mappings) + 1)
+            seen = mapping_kinds.setdefault(mname, set())
+            for i in group:
+                if frames[i].file:
+                    seen.add("file")
+                if frames[i].inlined:
+                    seen.add("inline")
+            lines = b"".join(
+                _bytes(4, _int(1, function_id(frames[i])) + _int(2, max(frames[i].line, 0))) for i in group
+            )
+            location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + lines))
+        return lid
+
+    for s in profile.samples:
+        ids = [location_id(g) for g in _locations(s.stack, frames)]
+        labels = []
+        if s.pid:
+            labels.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(s.pid))))
+            if s.pid in comm:
+                labels.append(_bytes(3, _int(1, k_comm) + _int(2, st(comm[s.pid]))))
+        if s.tid:
+            labels.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(s.tid))))
+        if s.thread:
+            labels.append(_bytes(3, _int(1, k_thread) + _int(2, st(s.thread))))
+        # Values are packed and always three long, zeros included, as pprof requires.
+        vals = _bytes(2, b"".join(_varint(_clamp(v)) for v in (s.on_cpu, s.off_cpu, s.off_cpu_ns)))
+        sample_msgs.append(_bytes(2, _packed(1, ids) + vals + b"".join(labels)))
+
+    mapping_msgs = []
+    for mname, mid in mappings.items():
+        kinds = mapping_kinds[mname]
+        has_files = "file" in kinds
+        body = (
+            _int(1, mid)
+            + _int(5, st(mname))
+            + _int(7, 1)
+            + _int(8, int(has_files))
+            + _int(9, int(has_files))
+            + _int(10, int("inline" in kinds))
+        )
+        mapping_msgs.append(_bytes(3, body))
+
+    meta = profile.meta
+    comments = [st(f"session {meta.session_id}")] if meta.session_id else []
+    if meta.resource:
+        comments.append(st(f"trigger {meta.resource} {meta.stall}"))
+    tail = (
+        _int(9, _clamp(meta.start_ns))
+        + _int(10, _clamp(meta.duration_ns))
+        + _bytes(11, _int(1, st("cpu")) + _int(2, st("nanoseconds")))
+        + _int(12, _clamp(meta.period_ns))
+        + _packed(13, comments)
+        + _int(14, st("on_cpu"))
+    )
+    strings = b"".join(_bytes(6, s.encode("utf-8", "replace")) for s in st.table)
+    body = (
+        sample_types
+        + b"".join(sample_msgs)
+        + b"".join(mapping_msgs)
+        + b"".join(location_msgs)
+        + b"".join(function_msgs)
+        + strings
+        + tail
+    )
+    # mtime=0 keeps the output byte-identical for identical profiles.
+    return gzip.compress(body, compresslevel=6, mtime=0) if compress else body
+
+
+__all__ = [
+    "KIND_KERNEL",
+    "KIND_UNKNOWN",
+    "KIND_USER",
+    "KIND_VDSO",
+    "VALUES",
+    "check_value",
+    "diff",
+    "display_name",
+    "flamegraph",
+    "folded",
+    "merge",
+    "pprof",
+    "profile_json",
+    "speedscope",
+]

@@ -1,0 +1,357 @@
+"""A pool of long-running llvm-symbolizer processes: file:line and inlined frames.
+
+Each worker is `llvm-symbolizer --output-style=JSON -i --no-demangle` fed one
+`"<path>" 0x<vaddr>` line per address on stdin, answering one JSON line per
+address. Requests go in chunks. Writing a large chunk before reading deadlocks
+once both 64 KiB pipe buffers fill, so one `poll` loop writes (non-blocking)
+and reads at the same time; every exchange has a deadline.
+
+Workers start lazily, restart when they crash or time out, and are recycled
+when their resident memory passes a budget (DWARF of a big binary fully
+touched costs 6-14x its `.debug_info`). A request is sharded by file path, so
+each process parses each binary once. When no llvm-symbolizer is installed the
+pool reports `available = False` and every request returns None: callers keep
+function names from the symbol table and lose only file:line and inlines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import subprocess
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("llvm-symbolizer-19", "llvm-symbolizer", "/usr/lib/llvm-19/bin/llvm-symbolizer")
+MIN_VERSION = 14  # JSON output style
+
+DEFAULT_WORKERS = 2
+DEFAULT_CHUNK = 1000  # addresses per exchange
+DEFAULT_TIMEOUT_S = 60.0  # per chunk: the first request on a vmlinux parses for seconds
+DEFAULT_RSS_LIMIT = 1 << 30
+DEFAULT_WAIT_S = 30.0  # how long a caller waits for a busy worker
+_CRASH_WINDOW_S = 60.0
+_MAX_CRASHES = 5  # in the window, then the pool pauses
+_PAUSE_S = 60.0
+_READ_SIZE = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFrame:
+    """One frame from DWARF, innermost first in a list. `function` is the raw linkage name."""
+
+    function: str
+    file: str
+    line: int
+
+
+class LlvmError(Exception):
+    """An exchange with a worker failed (crash, timeout, garbage output)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}")
+
+
+def find_llvm_symbolizer(explicit: str | None = None) -> tuple[str | None, int, str]:
+    """Locate a usable llvm-symbolizer: (path, major version, help text), or (None, 0, why)."""
+    cands = [explicit] if explicit else list(CANDIDATES)
+    why = "none of " + ", ".join(cands) + " is installed (apt-get install llvm-19)"
+    for cand in cands:
+        path = cand if os.path.isabs(cand) and os.access(cand, os.X_OK) else shutil.which(cand)
+        if not path:
+            continue
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+            helptext = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"{path} does not run: {e}"
+            continue
+        m = re.search(r"LLVM version (\d+)", out)
+        major = int(m.group(1)) if m else 0
+        if major < MIN_VERSION:
+            why = f"{path} is LLVM {major or 'unknown'}, JSON output needs {MIN_VERSION}+"
+            continue
+        return path, major, helptext
+    return None, 0, why
+
+
+def parse_json_line(line: bytes) -> list[SourceFrame] | None:
+    """One answer line → frames innermost first; [] when DWARF has nothing; None on an error."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or "Error" in obj:
+        return None
+    frames = []
+    for s in obj.get("Symbol") or ():
+        fn = s.get("FunctionName") or ""
+        file = s.get("FileName") or ""
+        if not fn and not file:
+            continue
+        frames.append(SourceFrame(fn, file, int(s.get("Line") or 0)))
+    return frames
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.restarts = Counter(
+            "bistouri_symbolizer_llvm_restarts_total",
+            "llvm-symbolizer worker restarts, by reason (crash, timeout, rss)",
+            ["reason"],
+            registry=registry,
+        )
+        self.addresses = Counter(
+            "bistouri_symbolizer_llvm_addresses_total",
+            "Addresses sent to llvm-symbolizer, by result (ok, failed, busy, paused, unavailable)",
+            ["result"],
+            registry=registry,
+        )
+        self.available = Gauge(
+            "bistouri_symbolizer_llvm_available",
+            "1 when llvm-symbolizer is installed and usable (file:line and inlines), else 0",
+            registry=registry,
+        )
+
+
+class _Worker:
+    """One llvm-symbolizer process. Callers hold `lock` around `exchange`."""
+
+    def __init__(self, argv: list[str], rss_limit: int, metrics: _Metrics, name: str) -> None:
+        self.argv = argv
+        self.rss_limit = rss_limit
+        self.metrics = metrics
+        self.name = name
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.crashes: deque[float] = deque(maxlen=_MAX_CRASHES)
+        self.paused_until = 0.0
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DEBUGINFOD_")}
+        proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+            env=env,
+        )
+        assert proc.stdin is not None
+        os.set_blocking(proc.stdin.fileno(), False)
+        return proc
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.close()
+            proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def _fail(self, reason: str) -> None:
+        self.metrics.restarts.labels(reason).inc()
+        if self.proc is not None:
+            self.proc.kill()
+        self.stop()
+        now = time.monotonic()
+        self.crashes.append(now)
+        if len(self.crashes) == _MAX_CRASHES and now - self.crashes[0] < _CRASH_WINDOW_S:
+            self.paused_until = now + _PAUSE_S
+            self.crashes.clear()
+            log.warning(
+                "llvm-symbolizer keeps failing; file:line paused. worker=%s reason=%s pause_s=%d",
+                self.name,
+                reason,
+                _PAUSE_S,
+            )
+
+    def rss(self) -> int:
+        if self.proc is None:
+            return 0
+        try:
+            with open(f"/proc/{self.proc.pid}/statm", "rb") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    def exchange(self, payload: bytes, n_lines: int, timeout_s: float) -> list[bytes]:
+        """Write `payload` (n_lines requests), return the n_lines answers. Raises LlvmError."""
+        if self.proc is None or self.proc.poll() is not None:
+            try:
+                self.proc = self._spawn()
+            except OSError as e:
+                raise LlvmError("crash", f"cannot start {self.argv[0]}: {e}")
+        proc = self.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        fd_in, fd_out = proc.stdin.fileno(), proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        poller = select.poll()
+        poller.register(fd_out, select.POLLIN)
+        poller.register(fd_in, select.POLLOUT)
+        view = memoryview(payload)
+        written = 0
+        chunks: list[bytes] = []
+        seen = 0
+        try:
+            while seen < n_lines:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LlvmError("timeout", f"{seen}/{n_lines} answers after {timeout_s:.0f} s")
+                for fd, ev in poller.poll(left * 1000):
+                    if fd == fd_in:
+                        if ev & (select.POLLERR | select.POLLHUP):
+                            raise LlvmError("crash", "stdin closed")
+                        try:
+                            written += os.write(fd_in, view[written : written + 65536])
+                        except BlockingIOError:
+                            pass
+                        if written == len(payload):
+                            poller.unregister(fd_in)
+                    else:
+                        data = os.read(fd_out, _READ_SIZE)
+                        if not data:
+                            raise LlvmError("crash", f"exited with {proc.poll()}")
+                        chunks.append(data)
+                        seen += data.count(b"\n")
+        except BrokenPipeError:
+            raise LlvmError("crash", "stdin broken pipe")
+        finally:
+            view.release()
+        lines = b"".join(chunks).split(b"\n")
+        if seen != n_lines or lines[-1]:
+            raise LlvmError("crash", f"{seen} answer lines for {n_lines} requests")
+        return lines[:-1]
+
+    def symbolize(self, path: str, addrs: Sequence[int], chunk: int, timeout_s: float) -> list:
+        quoted = b'"' + os.fsencode(path) + b'" '
+        out: list[list[SourceFrame] | None] = []
+        for i in range(0, len(addrs), chunk):
+            part = addrs[i : i + chunk]
+            payload = b"".join(quoted + b"0x%x\n" % a for a in part)
+            for attempt in (0, 1):
+                try:
+                    lines = self.exchange(payload, len(part), timeout_s)
+                    out.extend(parse_json_line(line) for line in lines)
+                    self.metrics.addresses.labels("ok").inc(len(part))
+                    break
+                except LlvmError as e:
+                    self._fail(e.reason)
+                    # A crash may be bad luck (OOM kill): retry once. A timeout would just repeat.
+                    if attempt or e.reason != "crash" or self.paused_until:
+                        log.warning(
+                            "llvm-symbolizer request failed; frames keep names only. "
+                            "worker=%s path=%s addresses=%d error=%s",
+                            self.name,
+                            path,
+                            len(part),
+                            e,
+                        )
+                        self.metrics.addresses.labels("failed").inc(len(part))
+                        out.extend([None] * len(part))
+                        break
+        if self.rss_limit and self.rss() > self.rss_limit:
+            self.metrics.restarts.labels("rss").inc()
+            self.stop()
+        return out
+
+
+class LlvmPool:
+    """Shards requests by path over a few llvm-symbolizer workers. Thread-safe."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        workers: int = DEFAULT_WORKERS,
+        chunk: int = DEFAULT_CHUNK,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        wait_s: float = DEFAULT_WAIT_S,
+        rss_limit: int = DEFAULT_RSS_LIMIT,
+        debug_dirs: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.metrics = _Metrics(registry)
+        self.chunk = max(1, chunk)
+        self.timeout_s = timeout_s
+        self.wait_s = wait_s
+        path, self.version, helptext = find_llvm_symbolizer(binary)
+        self.binary = path
+        self.available = path is not None
+        self.metrics.available.set(1 if self.available else 0)
+        self._workers: list[_Worker] = []
+        if path is None:
+            log.warning("No llvm-symbolizer: frames get function names but no file:line. reason=%s", helptext)
+            self.unavailable_reason = helptext
+            return
+        self.unavailable_reason = ""
+        argv = [path, "--output-style=JSON", "--inlines", "--no-demangle"]
+        if "--no-debuginfod" in helptext:
+            argv.append("--no-debuginfod")  # sources.py fetches; the worker must not block on the network
+        if "--cache-size" in helptext and rss_limit:
+            argv.append(f"--cache-size={rss_limit // 2}")
+        argv += [f"--debug-file-directory={d}" for d in debug_dirs]
+        self.argv = argv
+        self._workers = [_Worker(argv, rss_limit, self.metrics, f"llvm-{i}") for i in range(max(1, workers))]
+
+    def symbolize(self, path: str, addrs: Sequence[int]) -> list[list[SourceFrame] | None]:
+        """Frames (innermost first) per address of the ELF at `path`; None where unknown or failed."""
+        if not addrs:
+            return []
+        if not self.available:
+            self.metrics.addresses.labels("unavailable").inc(len(addrs))
+            return [None] * len(addrs)
+        if '"' in path or "\n" in path:
+            return [None] * len(addrs)
+        n = len(self._workers)
+        first = zlib.crc32(os.fsencode(path)) % n
+        order = [self._workers[(first + i) % n] for i in range(n)]
+        # The shard's own worker if free, else any idle one, else wait for the shard's.
+        worker = next((w for w in order if w.lock.acquire(blocking=False)), None)
+        if worker is None:
+            worker = order[0]
+            if not worker.lock.acquire(timeout=self.wait_s):
+                self.metrics.addresses.labels("busy").inc(len(addrs))
+                return [None] * len(addrs)
+        try:
+            if worker.paused_until > time.monotonic():
+                self.metrics.addresses.labels("paused").inc(len(addrs))
+                return [None] * len(addrs)
+            worker.paused_until = 0.0
+            return worker.symbolize(path, addrs, self.chunk, self.timeout_s)
+        finally:
+            worker.lock.release()
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if w.proc is not None]
+
+    def close(self) -> None:
+        for w in self._workers:
+            with w.lock:
+                w.stop()
+
+    def __enter__(self) -> LlvmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,109 @@
+"""The self-contained flamegraph.html that `bistouri record` writes.
+
+One HTML file with everything inlined: d3, d3-flame-graph, the UI's own
+scripts and stylesheet, the trees and the metadata. It opens from `file://`
+with no network, and shows the same interactive flamegraph as the
+symbolizer's session page (zoom, search, view switch, kernel/user colours).
+
+The scripts and the stylesheet are read from `ui/`, the directory the
+symbolizer serves, so the report and the service cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+UI_DIR = Path(__file__).with_name("ui")
+
+# In page order: the libraries first, then ours.
+_SCRIPTS = (
+    "vendor/d3/d3.min.js",
+    "vendor/d3-flame-graph/d3-flamegraph.umd.min.js",
+    "js/common.js",
+    "js/flame.js",
+)
+_PAGE_SCRIPT = "js/report.js"
+_STYLES = ("css/bistouri.css",)
+
+# Keys of `SessionMeta.to_json()` the page lays out itself; other scalar keys are listed as they are.
+_KNOWN_META = frozenset(
+    {
+        "id", "tenant", "service", "host", "labels", "comm", "pid", "processes", "trigger",
+        "start_ns", "duration_ns", "period_ns", "kernel_release", "samples",
+    }
+)  # fmt: skip
+
+_SCRIPT_END = re.compile(r"</(script)", re.IGNORECASE)
+_STYLE_END = re.compile(r"</(style)", re.IGNORECASE)
+
+
+@cache
+def _asset(rel: str) -> str:
+    return (UI_DIR / rel).read_text(encoding="utf-8")
+
+
+def _inline_script(source: str) -> str:
+    # `<\/script` means the same inside a JS string, regex or comment, and cannot end the element.
+    return "<script>\n" + _SCRIPT_END.sub(r"<\\/\1", source) + "\n</script>"
+
+
+def _json_block(element_id: str, obj: Any) -> str:
+    # JSON allows `\/` for `/`: no `</script>` can appear inside, whatever the frame names are.
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
+    return f'<script type="application/json" id="{element_id}">{text}</script>'
+
+
+def _page_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    page = dict(meta)
+    extra = {
+        k: v
+        for k, v in meta.items()
+        if k not in _KNOWN_META and k != "extra" and isinstance(v, str | int | float | bool)
+    }
+    page["extra"] = {**extra, **meta.get("extra", {})}
+    return page
+
+
+def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], title: str) -> str:
+    """A self-contained HTML page showing `trees` as an interactive flamegraph.
+
+    `trees` maps a view (`on_cpu`, `off_cpu`, `off_cpu_ns`) to its d3-flame-graph
+    tree (`formats.flamegraph`); views missing from it are not offered, and a
+    view whose tree is empty shows as disabled. `meta` is shaped like
+    `SessionMeta.to_json()` (all keys optional); any other scalar key is shown
+    as it is. The result references no URL: it works offline from `file://`.
+    """
+    styles = "\n".join("<style>\n" + _STYLE_END.sub(r"<\\/\1", _asset(rel)) + "\n</style>" for rel in _STYLES)
+    scripts = "\n".join(_inline_script(_asset(rel)) for rel in _SCRIPTS)
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="generator" content="bistouri">
+<title>{html.escape(title)}</title>
+{styles}
+{scripts}
+</head>
+<body data-page="report">
+<header class="topbar">
+  <span class="brand"><span class="brand-mark" aria-hidden="true">✂</span>bistouri
+    <small>record</small></span>
+</header>
+<main>
+<section class="panel" id="meta"></section>
+<section class="fg" id="flame"></section>
+<p class="report-foot">{html.escape(title)} · written by <code>bistouri record</code>.
+Click a frame to zoom, Esc to reset, / to search.</p>
+</main>
+{_json_block("bistouri-trees", trees)}
+{_json_block("bistouri-meta", _page_meta(meta))}
+{_inline_script(_asset(_PAGE_SCRIPT))}
+</body>
+</html>
+"""

@@ -1,0 +1,686 @@
+"""The Resolver: raw stacks of a `wire.Session` → a symbolized `model.Profile`.
+
+Two tiers (docs/symbolization.md):
+
+- names, in process: the ELF symbol table of the build id (`.symtab` of the
+  debug file if there is one, else the binary's `.symtab`, else `.dynsym`),
+  looked up with bisect after the file offset is turned into a virtual address
+  through PT_LOAD; kernel frames through a kallsyms snapshot or the vmlinux;
+- file:line and inlined frames from `llvm-symbolizer` when DWARF exists.
+
+The outermost frame of an address always takes its name from the symbol table
+when there is one, so a frame is named the same with and without DWARF.
+Return addresses (every frame but the leaf) are looked up at address - 1, as
+they point after the call, but unnamed frames show the address as sent.
+
+Results are cached per (module generation, address, leaf?) in one dict
+bounded in entries; a module reloaded with better information (a debug file
+deployed later) gets a new generation, so stale names age out.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+from .. import wire
+from ..errors import WireError
+from . import model
+from .demangle import demangle
+from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
+from .kallsyms import KallsymsIndex, KallsymsStore
+from .llvm import LlvmPool, SourceFrame
+from .sources import DEBUGINFO, EXECUTABLE, DebugSources
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_ENTRIES = 2_000_000
+DEFAULT_MAX_MODULES = 128
+DEFAULT_RETRY_S = 30.0  # how long a module without debug info (or absent) is kept before looking again
+_EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
+
+_Frames = tuple[model.Frame, ...]  # one address, root first (outer function, then inlined callees)
+
+
+@dataclass(slots=True)
+class _Module:
+    """What is known about one user-space build id."""
+
+    gen: int
+    hexid: str
+    name: str
+    segments: list[Segment]
+    symbols: SymbolIndex
+    dwarf_path: str | None
+    complete: bool  # has DWARF: never worth looking for again
+    loaded_at: float
+    named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
+
+
+@dataclass(slots=True)
+class _Kernel:
+    gen: int
+    hexid: str
+    kallsyms: KallsymsIndex | None
+    vmlinux: _Module | None
+    link_text: int
+    link_etext: int
+    complete: bool
+    loaded_at: float
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.lookups = Counter(
+            "bistouri_symbolizer_frame_lookups_total",
+            "Stack frames looked up (before de-duplication), by kind (user, kernel, vdso, unknown)",
+            ["kind"],
+            registry=registry,
+        )
+        self.hits = Counter(
+            "bistouri_symbolizer_cache_hits_total",
+            "Address lookups answered from the result cache, by space (user, kernel)",
+            ["space"],
+            registry=registry,
+        )
+        self.misses = Counter(
+            "bistouri_symbolizer_cache_misses_total",
+            "Address lookups that had to be resolved, by space (user, kernel)",
+            ["space"],
+            registry=registry,
+        )
+        self.unresolved = Counter(
+            "bistouri_symbolizer_unresolved_frames_total",
+            "Addresses left unnamed, by reason (no_file, no_symbol, bad_offset, no_kallsyms)",
+            ["reason"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            "bistouri_symbolizer_cache_evictions_total",
+            "Results dropped from the bounded result cache",
+            registry=registry,
+        )
+        self.module_loads = Counter(
+            "bistouri_symbolizer_module_loads_total",
+            "Build ids opened, by result (dwarf, symbols, missing, error)",
+            ["result"],
+            registry=registry,
+        )
+
+
+def _display_name(hexid: str, *candidates: tuple[str | None, str | None]) -> str:
+    """A module's name: the file's real basename, its SONAME, else the build id's first 8 hex digits."""
+    for path, soname in candidates:
+        if soname:
+            return soname
+        if path:
+            base = os.path.basename(os.path.realpath(path))
+            stem = base.removesuffix(".debug")
+            if base not in ("debuginfo", "executable") and stem != hexid[2:] and stem != hexid:
+                return stem
+    return hexid[:8]
+
+
+class Resolver:
+    """Symbolizes sessions. Thread-safe: share one per process."""
+
+    def __init__(
+        self,
+        sources: DebugSources | None = None,
+        kernels: KallsymsStore | None = None,
+        llvm: LlvmPool | None = None,
+        *,
+        use_llvm: bool = True,
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        max_modules: int = DEFAULT_MAX_MODULES,
+        retry_s: float = DEFAULT_RETRY_S,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.sources = sources if sources is not None else DebugSources(debuginfod_urls=[])
+        self.kernels = kernels
+        if llvm is None and use_llvm:
+            dirs = [os.path.dirname(d) for d in self.sources.debug_dirs]
+            llvm = LlvmPool(debug_dirs=dirs, registry=registry)
+        self.llvm = llvm
+        self.cache_entries = max(1, cache_entries)
+        self.max_modules = max(1, max_modules)
+        self.retry_s = retry_s
+        self.metrics = _Metrics(registry)
+        self._cache: dict[tuple[int, int, bool], _Frames] = {}
+        self._cache_lock = threading.Lock()
+        self._modules: OrderedDict[str, _Module | None] = OrderedDict()
+        self._module_time: dict[str, float] = {}
+        self._kernels: OrderedDict[tuple[str, int], _Kernel] = OrderedDict()
+        self._lock = threading.Lock()
+        self._load_locks: dict[str, threading.Lock] = {}
+        self._gen = itertools.count(1)
+        # Equal frames share one object, so a session indexes them by id() without hashing.
+        self._interned: dict[model.Frame, model.Frame] = {_VDSO: _VDSO}
+
+    @classmethod
+    def from_options(
+        cls,
+        state_dir: str | os.PathLike[str],
+        debug_dirs: Sequence[str | os.PathLike[str]] = (),
+        binary_dirs: Sequence[str | os.PathLike[str]] = (),
+        debuginfod_urls: Sequence[str] | None = None,
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+        **kwargs: Any,
+    ) -> Resolver:
+        """The service's resolver: kallsyms snapshots and debuginfod downloads live under `state_dir`.
+
+        `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. Other keyword arguments go to `Resolver`.
+        """
+        state = os.fspath(state_dir)
+        sources = DebugSources(
+            [os.fspath(d) for d in debug_dirs],
+            [os.fspath(d) for d in binary_dirs],
+            debuginfod_urls,
+            cache_dir=os.path.join(state, "debuginfod"),
+            registry=registry,
+        )
+        return cls(sources, KallsymsStore(state), registry=registry, **kwargs)
+
+    def close(self) -> None:
+        if self.llvm is not None:
+            self.llvm.close()
+        self.sources.close()
+
+    def __enter__(self) -> Resolver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def file_lines(self) -> bool:
+        """True when file:line and inlined frames can be produced (llvm-symbolizer present)."""
+        return self.llvm is not None and self.llvm.available
+
+    # --- modules ---------------------------------------------------------------
+
+    def _load_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            lock = self._load_locks.get(key)
+            if lock is None:
+                lock = self._load_locks[key] = threading.Lock()
+            return lock
+
+    def module(self, build_id: bytes) -> _Module | None:
+        """The cached module of a build id, (re)loading it when absent or incomplete and stale."""
+        hexid = build_id.hex()
+        now = time.monotonic()
+        with self._lock:
+            if hexid in self._modules:
+                mod = self._modules[hexid]
+                self._modules.move_to_end(hexid)
+                if (mod is not None and mod.complete) or now - self._module_time[hexid] < self.retry_s:
+                    return mod
+        with self._load_lock(hexid):
+            with self._lock:  # another thread may have loaded it meanwhile
+                if hexid in self._modules and now - self._module_time[hexid] < self.retry_s:
+                    return self._modules[hexid]
+            mod = self._open_module(build_id, hexid)
+            with self._lock:
+                self._modules[hexid] = mod
+                self._module_time[hexid] = time.monotonic()
+                self._modules.move_to_end(hexid)
+                while len(self._modules) > self.max_modules:
+                    old, _ = self._modules.popitem(last=False)
+                    self._module_time.pop(old, None)
+                    self._load_locks.pop(old, None)
+            return mod
+
+    def _open_module(self, build_id: bytes, hexid: str) -> _Module | None:
+        try:
+            dbg = self.sources.find(build_id, DEBUGINFO)
+            dbg_elf = ElfFile(dbg.path) if dbg else None
+        except (ElfFormatError, ValueError) as e:
+            log.warning("Cannot open the debug file of a build id. build_id=%s error=%s", hexid, e)
+            self.metrics.module_loads.labels("error").inc()
+            dbg, dbg_elf = None, None
+        exe_elf = None
+        try:
+            if dbg_elf is None or not dbg_elf.loads_have_offsets or not dbg_elf.has_dwarf:
+                exe = self.sources.find(build_id, EXECUTABLE)
+                if exe is not None and (dbg is None or exe.path != dbg.path):
+                    exe_elf = ElfFile(exe.path)
+            if dbg_elf is None and exe_elf is None:
+                self.metrics.module_loads.labels("missing").inc()
+                return None
+            files = [f for f in (dbg_elf, exe_elf) if f is not None]
+            # Names: the first file with a .symtab, else the best of .dynsym/MiniDebugInfo.
+            symbols = SymbolIndex.empty()
+            for f in files:
+                idx = f.symbol_index()
+                if len(idx) > len(symbols) or (idx.source == ".symtab" and symbols.source != ".symtab"):
+                    symbols = idx
+                if symbols.source == ".symtab":
+                    break
+            # Offsets: the executable's headers are exact; a split debug file's are a guess.
+            with_offsets = [f for f in (exe_elf, dbg_elf) if f is not None and f.loads_have_offsets]
+            segments = with_offsets[0].segments if with_offsets else files[0].approx_segments()
+            dwarf = next((f.path for f in files if f.has_dwarf), None)
+            name = _display_name(hexid, *((f.path, f.soname) for f in (exe_elf, dbg_elf) if f is not None))
+        except ElfFormatError as e:
+            log.warning("Cannot read the ELF file of a build id. build_id=%s error=%s", hexid, e)
+            self.metrics.module_loads.labels("error").inc()
+            return None
+        finally:
+            for opened in (dbg_elf, exe_elf):
+                if opened is not None:
+                    opened.close()
+        self.metrics.module_loads.labels("dwarf" if dwarf else "symbols").inc()
+        complete = dwarf is not None and bool(with_offsets)
+        return _Module(next(self._gen), hexid, name, segments, symbols, dwarf, complete, time.monotonic())
+
+    def _kernel(self, build_id: bytes, text_addr: int) -> _Kernel:
+        hexid = build_id.hex() if build_id else ""
+        key = (hexid, text_addr)
+        now = time.monotonic()
+        with self._lock:
+            k = self._kernels.get(key)
+        if k is not None:
+            fresh = k.complete or now - k.loaded_at < self.retry_s
+            # A snapshot uploaded since the last look is picked up at once (the server re-symbolizes).
+            if fresh and (
+                k.kallsyms is not None or self.kernels is None or not hexid or not self.kernels.has(hexid)
+            ):
+                return k
+        kallsyms = self.kernels.get(hexid) if (self.kernels is not None and hexid) else None
+        vmlinux = self.module(build_id) if hexid else None
+        link_text = link_etext = 0
+        if vmlinux is not None and vmlinux.dwarf_path:
+            with ElfFile(vmlinux.dwarf_path) as f:
+                link_text = f.find_symbol("_text") or 0
+                link_etext = f.find_symbol("_etext") or 0
+            if not (link_text and link_etext > link_text):
+                vmlinux = None
+        k = _Kernel(
+            next(self._gen),
+            hexid,
+            kallsyms,
+            vmlinux,
+            link_text,
+            link_etext,
+            complete=kallsyms is not None and vmlinux is not None,
+            loaded_at=time.monotonic(),
+        )
+        with self._lock:
+            self._kernels[key] = k
+            while len(self._kernels) > self.max_modules:
+                self._kernels.popitem(last=False)
+        return k
+
+    def has_kallsyms(self, build_id: bytes) -> bool:
+        return self.kernels is not None and self.kernels.has(build_id)
+
+    def put_kallsyms(self, build_id: bytes, data: bytes) -> None:
+        """Store an uploaded `/proc/kallsyms` (raw or gzip); KallsymsError if unusable."""
+        if self.kernels is None:
+            raise RuntimeError("this Resolver has no kallsyms store (state directory)")
+        self.kernels.put(build_id, data)
+        hexid = build_id.hex()
+        with self._lock:
+            for key in [k for k in self._kernels if k[0] == hexid]:
+                del self._kernels[key]
+
+    def _intern(self, f: model.Frame) -> model.Frame:
+        got = self._interned.get(f)
+        if got is None:
+            if len(self._interned) >= self.cache_entries:
+                self._interned = {_VDSO: _VDSO}  # only sharing is lost
+            got = self._interned[f] = f
+        return got
+
+    # --- result cache ----------------------------------------------------------
+
+    def _store(self, key: tuple[int, int, bool], frames: _Frames) -> None:
+        cache = self._cache
+        cache[key] = frames
+        if len(cache) > self.cache_entries:
+            with self._cache_lock:
+                n = len(cache) - self.cache_entries + self.cache_entries // _EVICT_FRACTION
+                # islice over a dict runs in C under the GIL: no concurrent-resize error.
+                old = list(itertools.islice(cache, max(0, n)))
+                for k in old:
+                    cache.pop(k, None)
+                self.metrics.evictions.inc(len(old))
+
+    # --- user frames -----------------------------------------------------------
+
+    def _resolve_user(
+        self, mod: _Module | None, build_id: bytes, todo: Sequence[tuple[int, bool]]
+    ) -> list[_Frames | _Uncached]:
+        """Frames for (file offset, is_leaf) pairs of one build id."""
+        if mod is None:
+            label = build_id.hex()[:8]
+            self.metrics.unresolved.labels("no_file").inc(len(todo))
+            return [(self._intern(model.Frame(f"{label}+0x{off:x}", label)),) for off, _ in todo]
+        vaddrs: list[int | None] = []
+        for off, leaf in todo:
+            v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
+            vaddrs.append(v)
+        dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
+        if mod.dwarf_path and self.llvm is not None:
+            wanted = [i for i, v in enumerate(vaddrs) if v is not None]
+            answers = self.llvm.symbolize(mod.dwarf_path, [vaddrs[i] or 0 for i in wanted])
+            for i, ans in zip(wanted, answers, strict=True):
+                dwarf[i] = ans
+        out: list[_Frames | _Uncached] = []
+        final = not mod.dwarf_path or self.llvm is None or not self.llvm.available
+        for (off, _leaf), v, src in zip(todo, vaddrs, dwarf, strict=True):
+            frames = self._user_frames(mod, off, v, src)
+            # A names-only answer where DWARF exists is not final: llvm may have failed this time.
+            out.append(frames if final or src is not None or v is None else _Uncached(frames))
+        return out
+
+    def _user_frames(
+        self, mod: _Module, off: int, vaddr: int | None, src: list[SourceFrame] | None
+    ) -> _Frames:
+        sym = mod.symbols.lookup(vaddr) if vaddr is not None else None
+        if not src:
+            if sym is None:
+                self.metrics.unresolved.labels("bad_offset" if vaddr is None else "no_symbol").inc()
+                return (self._intern(model.Frame(f"{mod.name}+0x{off:x}", mod.name)),)
+            got = mod.named.get(sym[0])
+            if got is None:
+                got = mod.named[sym[0]] = (self._intern(model.Frame(demangle(sym[0]), mod.name)),)
+            return got
+        frames = []
+        last = len(src) - 1
+        for i, sf in enumerate(src):
+            if i == last and sym is not None:
+                name = demangle(sym[0])
+            elif sf.function:
+                name = demangle(sf.function)
+            else:
+                name = f"{mod.name}+0x{off:x}"
+            frame = model.Frame(name, mod.name, _path(sf.file), sf.line, model.KIND_USER, i != last)
+            frames.append(self._intern(frame))
+        frames.reverse()  # root first: the outer function, then what was inlined into it
+        return tuple(frames)
+
+    # --- kernel frames ---------------------------------------------------------
+
+    def _resolve_kernel(self, k: _Kernel, text_addr: int, todo: Sequence[tuple[int, bool]]) -> list[_Frames]:
+        out: list[_Frames] = [()] * len(todo)
+        via_vmlinux: list[tuple[int, int]] = []  # (index, link-time address)
+        vm = k.vmlinux
+        runtime_text = text_addr or (k.kallsyms.text_addr if k.kallsyms else 0)
+        for i, (ip, leaf) in enumerate(todo):
+            look = ip if leaf else ip - 1
+            if vm is not None and runtime_text:
+                link = look - runtime_text + k.link_text
+                if k.link_text <= link < k.link_etext:
+                    via_vmlinux.append((i, link))
+                    continue
+            out[i] = self._kallsyms_frame(k, text_addr, ip, look)
+        if via_vmlinux and vm is not None:
+            links = [a for _, a in via_vmlinux]
+            answers: list[list[SourceFrame] | None] = [None] * len(links)
+            if vm.dwarf_path and self.llvm is not None:
+                answers = self.llvm.symbolize(vm.dwarf_path, links)
+            for (i, link), src in zip(via_vmlinux, answers, strict=True):
+                frames = self._user_frames(vm, link, link, src)
+                if vm.symbols.lookup(link) is None and not src:
+                    frames = self._kallsyms_frame(k, text_addr, todo[i][0], todo[i][0] - (not todo[i][1]))
+                out[i] = tuple(
+                    model.Frame(f.name, "vmlinux", f.file, f.line, model.KIND_KERNEL, f.inlined)
+                    for f in frames
+                )
+        return out
+
+    def _kallsyms_frame(self, k: _Kernel, text_addr: int, ip: int, look: int) -> _Frames:
+        idx = k.kallsyms
+        if idx is not None:
+            same_boot = not text_addr or text_addr == idx.text_addr
+            hit = idx.lookup(look if same_boot else look - text_addr + idx.text_addr)
+            if hit is not None and (same_boot or not hit[1]):
+                name, module, _off = hit
+                return (
+                    self._intern(model.Frame(demangle(name), module or "vmlinux", kind=model.KIND_KERNEL)),
+                )
+        self.metrics.unresolved.labels("no_kallsyms" if idx is None else "no_symbol").inc()
+        return (self._intern(model.Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=model.KIND_KERNEL)),)
+
+    # --- sessions --------------------------------------------------------------
+
+    def symbolize(self, session: wire.Session) -> model.Profile:
+        """Name every frame of a session. Never raises for unknown frames: they get labels."""
+        # The wire decoder shares one object per distinct frame and per distinct stack, so the
+        # per-session memos below are keyed by id(): no dataclass hashing on the hot path.
+        cache = self._cache
+        frame_ids: dict[int, int] = {}
+        frames_out: list[model.Frame] = []
+        intern = self._intern
+
+        def indexes(frames: _Frames) -> tuple[int, ...]:
+            # Frames are interned: equal frames are one object, so id() identifies them.
+            out = []
+            for f in frames:
+                i = frame_ids.get(id(f))
+                if i is None:
+                    i = frame_ids[id(f)] = len(frames_out)
+                    frames_out.append(f)
+                out.append(i)
+            return tuple(out)
+
+        # 1. Every distinct frame object: from the cache, or queued for its module.
+        memo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][id]
+        kmemo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][ip]
+        modules: dict[bytes, _Module | None] = {}
+        user_todo: dict[bytes, dict[tuple[int, bool], list[int]]] = {}
+        kernel_todo: dict[tuple[int, bool], None] = {}
+        k: _Kernel | None = None
+        hits = [0, 0]
+        seen_stacks: set[tuple[int, int]] = set()
+        for t in session.traces:
+            skey = (id(t.kernel), id(t.user))
+            if skey in seen_stacks:
+                continue
+            seen_stacks.add(skey)
+            for j, f in enumerate(t.user):
+                leaf = j == 0
+                m = memo[leaf]
+                if id(f) in m:
+                    continue
+                if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                    bid = f.build_id
+                    if bid in modules:
+                        mod = modules[bid]
+                    else:
+                        mod = modules[bid] = self.module(bid)
+                    got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
+                    if got is None:
+                        user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))
+                        m[id(f)] = ()
+                    else:
+                        hits[0] += 1
+                        m[id(f)] = indexes(got)
+                elif f.kind == wire.FRAME_VDSO:
+                    m[id(f)] = indexes((_VDSO,))
+                else:
+                    m[id(f)] = indexes(
+                        (intern(model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)),)
+                    )
+            if t.kernel and k is None:
+                k = self._kernel(session.kernel.build_id, session.kernel.text_addr)
+            for j, ip in enumerate(t.kernel):
+                leaf = j == 0
+                km = kmemo[leaf]
+                if ip in km:
+                    continue
+                assert k is not None
+                got = cache.get((-k.gen, ip, leaf))  # kernel generations are negative
+                if got is None:
+                    kernel_todo[(ip, leaf)] = None
+                    km[ip] = ()
+                else:
+                    hits[1] += 1
+                    km[ip] = indexes(got)
+
+        # 2. Misses, in one batch per module (one llvm request each).
+        for bid, todo in user_todo.items():
+            mod = modules[bid]
+            keys = list(todo)
+            for (off, leaf), frames in zip(keys, self._resolve_user(mod, bid, keys), strict=True):
+                if isinstance(frames, _Uncached):
+                    frames = frames.frames
+                elif mod is not None:
+                    self._store((mod.gen, off, leaf), frames)
+                ix = indexes(frames)
+                for fid in todo[(off, leaf)]:
+                    memo[leaf][fid] = ix
+        if kernel_todo:
+            assert k is not None
+            keys = list(kernel_todo)
+            cacheable = k.kallsyms is not None or k.vmlinux is not None
+            for (ip, leaf), frames in zip(
+                keys, self._resolve_kernel(k, session.kernel.text_addr, keys), strict=True
+            ):
+                if cacheable:
+                    self._store((-k.gen, ip, leaf), frames)
+                kmemo[leaf][ip] = indexes(frames)
+
+        # 3. Root-first stacks: user frames from the root down, then kernel frames down to the leaf.
+        stacks: dict[tuple[int, int], tuple[int, ...]] = {}
+        samples: list[model.Sample] = []
+        kinds = {"user": 0, "kernel": 0, "vdso": 0, "unknown": 0}
+        user_memo, call_memo = memo[True], memo[False]
+        threads = session.threads
+        for t in session.traces:
+            skey = (id(t.kernel), id(t.user))
+            stack = stacks.get(skey)
+            if stack is None:
+                parts: list[int] = []
+                user = t.user
+                for j in range(len(user) - 1, 0, -1):
+                    parts.extend(call_memo[id(user[j])])
+                if user:
+                    parts.extend(user_memo[id(user[0])])
+                kern = t.kernel
+                for j in range(len(kern) - 1, 0, -1):
+                    parts.extend(kmemo[False][kern[j]])
+                if kern:
+                    parts.extend(kmemo[True][kern[0]])
+                stack = stacks[skey] = tuple(parts)
+                for f in user:
+                    if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                        kinds["user"] += 1
+                    elif f.kind == wire.FRAME_VDSO:
+                        kinds["vdso"] += 1
+                    else:
+                        kinds["unknown"] += 1
+                kinds["kernel"] += len(kern)
+            samples.append(
+                model.Sample(stack, t.pid, t.tid, threads.get(t.tid, ""), t.on_cpu, t.off_cpu, t.off_cpu_ns)
+            )
+
+        misses = [sum(len(v) for v in user_todo.values()), len(kernel_todo)]
+        for i, space in enumerate(("user", "kernel")):
+            if hits[i]:
+                self.metrics.hits.labels(space).inc(hits[i])
+            if misses[i]:
+                self.metrics.misses.labels(space).inc(misses[i])
+        for kind, n in kinds.items():
+            if n:
+                self.metrics.lookups.labels(kind).inc(n)
+        return model.Profile(meta=_meta(session), frames=frames_out, samples=samples)
+
+    def symbolize_file(self, path: str | os.PathLike[str]) -> model.Profile:
+        """Symbolize a spooled session file (msgpack, optionally gzip'd) for `bistouri symbolize`."""
+        return self.symbolize(read_session_file(path))
+
+
+class _Uncached:
+    """Marks a result that must not enter the cache (llvm failed; it may answer next time)."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: _Frames) -> None:
+        self.frames = frames
+
+
+_VDSO = model.Frame("[vdso]", "[vdso]", kind=model.KIND_VDSO)
+_PATHS: dict[str, str] = {}
+
+
+def _path(p: str) -> str:
+    # DWARF paths like build/../Objects/x.c: normalized once per distinct string.
+    out = _PATHS.get(p)
+    if out is None:
+        out = os.path.normpath(p) if p else ""
+        if len(_PATHS) < 100_000:
+            _PATHS[p] = out
+    return out
+
+
+def _meta(s: wire.Session) -> model.SessionMeta:
+    tr = s.trigger
+    on = sum(t.on_cpu for t in s.traces)
+    off = sum(t.off_cpu for t in s.traces)
+    off_ns = sum(t.off_cpu_ns for t in s.traces)
+    return model.SessionMeta(
+        session_id=s.session_id,
+        tenant=s.tenant,
+        service=s.service,
+        host=s.host,
+        labels=dict(s.labels),
+        processes=dict(s.processes),
+        resource=tr.resource,
+        stall=tr.stall,
+        threshold_us=tr.threshold_us,
+        window_us=tr.window_us,
+        cgroup=tr.cgroup,
+        trigger_time_ns=tr.time_ns,
+        avg10=tr.avg10,
+        avg60=tr.avg60,
+        avg300=tr.avg300,
+        psi_total_us=tr.total_us,
+        start_ns=s.start_ns,
+        duration_ns=s.duration_ns,
+        period_ns=s.period_ns,
+        kernel_release=s.kernel.release,
+        on_cpu=on,
+        off_cpu=off,
+        off_cpu_ns=off_ns,
+    )
+
+
+def read_session_file(path: str | os.PathLike[str], max_bytes: int = 256 << 20) -> wire.Session:
+    """One session from a spool file or a one-session request body (msgpack, gzip'd or not)."""
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    if len(data) > max_bytes:
+        raise WireError("too_large", f"{os.fspath(path)} holds more than {max_bytes} bytes")
+    try:
+        return wire.decode_session(data)
+    except WireError:
+        sessions: list[Any] = wire.decode_batch(data)
+        if len(sessions) != 1:
+            raise WireError("malformed", f"{os.fspath(path)} holds {len(sessions)} sessions; expected one")
+        return wire.session_from_wire(sessions[0])
+
+
+def symbolize_file(
+    path: str | os.PathLike[str], resolver: Resolver | None = None, **options: Any
+) -> model.Profile:
+    """Symbolize one session file; builds a Resolver from `options` when none is given."""
+    if resolver is not None:
+        return resolver.symbolize_file(path)
+    with Resolver(**options) as r:
+        return r.symbolize_file(path)

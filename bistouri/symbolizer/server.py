@@ -1,0 +1,753 @@
+"""The symbolizer HTTP service: ingest of agent sessions, kernel symbols, the read API and the UI.
+
+A plain WSGI application (werkzeug routing, requests and responses) served by
+gunicorn with several worker processes. Each worker builds its own resolver and
+database connection after the fork. Untrusted input never reaches a 500: every
+malformed, oversized or wrong-version payload gets a 4xx with a reason, and is
+counted in `bistouri_symbolizer_requests_rejected_total{reason}`. docs/api.md
+is the reference of the endpoints.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import mimetypes
+import os
+import re
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+from werkzeug.routing import Map, Rule
+from werkzeug.security import safe_join
+from werkzeug.wrappers import Request, Response
+
+from .. import wire
+from ..errors import WireError
+from . import formats
+from .kallsyms import KallsymsError, KallsymsStore
+from .model import Profile
+from .store import Filter, Store, StoredSession, meta_from_session
+
+log = logging.getLogger(__name__)
+
+MSGPACK_TYPES = ("application/x-msgpack", "application/msgpack")
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DECOMPRESSION_RATIO = 8  # decompressed bodies may be this many times --max-request-bytes
+MAX_SESSIONS_PER_BATCH = 1000
+MAX_LIST_LIMIT = 1000
+DEFAULT_MERGE_LIMIT = 500
+RETENTION_INTERVAL_S = 60.0
+RESYMBOLIZE_PER_UPLOAD = 2000
+_BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
+
+
+class ResolverLike(Protocol):
+    def symbolize(self, session: wire.Session) -> Profile: ...
+
+
+@dataclass
+class ServerConfig:
+    state_dir: Path
+    db: str = ""  # empty: SQLite in the state dir
+    token: str | None = None  # required on writes when set
+    read_token: bool = False  # require the token on reads too
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    retention_days: float | None = None
+    max_db_bytes: int | None = None
+    metrics_port: int | None = None  # a listener that serves only /metrics
+    merge_limit: int = DEFAULT_MERGE_LIMIT
+    ui_dir: Path = field(default_factory=lambda: Path(__file__).with_name("ui"))
+
+    @property
+    def max_decompressed_bytes(self) -> int:
+        return self.max_request_bytes * DECOMPRESSION_RATIO
+
+
+class ApiError(Exception):
+    """A request problem: becomes `{"error": reason, "detail": text}` with its HTTP status."""
+
+    def __init__(self, status: int, reason: str, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+        self.extra = extra
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+
+
+class Metrics:
+    """The service's metrics. In gunicorn's multi-process mode values live in PROMETHEUS_MULTIPROC_DIR."""
+
+    def __init__(self, store: Callable[[], Store]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "bistouri_symbolizer_"
+        self.http_requests = Counter(
+            p + "http_requests_total", "HTTP requests by route and status", ["route", "code"], registry=r
+        )
+        self.rejected = Counter(
+            p + "requests_rejected_total", "Requests refused with a 4xx, by reason", ["reason"], registry=r
+        )
+        self.received_bytes = Counter(
+            p + "received_bytes_total", "Compressed bytes of accepted ingest bodies", registry=r
+        )
+        self.ingested = Counter(p + "sessions_ingested_total", "Sessions symbolized and stored", registry=r)
+        self.duplicates = Counter(
+            p + "sessions_duplicate_total", "Sessions received again and not stored twice", registry=r
+        )
+        self.sessions_rejected = Counter(
+            p + "sessions_rejected_total",
+            "Sessions refused inside a batch, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.resymbolized = Counter(
+            p + "sessions_resymbolized_total",
+            "Sessions symbolized again once their kernel's symbols arrived",
+            registry=r,
+        )
+        self.expired = Counter(
+            p + "sessions_expired_total", "Sessions deleted by retention, by reason", ["reason"], registry=r
+        )
+        self.kernel_uploads = Counter(p + "kernel_uploads_total", "kallsyms snapshots uploaded", registry=r)
+        self.frames = Counter(p + "frames_total", "Distinct frames symbolized, by kind", ["kind"], registry=r)
+        self.stored_bytes = Counter(
+            p + "stored_bytes_total", "Compressed bytes written to the database", registry=r
+        )
+        self.latency = Histogram(
+            p + "symbolize_duration_seconds",
+            "Time to symbolize one session",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        self._store = store
+
+    def exposition(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import GaugeMetricFamily
+
+        registry: Any
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        text = generate_latest(registry)
+        # Database size is read at scrape time: it is shared by every worker and instance.
+        try:
+            n, used = self._store().stats()
+        except Exception as e:
+            log.warning("cannot read database stats for /metrics. error=%s", e)
+            return text
+        extra = CollectorRegistry()
+
+        class _Db:
+            def collect(self) -> Iterable[Any]:
+                yield GaugeMetricFamily(
+                    "bistouri_symbolizer_db_sessions", "Sessions in the database", value=n
+                )
+                yield GaugeMetricFamily(
+                    "bistouri_symbolizer_db_bytes", "Compressed session bytes in the database", value=used
+                )
+
+        extra.register(_Db())
+        return text + generate_latest(extra)
+
+
+# ---------------------------------------------------------------------------
+# Request helpers
+
+
+def _parse_time(name: str, v: str) -> int:
+    """Unix seconds (int or float) or ISO 8601, as unix nanoseconds; naive times are UTC."""
+    try:
+        return int(float(v) * 1e9)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
+    except ValueError:
+        raise ApiError(400, "bad_parameter", f"{name}={v!r} is neither unix seconds nor ISO 8601")
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
+
+
+def _int_arg(args: Any, name: str, default: int, lo: int, hi: int) -> int:
+    v = args.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ApiError(400, "bad_parameter", f"{name}={v!r} is not an integer")
+    if not lo <= n <= hi:
+        raise ApiError(400, "bad_parameter", f"{name}={n} is outside {lo}..{hi}")
+    return n
+
+
+def _filter(args: Any, prefix: str = "") -> Filter:
+    def g(k: str) -> str:
+        return str(args.get(prefix + k, "") or "")
+
+    since = g("since")
+    until = g("until")
+    return Filter(
+        service=g("service"),
+        host=g("host"),
+        resource=g("resource"),
+        comm=g("comm"),
+        tenant=g("tenant"),
+        since_ns=_parse_time(prefix + "since", since) if since else None,
+        until_ns=_parse_time(prefix + "until", until) if until else None,
+    )
+
+
+def _value(args: Any) -> str:
+    v = args.get("value", "on_cpu")
+    if v not in formats.VALUES:
+        raise ApiError(400, "bad_parameter", f"value={v!r} is not one of {', '.join(formats.VALUES)}")
+    return str(v)
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        json.dumps(obj, separators=(",", ":")), status=status, mimetype="application/json", headers=headers
+    )
+
+
+def gunzip_limited(data: bytes, limit: int) -> bytes:
+    """Decompress one gzip member, refusing output over `limit` bytes (gzip bombs)."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ApiError(400, "bad_encoding", f"body is not valid gzip: {e}")
+    if len(out) > limit or d.unconsumed_tail:
+        raise ApiError(413, "too_large", f"body decompresses to more than {limit} bytes")
+    if not d.eof:
+        raise ApiError(400, "bad_encoding", "gzip body is truncated")
+    if d.unused_data:
+        raise ApiError(400, "bad_encoding", "trailing data after the gzip member")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The application
+
+
+class SymbolizerApp:
+    """The WSGI application. One instance per worker process, built after the fork."""
+
+    def __init__(self, config: ServerConfig, resolver_factory: Callable[[], ResolverLike]) -> None:
+        self.config = config
+        self._resolver_factory = resolver_factory
+        self._resolver: ResolverLike | None = None
+        self.store = Store.for_state_dir(
+            config.db,
+            config.state_dir,
+            retention_days=config.retention_days,
+            max_db_bytes=config.max_db_bytes,
+        )
+        self.metrics = Metrics(lambda: self.store)
+        self.kallsyms = KallsymsStore(str(config.state_dir))
+        self._known_kernels: set[str] = set()
+        self._last_retention = 0.0
+        self.url_map = Map(
+            [
+                Rule("/", endpoint="root", methods=["GET"]),
+                Rule("/healthz", endpoint="healthz", methods=["GET"]),
+                Rule("/metrics", endpoint="metrics", methods=["GET"]),
+                Rule("/v1/sessions", endpoint="sessions", methods=["GET", "POST"]),
+                Rule("/v1/sessions/<sid>", endpoint="session", methods=["GET"]),
+                Rule("/v1/sessions/<sid>/<fmt>", endpoint="session_profile", methods=["GET"]),
+                Rule("/v1/profile/<fmt>", endpoint="merged_profile", methods=["GET"]),
+                Rule("/v1/diff/flamegraph", endpoint="diff", methods=["GET"]),
+                Rule("/v1/kernels/<build_id>", endpoint="kernel", methods=["GET", "PUT"]),
+                Rule("/ui", endpoint="ui_root", methods=["GET"]),
+                Rule("/ui/", endpoint="ui", defaults={"path": "index.html"}, methods=["GET"]),
+                Rule("/ui/<path:path>", endpoint="ui", methods=["GET"]),
+            ],
+            strict_slashes=False,
+        )
+
+    def close(self) -> None:
+        """Release the resolver (its llvm-symbolizer processes) and the database connection."""
+        close = getattr(self._resolver, "close", None)
+        if callable(close):
+            close()
+        self._resolver = None
+        self.store.close()
+
+    @property
+    def resolver(self) -> ResolverLike:
+        if self._resolver is None:
+            self._resolver = self._resolver_factory()
+        return self._resolver
+
+    # -- WSGI ---------------------------------------------------------------
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        request = Request(environ)
+        route = "unknown"
+        try:
+            adapter = self.url_map.bind_to_environ(environ)
+            endpoint, args = adapter.match()
+            route = str(endpoint)
+            on_metrics_port = environ.get("SERVER_PORT") == str(self.config.metrics_port)
+            if self.config.metrics_port and on_metrics_port and endpoint != "metrics":
+                raise NotFound()
+            response = getattr(self, "on_" + endpoint)(request, **args)
+        except ApiError as e:
+            if e.status in (400, 401, 413, 415):
+                self.metrics.rejected.labels(e.reason).inc()
+            body = {"error": e.reason, "detail": e.detail, **e.extra}
+            headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
+            response = _json(body, e.status, headers)
+        except NotFound:
+            response = _json({"error": "not_found", "detail": f"no such endpoint {request.path}"}, 404)
+        except MethodNotAllowed as e:
+            allowed = ", ".join(e.valid_methods or [])
+            response = _json(
+                {
+                    "error": "method_not_allowed",
+                    "detail": f"{request.method} {request.path}; allowed: {allowed}",
+                },
+                405,
+                {"Allow": allowed},
+            )
+        except HTTPException as e:
+            response = e.get_response(environ)
+        except Exception:
+            log.exception("request failed. method=%s path=%s", request.method, request.path)
+            response = _json({"error": "internal", "detail": "internal error, see the service log"}, 500)
+        self.metrics.http_requests.labels(route, str(response.status_code)).inc()
+        return response(environ, start_response)
+
+    # -- auth and bodies ----------------------------------------------------
+
+    def _authorize(self, request: Request, write: bool) -> None:
+        token = self.config.token
+        if token is None or not (write or self.config.read_token):
+            return
+        got = request.headers.get("Authorization", "")
+        scheme, _, value = got.partition(" ")
+        if scheme.lower() != "bearer" or not value:
+            raise ApiError(401, "unauthorized", "missing bearer token: send 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "bad bearer token")
+
+    def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise ApiError(413, "too_large", f"body of {length} bytes, at most {limit} accepted")
+        stream = request.environ["wsgi.input"]
+        want = length if length is not None else limit + 1
+        chunks = []
+        got = 0
+        while got < want:
+            chunk = stream.read(min(65536, want - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > limit:
+            raise ApiError(413, "too_large", f"body over {limit} bytes")
+        return b"".join(chunks)
+
+    def _decoded_body(self, request: Request) -> tuple[bytes, int]:
+        """The body, decompressed if it says gzip, and its size as received."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("gzip", "identity"):
+            raise ApiError(415, "unsupported_encoding", f"Content-Encoding {encoding!r}: send gzip")
+        body = self._read_body(request)
+        if encoding == "gzip":
+            return gunzip_limited(body, self.config.max_decompressed_bytes), len(body)
+        return body, len(body)
+
+    # -- basic endpoints ----------------------------------------------------
+
+    def on_root(self, request: Request) -> Response:
+        return Response(status=302, headers={"Location": "/ui/"})
+
+    def on_ui_root(self, request: Request) -> Response:
+        return Response(status=302, headers={"Location": "/ui/"})
+
+    def on_healthz(self, request: Request) -> Response:
+        return Response("ok\n", mimetype="text/plain")
+
+    def on_metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def on_ui(self, request: Request, path: str) -> Response:
+        full = safe_join(str(self.config.ui_dir), path)
+        if full is None or not os.path.isfile(full):
+            raise NotFound()
+        with open(full, "rb") as f:
+            data = f.read()
+        mime = mimetypes.guess_type(full)[0] or "application/octet-stream"
+        return Response(data, mimetype=mime, headers={"Cache-Control": "no-cache"})
+
+    # -- ingest -------------------------------------------------------------
+
+    def on_sessions(self, request: Request) -> Response:
+        if request.method == "GET":
+            return self._list_sessions(request)
+        self._authorize(request, write=True)
+        if request.mimetype not in MSGPACK_TYPES:
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                f"Content-Type {request.mimetype!r}: send application/x-msgpack",
+            )
+        data, received = self._decoded_body(request)
+        try:
+            items = wire.decode_batch(data, MAX_SESSIONS_PER_BATCH)
+        except WireError as e:
+            raise ApiError(413 if e.reason == "too_large" else 400, e.reason, str(e))
+        except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
+            raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
+        result = self._ingest(items)
+        if items and not result["accepted"] and not result["duplicates"]:
+            first = result["rejected"][0]["reason"]
+            raise ApiError(
+                413 if first == "too_large" else 400,
+                first,
+                f"all {len(items)} sessions of the batch were rejected",
+                **result,
+            )
+        self.metrics.received_bytes.inc(received)
+        self._maybe_retention()
+        return _json(result)
+
+    def _ingest(self, items: list[Any]) -> dict[str, Any]:
+        accepted: list[str] = []
+        duplicates: list[str] = []
+        rejected: list[dict[str, Any]] = []
+        missing: list[str] = []
+        for item in items:
+            sid = item.get("id") if isinstance(item, dict) else None
+            sid = sid if isinstance(sid, str) else None
+            try:
+                session = wire.session_from_wire(item)
+            except WireError as e:
+                rejected.append({"id": sid, "reason": e.reason, "detail": str(e)})
+                continue
+            except Exception as e:
+                rejected.append({"id": sid, "reason": "malformed", "detail": f"{type(e).__name__}: {e}"})
+                continue
+            if self.store.exists(session.session_id):
+                duplicates.append(session.session_id)
+                continue
+            kernel_hex = session.kernel.build_id.hex()
+            pending = (
+                bool(kernel_hex)
+                and any(t.kernel for t in session.traces)
+                and not self.kernel_known(kernel_hex)
+            )
+            try:
+                profile = self._symbolize(session)
+            except Exception as e:
+                log.exception("symbolization failed. session=%s", session.session_id)
+                rejected.append({"id": session.session_id, "reason": "symbolize_failed", "detail": str(e)})
+                continue
+            stored = self.store.insert(
+                StoredSession(
+                    meta=profile.meta,
+                    profile=profile,
+                    raw=wire.encode_session(session),
+                    kernel_build_id=kernel_hex,
+                    kernel_pending=pending,
+                )
+            )
+            if not stored:
+                duplicates.append(session.session_id)
+                continue
+            accepted.append(session.session_id)
+            self.metrics.stored_bytes.inc(stored)
+            if pending and kernel_hex not in missing:
+                missing.append(kernel_hex)
+        self.metrics.ingested.inc(len(accepted))
+        self.metrics.duplicates.inc(len(duplicates))
+        for r in rejected:
+            self.metrics.sessions_rejected.labels(r["reason"]).inc()
+        return {
+            "accepted": accepted,
+            "duplicates": duplicates,
+            "rejected": rejected,
+            "missing_kernels": missing,
+        }
+
+    def _symbolize(self, session: wire.Session) -> Profile:
+        t0 = time.perf_counter()
+        profile = self.resolver.symbolize(session)
+        self.metrics.latency.observe(time.perf_counter() - t0)
+        # The metadata comes from the wire session, whatever the resolver filled in.
+        profile.meta = meta_from_session(session, profile)
+        kinds: dict[str, int] = {}
+        for f in profile.frames:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        for kind, n in kinds.items():
+            self.metrics.frames.labels(kind).inc(n)
+        return profile
+
+    def _maybe_retention(self) -> None:
+        if self.config.retention_days is None and self.config.max_db_bytes is None:
+            return
+        now = time.monotonic()
+        if now - self._last_retention < RETENTION_INTERVAL_S:
+            return
+        self._last_retention = now
+        self.run_retention()
+
+    def run_retention(self) -> dict[str, int]:
+        deleted = self.store.enforce_retention()
+        for reason, n in deleted.items():
+            if n:
+                self.metrics.expired.labels(reason).inc(n)
+                log.info("retention deleted sessions. reason=%s count=%d", reason, n)
+        return deleted
+
+    # -- kernels ------------------------------------------------------------
+
+    def kernel_known(self, build_id_hex: str) -> bool:
+        """Whether this kernel's kallsyms are here (or in the database, from another instance)."""
+        if build_id_hex in self._known_kernels:
+            return True
+        if not self.kallsyms.has(build_id_hex):
+            data = self.store.get_kernel(build_id_hex)
+            if data is None:
+                return False
+            try:
+                self.kallsyms.put(build_id_hex, data)
+            except (KallsymsError, ValueError) as e:
+                log.warning("unusable kallsyms in the database. build_id=%s error=%s", build_id_hex, e)
+                return False
+        self._known_kernels.add(build_id_hex)
+        return True
+
+    def on_kernel(self, request: Request, build_id: str) -> Response:
+        build_id = build_id.lower()
+        if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
+            raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
+        if request.method == "GET":
+            self._authorize(request, write=False)
+            if self.kernel_known(build_id):
+                return _json({"build_id": build_id, "present": True})
+            return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
+        self._authorize(request, write=True)
+        body = self._read_body(request)
+        if body[:2] != b"\x1f\x8b":
+            raise ApiError(400, "bad_encoding", "body must be gzip-compressed /proc/kallsyms text")
+        gunzip_limited(body, self.config.max_decompressed_bytes)  # bounded check before the parser reads it
+        try:
+            index = self.kallsyms.put(build_id, body)
+        except KallsymsError as e:
+            raise ApiError(400, "malformed", f"unusable kallsyms: {e}")
+        self.store.put_kernel(build_id, body)
+        self._known_kernels.add(build_id)
+        self.metrics.kernel_uploads.inc()
+        n = self._resymbolize(build_id, RESYMBOLIZE_PER_UPLOAD)
+        log.info(
+            "kernel symbols uploaded. build_id=%s bytes=%d symbols=%d resymbolized=%d",
+            build_id,
+            len(body),
+            len(index),
+            n,
+        )
+        return Response(status=204)
+
+    def _resymbolize(self, build_id: str, limit: int) -> int:
+        done = 0
+        for sid in self.store.pending_for_kernel(build_id)[:limit]:
+            if self._resymbolize_one(sid):
+                done += 1
+        return done
+
+    def _resymbolize_one(self, sid: str) -> Profile | None:
+        raw = self.store.get_raw(sid)
+        if raw is None:
+            return None
+        try:
+            profile = self._symbolize(wire.decode_session(raw))
+        except Exception:
+            log.exception("re-symbolization failed. session=%s", sid)
+            return None
+        self.store.update_profile(sid, profile, kernel_pending=False)
+        self.metrics.resymbolized.inc()
+        return profile
+
+    # -- read API -----------------------------------------------------------
+
+    def _list_sessions(self, request: Request) -> Response:
+        self._authorize(request, write=False)
+        flt = _filter(request.args)
+        limit = _int_arg(request.args, "limit", 100, 1, MAX_LIST_LIMIT)
+        offset = _int_arg(request.args, "offset", 0, 0, 1 << 31)
+        metas, total = self.store.query(flt, limit, offset)
+        return _json({"sessions": [m.to_json() for m in metas], "total": total})
+
+    def _profile(self, sid: str) -> Profile:
+        profile = self.store.get_profile(sid)
+        if profile is None:
+            raise ApiError(404, "not_found", f"no session {sid!r}")
+        kernel = self.store.pending_kernel(sid)
+        if kernel and self.kernel_known(kernel):
+            # Its kernel's symbols came after it did (maybe through another worker or instance).
+            profile = self._resymbolize_one(sid) or profile
+        return profile
+
+    def on_session(self, request: Request, sid: str) -> Response:
+        self._authorize(request, write=False)
+        meta = self.store.get_meta(sid)
+        if meta is None:
+            raise ApiError(404, "not_found", f"no session {sid!r}")
+        return _json(meta.to_json())
+
+    def on_session_profile(self, request: Request, sid: str, fmt: str) -> Response:
+        self._authorize(request, write=False)
+        render = self._renderer(fmt)
+        return render(request, self._profile(sid), sid)
+
+    def on_merged_profile(self, request: Request, fmt: str) -> Response:
+        self._authorize(request, write=False)
+        render = self._renderer(fmt)
+        profile, n = self._merged(request.args, "")
+        response = render(request, profile, "merged")
+        response.headers["X-Bistouri-Sessions"] = str(n)
+        return response
+
+    def _merged(self, args: Any, prefix: str) -> tuple[Profile, int]:
+        flt = _filter(args, prefix)
+        profiles = list(self.store.profiles(flt, self.config.merge_limit))
+        return formats.merge(profiles), len(profiles)
+
+    def on_diff(self, request: Request) -> Response:
+        self._authorize(request, write=False)
+        value = _value(request.args)
+        sides = []
+        for side in ("a", "b"):
+            sid = request.args.get(side)
+            if sid:
+                sides.append(self._profile(sid))
+            elif any(k.startswith(side + ".") for k in request.args):
+                sides.append(self._merged(request.args, side + ".")[0])
+            else:
+                raise ApiError(
+                    400,
+                    "bad_parameter",
+                    f"give {side}=<session id> or {side}.<filter>=… (e.g. {side}.service=)",
+                )
+        return _json(formats.diff(sides[0], sides[1], value))
+
+    def _renderer(self, fmt: str) -> Callable[[Request, Profile, str], Response]:
+        renderers: dict[str, Callable[[Request, Profile, str], Response]] = {
+            "pprof": self._render_pprof,
+            "folded": self._render_folded,
+            "speedscope": self._render_speedscope,
+            "flamegraph": self._render_flamegraph,
+        }
+        if fmt not in renderers:
+            raise ApiError(404, "not_found", f"unknown format {fmt!r}: one of {', '.join(renderers)}")
+        return renderers[fmt]
+
+    @staticmethod
+    def _render_pprof(request: Request, profile: Profile, name: str) -> Response:
+        return Response(
+            formats.pprof(profile),
+            mimetype="application/octet-stream",
+            headers={"Content-Disposition": f'attachment; filename="{_safe_name(name)}.pb.gz"'},
+        )
+
+    @staticmethod
+    def _render_folded(request: Request, profile: Profile, name: str) -> Response:
+        return Response(formats.folded(profile, _value(request.args)), mimetype="text/plain")
+
+    @staticmethod
+    def _render_speedscope(request: Request, profile: Profile, name: str) -> Response:
+        return _json(
+            formats.speedscope(profile, name),
+            headers={"Content-Disposition": f'inline; filename="{_safe_name(name)}.speedscope.json"'},
+        )
+
+    @staticmethod
+    def _render_flamegraph(request: Request, profile: Profile, name: str) -> Response:
+        return _json(formats.flamegraph(profile, _value(request.args)))
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "profile"
+
+
+# ---------------------------------------------------------------------------
+# Running under gunicorn
+
+
+def _child_exit(server: Any, worker: Any) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def _worker_exit(server: Any, worker: Any) -> None:
+    app = getattr(worker, "wsgi", None)
+    if isinstance(app, SymbolizerApp):
+        app.close()
+
+
+def serve(
+    config: ServerConfig,
+    resolver_factory: Callable[[], ResolverLike],
+    binds: list[str],
+    workers: int,
+    log_level: str = "info",
+) -> None:
+    """Run the service under gunicorn until a signal stops it. Exits the process (gunicorn's way)."""
+    from gunicorn.app.base import BaseApplication
+
+    options: dict[str, Any] = {
+        "bind": binds,
+        "workers": workers,
+        "worker_class": "sync",
+        # Symbolizing a large batch, or re-symbolizing after a kernel upload, can take a while.
+        "timeout": 120,
+        "graceful_timeout": 20,
+        "keepalive": 5,
+        "loglevel": log_level.lower(),
+        "errorlog": "-",
+        "accesslog": "-" if log_level.lower() == "debug" else None,
+        "proc_name": "bistouri-symbolizer",
+        "child_exit": _child_exit,
+        "worker_exit": _worker_exit,
+        # Each worker builds its app (resolver, database connection) after the fork.
+        "preload_app": False,
+    }
+
+    class _Gunicorn(BaseApplication):
+        def load_config(self) -> None:
+            for k, v in options.items():
+                self.cfg.set(k, v)
+
+        def load(self) -> SymbolizerApp:
+            return SymbolizerApp(config, resolver_factory)
+
+    _Gunicorn().run()

@@ -1,0 +1,483 @@
+"""Session storage for the symbolizer: SQLite by default, PostgreSQL when given a URL.
+
+One table of sessions: the metadata in columns (what the read API filters on),
+the metadata as JSON (labels, processes), the symbolized profile and the raw
+wire session as compressed blobs. The raw session is kept so that a session
+stored before its kernel's symbols arrived can be symbolized again. Uploaded
+kallsyms live in a second table, so instances sharing a PostgreSQL database
+share them too.
+
+Several gunicorn workers open the same database: each process opens its own
+connection (SQLite in WAL mode with a busy timeout), inserts are idempotent by
+session id, and the schema is migrated once, by the master, before workers fork.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from .. import wire
+from ..errors import BistouriError
+from .model import Frame, Profile, Sample, SessionMeta
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_INT64_MAX = (1 << 63) - 1
+_BUSY_TIMEOUT_S = 30.0
+_RETENTION_BATCH = 500
+
+# Migrations, in order: (version, statements). `{blob}` and `{bigint}` are filled per dialect.
+_MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """CREATE TABLE sessions (
+                id TEXT PRIMARY KEY,
+                tenant TEXT NOT NULL,
+                service TEXT NOT NULL,
+                host TEXT NOT NULL,
+                resource TEXT NOT NULL,
+                comm TEXT NOT NULL,
+                start_ns {bigint} NOT NULL,
+                duration_ns {bigint} NOT NULL,
+                ingested_ns {bigint} NOT NULL,
+                kernel_build_id TEXT NOT NULL,
+                kernel_pending INTEGER NOT NULL,
+                meta TEXT NOT NULL,
+                profile {blob} NOT NULL,
+                raw {blob} NOT NULL,
+                size_bytes {bigint} NOT NULL
+            )""",
+            "CREATE INDEX sessions_start ON sessions (start_ns)",
+            "CREATE INDEX sessions_service_start ON sessions (service, start_ns)",
+            "CREATE INDEX sessions_host_start ON sessions (host, start_ns)",
+            "CREATE INDEX sessions_pending ON sessions (kernel_build_id) WHERE kernel_pending = 1",
+            """CREATE TABLE kernels (
+                build_id TEXT PRIMARY KEY,
+                kallsyms {blob} NOT NULL,
+                uploaded_ns {bigint} NOT NULL
+            )""",
+        ],
+    ),
+]
+
+
+class StoreError(BistouriError):
+    """The database cannot be opened, migrated or used."""
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """What the read API selects sessions by. Times are unix nanoseconds, bounds inclusive."""
+
+    service: str = ""
+    host: str = ""
+    resource: str = ""
+    comm: str = ""
+    tenant: str = ""
+    since_ns: int | None = None
+    until_ns: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSession:
+    meta: SessionMeta
+    profile: Profile
+    raw: bytes  # wire.encode_session bytes
+    kernel_build_id: str = ""  # hex
+    kernel_pending: bool = False  # symbolized without the kernel's symbols
+
+
+# ---------------------------------------------------------------------------
+# Serialization of what goes in the blobs
+
+
+def meta_from_session(s: wire.Session, profile: Profile | None = None) -> SessionMeta:
+    """The metadata of a wire session, with totals from the profile when given."""
+    t = s.trigger
+    meta = SessionMeta(
+        session_id=s.session_id,
+        tenant=s.tenant,
+        service=s.service,
+        host=s.host,
+        labels=dict(s.labels),
+        processes=dict(s.processes),
+        resource=t.resource,
+        stall=t.stall,
+        threshold_us=t.threshold_us,
+        window_us=t.window_us,
+        cgroup=t.cgroup,
+        trigger_time_ns=t.time_ns,
+        avg10=t.avg10,
+        avg60=t.avg60,
+        avg300=t.avg300,
+        psi_total_us=t.total_us,
+        start_ns=s.start_ns,
+        duration_ns=s.duration_ns,
+        period_ns=s.period_ns,
+        kernel_release=s.kernel.release,
+    )
+    if profile is not None:
+        meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
+    else:
+        meta.on_cpu = sum(x.on_cpu for x in s.traces)
+        meta.off_cpu = sum(x.off_cpu for x in s.traces)
+        meta.off_cpu_ns = sum(x.off_cpu_ns for x in s.traces)
+    return meta
+
+
+def meta_to_text(m: SessionMeta) -> str:
+    d = {f.name: getattr(m, f.name) for f in fields(SessionMeta)}
+    d["processes"] = [[p, c] for p, c in m.processes.items()]
+    return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def meta_from_text(text: str) -> SessionMeta:
+    d = json.loads(text)
+    d["processes"] = {int(p): c for p, c in d.get("processes", [])}
+    known = {f.name for f in fields(SessionMeta)}
+    return SessionMeta(**{k: v for k, v in d.items() if k in known})
+
+
+def profile_to_blob(p: Profile) -> bytes:
+    body = {
+        "f": [[f.name, f.module, f.file, f.line, f.kind, f.inlined] for f in p.frames],
+        "s": [[list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns] for s in p.samples],
+    }
+    return zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
+
+
+def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
+    body = msgpack.unpackb(zlib.decompress(blob), raw=False)
+    frames = [Frame(name=f[0], module=f[1], file=f[2], line=f[3], kind=f[4], inlined=f[5]) for f in body["f"]]
+    samples = [
+        Sample(stack=tuple(s[0]), pid=s[1], tid=s[2], thread=s[3], on_cpu=s[4], off_cpu=s[5], off_cpu_ns=s[6])
+        for s in body["s"]
+    ]
+    return Profile(meta=meta, frames=frames, samples=samples)
+
+
+def _i64(n: int) -> int:
+    return min(n, _INT64_MAX)
+
+
+# ---------------------------------------------------------------------------
+
+
+class Store:
+    """A session database. Connections are per process and opened on first use."""
+
+    def __init__(
+        self, db: str, *, retention_days: float | None = None, max_db_bytes: int | None = None
+    ) -> None:
+        self.db = db
+        self.postgres = db.startswith(("postgresql://", "postgres://"))
+        self.retention_days = retention_days
+        self.max_db_bytes = max_db_bytes
+        self._conn: Any = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        if self.postgres:
+            try:
+                import psycopg
+            except ImportError:
+                raise StoreError("--db is a PostgreSQL URL but psycopg is not installed: pip install psycopg")
+            try:
+                psycopg.conninfo.conninfo_to_dict(db)
+            except psycopg.ProgrammingError as e:
+                raise StoreError(f"bad PostgreSQL URL {_redact(db)!r}: {e}")
+
+    @classmethod
+    def for_state_dir(cls, db: str, state_dir: Path, **kw: Any) -> Store:
+        """`db` may be empty (SQLite in the state dir), a path, or a PostgreSQL URL."""
+        if not db:
+            db = str(state_dir / "bistouri.db")
+        return cls(db, **kw)
+
+    @property
+    def display(self) -> str:
+        return _redact(self.db)
+
+    # -- connections --------------------------------------------------------
+
+    def _connect(self) -> Any:
+        if self.postgres:
+            import psycopg
+
+            try:
+                return psycopg.connect(self.db, autocommit=True, connect_timeout=10)
+            except psycopg.Error as e:
+                raise StoreError(f"cannot connect to PostgreSQL at {self.display}: {e}".strip())
+        path = Path(self.db)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(
+                str(path), timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+            # auto_vacuum must be set before the first table exists; later it is a no-op.
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot open SQLite database {path}: {e}. Check the path and its permissions")
+        return conn
+
+    def _c(self) -> Any:
+        if self._conn is None or self._pid != os.getpid():
+            # A connection inherited across fork() must not be used: open a new one.
+            self._conn = self._connect()
+            self._pid = os.getpid()
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None and self._pid == os.getpid():
+            self._conn.close()
+        self._conn = None
+
+    def _sql(self, q: str) -> str:
+        return q.replace("?", "%s") if self.postgres else q
+
+    def _fetch(self, q: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self._lock:
+            cur = self._c().execute(self._sql(q), tuple(params))
+            return list(cur.fetchall())
+
+    def _exec(self, q: str, params: Sequence[Any] = ()) -> int:
+        with self._lock:
+            cur = self._c().execute(self._sql(q), tuple(params))
+            return int(cur.rowcount or 0)
+
+    # -- schema -------------------------------------------------------------
+
+    def migrate(self) -> int:
+        """Bring the schema to SCHEMA_VERSION; returns the version found before."""
+        conn = self._c()
+        blob, bigint = ("BYTEA", "BIGINT") if self.postgres else ("BLOB", "INTEGER")
+        with self._lock:
+            try:
+                if self.postgres:
+                    conn.execute("BEGIN")
+                    conn.execute("SELECT pg_advisory_xact_lock(7389120417)")  # serialise concurrent starts
+                else:
+                    conn.execute("BEGIN IMMEDIATE")
+                conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+                row = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+                before = int(row[0] or 0)
+                if before > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"database {self.display} has schema version {before}, newer than this "
+                        f"bistouri ({SCHEMA_VERSION}): upgrade bistouri or point --db elsewhere"
+                    )
+                for version, statements in _MIGRATIONS:
+                    if version <= before:
+                        continue
+                    for stmt in statements:
+                        conn.execute(stmt.format(blob=blob, bigint=bigint))
+                    conn.execute(self._sql("INSERT INTO schema_version (version) VALUES (?)"), (version,))
+                    log.info("database migrated. db=%s version=%d", self.display, version)
+                conn.execute("COMMIT")
+            except BaseException as e:
+                try:
+                    conn.execute("ROLLBACK")
+                except Exception:
+                    pass
+                if isinstance(e, StoreError):
+                    raise
+                if isinstance(e, Exception):
+                    raise StoreError(f"cannot migrate database {self.display}: {e}")
+                raise
+        return before
+
+    # -- writes -------------------------------------------------------------
+
+    def insert(self, rec: StoredSession) -> int:
+        """Store a session unless its id exists. Returns the bytes stored, 0 for a duplicate."""
+        m = rec.meta
+        profile = profile_to_blob(rec.profile)
+        raw = zlib.compress(rec.raw, 6)
+        size = len(profile) + len(raw)
+        n = self._exec(
+            """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
+                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               ON CONFLICT (id) DO NOTHING""",
+            (
+                m.session_id,
+                m.tenant,
+                m.service,
+                m.host,
+                m.resource,
+                m.comm,
+                _i64(m.start_ns),
+                _i64(m.duration_ns),
+                time.time_ns(),
+                rec.kernel_build_id,
+                int(rec.kernel_pending),
+                meta_to_text(m),
+                profile,
+                raw,
+                size,
+            ),
+        )
+        return size if n else 0
+
+    def update_profile(self, session_id: str, profile: Profile, kernel_pending: bool) -> None:
+        self._exec(
+            "UPDATE sessions SET profile = ?, meta = ?, kernel_pending = ? WHERE id = ?",
+            (profile_to_blob(profile), meta_to_text(profile.meta), int(kernel_pending), session_id),
+        )
+
+    def put_kernel(self, build_id: str, kallsyms_gz: bytes) -> None:
+        self._exec(
+            """INSERT INTO kernels (build_id, kallsyms, uploaded_ns) VALUES (?, ?, ?)
+               ON CONFLICT (build_id) DO UPDATE SET kallsyms = excluded.kallsyms,
+                 uploaded_ns = excluded.uploaded_ns""",
+            (build_id, kallsyms_gz, time.time_ns()),
+        )
+
+    # -- reads --------------------------------------------------------------
+
+    def exists(self, session_id: str) -> bool:
+        return bool(self._fetch("SELECT 1 FROM sessions WHERE id = ?", (session_id,)))
+
+    def get_meta(self, session_id: str) -> SessionMeta | None:
+        rows = self._fetch("SELECT meta FROM sessions WHERE id = ?", (session_id,))
+        return meta_from_text(rows[0][0]) if rows else None
+
+    def get_profile(self, session_id: str) -> Profile | None:
+        rows = self._fetch("SELECT meta, profile FROM sessions WHERE id = ?", (session_id,))
+        if not rows:
+            return None
+        return profile_from_blob(bytes(rows[0][1]), meta_from_text(rows[0][0]))
+
+    def get_raw(self, session_id: str) -> bytes | None:
+        rows = self._fetch("SELECT raw FROM sessions WHERE id = ?", (session_id,))
+        return zlib.decompress(bytes(rows[0][0])) if rows else None
+
+    def get_kernel(self, build_id: str) -> bytes | None:
+        rows = self._fetch("SELECT kallsyms FROM kernels WHERE build_id = ?", (build_id,))
+        return bytes(rows[0][0]) if rows else None
+
+    def has_kernel(self, build_id: str) -> bool:
+        return bool(self._fetch("SELECT 1 FROM kernels WHERE build_id = ?", (build_id,)))
+
+    def pending_for_kernel(self, build_id: str) -> list[str]:
+        rows = self._fetch(
+            "SELECT id FROM sessions WHERE kernel_build_id = ? AND kernel_pending = 1 ORDER BY start_ns",
+            (build_id,),
+        )
+        return [r[0] for r in rows]
+
+    def pending_kernel(self, session_id: str) -> str:
+        """The kernel build id a session waits for, "" when it is fully symbolized."""
+        rows = self._fetch(
+            "SELECT kernel_build_id FROM sessions WHERE id = ? AND kernel_pending = 1", (session_id,)
+        )
+        return str(rows[0][0]) if rows else ""
+
+    @staticmethod
+    def _where(f: Filter) -> tuple[str, list[Any]]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for col in ("service", "host", "resource", "comm", "tenant"):
+            v = getattr(f, col)
+            if v:
+                clauses.append(f"{col} = ?")
+                params.append(v)
+        if f.since_ns is not None:
+            clauses.append("start_ns >= ?")
+            params.append(_i64(max(f.since_ns, 0)))
+        if f.until_ns is not None:
+            clauses.append("start_ns <= ?")
+            params.append(_i64(max(f.until_ns, 0)))
+        return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+    def query(self, f: Filter, limit: int = 100, offset: int = 0) -> tuple[list[SessionMeta], int]:
+        """Sessions matching `f`, newest first, and how many match in all."""
+        where, params = self._where(f)
+        total = self._fetch("SELECT COUNT(*) FROM sessions" + where, params)[0][0]
+        rows = self._fetch(
+            "SELECT meta FROM sessions" + where + " ORDER BY start_ns DESC, id DESC LIMIT ? OFFSET ?",
+            [*params, limit, offset],
+        )
+        return [meta_from_text(r[0]) for r in rows], int(total)
+
+    def profiles(self, f: Filter, limit: int) -> Iterator[Profile]:
+        """The profiles of the newest `limit` sessions matching `f`, fetched in small pages."""
+        where, params = self._where(f)
+        done = 0
+        page = 50
+        while done < limit:
+            rows = self._fetch(
+                "SELECT meta, profile FROM sessions"
+                + where
+                + " ORDER BY start_ns DESC, id DESC LIMIT ? OFFSET ?",
+                [*params, min(page, limit - done), done],
+            )
+            if not rows:
+                return
+            for meta, blob in rows:
+                yield profile_from_blob(bytes(blob), meta_from_text(meta))
+            done += len(rows)
+
+    def stats(self) -> tuple[int, int]:
+        """(sessions, stored blob bytes)."""
+        row = self._fetch("SELECT COUNT(*), COALESCE(SUM(size_bytes), 0) FROM sessions")[0]
+        return int(row[0]), int(row[1])
+
+    # -- retention ----------------------------------------------------------
+
+    def enforce_retention(self, now_ns: int | None = None) -> dict[str, int]:
+        """Delete sessions older than retention_days, then the oldest until under max_db_bytes.
+
+        Returns how many were deleted, by reason ("age", "size").
+        """
+        deleted = {"age": 0, "size": 0}
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        if self.retention_days is not None:
+            cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
+            deleted["age"] = self._exec("DELETE FROM sessions WHERE start_ns < ?", (cutoff,))
+        if self.max_db_bytes is not None:
+            _, used = self.stats()
+            while used > self.max_db_bytes:
+                rows = self._fetch(
+                    "SELECT id, size_bytes FROM sessions ORDER BY start_ns, id LIMIT ?", (_RETENTION_BATCH,)
+                )
+                if not rows:
+                    break
+                ids: list[str] = []
+                for sid, size in rows:
+                    if used <= self.max_db_bytes:
+                        break
+                    ids.append(sid)
+                    used -= int(size)
+                marks = ", ".join("?" * len(ids))
+                deleted["size"] += self._exec(f"DELETE FROM sessions WHERE id IN ({marks})", ids)
+        if (deleted["age"] or deleted["size"]) and not self.postgres:
+            # Give freed pages back to the file system (auto_vacuum = INCREMENTAL).
+            self._fetch("PRAGMA incremental_vacuum")
+        return deleted
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password, for logs and errors."""
+    if "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    cred, host = rest.rsplit("@", 1)
+    user = cred.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in cred else url

@@ -1,0 +1,234 @@
+/* Bistouri UI: helpers shared by every page (formatting, DOM, API calls).
+ * Plain ES2020, no build step: the files are served as they are, and report.py
+ * inlines them into the self-contained flamegraph.html. */
+(function (global) {
+  "use strict";
+  const B = (global.Bistouri = global.Bistouri || {});
+
+  // Profile views: the three values a sample carries (model.Sample).
+  B.VIEWS = {
+    on_cpu: { label: "On-CPU", unit: "samples", help: "where the CPU time went (cpu-clock samples)" },
+    off_cpu: { label: "Off-CPU", unit: "waits", help: "where threads blocked (sched_switch count)" },
+    off_cpu_ns: { label: "Off-CPU time", unit: "ns", help: "where threads blocked, weighted by blocked time" },
+  };
+  B.VIEW_ORDER = ["on_cpu", "off_cpu", "off_cpu_ns"];
+
+  B.escapeHtml = function (s) {
+    return String(s).replace(/[&<>"']/g, function (c) {
+      return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c];
+    });
+  };
+
+  // el("a", {href: "x", class: "y"}, "text", childNode, ...)
+  B.el = function (tag, attrs) {
+    const node = document.createElement(tag);
+    if (attrs) {
+      for (const k of Object.keys(attrs)) {
+        const v = attrs[k];
+        if (v === null || v === undefined || v === false) continue;
+        if (k === "text") node.textContent = v;
+        else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+        else node.setAttribute(k, v === true ? "" : v);
+      }
+    }
+    for (let i = 2; i < arguments.length; i++) {
+      const c = arguments[i];
+      if (c === null || c === undefined || c === false) continue;
+      node.append(c instanceof Node ? c : String(c));
+    }
+    return node;
+  };
+
+  const intFmt = new Intl.NumberFormat("en-US");
+  B.fmtCount = function (n) {
+    if (n === null || n === undefined || isNaN(n)) return "–";
+    return Math.abs(n) >= 100 || Number.isInteger(n) ? intFmt.format(Math.round(n)) : n.toFixed(1);
+  };
+
+  // Nanoseconds to a short human duration: 950 ns, 12.3 µs, 4.56 ms, 1.23 s, 2m05s.
+  B.fmtNs = function (ns) {
+    if (ns === null || ns === undefined || isNaN(ns)) return "–";
+    const a = Math.abs(ns);
+    const sign = ns < 0 ? "−" : "";
+    // Three significant digits, without trailing zeros: 1 s, 1.5 s, 6.45 s, 150 ms.
+    const p3 = (x) => String(Number(x.toPrecision(3)));
+    if (a < 1e3) return sign + Math.round(a) + " ns";
+    if (a < 1e6) return sign + p3(a / 1e3) + " µs";
+    if (a < 1e9) return sign + p3(a / 1e6) + " ms";
+    if (a < 60e9) return sign + p3(a / 1e9) + " s";
+    const s = Math.round(a / 1e9);
+    const m = Math.floor(s / 60);
+    if (m < 60) return sign + m + "m" + String(s % 60).padStart(2, "0") + "s";
+    return sign + Math.floor(m / 60) + "h" + String(m % 60).padStart(2, "0") + "m";
+  };
+
+  // A value of a view, with its unit: "1,234 samples", "56 waits", "1.23 s".
+  B.fmtValue = function (view, v) {
+    if (view === "off_cpu_ns") return B.fmtNs(v);
+    const unit = (B.VIEWS[view] || { unit: "" }).unit;
+    return B.fmtCount(v) + (unit ? " " + unit : "");
+  };
+
+  B.fmtPct = function (x) {
+    if (!isFinite(x)) return "–";
+    const p = 100 * x;
+    if (p === 0) return "0%";
+    if (Math.abs(p) < 0.01) return (p < 0 ? "−" : "") + "<0.01%";
+    return (p < 0 ? "−" : "") + Math.abs(p).toFixed(Math.abs(p) < 10 ? 2 : 1) + "%";
+  };
+
+  function pad(n) {
+    return String(n).padStart(2, "0");
+  }
+  // Wall-clock nanoseconds to local "YYYY-MM-DD HH:MM:SS".
+  B.fmtTime = function (ns) {
+    if (!ns) return "–";
+    const d = new Date(ns / 1e6);
+    return (
+      d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " +
+      pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds())
+    );
+  };
+  B.fmtIsoUtc = function (ns) {
+    return ns ? new Date(ns / 1e6).toISOString().replace(".000Z", "Z") : "";
+  };
+
+  B.RESOURCE_LABEL = { cpu: "CPU", memory: "memory", io: "I/O" };
+
+  // "memory some ≥ 150 ms / 1 s"
+  B.fmtTrigger = function (t) {
+    if (!t || !t.resource) return "–";
+    let s = (B.RESOURCE_LABEL[t.resource] || t.resource) + " " + (t.stall || "some");
+    if (t.threshold_us && t.window_us) s += " ≥ " + B.fmtNs(t.threshold_us * 1e3) + " / " + B.fmtNs(t.window_us * 1e3);
+    return s;
+  };
+
+  // Badge for a PSI average (percent of wall time stalled).
+  B.psiBadge = function (label, v) {
+    const level = v >= 40 ? "hot" : v >= 10 ? "warm" : "cool";
+    return B.el("span", { class: "psi psi-" + level, title: "PSI avg" + label + ": " + v.toFixed(2) + "% stalled" },
+      B.el("small", null, label), (v || 0).toFixed(1) + "%");
+  };
+  B.psiBadges = function (t) {
+    const wrap = B.el("span", { class: "psis" });
+    wrap.append(B.psiBadge("10", t.avg10 || 0), B.psiBadge("60", t.avg60 || 0), B.psiBadge("300", t.avg300 || 0));
+    return wrap;
+  };
+
+  B.resourceBadge = function (resource) {
+    return B.el("span", { class: "res res-" + (resource || "none") }, B.RESOURCE_LABEL[resource] || resource || "–");
+  };
+
+  B.query = function () {
+    return new URLSearchParams(global.location.search);
+  };
+
+  // Build a query string from an object, dropping empty values.
+  B.qs = function (obj) {
+    const p = new URLSearchParams();
+    for (const k of Object.keys(obj)) {
+      const v = obj[k];
+      if (v !== null && v !== undefined && v !== "") p.set(k, v);
+    }
+    const s = p.toString();
+    return s ? "?" + s : "";
+  };
+
+  // The symbolizer serves the UI at /ui/ and the API at /v1/: resolve from the page.
+  B.apiUrl = function (path, params) {
+    const base = new URL("../", global.location.href);
+    return new URL(path.replace(/^\//, ""), base).pathname + B.qs(params || {});
+  };
+
+  B.getJson = async function (path, params) {
+    const url = B.apiUrl(path, params);
+    let resp;
+    try {
+      resp = await fetch(url, { headers: { Accept: "application/json" } });
+    } catch (e) {
+      throw new Error("cannot reach the symbolizer (" + e.message + ")");
+    }
+    if (!resp.ok) {
+      let detail = "";
+      try {
+        const body = await resp.json();
+        detail = body.detail ? body.error + ": " + body.detail : body.error || JSON.stringify(body);
+      } catch (e) {
+        detail = resp.statusText;
+      }
+      const err = new Error(resp.status + " " + detail);
+      err.status = resp.status;
+      throw err;
+    }
+    return resp.json();
+  };
+
+  B.showError = function (container, err) {
+    container.replaceChildren(
+      B.el("div", { class: "error", role: "alert" }, B.el("strong", null, "Error: "), err.message || String(err)),
+    );
+  };
+
+  // Filters the list, merged and diff pages share.
+  B.FILTER_KEYS = ["service", "host", "resource", "comm", "since", "until"];
+
+  B.filtersFrom = function (params, prefix) {
+    const out = {};
+    for (const k of B.FILTER_KEYS) {
+      const v = params.get((prefix || "") + k);
+      if (v) out[k] = v;
+    }
+    return out;
+  };
+
+  // "since"/"until" are unix seconds or ISO 8601: render either readably.
+  B.fmtBound = function (v) {
+    if (!v) return "";
+    if (/^\d+(\.\d+)?$/.test(v)) return B.fmtTime(Number(v) * 1e9);
+    return v;
+  };
+
+  B.describeFilters = function (f) {
+    const parts = [];
+    for (const k of ["service", "host", "comm", "resource"]) if (f[k]) parts.push(k + "=" + f[k]);
+    if (f.since) parts.push("since " + B.fmtBound(f.since));
+    if (f.until) parts.push("until " + B.fmtBound(f.until));
+    return parts.length ? parts.join(", ") : "all sessions";
+  };
+
+  // ---- a session's metadata (session page and the self-contained report) ----
+  function metaItem(k, v, cls) {
+    return B.el("div", null, B.el("div", { class: "k" }, k), B.el("div", { class: "v " + (cls || "") }, v));
+  }
+
+  B.sessionHeading = function (m) {
+    const t = m.trigger || {};
+    const title = B.el("h1", null, m.comm || "session",
+      B.el("span", { class: "sub" }, " on " + (m.host || "?") + (m.service ? " · " + m.service : "")));
+    return B.el("div", { class: "meta-head" }, title, t.resource ? B.resourceBadge(t.resource) : null,
+      t.resource ? B.psiBadges(t) : null);
+  };
+
+  B.sessionGrid = function (m) {
+    const t = m.trigger || {};
+    const s = m.samples || {};
+    const procs = (m.processes || []).map((p) => p.comm + " (" + p.pid + ")").join(", ");
+    const labels = Object.entries(m.labels || {}).map(([k, v]) => k + "=" + v).join(", ");
+    const period = m.period_ns ? B.fmtNs(m.period_ns) + " (" + Math.round(1e9 / m.period_ns) + " Hz)" : "–";
+    return B.el("div", { class: "meta-grid" },
+      t.resource ? metaItem("Trigger", B.fmtTrigger(t)) : null,
+      t.resource ? metaItem("Cgroup", t.cgroup || "/", "mono") : null,
+      metaItem(t.resource ? "Triggered at" : "Started at", B.fmtTime(t.time_ns || m.start_ns)),
+      metaItem("Duration", B.fmtNs(m.duration_ns)),
+      metaItem("Sampling period", period),
+      metaItem("Processes", procs || "–", "mono"),
+      metaItem("Kernel", m.kernel_release || "–", "mono"),
+      metaItem("On-CPU samples", B.fmtCount(s.on_cpu || 0) +
+        (m.period_ns && s.on_cpu ? " ≈ " + B.fmtNs(s.on_cpu * m.period_ns) : "")),
+      metaItem("Off-CPU", B.fmtCount(s.off_cpu || 0) + " waits · " + B.fmtNs(s.off_cpu_ns || 0)),
+      t.total_us ? metaItem("PSI total stall", B.fmtNs(t.total_us * 1e3)) : null,
+      labels ? metaItem("Labels", labels, "mono") : null,
+      m.id ? metaItem("Session", m.id, "mono") : null,
+    );
+  };
+})(window);

@@ -1,0 +1,73 @@
+#!/bin/bash
+# Build the bistouri, bistouri-agent and bistouri-symbolizer packages (.deb and .rpm) into
+# dist/ with nfpm. Called by `make package`; run from the top of the work tree.
+#
+# Environment: NFPM (default .venv/bin/nfpm), PYTHON (default .venv/bin/python),
+# BISTOURI_VERSION (default: pyproject.toml), BISTOURI_RELEASE (default 1),
+# DIST (default dist). The version can be overridden to build an "older" package for the
+# upgrade scenario.
+set -euo pipefail
+
+NFPM=${NFPM:-.venv/bin/nfpm}
+PYTHON=${PYTHON:-.venv/bin/python}
+DIST=${DIST:-dist}
+stage=build/package
+bpf_obj=bistouri/_bpfobj/bistouri.bpf.o
+
+die() { echo "build-packages: $*" >&2; exit 1; }
+
+[ -f pyproject.toml ] && [ -d packaging/nfpm ] || die "run from the top of the bistouri work tree"
+[ -x "$NFPM" ] || die "nfpm not found at $NFPM: run 'make venv' (requirements/dev.txt pins nfpm)"
+[ -f "$bpf_obj" ] || die "$bpf_obj is missing: run 'make bpf' first (needs clang)"
+
+version=${BISTOURI_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)}
+[ -n "$version" ] || die "cannot read the version from pyproject.toml"
+export BISTOURI_VERSION=$version BISTOURI_RELEASE=${BISTOURI_RELEASE:-1}
+# The BPF object is compiled for x86 (-D__TARGET_ARCH_x86): the package is amd64 only.
+export BISTOURI_ARCH=${BISTOURI_ARCH:-amd64}
+
+rm -rf "$stage"
+mkdir -p "$stage/scripts" "$DIST"
+
+# The Python package into a private prefix, without dependencies (Debian provides them)
+# and without byte code (postinst compiles it on the target's Python).
+"$PYTHON" -m pip install --quiet --no-deps --no-compile --no-build-isolation --no-warn-script-location \
+    --target "$stage/python" . >"$stage/pip.log" 2>&1 || { cat "$stage/pip.log" >&2; die "pip install --target failed"; }
+rm -rf "$stage/python/bin"
+find "$stage/python" -name __pycache__ -type d -prune -exec rm -rf {} +
+# dist-info/RECORD and INSTALLER/direct_url.json describe a pip install; dpkg/rpm own these files.
+rm -f "$stage"/python/*.dist-info/{RECORD,INSTALLER,REQUESTED,direct_url.json}
+[ -f "$stage/python/bistouri/_bpfobj/bistouri.bpf.o" ] \
+    || die "the BPF object did not land in the package (pyproject.toml package-data)"
+
+gzip -9n <packaging/doc/bistouri.1 >"$stage/bistouri.1.gz"
+
+if [ -f bistouri/data/trigger.example.yaml ]; then
+    cp bistouri/data/trigger.example.yaml "$stage/trigger.yaml"
+else
+    echo "build-packages: WARNING bistouri/data/trigger.example.yaml missing, shipping packaging/trigger.placeholder.yaml" >&2
+    cp packaging/trigger.placeholder.yaml "$stage/trigger.yaml"
+fi
+
+# One set of maintainer-script templates for both services.
+render() {  # render PKG USER HOME STATE
+    local pkg=$1 user=$2 home=$3 state=$4 hook
+    for hook in postinst prerm postrm; do
+        sed -e "s|@PKG@|$pkg|g" -e "s|@USER@|$user|g" -e "s|@HOME@|$home|g" -e "s|@STATE@|$state|g" \
+            "packaging/scripts/service.$hook.in" >"$stage/scripts/$pkg.$hook"
+    done
+}
+render bistouri-agent bistouri /var/lib/bistouri /var/lib/bistouri
+render bistouri-symbolizer bistouri-symbolizer /var/lib/bistouri-symbolizer \
+    "/var/lib/bistouri-symbolizer /var/cache/bistouri-symbolizer"
+
+# The changelog (chglog format) carries the version-release being built.
+sed "s/@VERSION@/$version-$BISTOURI_RELEASE/" packaging/changelog.yaml >"$stage/changelog.yaml"
+
+for pkg in bistouri bistouri-agent bistouri-symbolizer; do
+    for fmt in deb rpm; do
+        "$NFPM" package --config "packaging/nfpm/$pkg.yaml" --packager "$fmt" --target "$DIST/" >"$stage/nfpm-$pkg-$fmt.log" 2>&1 \
+            || { cat "$stage/nfpm-$pkg-$fmt.log" >&2; die "nfpm failed for $pkg ($fmt)"; }
+    done
+done
+ls -1 "$DIST"/bistouri*"$version"* >&2

@@ -1,0 +1,206 @@
+"""PostgreSQL storage: a real server started here, the store against it, two symbolizers sharing it.
+
+Needs Debian's `postgresql` package (binaries in /usr/lib/postgresql/<v>/bin);
+skipped with the reason otherwise. initdb and the server run as the `postgres`
+user when the tests run as root.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
+from bistouri.symbolizer.store import Filter, Store, StoredSession
+
+from .conftest import (
+    KERNEL_BUILD_ID,
+    DemoBinary,
+    free_port,
+    make_session,
+    metric_value,
+    post_sessions,
+    put_kernel,
+)
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    return Path(found[-1]).parent if found else None
+
+
+class PgServer:
+    def __init__(self, bindir: Path, root: Path, port: int, run_as: list[str]) -> None:
+        self.bindir, self.root, self.port, self.run_as = bindir, root, port, run_as
+        self.data = root / "data"
+        self.url = f"postgresql://bistouri@127.0.0.1:{port}/bistouri"
+
+    def run(self, tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.run_as, str(self.bindir / tool), *args], capture_output=True, text=True, timeout=120
+        )
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PgServer]:
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip(
+            "PostgreSQL binaries not found in /usr/lib/postgresql/*/bin: apt-get install -y postgresql"
+        )
+    run_as: list[str] = []
+    owner = None
+    if os.geteuid() == 0:
+        # initdb and postgres refuse to run as root.
+        try:
+            owner = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no `postgres` user to run the server as")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    # Not under pytest's tmp dir: its parents are private to root, and the server runs as postgres.
+    root = Path(tempfile.mkdtemp(prefix="bistouri-pg-"))
+    if owner is not None:
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+    pg = PgServer(bindir, root, free_port(), run_as)
+    try:
+        r = pg.run("initdb", "-D", str(pg.data), "-U", "bistouri", "--auth=trust", "-E", "UTF8", "--no-sync")
+        assert r.returncode == 0, f"initdb failed:\n{r.stdout}\n{r.stderr}"
+        opts = f"-p {pg.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
+        r = pg.run(
+            "pg_ctl",
+            "-D",
+            str(pg.data),
+            "-o",
+            opts,
+            "-l",
+            str(root / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
+        assert r.returncode == 0, (
+            f"pg_ctl start failed:\n{r.stdout}\n{r.stderr}\n{_tail(root / 'server.log')}"
+        )
+        with psycopg.connect(f"postgresql://bistouri@127.0.0.1:{pg.port}/postgres", autocommit=True) as conn:
+            conn.execute("CREATE DATABASE bistouri")
+        yield pg
+    finally:
+        if (pg.data / "postmaster.pid").exists():
+            pg.run("pg_ctl", "-D", str(pg.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _tail(path: Path) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-30:])
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def fresh_db(postgres: PgServer) -> str:
+    """The shared database emptied of bistouri's tables."""
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS sessions, kernels, schema_version")
+    return postgres.url
+
+
+def _record(sid: str, start_ns: int, service: str = "api") -> StoredSession:
+    meta = SessionMeta(sid, service=service, host="h", processes={1: "app"}, resource="io", start_ns=start_ns)
+    profile = Profile(
+        meta, [Frame("main", "app"), Frame("schedule", kind="kernel")], [Sample((0, 1), on_cpu=2)]
+    )
+    return StoredSession(meta, profile, raw=b"r" * 100, kernel_build_id="ab", kernel_pending=True)
+
+
+def test_store_on_postgres(fresh_db: str) -> None:
+    s = Store(fresh_db, max_db_bytes=None)
+    assert s.migrate() == 0
+    assert s.migrate() == 1  # idempotent
+    for i in range(12):
+        assert s.insert(_record(f"p{i:02}", 10**18 + i * 10**9, "api" if i % 2 else "db")) > 0
+    assert s.insert(_record("p00", 0)) == 0
+    metas, total = s.query(Filter(service="api"), limit=3)
+    assert total == 6 and [m.session_id for m in metas] == ["p11", "p09", "p07"]
+    assert s.query(Filter(since_ns=10**18 + 10 * 10**9))[1] == 2
+    got = s.get_profile("p03")
+    assert got is not None and got.frames[1].kind == "kernel" and got.meta.resource == "io"
+    assert s.get_raw("p03") == b"r" * 100
+    assert len(s.pending_for_kernel("ab")) == 12
+    s.put_kernel("ab", b"gz")
+    assert s.get_kernel("ab") == b"gz"
+    _, used = s.stats()
+    s.max_db_bytes = used // 2
+    deleted = s.enforce_retention()
+    assert deleted["size"] == 6 and s.stats()[1] <= used // 2
+    assert min(m.session_id for m in s.query(Filter())[0]) == "p06"  # oldest first
+    s.close()
+
+
+def test_two_symbolizers_share_one_database(
+    symbolizer_server: Any, tmp_path: Path, fresh_db: str, demo_binary: DemoBinary
+) -> None:
+    a = symbolizer_server(tmp_path, db=fresh_db, workers=2, binary_dir=demo_binary.dir)
+    b = symbolizer_server(tmp_path, db=fresh_db, workers=1, binary_dir=demo_binary.dir)
+    t0 = time.time_ns()
+    s1 = make_session("pg-1", demo_binary, start_ns=t0)
+    s2 = make_session("pg-2", demo_binary, service="db", start_ns=t0 + 10**9)
+    r = post_sessions(a, [s1])
+    assert r.json()["accepted"] == ["pg-1"] and r.json()["missing_kernels"] == [KERNEL_BUILD_ID.hex()]
+    r = post_sessions(b, [s1, s2])
+    assert r.json()["duplicates"] == ["pg-1"] and r.json()["accepted"] == ["pg-2"]
+
+    # Either instance reads everything.
+    for url in (a, b):
+        listing = requests.get(url + "/v1/sessions", timeout=10).json()
+        assert listing["total"] == 2 and [x["id"] for x in listing["sessions"]] == ["pg-2", "pg-1"]
+
+    # Kernel symbols uploaded to A reach B through the database; B re-symbolizes on read.
+    kernel = f"/v1/kernels/{KERNEL_BUILD_ID.hex()}"
+    assert requests.get(b + kernel, timeout=10).status_code == 404
+    assert put_kernel(a).status_code == 204
+    assert requests.get(b + kernel, timeout=10).status_code == 200
+    folded = requests.get(b + "/v1/sessions/pg-2/folded?value=off_cpu", timeout=10).text
+    assert folded == "main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k] 5\n"
+    merged = requests.get(a + "/v1/profile/folded?value=off_cpu", timeout=10).text
+    assert merged == "main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k] 10\n"
+
+    # The same batch sent to both at once: every session stored exactly once.
+    batch = [make_session(f"race-{i}", demo_binary, start_ns=t0 + i) for i in range(20)]
+    results: dict[str, Any] = {}
+
+    def send(name: str, url: str) -> None:
+        results[name] = post_sessions(url, batch).json()
+
+    threads = [threading.Thread(target=send, args=(n, u), name=f"post-{n}") for n, u in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    accepted = results["a"]["accepted"] + results["b"]["accepted"]
+    assert sorted(accepted) == sorted(s.session_id for s in batch)
+    assert sorted(results["a"]["duplicates"] + results["b"]["duplicates"]) == sorted(accepted)
+    assert requests.get(a + "/v1/sessions", timeout=10).json()["total"] == 22
+    ingested = sum(
+        metric_value(
+            requests.get(u + "/metrics", timeout=10).text, "bistouri_symbolizer_sessions_ingested_total"
+        )
+        for u in (a, b)
+    )
+    assert ingested == 22
+    assert "password" not in a.log_path.read_text()

@@ -1,0 +1,210 @@
+"""Sessions for the UI tests: wire sessions whose user frames are real code of the fixture binaries.
+
+User frames carry the build id and file offsets of functions of `burner` and
+`fsyncer` (tests/fixtures/workloads), so the symbolizer names them and finds
+their file:line from DWARF. Kernel frames are IPs inside the symbols of a small
+kallsyms text uploaded for a made-up kernel build id, the way the agent uploads
+/proc/kallsyms.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bistouri import wire
+from bistouri.symbolizer.elf import ElfFile
+
+KERNEL_BUILD_ID = bytes.fromhex("b15707e1" * 5)
+KERNEL_RELEASE = "6.1.0-ui-test"
+TEXT = 0xFFFFFFFF81000000
+
+# Kernel functions of the test kallsyms, each 0x400 bytes long from _text + 0x1000.
+KERNEL_FUNCS = (
+    "asm_sysvec_apic_timer_interrupt",
+    "sysvec_apic_timer_interrupt",
+    "__sysvec_apic_timer_interrupt",
+    "hrtimer_interrupt",
+    "entry_SYSCALL_64_after_hwframe",
+    "do_syscall_64",
+    "__x64_sys_fsync",
+    "do_fsync",
+    "ext4_sync_file",
+    "file_write_and_wait_range",
+    "jbd2_complete_transaction",
+    "jbd2_log_wait_commit",
+    "__x64_sys_pwrite64",
+    "vfs_write",
+    "ext4_buffered_write_iter",
+    "generic_perform_write",
+    "__x64_sys_clock_gettime",
+    "schedule",
+    "__schedule",
+    "io_schedule",
+    "asm_exc_page_fault",
+    "exc_page_fault",
+    "handle_mm_fault",
+    "__alloc_pages",
+    "try_to_free_pages",
+    "shrink_node",
+)
+
+
+def kallsyms_text() -> bytes:
+    lines = [f"{TEXT:016x} T _text"]
+    for i, name in enumerate(KERNEL_FUNCS):
+        lines.append(f"{TEXT + 0x1000 + 0x400 * i:016x} T {name}")
+    lines.append(f"{TEXT + 0x1000 + 0x400 * len(KERNEL_FUNCS):016x} T _etext")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def kallsyms_gz() -> bytes:
+    return gzip.compress(kallsyms_text())
+
+
+def kip(name: str) -> int:
+    """A kernel IP inside `name` (as a return address would be)."""
+    return TEXT + 0x1000 + 0x400 * KERNEL_FUNCS.index(name) + 0x2A
+
+
+@dataclass
+class Binary:
+    path: Path
+    build_id: bytes
+    elf: ElfFile
+
+    @classmethod
+    def open(cls, path: Path) -> Binary:
+        elf = ElfFile(path)
+        bid = elf.build_id
+        assert bid, f"{path} has no build id"
+        return cls(path, bid, elf)
+
+    def frame(self, func: str, into: int = 8) -> wire.UserFrame:
+        """A resolved user frame `into` bytes inside `func`, as a file offset."""
+        vaddr = self.elf.find_symbol(func)
+        assert vaddr is not None, f"{func} not in {self.path}"
+        vaddr += into
+        for s in self.elf.segments:
+            if s.vaddr <= vaddr < s.vaddr + s.filesz:
+                return wire.UserFrame(wire.FRAME_RESOLVED, self.build_id, vaddr - s.vaddr + s.offset)
+        raise AssertionError(f"{func} at {vaddr:#x} is in no PT_LOAD of {self.path}")
+
+
+def _trace(
+    user: list[wire.UserFrame], kernel: list[str], pid: int, on: int = 0, off: int = 0, off_ns: int = 0
+):
+    # Wire stacks are leaf first; the lists here read root first like a flamegraph.
+    return wire.Trace(
+        kernel=tuple(kip(k) for k in reversed(kernel)),
+        user=tuple(reversed(user)),
+        pid=pid,
+        tid=pid,
+        on_cpu=on,
+        off_cpu=off,
+        off_cpu_ns=off_ns,
+    )
+
+
+def _session(
+    sid: str,
+    service: str,
+    host: str,
+    comm: str,
+    pid: int,
+    resource: str,
+    start_ns: int,
+    avg: tuple[float, float, float],
+    traces: list[wire.Trace],
+) -> wire.Session:
+    return wire.Session(
+        session_id=sid,
+        trigger=wire.Trigger(
+            resource=resource,
+            stall="some",
+            threshold_us=150_000,
+            window_us=1_000_000,
+            cgroup=f"/system.slice/{service}.service",
+            time_ns=start_ns,
+            avg10=avg[0],
+            avg60=avg[1],
+            avg300=avg[2],
+            total_us=98_765_432,
+        ),
+        kernel=wire.KernelInfo(release=KERNEL_RELEASE, build_id=KERNEL_BUILD_ID, text_addr=TEXT),
+        start_ns=start_ns,
+        duration_ns=10_000_000_000,
+        period_ns=52_631_578,  # 19 Hz
+        service=service,
+        host=host,
+        labels={"env": "test"},
+        processes={pid: comm},
+        threads={pid: comm},
+        traces=traces,
+    )
+
+
+def burner_session(
+    sid: str, start_ns: int, hot: int, timer: int, avg: tuple[float, float, float]
+) -> wire.Session:
+    """A CPU-pressure session of `burner`: main > level1 > level2 > hot_spin, some timer interrupts."""
+    b = Binary.open(WORKLOADS / "burner")
+    chain = [b.frame("main", 40), b.frame("level1", 4), b.frame("level2", 4)]
+    irq = [
+        "asm_sysvec_apic_timer_interrupt",
+        "sysvec_apic_timer_interrupt",
+        "__sysvec_apic_timer_interrupt",
+        "hrtimer_interrupt",
+    ]
+    fault = ["asm_exc_page_fault", "exc_page_fault", "handle_mm_fault", "__alloc_pages", "try_to_free_pages"]
+    clock = ["entry_SYSCALL_64_after_hwframe", "do_syscall_64", "__x64_sys_clock_gettime"]
+    pid = 4242
+    traces = [
+        _trace([*chain, b.frame("hot_spin", 12)], [], pid, on=hot),
+        _trace([*chain, b.frame("hot_spin", 20)], irq, pid, on=timer),
+        _trace([b.frame("main", 60)], clock, pid, on=max(1, hot // 20)),
+        _trace([b.frame("main", 60)], [*clock, "schedule", "__schedule"], pid, off=12, off_ns=3_000_000),
+        _trace(chain[:1], [*fault, "shrink_node"], pid, on=timer // 2, off=4, off_ns=40_000_000),
+    ]
+    return _session(sid, "checkout", "web-03", "burner", pid, "cpu", start_ns, avg, traces)
+
+
+def fsyncer_session(sid: str, start_ns: int) -> wire.Session:
+    """An I/O-pressure session of `fsyncer`: mostly blocked in fsync."""
+    f = Binary.open(WORKLOADS / "fsyncer")
+    main = f.frame("main", 80)
+    ws = f.frame("write_and_sync", 16)
+    sysc = ["entry_SYSCALL_64_after_hwframe", "do_syscall_64"]
+    fsync = [*sysc, "__x64_sys_fsync", "do_fsync", "ext4_sync_file"]
+    pid = 5150
+    journal = [*fsync, "jbd2_complete_transaction", "jbd2_log_wait_commit", "schedule", "__schedule"]
+    writeback = [*fsync, "file_write_and_wait_range", "io_schedule", "schedule", "__schedule"]
+    write = [*sysc, "__x64_sys_pwrite64", "vfs_write", "ext4_buffered_write_iter", "generic_perform_write"]
+    traces = [
+        _trace([main, ws], journal, pid, off=180, off_ns=7_200_000_000),
+        _trace([main, ws], writeback, pid, off=60, off_ns=1_900_000_000),
+        _trace([main, ws], write, pid, on=35),
+        _trace([main, ws], fsync, pid, on=12),
+    ]
+    return _session(sid, "storage", "db-01", "fsyncer", pid, "io", start_ns, (38.5, 21.0, 9.4), traces)
+
+
+WORKLOADS = Path(__file__).resolve().parents[1] / "fixtures" / "build" / "workloads"
+
+
+def ui_sessions(now_ns: int | None = None) -> dict[str, wire.Session]:
+    """The sessions the UI tests ingest, by role: `old` and `new` of one service (for the diff), `io`."""
+    now = now_ns or time.time_ns()
+    tag = f"{os.getpid():x}{now & 0xFFFFFF:06x}"
+    return {
+        "old": burner_session(
+            f"ui-old-{tag}", now - 3_600_000_000_000, hot=300, timer=120, avg=(12.4, 8.7, 3.7)
+        ),
+        "new": burner_session(
+            f"ui-new-{tag}", now - 600_000_000_000, hot=900, timer=60, avg=(46.2, 32.3, 13.9)
+        ),
+        "io": fsyncer_session(f"ui-io-{tag}", now - 1_800_000_000_000),
+    }

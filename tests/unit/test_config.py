@@ -1,0 +1,435 @@
+"""Trigger file validation (every rule, all errors at once) and agent settings (flag > env > default)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bistouri import config
+from bistouri.config import (
+    AgentSettings,
+    ResourceTrigger,
+    add_agent_arguments,
+    load_trigger_config,
+    parse_size,
+    parse_trigger_config,
+    settings_from_args,
+)
+from bistouri.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden" / "config"
+EXAMPLE = ROOT / "bistouri" / "data" / "trigger.example.yaml"
+FIXTURE_PROC = ROOT / "tests" / "fixtures" / "proc"
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_trigger_config(text, "t.yaml")
+    assert ei.value.source == "t.yaml"
+    return ei.value.problems
+
+
+def one_target(**over: object) -> str:
+    t: dict[str, object] = {
+        "rule": {"type": "Exact", "comm": "node"},
+        "service_id": "node",
+        "resources": [{"resource": "cpu", "threshold": 10}],
+    }
+    t.update(over)
+    return yaml.safe_dump({"targets": [t]})
+
+
+def with_resource(**res: object) -> str:
+    r: dict[str, object] = {"resource": "cpu", "threshold": 10}
+    r.update(res)
+    return one_target(resources=[r])
+
+
+# -- files
+
+
+def test_example_config_parses():
+    cfg = load_trigger_config(str(EXAMPLE))
+    assert [t.service_id for t in cfg.targets] == ["web_frontend", "database", "jvm_fleet"]
+    db = cfg.targets[1]
+    assert db.resources == (ResourceTrigger("io", 20.0, "full", 2000),)
+    assert (db.capture_duration_secs, db.cooldown_secs) == (15.0, 60.0)
+    assert db.capture_secs(10) == 15 and db.cooldown(10) == 60
+    assert cfg.targets[2].scope == "system"
+    assert cfg.targets[0].labels == {"team": "edge"}
+    # Unset per-target durations fall back to the agent's capture duration.
+    assert cfg.targets[0].capture_secs(10) == 10 and cfg.targets[0].cooldown(7) == 7
+
+
+def test_upstream_schema_parses_with_defaults():
+    cfg = load_trigger_config(str(GOLDEN / "upstream.yaml"))
+    assert [t.rule_id for t in cfg.targets] == [1, 2]
+    t = cfg.targets[0]
+    assert t.rule == config.Rule("Exact", "cpu-burner")
+    assert [r.resource for r in t.resources] == ["cpu", "memory", "io"]
+    r = t.resources[0]
+    assert (r.stall, r.window_ms, r.window_us, r.stall_us) == ("some", 1000, 1_000_000, 50_000)
+    assert cfg.targets[1].resources[0].stall_us == 5000  # 0.5 % of 1 s
+    assert t.scope == "cgroup" and t.labels == {"env": "e2e"}
+
+
+def test_all_errors_reported_at_once_with_paths():
+    with pytest.raises(ConfigError) as ei:
+        load_trigger_config(str(GOLDEN / "all-errors.yaml"))
+    expected = (GOLDEN / "all-errors.expected").read_text().splitlines()
+    assert ei.value.problems == expected
+    assert str(GOLDEN / "all-errors.yaml") in str(ei.value)
+
+
+def test_yaml_syntax_error_has_line_and_column():
+    with pytest.raises(ConfigError) as ei:
+        load_trigger_config(str(GOLDEN / "syntax-error.yaml"))
+    [p] = ei.value.problems
+    assert p.startswith("line 3, column 15: YAML syntax error")
+
+
+def test_duplicate_yaml_key_is_an_error():
+    with pytest.raises(ConfigError) as ei:
+        load_trigger_config(str(GOLDEN / "duplicate-key.yaml"))
+    [p] = ei.value.problems
+    assert "line 4" in p and "duplicate key 'service_id'" in p
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError) as ei:
+        load_trigger_config("/nonexistent/trigger.yaml")
+    assert "cannot read the trigger file" in ei.value.problems[0]
+    assert ei.value.source == "/nonexistent/trigger.yaml"
+
+
+# -- validation table: one rule per row
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", "the file is empty"),
+        ("- a\n", "the top level must be a mapping"),
+        ("{}", "targets: missing"),
+        ("targets: []", "targets: must be a non-empty list"),
+        ("targets: {}", "targets: must be a non-empty list"),
+        ("targets: [1]", "targets[0]: must be a mapping"),
+        ("target: []", "target: unknown key (did you mean 'targets'?)"),
+        (one_target(rule={"type": "Glob", "comm": "x"}), "targets[0].rule.type: 'Glob' is not one of"),
+        (one_target(rule={"type": "prefix", "comm": "x"}), "(did you mean 'Prefix'?)"),
+        (one_target(rule={"comm": "x"}), "targets[0].rule.type: missing"),
+        (one_target(rule={"type": "Exact"}), "targets[0].rule.comm: missing"),
+        (one_target(rule={"type": "Exact", "comm": 5}), "targets[0].rule.comm: must be a string"),
+        (one_target(rule={"type": "Exact", "comm": "a" * 16}), "targets[0].rule.comm: 16 bytes, max 15"),
+        (one_target(rule={"type": "Exact", "comm": "é" * 8}), "targets[0].rule.comm: 16 bytes, max 15"),
+        (one_target(rule={"type": "Exact", "comm": "x", "regex": "y"}), "targets[0].rule.regex: unknown key"),
+        (one_target(rule="node"), "targets[0].rule: must be a mapping"),
+        (one_target(service_id="Upper"), "targets[0].service_id: 'Upper' must match"),
+        (one_target(service_id="1abc"), "must match ^[a-z][a-z0-9_]*$"),
+        (one_target(service_id="a-b"), "must match"),
+        (one_target(service_id="a.b"), "must match"),
+        (one_target(service_id="a b"), "must match"),
+        (one_target(service_id=""), "targets[0].service_id: 0 characters, must be 1 to 32"),
+        (one_target(service_id="a" * 33), "33 characters, must be 1 to 32"),
+        (one_target(service_id=7), "targets[0].service_id: must be a string"),
+        (one_target(resources=[]), "targets[0].resources: must be a non-empty list"),
+        (one_target(resources=None), "targets[0].resources: must be a non-empty list"),
+        (
+            with_resource(resource="gpu"),
+            "targets[0].resources[0].resource: 'gpu' is not one of cpu, memory, io",
+        ),
+        (with_resource(threshold=0), "threshold: 0 is out of range"),
+        (with_resource(threshold=-1), "threshold: -1 is out of range"),
+        (with_resource(threshold=100), "threshold: 100 is out of range"),
+        (with_resource(threshold=150), "threshold: 150 is out of range"),
+        (with_resource(threshold="10"), "threshold: must be a number"),
+        (with_resource(threshold=True), "threshold: must be a number"),
+        (with_resource(threshold=0.00001), "under 1 µs of stall"),
+        (with_resource(stall="partial"), "stall: 'partial' is not one of some, full"),
+        (with_resource(window_ms=499), "window_ms: 499 is out of range 500..10000"),
+        (with_resource(window_ms=10001), "window_ms: 10001 is out of range"),
+        (with_resource(window_ms=1.5), "window_ms: must be an integer"),
+        (with_resource(treshold=5), "resources[0].treshold: unknown key (did you mean 'threshold'?)"),
+        (one_target(resources=[{"threshold": 5}]), "resources[0].resource: missing"),
+        (one_target(resources=[{"resource": "io"}]), "resources[0].threshold: missing"),
+        (one_target(resources=["cpu"]), "resources[0]: must be a mapping"),
+        (
+            one_target(resources=[{"resource": "cpu", "threshold": 1}, {"resource": "cpu", "threshold": 2}]),
+            "resources[1].resource: 'cpu' is listed twice",
+        ),
+        (one_target(labels=["a"]), "targets[0].labels: must be a mapping"),
+        (one_target(labels={"version": 1}), "targets[0].labels.version: label values must be strings"),
+        (one_target(labels={"9bad": "x"}), "targets[0].labels.9bad: label keys must match"),
+        (one_target(scope="host"), "targets[0].scope: 'host' is not one of cgroup, system"),
+        (one_target(capture_duration_secs=0), "capture_duration_secs: 0 is out of range"),
+        (one_target(capture_duration_secs=4000), "capture_duration_secs: 4000 is out of range"),
+        (one_target(capture_duration_secs="5s"), "capture_duration_secs: must be a number"),
+        (one_target(cooldown_secs=-1), "cooldown_secs: -1 is out of range"),
+        (one_target(servce_id="x"), "targets[0].servce_id: unknown key (did you mean 'service_id'?)"),
+    ],
+)
+def test_validation_rule(text, expected):
+    found = problems(text)
+    assert any(expected in p for p in found), found
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        one_target(rule={"type": "Exact", "comm": "a" * 15}),
+        one_target(rule={"type": "Prefix", "comm": ""}),
+        one_target(service_id="a" * 32),
+        one_target(service_id="a_1"),
+        with_resource(threshold=0.001),
+        with_resource(threshold=99.9),
+        with_resource(window_ms=500),
+        with_resource(window_ms=10000),
+        with_resource(stall="full"),
+        one_target(cooldown_secs=0),
+        one_target(labels=None),
+    ],
+)
+def test_accepted_edges(text):
+    cfg = parse_trigger_config(text)
+    assert len(cfg.targets) == 1
+
+
+def tgt(comm: str, sid: str, *resources: str, kind: str = "Exact") -> dict[str, object]:
+    return {
+        "rule": {"type": kind, "comm": comm},
+        "service_id": sid,
+        "resources": [{"resource": r, "threshold": 1} for r in resources],
+    }
+
+
+def test_unique_service_id_across_targets():
+    text = yaml.safe_dump({"targets": [tgt("a", "s", "cpu"), tgt("b", "s", "cpu")]})
+    assert problems(text) == ["targets[1].service_id: 's' is already used by targets[0]"]
+
+
+def test_unique_comm_and_resource_whatever_the_rule_type():
+    text = yaml.safe_dump({"targets": [tgt("a", "s1", "cpu"), tgt("a", "s2", "io", "cpu", kind="Prefix")]})
+    [p] = problems(text)
+    assert p.startswith("targets[1].resources[1]: comm 'a' already watches cpu in targets[0]")
+
+
+def test_duplicates_reported_beside_other_errors():
+    bad = tgt("a", "s1", "cpu")
+    bad["labels"] = {"k": 1}
+    text = yaml.safe_dump({"targets": [tgt("a", "s1", "cpu"), bad]})
+    found = problems(text)
+    assert len(found) == 3, found
+
+
+def test_same_comm_different_resources_is_fine():
+    text = yaml.safe_dump({"targets": [tgt("a", "s1", "cpu"), tgt("a", "s2", "io")]})
+    assert len(parse_trigger_config(text).targets) == 2
+
+
+def test_rule_ids_are_positions_from_first_rule_id():
+    text = (GOLDEN / "upstream.yaml").read_text()
+    cfg = parse_trigger_config(text, first_rule_id=41)
+    assert [t.rule_id for t in cfg.targets] == [41, 42]
+    assert cfg.next_rule_id == 43
+    again = parse_trigger_config(text, first_rule_id=cfg.next_rule_id)
+    assert [t.rule_id for t in again.targets] == [43, 44]
+    assert cfg.target(42) is cfg.targets[1] and cfg.target(43) is None
+    with pytest.raises(ValueError):
+        parse_trigger_config(text, first_rule_id=0)
+
+
+def test_stall_us_rounds_down_and_is_positive():
+    r = ResourceTrigger("memory", 0.001, "some", 500)
+    assert r.stall_us == 5 and r.window_us == 500_000
+
+
+def test_config_is_frozen():
+    cfg = parse_trigger_config(one_target())
+    with pytest.raises(AttributeError):
+        cfg.targets[0].service_id = "x"  # type: ignore[misc]
+    assert hash(cfg.targets[0]) == hash(cfg.targets[0].rule_id)
+
+
+def test_warning_for_exact_empty_comm():
+    cfg = parse_trigger_config(one_target(rule={"type": "Exact", "comm": ""}))
+    assert len(cfg.warnings) == 1 and "Exact ''" in cfg.warnings[0]
+
+
+def test_summary_lines():
+    cfg = load_trigger_config(str(EXAMPLE))
+    assert cfg.summary()[1] == (
+        "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup resources=[io:full>20%/2000ms]"
+    )
+
+
+# -- agent settings
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> AgentSettings:
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    args = parser.parse_args(argv)
+    return settings_from_args(args, env or {})
+
+
+def test_defaults(caplog):
+    with caplog.at_level(logging.WARNING, logger="bistouri.config"):
+        s = parse([], {})
+    assert s.config_path == "/etc/bistouri/trigger.yaml"
+    assert s.tenant_id == "default"
+    assert s.symbolizer_endpoint is None
+    assert (s.capture_duration_secs, s.freq, s.metrics_port, s.metrics_addr) == (10.0, 19, 9464, "0.0.0.0")
+    assert (s.proc_path, s.spool_dir, s.spool_max_bytes) == ("/proc", "/var/lib/bistouri/spool", 256 << 20)
+    assert (s.walk_interval_secs, s.offcpu, s.log_level) == (30.0, True, "info")
+    assert s.labels == {}
+    assert s.period_ns == 1_000_000_000 // 19
+    # The tenant default is announced, not silent.
+    assert any("tenant" in w for w in s.warnings)
+    assert "tenant 'default'" in caplog.text
+
+
+def test_cgroup_path_auto_detected_from_proc_mounts():
+    s = parse(["--proc-path", str(FIXTURE_PROC)])
+    assert s.cgroup_path == "/sys/fs/cgroup/unified v2"
+
+
+def test_cgroup_path_missing_is_a_warning(tmp_path):
+    (tmp_path / "mounts").write_text("proc /proc proc rw 0 0\n")
+    s = parse(["--proc-path", str(tmp_path)])
+    assert s.cgroup_path is None
+    assert any("no cgroup2 mount" in w for w in s.warnings)
+
+
+def test_cgroup_path_flag_checked(tmp_path):
+    with pytest.raises(ConfigError) as ei:
+        parse(["--cgroup-path", str(tmp_path)])
+    assert ei.value.problems == [f"--cgroup-path: {tmp_path} is not a cgroup2 mount (no cgroup.procs)"]
+    (tmp_path / "cgroup.procs").write_text("")
+    assert parse(["--cgroup-path", str(tmp_path)]).cgroup_path == str(tmp_path)
+
+
+def test_flag_beats_env_beats_default(tmp_path):
+    env = {
+        "BISTOURI_FREQ": "97",
+        "BISTOURI_TENANT_ID": "acme",
+        "BISTOURI_LABELS": "dc=par1, rack=12",
+        "BISTOURI_CAPTURE_DURATION": "5",
+        "BISTOURI_SPOOL_MAX_BYTES": "64MiB",
+        "BISTOURI_OFFCPU": "false",
+        "BISTOURI_SYMBOLIZER_ENDPOINT": "https://sym.example:8443/",
+        "BISTOURI_LOG_LEVEL": "DEBUG",
+    }
+    s = parse([], env)
+    assert (s.freq, s.tenant_id, s.capture_duration_secs, s.spool_max_bytes) == (97, "acme", 5.0, 64 << 20)
+    assert s.labels == {"dc": "par1", "rack": "12"}
+    assert s.offcpu is False and s.log_level == "debug"
+    assert s.symbolizer_endpoint == "https://sym.example:8443"
+    s = parse(["--freq", "13", "--label", "a=1", "--label", "b=x=y", "--offcpu", "--tenant-id", "t2"], env)
+    assert (s.freq, s.tenant_id, s.offcpu) == (13, "t2", True)
+    assert s.labels == {"a": "1", "b": "x=y"}  # the flag replaces the env list entirely
+    assert parse(["--no-offcpu"]).offcpu is False
+
+
+@pytest.mark.parametrize("freq", ["99", "999", "1000", "1"])
+def test_non_prime_freq_is_accepted_with_a_warning(freq):
+    s = parse(["--freq", freq])
+    assert s.freq == int(freq)
+    assert any("not prime" in w for w in s.warnings)
+
+
+def test_prime_freq_no_warning():
+    s = parse(["--freq", "997", "--tenant-id", "t"])
+    assert s.warnings == ()
+
+
+def test_every_bad_setting_reported_at_once(tmp_path):
+    argv = [
+        "--freq", "0",
+        "--capture-duration-secs", "abc",
+        "--metrics-port", "70000",
+        "--label", "=x",
+        "--symbolizer-endpoint", "ftp://host",
+        "--symbolizer-token-file", str(tmp_path / "nope"),
+        "--symbolizer-client-key", str(tmp_path / "nokey"),
+        "--spool-max-bytes", "12 parsecs",
+        "--walk-interval-secs", "0",
+        "--log-level", "loud",
+        "--tenant-id", "bad tenant!",
+        "--proc-path", str(tmp_path / "noproc"),
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as ei:
+        parse(argv)
+    text = "\n".join(ei.value.problems)
+    for needle in [
+        "--freq: 0 is out of range 1..1000",
+        "--capture-duration-secs: 'abc' is not a number",
+        "--metrics-port: 70000 is out of range 0..65535",
+        "--label: '=x' must be key=value",
+        "--symbolizer-endpoint: 'ftp://host' must be an http:// or https:// URL",
+        "--symbolizer-token-file:",
+        "--symbolizer-client-key: needs --symbolizer-client-cert",
+        "--spool-max-bytes: '12 parsecs' is not a size",
+        "--walk-interval-secs: 0 is out of range",
+        "--log-level: 'loud' is not one of",
+        "--tenant-id: 'bad tenant!' must be",
+        "--proc-path:",
+    ]:
+        assert needle in text, needle
+    assert ei.value.source == "command line and environment"
+
+
+def test_env_errors_name_the_variable():
+    with pytest.raises(ConfigError) as ei:
+        parse([], {"BISTOURI_FREQ": "fast", "BISTOURI_OFFCPU": "maybe", "BISTOURI_METRICS_PORT": "-1"})
+    assert ei.value.problems == [
+        "BISTOURI_FREQ: 'fast' is not an integer",
+        "BISTOURI_METRICS_PORT: -1 is out of range 0..65535",
+        "BISTOURI_OFFCPU: 'maybe' is not a boolean (true/false)",
+    ]
+
+
+def test_tls_files_accepted_when_present(tmp_path):
+    for name in ("token", "ca.pem", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("x")
+    s = parse(
+        [
+            "--symbolizer-endpoint", "http://127.0.0.1:8080",
+            "--symbolizer-token-file", str(tmp_path / "token"),
+            "--symbolizer-ca-file", str(tmp_path / "ca.pem"),
+            "--symbolizer-client-cert", str(tmp_path / "cert.pem"),
+            "--symbolizer-client-key", str(tmp_path / "key.pem"),
+            "--tenant-id", "t",
+        ]
+    )  # fmt: skip
+    assert s.symbolizer_client_key == str(tmp_path / "key.pem")
+    assert any("plain http" in w for w in s.warnings)
+
+
+def test_metrics_port_zero_disables():
+    assert parse(["--metrics-port", "0"]).metrics_port == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("1048576", 1 << 20),
+        ("256MiB", 256 << 20),
+        ("256M", 256 << 20),
+        ("1g", 1 << 30),
+        ("2 KiB", 2048),
+        ("7B", 7),
+    ],
+)
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+def test_spool_minimum():
+    with pytest.raises(ConfigError) as ei:
+        parse(["--spool-max-bytes", "1KiB"])
+    assert "below the 1 MiB minimum" in ei.value.problems[0]

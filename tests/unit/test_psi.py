@@ -1,0 +1,174 @@
+"""PSI parsing and the poll loop, unprivileged. Real kernel triggers: tests/integration/test_psi_cgroup.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from bistouri import psi
+from bistouri.psi import Pressure, PressureLine, PsiLoop, allowed_window_us, parse_pressure, read_pressure
+
+CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
+
+
+def sample(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    v = reg.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def test_read_pressure_cgroup_fixture():
+    p = read_pressure(str(CGROUP / "system.slice" / "nginx.service" / "cpu.pressure"))
+    assert p.some == PressureLine(12.5, 3.25, 0.8, 123456789)
+    assert p.full == PressureLine(4.0, 1.0, 0.2, 45678901)
+    assert p.line("full") is p.full and p.line("some") is p.some
+
+
+def test_read_pressure_u64_total():
+    p = read_pressure(str(CGROUP / "system.slice" / "nginx.service" / "io.pressure"))
+    assert p.some.total == 2**64 - 1 and p.some.avg10 == 99.99
+
+
+def test_parse_by_key_not_position_and_missing_full():
+    p = read_pressure(str(CGROUP / "cpu.pressure"))
+    assert p.some == PressureLine(avg10=1.10, avg60=0.20, avg300=0.03, total=777)
+    assert p.full is None
+    assert p.line("full") == PressureLine()
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"garbage\n", b"some avg10=x total=1\n", b"some avg10=1.0\nfull\n", b"\n\nsome\n"]
+)
+def test_parse_pressure_tolerates_junk(data):
+    assert isinstance(parse_pressure(data), Pressure)
+
+
+def test_read_pressure_missing_raises():
+    with pytest.raises(FileNotFoundError):
+        read_pressure(str(CGROUP / "gone" / "cpu.pressure"))
+
+
+def test_live_system_pressure():
+    if not os.path.exists("/proc/pressure/cpu"):
+        pytest.skip("kernel without PSI (/proc/pressure missing)")
+    p = read_pressure("/proc/pressure/cpu")
+    assert p.some.total > 0  # this host has run something since boot
+
+
+@pytest.mark.parametrize(
+    ("window_us", "allowed"),
+    [
+        (500_000, 2_000_000),
+        (1_000_000, 2_000_000),
+        (2_000_000, 2_000_000),
+        (2_900_000, 2_000_000),
+        (3_100_000, 4_000_000),
+        (5_000_000, 4_000_000),  # ties round to even steps
+        (9_000_000, 8_000_000),
+        (10_000_000, 10_000_000),
+    ],
+)
+def test_allowed_window(window_us, allowed):
+    assert allowed_window_us(window_us) == allowed
+    assert allowed % 2_000_000 == 0 and psi.WINDOW_US_MIN <= allowed <= psi.WINDOW_US_MAX
+
+
+def test_watcher_writes_one_trigger_line(tmp_path):
+    # A regular file accepts the write: it shows exactly what the kernel would receive.
+    f = tmp_path / "cpu.pressure"
+    f.write_bytes(b"")
+    with psi.PsiWatcher("k", str(f), "cpu", "full", 12.5, 1000, 5.0) as w:
+        assert (w.stall_us, w.window_us, w.fallback) == (125_000, 1_000_000, False)
+    assert f.read_bytes() == b"full 125000 1000000\0"  # NUL-terminated, as /proc/pressure needs
+    assert w.closed
+
+
+@pytest.mark.parametrize(
+    ("stall", "threshold"), [("partial", 10.0), ("some", 0.0), ("some", 100.0), ("some", -1.0)]
+)
+def test_watcher_rejects_bad_arguments(tmp_path, stall, threshold):
+    with pytest.raises(ValueError):
+        psi.PsiWatcher("k", str(tmp_path / "x"), "cpu", stall, threshold, 1000, 0)
+
+
+def test_watcher_missing_file_has_a_hint(tmp_path):
+    with pytest.raises(OSError) as ei:
+        psi.PsiWatcher("k", str(tmp_path / "nope" / "cpu.pressure"), "cpu", "some", 10, 1000, 0)
+    assert ei.value.errno == errno.ENOENT
+    assert "cannot register PSI trigger 'some 100000 1000000'" in str(ei.value)
+    assert "no such cgroup" in str(ei.value)
+
+
+def test_loop_other_fds_and_timeout():
+    reg = CollectorRegistry()
+    r, w = os.pipe()
+    seen: list[tuple[int, int]] = []
+    try:
+        with PsiLoop(registry=reg) as loop:
+            loop.add_fd(r, lambda fd, ev: seen.append((fd, ev)))
+            assert loop.poll(0) == []
+            assert seen == []
+            os.write(w, b"x")
+            assert loop.poll(1000) == []
+            assert seen == [(r, select.POLLIN)]
+            loop.remove_fd(r)
+            loop.remove_fd(r)  # idempotent
+            assert loop.poll(0) == []
+            assert len(seen) == 1
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_loop_watchers_bookkeeping(tmp_path):
+    reg = CollectorRegistry()
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"")
+    loop = PsiLoop(registry=reg)
+    wa = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 10, 1000, 3)
+    assert loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 10, 1000, 3) is wa
+    wb = loop.add_watcher(("cg", "io"), str(tmp_path / "b"), "io", "some", 10, 1000, 3)
+    assert sorted(loop.keys()) == [("cg", "cpu"), ("cg", "io")]
+    assert sample(reg, "bistouri_psi_watchers") == 2
+    # New parameters for an existing key replace the watcher.
+    wa2 = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 20, 1000, 3)
+    assert wa2 is not wa and wa.closed and not wa2.closed
+    with pytest.raises(ValueError):
+        loop.add_fd(wa2.fileno(), lambda fd, ev: None)
+    assert loop.remove(("cg", "io")) and not loop.remove(("cg", "io"))
+    assert wb.closed and len(loop) == 1
+    loop.clear()
+    assert loop.keys() == [] and wa2.closed
+    assert sample(reg, "bistouri_psi_watchers") == 0
+    assert loop.poll(0) == []
+
+
+def test_loop_reports_a_dead_watcher_once(tmp_path):
+    reg = CollectorRegistry()
+    (tmp_path / "memory.pressure").write_bytes(b"")
+    loop = PsiLoop(registry=reg, wall_clock_ns=lambda: 123)
+    w = loop.add_watcher("k", str(tmp_path / "memory.pressure"), "memory", "some", 5, 2000, 0)
+    os.close(w.fileno())  # the poll set now holds an invalid fd: POLLNVAL, like a vanished cgroup's POLLERR
+    [ev] = loop.poll(0)
+    assert ev.dead and ev.key == "k" and ev.resource == "memory" and ev.time_ns == 123
+    assert (ev.threshold_us, ev.window_us) == (100_000, 2_000_000)
+    assert loop.keys() == [] and w.closed
+    assert sample(reg, "bistouri_psi_watchers_lost_total", resource="memory") == 1
+    assert loop.poll(0) == []
+
+
+def test_event_to_trigger():
+    ev = psi.PsiEvent("k", "io", "full", 200_000, 2_000_000, "/x/io.pressure", 5, 1.5, 2.5, 3.5, 99)
+    t = ev.to_trigger("/x")
+    assert (t.resource, t.stall, t.threshold_us, t.window_us, t.cgroup) == (
+        "io",
+        "full",
+        200_000,
+        2_000_000,
+        "/x",
+    )
+    assert (t.time_ns, t.avg10, t.avg60, t.avg300, t.total_us) == (5, 1.5, 2.5, 3.5, 99)
