@@ -1,0 +1,85 @@
+"""Agent and symbolizer as separate processes over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import requests
+
+from tests.helpers import Cgroup, wait_until
+from tests.integration.agent_harness import AgentProcess, burner_config
+from tests.integration.conftest import stop
+
+pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+
+
+def _sessions(url: str) -> list[dict]:
+    try:
+        r = requests.get(f"{url}/v1/sessions", params={"limit": 100}, timeout=5)
+    except requests.RequestException:
+        return []
+    return r.json()["sessions"] if r.status_code == 200 else []
+
+
+def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_server):
+    url = symbolizer_server(tmp_path, token="s3cret", binary_dir=[workloads])
+    token_file = tmp_path / "agent-token"
+    token_file.write_text("s3cret\n")
+    cfg = burner_config(capture=4)
+    with AgentProcess(tmp_path, cfg, "--symbolizer-endpoint", url, "--symbolizer-token-file", str(token_file),
+                      "--freq", "99") as agent, Cgroup.create() as cg:
+        for _ in range(3):
+            cg.spawn([str(workloads / "burner"), "30"])
+        assert wait_until(lambda: _sessions(url), 40), f"{agent.log()[-3000:]}\n{url.log_tail()}"
+    meta = _sessions(url)[0]
+    assert meta["service"] == "burner_svc" and meta["trigger"]["resource"] == "cpu"
+    folded = requests.get(f"{url}/v1/sessions/{meta['id']}/folded", timeout=10).text
+    counts: dict[str, int] = {}
+    total = 0
+    for line in folded.splitlines():
+        stack, _, n = line.rpartition(" ")
+        total += int(n)
+        counts[stack] = counts.get(stack, 0) + int(n)
+    chain = sum(n for s, n in counts.items() if re.search(r"main;level1;level2;hot_spin(;|$)", s))
+    assert total > 0 and chain / total > 0.8, folded[:2000]
+    # Kernel frames are named from the agent's kallsyms snapshot, not left as addresses.
+    kernel = [s for s in counts if "_[k]" in s]
+    assert kernel, "samples taken in the kernel (timer interrupts, scheduling) are expected"
+    assert not any(re.search(r"\[kernel\]\+0x", s) for s in kernel), kernel[:5]
+    info = requests.get(f"{url}/v1/kernels/{_kernel_build_id()}", timeout=5)
+    assert info.status_code == 200
+
+
+def _kernel_build_id() -> str:
+    from bistouri.kernel import read_kernel_meta
+
+    return read_kernel_meta().build_id_hex
+
+
+def test_nothing_is_lost_while_the_symbolizer_is_down(tmp_path, workloads, symbolizer_server):
+    url = symbolizer_server(tmp_path)
+    port = url.rsplit(":", 1)[1]
+    state = url.state_dir
+    cfg = burner_config(capture=2).replace("capture_duration_secs: 2\n", "capture_duration_secs: 2\n    cooldown_secs: 0.5\n")
+    with AgentProcess(tmp_path, cfg, "--symbolizer-endpoint", url) as agent, Cgroup.create() as cg:
+        stop(url)
+        down_at = time.monotonic()
+        for _ in range(3):
+            cg.spawn([str(workloads / "burner"), "90"])
+        assert wait_until(lambda: len(agent.sessions()) >= 5, 60), agent.log()[-3000:]
+        cg.kill_all()
+        # Let the session running when the burners died finish: then the set is final.
+        assert wait_until(lambda: agent.metrics()["bistouri_sessions_active"] == 0, 10)
+        spooled = {s.session_id for s in agent.sessions()}
+        assert len(spooled) >= 5
+        time.sleep(max(0.0, 60 - (time.monotonic() - down_at)))
+        url2 = symbolizer_server(tmp_path, port=port, state_dir=state)
+        assert wait_until(lambda: {m["id"] for m in _sessions(url2)} >= spooled, 120), (
+            f"missing {spooled - {m['id'] for m in _sessions(url2)}}\n{agent.log()[-3000:]}"
+        )
+        assert wait_until(lambda: not agent.sessions(), 30), "acknowledged sessions leave the spool"
+    ids = [m["id"] for m in _sessions(url2)]
+    assert len(ids) == len(set(ids)), "a session was stored twice"
+    assert set(ids) == spooled
