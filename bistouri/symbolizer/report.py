@@ -40,6 +40,7 @@ _KNOWN_META = frozenset(
 
 _SCRIPT_END = re.compile(r"</(script)", re.IGNORECASE)
 _STYLE_END = re.compile(r"</(style)", re.IGNORECASE)
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
 
 
 @cache
@@ -47,15 +48,39 @@ def _asset(rel: str) -> str:
     return (UI_DIR / rel).read_text(encoding="utf-8")
 
 
+# The page is pure ASCII whatever encoding the caller writes it with: each non-ASCII
+# character is escaped the way its context reads it (JS `\uXXXX`, CSS `\XXXXXX`, HTML `&#N;`).
+def _js_escape(m: re.Match[str]) -> str:
+    cp = ord(m.group())
+    if cp < 0x10000:
+        return f"\\u{cp:04x}"
+    cp -= 0x10000
+    return f"\\u{0xD800 + (cp >> 10):04x}\\u{0xDC00 + (cp & 0x3FF):04x}"
+
+
+def _css_escape(m: re.Match[str]) -> str:
+    return f"\\{ord(m.group()):06x}"
+
+
+def _markup(text: str) -> str:
+    return text.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
 def _inline_script(source: str) -> str:
     # `<\/script` means the same inside a JS string, regex or comment, and cannot end the element.
-    return "<script>\n" + _SCRIPT_END.sub(r"<\\/\1", source) + "\n</script>"
+    source = _NON_ASCII.sub(_js_escape, source)
+    return "<script>\n" + _SCRIPT_END.sub(r"<\\/\1", source) + "\n</script>\n"
+
+
+def _inline_style(source: str) -> str:
+    source = _NON_ASCII.sub(_css_escape, source)
+    return "<style>\n" + _STYLE_END.sub(r"<\\/\1", source) + "\n</style>\n"
 
 
 def _json_block(element_id: str, obj: Any) -> str:
     # JSON allows `\/` for `/`: no `</script>` can appear inside, whatever the frame names are.
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
-    return f'<script type="application/json" id="{element_id}">{text}</script>'
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).replace("</", "<\\/")
+    return f'<script type="application/json" id="{element_id}">{text}</script>\n'
 
 
 def _page_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -69,27 +94,16 @@ def _page_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return page
 
 
-def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], title: str) -> str:
-    """A self-contained HTML page showing `trees` as an interactive flamegraph.
-
-    `trees` maps a view (`on_cpu`, `off_cpu`, `off_cpu_ns`) to its d3-flame-graph
-    tree (`formats.flamegraph`); views missing from it are not offered, and a
-    view whose tree is empty shows as disabled. `meta` is shaped like
-    `SessionMeta.to_json()` (all keys optional); any other scalar key is shown
-    as it is. The result references no URL: it works offline from `file://`.
-    """
-    styles = "\n".join("<style>\n" + _STYLE_END.sub(r"<\\/\1", _asset(rel)) + "\n</style>" for rel in _STYLES)
-    scripts = "\n".join(_inline_script(_asset(rel)) for rel in _SCRIPTS)
-    return f"""<!doctype html>
+_HEAD = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="generator" content="bistouri">
-<title>{html.escape(title)}</title>
-{styles}
-{scripts}
-</head>
+<title>{title}</title>
+"""
+
+_BODY = """</head>
 <body data-page="report">
 <header class="topbar">
   <span class="brand"><span class="brand-mark" aria-hidden="true">✂</span>bistouri
@@ -98,12 +112,29 @@ def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], titl
 <main>
 <section class="panel" id="meta"></section>
 <section class="fg" id="flame"></section>
-<p class="report-foot">{html.escape(title)} · written by <code>bistouri record</code>.
+<p class="report-foot">{title} · written by <code>bistouri record</code>.
 Click a frame to zoom, Esc to reset, / to search.</p>
 </main>
-{_json_block("bistouri-trees", trees)}
-{_json_block("bistouri-meta", _page_meta(meta))}
-{_inline_script(_asset(_PAGE_SCRIPT))}
-</body>
-</html>
 """
+
+
+def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], title: str) -> str:
+    """A self-contained HTML page showing `trees` as an interactive flamegraph.
+
+    `trees` maps a view (`on_cpu`, `off_cpu`, `off_cpu_ns`) to its d3-flame-graph
+    tree (`formats.flamegraph`); views missing from it are not offered, and a
+    view whose tree is empty shows as disabled. `meta` is shaped like
+    `SessionMeta.to_json()` (all keys optional); any other scalar key is shown
+    as it is. The result references no URL, so it works offline from `file://`,
+    and is pure ASCII, so any encoding writes it unchanged.
+    """
+    t = html.escape(title)
+    parts = [_markup(_HEAD.format(title=t))]
+    parts += [_inline_style(_asset(rel)) for rel in _STYLES]
+    parts += [_inline_script(_asset(rel)) for rel in _SCRIPTS]
+    parts.append(_markup(_BODY.format(title=t)))
+    parts.append(_json_block("bistouri-trees", trees))
+    parts.append(_json_block("bistouri-meta", _page_meta(meta)))
+    parts.append(_inline_script(_asset(_PAGE_SCRIPT)))
+    parts.append("</body>\n</html>\n")
+    return "".join(parts)

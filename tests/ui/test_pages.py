@@ -166,6 +166,14 @@ def test_session_page_zoom_search_views(page, symbolizer_url, stored, screenshot
     assert "match" not in (page.locator(_frame("level1")).get_attribute("class") or "").split()
     assert _query(page)["q"] == ["hot_sp"]
     _shot(page, screenshots / "session-search.png")
+    # The top table ranks functions by self value; a click searches for that function exactly.
+    page.fill(".fg-search", "")
+    first = page.locator(".fg-top tbody tr").first
+    assert first.get_attribute("data-name") == "hot_spin"
+    assert "87.0%" in first.inner_text()  # 900 of 1,035 samples
+    first.click()
+    assert page.locator(".fg-search").input_value() == "^hot_spin$"
+    page.wait_for_function("() => document.querySelector('.fg-matches').textContent.startsWith('1 frame')")
     page.fill(".fg-search", "zzz_nothing")
     page.wait_for_function("() => document.querySelector('.fg-matches').textContent === 'no match'")
     page.fill(".fg-search", "")
@@ -210,6 +218,13 @@ def test_diff_page_colours_growth_and_shrink(page, symbolizer_url, stored, scree
     page.hover(_frame("hot_spin"))
     tip = page.locator(".fg-tip").inner_text()
     assert "Δ" in tip and "+" in tip
+    # The biggest change is listed first: hot_spin's own samples grew, the timer interrupt's shrank.
+    top = page.locator(".fg-top tbody tr")
+    assert top.first.get_attribute("data-name") == "hot_spin"
+    assert top.first.locator("td.up").count() == 2
+    names = [top.nth(i).get_attribute("data-name") for i in range(top.count())]
+    shrank = page.locator('.fg-top tbody tr[data-name="hrtimer_interrupt"] td.down')
+    assert "hrtimer_interrupt" in names and shrank.count() == 2
     page.mouse.move(5, 5)
     _shot(page, screenshots / "diff.png")
     # Swap: A and B change places in the URL.

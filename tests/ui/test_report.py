@@ -35,6 +35,7 @@ def _profile() -> Profile:
         Frame("schedule", "vmlinux", kind=KIND_KERNEL),
         Frame("__vdso_clock_gettime", "[vdso]", kind=KIND_VDSO),
         Frame(TRICKY, "app"),
+        Frame("décode_µs", "app"),
     ]
     samples = [
         Sample((0, 1, 2), on_cpu=60),
@@ -42,6 +43,7 @@ def _profile() -> Profile:
         Sample((0, 1, 3, 4, 5), off_cpu=30, off_cpu_ns=900_000_000),
         Sample((0, 6), on_cpu=10),
         Sample((0, 7), on_cpu=5),
+        Sample((0, 8), on_cpu=3),
     ]
     meta = SessionMeta(
         "rec-1",
@@ -52,14 +54,14 @@ def _profile() -> Profile:
         duration_ns=5_000_000_000,
         period_ns=10_101_010,
         kernel_release="6.1.0-27-amd64",
-        on_cpu=100,
+        on_cpu=103,
         off_cpu=39,
         off_cpu_ns=945_000_000,
     )
     return Profile(meta, frames, samples)
 
 
-def _html(title: str = "app (777) on box-7") -> str:
+def _html(title: str = "app (777) on box-7 — µ") -> str:
     p = _profile()
     trees = {v: formats.flamegraph(p, v) for v in formats.VALUES}
     meta = p.meta.to_json()
@@ -68,7 +70,8 @@ def _html(title: str = "app (777) on box-7") -> str:
 
 
 def test_report_references_no_url() -> None:
-    html = _html(TRICKY)
+    html = _html(TRICKY + " ✂ µs")
+    assert html.isascii()
     # Markup: no element loads anything (scripts and styles are inline).
     markup = re.sub(r"(<script[^>]*>).*?(</script>)", r"\1\2", html, flags=re.S | re.I)
     markup = re.sub(r"(<style[^>]*>).*?(</style>)", r"\1\2", markup, flags=re.S | re.I)
@@ -119,7 +122,8 @@ def test_report_renders_offline_from_file(browser, tmp_path: Path, screenshots: 
     try:
         page.goto(path.as_uri())
         page.locator('g.frame[name="serve"]').wait_for()
-        assert page.title() == "app (777) on box-7"
+        assert page.title() == "app (777) on box-7 — µ"
+        assert page.locator('g.frame[name="décode_µs"]').count() == 1
         assert "box-7" in page.locator("#meta").inner_text()
         assert "bistouri record -p 777 -d 5" in page.locator("#meta").inner_text()
         assert (

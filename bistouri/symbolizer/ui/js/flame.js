@@ -391,8 +391,9 @@
       for (const r of picked.slice(0, TOP_ROWS)) {
         const swatch = diff ? B.diffColor(r.selfDelta, 1) : B.frameColor(r.kind, r.name);
         body.append(B.el("tr", { "data-name": r.name, title: "Search for " + r.name, onclick: () => searchExact(r.name) },
-          B.el("td", { class: "fn" }, B.el("span", { class: "lg-swatch", style: "background:" + swatch }),
-            B.el("span", { class: "fn-name" }, r.name), B.el("span", { class: "fn-kind" }, KIND_LABEL[r.kind] || r.kind)),
+          B.el("td", { class: "fn" }, B.el("div", { class: "fn-wrap" },
+            B.el("span", { class: "lg-swatch", style: "background:" + swatch }),
+            B.el("span", { class: "fn-name" }, r.name), B.el("span", { class: "fn-kind" }, KIND_LABEL[r.kind] || r.kind))),
           ...cells(r)));
       }
       topEl.replaceChildren(B.el("table", { class: "top" },
