@@ -21,11 +21,12 @@ APT_UI := chromium
 APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-client \
 	dpkg-dev lintian rpm rpmlint fakeroot
 APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY)
+APT_DEMO := $(APT_BUILD) llvm-19
 
 export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: all deps venv bpf fixtures lint typecheck test test-fast demo bench clean help
+.PHONY: all deps deps-demo venv venv-runtime bpf fixtures lint typecheck test test-fast demo bench clean help
 
 all: bpf venv
 
@@ -37,9 +38,10 @@ help:
 	@echo "make molecule run the molecule scenarios in qemu VMs"
 
 # --- system packages ---------------------------------------------------------
-.cache/apt-$(shell echo $(APT_ALL) | md5sum | cut -c1-8).stamp:
+# Installs the listed packages that are missing; the stamp name changes with the list.
+define apt_install
 	@mkdir -p .cache
-	@missing=$$(for p in $(APT_ALL); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
 		| grep -q '^install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "Installing Debian packages:" $$missing; \
@@ -47,29 +49,48 @@ help:
 			--no-install-recommends $$missing >/dev/null; \
 	fi
 	@touch $@
+endef
 
-deps: .cache/apt-$(shell echo $(APT_ALL) | md5sum | cut -c1-8).stamp
+APT_STAMP := .cache/apt-$(shell echo $(APT_ALL) | md5sum | cut -c1-8).stamp
+APT_DEMO_STAMP := .cache/apt-demo-$(shell echo $(APT_DEMO) | md5sum | cut -c1-8).stamp
+
+$(APT_STAMP):
+	$(call apt_install,$(APT_ALL))
+
+$(APT_DEMO_STAMP):
+	$(call apt_install,$(APT_DEMO))
+
+deps: $(APT_STAMP)
+deps-demo: $(APT_DEMO_STAMP)
 
 # --- virtualenv ----------------------------------------------------------------
-$(VENV)/.stamp: requirements/dev.txt pyproject.toml | deps
+# The demo needs only the runtime dependencies; the tests add the dev tools.
+define make_venv
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV) || \
 		(apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV))
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -r requirements/dev.txt
-	$(VPY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VPY) -m pip install -q --disable-pip-version-check -r $(1)
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@touch $@
+endef
+
+$(VENV)/.stamp: requirements/dev.txt pyproject.toml | deps
+	$(call make_venv,requirements/dev.txt)
+
+$(VENV)/.stamp-runtime: requirements/runtime.txt pyproject.toml | deps-demo
+	$(call make_venv,requirements/runtime.txt)
 
 venv: $(VENV)/.stamp
+venv-runtime: $(VENV)/.stamp-runtime
 
 # --- BPF object (precompiled, shipped inside the package) ----------------------
-$(BPF_OBJ): $(BPF_SRC) $(BPF_HDR) | deps
+$(BPF_OBJ): $(BPF_SRC) $(BPF_HDR) | deps-demo
 	@mkdir -p $(dir $@)
 	$(CLANG) $(BPF_CFLAGS) -c $< -o $@
 
 bpf: $(BPF_OBJ)
 
 # --- tests ---------------------------------------------------------------------
-fixtures: | deps
+fixtures: | deps-demo
 	$(MAKE) -s -C tests/fixtures
 
 lint: venv
@@ -89,8 +110,8 @@ test-fast: venv
 bench: bpf venv fixtures
 	$(VPY) -m bench $(BENCH_ARGS)
 
-demo: bpf venv fixtures
-	$(VPY) -m bistouri.demo
+demo: bpf venv-runtime fixtures
+	$(VPY) -m bistouri.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(BPF_OBJ) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
