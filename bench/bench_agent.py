@@ -13,7 +13,6 @@ programs (bpf_enable_stats). Run as root: `python -m bench.bench_agent`.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -100,7 +99,7 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
                 pid = agent.proc.pid  # type: ignore[union-attr]
                 # Arm the capture first: the burners' exec is seen, PSI fires, the filter is set.
                 warm = cg.spawn([str(BURNER), "60"])
-                wait_until(lambda: "Capture started" in agent.log(), 20)
+                wait_until(lambda a=agent: "Capture started" in a.log(), 20)
                 cpu0, bpf0 = proc_cpu_s(pid), bpf_runtime_ns()
                 w, c = run_workload(cg, iters)
                 cpu1, bpf1 = proc_cpu_s(pid), bpf_runtime_ns()
@@ -151,8 +150,13 @@ def bench_idle(n: int, seconds: float) -> dict:
                 rss = proc_rss_mb(pid)
             finally:
                 agent.stop()
-        return {"watched_cgroups": n, "psi_watchers": watchers, "seconds": seconds,
-                "agent_cpu_share_of_one_core": (c1 - c0) / seconds, "agent_rss_mb": rss}
+        return {
+            "watched_cgroups": n,
+            "psi_watchers": watchers,
+            "seconds": seconds,
+            "agent_cpu_share_of_one_core": (c1 - c0) / seconds,
+            "agent_rss_mb": rss,
+        }
     finally:
         for cg in cgs:
             cg.remove()
@@ -170,22 +174,34 @@ def main() -> int:
         print("bench_agent needs root (BPF, cgroups)", file=sys.stderr)
         return 2
     stats_fd = enable_bpf_stats()
-    results = {"freqs": [bench_freq(int(f), args.iters, args.rounds) for f in args.freqs.split(",")],
-               "idle": bench_idle(100, args.idle_seconds), "bpf_stats": stats_fd >= 0}
+    results = {
+        "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in args.freqs.split(",")],
+        "idle": bench_idle(100, args.idle_seconds),
+        "bpf_stats": stats_fd >= 0,
+    }
     if stats_fd >= 0:
         os.close(stats_fd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"{'freq':>6} {'slowdown(wall)':>15} {'slowdown(cpu)':>14} {'agent %core':>12} {'bpf %core':>10} "
-          f"{'agent+bpf':>10} {'rss MB':>7}")
+    print(
+        f"{'freq':>6} {'slowdown(wall)':>15} {'slowdown(cpu)':>14} {'agent %core':>12} {'bpf %core':>10} "
+        f"{'agent+bpf':>10} {'rss MB':>7}"
+    )
     for r in results["freqs"]:
-        print(f"{r['freq_hz']:>6} {r['slowdown_wall']:>14.1%} {r['slowdown_cpu']:>14.1%} "
-              f"{r['agent_cpu_share_of_one_core']:>12.2%} {r['bpf_cpu_share_of_one_core']:>10.2%} "
-              f"{r['agent_plus_bpf_share_of_one_core']:>10.2%} {r['agent_rss_mb']:>7.1f}")
+        print(
+            f"{r['freq_hz']:>6} {r['slowdown_wall']:>14.1%} {r['slowdown_cpu']:>14.1%} "
+            f"{r['agent_cpu_share_of_one_core']:>12.2%} {r['bpf_cpu_share_of_one_core']:>10.2%} "
+            f"{r['agent_plus_bpf_share_of_one_core']:>10.2%} {r['agent_rss_mb']:>7.1f}"
+        )
     i = results["idle"]
-    print(f"idle, {i['watched_cgroups']} cgroups ({i['psi_watchers']:.0f} watchers): "
-          f"{i['agent_cpu_share_of_one_core']:.3%} of a core, RSS {i['agent_rss_mb']:.1f} MB")
-    print(f"(targets: < 1 % of one core at 999 Hz for agent + BPF; idle < 0.05 %, RSS < 40 MB)\nwritten to {args.out}")
+    print(
+        f"idle, {i['watched_cgroups']} cgroups ({i['psi_watchers']:.0f} watchers): "
+        f"{i['agent_cpu_share_of_one_core']:.3%} of a core, RSS {i['agent_rss_mb']:.1f} MB"
+    )
+    print(
+        "(targets: < 1 % of one core at 999 Hz for agent + BPF; idle < 0.05 %, RSS < 40 MB)\n"
+        f"written to {args.out}"
+    )
     return 0
 
 

@@ -27,39 +27,39 @@ from ctypes import (
 from typing import Any
 
 
-class bpf_object(Structure):  # noqa: N801 - C names are kept for raw bindings
+class bpf_object(Structure):
     pass
 
 
-class bpf_program(Structure):  # noqa: N801
+class bpf_program(Structure):
     pass
 
 
-class bpf_map(Structure):  # noqa: N801
+class bpf_map(Structure):
     pass
 
 
-class bpf_link(Structure):  # noqa: N801
+class bpf_link(Structure):
     pass
 
 
-class ring_buffer(Structure):  # noqa: N801
+class ring_buffer(Structure):
     pass
 
 
-class btf(Structure):  # noqa: N801
+class btf(Structure):
     pass
 
 
-class btf_type(Structure):  # noqa: N801 - struct btf_type from uapi linux/btf.h
+class btf_type(Structure):
     _fields_ = [("name_off", c_uint32), ("info", c_uint32), ("size_or_type", c_uint32)]
 
 
-class btf_member(Structure):  # noqa: N801
+class btf_member(Structure):
     _fields_ = [("name_off", c_uint32), ("type", c_uint32), ("offset", c_uint32)]
 
 
-class btf_var_secinfo(Structure):  # noqa: N801
+class btf_var_secinfo(Structure):
     _fields_ = [("type", c_uint32), ("offset", c_uint32), ("size", c_uint32)]
 
 

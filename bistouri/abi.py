@@ -68,7 +68,12 @@ class StackEvent(Structure):
 
 
 class ExecEvent(Structure):
-    _fields_ = [("rule_id", c_uint32), ("pid", c_uint32), ("cgroup_id", c_uint64), ("comm", c_uint8 * COMM_LEN)]
+    _fields_ = [
+        ("rule_id", c_uint32),
+        ("pid", c_uint32),
+        ("cgroup_id", c_uint64),
+        ("comm", c_uint8 * COMM_LEN),
+    ]
 
 
 class ErrorEvent(Structure):

@@ -25,8 +25,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 from . import __version__, preflight
 from .capture import CaptureOrchestrator
-from .confwatch import ConfigWatcher
 from .config import AgentSettings, TriggerConfig, load_trigger_config
+from .confwatch import ConfigWatcher
 from .errors import BistouriError, ConfigError
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector
@@ -94,7 +94,7 @@ class Walker:
             if job is None:
                 continue
             try:
-                result = walk_processes(job[0], self.proc_root, job[1], self._cancel)  # type: ignore[arg-type]
+                result = walk_processes(job[0], self.proc_root, job[1], self._cancel)
             except Exception as e:  # a broken walk must not kill discovery for good
                 log.error("Process walk failed: %s", e)
                 continue
@@ -157,7 +157,9 @@ class Agent:
             raise StartupError("preflight", "; ".join(fails) + ". Run `bistouri check` for details")
         self.kernel = read_kernel_meta(proc_root=self.s.proc_path)
         if not self.kernel.text_addr:
-            log.warning("Kernel addresses are hidden (kptr_restrict or no CAP_SYSLOG): kernel frames stay unnamed")
+            log.warning(
+                "Kernel addresses are hidden (kptr_restrict or no CAP_SYSLOG): kernel frames stay unnamed"
+            )
 
     def _prepare(self) -> None:
         for w in self.s.warnings:
@@ -167,8 +169,11 @@ class Agent:
         except ConfigError as e:
             raise StartupError("prepare", str(e))
         except OSError as e:
-            raise StartupError("prepare", f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
-                               "Pass --config or create it (see docs/configuration.md)")
+            raise StartupError(
+                "prepare",
+                f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
+                "Pass --config or create it (see docs/configuration.md)",
+            )
         self.spool = Spool(self.s.spool_dir, self.s.spool_max_bytes, registry=self.registry)
         self.loop = PsiLoop(registry=self.registry)
         self._event_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -179,8 +184,10 @@ class Agent:
         self.loop.add_fd(self._sig_r, lambda fd, ev: self._drain_fd(fd))
         try:
             self.confwatch: ConfigWatcher | None = ConfigWatcher(self.s.config_path)
-            self.loop.add_fd(self.confwatch.fileno(), lambda fd, ev: self.confwatch.read_events(time.monotonic())
-                             if self.confwatch else None)
+            self.loop.add_fd(
+                self.confwatch.fileno(),
+                lambda fd, ev: self.confwatch.read_events(time.monotonic()) if self.confwatch else None,
+            )
         except OSError as e:
             log.warning("Config changes will not be noticed (SIGHUP still reloads): %s", e)
             self.confwatch = None
@@ -188,8 +195,14 @@ class Agent:
             self._start_metrics()
         log.info(
             "Agent %s preparing. config=%s targets=%d tenant=%s freq=%dHz capture=%.1fs spool=%s endpoint=%s",
-            __version__, self.s.config_path, len(self.config.targets), self.s.tenant_id, self.s.freq,
-            self.s.capture_duration_secs, self.s.spool_dir, self.s.symbolizer_endpoint or "(none: spool only)",
+            __version__,
+            self.s.config_path,
+            len(self.config.targets),
+            self.s.tenant_id,
+            self.s.freq,
+            self.s.capture_duration_secs,
+            self.s.spool_dir,
+            self.s.symbolizer_endpoint or "(none: spool only)",
         )
 
     def _start_metrics(self) -> None:
@@ -198,8 +211,9 @@ class Agent:
             server = make_server(self.s.metrics_addr, self.s.metrics_port, app, handler_class=_QuietHandler)
         except OSError as e:
             raise StartupError(
-                "prepare", f"cannot listen for metrics on {self.s.metrics_addr}:{self.s.metrics_port}: "
-                f"{e.strerror}. Choose another --metrics-port, or 0 to disable"
+                "prepare",
+                f"cannot listen for metrics on {self.s.metrics_addr}:{self.s.metrics_port}: "
+                f"{e.strerror}. Choose another --metrics-port, or 0 to disable",
             )
         self._metrics_server = server
         threading.Thread(target=server.serve_forever, name="bistouri-metrics", daemon=True).start()
@@ -213,8 +227,11 @@ class Agent:
         except BistouriError as e:
             raise StartupError("load", str(e))
         if self.registry is not None:
-            self.registry.register(BpfCountersCollector(self.profiler.counters, lambda: self.profiler.dropped
-                                                        if self.profiler else 0))
+            self.registry.register(
+                BpfCountersCollector(
+                    self.profiler.counters, lambda: self.profiler.dropped if self.profiler else 0
+                )
+            )
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
@@ -242,8 +259,9 @@ class Agent:
         )
         self.trigger.apply_config(self.config)
         self.profiler.start()
-        self.walker = Walker(self.s.walk_interval_secs, self.s.proc_path,
-                             lambda: os.eventfd_write(self._walk_fd, 1))
+        self.walker = Walker(
+            self.s.walk_interval_secs, self.s.proc_path, lambda: os.eventfd_write(self._walk_fd, 1)
+        )
         self.walker.start()
         self.walker.request(self.trigger.matcher, self.trigger.generation)
         log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
@@ -393,7 +411,9 @@ class Agent:
 
     def close(self) -> None:
         if self.exporter is not None:
-            self.exporter.stop(timeout=0.5)  # type: ignore[attr-defined]
+            # A short chance to send what was just flushed; the rest stays in the spool for next time.
+            self.exporter.flush(time.monotonic() + 0.5)  # type: ignore[attr-defined]
+            self.exporter.stop(timeout=0.3)  # type: ignore[attr-defined]
             self.exporter = None
         if self.profiler is not None:
             self.profiler.close(timeout=0.5)

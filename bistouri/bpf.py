@@ -101,7 +101,9 @@ class _Handle:
 
     def __del__(self) -> None:
         if not self._closed:
-            warnings.warn(f"{type(self).__name__} was not closed; freeing it now", ResourceWarning, stacklevel=1)
+            warnings.warn(
+                f"{type(self).__name__} was not closed; freeing it now", ResourceWarning, stacklevel=1
+            )
             try:
                 self.close()
             except Exception:
@@ -316,7 +318,9 @@ class BpfObject(_Handle):
                 errno.ENOENT,
                 hint="run `make bpf` in a source tree, or reinstall the package that ships it",
             )
-        ptr = check_ptr(lib.bpf_object__open_file(self.path.encode(), None), f"opening BPF object {self.path}")
+        ptr = check_ptr(
+            lib.bpf_object__open_file(self.path.encode(), None), f"opening BPF object {self.path}"
+        )
         self._ptr = ptr
         self._closed = False
         self.loaded = False
@@ -359,7 +363,9 @@ class BpfObject(_Handle):
             raise BpfError(f"finding .rodata variable {var}", errno.ENOENT)
         m = self._internal_map(".rodata")
         size = ctypes.c_size_t()
-        ptr = check_ptr(library().bpf_map__initial_value(m._ptr, ctypes.byref(size)), "bpf_map__initial_value")
+        ptr = check_ptr(
+            library().bpf_map__initial_value(m._ptr, ctypes.byref(size)), "bpf_map__initial_value"
+        )
         if offset + len(data) > size.value:
             raise BpfError(f"writing .rodata variable {var}", errno.EOVERFLOW)
         ctypes.memmove(ptr + offset, data, len(data))

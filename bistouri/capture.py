@@ -117,7 +117,9 @@ class CaptureOrchestrator:
             return None
         if len(self.sessions) >= self.MAX_SESSIONS:
             self.metrics.sessions_dropped.labels("too_many_sessions").inc()
-            log.warning("Session not started: %d sessions already run. service=%s", len(self.sessions), service)
+            log.warning(
+                "Session not started: %d sessions already run. service=%s", len(self.sessions), service
+            )
             return None
         armed: dict[int, str] = {}
         for pid, comm in processes.items():
@@ -149,7 +151,12 @@ class CaptureOrchestrator:
         self.metrics.sessions_active.set(len(self.sessions))
         log.info(
             "Capture started. session=%s service=%s resource=%s processes=%d duration=%.1fs avg10=%.2f",
-            s.session_id, service, res, len(armed), duration_s, trigger.avg10,
+            s.session_id,
+            service,
+            res,
+            len(armed),
+            duration_s,
+            trigger.avg10,
         )
         return s.session_id
 
@@ -257,7 +264,11 @@ class CaptureOrchestrator:
         self.metrics.sessions_completed.labels(res).inc()
         log.info(
             "Capture spooled. session=%s service=%s samples=%d traces=%d bytes=%d",
-            s.session_id, s.service, total, len(session.traces), len(data),
+            s.session_id,
+            s.service,
+            total,
+            len(session.traces),
+            len(data),
         )
         if self._on_spooled:
             self._on_spooled()

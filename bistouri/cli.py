@@ -45,7 +45,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        print(json.dumps([{"status": r.status, "name": r.name, "detail": r.detail, "fix": r.fix} for r in results]))
+        print(
+            json.dumps(
+                [{"status": r.status, "name": r.name, "detail": r.detail, "fix": r.fix} for r in results]
+            )
+        )
     else:
         print(preflight.format_results(results))
     status = preflight.exit_status(results)
@@ -71,9 +75,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "Exit status 1 only when something prevents the agent from running.",
     )
     p.add_argument("--config", metavar="FILE", help="also validate this trigger file")
-    p.add_argument(
-        "--config-only", action="store_true", help="only validate --config, skip the host checks"
-    )
+    p.add_argument("--config-only", action="store_true", help="only validate --config, skip the host checks")
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check)
 

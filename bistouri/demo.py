@@ -75,12 +75,26 @@ class Demo:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start_symbolizer(self) -> subprocess.Popen:
-        log = open(self.dir / "symbolizer.log", "wb")
-        p = subprocess.Popen(
-            [sys.executable, "-m", "bistouri", "symbolizer", "--listen-addr", f"127.0.0.1:{self.port}",
-             "--workers", "2", "--state-dir", str(self.dir / "symbolizer"), "--binary-dir", str(WORKLOADS)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        with open(self.dir / "symbolizer.log", "wb") as log:
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bistouri",
+                    "symbolizer",
+                    "--listen-addr",
+                    f"127.0.0.1:{self.port}",
+                    "--workers",
+                    "2",
+                    "--state-dir",
+                    str(self.dir / "symbolizer"),
+                    "--binary-dir",
+                    str(WORKLOADS),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(p)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -96,13 +110,34 @@ class Demo:
     def start_agent(self) -> subprocess.Popen:
         cfg = self.dir / "trigger.yaml"
         cfg.write_text(DEMO_CONFIG)
-        log = open(self.dir / "agent.log", "wb")
-        p = subprocess.Popen(
-            [sys.executable, "-m", "bistouri", "agent", "--config", str(cfg), "--tenant-id", "demo",
-             "--label", "env=demo", "--symbolizer-endpoint", self.url, "--spool-dir", str(self.dir / "spool"),
-             "--metrics-port", str(free_port(9464)), "--metrics-addr", "127.0.0.1", "--freq", "99"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        with open(self.dir / "agent.log", "wb") as log:
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bistouri",
+                    "agent",
+                    "--config",
+                    str(cfg),
+                    "--tenant-id",
+                    "demo",
+                    "--label",
+                    "env=demo",
+                    "--symbolizer-endpoint",
+                    self.url,
+                    "--spool-dir",
+                    str(self.dir / "spool"),
+                    "--metrics-port",
+                    str(free_port(9464)),
+                    "--metrics-addr",
+                    "127.0.0.1",
+                    "--freq",
+                    "99",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(p)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -149,9 +184,12 @@ class Demo:
         out = self.dir / "profiles" / f"{session['service']}-{session['id'][:8]}"
         out.mkdir(parents=True, exist_ok=True)
         base = f"{self.url}/v1/sessions/{session['id']}"
-        for name, path in (("profile.pb.gz", "/pprof"), ("profile.folded", "/folded"),
-                           ("profile.offcpu.folded", "/folded?value=off_cpu_ns"),
-                           ("profile.speedscope.json", "/speedscope")):
+        for name, path in (
+            ("profile.pb.gz", "/pprof"),
+            ("profile.folded", "/folded"),
+            ("profile.offcpu.folded", "/folded?value=off_cpu_ns"),
+            ("profile.speedscope.json", "/speedscope"),
+        ):
             r = requests.get(base + path, timeout=30)
             if r.ok:
                 (out / name).write_bytes(r.content)
@@ -221,21 +259,27 @@ def main() -> int:
         print()
         print(f"Done in {time.monotonic() - t0:.0f} s. What the symbolizer stored:")
         for s in demo.sessions():
-            print(f"  {s['service']:<9} {s['trigger']['resource']:<3} pid {s['pid']:<7} "
-                  f"on-CPU {s['samples']['on_cpu']:<5} off-CPU {s['samples']['off_cpu']:<4} "
-                  f"{demo.url}/ui/session.html?id={s['id']}")
-        for s in (cpu, io):
-            if s:
-                print(f"  profiles: {demo.download(s)}/  (profile.pb.gz: go tool pprof; folded; speedscope)")
+            print(
+                f"  {s['service']:<9} {s['trigger']['resource']:<3} pid {s['pid']:<7} "
+                f"on-CPU {s['samples']['on_cpu']:<5} off-CPU {s['samples']['off_cpu']:<4} "
+                f"{demo.url}/ui/session.html?id={s['id']}"
+            )
+        for stored in (cpu, io):
+            if stored:
+                print(
+                    f"  profiles: {demo.download(stored)}/  (pprof: profile.pb.gz, folded, speedscope)"
+                )
         print(f"  logs: {workdir}/agent.log, {workdir}/symbolizer.log")
         if args.keep:
             print(f"\nThe UI stays up at {demo.url}/ui/ — stop it with: kill {symbolizer.pid}")
             demo.procs = [p for p in demo.procs if p is not symbolizer]
         else:
-            print("\nEverything started by the demo is stopped now. To browse the UI, run again with "
-                  "`make demo DEMO_ARGS=--keep`, or start it yourself:\n"
-                  f"  .venv/bin/bistouri symbolizer --listen-addr 127.0.0.1:{demo.port} "
-                  f"--state-dir {workdir / 'symbolizer'}\n  and open {demo.url}/ui/")
+            print(
+                "\nEverything started by the demo is stopped now. To browse the UI, run again with "
+                "`make demo DEMO_ARGS=--keep`, or start it yourself:\n"
+                f"  .venv/bin/bistouri symbolizer --listen-addr 127.0.0.1:{demo.port} "
+                f"--state-dir {workdir / 'symbolizer'}\n  and open {demo.url}/ui/"
+            )
         return 0 if cpu and io else 1
     finally:
         demo.cleanup()

@@ -22,17 +22,25 @@ class AgentMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
         r = registry
         self.sessions_started = Counter(
-            "bistouri_sessions_started_total", "Capture sessions opened, by PSI resource", ["resource"], registry=r
+            "bistouri_sessions_started_total",
+            "Capture sessions opened, by PSI resource",
+            ["resource"],
+            registry=r,
         )
         self.sessions_completed = Counter(
-            "bistouri_sessions_completed_total", "Sessions finished with samples and spooled", ["resource"],
+            "bistouri_sessions_completed_total",
+            "Sessions finished with samples and spooled",
+            ["resource"],
             registry=r,
         )
         self.sessions_empty = Counter(
             "bistouri_sessions_empty_total", "Sessions finished without any sample", ["resource"], registry=r
         )
         self.sessions_dropped = Counter(
-            "bistouri_sessions_dropped_total", "Sessions not started or lost, by reason", ["reason"], registry=r
+            "bistouri_sessions_dropped_total",
+            "Sessions not started or lost, by reason",
+            ["reason"],
+            registry=r,
         )
         self.sessions_active = Gauge("bistouri_sessions_active", "Capture sessions running now", registry=r)
         self.samples = Counter(
@@ -42,7 +50,9 @@ class AgentMetrics:
             "bistouri_samples_unmatched_total", "Samples of a process with no running session", registry=r
         )
         self.user_frames = Counter(
-            "bistouri_user_frames_total", "User frames by class (resolved, vdso, unknown, corrupted)", ["kind"],
+            "bistouri_user_frames_total",
+            "User frames by class (resolved, vdso, unknown, corrupted)",
+            ["kind"],
             registry=r,
         )
         self.traces_dropped = Counter(
@@ -57,20 +67,30 @@ class AgentMetrics:
             "bistouri_exec_events_total", "Exec events from the BPF comm trie", registry=r
         )
         self.stale_events = Counter(
-            "bistouri_stale_events_total", "Exec events whose rule no longer matches (reload race)", registry=r
+            "bistouri_stale_events_total",
+            "Exec events whose rule no longer matches (reload race)",
+            registry=r,
         )
         self.processes = Gauge("bistouri_processes_matched", "Processes matching a target now", registry=r)
-        self.config_reloads = Counter("bistouri_config_reloads_total", "Successful config reloads", registry=r)
+        self.config_reloads = Counter(
+            "bistouri_config_reloads_total", "Successful config reloads", registry=r
+        )
         self.config_reload_failures = Counter(
-            "bistouri_config_reload_failures_total", "Rejected config reloads (the old config stays)", registry=r
+            "bistouri_config_reload_failures_total",
+            "Rejected config reloads (the old config stays)",
+            registry=r,
         )
         self.proc_walk_duration = Histogram(
-            "bistouri_proc_walk_duration_seconds", "Duration of the periodic /proc walk",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+            "bistouri_proc_walk_duration_seconds",
+            "Duration of the periodic /proc walk",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
         )
         self.session_samples = Histogram(
-            "bistouri_session_samples", "Samples per finished session",
-            buckets=(1, 10, 50, 100, 500, 1000, 5000, 20000), registry=r,
+            "bistouri_session_samples",
+            "Samples per finished session",
+            buckets=(1, 10, 50, 100, 500, 1000, 5000, 20000),
+            registry=r,
         )
 
 
@@ -88,7 +108,8 @@ class BpfCountersCollector(Collector):
             log.debug("BPF counters unavailable: %s", e)
             return
         lost = CounterMetricFamily(
-            "bistouri_ringbuf_dropped", "Events the BPF programs could not submit (ring buffer full)",
+            "bistouri_ringbuf_dropped",
+            "Events the BPF programs could not submit (ring buffer full)",
             labels=["ring"],
         )
         lost.add_metric(["stack"], c[abi.Counter.STACK_RESERVE_FAILED])

@@ -64,7 +64,9 @@ def check_kernel(host: Host) -> Result:
         return Result(WARN, "kernel", f"cannot parse release {release!r}")
     if version < MIN_KERNEL:
         return Result(
-            FAIL, "kernel", f"{release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}",
+            FAIL,
+            "kernel",
+            f"{release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}",
             "upgrade the kernel: BPF ring buffers and tp_btf programs need 5.8 or newer",
         )
     return Result(OK, "kernel", f"{release} (>= {MIN_KERNEL[0]}.{MIN_KERNEL[1]})")
@@ -74,7 +76,9 @@ def check_btf(host: Host) -> Result:
     path = Path(host.sys, "kernel/btf/vmlinux")
     if not path.exists():
         return Result(
-            FAIL, "btf", f"{path} is missing",
+            FAIL,
+            "btf",
+            f"{path} is missing",
             "use a kernel built with CONFIG_DEBUG_INFO_BTF=y (most distribution kernels since 2021)",
         )
     return Result(OK, "btf", f"{path} ({path.stat().st_size // 1024} KiB)")
@@ -95,7 +99,9 @@ def check_psi(host: Host) -> Result:
     missing = [r for r in ("cpu", "memory", "io") if not Path(host.proc, "pressure", r).exists()]
     if missing:
         return Result(
-            FAIL, "psi", f"{host.proc}/pressure/{{{','.join(missing)}}} missing",
+            FAIL,
+            "psi",
+            f"{host.proc}/pressure/{{{','.join(missing)}}} missing",
             "enable PSI: CONFIG_PSI=y, and boot with psi=1 where CONFIG_PSI_DEFAULT_DISABLED=y (Debian)",
         )
     try:
@@ -120,12 +126,16 @@ def check_cgroup2(host: Host) -> Result:
     mount = find_cgroup2(host.proc)
     if mount is None:
         return Result(
-            FAIL, "cgroup2", "no cgroup2 mount in /proc/mounts",
+            FAIL,
+            "cgroup2",
+            "no cgroup2 mount in /proc/mounts",
             "mount cgroup2 (systemd: systemd.unified_cgroup_hierarchy=1, or hybrid mode)",
         )
     if mount != "/sys/fs/cgroup":
         return Result(
-            WARN, "cgroup2", f"mounted at {mount} (hybrid v1/v2 hierarchy)",
+            WARN,
+            "cgroup2",
+            f"mounted at {mount} (hybrid v1/v2 hierarchy)",
             "works: per-cgroup PSI files are read there; processes left in the v2 root share /proc/pressure",
         )
     return Result(OK, "cgroup2", f"mounted at {mount}")
@@ -144,34 +154,55 @@ def check_capabilities(host: Host) -> list[Result]:
         elif admin:
             out.append(Result(OK, f"cap {name}", "absent, but CAP_SYS_ADMIN covers it"))
         else:
-            out.append(Result(FAIL, f"cap {name}", f"missing: needed to {why}",
-                              f"run as root or grant {name} (the packaged unit does)"))
+            out.append(
+                Result(
+                    FAIL,
+                    f"cap {name}",
+                    f"missing: needed to {why}",
+                    f"run as root or grant {name} (the packaged unit does)",
+                )
+            )
     if _has(caps, CAP_SYS_RESOURCE):
         out.append(Result(OK, "cap CAP_SYS_RESOURCE", "present: PSI windows from 500 ms"))
     else:
-        out.append(Result(
-            WARN, "cap CAP_SYS_RESOURCE",
-            "missing: the kernel accepts only PSI windows that are multiples of 2 s, so triggers fire ~2 s late",
-            "grant CAP_SYS_RESOURCE (AmbientCapabilities= in the unit); bistouri falls back to 2 s windows",
-        ))
+        out.append(
+            Result(
+                WARN,
+                "cap CAP_SYS_RESOURCE",
+                "missing: the kernel accepts only PSI windows that are multiples of 2 s, "
+                "so triggers fire ~2 s late",
+                "grant CAP_SYS_RESOURCE (AmbientCapabilities= in the unit); "
+                "bistouri falls back to 2 s windows",
+            )
+        )
     if _has(caps, CAP_SYSLOG):
         out.append(Result(OK, "cap CAP_SYSLOG", "present: /proc/kallsyms shows addresses"))
     else:
-        out.append(Result(WARN, "cap CAP_SYSLOG", "missing: /proc/kallsyms shows zeros, kernel frames stay unnamed",
-                          "grant CAP_SYSLOG"))
+        out.append(
+            Result(
+                WARN,
+                "cap CAP_SYSLOG",
+                "missing: /proc/kallsyms shows zeros, kernel frames stay unnamed",
+                "grant CAP_SYSLOG",
+            )
+        )
     return out
 
 
 def check_tracefs(host: Host) -> Result:
     mounted = False
     try:
-        mounted = any(line.split()[2] == "tracefs" for line in Path(host.proc, "mounts").read_text().splitlines())
+        mounted = any(
+            line.split()[2] == "tracefs" for line in Path(host.proc, "mounts").read_text().splitlines()
+        )
     except OSError:
         pass
     if mounted:
         return Result(OK, "tracefs", "mounted")
     return Result(
-        WARN, "tracefs", "not mounted: classic tp/ tracepoints cannot attach",
+        WARN,
+        "tracefs",
+        "not mounted: classic tp/ tracepoints cannot attach",
         "nothing to do: bistouri uses tp_btf programs, which need only BTF "
         "(to mount it anyway: mount -t tracefs nodev /sys/kernel/tracing)",
     )
@@ -188,8 +219,11 @@ def check_perf_events(host: Host) -> Result:
         paranoid = Path(host.proc, "sys/kernel/perf_event_paranoid").read_text().strip()
     except OSError:
         paranoid = "?"
-    return Result(OK, "perf cpu-clock", f"software cpu-clock opens on {len(cpus)} online CPUs "
-                  f"(perf_event_paranoid={paranoid})")
+    return Result(
+        OK,
+        "perf cpu-clock",
+        f"software cpu-clock opens on {len(cpus)} online CPUs (perf_event_paranoid={paranoid})",
+    )
 
 
 def check_kernel_symbols(host: Host) -> list[Result]:
@@ -198,8 +232,14 @@ def check_kernel_symbols(host: Host) -> list[Result]:
     if meta.build_id:
         out.append(Result(OK, "kernel build id", meta.build_id_hex))
     else:
-        out.append(Result(WARN, "kernel build id", f"no GNU build-id note in {host.sys}/kernel/notes",
-                          "kernel frames are named from the kallsyms snapshot only"))
+        out.append(
+            Result(
+                WARN,
+                "kernel build id",
+                f"no GNU build-id note in {host.sys}/kernel/notes",
+                "kernel frames are named from the kallsyms snapshot only",
+            )
+        )
     try:
         restrict = Path(host.proc, "sys/kernel/kptr_restrict").read_text().strip()
     except OSError:
@@ -207,10 +247,14 @@ def check_kernel_symbols(host: Host) -> list[Result]:
     if meta.text_addr:
         out.append(Result(OK, "kernel _text", f"{meta.text_addr:#x} (kptr_restrict={restrict})"))
     else:
-        out.append(Result(
-            WARN, "kernel _text", f"hidden (kptr_restrict={restrict}): /proc/kallsyms shows zeros",
-            "grant CAP_SYSLOG and keep kernel.kptr_restrict <= 1; kernel frames stay unnamed otherwise",
-        ))
+        out.append(
+            Result(
+                WARN,
+                "kernel _text",
+                f"hidden (kptr_restrict={restrict}): /proc/kallsyms shows zeros",
+                "grant CAP_SYSLOG and keep kernel.kptr_restrict <= 1; kernel frames stay unnamed otherwise",
+            )
+        )
     return out
 
 
@@ -241,8 +285,12 @@ def check_config(path: str) -> Result:
     try:
         cfg = load_trigger_config(path)
     except ConfigError as e:
-        return Result(FAIL, "config", f"{path}: {len(e.problems)} problem(s)\n    " + "\n    ".join(e.problems),
-                      "fix the file; nothing was started")
+        return Result(
+            FAIL,
+            "config",
+            f"{path}: {len(e.problems)} problem(s)\n    " + "\n    ".join(e.problems),
+            "fix the file; nothing was started",
+        )
     except OSError as e:
         return Result(FAIL, "config", f"cannot read {path}: {e.strerror}")
     return Result(OK, "config", f"{path}: {len(cfg.targets)} target(s)")
@@ -262,7 +310,9 @@ CHECKS: list[Callable[[Host], Result | list[Result]]] = [
 ]
 
 
-def run_checks(host: Host | None = None, config: str | None = None, config_only: bool = False) -> list[Result]:
+def run_checks(
+    host: Host | None = None, config: str | None = None, config_only: bool = False
+) -> list[Result]:
     host = host or Host()
     results: list[Result] = []
     if not config_only:

@@ -124,7 +124,9 @@ def decode_stack(data: bytes) -> StackSample:
     )
 
 
-def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, bytes, int]]]:
+def split_stacks(
+    sample_stacks: bytes, kernel_len: int
+) -> tuple[tuple[int, ...], list[tuple[int, bytes, int]]]:
     """Kernel IPs and (status, build_id, offset_or_ip) user frames, both leaf first."""
     kernel = struct.unpack_from(f"<{kernel_len // 8}Q", sample_stacks)
     user = []
@@ -181,7 +183,8 @@ class ProfilerAgent:
         problems = abi.abi_mismatches(obj.btf)
         if problems:
             raise BistouriError(
-                f"the BPF object {path} does not match this agent's structures: " + "; ".join(problems)
+                f"the BPF object {path} does not match this agent's structures: "
+                + "; ".join(problems)
                 + ". Rebuild it (`make bpf`) or reinstall the package"
             )
         cfg = abi.Config(
@@ -282,7 +285,7 @@ class ProfilerAgent:
     def filtered_pids(self) -> dict[int, int]:
         m = self._require().maps["pid_filter"]
         out = {}
-        for key in m.keys():
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
             val = m.lookup(key)
             if val is not None:
                 out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]

@@ -43,7 +43,9 @@ def parse_on_pressure(text: str) -> list[PressureRule]:
     for part in text.split(","):
         res, _, thr = part.strip().partition(":")
         if res not in RESOURCES:
-            raise argparse.ArgumentTypeError(f"{res!r} is not a resource; use cpu, memory or io (e.g. cpu:10,io:5)")
+            raise argparse.ArgumentTypeError(
+                f"{res!r} is not a resource; use cpu, memory or io (e.g. cpu:10,io:5)"
+            )
         try:
             value = float(thr) if thr else 10.0
         except ValueError:
@@ -60,13 +62,24 @@ def add_record_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--cgroup", help="a cgroup2 path, e.g. /system.slice/nginx.service (all its processes)")
     t.add_argument("--comm", help="processes whose name (comm) is this; a trailing * matches a prefix")
     t.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS: start it and follow it")
-    p.add_argument("-d", "--duration", type=float, default=None,
-                   help="seconds to capture (default 10; with a command: until it exits)")
+    p.add_argument(
+        "-d",
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds to capture (default 10; with a command: until it exits)",
+    )
     p.add_argument("-F", "--freq", type=int, default=99, help="on-CPU sampling frequency in Hz (default 99)")
     p.add_argument("--no-offcpu", dest="offcpu", action="store_false", help="skip off-CPU (D-state) waits")
-    p.add_argument("--on-pressure", type=parse_on_pressure, metavar="RES:PCT,...",
-                   help="wait until PSI of the target's cgroup exceeds these thresholds, e.g. cpu:10,io:5")
-    p.add_argument("--wait-timeout", type=float, default=0, help="give up waiting for pressure after N seconds")
+    p.add_argument(
+        "--on-pressure",
+        type=parse_on_pressure,
+        metavar="RES:PCT,...",
+        help="wait until PSI of the target's cgroup exceeds these thresholds, e.g. cpu:10,io:5",
+    )
+    p.add_argument(
+        "--wait-timeout", type=float, default=0, help="give up waiting for pressure after N seconds"
+    )
     p.add_argument("-o", "--output", help="output directory (default ./bistouri-record-DATE)")
     p.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
     p.add_argument("--debug-dir", action="append", default=[], help="extra .build-id debug tree (repeatable)")
@@ -110,7 +123,9 @@ class _ListSink:
 class Targets:
     """The processes to sample now; re-evaluated while capturing (forks, new members)."""
 
-    def __init__(self, args: argparse.Namespace, child: subprocess.Popen | None, cgroup_root: str | None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, child: subprocess.Popen | None, cgroup_root: str | None
+    ) -> None:
         self.args = args
         self.child = child
         self.proc = args.proc_path
@@ -132,8 +147,11 @@ class Targets:
             want = self.args.comm
             prefix = want.endswith("*")
             want = want.rstrip("*")
-            pids = [st.pid for st in procfs.iter_processes(self.proc)
-                    if not st.is_kernel_thread and (st.comm.startswith(want) if prefix else st.comm == want)]
+            pids = [
+                st.pid
+                for st in procfs.iter_processes(self.proc)
+                if not st.is_kernel_thread and (st.comm.startswith(want) if prefix else st.comm == want)
+            ]
         elif self.child is not None:
             pids = self._descendants(self.child.pid)
         out = {}
@@ -190,7 +208,9 @@ def _build_id_tree(pids: list[int], proc_root: str, into: Path) -> int:
     return n
 
 
-def _wait_for_pressure(rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress) -> wire.Trigger:
+def _wait_for_pressure(
+    rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
+) -> wire.Trigger:
     pids = targets.current()
     cgroup = "/"
     if pids and cgroup_root:
@@ -225,9 +245,9 @@ def _wait_for_pressure(rules: list[PressureRule], targets: Targets, cgroup_root:
 
 def cmd_record(args: argparse.Namespace) -> int:
     from .symbolizer import formats, report
+    from .symbolizer.kallsyms import KallsymsStore
     from .symbolizer.resolve import Resolver
     from .symbolizer.sources import DebugSources
-    from .symbolizer.kallsyms import KallsymsStore
 
     command = [a for a in (args.command or []) if a != "--"] if args.command else []
     chosen = sum(bool(x) for x in (args.pid, args.cgroup, args.comm, command))
@@ -264,16 +284,26 @@ def cmd_record(args: argparse.Namespace) -> int:
     kernel = read_kernel_meta(proc_root=args.proc_path)
     trigger = wire.Trigger("cpu", time_ns=time.time_ns())
     sink = _ListSink()
-    agent = ProfilerAgent(ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False,
-                                          drain_interval_s=0.1))
+    agent = ProfilerAgent(
+        ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.1)
+    )
     tree = Path(os.environ.get("TMPDIR", "/tmp")) / f"bistouri-record-{os.getpid()}"
     try:
         if args.on_pressure:
             trigger = _wait_for_pressure(args.on_pressure, targets, cgroup_root, args, progress)
         agent.open()
         agent.start()
-        orch = CaptureOrchestrator(agent, sink, AgentMetrics(registry=None), kernel, tenant="", host=os.uname().nodename,
-                                   labels={}, period_ns=1_000_000_000 // args.freq, proc_root=args.proc_path)
+        orch = CaptureOrchestrator(
+            agent,
+            sink,
+            AgentMetrics(registry=None),
+            kernel,
+            tenant="",
+            host=os.uname().nodename,
+            labels={},
+            period_ns=1_000_000_000 // args.freq,
+            proc_root=args.proc_path,
+        )
         procs = targets.current()
         sid = orch.start_session(trigger, "record", {}, procs, 1e9)
         if sid is None:
@@ -304,8 +334,10 @@ def cmd_record(args: argparse.Namespace) -> int:
                     known.update(new)
                 _build_id_tree(list(known), args.proc_path, tree)
                 total = f" of {duration:g}" if duration else ""
-                progress.update(f"Capturing at {args.freq} Hz: {elapsed:.1f}{total} s, {n_samples} samples, "
-                                f"{len(known)} processes")
+                progress.update(
+                    f"Capturing at {args.freq} Hz: {elapsed:.1f}{total} s, {n_samples} samples, "
+                    f"{len(known)} processes"
+                )
         _build_id_tree(list(known), args.proc_path, tree)
         agent.close()  # drains the rings
         while not agent.events.empty():
@@ -316,8 +348,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         orch.flush_all()
         progress.done(f"Captured {n_samples} samples in {time.monotonic() - t0:.1f} s")
         if not sink.sessions:
-            print("No sample was captured: the target did not run (or is not built with frame pointers?)",
-                  file=sys.stderr)
+            print(
+                "No sample was captured: the target did not run (or is not built with frame pointers?)",
+                file=sys.stderr,
+            )
             return 1
         session = wire.decode_session(sink.sessions[0])
 
@@ -328,8 +362,13 @@ def cmd_record(args: argparse.Namespace) -> int:
             import gzip
 
             kernels.put(kernel.build_id, gzip.compress(read_kallsyms(args.proc_path), 1))
-        sources = DebugSources([str(tree), *args.debug_dir], [], args.debuginfod_url or [],
-                               cache_dir=str(tree / "debuginfod"), registry=None)
+        sources = DebugSources(
+            [str(tree), *args.debug_dir],
+            [],
+            args.debuginfod_url or [],
+            cache_dir=str(tree / "debuginfod"),
+            registry=None,
+        )
         with Resolver(sources, kernels, registry=None) as resolver:
             profile = resolver.symbolize(session)
         progress.done(f"Symbolized {len(profile.frames)} distinct frames in {time.monotonic() - t1:.1f} s")
@@ -345,8 +384,10 @@ def cmd_record(args: argparse.Namespace) -> int:
             (out_dir / "profile.offcpu.folded").write_text(formats.folded(profile, "off_cpu_ns"))
         (out_dir / "profile.speedscope.json").write_text(json.dumps(formats.speedscope(profile, title)))
         print_top(profile, args.top)
-        print(f"\nWrote {out_dir}/flamegraph.html (open it in a browser), profile.pb.gz (go tool pprof), "
-              "profile.folded, profile.speedscope.json")
+        print(
+            f"\nWrote {out_dir}/flamegraph.html (open it in a browser), profile.pb.gz (go tool pprof), "
+            "profile.folded, profile.speedscope.json"
+        )
         return 0
     finally:
         signal.signal(signal.SIGINT, old)

@@ -68,7 +68,9 @@ class Tracked:
     keys: set[WatchKey] = field(default_factory=set)
 
 
-def walk_processes(matcher: CommMatcher, proc_root: str, generation: int, cancel: threading.Event) -> WalkResult:
+def walk_processes(
+    matcher: CommMatcher, proc_root: str, generation: int, cancel: threading.Event
+) -> WalkResult:
     """Scan /proc for processes whose comm matches a rule (runs on the walk thread)."""
     started = time.monotonic()
     found = []
@@ -207,7 +209,9 @@ class TriggerAgent:
             if not group.pids:
                 del self.groups[key]
                 self.loop.remove(key)
-                log.info("PSI watcher removed: no matching process left. cgroup=%s resource=%s", key[0], key[1])
+                log.info(
+                    "PSI watcher removed: no matching process left. cgroup=%s resource=%s", key[0], key[1]
+                )
         self.metrics.processes.set(len(self.processes))
 
     def pressure_path(self, cgroup: str, resource: str) -> str:
@@ -232,15 +236,20 @@ class TriggerAgent:
             return None
         group = WatchGroup(key, path)
         self.groups[key] = group
-        log.info("PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d", path, stall, threshold,
-                 window_ms)
+        log.info(
+            "PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d",
+            path,
+            stall,
+            threshold,
+            window_ms,
+        )
         return group
 
     # -- triggering -------------------------------------------------------------------
     def on_psi(self, ev: PsiEvent) -> list[str]:
         """A watcher fired: one session per target of the watcher, with its live processes."""
         key = ev.key
-        group = self.groups.get(key)  # type: ignore[arg-type]
+        group = self.groups.get(key)  # type: ignore[call-overload]
         if group is None:
             return []
         if ev.dead:  # the cgroup was removed: its processes are gone or moved

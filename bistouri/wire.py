@@ -300,7 +300,9 @@ def session_from_wire(m: Any) -> Session:
         uframes.append(UserFrame(kind, bid, addr))
     stacks: list[tuple[tuple[int, ...], tuple[UserFrame, ...]]] = []
     for i, st in enumerate(_req(m, "stacks", list, where)):
-        if not (isinstance(st, list) and len(st) == 2 and isinstance(st[0], list) and isinstance(st[1], list)):
+        if not (
+            isinstance(st, list) and len(st) == 2 and isinstance(st[0], list) and isinstance(st[1], list)
+        ):
             raise WireError("malformed", f"{where}.stacks[{i}] must be [kernel indexes, user indexes]")
         kst = tuple(kframes[_index(x, len(kframes), f"{where}.stacks[{i}]")] for x in st[0])
         ust = tuple(uframes[_index(x, len(uframes), f"{where}.stacks[{i}]")] for x in st[1])

@@ -54,7 +54,9 @@ def fail_on_thread_exception():
         threading.excepthook = previous
     if errors:
         e = errors[0]
-        raise AssertionError(f"thread {e.thread.name if e.thread else '?'} raised {e.exc_type.__name__}: {e.exc_value}")
+        raise AssertionError(
+            f"thread {e.thread.name if e.thread else '?'} raised {e.exc_type.__name__}: {e.exc_value}"
+        )
 
 
 @pytest.fixture(scope="session")

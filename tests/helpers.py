@@ -96,7 +96,9 @@ def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.
 
 def symbols(binary: Path) -> dict[str, tuple[int, int]]:
     """Function symbols of an ELF: name -> (address, size), via nm."""
-    out = subprocess.run(["nm", "-S", "--defined-only", str(binary)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["nm", "-S", "--defined-only", str(binary)], capture_output=True, text=True, check=True
+    )
     syms = {}
     for line in out.stdout.splitlines():
         parts = line.split()

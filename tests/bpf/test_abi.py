@@ -30,7 +30,7 @@ def test_every_shared_struct_has_a_mirror():
 
 
 def test_precompiled_decoders_agree_with_mirrors():
-    assert abi.STACK_HEADER_SIZE == abi.StackEvent.kernel_stack.offset
+    assert abi.StackEvent.kernel_stack.offset == abi.STACK_HEADER_SIZE
     assert abi.USER_FRAME.size == ctypes.sizeof(abi.UserFrame)
     assert abi.EXEC_EVENT.size == ctypes.sizeof(abi.ExecEvent)
     assert abi.ERROR_EVENT.size == ctypes.sizeof(abi.ErrorEvent)
@@ -49,12 +49,24 @@ def test_a_field_added_in_c_only_is_detected(tmp_path: Path):
     assert "added_in_c_only" in text
     header.write_text(text)
     src = (bpf / "bistouri.bpf.c").read_text()
-    src = src.replace('sizeof(struct bistouri_exec_event) == 32', 'sizeof(struct bistouri_exec_event) == 40')
+    src = src.replace("sizeof(struct bistouri_exec_event) == 32", "sizeof(struct bistouri_exec_event) == 40")
     (bpf / "bistouri.bpf.c").write_text(src)
     obj = tmp_path / "modified.bpf.o"
     subprocess.run(
-        ["clang", "-target", "bpf", "-O2", "-g", "-D__TARGET_ARCH_x86", f"-I{bpf}",
-         f"-I{ROOT / 'bpf' / 'vmlinux' / 'x86'}", "-c", str(bpf / "bistouri.bpf.c"), "-o", str(obj)],
+        [
+            "clang",
+            "-target",
+            "bpf",
+            "-O2",
+            "-g",
+            "-D__TARGET_ARCH_x86",
+            f"-I{bpf}",
+            f"-I{ROOT / 'bpf' / 'vmlinux' / 'x86'}",
+            "-c",
+            str(bpf / "bistouri.bpf.c"),
+            "-o",
+            str(obj),
+        ],
         check=True,
     )
     with BtfFile(obj) as f:

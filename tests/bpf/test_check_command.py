@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,17 +14,21 @@ pytestmark = pytest.mark.requires_bpf
 def test_check_reports_this_machine_truthfully():
     import json
 
-    out = subprocess.run([sys.executable, "-m", "bistouri", "check", "--json"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "bistouri", "check", "--json"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = {r["name"]: r["status"] for r in json.loads(out.stdout)}
-    human = subprocess.run([sys.executable, "-m", "bistouri", "check"], capture_output=True, text=True, timeout=60)
+    human = subprocess.run(
+        [sys.executable, "-m", "bistouri", "check"], capture_output=True, text=True, timeout=60
+    )
     assert human.returncode == 0 and "WARN" in human.stdout
     assert lines["bpf object"] == "OK"
     assert lines["btf"] == "OK" and lines["psi"] == "OK" and lines["perf cpu-clock"] == "OK"
-    caps = int(next(x for x in open("/proc/self/status") if x.startswith("CapEff")).split()[1], 16)
+    status = Path("/proc/self/status").read_text().splitlines()
+    caps = int(next(x for x in status if x.startswith("CapEff")).split()[1], 16)
     assert lines["cap CAP_SYS_RESOURCE"] == ("OK" if caps >> 24 & 1 else "WARN")
-    tracefs = any(line.split()[2] == "tracefs" for line in open("/proc/mounts"))
+    tracefs = any(line.split()[2] == "tracefs" for line in Path("/proc/mounts").read_text().splitlines())
     assert lines["tracefs"] == ("OK" if tracefs else "WARN")
 
 
@@ -35,8 +40,12 @@ def test_check_config_reports_every_problem(tmp_path):
         "    service_id: Bad-Id\n"
         "    resources: [{resource: cpu, threshold: 150}]\n"
     )
-    out = subprocess.run([sys.executable, "-m", "bistouri", "check", "--config-only", "--config", str(bad)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "bistouri", "check", "--config-only", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "targets[0].rule.comm" in out.stdout
     assert "targets[0].service_id" in out.stdout

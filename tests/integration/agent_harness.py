@@ -53,8 +53,8 @@ class AgentProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_active: bool = True) -> AgentProcess:
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
         if wait_active:
             ok = wait_until(lambda: "Agent active" in self.log() or self.proc.poll() is not None, 30)
             assert ok and self.proc.poll() is None, f"agent did not start:\n{self.log()}"

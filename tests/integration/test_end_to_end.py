@@ -28,8 +28,19 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     token_file = tmp_path / "agent-token"
     token_file.write_text("s3cret\n")
     cfg = burner_config(capture=4)
-    with AgentProcess(tmp_path, cfg, "--symbolizer-endpoint", url, "--symbolizer-token-file", str(token_file),
-                      "--freq", "99") as agent, Cgroup.create() as cg:
+    with (
+        AgentProcess(
+            tmp_path,
+            cfg,
+            "--symbolizer-endpoint",
+            url,
+            "--symbolizer-token-file",
+            str(token_file),
+            "--freq",
+            "99",
+        ) as agent,
+        Cgroup.create() as cg,
+    ):
         for _ in range(3):
             cg.spawn([str(workloads / "burner"), "30"])
         assert wait_until(lambda: _sessions(url), 40), f"{agent.log()[-3000:]}\n{url.log_tail()}"
@@ -62,7 +73,9 @@ def test_nothing_is_lost_while_the_symbolizer_is_down(tmp_path, workloads, symbo
     url = symbolizer_server(tmp_path)
     port = url.rsplit(":", 1)[1]
     state = url.state_dir
-    cfg = burner_config(capture=2).replace("capture_duration_secs: 2\n", "capture_duration_secs: 2\n    cooldown_secs: 0.5\n")
+    cfg = burner_config(capture=2).replace(
+        "capture_duration_secs: 2\n", "capture_duration_secs: 2\n    cooldown_secs: 0.5\n"
+    )
     with AgentProcess(tmp_path, cfg, "--symbolizer-endpoint", url) as agent, Cgroup.create() as cg:
         stop(url)
         down_at = time.monotonic()

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
 
 
 def record(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bistouri", "record", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bistouri", "record", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def shares(stdout: str) -> dict[str, float]:
@@ -65,8 +66,18 @@ def test_on_pressure_waits_for_psi_in_the_cgroup(tmp_path, workloads):
     with Cgroup.create() as cg:
         for _ in range(3):
             cg.spawn([str(workloads / "burner"), "40"])
-        r = record("--cgroup", cg.rel, "--on-pressure", "cpu:5", "--wait-timeout", "30", "-d", "3",
-                   "-o", str(tmp_path / "o"))
+        r = record(
+            "--cgroup",
+            cg.rel,
+            "--on-pressure",
+            "cpu:5",
+            "--wait-timeout",
+            "30",
+            "-d",
+            "3",
+            "-o",
+            str(tmp_path / "o"),
+        )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Pressure: cpu" in r.stderr
     assert shares(r.stdout).get("hot_spin", 0) > 80, r.stdout

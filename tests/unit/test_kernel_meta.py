@@ -22,7 +22,10 @@ def test_no_gnu_note_means_no_build_id():
 
 
 def test_text_address_and_hidden_addresses():
-    assert kernel.parse_text_address(b"ffffffff81000000 T _text\nffffffff81000000 T _stext\n") == 0xFFFFFFFF81000000
+    assert (
+        kernel.parse_text_address(b"ffffffff81000000 T _text\nffffffff81000000 T _stext\n")
+        == 0xFFFFFFFF81000000
+    )
     assert kernel.parse_text_address(b"0000000000000000 T _text\n") == 0
     assert kernel.parse_text_address(b"ffffffff81000000 T other\n") is None
 

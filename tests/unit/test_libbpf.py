@@ -13,8 +13,16 @@ from bistouri.errors import BpfError
 
 def _exported() -> set[str]:
     lib = library()
-    out = subprocess.run(["nm", "-D", "--defined-only", lib.lib._name if "/" in lib.lib._name else
-                          f"/usr/lib/x86_64-linux-gnu/{lib.lib._name}"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            "nm",
+            "-D",
+            "--defined-only",
+            lib.lib._name if "/" in lib.lib._name else f"/usr/lib/x86_64-linux-gnu/{lib.lib._name}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         pytest.skip(f"nm cannot read libbpf: {out.stderr}")
     return {line.split()[-1].split("@")[0] for line in out.stdout.splitlines() if line.strip()}
@@ -41,8 +49,16 @@ def test_pointer_returns_are_never_plain_int():
     import ctypes
 
     for name, restype, _ in _libbpf.SIGNATURES:
-        if name.startswith(("bpf_object__open", "bpf_object__find", "bpf_object__next", "ring_buffer__new",
-                            "bpf_program__attach", "btf__parse")):
+        if name.startswith(
+            (
+                "bpf_object__open",
+                "bpf_object__find",
+                "bpf_object__next",
+                "ring_buffer__new",
+                "bpf_program__attach",
+                "btf__parse",
+            )
+        ):
             assert restype not in (ctypes.c_int, None), name
 
 

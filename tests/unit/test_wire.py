@@ -37,8 +37,9 @@ def sample_session(n_stacks: int = 3, repeat: int = 1) -> wire.Session:
         )
     return wire.Session(
         session_id="6f1c2a8e-6b55-4a3e-9b9b-2a1f0d6c0001",
-        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/svc", 1_700_000_000_000_000_000, 12.5, 3.25, 1.0,
-                             123456),
+        trigger=wire.Trigger(
+            "cpu", "some", 100_000, 2_000_000, "/svc", 1_700_000_000_000_000_000, 12.5, 3.25, 1.0, 123456
+        ),
         kernel=wire.KernelInfo("6.18.44", bytes(range(100, 120)), 0xFFFFFFFF81000000),
         start_ns=1_700_000_000_000_000_000,
         duration_ns=3_000_000_000,
