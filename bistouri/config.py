@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import logging
 import math
 import os
 import re
@@ -26,8 +25,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError
-
-log = logging.getLogger(__name__)
+from .procfs import find_cgroup2_mount
 
 DEFAULT_TRIGGER_PATH = "/etc/bistouri/trigger.yaml"
 
@@ -521,86 +519,47 @@ class AgentSettings:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-# (dest, env var or None) for every flag; the flag text is dest with dashes.
-_ENV = {
-    "config": "BISTOURI_CONFIG",
-    "tenant_id": "BISTOURI_TENANT_ID",
-    "label": "BISTOURI_LABELS",
-    "symbolizer_endpoint": "BISTOURI_SYMBOLIZER_ENDPOINT",
-    "symbolizer_token_file": "BISTOURI_SYMBOLIZER_TOKEN_FILE",
-    "symbolizer_ca_file": "BISTOURI_SYMBOLIZER_CA_FILE",
-    "symbolizer_client_cert": "BISTOURI_SYMBOLIZER_CLIENT_CERT",
-    "symbolizer_client_key": "BISTOURI_SYMBOLIZER_CLIENT_KEY",
-    "capture_duration_secs": "BISTOURI_CAPTURE_DURATION",
-    "freq": "BISTOURI_FREQ",
-    "metrics_port": "BISTOURI_METRICS_PORT",
-    "metrics_addr": "BISTOURI_METRICS_ADDR",
-    "proc_path": "BISTOURI_PROC_PATH",
-    "cgroup_path": "BISTOURI_CGROUP_PATH",
-    "spool_dir": "BISTOURI_SPOOL_DIR",
-    "spool_max_bytes": "BISTOURI_SPOOL_MAX_BYTES",
-    "walk_interval_secs": "BISTOURI_WALK_INTERVAL",
-    "offcpu": "BISTOURI_OFFCPU",
-    "log_level": "BISTOURI_LOG_LEVEL",
-}
+# (flag, environment variable, metavar, help) of every agent flag; dest is the flag with underscores.
+# fmt: off
+_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("--config", "BISTOURI_CONFIG", "PATH", f"trigger file (default {DEFAULT_TRIGGER_PATH})"),
+    ("--tenant-id", "BISTOURI_TENANT_ID", "ID", "tenant recorded in every session (default 'default')"),
+    ("--label", "BISTOURI_LABELS", "K=V", "label added to every session; repeatable (env: k=v,k2=v2)"),
+    ("--symbolizer-endpoint", "BISTOURI_SYMBOLIZER_ENDPOINT", "URL", "symbolizer URL; unset: spool only"),
+    ("--symbolizer-token-file", "BISTOURI_SYMBOLIZER_TOKEN_FILE", "PATH", "file holding the bearer token"),
+    ("--symbolizer-ca-file", "BISTOURI_SYMBOLIZER_CA_FILE", "PATH", "CA bundle to verify the symbolizer"),
+    ("--symbolizer-client-cert", "BISTOURI_SYMBOLIZER_CLIENT_CERT", "PATH", "TLS client certificate (PEM)"),
+    ("--symbolizer-client-key", "BISTOURI_SYMBOLIZER_CLIENT_KEY", "PATH", "TLS client key (PEM)"),
+    ("--capture-duration-secs", "BISTOURI_CAPTURE_DURATION", "SECS", "capture session length (default 10)"),
+    ("--freq", "BISTOURI_FREQ", "HZ", "on-CPU sampling frequency, 1..1000 (default 19; prefer a prime)"),
+    ("--metrics-port", "BISTOURI_METRICS_PORT", "PORT", "Prometheus port, 0 disables (default 9464)"),
+    ("--metrics-addr", "BISTOURI_METRICS_ADDR", "ADDR", "Prometheus listen address (default 0.0.0.0)"),
+    ("--proc-path", "BISTOURI_PROC_PATH", "PATH", "procfs mount (default /proc)"),
+    ("--cgroup-path", "BISTOURI_CGROUP_PATH", "PATH", "cgroup2 mount (default: found in <proc>/mounts)"),
+    ("--spool-dir", "BISTOURI_SPOOL_DIR", "PATH", "spooled sessions (default /var/lib/bistouri/spool)"),
+    ("--spool-max-bytes", "BISTOURI_SPOOL_MAX_BYTES", "SIZE", "spool size cap, e.g. 256MiB (default 256MiB)"),
+    ("--walk-interval-secs", "BISTOURI_WALK_INTERVAL", "SECS", "period of the /proc walk (default 30)"),
+    ("--offcpu", "BISTOURI_OFFCPU", None, "capture off-CPU (D state) stacks (default on)"),
+    ("--log-level", "BISTOURI_LOG_LEVEL", "LEVEL", "debug, info, warning or error (default info)"),
+)
+# fmt: on
+_ENV = {flag[2:].replace("-", "_"): env for flag, env, _, _ in _FLAGS}
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the agent's flags. Values stay raw strings: settings_from_args validates them all at once."""
     g = parser.add_argument_group("agent", "each flag also reads the environment variable shown; flag wins")
-
-    def add(flag: str, dest: str, help: str, **kw: Any) -> None:
+    for flag, env, metavar, text in _FLAGS:
+        kw: dict[str, Any] = {"metavar": metavar}
+        if flag == "--label":
+            kw["action"] = "append"
+        elif flag == "--offcpu":
+            kw = {"action": argparse.BooleanOptionalAction}
         # SUPPRESS: an absent flag leaves no attribute, so the environment can fill in (and help
         # formatters that print defaults do not show a misleading "None").
-        g.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=f"{help} [env {_ENV[dest]}]", **kw)
-
-    add("--config", "config", f"trigger file (default {DEFAULT_TRIGGER_PATH})", metavar="PATH")
-    add("--tenant-id", "tenant_id", "tenant recorded in every session (default 'default')", metavar="ID")
-    add("--label", "label", "label k=v added to every session; repeatable (env: comma-separated)",
-        action="append", metavar="K=V")  # fmt: skip
-    add(
-        "--symbolizer-endpoint",
-        "symbolizer_endpoint",
-        "symbolizer base URL; unset: spool only",
-        metavar="URL",
-    )
-    add("--symbolizer-token-file", "symbolizer_token_file", "file holding the bearer token", metavar="PATH")
-    add("--symbolizer-ca-file", "symbolizer_ca_file", "CA bundle to verify the symbolizer", metavar="PATH")
-    add("--symbolizer-client-cert", "symbolizer_client_cert", "TLS client certificate (PEM)", metavar="PATH")
-    add("--symbolizer-client-key", "symbolizer_client_key", "TLS client key (PEM)", metavar="PATH")
-    add(
-        "--capture-duration-secs",
-        "capture_duration_secs",
-        "length of a capture session (default 10)",
-        metavar="SECS",
-    )
-    add(
-        "--freq",
-        "freq",
-        "on-CPU sampling frequency in Hz, 1..1000 (default 19; prefer a prime)",
-        metavar="HZ",
-    )
-    add("--metrics-port", "metrics_port", "Prometheus port, 0 disables (default 9464)", metavar="PORT")
-    add("--metrics-addr", "metrics_addr", "Prometheus listen address (default 0.0.0.0)", metavar="ADDR")
-    add("--proc-path", "proc_path", "procfs mount (default /proc)", metavar="PATH")
-    add("--cgroup-path", "cgroup_path", "cgroup2 mount (default: found in <proc>/mounts)", metavar="PATH")
-    add(
-        "--spool-dir",
-        "spool_dir",
-        "where finished sessions wait to be sent (default /var/lib/bistouri/spool)",
-        metavar="PATH",
-    )
-    add(
-        "--spool-max-bytes", "spool_max_bytes", "spool size cap, e.g. 256MiB (default 256MiB)", metavar="SIZE"
-    )
-    add("--walk-interval-secs", "walk_interval_secs", "period of the /proc walk (default 30)", metavar="SECS")
-    add(
-        "--offcpu",
-        "offcpu",
-        "capture off-CPU (D state) stacks (default on)",
-        action=argparse.BooleanOptionalAction,
-    )
-    add("--log-level", "log_level", "debug, info, warning or error (default info)", metavar="LEVEL")
+        g.add_argument(
+            flag, dest=flag[2:].replace("-", "_"), default=argparse.SUPPRESS, help=f"{text} [env {env}]", **kw
+        )
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -744,8 +703,6 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         if not os.path.isfile(os.path.join(cg, "cgroup.procs")):
             problems.append(f"{where}: {cg} is not a cgroup2 mount (no cgroup.procs)")
     else:
-        from .procfs import find_cgroup2_mount
-
         cg = find_cgroup2_mount(proc_path)
         if cg is None:
             warnings.append(
@@ -790,6 +747,5 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
 
     if problems:
         raise ConfigError(problems, source="command line and environment")
-    for w in warnings:
-        log.warning("%s", w)
+    # Warnings are returned, not logged: logging is set up from these very settings.
     return AgentSettings(warnings=tuple(warnings), **s)

@@ -37,6 +37,8 @@ _DEAD = select.POLLERR | select.POLLNVAL | select.POLLHUP
 
 _fallback_logged = False
 _fallback_lock = threading.Lock()
+# Set once the kernel refused a window for lack of CAP_SYS_RESOURCE: later watchers skip the doomed try.
+_two_second_windows = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +105,9 @@ def allowed_window_us(window_us: int) -> int:
 
 
 def _log_fallback_once(path: str, window_us: int, new_window_us: int) -> None:
-    global _fallback_logged
+    global _fallback_logged, _two_second_windows
     with _fallback_lock:
+        _two_second_windows = True
         if _fallback_logged:
             return
         _fallback_logged = True
@@ -134,7 +137,7 @@ def _trigger_error(e: OSError, path: str, what: str) -> OSError:
         errno.ENOENT: "no such cgroup or pressure file (process gone, or PSI disabled: boot with psi=1)",
         errno.ENODEV: "the cgroup was removed",
         errno.EACCES: "permission denied: the agent needs root (or CAP_DAC_OVERRIDE) to write pressure files",
-        errno.EPERM: "not permitted: the agent needs root (or CAP_DAC_OVERRIDE) to write pressure files",
+        errno.EPERM: "not permitted: run as root; kernels before 6.4 also need CAP_SYS_RESOURCE",
         errno.EOPNOTSUPP: "PSI is disabled on this kernel (boot with psi=1)",
         errno.EBUSY: "a trigger is already set on this fd",
         errno.EINVAL: "the kernel refused the trigger (stall must be > 0 and <= window, window 500 ms..10 s)",
@@ -177,6 +180,8 @@ class PsiWatcher:
         self._registered_fd = -1  # the fd number the loop polls, kept after _detach()
         what = f"{stall} {self.stall_us} {self.window_us}"
         try:
+            if _two_second_windows and allowed_window_us(self.window_us) != self.window_us:
+                raise OSError(errno.EINVAL, "window known to be refused")
             self._fd = _open_trigger(path, stall, self.stall_us, self.window_us)
         except OSError as e:
             new_window = allowed_window_us(self.window_us)

@@ -111,7 +111,7 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
     reg = CollectorRegistry()
     with _child_cgroup(root) as busy, _child_cgroup(root) as idle, PsiLoop(registry=reg) as loop:
         privileged = _has_cap_sys_resource()
-        psi._fallback_logged = False  # the once-per-process log must show here
+        psi._fallback_logged = psi._two_second_windows = False  # the once-per-process log must show here
         with caplog.at_level(logging.WARNING, logger="bistouri.psi"):
             w = loop.add_watcher(
                 "busy", os.path.join(busy, "cpu.pressure"), "cpu", "some", 10.0, 1000, cooldown_s=60

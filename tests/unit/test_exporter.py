@@ -179,19 +179,6 @@ class FakeSymbolizer:
         self.server.server_close()
 
 
-@pytest.fixture(autouse=True)
-def _thread_errors() -> Iterator[None]:
-    """Fail a test whose background thread raised."""
-    errors: list[threading.ExceptHookArgs] = []
-    old = threading.excepthook
-    threading.excepthook = errors.append
-    try:
-        yield
-    finally:
-        threading.excepthook = old
-    assert not errors, [f"{e.thread.name if e.thread else '?'}: {e.exc_value!r}" for e in errors]
-
-
 @pytest.fixture
 def server() -> Iterator[FakeSymbolizer]:
     s = FakeSymbolizer()

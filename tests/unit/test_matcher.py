@@ -134,3 +134,36 @@ def test_lpm_model_agrees_with_user_space(comm):
     assert (hit is not None) == bool(m.match(comm))
     if hit is not None:
         assert hit in m.match(comm)
+
+
+@pytest.mark.requires_bpf
+def test_kernel_lpm_trie_agrees_with_user_space():
+    """The real BPF comm trie, loaded from the shipped object (programs off: maps only)."""
+    from bistouri.bpf import BpfObject
+    from tests.conftest import BPF_OBJECT
+
+    m = matcher(
+        ("Exact", "node"),
+        ("Prefix", "worker-"),
+        ("Exact", "no"),
+        ("Prefix", "py"),
+        ("Exact", "python3"),
+        ("Exact", "abcdefghijklmno"),
+    )
+    comms = [b"node", b"nodejs", b"no", b"n", b"worker-1", b"worker", b"py", b"python3", b"python3.11"]
+    comms += [b"abcdefghijklmno", b"abcdefghijklmn", b"bash", b""]
+    with BpfObject(BPF_OBJECT) as obj:
+        for prog in obj.programs.values():
+            prog.set_autoload(False)
+        obj.load()
+        trie = obj.maps["comm_rules"]
+        assert (trie.key_size, trie.value_size) == (COMM_KEY.size, 4)
+        for key, rule_id in m.lpm_entries():
+            trie.update(key, struct.pack("=I", rule_id))
+        for comm in comms:
+            # What handle_exec looks up: the task's 16-byte comm, all 128 bits.
+            hit = trie.lookup(lpm_key(comm, 128))
+            expected = m.match(comm)
+            assert (hit is not None) == bool(expected), comm
+            if hit is not None:
+                assert struct.unpack("=I", hit)[0] in expected, comm

@@ -16,6 +16,12 @@ from bistouri.psi import Pressure, PressureLine, PsiLoop, allowed_window_us, par
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_window_state(monkeypatch):
+    """A real trigger test earlier in the run may have learnt that 1 s windows are refused."""
+    monkeypatch.setattr(psi, "_two_second_windows", False)
+
+
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> float:
     v = reg.get_sample_value(name, labels)
     return 0.0 if v is None else v
@@ -85,6 +91,20 @@ def test_watcher_writes_one_trigger_line(tmp_path):
         assert (w.stall_us, w.window_us, w.fallback) == (125_000, 1_000_000, False)
     assert f.read_bytes() == b"full 125000 1000000\0"  # NUL-terminated, as /proc/pressure needs
     assert w.closed
+
+
+def test_watcher_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(psi, "_two_second_windows", True)
+    f = tmp_path / "io.pressure"
+    f.write_bytes(b"")
+    with psi.PsiWatcher("k", str(f), "io", "some", 10, 1000, 0) as w:
+        assert (w.requested_window_us, w.window_us, w.stall_us, w.fallback) == (
+            1_000_000,
+            2_000_000,
+            200_000,
+            True,
+        )
+    assert f.read_bytes() == b"some 200000 2000000\0"  # one write, straight to the allowed window
 
 
 @pytest.mark.parametrize(
