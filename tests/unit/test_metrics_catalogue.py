@@ -1,0 +1,56 @@
+"""docs/metrics.csv lists every metric the agent exposes, with the naming rules."""
+
+from __future__ import annotations
+
+import csv
+import tempfile
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from bistouri import abi
+from bistouri.config import AgentSettings
+from bistouri.exporter import Exporter
+from bistouri.metrics import AgentMetrics, BpfCountersCollector
+from bistouri.psi import PsiLoop
+from bistouri.spool import Spool
+
+CATALOGUE = Path(__file__).resolve().parents[2] / "docs" / "metrics.csv"
+
+
+def _exposed_agent_metrics() -> dict[str, str]:
+    r = CollectorRegistry()
+    AgentMetrics(r)
+    r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: 0))
+    PsiLoop(registry=r)
+    spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
+    Exporter(spool, AgentSettings(symbolizer_endpoint="http://127.0.0.1:1"), registry=r)
+    out = {}
+    for m in r.collect():
+        name = m.name + "_total" if m.type == "counter" else m.name
+        out[name] = m.type
+    return out
+
+
+def _catalogue(component: str) -> dict[str, dict[str, str]]:
+    with CATALOGUE.open() as f:
+        return {row["name"]: row for row in csv.DictReader(f) if row["component"] == component}
+
+
+def test_every_agent_metric_is_catalogued_and_nothing_else():
+    exposed = _exposed_agent_metrics()
+    listed = _catalogue("agent")
+    assert set(exposed) == set(listed), (set(exposed) - set(listed), set(listed) - set(exposed))
+    for name, typ in exposed.items():
+        assert listed[name]["type"] == typ, name
+
+
+def test_naming_rules():
+    with CATALOGUE.open() as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        name = row["name"]
+        assert name.startswith("bistouri_"), name
+        assert (row["type"] == "counter") == name.endswith("_total"), name
+        assert not {"pid", "comm", "tid"} & set(filter(None, row["labels"].split(";"))), name
+        assert row["description"], name
