@@ -166,6 +166,8 @@ class ProfilerAgent:
         self._stop_fd = -1
         self._thread_error: BaseException | None = None
         self._filter_lock = threading.Lock()
+        self._filtered: set[int] = set()
+        self._kick_fd = -1
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -229,6 +231,7 @@ class ProfilerAgent:
         if self._rb is None:
             raise BistouriError("ProfilerAgent.start() before open()")
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threading.Thread(target=self._drain_loop, name="bistouri-ringbuf", daemon=True)
         self._thread.start()
 
@@ -240,9 +243,10 @@ class ProfilerAgent:
             if self._thread.is_alive():
                 log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
             self._thread = None
-        if self._stop_fd >= 0:
-            os.close(self._stop_fd)
-            self._stop_fd = -1
+        for fd in (self._stop_fd, self._kick_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._stop_fd = self._kick_fd = -1
         if self._rb is not None:
             self._rb.close()
             self._rb = None
@@ -277,10 +281,15 @@ class ProfilerAgent:
         m = self._require().maps["pid_filter"]
         key = struct.pack("<I", pid)
         with self._filter_lock:
+            was_idle = not self._filtered
             if flags:
                 m.update(key, struct.pack("<I", flags))
+                self._filtered.add(pid)
             else:
                 m.delete(key)
+                self._filtered.discard(pid)
+            if was_idle and self._filtered and self._kick_fd >= 0:
+                os.eventfd_write(self._kick_fd, 1)  # leave the idle wait: samples are coming
 
     def filtered_pids(self) -> dict[int, int]:
         m = self._require().maps["pid_filter"]
@@ -339,10 +348,19 @@ class ProfilerAgent:
         poller = select.poll()
         poller.register(self._rb.epoll_fd(), select.POLLIN)
         poller.register(self._stop_fd, select.POLLIN)
-        timeout_ms = int(self.options.drain_interval_s * 1000)
+        poller.register(self._kick_fd, select.POLLIN)
+        interval_ms = int(self.options.drain_interval_s * 1000)
         try:
             while True:
-                ready = poller.poll(timeout_ms)
+                # Stack events are submitted without wakeup and drained on a timer while a
+                # process is sampled; when none is, only exec/error events (which do wake
+                # the epoll fd) can arrive: block until then, at no cost.
+                ready = poller.poll(interval_ms if self._filtered else None)
+                if any(fd == self._kick_fd for fd, _ in ready):
+                    try:
+                        os.eventfd_read(self._kick_fd)
+                    except BlockingIOError:
+                        pass
                 if any(fd == self._stop_fd for fd, _ in ready):
                     self.drain()  # what is already in the ring is not lost at shutdown
                     if self._notify:
