@@ -16,7 +16,7 @@ BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -D__TARGET_ARCH_$(A
 
 # Debian packages, by purpose. `make deps` installs the missing ones.
 APT_BUILD := clang llvm libbpf-dev libbpf1 bpftool gcc g++ make binutils elfutils
-APT_SYMBOLIZER := llvm-19 postgresql
+APT_SYMBOLIZER := llvm-19 postgresql libc6-dbg
 APT_UI := chromium
 APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-client \
 	dpkg-dev lintian rpm rpmlint fakeroot

@@ -256,7 +256,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for row in rows:
         print(
             "  ".join(
-                cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+                cell.rjust(w) if i >= 2 else cell.ljust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             )
         )
     for r in results:

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -464,10 +465,17 @@ class Resolver:
         cache = self._cache
         frame_ids: dict[int, int] = {}
         frames_out: list[model.Frame] = []
+        keep: list[_Frames] = []
         intern = self._intern
 
+        by_result: dict[int, tuple[int, ...]] = {}
+
         def indexes(frames: _Frames) -> tuple[int, ...]:
-            # Frames are interned: equal frames are one object, so id() identifies them.
+            # Frames are interned: equal frames are one object, so id() identifies them. Names-only
+            # results are shared by every address of a function: their index tuple is too.
+            got = by_result.get(id(frames))
+            if got is not None:
+                return got
             out = []
             for f in frames:
                 i = frame_ids.get(id(f))
@@ -475,7 +483,9 @@ class Resolver:
                     i = frame_ids[id(f)] = len(frames_out)
                     frames_out.append(f)
                 out.append(i)
-            return tuple(out)
+            got = by_result[id(frames)] = tuple(out)
+            keep.append(frames)  # ids stay unique while the session's results are alive
+            return got
 
         # 1. Every distinct frame object: from the cache, or queued for its module.
         memo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][id]
@@ -486,50 +496,61 @@ class Resolver:
         k: _Kernel | None = None
         hits = [0, 0]
         seen_stacks: set[tuple[int, int]] = set()
+
+        def visit_user(f: wire.UserFrame, leaf: bool) -> None:
+            m = memo[leaf]
+            if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                bid = f.build_id
+                if bid in modules:
+                    mod = modules[bid]
+                else:
+                    mod = modules[bid] = self.module(bid)
+                got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
+                if got is None:
+                    user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))
+                    m[id(f)] = ()
+                else:
+                    hits[0] += 1
+                    m[id(f)] = indexes(got)
+            elif f.kind == wire.FRAME_VDSO:
+                m[id(f)] = indexes((_VDSO,))
+            else:
+                label = model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
+                m[id(f)] = indexes((intern(label),))
+
+        def visit_kernel(ip: int, leaf: bool) -> None:
+            assert k is not None
+            got = cache.get((-k.gen, ip, leaf))  # kernel generations are negative
+            if got is None:
+                kernel_todo[(ip, leaf)] = None
+                kmemo[leaf][ip] = ()
+            else:
+                hits[1] += 1
+                kmemo[leaf][ip] = indexes(got)
+
+        leaf_memo, call_memo = memo[True], memo[False]
+        kleaf_memo, kcall_memo = kmemo[True], kmemo[False]
         for t in session.traces:
             skey = (id(t.kernel), id(t.user))
             if skey in seen_stacks:
                 continue
             seen_stacks.add(skey)
-            for j, f in enumerate(t.user):
-                leaf = j == 0
-                m = memo[leaf]
-                if id(f) in m:
-                    continue
-                if f.kind == wire.FRAME_RESOLVED and f.build_id:
-                    bid = f.build_id
-                    if bid in modules:
-                        mod = modules[bid]
-                    else:
-                        mod = modules[bid] = self.module(bid)
-                    got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
-                    if got is None:
-                        user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))
-                        m[id(f)] = ()
-                    else:
-                        hits[0] += 1
-                        m[id(f)] = indexes(got)
-                elif f.kind == wire.FRAME_VDSO:
-                    m[id(f)] = indexes((_VDSO,))
-                else:
-                    m[id(f)] = indexes(
-                        (intern(model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)),)
-                    )
-            if t.kernel and k is None:
-                k = self._kernel(session.kernel.build_id, session.kernel.text_addr)
-            for j, ip in enumerate(t.kernel):
-                leaf = j == 0
-                km = kmemo[leaf]
-                if ip in km:
-                    continue
-                assert k is not None
-                got = cache.get((-k.gen, ip, leaf))  # kernel generations are negative
-                if got is None:
-                    kernel_todo[(ip, leaf)] = None
-                    km[ip] = ()
-                else:
-                    hits[1] += 1
-                    km[ip] = indexes(got)
+            user = t.user
+            if user:
+                if id(user[0]) not in leaf_memo:
+                    visit_user(user[0], True)
+                for f in user[1:]:
+                    if id(f) not in call_memo:
+                        visit_user(f, False)
+            kern = t.kernel
+            if kern:
+                if k is None:
+                    k = self._kernel(session.kernel.build_id, session.kernel.text_addr)
+                if kern[0] not in kleaf_memo:
+                    visit_kernel(kern[0], True)
+                for ip in kern[1:]:
+                    if ip not in kcall_memo:
+                        visit_kernel(ip, False)
 
         # 2. Misses, in one batch per module (one llvm request each).
         for bid, todo in user_todo.items():
@@ -558,23 +579,20 @@ class Resolver:
         stacks: dict[tuple[int, int], tuple[int, ...]] = {}
         samples: list[model.Sample] = []
         kinds = {"user": 0, "kernel": 0, "vdso": 0, "unknown": 0}
-        user_memo, call_memo = memo[True], memo[False]
         threads = session.threads
+        call_get, kcall_get = call_memo.__getitem__, kcall_memo.__getitem__
         for t in session.traces:
             skey = (id(t.kernel), id(t.user))
             stack = stacks.get(skey)
             if stack is None:
-                parts: list[int] = []
-                user = t.user
-                for j in range(len(user) - 1, 0, -1):
-                    parts.extend(call_memo[id(user[j])])
+                user, kern = t.user, t.kernel
+                # Slices [:0:-1] walk from the root to the frame above the leaf, in C.
+                parts = list(chain.from_iterable(map(call_get, map(id, user[:0:-1]))))
                 if user:
-                    parts.extend(user_memo[id(user[0])])
-                kern = t.kernel
-                for j in range(len(kern) - 1, 0, -1):
-                    parts.extend(kmemo[False][kern[j]])
+                    parts.extend(leaf_memo[id(user[0])])
+                parts.extend(chain.from_iterable(map(kcall_get, kern[:0:-1])))
                 if kern:
-                    parts.extend(kmemo[True][kern[0]])
+                    parts.extend(kleaf_memo[kern[0]])
                 stack = stacks[skey] = tuple(parts)
                 for f in user:
                     if f.kind == wire.FRAME_RESOLVED and f.build_id:

@@ -20,7 +20,10 @@ def build_fixtures() -> Path:
     """Build the fixture binaries (idempotent; `make fixtures` normally did it already)."""
     missing = [t for t in ("make", "gcc", "g++", "objcopy", "strip", "readelf", "nm") if not shutil.which(t)]
     if missing:
-        pytest.skip(f"cannot build symbolizer fixtures: {', '.join(missing)} not installed (apt-get install build-essential)")
+        tools = ", ".join(missing)
+        pytest.skip(
+            f"cannot build symbolizer fixtures: {tools} not installed (apt-get install build-essential)"
+        )
     r = subprocess.run(["make", "-s", "-C", str(FIXTURE_SRC)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail(f"building symbolizer fixtures failed:\n{r.stdout}\n{r.stderr}")

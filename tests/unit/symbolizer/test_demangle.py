@@ -20,10 +20,15 @@ RUST_TABLE = [
 
 CXX = [
     ("_ZN2ns5outerEm", "ns::outer(unsigned long)"),
-    ("_ZN2fx6detail3mixImEET_S2_S2_", "unsigned long fx::detail::mix<unsigned long>(unsigned long, unsigned long)"),
+    (
+        "_ZN2fx6detail3mixImEET_S2_S2_",
+        "unsigned long fx::detail::mix<unsigned long>(unsigned long, unsigned long)",
+    ),
     ("_ZNSt6vectorIiSaIiEE9push_backERKi", "std::vector<int, std::allocator<int> >::push_back(int const&)"),
-    ("_ZN2fx11AccumulatorImLi3EE3runEPKmm.isra.0",
-     "fx::Accumulator<unsigned long, 3>::run(unsigned long const*, unsigned long) [clone .isra.0]"),
+    (
+        "_ZN2fx11AccumulatorImLi3EE3runEPKmm.isra.0",
+        "fx::Accumulator<unsigned long, 3>::run(unsigned long const*, unsigned long) [clone .isra.0]",
+    ),
     ("_Z3fooi.cold", "foo(int) [clone .cold]"),
     ("_Z3fooi.part.0.isra.0", "foo(int) [clone .part.0] [clone .isra.0]"),
     ("_Z3fooi.llvm.1234567", "foo(int)"),  # ThinLTO hash dropped
@@ -47,8 +52,10 @@ def test_itanium(mangled: str, expected: str) -> None:
             "17h0123456789abcdefE",
             "core::ptr::drop_in_place<std::rt::lang_start<()>::{{closure}}>",
         ),
-        ("_ZN70_$LT$alloc..vec..Vec$LT$T$C$A$GT$$u20$as$u20$core..ops..drop..Drop$GT$4drop17h1c3fcc5a1ea2b3d4E",
-         "<alloc::vec::Vec<T,A> as core::ops::drop::Drop>::drop"),
+        (
+            "_ZN70_$LT$alloc..vec..Vec$LT$T$C$A$GT$$u20$as$u20$core..ops..drop..Drop$GT$4drop17h1c3fcc5a1ea2b3d4E",
+            "<alloc::vec::Vec<T,A> as core::ops::drop::Drop>::drop",
+        ),
         ("_ZN3foo3bar17h0123456789abcdefE.llvm.42", "foo::bar"),
         ("_ZN3foo3bar17h0123456789abcdefE.cold", "foo::bar [clone .cold]"),
     ],
@@ -61,17 +68,29 @@ def test_rust_legacy(mangled: str, expected: str) -> None:
     ("mangled", "expected"),
     [
         ("_RNvCsdQRCmn6UdKS_3inl4main", "inl::main"),
-        ("_RNvXNtCsdQRCmn6UdKS_3inl7widgetsINtB2_6WidgetKj3_ENtB2_5Named4nameB4_",
-         "<inl::widgets::Widget<3> as inl::widgets::Named>::name"),
+        (
+            "_RNvXNtCsdQRCmn6UdKS_3inl7widgetsINtB2_6WidgetKj3_ENtB2_5Named4nameB4_",
+            "<inl::widgets::Widget<3> as inl::widgets::Named>::name",
+        ),
         ("_RNvMs_NtCsdQRCmn6UdKS_3inl7widgetsINtB4_3NegKln7_E3valB6_", "<inl::widgets::Neg<-7>>::val"),
         ("_RNvMs0_NtCsdQRCmn6UdKS_3inl7widgetsINtB5_4FlagKb1_E3getB7_", "<inl::widgets::Flag<true>>::get"),
         ("_RNvMs1_NtCsdQRCmn6UdKS_3inl7widgetsINtB5_2ChKc78_E3getB7_", "<inl::widgets::Ch<'x'>>::get"),
         ("_RNvNtCsdQRCmn6UdKS_3inlu13ncd_dma1a7bzbu9gre_6ka8l", "inl::ünïcödé::grüße"),  # punycode
         ("_RINvCsdQRCmn6UdKS_3inl5applyNCNvB2_4main0EB2_", "inl::apply::<inl::main::{closure#0}>"),
-        ("_RNvMs3_NtCslNYArtu3iFV_5alloc7raw_vecINtB5_6RawVecTOhFUKCBN_EuENtNtCsjrHSEGnQ3l9_3std5alloc6SystemE8grow_oneB13_",
-         '<alloc::raw_vec::RawVec<(*mut u8, unsafe extern "C" fn(*mut u8)), std::alloc::System>>::grow_one'),
-        ("_RNvXs1g_NtCsgEmfK2I1SDS_4core3fmtRDNtB6_5DebugEL_Bx_3fmtB8_", "<&dyn core::fmt::Debug as core::fmt::Debug>::fmt"),
-        ("_RNvNtNtCsjrHSEGnQ3l9_3std6thread11main_thread4MAIN.0", "std::thread::main_thread::MAIN [clone .0]"),
+        (
+            "_RNvMs3_NtCslNYArtu3iFV_5alloc7raw_vecINtB5_6RawVecTOhFUKCBN_EuENtNtCsjrHSEGnQ3l9_3std5alloc6System"
+            "E8grow_oneB13_",
+            '<alloc::raw_vec::RawVec<(*mut u8, unsafe extern "C" fn(*mut u8)), std::alloc::System>>'
+            "::grow_one",
+        ),
+        (
+            "_RNvXs1g_NtCsgEmfK2I1SDS_4core3fmtRDNtB6_5DebugEL_Bx_3fmtB8_",
+            "<&dyn core::fmt::Debug as core::fmt::Debug>::fmt",
+        ),
+        (
+            "_RNvNtNtCsjrHSEGnQ3l9_3std6thread11main_thread4MAIN.0",
+            "std::thread::main_thread::MAIN [clone .0]",
+        ),
     ],
 )
 def test_rust_v0(mangled: str, expected: str) -> None:

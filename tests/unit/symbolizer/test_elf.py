@@ -79,9 +79,14 @@ def test_split_debug_file(symfix: Path) -> None:
         addr = next(v[0] for n, v in run.items() if "Accumulator" in n and "run" in n)
         assert d.offset_to_vaddr(addr) is None
         # The GNU ld layout guess agrees with the executable's real headers.
-        exe_off = next(a - s.vaddr + s.offset for s in exe.segments for a in [addr] if s.vaddr <= a < s.vaddr + s.filesz)
+        exe_off = next(
+            a - s.vaddr + s.offset for s in exe.segments for a in [addr] if s.vaddr <= a < s.vaddr + s.filesz
+        )
         approx = d.approx_segments()
-        assert next(exe_off - s.offset + s.vaddr for s in approx if s.offset <= exe_off < s.offset + s.filesz) == addr
+        assert (
+            next(exe_off - s.offset + s.vaddr for s in approx if s.offset <= exe_off < s.offset + s.filesz)
+            == addr
+        )
         idx = d.symbol_index()
     name, off = idx.lookup(addr + 2) or ("", 0)
     assert name.startswith("_ZN2fx11AccumulatorImLi3EE3run") and off == 2
@@ -110,7 +115,8 @@ def test_mini_debuginfo(symfix: Path, tmp_path: Path) -> None:
     xz.write_bytes(lzma.compress(mini.read_bytes(), format=lzma.FORMAT_XZ))
     out = tmp_path / "c_exported"
     subprocess.run(
-        ["objcopy", f"--add-section=.gnu_debugdata={xz}", str(symfix / "bin" / "c_exported"), str(out)], check=True
+        ["objcopy", f"--add-section=.gnu_debugdata={xz}", str(symfix / "bin" / "c_exported"), str(out)],
+        check=True,
     )
     syms = nm(symfix / "c_exported")
     with ElfFile(out) as f:
