@@ -85,7 +85,8 @@ def test_nothing_is_lost_while_the_symbolizer_is_down(tmp_path, workloads, symbo
         cg.kill_all()
         # Let the session running when the burners died finish: then the set is final.
         assert wait_until(lambda: agent.metrics()["bistouri_sessions_active"] == 0, 10)
-        spooled = {s.session_id for s in agent.sessions()}
+        # Only ours: another burner on the machine would match the target too.
+        spooled = {s.session_id for s in agent.sessions() if s.trigger.cgroup == cg.rel}
         assert len(spooled) >= 5
         time.sleep(max(0.0, 60 - (time.monotonic() - down_at)))
         url2 = symbolizer_server(tmp_path, port=port, state_dir=state)
@@ -95,4 +96,4 @@ def test_nothing_is_lost_while_the_symbolizer_is_down(tmp_path, workloads, symbo
         assert wait_until(lambda: not agent.sessions(), 30), "acknowledged sessions leave the spool"
     ids = [m["id"] for m in _sessions(url2)]
     assert len(ids) == len(set(ids)), "a session was stored twice"
-    assert set(ids) == spooled
+    assert spooled <= set(ids)
