@@ -314,11 +314,75 @@ def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[], 
 
 
 # ---------------------------------------------------------------------------
+# Running the service under gunicorn
+
+
+def _child_exit(server: Any, worker: Any) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def _worker_exit(server: Any, worker: Any) -> None:
+    close = getattr(getattr(worker, "wsgi", None), "close", None)
+    if callable(close):
+        close()
+
+
+def serve(
+    config: Any,
+    resolver_factory: Callable[[], Any],
+    binds: list[str],
+    workers: int,
+    log_level: str = "info",
+) -> None:
+    """Run the service under gunicorn until a signal stops it. Exits the process (gunicorn's way)."""
+    from gunicorn.app.base import BaseApplication
+
+    from .server import SymbolizerApp
+
+    options: dict[str, Any] = {
+        "bind": binds,
+        "workers": workers,
+        "worker_class": "sync",
+        # Symbolizing a large batch, or re-symbolizing after a kernel upload, can take a while.
+        "timeout": 120,
+        "graceful_timeout": 20,
+        "keepalive": 5,
+        "loglevel": log_level.lower(),
+        "errorlog": "-",
+        "accesslog": "-" if log_level.lower() == "debug" else None,
+        "proc_name": "bistouri-symbolizer",
+        "child_exit": _child_exit,
+        "worker_exit": _worker_exit,
+        # Each worker builds its app (resolver, database connection) after the fork.
+        "preload_app": False,
+    }
+
+    # Newer gunicorn opens a control socket in $HOME, shared by every instance of the user: not wanted.
+    optional = {"control_socket_disable": True}
+
+    class _Gunicorn(BaseApplication):
+        def load_config(self) -> None:
+            for k, v in options.items():
+                self.cfg.set(k, v)
+            for k, v in optional.items():
+                if k in self.cfg.settings:  # absent from bookworm's gunicorn 20.1
+                    self.cfg.set(k, v)
+
+        def load(self) -> SymbolizerApp:
+            return SymbolizerApp(config, resolver_factory)
+
+    _Gunicorn().run()
+
+
+# ---------------------------------------------------------------------------
 # Commands
 
 
 def run_symbolizer(args: argparse.Namespace) -> int:
-    from .server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, serve
+    from .server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
     from .store import Store, StoreError
 
     try:

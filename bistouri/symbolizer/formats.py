@@ -160,7 +160,8 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     widened to cover every input.
     """
     frames: list[Frame] = []
-    frame_ids: dict[Frame, int] = {}
+    # Keyed by a plain tuple: hashing and comparing the dataclass itself costs several times more.
+    frame_ids: dict[tuple[str, str, str, int, str, bool], int] = {}
     acc: dict[tuple[int, ...], list[int]] = {}
     first: SessionMeta | None = None
     start = end = 0
@@ -173,9 +174,10 @@ def merge(profiles: Iterable[Profile]) -> Profile:
             end = max(end, p.meta.start_ns + p.meta.duration_ns)
         remap = []
         for f in p.frames:
-            i = frame_ids.get(f)
+            fkey = (f.name, f.module, f.file, f.line, f.kind, f.inlined)
+            i = frame_ids.get(fkey)
             if i is None:
-                i = frame_ids[f] = len(frames)
+                i = frame_ids[fkey] = len(frames)
                 frames.append(f)
             remap.append(i)
         for s in p.samples:
@@ -260,7 +262,10 @@ def speedscope(profile: Profile, name: str = "") -> dict[str, Any]:
         for s in profile.samples:
             v = sample_value(s, value)
             if v > 0:
-                stacks.append([used[i] for i in s.stack])
+                if not s.stack and -1 not in used:
+                    used[-1] = len(frames)  # as in folded output: a sample without frames stays visible
+                    frames.append({"name": "[no frames]"})
+                stacks.append([used[i] for i in s.stack] if s.stack else [used[-1]])
                 weights.append(v)
         if not weights and value != "on_cpu":
             continue
@@ -289,7 +294,7 @@ def speedscope(profile: Profile, name: str = "") -> dict[str, Any]:
 # pprof: a hand-written encoder for perftools.profiles.Profile (google/pprof proto/profile.proto)
 
 
-def _varint(n: int) -> bytes:
+def _varint_slow(n: int) -> bytes:
     if n < 0:
         n &= (1 << 64) - 1  # int64 negatives are ten-byte two's complement varints
     out = bytearray()
@@ -298,6 +303,16 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# Ids, string indexes and small counts dominate a profile: their encodings are precomputed.
+_VARINTS = [_varint_slow(i) for i in range(1 << 14)]
+
+
+def _varint(n: int) -> bytes:
+    if 0 <= n < 16384:
+        return _VARINTS[n]
+    return _varint_slow(n)
 
 
 def _key(field: int, wire_type: int) -> bytes:
@@ -403,8 +418,17 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
             location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + lines))
         return lid
 
+    has_inlined = any(f.inlined for f in frames)
+    single = [0] * len(frames)  # location id of a frame that is a location on its own
     for s in profile.samples:
-        ids = [location_id(g) for g in _locations(s.stack, frames)]
+        if has_inlined:
+            ids = [location_id(g) for g in _locations(s.stack, frames)]
+        else:
+            ids = []
+            for i in reversed(s.stack):
+                lid = single[i] or location_id((i,))
+                single[i] = lid
+                ids.append(lid)
         labels = []
         if s.pid:
             labels.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(s.pid))))

@@ -18,12 +18,13 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgpack
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
 from werkzeug.security import safe_join
@@ -34,7 +35,7 @@ from ..errors import WireError
 from . import formats
 from .kallsyms import KallsymsError, KallsymsStore
 from .model import Profile
-from .store import Filter, Store, StoredSession, meta_from_session
+from .store import Filter, Store, StoredSession, StoreError, meta_from_session
 
 log = logging.getLogger(__name__)
 
@@ -93,45 +94,32 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        p = "bistouri_symbolizer_"
-        self.http_requests = Counter(
-            p + "http_requests_total", "HTTP requests by route and status", ["route", "code"], registry=r
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter("bistouri_symbolizer_" + name, doc, labels, registry=self.registry)
+
+        self.http_requests = counter(
+            "http_requests_total", "HTTP requests by route and status", "route", "code"
         )
-        self.rejected = Counter(
-            p + "requests_rejected_total", "Requests refused with a 4xx, by reason", ["reason"], registry=r
+        self.rejected = counter("requests_rejected_total", "Requests refused with a 4xx, by reason", "reason")
+        self.received_bytes = counter("received_bytes_total", "Compressed bytes of accepted ingest bodies")
+        self.ingested = counter("sessions_ingested_total", "Sessions symbolized and stored")
+        self.duplicates = counter("sessions_duplicate_total", "Sessions received again, not stored twice")
+        self.sessions_rejected = counter(
+            "sessions_rejected_total", "Sessions refused in a batch, by reason", "reason"
         )
-        self.received_bytes = Counter(
-            p + "received_bytes_total", "Compressed bytes of accepted ingest bodies", registry=r
+        self.resymbolized = counter(
+            "sessions_resymbolized_total", "Sessions symbolized again for late kallsyms"
         )
-        self.ingested = Counter(p + "sessions_ingested_total", "Sessions symbolized and stored", registry=r)
-        self.duplicates = Counter(
-            p + "sessions_duplicate_total", "Sessions received again and not stored twice", registry=r
-        )
-        self.sessions_rejected = Counter(
-            p + "sessions_rejected_total",
-            "Sessions refused inside a batch, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.resymbolized = Counter(
-            p + "sessions_resymbolized_total",
-            "Sessions symbolized again once their kernel's symbols arrived",
-            registry=r,
-        )
-        self.expired = Counter(
-            p + "sessions_expired_total", "Sessions deleted by retention, by reason", ["reason"], registry=r
-        )
-        self.kernel_uploads = Counter(p + "kernel_uploads_total", "kallsyms snapshots uploaded", registry=r)
-        self.frames = Counter(p + "frames_total", "Distinct frames symbolized, by kind", ["kind"], registry=r)
-        self.stored_bytes = Counter(
-            p + "stored_bytes_total", "Compressed bytes written to the database", registry=r
-        )
+        self.expired = counter("sessions_expired_total", "Sessions deleted by retention, by reason", "reason")
+        self.kernel_uploads = counter("kernel_uploads_total", "kallsyms snapshots uploaded")
+        self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
+        self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
         self.latency = Histogram(
-            p + "symbolize_duration_seconds",
+            "bistouri_symbolizer_symbolize_duration_seconds",
             "Time to symbolize one session",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-            registry=r,
+            registry=self.registry,
         )
         self._store = store
 
@@ -177,7 +165,7 @@ def _parse_time(name: str, v: str) -> int:
     """Unix seconds (int or float) or ISO 8601, as unix nanoseconds; naive times are UTC."""
     try:
         return int(float(v) * 1e9)
-    except ValueError:
+    except (ValueError, OverflowError):  # "inf" overflows, "nan" and dates are ValueErrors
         pass
     try:
         dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
@@ -203,7 +191,10 @@ def _int_arg(args: Any, name: str, default: int, lo: int, hi: int) -> int:
 
 def _filter(args: Any, prefix: str = "") -> Filter:
     def g(k: str) -> str:
-        return str(args.get(prefix + k, "") or "")
+        v = str(args.get(prefix + k, "") or "")
+        if "\x00" in v:
+            raise ApiError(400, "bad_parameter", f"{prefix + k} contains a NUL character")
+        return v
 
     since = g("since")
     until = g("until")
@@ -216,6 +207,24 @@ def _filter(args: Any, prefix: str = "") -> Filter:
         since_ns=_parse_time(prefix + "since", since) if since else None,
         until_ns=_parse_time(prefix + "until", until) if until else None,
     )
+
+
+def _nul_problem(s: wire.Session) -> str:
+    """Why a session's text cannot be stored (PostgreSQL text refuses NUL), or ""."""
+    texts = [s.session_id, s.tenant, s.service, s.host, s.trigger.cgroup, s.kernel.release]
+    texts += s.processes.values()
+    texts += s.threads.values()
+    for k, v in s.labels.items():
+        texts += (k, v)
+    if any("\x00" in t for t in texts):
+        return f"session[{s.session_id!r}]: a text field contains a NUL character"
+    return ""
+
+
+def _check_id(sid: str) -> str:
+    if not 0 < len(sid) <= 64 or "\x00" in sid:
+        raise ApiError(404, "not_found", f"no session {sid[:80]!r}")
+    return sid
 
 
 def _value(args: Any) -> str:
@@ -319,6 +328,10 @@ class SymbolizerApp:
             body = {"error": e.reason, "detail": e.detail, **e.extra}
             headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
             response = _json(body, e.status, headers)
+        except StoreError as e:
+            # The database is down or locked: not the client's fault, worth a retry later.
+            log.warning("database unavailable. path=%s error=%s", request.path, e)
+            response = _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "30"})
         except NotFound:
             response = _json({"error": "not_found", "detail": f"no such endpoint {request.path}"}, 404)
         except MethodNotAllowed as e:
@@ -454,6 +467,10 @@ class SymbolizerApp:
             except Exception as e:
                 rejected.append({"id": sid, "reason": "malformed", "detail": f"{type(e).__name__}: {e}"})
                 continue
+            problem = _nul_problem(session)
+            if problem:
+                rejected.append({"id": session.session_id, "reason": "malformed", "detail": problem})
+                continue
             if self.store.exists(session.session_id):
                 duplicates.append(session.session_id)
                 continue
@@ -473,7 +490,8 @@ class SymbolizerApp:
                 StoredSession(
                     meta=profile.meta,
                     profile=profile,
-                    raw=wire.encode_session(session),
+                    # The map as received, packed again in C: cheaper than re-encoding the Session.
+                    raw=msgpack.packb(item, use_bin_type=True),
                     kernel_build_id=kernel_hex,
                     kernel_pending=pending,
                 )
@@ -606,7 +624,7 @@ class SymbolizerApp:
         return _json({"sessions": [m.to_json() for m in metas], "total": total})
 
     def _profile(self, sid: str) -> Profile:
-        profile = self.store.get_profile(sid)
+        profile = self.store.get_profile(_check_id(sid))
         if profile is None:
             raise ApiError(404, "not_found", f"no session {sid!r}")
         kernel = self.store.pending_kernel(sid)
@@ -617,7 +635,7 @@ class SymbolizerApp:
 
     def on_session(self, request: Request, sid: str) -> Response:
         self._authorize(request, write=False)
-        meta = self.store.get_meta(sid)
+        meta = self.store.get_meta(_check_id(sid))
         if meta is None:
             raise ApiError(404, "not_found", f"no session {sid!r}")
         return _json(meta.to_json())
@@ -637,8 +655,17 @@ class SymbolizerApp:
 
     def _merged(self, args: Any, prefix: str) -> tuple[Profile, int]:
         flt = _filter(args, prefix)
-        profiles = list(self.store.profiles(flt, self.config.merge_limit))
-        return formats.merge(profiles), len(profiles)
+        count = 0
+
+        def counted() -> Iterator[Profile]:
+            nonlocal count
+            for p in self.store.profiles(flt, self.config.merge_limit):
+                count += 1
+                yield p
+
+        # Merged as they stream from the database: one page of profiles in memory at a time.
+        merged = formats.merge(counted())
+        return merged, count
 
     def on_diff(self, request: Request) -> Response:
         self._authorize(request, write=False)
@@ -695,59 +722,3 @@ class SymbolizerApp:
 
 def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "profile"
-
-
-# ---------------------------------------------------------------------------
-# Running under gunicorn
-
-
-def _child_exit(server: Any, worker: Any) -> None:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(worker.pid)
-
-
-def _worker_exit(server: Any, worker: Any) -> None:
-    app = getattr(worker, "wsgi", None)
-    if isinstance(app, SymbolizerApp):
-        app.close()
-
-
-def serve(
-    config: ServerConfig,
-    resolver_factory: Callable[[], ResolverLike],
-    binds: list[str],
-    workers: int,
-    log_level: str = "info",
-) -> None:
-    """Run the service under gunicorn until a signal stops it. Exits the process (gunicorn's way)."""
-    from gunicorn.app.base import BaseApplication
-
-    options: dict[str, Any] = {
-        "bind": binds,
-        "workers": workers,
-        "worker_class": "sync",
-        # Symbolizing a large batch, or re-symbolizing after a kernel upload, can take a while.
-        "timeout": 120,
-        "graceful_timeout": 20,
-        "keepalive": 5,
-        "loglevel": log_level.lower(),
-        "errorlog": "-",
-        "accesslog": "-" if log_level.lower() == "debug" else None,
-        "proc_name": "bistouri-symbolizer",
-        "child_exit": _child_exit,
-        "worker_exit": _worker_exit,
-        # Each worker builds its app (resolver, database connection) after the fork.
-        "preload_app": False,
-    }
-
-    class _Gunicorn(BaseApplication):
-        def load_config(self) -> None:
-            for k, v in options.items():
-                self.cfg.set(k, v)
-
-        def load(self) -> SymbolizerApp:
-            return SymbolizerApp(config, resolver_factory)
-
-    _Gunicorn().run()

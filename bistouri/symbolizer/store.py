@@ -245,21 +245,38 @@ class Store:
 
     def close(self) -> None:
         if self._conn is not None and self._pid == os.getpid():
-            self._conn.close()
+            try:
+                self._conn.close()
+            except Exception as e:  # a broken connection may fail to close: it is dropped anyway
+                log.debug("closing the database connection failed. error=%s", e)
         self._conn = None
 
     def _sql(self, q: str) -> str:
         return q.replace("?", "%s") if self.postgres else q
 
-    def _fetch(self, q: str, params: Sequence[Any] = ()) -> list[Any]:
+    def _operational_errors(self) -> tuple[type[BaseException], ...]:
+        if self.postgres:
+            import psycopg
+
+            return (psycopg.OperationalError,)
+        return (sqlite3.OperationalError,)
+
+    def _run(self, q: str, params: Sequence[Any], fetch: bool) -> Any:
         with self._lock:
-            cur = self._c().execute(self._sql(q), tuple(params))
-            return list(cur.fetchall())
+            try:
+                cur = self._c().execute(self._sql(q), tuple(params))
+                return list(cur.fetchall()) if fetch else int(cur.rowcount or 0)
+            except self._operational_errors() as e:
+                # Locked too long, server gone, disk full: the caller may retry later on a new connection.
+                if self.postgres:
+                    self.close()
+                raise StoreError(f"database {self.display} unavailable: {e}".strip())
+
+    def _fetch(self, q: str, params: Sequence[Any] = ()) -> list[Any]:
+        return list(self._run(q, params, fetch=True))
 
     def _exec(self, q: str, params: Sequence[Any] = ()) -> int:
-        with self._lock:
-            cur = self._c().execute(self._sql(q), tuple(params))
-            return int(cur.rowcount or 0)
+        return int(self._run(q, params, fetch=False))
 
     # -- schema -------------------------------------------------------------
 

@@ -152,7 +152,7 @@ def symbolizer_server() -> Iterator[Callable[..., SymbolizerURL]]:
         flags.setdefault("log_level", "info")
         cmd = symbolizer_command(listen_addr=f"127.0.0.1:{port}", state_dir=state_dir, **flags)
         log_path = tmp_path / f"symbolizer-{port}.log"
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab") as log:  # appended: a test may restart a server on the same port
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
             )

@@ -203,4 +203,37 @@ def test_two_symbolizers_share_one_database(
         for u in (a, b)
     )
     assert ingested == 22
-    assert "password" not in a.log_path.read_text()
+    # PostgreSQL text refuses NUL: such input is a 4xx, never a 500.
+    nul = make_session("nul-1", demo_binary, service="a\x00b")
+    r = post_sessions(a, [nul])
+    assert r.status_code == 400 and r.json()["rejected"][0]["reason"] == "malformed"
+    assert requests.get(a + "/v1/sessions", params={"host": "x\x00"}, timeout=10).status_code == 400
+    assert requests.get(a + "/v1/sessions/x%00y/folded", timeout=10).status_code == 404
+    assert "Traceback" not in a.log_path.read_text()
+
+
+def test_fuzzed_payloads_on_postgres(symbolizer_server: Any, tmp_path: Path, fresh_db: str) -> None:
+    """A shorter run of the ingest fuzzing with PostgreSQL behind: its own refusals (NUL in text) included."""
+    from hypothesis import HealthCheck, given, settings
+
+    from .test_symbolizer_service import MAX_REQUEST, TOKEN, bad_payloads
+
+    url = symbolizer_server(tmp_path, db=fresh_db, token=TOKEN, workers=2, max_request_bytes=MAX_REQUEST)
+    http = requests.Session()
+    sent = 0
+
+    @settings(max_examples=600, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(bad_payloads())
+    def check(payload: tuple[bytes, dict[str, str]]) -> None:
+        nonlocal sent
+        body, headers = payload
+        if headers.pop("X-Test-Chunked", None):
+            return  # covered by the SQLite run; nothing database-specific in it
+        r = http.post(url + "/v1/sessions", data=body, headers=headers, timeout=30)
+        sent += 1
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+
+    check()
+    text = requests.get(url + "/metrics", timeout=10).text
+    assert metric_value(text, "bistouri_symbolizer_requests_rejected_total") == sent
+    assert "Traceback" not in url.log_path.read_text()

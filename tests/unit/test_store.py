@@ -185,3 +185,20 @@ def test_meta_from_session() -> None:
     )
     assert (m.on_cpu, m.off_cpu, m.off_cpu_ns, m.kernel_release, m.comm) == (2, 3, 4, "6.18", "init")
     assert store_mod.meta_from_text(store_mod.meta_to_text(m)) == m
+
+
+def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -> None:
+    from werkzeug.test import Client
+
+    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+
+    class NoResolver:
+        def symbolize(self, session: wire.Session) -> Profile:
+            raise AssertionError("not reached: the database fails first")
+
+    (tmp_path / "db-is-a-dir").mkdir()
+    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, db=str(tmp_path / "db-is-a-dir")), NoResolver)
+    r = Client(app).get("/v1/sessions")
+    assert r.status_code == 503 and r.headers["Retry-After"] == "30"
+    assert r.json is not None and r.json["error"] == "unavailable" and "db-is-a-dir" in r.json["detail"]
+    assert Client(app).get("/healthz").status_code == 200
