@@ -166,7 +166,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=15, help="work per burner (n= iterations)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--idle-seconds", type=float, default=30)
+    ap.add_argument("--idle-seconds", type=float, default=60)
     ap.add_argument("--freqs", default="19,99,999")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agent.json"))
     args = ap.parse_args()
@@ -175,7 +175,7 @@ def main() -> int:
         return 2
     stats_fd = enable_bpf_stats()
     results = {
-        "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in args.freqs.split(",")],
+        "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in args.freqs.split(",") if f],
         "idle": bench_idle(100, args.idle_seconds),
         "bpf_stats": stats_fd >= 0,
     }

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import wire
+
 # Frame kinds.
 KIND_KERNEL = "kernel"
 KIND_USER = "user"
@@ -63,6 +65,36 @@ class SessionMeta:
     on_cpu: int = 0
     off_cpu: int = 0
     off_cpu_ns: int = 0
+
+    @classmethod
+    def from_wire(cls, s: wire.Session) -> SessionMeta:
+        """The metadata of a wire session; totals summed over its traces."""
+        t = s.trigger
+        return cls(
+            session_id=s.session_id,
+            tenant=s.tenant,
+            service=s.service,
+            host=s.host,
+            labels=dict(s.labels),
+            processes=dict(s.processes),
+            resource=t.resource,
+            stall=t.stall,
+            threshold_us=t.threshold_us,
+            window_us=t.window_us,
+            cgroup=t.cgroup,
+            trigger_time_ns=t.time_ns,
+            avg10=t.avg10,
+            avg60=t.avg60,
+            avg300=t.avg300,
+            psi_total_us=t.total_us,
+            start_ns=s.start_ns,
+            duration_ns=s.duration_ns,
+            period_ns=s.period_ns,
+            kernel_release=s.kernel.release,
+            on_cpu=sum(x.on_cpu for x in s.traces),
+            off_cpu=sum(x.off_cpu for x in s.traces),
+            off_cpu_ns=sum(x.off_cpu_ns for x in s.traces),
+        )
 
     @property
     def comm(self) -> str:

@@ -615,7 +615,7 @@ class Resolver:
         for kind, n in kinds.items():
             if n:
                 self.metrics.lookups.labels(kind).inc(n)
-        return model.Profile(meta=_meta(session), frames=frames_out, samples=samples)
+        return model.Profile(meta=model.SessionMeta.from_wire(session), frames=frames_out, samples=samples)
 
     def symbolize_file(self, path: str | os.PathLike[str]) -> model.Profile:
         """Symbolize a spooled session file (msgpack, optionally gzip'd) for `bistouri symbolize`."""
@@ -643,38 +643,6 @@ def _path(p: str) -> str:
         if len(_PATHS) < 100_000:
             _PATHS[p] = out
     return out
-
-
-def _meta(s: wire.Session) -> model.SessionMeta:
-    tr = s.trigger
-    on = sum(t.on_cpu for t in s.traces)
-    off = sum(t.off_cpu for t in s.traces)
-    off_ns = sum(t.off_cpu_ns for t in s.traces)
-    return model.SessionMeta(
-        session_id=s.session_id,
-        tenant=s.tenant,
-        service=s.service,
-        host=s.host,
-        labels=dict(s.labels),
-        processes=dict(s.processes),
-        resource=tr.resource,
-        stall=tr.stall,
-        threshold_us=tr.threshold_us,
-        window_us=tr.window_us,
-        cgroup=tr.cgroup,
-        trigger_time_ns=tr.time_ns,
-        avg10=tr.avg10,
-        avg60=tr.avg60,
-        avg300=tr.avg300,
-        psi_total_us=tr.total_us,
-        start_ns=s.start_ns,
-        duration_ns=s.duration_ns,
-        period_ns=s.period_ns,
-        kernel_release=s.kernel.release,
-        on_cpu=on,
-        off_cpu=off,
-        off_cpu_ns=off_ns,
-    )
 
 
 def read_session_file(path: str | os.PathLike[str], max_bytes: int = 256 << 20) -> wire.Session:

@@ -107,35 +107,9 @@ class StoredSession:
 
 def meta_from_session(s: wire.Session, profile: Profile | None = None) -> SessionMeta:
     """The metadata of a wire session, with totals from the profile when given."""
-    t = s.trigger
-    meta = SessionMeta(
-        session_id=s.session_id,
-        tenant=s.tenant,
-        service=s.service,
-        host=s.host,
-        labels=dict(s.labels),
-        processes=dict(s.processes),
-        resource=t.resource,
-        stall=t.stall,
-        threshold_us=t.threshold_us,
-        window_us=t.window_us,
-        cgroup=t.cgroup,
-        trigger_time_ns=t.time_ns,
-        avg10=t.avg10,
-        avg60=t.avg60,
-        avg300=t.avg300,
-        psi_total_us=t.total_us,
-        start_ns=s.start_ns,
-        duration_ns=s.duration_ns,
-        period_ns=s.period_ns,
-        kernel_release=s.kernel.release,
-    )
+    meta = SessionMeta.from_wire(s)
     if profile is not None:
         meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
-    else:
-        meta.on_cpu = sum(x.on_cpu for x in s.traces)
-        meta.off_cpu = sum(x.off_cpu for x in s.traces)
-        meta.off_cpu_ns = sum(x.off_cpu_ns for x in s.traces)
     return meta
 
 
