@@ -1,9 +1,10 @@
 """Agent overhead: workload slowdown, agent + BPF CPU and RSS at 19/99/999 Hz, and idle cost.
 
-Each frequency runs the same fixed-work workload (2 burners in a child cgroup,
-one per CPU) without the agent (baseline) and with the agent capturing it the
-whole time; baseline and agent runs alternate, in one process, so noise from
-the rest of the machine hits both. The idle case watches 100 processes in 100
+Each frequency runs the same fixed-work workload (3 burners on 2 CPUs in a
+child cgroup, so it stalls) without the agent (baseline) and with the agent,
+whose trigger fires on that stall ~2 s in and captures until the end; baseline
+and agent runs alternate, in one process, so noise from the rest of the
+machine hits both. The idle case watches 100 processes in 100
 cgroups and measures the agent while nothing stalls.
 
 Agent CPU = the agent process's utime+stime; BPF CPU = run_time_ns of its
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,17 +64,20 @@ def enable_bpf_stats() -> int:
     return int(lib.lib.bpf_enable_stats(BPF_STATS_RUN_TIME))
 
 
-def run_workload(cg: Cgroup, iters: int) -> tuple[float, float]:
-    """Two burners for a fixed amount of work: (wall seconds, CPU seconds)."""
+def run_workload(cg: Cgroup, iters: int, n: int = 3) -> tuple[float, float, list[int]]:
+    """Three burners on two CPUs (so the cgroup stalls) for a fixed amount of work.
+
+    Returns (wall seconds, CPU seconds, pids).
+    """
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    procs = [cg.spawn([str(BURNER), f"n={iters}"]) for _ in range(2)]
+    procs = [cg.spawn([str(BURNER), f"n={iters}"]) for _ in range(n)]
     for p in procs:
         p.wait()
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
+    return wall, cpu, [p.pid for p in procs]
 
 
 def config(capture_s: float) -> str:
@@ -87,27 +92,33 @@ def config(capture_s: float) -> str:
 
 
 def bench_freq(freq: int, iters: int, rounds: int) -> dict:
-    base_wall, base_cpu, agent_wall, agent_cpu, agent_own, bpf_s, rss = [], [], [], [], [], [], []
+    """Baseline and agent runs alternate. With the agent, the workload's own pressure triggers the
+    capture (~2 s after it starts, the PSI window here) and the session lasts until it ends."""
+    base_wall: list[float] = []
+    base_cpu: list[float] = []
+    agent_wall: list[float] = []
+    agent_cpu: list[float] = []
+    agent_own: list[float] = []
+    bpf_s: list[float] = []
+    rss: list[float] = []
+    sampled: list[bool] = []
     for _ in range(rounds):
         with Cgroup.create() as cg:
-            w, c = run_workload(cg, iters)
+            w, c, _ = run_workload(cg, iters)
             base_wall.append(w)
             base_cpu.append(c)
         with tempfile.TemporaryDirectory() as d, Cgroup.create() as cg:
-            agent = AgentProcess(Path(d), config(60), "--freq", str(freq), walk_interval=30).start()
+            agent = AgentProcess(Path(d), config(120), "--freq", str(freq), walk_interval=30).start()
             try:
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                # Arm the capture first: the burners' exec is seen, PSI fires, the filter is set.
-                warm = cg.spawn([str(BURNER), "60"])
-                wait_until(lambda a=agent: "Capture started" in a.log(), 20)
                 cpu0, bpf0 = proc_cpu_s(pid), bpf_runtime_ns()
-                w, c = run_workload(cg, iters)
+                w, c, _ = run_workload(cg, iters)
                 cpu1, bpf1 = proc_cpu_s(pid), bpf_runtime_ns()
                 rss.append(proc_rss_mb(pid))
-                warm.kill()
-                warm.wait()
+                log = agent.log()
             finally:
                 agent.stop()
+            sampled.append("Capture started" in log)
             agent_wall.append(w)
             agent_cpu.append(c)
             agent_own.append((cpu1 - cpu0) / w)
@@ -115,6 +126,7 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
     med = statistics.median
     return {
         "freq_hz": freq,
+        "captured": all(sampled),
         "baseline_wall_s": med(base_wall),
         "agent_wall_s": med(agent_wall),
         "slowdown_wall": med(agent_wall) / med(base_wall) - 1,
@@ -130,11 +142,14 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
 
 def bench_idle(n: int, seconds: float) -> dict:
     cgs = [Cgroup.create(prefix="bistouri-bench-idle") for _ in range(n)]
+    # A private copy of sleep with its own comm: other tenants' `sleep`s must not wake the agent.
+    sleeper = Path(tempfile.mkdtemp()) / "idlebench"
+    shutil.copy("/bin/sleep", sleeper)
     try:
         for cg in cgs:
-            cg.spawn(["sleep", "600"])
+            cg.spawn([str(sleeper), "600"])
         cfg = (
-            "targets:\n  - rule: {type: Exact, comm: sleep}\n    service_id: idle\n"
+            "targets:\n  - rule: {type: Exact, comm: idlebench}\n    service_id: idle\n"
             "    resources: [{resource: cpu, threshold: 50}, {resource: io, threshold: 50}]\n"
         )
         with tempfile.TemporaryDirectory() as d:
@@ -164,7 +179,7 @@ def bench_idle(n: int, seconds: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=15, help="work per burner (n= iterations)")
+    ap.add_argument("--iters", type=int, default=60, help="work per burner (n= iterations)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-seconds", type=float, default=60)
     ap.add_argument("--freqs", default="19,99,999")

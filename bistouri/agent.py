@@ -336,12 +336,7 @@ class Agent:
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
         assert self.profiler is not None
-        q = self.profiler.events
-        for _ in range(q.qsize()):
-            try:
-                ev = q.get_nowait()
-            except queue.Empty:
-                break
+        for ev in self.profiler.take():
             if isinstance(ev, StackSample):
                 self.orch.add_sample(ev)
             elif isinstance(ev, ExecMatch):

@@ -50,26 +50,30 @@ def default_object_path() -> Path:
 class ProfilerOptions:
     freq_hz: int = 19
     offcpu: bool = True
-    offcpu_min_ns: int = 1_000_000  # waits under 1 ms are noise for a stall profiler
+    # Short I/O waits add up to real stall time (virtio fsync here: ~0.3 ms each); only
+    # micro-waits such as lock hand-offs are left out.
+    offcpu_min_ns: int = 100_000
     offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
     user_build_id: bool = True
-    wakeup_bytes: int = 1 << 20
+    wakeup_bytes: int = 0  # 0: a quarter of the ring
     drain_interval_s: float = 0.2
     batch_budget: int = 2048
-    queue_size: int = 65536
+    queue_size: int = 256  # batches (each at most batch_budget events)
     object_path: Path | None = None
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
 
 
-def ring_size(ncpus: int, freq_hz: int) -> int:
-    """Room for ~0.5 s of samples from every CPU, as a power of two between 4 and 64 MiB.
+def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
+    """A power of two between 512 KiB and 64 MiB holding 1.5 drain intervals of samples.
 
-    The ring's pages are mapped into the agent (twice), so they count in its RSS:
-    no bigger than the drain interval and the forced wakeup need.
+    The kernel maps the whole ring into the agent (data pages twice), so it counts in
+    the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
+    forced wakeup at a quarter of the ring, well before it fills.
     """
-    want = ncpus * freq_hz * 5136 // 2
-    size = 4 << 20
+    event = 5136  # sizeof(struct bistouri_stack_event)
+    want = int(ncpus * freq_hz * event * drain_interval_s * 1.5)
+    size = 512 << 10
     while size < want and size < (64 << 20):
         size <<= 1
     return size
@@ -156,7 +160,9 @@ class ProfilerAgent:
 
     def __init__(self, options: ProfilerOptions, notify: Callable[[], None] | None = None) -> None:
         self.options = options
-        self.events: queue.Queue[Event] = queue.Queue(maxsize=options.queue_size)
+        # Batches, not single events: one queue operation per consume() instead of per sample.
+        self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
+        self._batch: list[Event] = []
         self.dropped = 0  # events lost because the queue was full
         self._notify = notify
         self._obj: BpfObject | None = None
@@ -189,18 +195,19 @@ class ProfilerAgent:
                 + "; ".join(problems)
                 + ". Rebuild it (`make bpf`) or reinstall the package"
             )
+        cpus = perf.online_cpus()
+        ring = o.ring_bytes or ring_size(len(cpus), o.freq_hz, o.drain_interval_s)
         cfg = abi.Config(
             offcpu_min_ns=o.offcpu_min_ns,
             offcpu_interval_ns=o.offcpu_interval_ns,
-            wakeup_bytes=o.wakeup_bytes,
+            wakeup_bytes=o.wakeup_bytes or ring // 4,
             user_build_id=1 if o.user_build_id else 0,
             tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
         )
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
-        cpus = perf.online_cpus()
-        obj.maps["stack_events"].set_max_entries(o.ring_bytes or ring_size(len(cpus), o.freq_hz))
+        obj.maps["stack_events"].set_max_entries(ring)
         obj.load()
 
         for cpu in cpus:
@@ -316,20 +323,34 @@ class ProfilerAgent:
         return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.Counter}
 
     # -- ring-buffer thread --------------------------------------------------------
-    def _put(self, ev: Event) -> None:
-        try:
-            self.events.put_nowait(ev)
-        except queue.Full:
-            self.dropped += 1
-
     def _on_stack(self, data: bytes) -> None:
-        self._put(decode_stack(data))
+        self._batch.append(decode_stack(data))
 
     def _on_exec(self, data: bytes) -> None:
-        self._put(decode_exec(data))
+        self._batch.append(decode_exec(data))
 
     def _on_error(self, data: bytes) -> None:
-        self._put(decode_error(data))
+        self._batch.append(decode_error(data))
+
+    def _flush_batch(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        try:
+            self.events.put_nowait(batch)
+        except queue.Full:
+            self.dropped += len(batch)
+
+    def take(self, timeout: float | None = None) -> list[Event]:
+        """The decoded events waiting now (blocking up to `timeout` for the first batch)."""
+        out: list[Event] = []
+        try:
+            out.extend(self.events.get(timeout=timeout) if timeout else self.events.get_nowait())
+            while True:
+                out.extend(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        return out
 
     def drain(self) -> int:
         """Consume everything available now, in bounded batches. Returns records handled."""
@@ -337,11 +358,15 @@ class ProfilerAgent:
         if rb is None:
             return 0
         total = 0
-        while True:
-            n = rb.consume(self.options.batch_budget)
-            total += n
-            if n < self.options.batch_budget:
-                return total
+        try:
+            while True:
+                n = rb.consume(self.options.batch_budget)
+                total += n
+                self._flush_batch()
+                if n < self.options.batch_budget:
+                    return total
+        finally:
+            self._flush_batch()
 
     def _drain_loop(self) -> None:
         assert self._rb is not None

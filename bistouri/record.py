@@ -319,13 +319,10 @@ def cmd_record(args: argparse.Namespace) -> int:
             if child is not None and child.poll() is not None:
                 break
             agent.check_thread()
-            try:
-                ev = agent.events.get(timeout=0.2)
+            for ev in agent.take(timeout=0.2):
                 if isinstance(ev, StackSample):
                     orch.add_sample(ev)
                     n_samples += 1
-            except Exception:
-                pass
             if time.monotonic() - last_refresh > 0.5:
                 last_refresh = time.monotonic()
                 new = {p: c for p, c in targets.current().items() if p not in known}
@@ -340,8 +337,7 @@ def cmd_record(args: argparse.Namespace) -> int:
                 )
         _build_id_tree(list(known), args.proc_path, tree)
         agent.close()  # drains the rings
-        while not agent.events.empty():
-            ev = agent.events.get_nowait()
+        for ev in agent.take():
             if isinstance(ev, StackSample):
                 orch.add_sample(ev)
                 n_samples += 1

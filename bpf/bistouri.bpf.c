@@ -25,9 +25,9 @@ _Static_assert(sizeof(struct bistouri_config) == 32, "config layout");
 #define USER_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(struct bistouri_user_frame))
 
 const volatile struct bistouri_config cfg = {
-	.offcpu_min_ns = 1000000,
+	.offcpu_min_ns = 100000,
 	.offcpu_interval_ns = 10000000,
-	.wakeup_bytes = 1 << 20,
+	.wakeup_bytes = 128 << 10,
 	.user_build_id = 1,
 	.tp_btf_skip = 2,
 };
@@ -58,7 +58,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 4 << 20); /* resized at load from CPUs x frequency */
+	__uint(max_entries, 512 << 10); /* resized at load from CPUs x frequency */
 } stack_events SEC(".maps");
 
 struct {

@@ -21,12 +21,8 @@ def _collect(agent: ProfilerAgent, seconds: float) -> list:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         agent.check_thread()
-        try:
-            events.append(agent.events.get(timeout=0.1))
-        except Exception:
-            pass
-    while not agent.events.empty():
-        events.append(agent.events.get_nowait())
+        events.extend(agent.take(timeout=0.1))
+    events.extend(agent.take())
     return events
 
 
@@ -115,7 +111,7 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     waits = [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
     assert waits, f"no off-CPU event; counters={counters}"
     assert all(w.pid == proc.pid for w in waits)
-    assert all(w.blocked_ns >= 1_000_000 for w in waits), "waits under offcpu_min_ns are filtered"
+    assert all(w.blocked_ns >= 100_000 for w in waits), "waits under offcpu_min_ns are filtered"
     names = set()
     for w in waits:
         kernel, user = split_stacks(w.stacks, w.kernel_len)
