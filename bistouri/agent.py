@@ -60,8 +60,15 @@ class _QuietHandler(WSGIRequestHandler):
 class Walker:
     """The periodic /proc walk on its own thread; results go to a queue and wake the main loop."""
 
-    def __init__(self, interval_s: float, proc_root: str, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        interval_s: float,
+        proc_root: str,
+        wake: Callable[[], None],
+        known_vdso: Callable[[int], bool] = lambda pid: False,
+    ) -> None:
         self.interval_s = interval_s
+        self.known_vdso = known_vdso
         self.proc_root = proc_root
         self._wake = wake
         self.results: queue.Queue[WalkResult] = queue.Queue(maxsize=4)
@@ -94,7 +101,7 @@ class Walker:
             if job is None:
                 continue
             try:
-                result = walk_processes(job[0], self.proc_root, job[1], self._cancel)
+                result = walk_processes(job[0], self.proc_root, job[1], self._cancel, self.known_vdso)
             except Exception as e:  # a broken walk must not kill discovery for good
                 log.error("Process walk failed: %s", e)
                 continue
@@ -260,7 +267,10 @@ class Agent:
         self.trigger.apply_config(self.config)
         self.profiler.start()
         self.walker = Walker(
-            self.s.walk_interval_secs, self.s.proc_path, lambda: os.eventfd_write(self._walk_fd, 1)
+            self.s.walk_interval_secs,
+            self.s.proc_path,
+            lambda: os.eventfd_write(self._walk_fd, 1),
+            known_vdso=self.orch.knows_vdso,
         )
         self.walker.start()
         self.walker.request(self.trigger.matcher, self.trigger.generation)
@@ -315,7 +325,7 @@ class Agent:
         """The main loop, until SIGTERM/SIGINT."""
         while not self.stop_requested:
             now = time.monotonic()
-            deadlines = [now + 1.0]
+            deadlines = [now + 5.0]  # everything else wakes the loop through its fds
             if (d := self.orch.next_deadline()) is not None:
                 deadlines.append(d)
             if self.confwatch and (d := self.confwatch.deadline()) is not None:

@@ -313,6 +313,10 @@ class CaptureOrchestrator:
         while len(self._vdso) > self.VDSO_CACHE:
             self._vdso.popitem(last=False)
 
+    def knows_vdso(self, pid: int) -> bool:
+        """Whether the vDSO range of `pid` is cached (safe to call from the walk thread)."""
+        return pid in self._vdso
+
     def set_vdso(self, pid: int, rng: tuple[int, int] | None) -> None:
         """The /proc walk records each matched process's vDSO range here."""
         self._vdso[pid] = rng

@@ -69,9 +69,17 @@ class Tracked:
 
 
 def walk_processes(
-    matcher: CommMatcher, proc_root: str, generation: int, cancel: threading.Event
+    matcher: CommMatcher,
+    proc_root: str,
+    generation: int,
+    cancel: threading.Event,
+    known_vdso: Callable[[int], bool] = lambda pid: False,
 ) -> WalkResult:
-    """Scan /proc for processes whose comm matches a rule (runs on the walk thread)."""
+    """Scan /proc for processes whose comm matches a rule (runs on the walk thread).
+
+    The vDSO range of a process does not change: it is read only for processes
+    `known_vdso` does not know yet (auxv and maps reads were most of an idle walk).
+    """
     started = time.monotonic()
     found = []
     own = os.getpid()
@@ -86,7 +94,7 @@ def walk_processes(
         cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
         if cgroup is None:
             continue  # exited meanwhile
-        vdso = procfs.read_vdso_range(st.pid, proc_root)
+        vdso = None if known_vdso(st.pid) else procfs.read_vdso_range(st.pid, proc_root)
         found.append(FoundProcess(st.pid, st.comm, cgroup, tuple(rule_ids), vdso))
     return WalkResult(generation, started, time.monotonic() - started, found)
 
@@ -161,7 +169,8 @@ class TriggerAgent:
         seen = set()
         for p in result.found:
             seen.add(p.pid)
-            self.orch.set_vdso(p.pid, p.vdso)
+            if p.vdso is not None:
+                self.orch.set_vdso(p.pid, p.vdso)
             self._track(p)
         # Forget processes that are gone, unless added after the walk started (exec during the walk).
         for pid, t in list(self.processes.items()):
