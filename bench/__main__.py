@@ -1,0 +1,23 @@
+"""`make bench`: run every benchmark of bench/ in turn (each writes bench/results/*.json)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHES = ("bench.bench_agent", "bench.bench_symbolize", "bench.bench_ingest")
+
+
+def main() -> int:
+    failed = []
+    for mod in BENCHES:
+        print(f"== {mod}", flush=True)
+        if subprocess.run([sys.executable, "-m", mod, *sys.argv[1:]]).returncode:
+            failed.append(mod)
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
