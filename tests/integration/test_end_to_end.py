@@ -27,7 +27,8 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     url = symbolizer_server(tmp_path, token="s3cret", binary_dir=[workloads])
     token_file = tmp_path / "agent-token"
     token_file.write_text("s3cret\n")
-    cfg = burner_config(capture=4)
+    # The fsync loop spends its CPU time in the kernel: its session must show named kernel frames.
+    cfg = burner_config(capture=4) + burner_config(comm="fsyncer", capture=4).replace("targets:\n", "")
     with (
         AgentProcess(
             tmp_path,
@@ -43,8 +44,13 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     ):
         for _ in range(3):
             cg.spawn([str(workloads / "burner"), "30"])
-        assert wait_until(lambda: _sessions(url), 40), f"{agent.log()[-3000:]}\n{url.log_tail()}"
-    meta = _sessions(url)[0]
+        cg.spawn([str(workloads / "fsyncer"), str(tmp_path / "fsync.dat"), "30"])
+
+        def both() -> bool:
+            return {"burner_svc", "fsyncer_svc"} <= {m["service"] for m in _sessions(url)}
+
+        assert wait_until(both, 40), f"{agent.log()[-3000:]}\n{url.log_tail()}"
+    meta = next(m for m in _sessions(url) if m["service"] == "burner_svc")
     assert meta["service"] == "burner_svc" and meta["trigger"]["resource"] == "cpu"
     folded = requests.get(f"{url}/v1/sessions/{meta['id']}/folded", timeout=10).text
     counts: dict[str, int] = {}
@@ -56,9 +62,12 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     chain = sum(n for s, n in counts.items() if re.search(r"main;level1;level2;hot_spin(;|$)", s))
     assert total > 0 and chain / total > 0.8, folded[:2000]
     # Kernel frames are named from the agent's kallsyms snapshot, not left as addresses.
-    kernel = [s for s in counts if "_[k]" in s]
-    assert kernel, "samples taken in the kernel (timer interrupts, scheduling) are expected"
-    assert not any(re.search(r"\[kernel\]\+0x", s) for s in kernel), kernel[:5]
+    fs = next(m for m in _sessions(url) if m["service"] == "fsyncer_svc")
+    fs_folded = requests.get(f"{url}/v1/sessions/{fs['id']}/folded", timeout=10).text
+    kernel = [line for line in fs_folded.splitlines() if "_[k]" in line]
+    assert kernel, fs_folded[:2000]
+    assert not any(re.search(r"\[kernel\]\+0x", line) for line in kernel), kernel[:5]
+    assert any(re.search(r"(fsync|sys_fsync)_\[k\]", line) for line in kernel), kernel[:5]
     info = requests.get(f"{url}/v1/kernels/{_kernel_build_id()}", timeout=5)
     assert info.status_code == 200
 
