@@ -266,9 +266,7 @@ def main() -> int:
             )
         for stored in (cpu, io):
             if stored:
-                print(
-                    f"  profiles: {demo.download(stored)}/  (pprof: profile.pb.gz, folded, speedscope)"
-                )
+                print(f"  profiles: {demo.download(stored)}/  (pprof: profile.pb.gz, folded, speedscope)")
         print(f"  logs: {workdir}/agent.log, {workdir}/symbolizer.log")
         if args.keep:
             print(f"\nThe UI stays up at {demo.url}/ui/ — stop it with: kill {symbolizer.pid}")

@@ -22,6 +22,17 @@ export PATH=$top/.venv/bin:$PATH
 [ -f "$BISTOURI_DIST/bistouri_${BISTOURI_PKG_VERSION}_amd64.deb" ] \
     || { echo "run-scenario: $BISTOURI_DIST/bistouri_${BISTOURI_PKG_VERSION}_amd64.deb missing: run 'make package'" >&2; exit 1; }
 
+if [ "$scenario" = upgrade ]; then
+    # The "previous version": this tree packaged under an older version number, so the
+    # scenario exercises dpkg's upgrade path (conffiles, prerm upgrade, postinst configure OLD).
+    export BISTOURI_PREV_VERSION=${BISTOURI_PREV_VERSION:-0.0.9-1}
+    export BISTOURI_DIST_PREV=${BISTOURI_DIST_PREV:-$top/.cache/dist-prev}
+    if [ ! -f "$BISTOURI_DIST_PREV/bistouri_${BISTOURI_PREV_VERSION}_amd64.deb" ]; then
+        BISTOURI_VERSION=${BISTOURI_PREV_VERSION%-*} BISTOURI_RELEASE=${BISTOURI_PREV_VERSION##*-} \
+            DIST=$BISTOURI_DIST_PREV packaging/build-packages.sh
+    fi
+fi
+
 cleanup() {
     # molecule destroys on failure too; this is the last line of defence against a stray qemu.
     local p pid

@@ -11,7 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = next(
-    line.split('"')[1] for line in (ROOT / "pyproject.toml").read_text().splitlines() if line.startswith("version =")
+    line.split('"')[1]
+    for line in (ROOT / "pyproject.toml").read_text().splitlines()
+    if line.startswith("version =")
 )
 FULL_VERSION = f"{VERSION}-1"
 

@@ -27,13 +27,25 @@ class Container:
         self.leader = 0
 
     def __enter__(self) -> Container:
-        argv = ["systemd-nspawn", "-D", str(self.rootfs), "-b", "-M", self.name, "--register=no",
-                "--keep-unit", "--volatile=overlay", f"--capability={CAPABILITIES}",
-                f"--system-call-filter={SYSCALLS}", "--console=read-only"]
+        argv = [
+            "systemd-nspawn",
+            "-D",
+            str(self.rootfs),
+            "-b",
+            "-M",
+            self.name,
+            "--register=no",
+            "--keep-unit",
+            "--volatile=overlay",
+            f"--capability={CAPABILITIES}",
+            f"--system-call-filter={SYSCALLS}",
+            "--console=read-only",
+        ]
         argv += [f"--bind-ro={src}:{dst}" for src, dst in self.binds.items()]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             self._wait_booted()
         except BaseException:
@@ -59,9 +71,26 @@ class Container:
 
     def run(self, script: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """Run a shell script inside the container as root."""
-        argv = ["nsenter", "-t", str(self.leader), "-m", "-u", "-i", "-n", "-p", "-C", "-r", "-w",
-                "/usr/bin/env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8",
-                "/bin/sh", "-c", script]
+        argv = [
+            "nsenter",
+            "-t",
+            str(self.leader),
+            "-m",
+            "-u",
+            "-i",
+            "-n",
+            "-p",
+            "-C",
+            "-r",
+            "-w",
+            "/usr/bin/env",
+            "-i",
+            "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG=C.UTF-8",
+            "/bin/sh",
+            "-c",
+            script,
+        ]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise AssertionError(f"in container: {script}\nrc={r.returncode}\n{r.stdout}\n{r.stderr}")

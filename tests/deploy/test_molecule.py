@@ -25,10 +25,18 @@ def test_default_scenario(dist) -> None:  # type: ignore[no-untyped-def]
     need("qemu-system-x86_64", "qemu-img", "debootstrap", "ssh")
     env = dict(os.environ, BISTOURI_DIST=str(dist))
     start = time.monotonic()
-    r = subprocess.run(["ansible/molecule/run-scenario.sh", "default"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(
+        ["ansible/molecule/run-scenario.sh", "default"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     elapsed = time.monotonic() - start
     print(f"molecule default: {elapsed:.0f} s")
-    assert r.returncode == 0, f"molecule test -s default failed after {elapsed:.0f} s:\n{r.stdout[-20000:]}\n{r.stderr[-5000:]}"
+    assert r.returncode == 0, (
+        f"molecule test -s default failed after {elapsed:.0f} s:\n{r.stdout[-20000:]}\n{r.stderr[-5000:]}"
+    )
     # The idempotence step must have run and found nothing to change.
-    assert "Idempotence completed successfully" in r.stdout + r.stderr
+    assert "default > idempotence: Executed: Successful" in r.stdout + r.stderr

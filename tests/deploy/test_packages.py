@@ -8,6 +8,7 @@ systemd is PID 1 there, so scriptlets start and stop real units.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,10 +19,16 @@ import pytest
 from .conftest import FULL_VERSION, ROOT, need
 from .nspawn import Container
 
-DEBS = [f"bistouri_{FULL_VERSION}_amd64.deb", f"bistouri-agent_{FULL_VERSION}_all.deb",
-        f"bistouri-symbolizer_{FULL_VERSION}_all.deb"]
-RPMS = [f"bistouri-{FULL_VERSION}.x86_64.rpm", f"bistouri-agent-{FULL_VERSION}.noarch.rpm",
-        f"bistouri-symbolizer-{FULL_VERSION}.noarch.rpm"]
+DEBS = [
+    f"bistouri_{FULL_VERSION}_amd64.deb",
+    f"bistouri-agent_{FULL_VERSION}_all.deb",
+    f"bistouri-symbolizer_{FULL_VERSION}_all.deb",
+]
+RPMS = [
+    f"bistouri-{FULL_VERSION}.x86_64.rpm",
+    f"bistouri-agent-{FULL_VERSION}.noarch.rpm",
+    f"bistouri-symbolizer-{FULL_VERSION}.noarch.rpm",
+]
 
 
 def sh(*argv: str | Path) -> str:
@@ -34,8 +41,13 @@ def test_all_packages_are_built(dist: Path) -> None:
 
 def test_lintian_and_rpmlint_are_clean(dist: Path) -> None:
     need("lintian", "rpmlint")
-    r = subprocess.run(["packaging/lint-packages.sh"], cwd=ROOT, env={"DIST": str(dist), "PATH": "/usr/bin:/bin"},
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["packaging/lint-packages.sh"],
+        cwd=ROOT,
+        env={"DIST": str(dist), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, f"lint failed:\n{r.stdout}\n{r.stderr}"
 
 
@@ -46,9 +58,10 @@ def test_deb_payload_and_conffiles(dist: Path) -> None:
     assert "__pycache__" not in files  # compiled by postinst on the target's Python
     agent = dist / DEBS[1]
     assert sh("dpkg-deb", "--info", agent, "conffiles").split() == [
-        "/etc/bistouri/trigger.yaml", "/etc/default/bistouri-agent"]
+        "/etc/bistouri/trigger.yaml",
+        "/etc/default/bistouri-agent",
+    ]
     assert f"bistouri (= {FULL_VERSION})" in sh("dpkg-deb", "--field", agent, "Depends")
-    shipped = sh("dpkg-deb", "--fsys-tarfile", agent)  # noqa: F841 (readable archive)
     assert "./lib/systemd/system/bistouri-agent.service" in sh("dpkg-deb", "--contents", agent)
 
 
@@ -68,8 +81,11 @@ def test_rpm_payload_config_and_requires(dist: Path) -> None:
 def test_apt_resolves_the_dependencies_on_bookworm(dist: Path) -> None:
     """The host is bookworm: apt must find every dependency in Debian's archive."""
     need("apt-get")
-    r = subprocess.run(["apt-get", "install", "--simulate", "--no-install-recommends",
-                        *[str(dist / d) for d in DEBS]], capture_output=True, text=True)
+    r = subprocess.run(
+        ["apt-get", "install", "--simulate", "--no-install-recommends", *[str(dist / d) for d in DEBS]],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("bistouri", "bistouri-agent", "bistouri-symbolizer"):
         assert f"Inst {name} " in r.stdout
@@ -77,8 +93,12 @@ def test_apt_resolves_the_dependencies_on_bookworm(dist: Path) -> None:
 
 @pytest.fixture
 def container(image: Path, dist: Path, tmp_path: Path) -> Iterator[Container]:
-    with Container(image / "rootfs", f"bistouri-pkg-{int(time.time()) % 100000}", {dist: "/dist"},
-                   tmp_path / "nspawn.log") as c:
+    with Container(
+        image / "rootfs",
+        f"bistouri-pkg-{int(time.time()) % 100000}",
+        {dist: "/dist"},
+        tmp_path / "nspawn.log",
+    ) as c:
         yield c
 
 
@@ -95,6 +115,22 @@ def wait_active(c: Container, unit: str, timeout: float = 120) -> None:
         time.sleep(1)
 
 
+def wait_healthy(c: Container, timeout: float = 120) -> None:
+    """The unit is active as soon as its process starts; gunicorn listens a little later."""
+    probe = (
+        "import urllib.request as u, sys\n"
+        "try: body = u.urlopen('http://127.0.0.1:8470/healthz', timeout=5).read()\n"
+        "except OSError: sys.exit(1)\n"
+        "sys.exit(0 if body.strip() == b'ok' else 1)\n"
+    )
+    deadline = time.monotonic() + timeout
+    while c.run(f"python3 -c {shlex.quote(probe)}", check=False).returncode != 0:
+        if time.monotonic() > deadline:
+            journal = c.run("journalctl --no-pager -n 60 -u bistouri-symbolizer", check=False).stdout
+            raise AssertionError(f"the symbolizer never answered /healthz:\n{journal}")
+        time.sleep(1)
+
+
 @pytest.mark.slow
 @pytest.mark.requires_root
 def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Path) -> None:
@@ -103,17 +139,23 @@ def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Pat
     c.run(f"DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends {debs}")
     # postinst: user from sysusers.d, directories from tmpfiles.d, units enabled and started.
     assert c.run("getent passwd bistouri bistouri-symbolizer | cut -d: -f1,7").stdout.split() == [
-        "bistouri:/usr/sbin/nologin", "bistouri-symbolizer:/usr/sbin/nologin"]
+        "bistouri:/usr/sbin/nologin",
+        "bistouri-symbolizer:/usr/sbin/nologin",
+    ]
     assert c.run("stat -c '%U %a' /var/lib/bistouri/spool").stdout.strip() == "bistouri 750"
-    assert c.run("systemctl is-enabled bistouri-agent bistouri-symbolizer").stdout.split() == ["enabled", "enabled"]
-    wait_active(c, "bistouri-symbolizer")
+    assert c.run("systemctl is-enabled bistouri-agent bistouri-symbolizer").stdout.split() == [
+        "enabled",
+        "enabled",
+    ]
+    wait_healthy(c)
     assert c.run("test -d /usr/lib/bistouri/python/bistouri/__pycache__", check=False).returncode == 0
 
     # Upgrade to the same version again (dpkg runs the full upgrade path: prerm upgrade,
     # postinst configure <old>): config edits and the spool survive, the service restarts.
     c.run("echo '# local edit' >> /etc/default/bistouri-agent && touch /var/lib/bistouri/spool/keep.msgpack")
     pid_before = c.run("systemctl show -p MainPID --value bistouri-symbolizer").stdout.strip()
-    c.run(f"DEBIAN_FRONTEND=noninteractive apt-get install -y --reinstall -o Dpkg::Options::=--force-confold {debs}")
+    apt = "DEBIAN_FRONTEND=noninteractive apt-get -o Dpkg::Options::=--force-confold"
+    c.run(f"{apt} install -y --reinstall {debs}")
     assert "# local edit" in c.run("cat /etc/default/bistouri-agent").stdout
     assert c.run("test -f /var/lib/bistouri/spool/keep.msgpack", check=False).returncode == 0
     wait_active(c, "bistouri-symbolizer")
@@ -122,11 +164,20 @@ def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Pat
     # remove: services stopped, state and config kept; purge: state gone.
     c.run("DEBIAN_FRONTEND=noninteractive apt-get remove -y bistouri-agent bistouri-symbolizer")
     assert unit_state(c, "bistouri-symbolizer") in ("inactive", "unknown")
-    assert c.run("test -f /var/lib/bistouri/spool/keep.msgpack && test -f /etc/bistouri/trigger.yaml",
-                 check=False).returncode == 0
+    assert (
+        c.run(
+            "test -f /var/lib/bistouri/spool/keep.msgpack && test -f /etc/bistouri/trigger.yaml", check=False
+        ).returncode
+        == 0
+    )
     c.run("DEBIAN_FRONTEND=noninteractive apt-get purge -y bistouri-agent bistouri-symbolizer bistouri")
-    assert c.run("test -e /var/lib/bistouri || test -e /var/lib/bistouri-symbolizer || test -e /etc/bistouri",
-                 check=False).returncode != 0
+    assert (
+        c.run(
+            "test -e /var/lib/bistouri || test -e /var/lib/bistouri-symbolizer || test -e /etc/bistouri",
+            check=False,
+        ).returncode
+        != 0
+    )
     assert c.run("find /usr/lib/bistouri 2>/dev/null | head -1").stdout == ""
 
 
@@ -140,24 +191,36 @@ def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) 
     rpms = " ".join(f"/dist/{r}" for r in RPMS)
     c.run(f"rpm -i --nodeps {rpms}")
     assert c.run("rpm -q bistouri bistouri-agent bistouri-symbolizer").stdout.split() == [
-        f"bistouri-{FULL_VERSION}.x86_64", f"bistouri-agent-{FULL_VERSION}.noarch",
-        f"bistouri-symbolizer-{FULL_VERSION}.noarch"]
+        f"bistouri-{FULL_VERSION}.x86_64",
+        f"bistouri-agent-{FULL_VERSION}.noarch",
+        f"bistouri-symbolizer-{FULL_VERSION}.noarch",
+    ]
     # %post: user, directories, daemon-reload (the unit is known); RPM leaves start to presets.
     c.run("getent passwd bistouri bistouri-symbolizer")
     assert c.run("stat -c '%U' /var/lib/bistouri/spool").stdout.strip() == "bistouri"
-    assert "/usr/lib/systemd/system/bistouri-agent.service" in c.run("systemctl cat bistouri-agent").stdout
+    assert c.run("rpm -qf /usr/lib/systemd/system/bistouri-agent.service").returncode == 0
+    assert "ExecStart=/usr/bin/bistouri agent" in c.run("systemctl cat bistouri-agent").stdout
     assert c.run("test -f /etc/sysconfig/bistouri-symbolizer").returncode == 0
     c.run("systemctl start bistouri-symbolizer")
     wait_active(c, "bistouri-symbolizer")
-    c.run("python3 -c \"import urllib.request as u; assert u.urlopen('http://127.0.0.1:8470/healthz').read().strip() == b'ok'\"")
+    wait_healthy(c)
     # %preun 0: stop and disable; %postun 0: state kept (rpm has no purge).
     c.run("systemctl enable bistouri-symbolizer")
     c.run("rpm -e bistouri-symbolizer bistouri-agent bistouri")
     assert unit_state(c, "bistouri-symbolizer") in ("inactive", "unknown")
-    assert c.run("test -e /etc/systemd/system/multi-user.target.wants/bistouri-symbolizer.service",
-                 check=False).returncode != 0
+    assert (
+        c.run(
+            "test -e /etc/systemd/system/multi-user.target.wants/bistouri-symbolizer.service", check=False
+        ).returncode
+        != 0
+    )
     assert c.run("test -d /var/lib/bistouri/spool").returncode == 0
-    assert c.run("test -e /usr/bin/bistouri || test -e /usr/lib/bistouri/python/bistouri", check=False).returncode != 0
+    assert (
+        c.run(
+            "test -e /usr/bin/bistouri || test -e /usr/lib/bistouri/python/bistouri", check=False
+        ).returncode
+        != 0
+    )
 
 
 @pytest.mark.slow
@@ -165,8 +228,10 @@ def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) 
 def test_systemd_analyze_security(container: Container, dist: Path, tmp_path: Path) -> None:
     """Exposure scores of both units (docs/deployment.md quotes them); fail if they regress."""
     c = container
-    c.run("DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
-          + " ".join(f"/dist/{d}" for d in DEBS))
+    c.run(
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
+        + " ".join(f"/dist/{d}" for d in DEBS)
+    )
     scores = {}
     for unit, ceiling in (("bistouri-agent", 5.5), ("bistouri-symbolizer", 2.5)):
         out = c.run(f"systemd-analyze security --no-pager {unit}.service", check=False).stdout

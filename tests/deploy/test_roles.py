@@ -27,7 +27,8 @@ def test_defaults_match_argument_specs(role: str) -> None:
     options = load(ROLES / role / "meta" / "argument_specs.yml")["argument_specs"]["main"]["options"]
     assert sorted(defaults) == sorted(options), (
         f"only in defaults: {sorted(set(defaults) - set(options))}; "
-        f"only in argument_specs: {sorted(set(options) - set(defaults))}")
+        f"only in argument_specs: {sorted(set(options) - set(defaults))}"
+    )
     for name, spec in options.items():
         assert spec.get("description"), f"{role}: {name} has no description"
         assert spec["default"] == defaults[name], f"{role}: {name} default differs from defaults/main.yml"
@@ -50,6 +51,11 @@ def test_example_playbooks_pass_syntax_check() -> None:
     if not playbook.exists() or shutil.which("ssh") is None:
         pytest.skip("ansible-playbook is not installed: make venv")
     for pb in ("site.yml", "from-files.yml"):
-        r = subprocess.run([str(playbook), "--syntax-check", "-i", "inventory/example.ini", f"playbooks/{pb}"],
-                           cwd=ROOT / "ansible", capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [str(playbook), "--syntax-check", "-i", "inventory/example.ini", f"playbooks/{pb}"],
+            cwd=ROOT / "ansible",
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
