@@ -4,7 +4,7 @@ The trigger file keeps the original Bistouri schema (``targets: [{rule, service_
 resources, labels}]``) and adds optional keys with defaults: per resource ``stall``
 and ``window_ms``, per target ``scope``, ``capture_duration_secs`` and
 ``cooldown_secs``. Every problem is collected with its path before anything is
-raised, so one run of ``bistouri check-config`` shows them all.
+raised, so one run of ``bistouri check --config`` shows them all.
 
 Agent settings come from flags, then ``BISTOURI_*`` environment variables, then
 defaults (flag > env > default). docs/configuration.md is the reference.

@@ -7,6 +7,7 @@ status non-zero.
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 from collections.abc import Callable
@@ -176,7 +177,8 @@ def check_capabilities(host: Host) -> list[Result]:
             )
         )
     if _has(caps, CAP_SYSLOG):
-        out.append(Result(OK, "cap CAP_SYSLOG", "present: /proc/kallsyms shows addresses"))
+        # Whether kallsyms really shows addresses is checked by "kernel _text" below.
+        out.append(Result(OK, "cap CAP_SYSLOG", "present: lets /proc/kallsyms show addresses"))
     else:
         out.append(
             Result(
@@ -210,15 +212,28 @@ def check_tracefs(host: Host) -> Result:
 
 def check_perf_events(host: Host) -> Result:
     try:
-        cpus = perf.online_cpus(host.sys)
-        fd = perf.open_cpu_clock(cpus[0], 19)
-    except (OSError, IndexError) as e:
-        return Result(FAIL, "perf cpu-clock", str(e), "needs CONFIG_PERF_EVENTS and CAP_PERFMON")
-    os.close(fd)
-    try:
         paranoid = Path(host.proc, "sys/kernel/perf_event_paranoid").read_text().strip()
     except OSError:
         paranoid = "?"
+    try:
+        cpus = perf.online_cpus(host.sys)
+        fd = perf.open_cpu_clock(cpus[0], 19)
+    except (OSError, IndexError) as e:
+        fix = "needs CONFIG_PERF_EVENTS and CAP_PERFMON"
+        if (
+            isinstance(e, OSError)
+            and e.errno in (errno.EACCES, errno.EPERM)
+            and paranoid.lstrip("-").isdigit()
+            and int(paranoid) > 2
+        ):
+            # Debian's kernel patch: above 2, only CAP_SYS_ADMIN may open perf events.
+            fix = (
+                f"kernel.perf_event_paranoid={paranoid} refuses perf events to anything without "
+                "CAP_SYS_ADMIN: sysctl -w kernel.perf_event_paranoid=2 (persist it in /etc/sysctl.d; "
+                "the Ansible role does)"
+            )
+        return Result(FAIL, "perf cpu-clock", str(e), fix)
+    os.close(fd)
     return Result(
         OK,
         "perf cpu-clock",
@@ -247,6 +262,17 @@ def check_kernel_symbols(host: Host) -> list[Result]:
     if meta.text_addr:
         out.append(Result(OK, "kernel _text", f"{meta.text_addr:#x} (kptr_restrict={restrict})"))
     else:
+        if not os.access(Path(host.proc, "kallsyms"), os.R_OK):
+            out.append(
+                Result(
+                    WARN,
+                    "kernel _text",
+                    f"{host.proc}/kallsyms cannot be read",
+                    "kernel frames stay unnamed: do not use ProtectKernelTunables= in the unit "
+                    "(systemd hides kallsyms with it) and check the LSM policy",
+                )
+            )
+            return out
         out.append(
             Result(
                 WARN,

@@ -51,3 +51,31 @@ def test_warnings_do_not_change_the_exit_status():
     assert preflight.exit_status(results) == 0
     text = preflight.format_results(results)
     assert text.splitlines()[0].startswith("WARN")
+
+
+def test_refused_perf_event_under_debian_paranoid_3_says_set_it_to_2(tmp_path, monkeypatch):
+    host = _host(tmp_path, 1 << preflight.CAP_PERFMON)
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/perf_event_paranoid").write_text("3\n")
+    monkeypatch.setattr(preflight.perf, "online_cpus", lambda _sys: [0])
+
+    def refuse(cpu: int, freq: int) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(preflight.perf, "open_cpu_clock", refuse)
+    r = preflight.check_perf_events(host)
+    assert r.status == preflight.FAIL
+    assert "perf_event_paranoid=3" in r.fix and "kernel.perf_event_paranoid=2" in r.fix
+
+
+def test_unreadable_kallsyms_names_the_cause(tmp_path, monkeypatch):
+    host = _host(tmp_path, 1 << preflight.CAP_SYSLOG)
+    monkeypatch.setattr(
+        preflight.kernel,
+        "read_kernel_meta",
+        lambda _sys, _proc: preflight.kernel.KernelMeta(release="6.1", build_id=b"", text_addr=0),
+    )
+    results = {r.name: r for r in preflight.check_kernel_symbols(host)}
+    r = results["kernel _text"]
+    assert r.status == preflight.WARN and "kallsyms cannot be read" in r.detail
+    assert "ProtectKernelTunables" in r.fix
