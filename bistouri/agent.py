@@ -25,13 +25,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
 from . import __version__, preflight
 from .capture import CaptureOrchestrator
-from .config import AgentSettings, TriggerConfig, load_trigger_config
+from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .errors import BistouriError, ConfigError
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector
 from .profiler import BpfErrorEvent, ExecMatch, ProfilerAgent, ProfilerOptions, StackSample
 from .psi import PsiLoop
+from .settings import AgentSettings
 from .spool import Spool
 from .trigger import TriggerAgent, WalkResult, walk_processes
 

@@ -21,7 +21,8 @@ the symbolizer, which names, stores and shows them as flamegraphs.
 EPILOG = """\
 examples:
   bistouri check                              can the agent run here? what to fix
-  bistouri check --config trigger.yaml        validate a trigger file, start nothing
+  bistouri check --config trigger.yaml        validate a trigger file too
+  bistouri check-config trigger.yaml          validate a trigger file only, start nothing
   bistouri agent --config /etc/bistouri/trigger.yaml --symbolizer-endpoint http://sym:8470
   bistouri symbolizer --listen-addr 0.0.0.0:8470 --debug-dir /usr/lib/debug
   bistouri record --duration 10 -- ./myprog --flag   profile a command now, write a flamegraph
@@ -53,14 +54,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(preflight.format_results(results))
     status = preflight.exit_status(results)
-    if status:
+    if status and not args.config_only:
         print("\nThe agent cannot run until the FAIL lines above are fixed.", file=sys.stderr)
     return status
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from .agent import run_agent
-    from .config import settings_from_args
+    from .settings import settings_from_args
 
     settings = settings_from_args(args, os.environ)
     return run_agent(settings)
@@ -79,9 +80,19 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check)
 
+    # What config management runs before restarting the agent (Ansible's validate=, CI).
+    p = sub.add_parser(
+        "check-config",
+        help="validate a trigger file, start nothing (same as: check --config FILE --config-only)",
+        description="Validate a trigger file and report every problem with its path. Exit status 1 if any.",
+    )
+    p.add_argument("config", metavar="FILE", help="the trigger file")
+    p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
+    p.set_defaults(func=cmd_check, config_only=True)
+
 
 def _add_agent(sub: argparse._SubParsersAction) -> None:
-    from .config import add_agent_arguments
+    from .settings import add_agent_arguments
 
     p = sub.add_parser(
         "agent",

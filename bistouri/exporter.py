@@ -31,7 +31,7 @@ import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from . import __version__
-from .config import AgentSettings
+from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
 from .wire import encode_batch
 

@@ -32,7 +32,10 @@ def test_check_reports_this_machine_truthfully():
     assert lines["tracefs"] == ("OK" if tracefs else "WARN")
 
 
-def test_check_config_reports_every_problem(tmp_path):
+@pytest.mark.parametrize(
+    "command", [["check", "--config-only", "--config"], ["check-config"]], ids=["check", "check-config"]
+)
+def test_check_config_reports_every_problem(tmp_path, command):
     bad = tmp_path / "trigger.yaml"
     bad.write_text(
         "targets:\n"
@@ -41,7 +44,7 @@ def test_check_config_reports_every_problem(tmp_path):
         "    resources: [{resource: cpu, threshold: 150}]\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "bistouri", "check", "--config-only", "--config", str(bad)],
+        [sys.executable, "-m", "bistouri", *command, str(bad)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -50,3 +53,4 @@ def test_check_config_reports_every_problem(tmp_path):
     assert "targets[0].rule.comm" in out.stdout
     assert "targets[0].service_id" in out.stdout
     assert "targets[0].resources[0].threshold" in out.stdout
+    assert "cannot run" not in out.stderr  # a bad file is not a bad host

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.config import AgentSettings
 from bistouri.exporter import Exporter, _retry_after
+from bistouri.settings import AgentSettings
 from bistouri.spool import Spool
 
 KERNEL = bytes(range(20))

@@ -9,10 +9,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bistouri import abi
-from bistouri.config import AgentSettings
 from bistouri.exporter import Exporter
 from bistouri.metrics import AgentMetrics, BpfCountersCollector
 from bistouri.psi import PsiLoop
+from bistouri.settings import AgentSettings
 from bistouri.spool import Spool
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "docs" / "metrics.csv"
