@@ -57,9 +57,9 @@ def test_naming_rules():
 
 
 def test_every_symbolizer_metric_is_catalogued():
-    from bistouri.symbolizer import llvm, resolve, server, sources
+    from bistouri.symbolizer import llvm, metrics, resolve, sources
 
-    regs = [server.Metrics(lambda: None).registry]  # type: ignore[arg-type,return-value]
+    regs = [metrics.Metrics(lambda: None).registry]  # type: ignore[arg-type,return-value]
     r = CollectorRegistry()
     resolve._Metrics(r)
     sources._Metrics(r)

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the symbolizer service (`bistouri_symbolizer_` prefix).
+
+Under gunicorn each worker counts in PROMETHEUS_MULTIPROC_DIR and /metrics sums
+them; database gauges are read at scrape time because every worker and
+instance shares the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    """The service's metrics. In gunicorn's multi-process mode values live in PROMETHEUS_MULTIPROC_DIR."""
+
+    def __init__(self, store: Callable[[], Store]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter("bistouri_symbolizer_" + name, doc, labels, registry=self.registry)
+
+        self.http_requests = counter(
+            "http_requests_total", "HTTP requests by route and status", "route", "code"
+        )
+        self.rejected = counter("requests_rejected_total", "Requests refused with a 4xx, by reason", "reason")
+        self.received_bytes = counter("received_bytes_total", "Compressed bytes of accepted ingest bodies")
+        self.ingested = counter("sessions_ingested_total", "Sessions symbolized and stored")
+        self.duplicates = counter("sessions_duplicate_total", "Sessions received again, not stored twice")
+        self.sessions_rejected = counter(
+            "sessions_rejected_total", "Sessions refused in a batch, by reason", "reason"
+        )
+        self.resymbolized = counter(
+            "sessions_resymbolized_total", "Sessions symbolized again for late kallsyms"
+        )
+        self.expired = counter("sessions_expired_total", "Sessions deleted by retention, by reason", "reason")
+        self.kernel_uploads = counter("kernel_uploads_total", "kallsyms snapshots uploaded")
+        self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
+        self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
+        self.latency = Histogram(
+            "bistouri_symbolizer_symbolize_duration_seconds",
+            "Time to symbolize one session",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
+        self._store = store
+
+    def exposition(self) -> bytes:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import GaugeMetricFamily
+
+        registry: Any
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        text = generate_latest(registry)
+        # Database size is read at scrape time: it is shared by every worker and instance.
+        try:
+            n, used = self._store().stats()
+        except Exception as e:
+            log.warning("cannot read database stats for /metrics. error=%s", e)
+            return text
+        extra = CollectorRegistry()
+
+        class _Db:
+            def collect(self) -> Iterable[Any]:
+                yield GaugeMetricFamily(
+                    "bistouri_symbolizer_db_sessions", "Sessions in the database", value=n
+                )
+                yield GaugeMetricFamily(
+                    "bistouri_symbolizer_db_bytes", "Compressed session bytes in the database", value=used
+                )
+
+        extra.register(_Db())
+        return text + generate_latest(extra)
