@@ -347,10 +347,12 @@ class Agent:
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
         assert self.profiler is not None
-        for ev in self.profiler.take():
-            if isinstance(ev, StackSample):
-                self.orch.add_sample(ev)
-            elif isinstance(ev, ExecMatch):
+        events = self.profiler.take()
+        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        for ev in events:
+            if type(ev) is StackSample:
+                continue
+            if isinstance(ev, ExecMatch):
                 self.trigger.on_exec(ev)
             elif isinstance(ev, BpfErrorEvent):
                 now = time.monotonic()

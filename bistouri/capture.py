@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -201,28 +201,43 @@ class CaptureOrchestrator:
         return min((s.deadline for s in self.sessions.values()), default=None)
 
     # -- samples ----------------------------------------------------------------
-    def add_sample(self, sample: StackSample) -> None:
-        sessions = self._by_pid.get(sample.pid)
-        if not sessions:
-            self.metrics.samples_unmatched.inc()
-            return
-        key = (sample.pid, sample.tid, sample.stacks)
-        off = sample.kind == abi.EventKind.OFF_CPU
-        for s in sessions:
-            agg = s.traces.get(key)
-            if agg is None:
-                if len(s.traces) >= self.MAX_TRACES:
-                    s.dropped_traces += 1
-                    self.metrics.traces_dropped.inc()
-                    continue
-                agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
-                s.threads.setdefault(sample.tid, sample.comm)
-            if off:
-                agg.off_cpu += 1
-                agg.off_cpu_ns += sample.blocked_ns
+    def add_samples(self, samples: Iterable[StackSample]) -> None:
+        """Count a batch of samples into their sessions. The hot path at high frequency:
+        metrics are updated once per batch, not per sample."""
+        by_pid = self._by_pid
+        off_kind = abi.EventKind.OFF_CPU
+        on = off = unmatched = 0
+        for sample in samples:
+            sessions = by_pid.get(sample.pid)
+            if not sessions:
+                unmatched += 1
+                continue
+            key = (sample.pid, sample.tid, sample.stacks)
+            is_off = sample.kind == off_kind
+            for s in sessions:
+                agg = s.traces.get(key)
+                if agg is None:
+                    if len(s.traces) >= self.MAX_TRACES:
+                        s.dropped_traces += 1
+                        self.metrics.traces_dropped.inc()
+                        continue
+                    agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
+                    s.threads.setdefault(sample.tid, sample.comm)
+                if is_off:
+                    agg.off_cpu += 1
+                    agg.off_cpu_ns += sample.blocked_ns
+                else:
+                    agg.on_cpu += 1
+            if is_off:
+                off += 1
             else:
-                agg.on_cpu += 1
-        self.metrics.samples.labels("off_cpu" if off else "on_cpu").inc()
+                on += 1
+        if unmatched:
+            self.metrics.samples_unmatched.inc(unmatched)
+        if on:
+            self.metrics.samples.labels("on_cpu").inc(on)
+        if off:
+            self.metrics.samples.labels("off_cpu").inc(off)
 
     # -- finishing ----------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[str]:

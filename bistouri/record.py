@@ -319,10 +319,9 @@ def cmd_record(args: argparse.Namespace) -> int:
             if child is not None and child.poll() is not None:
                 break
             agent.check_thread()
-            for ev in agent.take(timeout=0.2):
-                if isinstance(ev, StackSample):
-                    orch.add_sample(ev)
-                    n_samples += 1
+            stacks = [ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample]
+            orch.add_samples(stacks)
+            n_samples += len(stacks)
             if time.monotonic() - last_refresh > 0.5:
                 last_refresh = time.monotonic()
                 new = {p: c for p, c in targets.current().items() if p not in known}
@@ -337,10 +336,9 @@ def cmd_record(args: argparse.Namespace) -> int:
                 )
         _build_id_tree(list(known), args.proc_path, tree)
         agent.close()  # drains the rings
-        for ev in agent.take():
-            if isinstance(ev, StackSample):
-                orch.add_sample(ev)
-                n_samples += 1
+        stacks = [ev for ev in agent.take() if type(ev) is StackSample]
+        orch.add_samples(stacks)
+        n_samples += len(stacks)
         orch.flush_all()
         progress.done(f"Captured {n_samples} samples in {time.monotonic() - t0:.1f} s")
         if not sink.sessions:

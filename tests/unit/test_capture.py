@@ -1,0 +1,119 @@
+"""Stack records from the ring (decoding) and their aggregation into sessions."""
+
+from __future__ import annotations
+
+import ctypes
+
+from prometheus_client import CollectorRegistry
+
+from bistouri import abi, wire
+from bistouri.capture import CaptureOrchestrator
+from bistouri.kernel import KernelMeta
+from bistouri.metrics import AgentMetrics
+from bistouri.profiler import decode_stack, split_stacks
+
+BUILD_ID = bytes(range(20))
+
+
+def record(
+    pid: int,
+    tid: int,
+    kernel: list[int],
+    user: list[int],
+    kind: int = abi.EventKind.ON_CPU,
+    blocked_ns: int = 0,
+    ksize: int | None = None,
+) -> ctypes.Array[ctypes.c_char]:
+    """A full-size stack_event as the BPF program reserves it, with garbage after the used frames."""
+    buf = ctypes.create_string_buffer(b"\xaa" * ctypes.sizeof(abi.StackEvent), ctypes.sizeof(abi.StackEvent))
+    ev = abi.StackEvent.from_buffer(buf)
+    ev.kind, ev.pid, ev.tid, ev.cpu, ev.timestamp_ns, ev.blocked_ns = kind, pid, tid, 1, 123, blocked_ns
+    ev.comm = (ctypes.c_uint8 * 16)(*b"burner")
+    for i, ip in enumerate(kernel):
+        ev.kernel_stack[i] = ip
+    for i, off in enumerate(user):
+        ev.user_stack[i].status = 1  # BPF_STACK_BUILD_ID_VALID
+        ev.user_stack[i].build_id = (ctypes.c_uint8 * 20)(*BUILD_ID)
+        ev.user_stack[i].offset_or_ip = off
+    ev.kernel_stack_size = len(kernel) * 8 if ksize is None else ksize
+    ev.user_stack_size = len(user) * abi.USER_FRAME.size
+    return buf
+
+
+def copy(buf: ctypes.Array[ctypes.c_char]) -> bytes:
+    return ctypes.string_at(ctypes.addressof(buf), ctypes.sizeof(buf))  # what the ring callback gets
+
+
+def test_decoding_keeps_only_the_used_frames():
+    buf = record(7, 8, [0xFFFFFFFF81000010, 0xFFFFFFFF81000020], [0x1100, 0x1200, 0x1300])
+    s = decode_stack(copy(buf))
+    assert len(s.stacks) == 2 * 8 + 3 * abi.USER_FRAME.size  # the dedup key: no garbage after the frames
+    assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len) == (7, 8, 1, "burner", 16)
+    kernel, user = split_stacks(s.stacks, s.kernel_len)
+    assert kernel == (0xFFFFFFFF81000010, 0xFFFFFFFF81000020)
+    assert [(st, bid, off) for st, bid, off in user] == [(1, BUILD_ID, o) for o in (0x1100, 0x1200, 0x1300)]
+
+
+def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames():
+    s = decode_stack(copy(record(7, 8, [], [0x1100], ksize=-14)))  # -EFAULT from bpf_get_stack
+    kernel, user = split_stacks(s.stacks, s.kernel_len)
+    assert s.kernel_len == 0 and kernel == () and len(user) == 1
+
+
+def test_sizes_beyond_the_record_are_clamped():
+    s = decode_stack(copy(record(7, 8, [1], [], ksize=1 << 30)))
+    assert s.kernel_len == len(s.stacks) == abi.MAX_DEPTH * 8
+
+
+class _Filter:
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}
+
+    def set_pid_filter(self, pid: int, flags: int) -> None:
+        if flags:
+            self.pids[pid] = flags
+        else:
+            self.pids.pop(pid, None)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.sessions: dict[str, wire.Session] = {}
+
+    def put(self, session_id: str, data: bytes) -> object:
+        self.sessions[session_id] = wire.decode_session(data)
+        return None
+
+
+def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_session(tmp_path):
+    reg = CollectorRegistry()
+    flt, sink = _Filter(), _Sink()
+    orch = CaptureOrchestrator(
+        flt,
+        sink,
+        AgentMetrics(reg),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+    )
+    a = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    b = orch.start_session(wire.Trigger("io"), "svc", {}, {7: "burner", 9: "other"}, 60)
+    assert a and b and flt.pids.keys() == {7, 9}
+    hot = record(7, 8, [0xFFFFFFFF81000010], [0x1100])
+    samples = [decode_stack(copy(hot)) for _ in range(5)]
+    samples.append(decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 2_000_000))))
+    samples.append(decode_stack(copy(record(42, 42, [], [0x1]))))  # no session: unmatched
+    orch.add_samples(samples)
+    orch.flush_all()
+    assert flt.pids == {}  # every reference released
+    for sid in (a, b):
+        traces = sink.sessions[sid].traces
+        assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 1, 2_000_000), (5, 0, 0)]
+        on = next(t for t in traces if t.on_cpu)
+        assert on.kernel == (0xFFFFFFFF81000010,) and on.user[0].address == 0x1100
+    assert reg.get_sample_value("bistouri_samples_total", {"kind": "on_cpu"}) == 5
+    assert reg.get_sample_value("bistouri_samples_total", {"kind": "off_cpu"}) == 1
+    assert reg.get_sample_value("bistouri_samples_unmatched_total") == 1
