@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bistouri import wire
+from tests.pprof_proto import compile_profile_proto
 
 from .conftest import (
     FIXTURES,
@@ -32,7 +33,6 @@ from .conftest import (
     REPO,
     DemoBinary,
     clean_env,
-    compile_profile_proto,
     free_port,
     make_session,
     metric_value,
