@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import BistouriError
 
@@ -55,14 +55,21 @@ def _size(text: str) -> int:
     return n
 
 
-def _positive_int(text: str) -> int:
+_N = TypeVar("_N", int, float)
+
+
+def _positive(text: str, convert: Callable[[str], _N], what: str) -> _N:
     try:
-        n = int(text)
+        n = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return n
+
+
+def _positive_int(text: str) -> int:
+    return _positive(text, int, "an integer")
 
 
 def _port(text: str) -> int:
@@ -73,13 +80,7 @@ def _port(text: str) -> int:
 
 
 def _days(text: str) -> float:
-    try:
-        n = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days")
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return n
+    return _positive(text, float, "a number of days")
 
 
 def _add_source_flags(p: argparse.ArgumentParser) -> None:
