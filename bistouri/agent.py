@@ -23,7 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
-from . import __version__, preflight
+from . import __version__, preflight, threads
 from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
@@ -78,10 +78,10 @@ class Walker:
         self._cancel = threading.Event()
         self._job: tuple | None = None
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="bistouri-walk", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = threads.start("walk", self._run)
 
     def request(self, matcher: object, generation: int) -> None:
         """Walk now with this matcher; an in-flight walk of an older config is cancelled."""
@@ -118,7 +118,7 @@ class Walker:
         self._stop.set()
         self._cancel.set()
         self._now.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
 
@@ -224,7 +224,7 @@ class Agent:
                 f"{e.strerror}. Choose another --metrics-port, or 0 to disable",
             )
         self._metrics_server = server
-        threading.Thread(target=server.serve_forever, name="bistouri-metrics", daemon=True).start()
+        threads.start("metrics", server.serve_forever)
 
     def _load(self) -> None:
         assert self.kernel is not None

@@ -30,7 +30,7 @@ import msgpack
 import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from . import __version__
+from . import __version__, threads
 from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
 from .wire import encode_batch
@@ -188,8 +188,7 @@ class Exporter:
             return
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="bistouri-exporter", daemon=True)
-        self._thread.start()
+        self._thread = threads.start("exporter", self._run)
 
     def notify(self) -> None:
         """A session was spooled: wake the thread. Cheap, never blocks."""

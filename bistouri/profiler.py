@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from . import abi, perf
+from . import abi, perf, threads
 from .bpf import BpfObject, Link, RingBuffer
 from .errors import BistouriError, BpfError
 
@@ -248,8 +248,7 @@ class ProfilerAgent:
             raise BistouriError("ProfilerAgent.start() before open()")
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._thread = threading.Thread(target=self._drain_loop, name="bistouri-ringbuf", daemon=True)
-        self._thread.start()
+        self._thread = threads.start("ringbuf", self._drain_loop)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread, free the ring buffer, detach, close the object. Idempotent."""
