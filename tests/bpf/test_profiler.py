@@ -111,7 +111,8 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     waits = [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
     assert waits, f"no off-CPU event; counters={counters}"
     assert all(w.pid == proc.pid for w in waits)
-    assert all(w.blocked_ns >= 100_000 for w in waits), "waits under offcpu_min_ns are filtered"
+    floor = ProfilerOptions().offcpu_min_ns
+    assert all(w.blocked_ns >= floor for w in waits), "waits under offcpu_min_ns are filtered"
     names = set()
     for w in waits:
         kernel, user = split_stacks(w.stacks, w.kernel_len)
@@ -209,3 +210,19 @@ def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_waits_under_the_floor_are_counted_not_reported(workloads, tmp_path):
+    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "5"])
+    try:
+        # A floor of 10 s: every fsync wait is shorter, so none may come out.
+        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=True, offcpu_min_ns=10**10)) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU)
+            events = _collect(agent, 2.0)
+            counters = agent.counters()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
+    assert counters[abi.Counter.OFFCPU_TOO_SHORT] > 0, counters
