@@ -59,6 +59,8 @@ class StackEvent(Structure):
         ("cpu", c_uint32),
         ("timestamp_ns", c_uint64),
         ("blocked_ns", c_uint64),
+        ("waits", c_uint32),
+        ("reserved", c_uint32),
         ("kernel_stack_size", c_int32),
         ("user_stack_size", c_int32),
         ("comm", c_uint8 * COMM_LEN),
@@ -105,7 +107,7 @@ MIRRORS: dict[str, type[Structure]] = {
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
-STACK_HEADER = struct.Struct("<IIIIQQii16s")
+STACK_HEADER = struct.Struct("<IIIIQQIIii16s")
 STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset

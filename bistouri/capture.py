@@ -224,8 +224,9 @@ class CaptureOrchestrator:
                     agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
                     s.threads.setdefault(sample.tid, sample.comm)
                 if is_off:
-                    agg.off_cpu += 1
-                    agg.off_cpu_ns += sample.blocked_ns
+                    # A rate-limited capture stands for the waits skipped before it.
+                    agg.off_cpu += sample.waits
+                    agg.off_cpu_ns += sample.blocked_ns * sample.waits
                 else:
                     agg.on_cpu += 1
             if is_off:

@@ -73,7 +73,7 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
     the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
     forced wakeup at a quarter of the ring, well before it fills.
     """
-    event = 5136  # sizeof(struct bistouri_stack_event)
+    event = 5144  # sizeof(struct bistouri_stack_event)
     want = int(ncpus * freq_hz * event * drain_interval_s * 1.5)
     size = 512 << 10
     while size < want and size < (64 << 20):
@@ -93,6 +93,7 @@ class StackSample:
     cpu: int
     timestamp_ns: int
     blocked_ns: int
+    waits: int  # off-CPU: the waits this capture stands for (rate limiting skipped the rest)
     comm: str
     kernel_len: int  # bytes of `stacks` holding kernel IPs (0 on error)
     stacks: bytes  # kernel IPs then user frames: the dedup key
@@ -127,15 +128,14 @@ def decode_stack(data: bytes) -> StackSample:
 
     The hot path at high frequency (one call per sample): one unpack, two slices.
     """
-    kind, pid, tid, cpu, ts, blocked, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
+    kind, pid, tid, cpu, ts, blocked, waits, _, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
     # Negative sizes are bpf_get_stack errors; the bounds keep a bad header inside the record.
     ksize = max(0, min(ksize, _KERNEL_MAX))
     usize = max(0, min(usize, _USER_MAX))
     k0 = abi.KERNEL_STACK_OFFSET
     u0 = abi.USER_STACK_OFFSET
-    return StackSample(
-        kind, pid, tid, cpu, ts, blocked, _comm(comm), ksize, data[k0 : k0 + ksize] + data[u0 : u0 + usize]
-    )
+    stacks = data[k0 : k0 + ksize] + data[u0 : u0 + usize]
+    return StackSample(kind, pid, tid, cpu, ts, blocked, waits, _comm(comm), ksize, stacks)
 
 
 def split_stacks(
@@ -299,6 +299,9 @@ class ProfilerAgent:
         with self._filter_lock:
             was_idle = not self._filtered
             if flags:
+                if pid not in self._filtered:
+                    # Waits skipped in an earlier capture must not be weighed into this one.
+                    self._require().maps["offcpu_last"].delete(key)
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
             else:

@@ -13,7 +13,7 @@
 #include "core_fixes.bpf.h"
 
 _Static_assert(sizeof(struct bistouri_user_frame) == 32, "user frame is bpf_stack_build_id");
-_Static_assert(sizeof(struct bistouri_stack_event) == 5136, "stack event layout");
+_Static_assert(sizeof(struct bistouri_stack_event) == 5144, "stack event layout");
 _Static_assert(sizeof(struct bistouri_exec_event) == 32, "exec event layout");
 _Static_assert(sizeof(struct bistouri_error_event) == 24, "error event layout");
 _Static_assert(sizeof(struct bistouri_comm_key) == 20, "comm key layout");
@@ -88,12 +88,21 @@ struct {
 	__type(value, struct bistouri_stack_event);
 } offcpu_pending SEC(".maps");
 
-/* tgid -> time of the last off-CPU capture: the per-process rate limit. */
+/*
+ * tgid -> the per-process rate limit: time of the last off-CPU capture, and
+ * the waits skipped since, which the next capture stands for (so blocked time
+ * stays an estimate of the real total, not 1/600 of it in an fsync storm).
+ */
+struct offcpu_limit {
+	__u64 last_ns;
+	__s64 skipped;
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, __u32);
-	__type(value, __u64);
+	__type(value, struct offcpu_limit);
 } offcpu_last SEC(".maps");
 
 /* A stack event is too large for the BPF stack: build it here. */
@@ -169,6 +178,8 @@ static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 k
 	ev->cpu = bpf_get_smp_processor_id();
 	ev->timestamp_ns = now;
 	ev->blocked_ns = 0;
+	ev->waits = 1;
+	ev->reserved = 0;
 	bpf_get_current_comm(ev->comm, sizeof(ev->comm));
 }
 
@@ -227,8 +238,9 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	__u32 tgid = pid_tgid >> 32;
 	__u32 tid = (__u32)pid_tgid;
 	struct bistouri_stack_event *ev;
+	struct offcpu_limit *limit;
 	__u32 *flags, zero = 0;
-	__u64 *last;
+	__s64 skipped = 0;
 	long state;
 
 	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
@@ -243,18 +255,40 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	 * switches tens of thousands of times a second, and a build-id stack
 	 * capture at each one took 22 % of a CPU (measured).
 	 */
-	last = bpf_map_lookup_elem(&offcpu_last, &tgid);
-	if (last && now - *last < cfg.offcpu_interval_ns) {
+	limit = bpf_map_lookup_elem(&offcpu_last, &tgid);
+	if (limit && now - limit->last_ns < cfg.offcpu_interval_ns) {
+		__sync_fetch_and_add(&limit->skipped, 1);
 		count(BISTOURI_CNT_OFFCPU_RATE_LIMITED);
 		return;
 	}
-	bpf_map_update_elem(&offcpu_last, &tgid, &now, BPF_ANY);
+	if (limit) {
+		/*
+		 * Read, then subtract what was read: skips counted meanwhile on other
+		 * CPUs stay for the next capture (plain XADD, no BPF v3 atomics). Two
+		 * threads capturing at once may both subtract and leave the count
+		 * negative: that is read as none until new skips fill the hole, so a
+		 * race loses a few skips and never inflates a weight.
+		 */
+		skipped = *(volatile __s64 *)&limit->skipped;
+		if (skipped > 0)
+			__sync_fetch_and_add(&limit->skipped, -skipped);
+		else
+			skipped = 0;
+		limit->last_ns = now;
+	} else {
+		struct offcpu_limit fresh = { .last_ns = now };
+
+		bpf_map_update_elem(&offcpu_last, &tgid, &fresh, BPF_NOEXIST);
+	}
 
 	ev = bpf_map_lookup_elem(&scratch, &zero);
 	if (!ev)
 		return;
 	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
+	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
 	fill_stacks(ctx, ev, cfg.tp_btf_skip);
+	/* The wait starts now: the build-id stack walk above (tens of µs) is ours, not its. */
+	ev->timestamp_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, tgid, 0);
 }

@@ -63,6 +63,8 @@ struct bistouri_stack_event {
 	__u32 cpu;
 	__u64 timestamp_ns;    /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
 	__u64 blocked_ns;      /* off-CPU: time spent blocked; 0 on-CPU */
+	__u32 waits;           /* off-CPU: waits this one stands for (1 + rate-limited since the last capture); 1 on-CPU */
+	__u32 reserved;
 	__s32 kernel_stack_size;
 	__s32 user_stack_size;
 	__u8 comm[BISTOURI_COMM_LEN];

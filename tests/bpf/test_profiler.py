@@ -112,6 +112,12 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     assert waits, f"no off-CPU event; counters={counters}"
     assert all(w.pid == proc.pid for w in waits)
     floor = ProfilerOptions().offcpu_min_ns
+    # An fsync storm is rate-limited: captures stand for the waits skipped before them,
+    # and never for more waits than the kernel side counted.
+    weight = sum(w.waits for w in waits)
+    assert counters[abi.Counter.OFFCPU_RATE_LIMITED] > 0 and weight > len(waits), (weight, counters)
+    seen = (abi.Counter.OFFCPU_RATE_LIMITED, abi.Counter.OFF_CPU_SAMPLES, abi.Counter.OFFCPU_TOO_SHORT)
+    assert weight <= sum(counters[c] for c in seen)
     assert all(w.blocked_ns >= floor for w in waits), "waits under offcpu_min_ns are filtered"
     names = set()
     for w in waits:

@@ -67,7 +67,11 @@ def test_io_pressure_yields_off_cpu_samples_with_blocked_time(tmp_path, workload
         s = agent.wait_session(lambda s: s.trigger.resource == "io" and any(t.off_cpu for t in s.traces), 20)
         assert s is not None, f"no io session with off-CPU samples\n{agent.log()[-3000:]}"
         off = [t for t in s.traces if t.off_cpu]
-        assert sum(t.off_cpu_ns for t in off) > 0
+        # fsyncer (one thread) is blocked ~55 % of the time here (schedstat). Rate-limited
+        # captures are weighed by the waits they stand for, so the estimate lands near that:
+        # unweighted it was ~1 %; with the stack walk counted as waiting, over 100 %.
+        blocked = sum(t.off_cpu_ns for t in off)
+        assert 0.2 * s.duration_ns < blocked < s.duration_ns, (blocked, s.duration_ns)
         assert all(t.kernel for t in off), "off-CPU waits carry kernel frames"
 
 

@@ -23,11 +23,13 @@ def record(
     kind: int = abi.EventKind.ON_CPU,
     blocked_ns: int = 0,
     ksize: int | None = None,
+    waits: int = 1,
 ) -> ctypes.Array[ctypes.c_char]:
     """A full-size stack_event as the BPF program reserves it, with garbage after the used frames."""
     buf = ctypes.create_string_buffer(b"\xaa" * ctypes.sizeof(abi.StackEvent), ctypes.sizeof(abi.StackEvent))
     ev = abi.StackEvent.from_buffer(buf)
     ev.kind, ev.pid, ev.tid, ev.cpu, ev.timestamp_ns, ev.blocked_ns = kind, pid, tid, 1, 123, blocked_ns
+    ev.waits = waits
     ev.comm = (ctypes.c_uint8 * 16)(*b"burner")
     for i, ip in enumerate(kernel):
         ev.kernel_stack[i] = ip
@@ -48,10 +50,15 @@ def test_decoding_keeps_only_the_used_frames():
     buf = record(7, 8, [0xFFFFFFFF81000010, 0xFFFFFFFF81000020], [0x1100, 0x1200, 0x1300])
     s = decode_stack(copy(buf))
     assert len(s.stacks) == 2 * 8 + 3 * abi.USER_FRAME.size  # the dedup key: no garbage after the frames
-    assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len) == (7, 8, 1, "burner", 16)
+    assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len, s.waits) == (7, 8, 1, "burner", 16, 1)
     kernel, user = split_stacks(s.stacks, s.kernel_len)
     assert kernel == (0xFFFFFFFF81000010, 0xFFFFFFFF81000020)
     assert [(st, bid, off) for st, bid, off in user] == [(1, BUILD_ID, o) for o in (0x1100, 0x1200, 0x1300)]
+
+
+def test_an_off_cpu_record_decodes_its_blocked_time_and_weight():
+    s = decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 250_000, waits=40)))
+    assert (s.kind, s.blocked_ns, s.waits) == (abi.EventKind.OFF_CPU, 250_000, 40)
 
 
 def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames():
@@ -104,14 +111,15 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     assert a and b and flt.pids.keys() == {7, 9}
     hot = record(7, 8, [0xFFFFFFFF81000010], [0x1100])
     samples = [decode_stack(copy(hot)) for _ in range(5)]
-    samples.append(decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 2_000_000))))
+    # A rate-limited off-CPU capture standing for itself and 2 skipped waits.
+    samples.append(decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 2_000_000, waits=3))))
     samples.append(decode_stack(copy(record(42, 42, [], [0x1]))))  # no session: unmatched
     orch.add_samples(samples)
     orch.flush_all()
     assert flt.pids == {}  # every reference released
     for sid in (a, b):
         traces = sink.sessions[sid].traces
-        assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 1, 2_000_000), (5, 0, 0)]
+        assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 3, 6_000_000), (5, 0, 0)]
         on = next(t for t in traces if t.on_cpu)
         assert on.kernel == (0xFFFFFFFF81000010,) and on.user[0].address == 0x1100
     assert reg.get_sample_value("bistouri_samples_total", {"kind": "on_cpu"}) == 5
