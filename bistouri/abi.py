@@ -29,6 +29,14 @@ class FilterFlags(IntEnum):
     OFF_CPU = 2
 
 
+class UserFormat(IntEnum):
+    """What the user_stack of a stack event holds."""
+
+    FRAMES = 0  # build-id frames; user space keeps them under user_key
+    KNOWN = 1  # raw IPs of a stack sent before under user_key
+    IPS = 2  # raw IPs, build ids off
+
+
 class Counter(IntEnum):
     """Indexes of the BPF `counters` map, and kinds of error events."""
 
@@ -51,6 +59,10 @@ class UserFrame(Structure):
     _fields_ = [("status", c_int32), ("build_id", c_uint8 * BUILD_ID_SIZE), ("offset_or_ip", c_uint64)]
 
 
+class UserStackKey(Structure):
+    _fields_ = [("pid", c_uint32), ("reserved", c_uint32), ("mm", c_uint64), ("hash", c_uint64)]
+
+
 class StackEvent(Structure):
     _fields_ = [
         ("kind", c_uint32),
@@ -60,7 +72,8 @@ class StackEvent(Structure):
         ("timestamp_ns", c_uint64),
         ("blocked_ns", c_uint64),
         ("waits", c_uint32),
-        ("reserved", c_uint32),
+        ("user_format", c_uint32),
+        ("user_key", UserStackKey),
         ("kernel_stack_size", c_int32),
         ("user_stack_size", c_int32),
         ("comm", c_uint8 * COMM_LEN),
@@ -99,6 +112,7 @@ class Config(Structure):
 # C struct name -> mirror. Every shared struct must be listed here.
 MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_frame": UserFrame,
+    "bistouri_user_stack_key": UserStackKey,
     "bistouri_stack_event": StackEvent,
     "bistouri_exec_event": ExecEvent,
     "bistouri_error_event": ErrorEvent,
@@ -107,7 +121,8 @@ MIRRORS: dict[str, type[Structure]] = {
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
-STACK_HEADER = struct.Struct("<IIIIQQIIii16s")
+STACK_HEADER = struct.Struct("<IIIIQQII24sii16s")  # user_key stays packed: it is a map key as is
+USER_STACK_KEY = struct.Struct("<IIQQ")
 STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset

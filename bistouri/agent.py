@@ -235,11 +235,13 @@ class Agent:
         except BistouriError as e:
             raise StartupError("load", str(e))
         if self.registry is not None:
-            self.registry.register(
-                BpfCountersCollector(
-                    self.profiler.counters, lambda: self.profiler.dropped if self.profiler else 0
-                )
-            )
+            self.registry.register(BpfCountersCollector(self.profiler.counters, self._user_stack_stats))
+
+    def _user_stack_stats(self) -> tuple[int, int]:
+        if self.profiler is None:
+            return 0, 0
+        cache = self.profiler.user_stacks
+        return len(cache), cache.misses
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None

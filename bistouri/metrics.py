@@ -97,9 +97,11 @@ class AgentMetrics:
 class BpfCountersCollector(Collector):
     """Reads the BPF `counters` map at scrape time."""
 
-    def __init__(self, read: Callable[[], dict[abi.Counter, int]], dropped_queue: Callable[[], int]) -> None:
+    def __init__(
+        self, read: Callable[[], dict[abi.Counter, int]], user_stacks: Callable[[], tuple[int, int]]
+    ) -> None:
         self._read = read
-        self._dropped_queue = dropped_queue
+        self._user_stacks = user_stacks  # (stacks cached, misses) of the profiler's UserStackCache
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -135,3 +137,14 @@ class BpfCountersCollector(Collector):
         emitted.add_metric(["off_cpu"], c[abi.Counter.OFF_CPU_SAMPLES])
         emitted.add_metric(["exec"], c[abi.Counter.EXEC_MATCHES])
         yield emitted
+        cached, misses = self._user_stacks()
+        yield GaugeMetricFamily(
+            "bistouri_user_stacks_cached",
+            "User stacks whose build-id frames the agent holds (the kernel sends those as raw IPs)",
+            value=cached,
+        )
+        yield CounterMetricFamily(
+            "bistouri_user_stack_misses",
+            "Samples of a user stack sent before that the agent no longer held: frames kept as raw addresses",
+            value=misses,
+        )

@@ -21,6 +21,7 @@ import select
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -73,7 +74,7 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
     the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
     forced wakeup at a quarter of the ring, well before it fills.
     """
-    event = 5144  # sizeof(struct bistouri_stack_event)
+    event = 5168  # sizeof(struct bistouri_stack_event)
     want = int(ncpus * freq_hz * event * drain_interval_s * 1.5)
     size = 512 << 10
     while size < want and size < (64 << 20):
@@ -123,19 +124,84 @@ def _comm(raw: bytes) -> str:
     return abi.comm_bytes(raw)
 
 
-def decode_stack(data: bytes) -> StackSample:
+class UserStackCache:
+    """Build-id frames of the user stacks sent so far, by their raw key (pid, mm, hash of IPs).
+
+    The kernel walks build ids only for a stack it has not sent before (~8 µs a sample
+    otherwise, measured); repeats come as raw IPs and get their frames from here. Bounded
+    in bytes, least recently used out first; whatever leaves this cache is also deleted
+    from the kernel's `known_user_stacks` (`forget`), so its next sample comes whole.
+    """
+
+    def __init__(self, max_bytes: int = 16 << 20, forget: Callable[[bytes], None] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self._forget = forget
+        self._frames: OrderedDict[bytes, bytes] = OrderedDict()
+        self._bytes = 0
+        self.misses = 0  # known to the kernel, not here: frames left as raw IPs
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def remember(self, key: bytes, frames: bytes) -> None:
+        old = self._frames.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old)
+        self._frames[key] = frames
+        self._bytes += len(frames)
+        while self._bytes > self.max_bytes and self._frames:
+            gone, f = self._frames.popitem(last=False)
+            self._bytes -= len(f)
+            self._forgot(gone)
+
+    def frames(self, key: bytes, ips: bytes) -> bytes:
+        frames = self._frames.get(key)
+        if frames is not None:
+            self._frames.move_to_end(key)
+            return frames
+        # Its first sample was lost (or forgotten): keep the addresses, have the kernel resend.
+        self.misses += 1
+        self._forgot(key)
+        return ips_as_frames(ips)
+
+    def _forgot(self, key: bytes) -> None:
+        if self._forget is not None:
+            self._forget(key)
+
+
+def ips_as_frames(ips: bytes) -> bytes:
+    """Raw user IPs as frames with status 2 (an address, no build id): still shipped, never lost."""
+    n = len(ips) // 8
+    return b"".join(abi.USER_FRAME.pack(2, _NO_BUILD_ID, ip) for ip in struct.unpack_from(f"<{n}Q", ips))
+
+
+_NO_BUILD_ID = bytes(abi.BUILD_ID_SIZE)
+
+
+def decode_stack(data: bytes, cache: UserStackCache | None = None) -> StackSample:
     """A stack record → its header fields and the used part of each stack, back to back.
 
-    The hot path at high frequency (one call per sample): one unpack, two slices.
+    The hot path at high frequency (one call per sample): one unpack, two slices, and for a
+    repeated user stack one dict lookup.
     """
-    kind, pid, tid, cpu, ts, blocked, waits, _, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
+    kind, pid, tid, cpu, ts, blocked, waits, fmt, key, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
     # Negative sizes are bpf_get_stack errors; the bounds keep a bad header inside the record.
     ksize = max(0, min(ksize, _KERNEL_MAX))
-    usize = max(0, min(usize, _USER_MAX))
     k0 = abi.KERNEL_STACK_OFFSET
     u0 = abi.USER_STACK_OFFSET
-    stacks = data[k0 : k0 + ksize] + data[u0 : u0 + usize]
+    if fmt == _FRAMES:
+        user = data[u0 : u0 + max(0, min(usize, _USER_MAX))]
+        if cache is not None and user:
+            cache.remember(key, user)
+    else:
+        ips = data[u0 : u0 + max(0, min(usize, _KERNEL_MAX))]
+        user = cache.frames(key, ips) if fmt == _KNOWN and cache is not None and ips else ips_as_frames(ips)
+    stacks = data[k0 : k0 + ksize] + user
     return StackSample(kind, pid, tid, cpu, ts, blocked, waits, _comm(comm), ksize, stacks)
+
+
+_FRAMES = int(abi.UserFormat.FRAMES)  # plain ints: IntEnum comparisons cost more
+_KNOWN = int(abi.UserFormat.KNOWN)
 
 
 def split_stacks(
@@ -174,6 +240,7 @@ class ProfilerAgent:
         self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
         self._batch: list[Event] = []
         self.dropped = 0  # events lost because the queue was full
+        self.user_stacks = UserStackCache(forget=self._forget_user_stack)
         self._notify = notify
         self._obj: BpfObject | None = None
         self._links: list[Link] = []
@@ -329,6 +396,15 @@ class ProfilerAgent:
             if key not in wanted:
                 m.delete(key)
 
+    def _forget_user_stack(self, key: bytes) -> None:
+        """The user-stack cache let `key` go: the kernel must send that stack whole again."""
+        if self._obj is None:
+            return
+        try:
+            self._obj.maps["known_user_stacks"].delete(key)
+        except BpfError as e:  # never fatal for the drain thread: at worst frames stay raw IPs
+            log.debug("Could not forget a user stack: %s", e)
+
     def counters(self) -> dict[abi.Counter, int]:
         """BPF-side counters summed over CPUs."""
         m = self._require().maps["counters"]
@@ -336,7 +412,7 @@ class ProfilerAgent:
 
     # -- ring-buffer thread --------------------------------------------------------
     def _on_stack(self, data: bytes) -> None:
-        self._batch.append(decode_stack(data))
+        self._batch.append(decode_stack(data, self.user_stacks))
 
     def _on_exec(self, data: bytes) -> None:
         self._batch.append(decode_exec(data))

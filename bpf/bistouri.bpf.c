@@ -13,7 +13,8 @@
 #include "core_fixes.bpf.h"
 
 _Static_assert(sizeof(struct bistouri_user_frame) == 32, "user frame is bpf_stack_build_id");
-_Static_assert(sizeof(struct bistouri_stack_event) == 5144, "stack event layout");
+_Static_assert(sizeof(struct bistouri_stack_event) == 5168, "stack event layout");
+_Static_assert(sizeof(struct bistouri_user_stack_key) == 24, "user stack key layout");
 _Static_assert(sizeof(struct bistouri_exec_event) == 32, "exec event layout");
 _Static_assert(sizeof(struct bistouri_error_event) == 24, "error event layout");
 _Static_assert(sizeof(struct bistouri_comm_key) == 20, "comm key layout");
@@ -23,6 +24,7 @@ _Static_assert(sizeof(struct bistouri_config) == 32, "config layout");
 #define TASK_NOLOAD 0x400
 #define KERNEL_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
 #define USER_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(struct bistouri_user_frame))
+#define USER_IPS_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
 
 const volatile struct bistouri_config cfg = {
 	.offcpu_min_ns = 100000,
@@ -105,6 +107,14 @@ struct {
 	__type(value, struct offcpu_limit);
 } offcpu_last SEC(".maps");
 
+/* User stacks whose build-id frames user space holds (it deletes what it forgets). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct bistouri_user_stack_key);
+	__type(value, __u8);
+} known_user_stacks SEC(".maps");
+
 /* A stack event is too large for the BPF stack: build it here. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -151,22 +161,56 @@ static __always_inline __u64 wakeup_flags(void)
 static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
 					__u32 kernel_skip)
 {
-	__u64 user_flags = BPF_F_USER_STACK;
+	struct bistouri_user_stack_key *key = &ev->user_key;
+	__u64 *ips = (__u64 *)ev->user_stack;
+	__u8 one = 1;
 	long n;
-
-	if (cfg.user_build_id)
-		user_flags |= BPF_F_USER_BUILD_ID;
 
 	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
 	ev->kernel_stack_size = n;
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
 
-	/* Kernel threads have no user stack: not an error. */
-	n = bpf_get_stack(ctx, ev->user_stack, USER_STACK_BYTES, user_flags);
+	/* Raw IPs first: cheap, and enough to know whether this stack was sent before. */
+	ev->user_format = cfg.user_build_id ? BISTOURI_USER_KNOWN : BISTOURI_USER_IPS;
+	key->pid = ev->pid;
+	key->reserved = 0;
+	key->mm = (__u64)BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+	key->hash = 0;
+	n = bpf_get_stack(ctx, ips, USER_IPS_BYTES, BPF_F_USER_STACK);
 	ev->user_stack_size = n;
-	if (n < 0 && n != -14 /* -EFAULT: kernel thread */)
+	if (n <= 0) {
+		/* Kernel threads have no user stack: not an error. */
+		if (n < 0 && n != -14 /* -EFAULT: kernel thread */)
+			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
+		return;
+	}
+	if (!cfg.user_build_id)
+		return;
+	key->hash = 0xcbf29ce484222325ULL;
+	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
+		if (i * sizeof(__u64) >= n)
+			break;
+		key->hash = (key->hash ^ ips[i]) * 0x100000001b3ULL;
+	}
+	if (bpf_map_lookup_elem(&known_user_stacks, key))
+		return;
+
+	/* New to user space: the expensive walk, once. */
+	ev->user_format = BISTOURI_USER_FRAMES;
+	n = bpf_get_stack(ctx, ev->user_stack, USER_STACK_BYTES, BPF_F_USER_STACK | BPF_F_USER_BUILD_ID);
+	ev->user_stack_size = n;
+	if (n < 0)
 		report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
+	else
+		bpf_map_update_elem(&known_user_stacks, key, &one, BPF_ANY);
+}
+
+/* A stack event that will not reach user space must not leave its stack marked as known. */
+static __always_inline void forget_user_stack(struct bistouri_stack_event *ev)
+{
+	if (ev->user_format == BISTOURI_USER_FRAMES)
+		bpf_map_delete_elem(&known_user_stacks, &ev->user_key);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,
@@ -179,7 +223,6 @@ static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 k
 	ev->timestamp_ns = now;
 	ev->blocked_ns = 0;
 	ev->waits = 1;
-	ev->reserved = 0;
 	bpf_get_current_comm(ev->comm, sizeof(ev->comm));
 }
 
@@ -221,11 +264,13 @@ static __always_inline void finish_wait(struct task_struct *next, __u64 now)
 	blocked = now - pending->timestamp_ns;
 	if (blocked < cfg.offcpu_min_ns) {
 		count(BISTOURI_CNT_OFFCPU_TOO_SHORT);
+		forget_user_stack(pending);
 	} else {
 		pending->blocked_ns = blocked;
-		if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags()))
+		if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags())) {
 			report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, pending->pid, 0);
-		else
+			forget_user_stack(pending);
+		} else
 			count(BISTOURI_CNT_OFF_CPU_SAMPLES);
 	}
 	bpf_map_delete_elem(&offcpu_pending, &tid);
@@ -289,8 +334,10 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	fill_stacks(ctx, ev, cfg.tp_btf_skip);
 	/* The wait starts now: the build-id stack walk above (tens of µs) is ours, not its. */
 	ev->timestamp_ns = bpf_ktime_get_ns();
-	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))
+	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY)) {
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, tgid, 0);
+		forget_user_stack(ev);
+	}
 }
 
 SEC("tp_btf/sched_switch")

@@ -10,7 +10,14 @@ from collections import Counter
 import pytest
 
 from bistouri import abi
-from bistouri.profiler import ExecMatch, ProfilerAgent, ProfilerOptions, StackSample, split_stacks
+from bistouri.profiler import (
+    ExecMatch,
+    ProfilerAgent,
+    ProfilerOptions,
+    StackSample,
+    UserStackCache,
+    split_stacks,
+)
 from tests.helpers import bistouri_prog_ids, build_id, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf
@@ -43,11 +50,14 @@ def test_on_cpu_stacks_carry_build_id_and_offsets_in_the_call_chain(workloads):
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             events = _collect(agent, 3.0)
+            walked, misses = len(agent.user_stacks), agent.user_stacks.misses
     finally:
         proc.kill()
         proc.wait()
     samples = [e for e in events if isinstance(e, StackSample) and e.pid == proc.pid]
     assert len(samples) > 50, f"expected ~99 samples/s of the burner, got {len(samples)}"
+    # Build ids were walked once per distinct stack; the other samples reused those frames.
+    assert misses == 0 and walked < len(samples) / 2, (walked, misses, len(samples))
     assert all(s.kind == abi.EventKind.ON_CPU for s in samples)
     chains = Counter()
     for s in samples:
@@ -232,3 +242,24 @@ def test_waits_under_the_floor_are_counted_not_reported(workloads, tmp_path):
         proc.wait()
     assert not [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
     assert counters[abi.Counter.OFFCPU_TOO_SHORT] > 0, counters
+
+
+def test_user_stacks_lost_in_user_space_are_sent_whole_again(workloads):
+    proc = subprocess.Popen([str(workloads / "burner"), "6"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            _collect(agent, 1.0)
+            assert len(agent.user_stacks) > 0
+            # The agent loses every frame it kept while the kernel still counts them as sent.
+            agent.user_stacks = UserStackCache(forget=agent._forget_user_stack)
+            _collect(agent, 1.0)
+            lost = agent.user_stacks.misses
+            late = [e for e in _collect(agent, 1.0) if isinstance(e, StackSample)]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lost > 0, "samples of stacks the agent no longer held came as raw addresses"
+    # Each miss deleted its key in the kernel: the stacks came whole again and resolve.
+    assert late and all(any(st == 1 for st, _, _ in split_stacks(e.stacks, e.kernel_len)[1]) for e in late)

@@ -10,7 +10,7 @@ from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
-from bistouri.profiler import decode_stack, split_stacks
+from bistouri.profiler import UserStackCache, decode_stack, split_stacks
 
 BUILD_ID = bytes(range(20))
 
@@ -30,6 +30,9 @@ def record(
     ev = abi.StackEvent.from_buffer(buf)
     ev.kind, ev.pid, ev.tid, ev.cpu, ev.timestamp_ns, ev.blocked_ns = kind, pid, tid, 1, 123, blocked_ns
     ev.waits = waits
+    ev.user_format = abi.UserFormat.FRAMES
+    key = ev.user_key
+    key.pid, key.reserved, key.mm, key.hash = pid, 0, 0xFFFF888000001000, 0x1234
     ev.comm = (ctypes.c_uint8 * 16)(*b"burner")
     for i, ip in enumerate(kernel):
         ev.kernel_stack[i] = ip
@@ -59,6 +62,54 @@ def test_decoding_keeps_only_the_used_frames():
 def test_an_off_cpu_record_decodes_its_blocked_time_and_weight():
     s = decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 250_000, waits=40)))
     assert (s.kind, s.blocked_ns, s.waits) == (abi.EventKind.OFF_CPU, 250_000, 40)
+
+
+def ips_record(pid: int, ips: list[int], fmt: abi.UserFormat, key_hash: int) -> ctypes.Array[ctypes.c_char]:
+    """A record whose user part is raw IPs (a known stack, or build ids off)."""
+    buf = record(pid, pid, [0xFFFFFFFF81000010], [])
+    ev = abi.StackEvent.from_buffer(buf)
+    ev.user_format = fmt
+    ev.user_key.hash = key_hash
+    raw = (ctypes.c_uint64 * len(ips))(*ips)
+    ctypes.memmove(ctypes.addressof(ev) + abi.USER_STACK_OFFSET, raw, ctypes.sizeof(raw))
+    ev.user_stack_size = ctypes.sizeof(raw)
+    return buf
+
+
+def test_a_known_user_stack_gets_the_frames_sent_with_its_first_sample():
+    forgotten: list[bytes] = []
+    cache = UserStackCache(forget=forgotten.append)
+    first = record(7, 7, [0xFFFFFFFF81000010], [0x1100, 0x1200])
+    abi.StackEvent.from_buffer(first).user_key.hash = 0xABC
+    whole = decode_stack(copy(first), cache)
+    again = decode_stack(copy(ips_record(7, [0x401100, 0x401200], abi.UserFormat.KNOWN, 0xABC)), cache)
+    assert again.stacks == whole.stacks and len(cache) == 1 and cache.misses == 0 and not forgotten
+
+
+def test_an_unknown_user_stack_keeps_its_addresses_and_is_forgotten_in_the_kernel():
+    forgotten: list[bytes] = []
+    cache = UserStackCache(forget=forgotten.append)
+    s = decode_stack(copy(ips_record(7, [0x401100, 0x401200], abi.UserFormat.KNOWN, 0xDEF)), cache)
+    _, user = split_stacks(s.stacks, s.kernel_len)
+    assert user == [(2, bytes(20), 0x401100), (2, bytes(20), 0x401200)]  # status 2: a raw address
+    assert cache.misses == 1 and len(forgotten) == 1
+    assert abi.USER_STACK_KEY.unpack(forgotten[0]) == (7, 0, 0xFFFF888000001000, 0xDEF)
+
+
+def test_raw_ips_with_build_ids_off_decode_as_addresses():
+    s = decode_stack(copy(ips_record(7, [0x401100], abi.UserFormat.IPS, 0)))
+    assert split_stacks(s.stacks, s.kernel_len)[1] == [(2, bytes(20), 0x401100)]
+
+
+def test_the_user_stack_cache_is_bounded_in_bytes_and_forgets_the_oldest():
+    forgotten: list[bytes] = []
+    cache = UserStackCache(max_bytes=100, forget=forgotten.append)
+    for i in range(5):
+        cache.remember(bytes([i]) * 24, b"f" * 40)
+    assert len(cache) == 2 and forgotten == [bytes([i]) * 24 for i in range(3)]
+    cache.frames(bytes([3]) * 24, b"")  # a hit refreshes it: 4 goes out next
+    cache.remember(b"n" * 24, b"f" * 40)
+    assert forgotten[-1] == bytes([4]) * 24
 
 
 def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames():
