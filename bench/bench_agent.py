@@ -7,13 +7,17 @@ and agent runs alternate, in one process, so noise from the rest of the
 machine hits both. The idle case watches 100 processes in 100
 cgroups and measures the agent while nothing stalls.
 
-Agent CPU = the agent process's utime+stime; BPF CPU = run_time_ns of its
-programs (bpf_enable_stats). Run as root: `python -m bench.bench_agent`.
+Agent CPU = the agent's threads' time on CPU (schedstat, ns), BPF CPU =
+run_time_ns of its programs (bpf_enable_stats), both over the capture window
+only (from "Capture started" to the end of the workload): the steady cost while
+sampling, not diluted by the seconds before PSI fires. Run as root:
+`python -m bench.bench_agent`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,13 +37,18 @@ from tests.helpers import Cgroup, wait_until  # noqa: E402
 from tests.integration.agent_harness import AgentProcess  # noqa: E402
 
 BURNER = ROOT / "tests/fixtures/build/workloads/burner"
-TICK = os.sysconf("SC_CLK_TCK")
 BPF_STATS_RUN_TIME = 0
 
 
-def proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+def proc_cpu_ns(pid: int) -> int:
+    """Time on CPU of every thread of `pid`, in ns (utime+stime only has 10 ms ticks)."""
+    total = 0
+    for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(f.read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that just ended
+    return total
 
 
 def proc_rss_mb(pid: int) -> float:
@@ -64,7 +74,9 @@ def enable_bpf_stats() -> int:
     return int(lib.lib.bpf_enable_stats(BPF_STATS_RUN_TIME))
 
 
-def run_workload(cg: Cgroup, iters: int, n: int = 3) -> tuple[float, float, list[int]]:
+def run_workload(
+    cg: Cgroup, iters: int, while_running: Callable[[], None] | None = None, n: int = 3
+) -> tuple[float, float, list[int]]:
     """Three burners on two CPUs (so the cgroup stalls) for a fixed amount of work.
 
     Returns (wall seconds, CPU seconds, pids).
@@ -72,12 +84,21 @@ def run_workload(cg: Cgroup, iters: int, n: int = 3) -> tuple[float, float, list
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
     procs = [cg.spawn([str(BURNER), f"n={iters}"]) for _ in range(n)]
+    if while_running:
+        while_running()
     for p in procs:
         p.wait()
     wall = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, [p.pid for p in procs]
+
+
+def capture_window_start(agent: AgentProcess, window: dict[str, float]) -> None:
+    """Wait for the session to start, then note the time and the agent's and BPF's CPU so far."""
+    assert agent.proc is not None
+    if wait_until(lambda: "Capture started" in agent.log(), 30, step=0.02):
+        window.update(t=time.monotonic(), cpu=proc_cpu_ns(agent.proc.pid), bpf=bpf_runtime_ns())
 
 
 def config(capture_s: float) -> str:
@@ -102,27 +123,30 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
     bpf_s: list[float] = []
     rss: list[float] = []
     sampled: list[bool] = []
+    capture_s: list[float] = []
     for _ in range(rounds):
         with Cgroup.create() as cg:
             w, c, _ = run_workload(cg, iters)
             base_wall.append(w)
             base_cpu.append(c)
         with tempfile.TemporaryDirectory() as d, Cgroup.create() as cg:
-            agent = AgentProcess(Path(d), config(120), "--freq", str(freq), walk_interval=30).start()
+            agent = AgentProcess(Path(d), config(600), "--freq", str(freq), walk_interval=30).start()
             try:
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                cpu0, bpf0 = proc_cpu_s(pid), bpf_runtime_ns()
-                w, c, _ = run_workload(cg, iters)
-                cpu1, bpf1 = proc_cpu_s(pid), bpf_runtime_ns()
+                window: dict[str, float] = {}
+                w, c, _ = run_workload(cg, iters, functools.partial(capture_window_start, agent, window))
+                t1, cpu1, bpf1 = time.monotonic(), proc_cpu_ns(pid), bpf_runtime_ns()
                 rss.append(proc_rss_mb(pid))
-                log = agent.log()
             finally:
                 agent.stop()
-            sampled.append("Capture started" in log)
+            sampled.append(bool(window))
             agent_wall.append(w)
             agent_cpu.append(c)
-            agent_own.append((cpu1 - cpu0) / w)
-            bpf_s.append((bpf1 - bpf0) / 1e9 / w)
+            if window:
+                span = t1 - window["t"]
+                agent_own.append((cpu1 - window["cpu"]) / 1e9 / span)
+                bpf_s.append((bpf1 - window["bpf"]) / 1e9 / span)
+                capture_s.append(span)
     med = statistics.median
     return {
         "freq_hz": freq,
@@ -133,9 +157,10 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
         "baseline_cpu_s": med(base_cpu),
         "agent_cpu_s_workload": med(agent_cpu),
         "slowdown_cpu": med(agent_cpu) / med(base_cpu) - 1,
-        "agent_cpu_share_of_one_core": med(agent_own),
-        "bpf_cpu_share_of_one_core": med(bpf_s),
-        "agent_plus_bpf_share_of_one_core": med(agent_own) + med(bpf_s),
+        "capture_window_s": med(capture_s) if capture_s else 0.0,
+        "agent_cpu_share_of_one_core": med(agent_own) if agent_own else float("nan"),
+        "bpf_cpu_share_of_one_core": med(bpf_s) if bpf_s else float("nan"),
+        "agent_plus_bpf_share_of_one_core": med(agent_own) + med(bpf_s) if agent_own else float("nan"),
         "agent_rss_mb": max(rss),
     }
 
@@ -159,9 +184,9 @@ def bench_idle(n: int, seconds: float) -> dict:
                 time.sleep(2)
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0 = proc_cpu_s(pid)
+                c0 = proc_cpu_ns(pid)
                 time.sleep(seconds)
-                c1 = proc_cpu_s(pid)
+                c1 = proc_cpu_ns(pid)
                 rss = proc_rss_mb(pid)
             finally:
                 agent.stop()
@@ -169,7 +194,7 @@ def bench_idle(n: int, seconds: float) -> dict:
             "watched_cgroups": n,
             "psi_watchers": watchers,
             "seconds": seconds,
-            "agent_cpu_share_of_one_core": (c1 - c0) / seconds,
+            "agent_cpu_share_of_one_core": (c1 - c0) / 1e9 / seconds,
             "agent_rss_mb": rss,
         }
     finally:
@@ -179,7 +204,7 @@ def bench_idle(n: int, seconds: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=60, help="work per burner (n= iterations)")
+    ap.add_argument("--iters", type=int, default=1000, help="work per burner (n=; 1000: ~14 s unloaded)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--idle-seconds", type=float, default=60)
     ap.add_argument("--freqs", default="19,99,999")
