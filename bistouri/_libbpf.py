@@ -109,6 +109,13 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map__lookup_elem", c_int, [map_p, c_void_p, c_size_t, c_void_p, c_size_t, c_uint64]),
     ("bpf_map__delete_elem", c_int, [map_p, c_void_p, c_size_t, c_uint64]),
     ("bpf_map__get_next_key", c_int, [map_p, c_void_p, c_void_p, c_size_t]),
+    ("bpf_map__max_entries", c_uint32, [map_p]),
+    # (fd, in_batch, out_batch, keys, values, count in/out, opts): every entry in a few syscalls.
+    (
+        "bpf_map_lookup_and_delete_batch",
+        c_int,
+        [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p],
+    ),
     ("ring_buffer__new", rb_p, [c_int, RING_BUFFER_SAMPLE_FN, c_void_p, c_void_p]),
     ("ring_buffer__add", c_int, [rb_p, c_int, RING_BUFFER_SAMPLE_FN, c_void_p]),
     ("ring_buffer__consume", c_int, [rb_p]),

@@ -63,6 +63,10 @@ class UserStackKey(Structure):
     _fields_ = [("pid", c_uint32), ("reserved", c_uint32), ("mm", c_uint64), ("hash", c_uint64)]
 
 
+class SampleKey(Structure):
+    _fields_ = [("tid", c_uint32), ("reserved", c_uint32), ("kernel_hash", c_uint64), ("user", UserStackKey)]
+
+
 class StackEvent(Structure):
     _fields_ = [
         ("kind", c_uint32),
@@ -74,6 +78,7 @@ class StackEvent(Structure):
         ("waits", c_uint32),
         ("user_format", c_uint32),
         ("user_key", UserStackKey),
+        ("kernel_hash", c_uint64),
         ("kernel_stack_size", c_int32),
         ("user_stack_size", c_int32),
         ("comm", c_uint8 * COMM_LEN),
@@ -106,6 +111,8 @@ class Config(Structure):
         ("wakeup_bytes", c_uint64),
         ("user_build_id", c_uint32),
         ("tp_btf_skip", c_uint32),
+        ("aggregate", c_uint32),
+        ("reserved", c_uint32),
     ]
 
 
@@ -113,6 +120,7 @@ class Config(Structure):
 MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_frame": UserFrame,
     "bistouri_user_stack_key": UserStackKey,
+    "bistouri_sample_key": SampleKey,
     "bistouri_stack_event": StackEvent,
     "bistouri_exec_event": ExecEvent,
     "bistouri_error_event": ErrorEvent,
@@ -121,7 +129,8 @@ MIRRORS: dict[str, type[Structure]] = {
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
-STACK_HEADER = struct.Struct("<IIIIQQII24sii16s")  # user_key stays packed: it is a map key as is
+STACK_HEADER = struct.Struct("<IIIIQQII24sQii16s")  # user_key stays packed: it is a map key as is
+SAMPLE_KEY_HEAD = struct.Struct("<IIQ")  # tid, reserved, kernel_hash; the user key follows
 USER_STACK_KEY = struct.Struct("<IIQQ")
 STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset

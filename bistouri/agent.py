@@ -237,11 +237,11 @@ class Agent:
         if self.registry is not None:
             self.registry.register(BpfCountersCollector(self.profiler.counters, self._user_stack_stats))
 
-    def _user_stack_stats(self) -> tuple[int, int]:
+    def _user_stack_stats(self) -> tuple[int, int, int]:
         if self.profiler is None:
-            return 0, 0
+            return 0, 0, 0
         cache = self.profiler.user_stacks
-        return len(cache), cache.misses
+        return len(cache), cache.misses, self.profiler.orphaned
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None

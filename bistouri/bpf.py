@@ -175,6 +175,34 @@ class Map:
             yield key
             prev = ctypes.create_string_buffer(key, len(key))
 
+    def take_all(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) of a hash map, deleted as read (atomically per bucket: an update
+        racing with the read lands either in this result or in the map, never nowhere)."""
+        ptr = self._check()
+        fd = self.fd
+        n = library().bpf_map__max_entries(ptr)
+        keys = ctypes.create_string_buffer(n * self.key_size)
+        values = ctypes.create_string_buffer(n * self.value_size)
+        token_in = ctypes.create_string_buffer(8)  # a hash map's batch token is a u32 bucket
+        token_out = ctypes.create_string_buffer(8)
+        out: list[tuple[bytes, bytes]] = []
+        first = True
+        while True:
+            count = ctypes.c_uint32(n)
+            ret = library().bpf_map_lookup_and_delete_batch(
+                fd, None if first else token_in, token_out, keys, values, ctypes.byref(count), None
+            )
+            if ret < 0 and ret != -errno.ENOENT:
+                check_int(ret, f"batch read of map {self.name}")
+            ks, vs = self.key_size, self.value_size
+            kraw = ctypes.string_at(keys, count.value * ks)  # not .raw: the buffers are large
+            vraw = ctypes.string_at(values, count.value * vs)
+            out.extend((kraw[i * ks : (i + 1) * ks], vraw[i * vs : (i + 1) * vs]) for i in range(count.value))
+            if ret == -errno.ENOENT:  # the last batch (possibly empty)
+                return out
+            ctypes.memmove(token_in, token_out, 8)
+            first = False
+
     def lookup_percpu_u64(self, key: bytes) -> list[int]:
         """Per-CPU values of a PERCPU map of u64: one value per possible CPU."""
         ncpu = check_int(library().libbpf_num_possible_cpus(), "libbpf_num_possible_cpus")

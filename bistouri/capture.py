@@ -214,6 +214,7 @@ class CaptureOrchestrator:
                 continue
             key = (sample.pid, sample.tid, sample.stacks)
             is_off = sample.kind == off_kind
+            weight = sample.weight
             for s in sessions:
                 agg = s.traces.get(key)
                 if agg is None:
@@ -223,16 +224,17 @@ class CaptureOrchestrator:
                         continue
                     agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
                     s.threads.setdefault(sample.tid, sample.comm)
+                # weight: repeats counted in the kernel (on-CPU), or the waits a rate-limited
+                # capture stands for (off-CPU).
                 if is_off:
-                    # A rate-limited capture stands for the waits skipped before it.
-                    agg.off_cpu += sample.waits
-                    agg.off_cpu_ns += sample.blocked_ns * sample.waits
+                    agg.off_cpu += weight
+                    agg.off_cpu_ns += sample.blocked_ns * weight
                 else:
-                    agg.on_cpu += 1
+                    agg.on_cpu += weight
             if is_off:
-                off += 1
+                off += weight
             else:
-                on += 1
+                on += weight
         if unmatched:
             self.metrics.samples_unmatched.inc(unmatched)
         if on:

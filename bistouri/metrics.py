@@ -98,10 +98,10 @@ class BpfCountersCollector(Collector):
     """Reads the BPF `counters` map at scrape time."""
 
     def __init__(
-        self, read: Callable[[], dict[abi.Counter, int]], user_stacks: Callable[[], tuple[int, int]]
+        self, read: Callable[[], dict[abi.Counter, int]], caches: Callable[[], tuple[int, int, int]]
     ) -> None:
         self._read = read
-        self._user_stacks = user_stacks  # (stacks cached, misses) of the profiler's UserStackCache
+        self._caches = caches  # the profiler's (user stacks cached, their misses, orphaned samples)
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -137,7 +137,7 @@ class BpfCountersCollector(Collector):
         emitted.add_metric(["off_cpu"], c[abi.Counter.OFF_CPU_SAMPLES])
         emitted.add_metric(["exec"], c[abi.Counter.EXEC_MATCHES])
         yield emitted
-        cached, misses = self._user_stacks()
+        cached, misses, orphaned = self._caches()
         yield GaugeMetricFamily(
             "bistouri_user_stacks_cached",
             "User stacks whose build-id frames the agent holds (the kernel sends those as raw IPs)",
@@ -147,4 +147,9 @@ class BpfCountersCollector(Collector):
             "bistouri_user_stack_misses",
             "Samples of a user stack sent before that the agent no longer held: frames kept as raw addresses",
             value=misses,
+        )
+        yield CounterMetricFamily(
+            "bistouri_samples_orphaned",
+            "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",
+            value=orphaned,
         )

@@ -13,6 +13,7 @@ kernel side is never blocked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -58,6 +59,7 @@ class ProfilerOptions:
     offcpu_min_ns: int = 1_000
     offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
     user_build_id: bool = True
+    aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
     drain_interval_s: float = 0.2
     batch_budget: int = 2048
@@ -74,7 +76,7 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
     the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
     forced wakeup at a quarter of the ring, well before it fills.
     """
-    event = 5168  # sizeof(struct bistouri_stack_event)
+    event = 5176  # sizeof(struct bistouri_stack_event)
     want = int(ncpus * freq_hz * event * drain_interval_s * 1.5)
     size = 512 << 10
     while size < want and size < (64 << 20):
@@ -94,7 +96,9 @@ class StackSample:
     cpu: int
     timestamp_ns: int
     blocked_ns: int
-    waits: int  # off-CPU: the waits this capture stands for (rate limiting skipped the rest)
+    # How many samples this one stands for: on-CPU, 1 + its repeats counted in the kernel;
+    # off-CPU, 1 + the waits rate limiting skipped before it.
+    weight: int
     comm: str
     kernel_len: int  # bytes of `stacks` holding kernel IPs (0 on error)
     stacks: bytes  # kernel IPs then user frames: the dedup key
@@ -169,6 +173,41 @@ class UserStackCache:
             self._forget(key)
 
 
+class SentSamples:
+    """On-CPU samples sent whole, by sample key (thread, kernel stack hash, user stack key):
+    the kernel counts their repeats, and each drain weighs these by the counts.
+
+    Bounded (least recently counted out first); whatever leaves is deleted from the
+    kernel's `known_samples` (`forget`), so its next sample comes whole again.
+    """
+
+    def __init__(self, max_entries: int = 16384, forget: Callable[[bytes], None] | None = None) -> None:
+        self.max_entries = max_entries
+        self._forget = forget
+        self._samples: OrderedDict[bytes, StackSample] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def remember(self, key: bytes, sample: StackSample) -> None:
+        self._samples[key] = sample
+        self._samples.move_to_end(key)
+        while len(self._samples) > self.max_entries:
+            gone, _ = self._samples.popitem(last=False)
+            self.forget(gone)
+
+    def get(self, key: bytes) -> StackSample | None:
+        sample = self._samples.get(key)
+        if sample is not None:
+            self._samples.move_to_end(key)
+        return sample
+
+    def forget(self, key: bytes) -> None:
+        self._samples.pop(key, None)
+        if self._forget is not None:
+            self._forget(key)
+
+
 def ips_as_frames(ips: bytes) -> bytes:
     """Raw user IPs as frames with status 2 (an address, no build id): still shipped, never lost."""
     n = len(ips) // 8
@@ -184,7 +223,8 @@ def decode_stack(data: bytes, cache: UserStackCache | None = None) -> StackSampl
     The hot path at high frequency (one call per sample): one unpack, two slices, and for a
     repeated user stack one dict lookup.
     """
-    kind, pid, tid, cpu, ts, blocked, waits, fmt, key, ksize, usize, comm = abi.STACK_HEADER.unpack_from(data)
+    header = abi.STACK_HEADER.unpack_from(data)
+    kind, pid, tid, cpu, ts, blocked, weight, fmt, key, _kernel_hash, ksize, usize, comm = header
     # Negative sizes are bpf_get_stack errors; the bounds keep a bad header inside the record.
     ksize = max(0, min(ksize, _KERNEL_MAX))
     k0 = abi.KERNEL_STACK_OFFSET
@@ -197,11 +237,17 @@ def decode_stack(data: bytes, cache: UserStackCache | None = None) -> StackSampl
         ips = data[u0 : u0 + max(0, min(usize, _KERNEL_MAX))]
         user = cache.frames(key, ips) if fmt == _KNOWN and cache is not None and ips else ips_as_frames(ips)
     stacks = data[k0 : k0 + ksize] + user
-    return StackSample(kind, pid, tid, cpu, ts, blocked, waits, _comm(comm), ksize, stacks)
+    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks)
 
 
 _FRAMES = int(abi.UserFormat.FRAMES)  # plain ints: IntEnum comparisons cost more
 _KNOWN = int(abi.UserFormat.KNOWN)
+_ON_CPU = int(abi.EventKind.ON_CPU)
+_FORMAT_AT = abi.StackEvent.user_format.offset  # u32, little-endian: its first byte is the value
+_UKEY_AT = abi.StackEvent.user_key.offset
+_KHASH_AT = abi.StackEvent.kernel_hash.offset
+_KERNEL_HASH = struct.Struct("<Q")
+_SAMPLE_KEY_HEAD = abi.SAMPLE_KEY_HEAD
 
 
 def split_stacks(
@@ -241,6 +287,11 @@ class ProfilerAgent:
         self._batch: list[Event] = []
         self.dropped = 0  # events lost because the queue was full
         self.user_stacks = UserStackCache(forget=self._forget_user_stack)
+        # Ring-buffer thread only: the samples the kernel counts repeats of, and counts whose
+        # sample is not here yet (sent after the ring was read).
+        self.sent = SentSamples(forget=self._forget_sample)
+        self._pending_counts: dict[bytes, int] = {}
+        self.orphaned = 0  # samples counted in the kernel whose stack never arrived
         self._notify = notify
         self._obj: BpfObject | None = None
         self._links: list[Link] = []
@@ -280,6 +331,7 @@ class ProfilerAgent:
             wakeup_bytes=o.wakeup_bytes or ring // 4,
             user_build_id=1 if o.user_build_id else 0,
             tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
+            aggregate=1 if o.aggregate else 0,
         )
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
@@ -412,7 +464,12 @@ class ProfilerAgent:
 
     # -- ring-buffer thread --------------------------------------------------------
     def _on_stack(self, data: bytes) -> None:
-        self._batch.append(decode_stack(data, self.user_stacks))
+        sample = decode_stack(data, self.user_stacks)
+        self._batch.append(sample)
+        if self.options.aggregate and sample.kind == _ON_CPU and data[_FORMAT_AT] == _KNOWN:
+            # The kernel counts this sample's repeats under its key: keep it to weigh them on.
+            key = _SAMPLE_KEY_HEAD.pack(sample.tid, 0, *_KERNEL_HASH.unpack_from(data, _KHASH_AT))
+            self.sent.remember(key + data[_UKEY_AT : _UKEY_AT + 24], sample)
 
     def _on_exec(self, data: bytes) -> None:
         self._batch.append(decode_exec(data))
@@ -452,9 +509,46 @@ class ProfilerAgent:
                 total += n
                 self._flush_batch()
                 if n < self.options.batch_budget:
-                    return total
+                    break
+            if self.options.aggregate:
+                total += self._take_counts()
+            return total
         finally:
             self._flush_batch()
+
+    def _take_counts(self) -> int:
+        """Weigh the samples sent whole by the repeats the kernel counted since the last drain.
+
+        A count whose sample is not here yet (sent after the ring was read) waits one drain
+        for it; then it is dropped, counted (`orphaned`), and its key forgotten in the kernel.
+        """
+        assert self._obj is not None
+        counts: dict[bytes, int] = self._pending_counts
+        self._pending_counts = {}
+        late = set(counts)
+        for key, raw in self._obj.maps["on_cpu_counts"].take_all():
+            counts[key] = counts.get(key, 0) + int.from_bytes(raw, "little")
+        handled = 0
+        for key, n in counts.items():
+            sample = self.sent.get(key)
+            if sample is not None:
+                if n:
+                    self._batch.append(dataclasses.replace(sample, weight=n))
+                    handled += 1
+            elif key in late:
+                self.orphaned += n
+                self.sent.forget(key)
+            else:
+                self._pending_counts[key] = n
+        return handled
+
+    def _forget_sample(self, key: bytes) -> None:
+        if self._obj is None:
+            return
+        try:
+            self._obj.maps["known_samples"].delete(key)
+        except BpfError as e:  # never fatal for the drain thread: at worst counts are orphaned
+            log.debug("Could not forget a sample: %s", e)
 
     def _drain_loop(self) -> None:
         assert self._rb is not None

@@ -13,12 +13,13 @@
 #include "core_fixes.bpf.h"
 
 _Static_assert(sizeof(struct bistouri_user_frame) == 32, "user frame is bpf_stack_build_id");
-_Static_assert(sizeof(struct bistouri_stack_event) == 5168, "stack event layout");
+_Static_assert(sizeof(struct bistouri_stack_event) == 5176, "stack event layout");
+_Static_assert(sizeof(struct bistouri_sample_key) == 40, "sample key layout");
 _Static_assert(sizeof(struct bistouri_user_stack_key) == 24, "user stack key layout");
 _Static_assert(sizeof(struct bistouri_exec_event) == 32, "exec event layout");
 _Static_assert(sizeof(struct bistouri_error_event) == 24, "error event layout");
 _Static_assert(sizeof(struct bistouri_comm_key) == 20, "comm key layout");
-_Static_assert(sizeof(struct bistouri_config) == 32, "config layout");
+_Static_assert(sizeof(struct bistouri_config) == 40, "config layout");
 
 #define TASK_UNINTERRUPTIBLE 0x2
 #define TASK_NOLOAD 0x400
@@ -115,10 +116,32 @@ struct {
 	__type(value, __u8);
 } known_user_stacks SEC(".maps");
 
-/* A stack event is too large for the BPF stack: build it here. */
+/* Sample keys whose stacks user space holds (it deletes what it forgets). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct bistouri_sample_key);
+	__type(value, __u8);
+} known_samples SEC(".maps");
+
+/*
+ * Repeats of known samples counted since the last drain, by sample key; user
+ * space reads and deletes them in batches. Preallocated: perf_event programs
+ * may not allocate. Full: samples are sent whole instead, nothing is lost.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct bistouri_sample_key);
+	__type(value, __u64);
+} on_cpu_counts SEC(".maps");
+
+/* A stack event is too large for the BPF stack: build it here (slot 0 off-CPU, 1 on-CPU). */
+#define SCRATCH_OFF_CPU 0
+#define SCRATCH_ON_CPU 1
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, struct bistouri_stack_event);
 } scratch SEC(".maps");
@@ -168,8 +191,14 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 
 	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
 	ev->kernel_stack_size = n;
+	ev->kernel_hash = 0xcbf29ce484222325ULL;
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
+	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
+		if (i * sizeof(__u64) >= n)
+			break;
+		ev->kernel_hash = (ev->kernel_hash ^ ev->kernel_stack[i]) * 0x100000001b3ULL;
+	}
 
 	/* Raw IPs first: cheap, and enough to know whether this stack was sent before. */
 	ev->user_format = cfg.user_build_id ? BISTOURI_USER_KNOWN : BISTOURI_USER_IPS;
@@ -231,7 +260,12 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
+	struct bistouri_sample_key key = {};
 	struct bistouri_stack_event *ev;
+	__u32 slot = SCRATCH_ON_CPU;
+	__u64 zero = 0, *seen;
+	bool marked = false;
+	__u8 one = 1;
 	__u32 *flags;
 
 	/* The filter comes first: this runs on every CPU at the sampling rate. */
@@ -239,15 +273,45 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	if (!flags || !(*flags & BISTOURI_FILTER_ON_CPU))
 		return 0;
 
-	ev = bpf_ringbuf_reserve(&stack_events, sizeof(*ev), 0);
-	if (!ev) {
-		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, tgid, 0);
+	ev = bpf_map_lookup_elem(&scratch, &slot);
+	if (!ev)
 		return 0;
-	}
 	fill_header(ev, BISTOURI_EVENT_ON_CPU, pid_tgid, bpf_ktime_get_ns());
 	fill_stacks(ctx, ev, 0);
 	count(BISTOURI_CNT_ON_CPU_SAMPLES);
-	bpf_ringbuf_submit(ev, wakeup_flags());
+
+	/*
+	 * A repeat of a sample user space holds (same thread, kernel stack and
+	 * user stack) only adds to a count: a CPU-bound loop then costs user
+	 * space one event per distinct stack instead of one per sample.
+	 */
+	if (cfg.aggregate && ev->user_format == BISTOURI_USER_KNOWN) {
+		key.tid = ev->tid;
+		key.reserved = 0;
+		key.kernel_hash = ev->kernel_hash;
+		key.user = ev->user_key;
+		if (bpf_map_lookup_elem(&known_samples, &key)) {
+			seen = bpf_map_lookup_elem(&on_cpu_counts, &key);
+			if (!seen) {
+				/* First repeat since the last drain (or another CPU's, if it won). */
+				bpf_map_update_elem(&on_cpu_counts, &key, &zero, BPF_NOEXIST);
+				seen = bpf_map_lookup_elem(&on_cpu_counts, &key);
+			}
+			if (seen) {
+				__sync_fetch_and_add(seen, 1);
+				return 0;
+			}
+			/* The count map is full: send this one whole. */
+		} else {
+			marked = !bpf_map_update_elem(&known_samples, &key, &one, BPF_ANY);
+		}
+	}
+	if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), wakeup_flags())) {
+		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, tgid, 0);
+		forget_user_stack(ev);
+		if (marked) /* its repeats would have no stack to count into */
+			bpf_map_delete_elem(&known_samples, &key);
+	}
 	return 0;
 }
 

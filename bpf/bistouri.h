@@ -75,6 +75,18 @@ struct bistouri_user_stack_key {
 	__u64 hash;            /* FNV-1a of the raw user IPs */
 };
 
+/*
+ * Identity of an on-CPU sample for counting in the kernel: thread, kernel
+ * stack, user stack. The first sample of a key in a drain interval is sent
+ * whole; repeats only add to its count, which user space drains.
+ */
+struct bistouri_sample_key {
+	__u32 tid;
+	__u32 reserved;
+	__u64 kernel_hash;     /* FNV-1a of the kernel IPs */
+	struct bistouri_user_stack_key user;
+};
+
 /* A sampled stack, on-CPU or off-CPU. Sizes are in bytes, negative on error. */
 struct bistouri_stack_event {
 	__u32 kind;            /* enum bistouri_event_kind */
@@ -86,6 +98,7 @@ struct bistouri_stack_event {
 	__u32 waits;           /* off-CPU: waits this one stands for (1 + rate-limited since the last capture); 1 on-CPU */
 	__u32 user_format;     /* enum bistouri_user_format */
 	struct bistouri_user_stack_key user_key;
+	__u64 kernel_hash;     /* FNV-1a of the kernel IPs: with tid and user_key, the sample key */
 	__s32 kernel_stack_size;
 	__s32 user_stack_size;
 	__u8 comm[BISTOURI_COMM_LEN];
@@ -122,6 +135,8 @@ struct bistouri_config {
 	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
 	__u32 user_build_id;      /* 1: user frames as build id + offset */
 	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
+	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
+	__u32 reserved;
 };
 
 #endif /* BISTOURI_H */

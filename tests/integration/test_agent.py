@@ -57,6 +57,7 @@ def test_cpu_pressure_yields_a_session_in_the_hot_function(tmp_path, workloads):
         assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
         # Build-id frames kept for the stacks the kernel sent whole, and none missing.
         assert m["bistouri_user_stacks_cached"] > 0 and m["bistouri_user_stack_misses_total"] == 0, m
+        assert m["bistouri_samples_orphaned_total"] == 0, m
         assert agent.proc is not None
         names = {p.read_text().strip() for p in Path(f"/proc/{agent.proc.pid}/task").glob("*/comm")}
         assert {"ringbuf", "walk", "metrics"} <= names, names  # what `top -H` shows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 from prometheus_client import CollectorRegistry
 
@@ -53,7 +54,7 @@ def test_decoding_keeps_only_the_used_frames():
     buf = record(7, 8, [0xFFFFFFFF81000010, 0xFFFFFFFF81000020], [0x1100, 0x1200, 0x1300])
     s = decode_stack(copy(buf))
     assert len(s.stacks) == 2 * 8 + 3 * abi.USER_FRAME.size  # the dedup key: no garbage after the frames
-    assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len, s.waits) == (7, 8, 1, "burner", 16, 1)
+    assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len, s.weight) == (7, 8, 1, "burner", 16, 1)
     kernel, user = split_stacks(s.stacks, s.kernel_len)
     assert kernel == (0xFFFFFFFF81000010, 0xFFFFFFFF81000020)
     assert [(st, bid, off) for st, bid, off in user] == [(1, BUILD_ID, o) for o in (0x1100, 0x1200, 0x1300)]
@@ -61,7 +62,7 @@ def test_decoding_keeps_only_the_used_frames():
 
 def test_an_off_cpu_record_decodes_its_blocked_time_and_weight():
     s = decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 250_000, waits=40)))
-    assert (s.kind, s.blocked_ns, s.waits) == (abi.EventKind.OFF_CPU, 250_000, 40)
+    assert (s.kind, s.blocked_ns, s.weight) == (abi.EventKind.OFF_CPU, 250_000, 40)
 
 
 def ips_record(pid: int, ips: list[int], fmt: abi.UserFormat, key_hash: int) -> ctypes.Array[ctypes.c_char]:
@@ -162,6 +163,7 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     assert a and b and flt.pids.keys() == {7, 9}
     hot = record(7, 8, [0xFFFFFFFF81000010], [0x1100])
     samples = [decode_stack(copy(hot)) for _ in range(5)]
+    samples.append(dataclasses.replace(samples[0], weight=10))  # 10 repeats counted in the kernel
     # A rate-limited off-CPU capture standing for itself and 2 skipped waits.
     samples.append(decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 2_000_000, waits=3))))
     samples.append(decode_stack(copy(record(42, 42, [], [0x1]))))  # no session: unmatched
@@ -170,9 +172,9 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     assert flt.pids == {}  # every reference released
     for sid in (a, b):
         traces = sink.sessions[sid].traces
-        assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 3, 6_000_000), (5, 0, 0)]
+        assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 3, 6_000_000), (15, 0, 0)]
         on = next(t for t in traces if t.on_cpu)
         assert on.kernel == (0xFFFFFFFF81000010,) and on.user[0].address == 0x1100
-    assert reg.get_sample_value("bistouri_samples_total", {"kind": "on_cpu"}) == 5
-    assert reg.get_sample_value("bistouri_samples_total", {"kind": "off_cpu"}) == 1
+    assert reg.get_sample_value("bistouri_samples_total", {"kind": "on_cpu"}) == 15
+    assert reg.get_sample_value("bistouri_samples_total", {"kind": "off_cpu"}) == 3
     assert reg.get_sample_value("bistouri_samples_unmatched_total") == 1
