@@ -14,6 +14,7 @@ import gzip
 import logging
 import os
 import queue
+import selectors
 import signal
 import socket
 import threading
@@ -51,6 +52,20 @@ _BLOCKING_CHECKS = (
 class StartupError(BistouriError):
     def __init__(self, phase: str, what: str) -> None:
         super().__init__(f"start-up failed in phase '{phase}': {what}")
+
+
+def _serve_until_woken(server: WSGIServer, wake_fd: int) -> None:
+    """Serve scrapes until `wake_fd` is written. Unlike serve_forever() (which wakes every
+    0.5 s to check for shutdown: 0.02 % of a core, the largest idle cost), this sleeps
+    until a scrape or the shutdown arrives."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(server.fileno(), selectors.EVENT_READ, "scrape")
+        sel.register(wake_fd, selectors.EVENT_READ, "stop")
+        while True:
+            for key, _ in sel.select():
+                if key.data == "stop":
+                    return
+                server.handle_request()
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -138,6 +153,8 @@ class Agent:
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
         self._metrics_server: WSGIServer | None = None
+        self._metrics_thread: threading.Thread | None = None
+        self._metrics_wake = -1
         self._bpf_error_log_at = 0.0
 
     # -- phases ---------------------------------------------------------------------
@@ -224,7 +241,8 @@ class Agent:
                 f"{e.strerror}. Choose another --metrics-port, or 0 to disable",
             )
         self._metrics_server = server
-        threads.start("metrics", server.serve_forever)
+        wake = self._metrics_wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._metrics_thread = threads.start("metrics", lambda: _serve_until_woken(server, wake))
 
     def _load(self) -> None:
         assert self.kernel is not None
@@ -439,9 +457,12 @@ class Agent:
                     pass
         self._event_fd = self._walk_fd = self._sig_r = self._sig_w = -1
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            os.eventfd_write(self._metrics_wake, 1)
+            if self._metrics_thread is not None:
+                self._metrics_thread.join(2.0)
             self._metrics_server.server_close()
-            self._metrics_server = None
+            os.close(self._metrics_wake)
+            self._metrics_server = self._metrics_thread = None
 
 
 def run_agent(settings: AgentSettings) -> int:
