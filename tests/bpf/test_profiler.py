@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -111,17 +112,25 @@ def _kallsyms_names(ips: list[int]) -> list[str]:
     return [names[bisect.bisect_right(addrs, ip) - 1] for ip in ips]
 
 
-def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path):
-    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "6"])
+def _off_cpu_of_fsyncer(
+    workloads: Path, tmp_path: Path, options: ProfilerOptions, seconds: float
+) -> tuple[subprocess.Popen, list, dict]:
+    """Profile the off-CPU waits of an fsync loop: (its process, the events, the BPF counters)."""
+    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), str(seconds + 3)])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=True)) as agent:
+        with ProfilerAgent(options) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU)
-            events = _collect(agent, 3.0)
+            events = _collect(agent, seconds)
             counters = agent.counters()
     finally:
         proc.kill()
         proc.wait()
+    return proc, events, counters
+
+
+def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path):
+    proc, events, counters = _off_cpu_of_fsyncer(workloads, tmp_path, ProfilerOptions(freq_hz=19), 3.0)
     waits = [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
     assert waits, f"no off-CPU event; counters={counters}"
     assert all(w.pid == proc.pid for w in waits)
@@ -233,17 +242,9 @@ def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
 
 
 def test_waits_under_the_floor_are_counted_not_reported(workloads, tmp_path):
-    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "5"])
-    try:
-        # A floor of 10 s: every fsync wait is shorter, so none may come out.
-        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=True, offcpu_min_ns=10**10)) as agent:
-            agent.start()
-            agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU)
-            events = _collect(agent, 2.0)
-            counters = agent.counters()
-    finally:
-        proc.kill()
-        proc.wait()
+    # A floor of 10 s: every fsync wait is shorter, so none may come out.
+    opts = ProfilerOptions(freq_hz=19, offcpu_min_ns=10**10)
+    _, events, counters = _off_cpu_of_fsyncer(workloads, tmp_path, opts, 2.0)
     assert not [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
     assert counters[abi.Counter.OFFCPU_TOO_SHORT] > 0, counters
 
