@@ -177,24 +177,34 @@ class SentSamples:
     """On-CPU samples sent whole, by sample key (thread, kernel stack hash, user stack key):
     the kernel counts their repeats, and each drain weighs these by the counts.
 
-    Bounded (least recently counted out first); whatever leaves is deleted from the
-    kernel's `known_samples` (`forget`), so its next sample comes whole again.
+    Bounded in entries (as the kernel's map) and in bytes of stacks, least recently
+    counted out first; whatever leaves is deleted from the kernel's `known_samples`
+    (`forget`), so its next sample comes whole again.
     """
 
-    def __init__(self, max_entries: int = 16384, forget: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_entries: int = 16384,
+        max_bytes: int = 8 << 20,
+        forget: Callable[[bytes], None] | None = None,
+    ) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._forget = forget
         self._samples: OrderedDict[bytes, StackSample] = OrderedDict()
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._samples)
 
     def remember(self, key: bytes, sample: StackSample) -> None:
+        old = self._samples.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old.stacks)
         self._samples[key] = sample
-        self._samples.move_to_end(key)
-        while len(self._samples) > self.max_entries:
-            gone, _ = self._samples.popitem(last=False)
-            self.forget(gone)
+        self._bytes += len(sample.stacks)
+        while self._samples and (len(self._samples) > self.max_entries or self._bytes > self.max_bytes):
+            self.forget(next(iter(self._samples)))
 
     def get(self, key: bytes) -> StackSample | None:
         sample = self._samples.get(key)
@@ -203,7 +213,9 @@ class SentSamples:
         return sample
 
     def forget(self, key: bytes) -> None:
-        self._samples.pop(key, None)
+        sample = self._samples.pop(key, None)
+        if sample is not None:
+            self._bytes -= len(sample.stacks)
         if self._forget is not None:
             self._forget(key)
 

@@ -11,7 +11,7 @@ from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
-from bistouri.profiler import UserStackCache, decode_stack, split_stacks
+from bistouri.profiler import SentSamples, UserStackCache, decode_stack, split_stacks
 
 BUILD_ID = bytes(range(20))
 
@@ -111,6 +111,20 @@ def test_the_user_stack_cache_is_bounded_in_bytes_and_forgets_the_oldest():
     cache.frames(bytes([3]) * 24, b"")  # a hit refreshes it: 4 goes out next
     cache.remember(b"n" * 24, b"f" * 40)
     assert forgotten[-1] == bytes([4]) * 24
+
+
+def test_sent_samples_are_bounded_in_entries_and_bytes_and_forgotten_in_the_kernel():
+    forgotten: list[bytes] = []
+    sent = SentSamples(max_entries=3, max_bytes=1000, forget=forgotten.append)
+    small = decode_stack(copy(record(7, 8, [1], [0x1100])))  # 8 + 32 bytes of stacks
+    for i in range(4):
+        sent.remember(bytes([i]) * 40, small)
+    assert len(sent) == 3 and forgotten == [bytes([0]) * 40]  # entries
+    assert sent.get(bytes([1]) * 40) is small  # counted: now the most recent
+    big = decode_stack(copy(record(7, 9, [1] * 100, [0x1100] * 10)))  # 800 + 320 bytes
+    sent.remember(b"b" * 40, big)
+    assert sent.get(b"b" * 40) is None and len(sent) == 0  # bytes: everything older went first
+    assert forgotten[1:] == [bytes([2]) * 40, bytes([3]) * 40, bytes([1]) * 40, b"b" * 40]
 
 
 def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames():
