@@ -29,9 +29,10 @@ from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .errors import BistouriError, ConfigError
+from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector
-from .profiler import BpfErrorEvent, ExecMatch, ProfilerAgent, ProfilerOptions, StackSample
+from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 from .settings import AgentSettings
 from .spool import Spool

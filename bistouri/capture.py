@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import abi, procfs, wire
+from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
-from .profiler import StackSample, split_stacks
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from . import procfs, wire
 from .capture import CaptureOrchestrator
 from .errors import BistouriError
+from .events import StackSample
 from .kernel import read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics
-from .profiler import ProfilerAgent, ProfilerOptions, StackSample
+from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 
 RESOURCES = ("cpu", "memory", "io")

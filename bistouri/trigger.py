@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from . import procfs
 from .capture import CaptureOrchestrator
 from .config import Target, TriggerConfig
+from .events import ExecMatch
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
-from .profiler import ExecMatch
 from .psi import PsiEvent, PsiLoop
 
 log = logging.getLogger(__name__)

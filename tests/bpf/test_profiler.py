@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 
 from bistouri import abi
-from bistouri.profiler import (
-    ExecMatch,
-    ProfilerAgent,
-    ProfilerOptions,
-    SentSamples,
-    StackSample,
-    UserStackCache,
-    split_stacks,
-)
+from bistouri.events import ExecMatch, SentSamples, StackSample, UserStackCache, split_stacks
+from bistouri.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import bistouri_prog_ids, build_id, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf

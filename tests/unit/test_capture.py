@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
+from bistouri.events import SentSamples, UserStackCache, decode_stack, split_stacks
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
-from bistouri.profiler import SentSamples, UserStackCache, decode_stack, split_stacks
 
 BUILD_ID = bytes(range(20))
 
