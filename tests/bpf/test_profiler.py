@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -242,44 +243,53 @@ def test_waits_under_the_floor_are_counted_not_reported(workloads, tmp_path):
     assert counters[abi.Counter.OFFCPU_TOO_SHORT] > 0, counters
 
 
-def test_user_stacks_lost_in_user_space_are_sent_whole_again(workloads):
-    proc = subprocess.Popen([str(workloads / "burner"), "6"])
+def _lose_a_cache_midway(
+    workloads: Path, options: ProfilerOptions, lose: Callable[[ProfilerAgent], Callable[[], int]]
+) -> tuple[int, list[StackSample]]:
+    """Profile a burner; after 1 s make the agent lose a cache (`lose` returns how to read what
+    it lost). Returns (that reading 1 s later, the samples of the 2 s after that)."""
+    proc = subprocess.Popen([str(workloads / "burner"), "8"])
     try:
-        # Without in-kernel counting, every sample goes through the user-stack cache.
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False, aggregate=False)) as agent:
+        with ProfilerAgent(options) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             _collect(agent, 1.0)
-            assert len(agent.user_stacks) > 0
-            # The agent loses every frame it kept while the kernel still counts them as sent.
-            agent.user_stacks = UserStackCache(forget=agent._forget_user_stack)
+            lost = lose(agent)
             _collect(agent, 1.0)
-            lost = agent.user_stacks.misses
-            late = [e for e in _collect(agent, 1.0) if isinstance(e, StackSample)]
+            reading = lost()
+            late = [e for e in _collect(agent, 2.0) if isinstance(e, StackSample)]
     finally:
         proc.kill()
         proc.wait()
-    assert lost > 0, "samples of stacks the agent no longer held came as raw addresses"
+    return reading, late
+
+
+def _lose_user_stacks(agent: ProfilerAgent) -> Callable[[], int]:
+    # The agent loses every frame it kept while the kernel still counts them as sent.
+    assert len(agent.user_stacks) > 0
+    agent.user_stacks = UserStackCache(forget=agent._forget_user_stack)
+    return lambda: agent.user_stacks.misses
+
+
+def _lose_sent_samples(agent: ProfilerAgent) -> Callable[[], int]:
+    # The agent loses the samples the kernel counts repeats of.
+    assert len(agent.sent) > 0
+    agent.sent = SentSamples(forget=agent._forget_sample)
+    return lambda: agent.orphaned
+
+
+def test_user_stacks_lost_in_user_space_are_sent_whole_again(workloads):
+    # Without in-kernel counting, every sample goes through the user-stack cache.
+    opts = ProfilerOptions(freq_hz=99, offcpu=False, aggregate=False)
+    misses, late = _lose_a_cache_midway(workloads, opts, _lose_user_stacks)
+    assert misses > 0, "samples of stacks the agent no longer held came as raw addresses"
     # Each miss deleted its key in the kernel: the stacks came whole again and resolve.
     assert late and all(any(st == 1 for st, _, _ in split_stacks(e.stacks, e.kernel_len)[1]) for e in late)
 
 
 def test_counts_of_samples_lost_in_user_space_are_dropped_counted_and_resent(workloads):
-    proc = subprocess.Popen([str(workloads / "burner"), "8"])
-    try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
-            agent.start()
-            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            _collect(agent, 1.0)
-            assert len(agent.sent) > 0
-            # The agent loses the samples the kernel counts repeats of.
-            agent.sent = SentSamples(forget=agent._forget_sample)
-            _collect(agent, 1.0)
-            orphaned = agent.orphaned
-            late = [e for e in _collect(agent, 2.0) if isinstance(e, StackSample)]
-    finally:
-        proc.kill()
-        proc.wait()
+    opts = ProfilerOptions(freq_hz=99, offcpu=False)
+    orphaned, late = _lose_a_cache_midway(workloads, opts, _lose_sent_samples)
     assert orphaned > 0, "counts with no sample to weigh are dropped and counted"
     # Their keys were forgotten in the kernel: the stacks came whole again and count on.
     assert 150 < sum(e.weight for e in late) < 220, "~99 samples/s again after recovery"
