@@ -254,9 +254,9 @@ class Agent:
         except BistouriError as e:
             raise StartupError("load", str(e))
         if self.registry is not None:
-            self.registry.register(BpfCountersCollector(self.profiler.counters, self._user_stack_stats))
+            self.registry.register(BpfCountersCollector(self.profiler.counters, self._cache_stats))
 
-    def _user_stack_stats(self) -> tuple[int, int, int]:
+    def _cache_stats(self) -> tuple[int, int, int]:
         if self.profiler is None:
             return 0, 0, 0
         cache = self.profiler.user_stacks

@@ -120,6 +120,7 @@ class Map:
         self.name = lib.bpf_map__name(ptr).decode()
         self.key_size = lib.bpf_map__key_size(ptr)
         self.value_size = lib.bpf_map__value_size(ptr)
+        self._batch_buffers: tuple[ctypes.Array[ctypes.c_char], ctypes.Array[ctypes.c_char]] | None = None
 
     def _check(self) -> Any:
         self._obj._check_open()
@@ -181,8 +182,12 @@ class Map:
         ptr = self._check()
         fd = self.fd
         n = library().bpf_map__max_entries(ptr)
-        keys = ctypes.create_string_buffer(n * self.key_size)
-        values = ctypes.create_string_buffer(n * self.value_size)
+        if self._batch_buffers is None:  # allocated once: this runs at every drain
+            self._batch_buffers = (
+                ctypes.create_string_buffer(n * self.key_size),
+                ctypes.create_string_buffer(n * self.value_size),
+            )
+        keys, values = self._batch_buffers
         token_in = ctypes.create_string_buffer(8)  # a hash map's batch token is a u32 bucket
         token_out = ctypes.create_string_buffer(8)
         out: list[tuple[bytes, bytes]] = []

@@ -14,6 +14,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from . import abi
 
@@ -62,58 +63,81 @@ def _comm(raw: bytes) -> str:
     return abi.comm_bytes(raw)
 
 
-class UserStackCache:
-    """Build-id frames of the user stacks sent so far, by their raw key (pid, mm, hash of IPs).
+V = TypeVar("V")
 
-    The kernel walks build ids only for a stack it has not sent before (~8 µs a sample
-    otherwise, measured); repeats come as raw IPs and get their frames from here. Bounded
-    in bytes, least recently used out first; whatever leaves this cache is also deleted
-    from the kernel's `known_user_stacks` (`forget`), so its next sample comes whole.
-    """
 
-    def __init__(self, max_bytes: int = 16 << 20, forget: Callable[[bytes], None] | None = None) -> None:
+class _KernelMirroredLru(Generic[V]):
+    """A least-recently-used map of what the kernel believes user space holds, bounded in
+    entries and in bytes; whatever leaves it is passed to `forget`, which deletes the key
+    in the kernel's map so that the next sample under it comes whole again."""
+
+    def __init__(self, max_entries: int, max_bytes: int, forget: Callable[[bytes], None] | None) -> None:
+        self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._forget = forget
-        self._frames: OrderedDict[bytes, bytes] = OrderedDict()
+        self._items: OrderedDict[bytes, tuple[V, int]] = OrderedDict()  # key -> (value, bytes)
         self._bytes = 0
-        self.misses = 0  # known to the kernel, not here: frames left as raw IPs
 
     def __len__(self) -> int:
-        return len(self._frames)
+        return len(self._items)
 
-    def remember(self, key: bytes, frames: bytes) -> None:
-        old = self._frames.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old)
-        self._frames[key] = frames
-        self._bytes += len(frames)
-        while self._bytes > self.max_bytes and self._frames:
-            gone, f = self._frames.popitem(last=False)
-            self._bytes -= len(f)
-            self._forgot(gone)
+    def _put(self, key: bytes, value: V, size: int) -> None:
+        self._drop(key)
+        self._items[key] = (value, size)
+        self._bytes += size
+        while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
+            self.forget(next(iter(self._items)))
 
-    def frames(self, key: bytes, ips: bytes) -> bytes:
-        frames = self._frames.get(key)
-        if frames is not None:
-            self._frames.move_to_end(key)
-            return frames
-        # Its first sample was lost (or forgotten): keep the addresses, have the kernel resend.
-        self.misses += 1
-        self._forgot(key)
-        return ips_as_frames(ips)
+    def _get(self, key: bytes) -> V | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
 
-    def _forgot(self, key: bytes) -> None:
+    def _drop(self, key: bytes) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._bytes -= item[1]
+
+    def forget(self, key: bytes) -> None:
+        self._drop(key)
         if self._forget is not None:
             self._forget(key)
 
 
-class SentSamples:
+class UserStackCache(_KernelMirroredLru[bytes]):
+    """Build-id frames of the user stacks sent so far, by their raw key (pid, mm, hash of IPs).
+
+    The kernel walks build ids only for a stack it has not sent before (~8 µs a sample
+    otherwise, measured); repeats come as raw IPs and get their frames from here. Bounded
+    in bytes, least recently used out first; what leaves is forgotten in the kernel's
+    `known_user_stacks` too.
+    """
+
+    def __init__(self, max_bytes: int = 16 << 20, forget: Callable[[bytes], None] | None = None) -> None:
+        super().__init__(1 << 62, max_bytes, forget)
+        self.misses = 0  # known to the kernel, not here: frames left as raw IPs
+
+    def remember(self, key: bytes, frames: bytes) -> None:
+        self._put(key, frames, len(frames))
+
+    def frames(self, key: bytes, ips: bytes) -> bytes:
+        frames = self._get(key)
+        if frames is not None:
+            return frames
+        # Its first sample was lost (or forgotten): keep the addresses, have the kernel resend.
+        self.misses += 1
+        self.forget(key)
+        return ips_as_frames(ips)
+
+
+class SentSamples(_KernelMirroredLru["StackSample"]):
     """On-CPU samples sent whole, by sample key (thread, kernel stack hash, user stack key):
     the kernel counts their repeats, and each drain weighs these by the counts.
 
     Bounded in entries (as the kernel's map) and in bytes of stacks, least recently
-    counted out first; whatever leaves is deleted from the kernel's `known_samples`
-    (`forget`), so its next sample comes whole again.
+    counted out first; what leaves is forgotten in the kernel's `known_samples` too.
     """
 
     def __init__(
@@ -122,36 +146,13 @@ class SentSamples:
         max_bytes: int = 8 << 20,
         forget: Callable[[bytes], None] | None = None,
     ) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._forget = forget
-        self._samples: OrderedDict[bytes, StackSample] = OrderedDict()
-        self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._samples)
+        super().__init__(max_entries, max_bytes, forget)
 
     def remember(self, key: bytes, sample: StackSample) -> None:
-        old = self._samples.pop(key, None)
-        if old is not None:
-            self._bytes -= len(old.stacks)
-        self._samples[key] = sample
-        self._bytes += len(sample.stacks)
-        while self._samples and (len(self._samples) > self.max_entries or self._bytes > self.max_bytes):
-            self.forget(next(iter(self._samples)))
+        self._put(key, sample, len(sample.stacks))
 
     def get(self, key: bytes) -> StackSample | None:
-        sample = self._samples.get(key)
-        if sample is not None:
-            self._samples.move_to_end(key)
-        return sample
-
-    def forget(self, key: bytes) -> None:
-        sample = self._samples.pop(key, None)
-        if sample is not None:
-            self._bytes -= len(sample.stacks)
-        if self._forget is not None:
-            self._forget(key)
+        return self._get(key)
 
 
 def ips_as_frames(ips: bytes) -> bytes:

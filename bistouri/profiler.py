@@ -101,10 +101,10 @@ class ProfilerAgent:
         self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
         self._batch: list[Event] = []
         self.dropped = 0  # events lost because the queue was full
-        self.user_stacks = UserStackCache(forget=self._forget_user_stack)
+        self.user_stacks = UserStackCache(forget=self._forgetter("known_user_stacks"))
         # Ring-buffer thread only: the samples the kernel counts repeats of, and counts whose
         # sample is not here yet (sent after the ring was read).
-        self.sent = SentSamples(forget=self._forget_sample)
+        self.sent = SentSamples(forget=self._forgetter("known_samples"))
         self._pending_counts: dict[bytes, int] = {}
         self.orphaned = 0  # samples counted in the kernel whose stack never arrived
         self._notify = notify
@@ -263,14 +263,19 @@ class ProfilerAgent:
             if key not in wanted:
                 m.delete(key)
 
-    def _forget_user_stack(self, key: bytes) -> None:
-        """The user-stack cache let `key` go: the kernel must send that stack whole again."""
-        if self._obj is None:
-            return
-        try:
-            self._obj.maps["known_user_stacks"].delete(key)
-        except BpfError as e:  # never fatal for the drain thread: at worst frames stay raw IPs
-            log.debug("Could not forget a user stack: %s", e)
+    def _forgetter(self, map_name: str) -> Callable[[bytes], None]:
+        """For a cache of the ring thread: a key it let go is deleted from `map_name`, so the
+        kernel sends that stack or sample whole again."""
+
+        def forget(key: bytes) -> None:
+            if self._obj is None:
+                return
+            try:
+                self._obj.maps[map_name].delete(key)
+            except BpfError as e:  # never fatal for the drain thread: at worst data stays raw
+                log.debug("Could not delete a key from %s: %s", map_name, e)
+
+        return forget
 
     def counters(self) -> dict[abi.Counter, int]:
         """BPF-side counters summed over CPUs."""
@@ -355,14 +360,6 @@ class ProfilerAgent:
             else:
                 self._pending_counts[key] = n
         return handled
-
-    def _forget_sample(self, key: bytes) -> None:
-        if self._obj is None:
-            return
-        try:
-            self._obj.maps["known_samples"].delete(key)
-        except BpfError as e:  # never fatal for the drain thread: at worst counts are orphaned
-            log.debug("Could not forget a sample: %s", e)
 
     def _drain_loop(self) -> None:
         assert self._rb is not None

@@ -28,11 +28,12 @@ _Static_assert(sizeof(struct bistouri_config) == 40, "config layout");
 #define USER_IPS_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
 
 const volatile struct bistouri_config cfg = {
-	.offcpu_min_ns = 100000,
+	.offcpu_min_ns = 1000,
 	.offcpu_interval_ns = 10000000,
 	.wakeup_bytes = 128 << 10,
 	.user_build_id = 1,
 	.tp_btf_skip = 2,
+	.aggregate = 1,
 };
 
 /*
@@ -181,6 +182,19 @@ static __always_inline __u64 wakeup_flags(void)
 	return BPF_RB_NO_WAKEUP;
 }
 
+/* FNV-1a over the first `bytes` of a stack of IPs (up to BISTOURI_MAX_DEPTH of them). */
+static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
+{
+	__u64 h = 0xcbf29ce484222325ULL;
+
+	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
+		if ((long)(i * sizeof(__u64)) >= bytes) /* signed: a negative size (error) hashes nothing */
+			break;
+		h = (h ^ ips[i]) * 0x100000001b3ULL;
+	}
+	return h;
+}
+
 static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
 					__u32 kernel_skip)
 {
@@ -191,14 +205,9 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 
 	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
 	ev->kernel_stack_size = n;
-	ev->kernel_hash = 0xcbf29ce484222325ULL;
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
-	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
-		if (i * sizeof(__u64) >= n)
-			break;
-		ev->kernel_hash = (ev->kernel_hash ^ ev->kernel_stack[i]) * 0x100000001b3ULL;
-	}
+	ev->kernel_hash = hash_ips(ev->kernel_stack, n);
 
 	/* Raw IPs first: cheap, and enough to know whether this stack was sent before. */
 	ev->user_format = cfg.user_build_id ? BISTOURI_USER_KNOWN : BISTOURI_USER_IPS;
@@ -216,12 +225,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	}
 	if (!cfg.user_build_id)
 		return;
-	key->hash = 0xcbf29ce484222325ULL;
-	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
-		if (i * sizeof(__u64) >= n)
-			break;
-		key->hash = (key->hash ^ ips[i]) * 0x100000001b3ULL;
-	}
+	key->hash = hash_ips(ips, n);
 	if (bpf_map_lookup_elem(&known_user_stacks, key))
 		return;
 
@@ -287,7 +291,6 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	 */
 	if (cfg.aggregate && ev->user_format == BISTOURI_USER_KNOWN) {
 		key.tid = ev->tid;
-		key.reserved = 0;
 		key.kernel_hash = ev->kernel_hash;
 		key.user = ev->user_key;
 		if (bpf_map_lookup_elem(&known_samples, &key)) {

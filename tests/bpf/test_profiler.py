@@ -267,14 +267,14 @@ def _lose_a_cache_midway(
 def _lose_user_stacks(agent: ProfilerAgent) -> Callable[[], int]:
     # The agent loses every frame it kept while the kernel still counts them as sent.
     assert len(agent.user_stacks) > 0
-    agent.user_stacks = UserStackCache(forget=agent._forget_user_stack)
+    agent.user_stacks = UserStackCache(forget=agent._forgetter("known_user_stacks"))
     return lambda: agent.user_stacks.misses
 
 
 def _lose_sent_samples(agent: ProfilerAgent) -> Callable[[], int]:
     # The agent loses the samples the kernel counts repeats of.
     assert len(agent.sent) > 0
-    agent.sent = SentSamples(forget=agent._forget_sample)
+    agent.sent = SentSamples(forget=agent._forgetter("known_samples"))
     return lambda: agent.orphaned
 
 
