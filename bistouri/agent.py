@@ -200,7 +200,13 @@ class Agent:
                 f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
                 "Pass --config or create it (see docs/configuration.md)",
             )
-        self.spool = Spool(self.s.spool_dir, self.s.spool_max_bytes, registry=self.registry)
+        assert self.kernel is not None
+        self.spool = Spool(
+            self.s.spool_dir,
+            self.s.spool_max_bytes,
+            registry=self.registry,
+            kernel_build_id=self.kernel.build_id,
+        )
         self.loop = PsiLoop(registry=self.registry)
         self._event_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._walk_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)

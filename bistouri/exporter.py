@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-import msgpack
 import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -105,16 +104,6 @@ def _retry_after(value: str | None, default: float, now_wall: float) -> float:
         return default
 
 
-def _kernel_of(data: bytes) -> bytes:
-    """The kernel build id of an encoded session, without validating the rest."""
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-        bid = obj["kernel"]["build_id"]
-        return bid if isinstance(bid, bytes) else b""
-    except Exception:  # the symbolizer validates; an odd session just skips the kernel check
-        return b""
-
-
 class Exporter:
     """Ships the spool to the symbolizer from the `bistouri-exporter` thread."""
 
@@ -129,8 +118,7 @@ class Exporter:
     RETRY_AFTER_MAX_S = 3600.0
     IDLE_RESCAN_S = 30.0  # look at the spool even without notify()
     REGROW_AFTER_POSTS = 16  # successful posts before a lowered batch limit doubles again
-    KERNEL_RETRY_S = 600.0
-    _KERNEL_CACHE_MAX = 4096  # how long a refused kallsyms upload is not retried
+    KERNEL_RETRY_S = 600.0  # how long a refused kallsyms upload is not retried
 
     def __init__(
         self,
@@ -177,7 +165,6 @@ class Exporter:
         self._disabled_until = 0.0  # monotonic; the server's Retry-After, never cut short
         self._known_kernels: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
-        self._kernel_cache: dict[str, bytes] = {}  # spool name -> build id
         self._rng = random.Random()
 
     # -- lifecycle
@@ -284,15 +271,8 @@ class Exporter:
             batch.entries.append(e)
             batch.data.append(data)
             size += len(data)
-            if len(self._kernel_cache) > self._KERNEL_CACHE_MAX:
-                # Evicted sessions never get acked: forget what is no longer spooled.
-                live = {p.name for p in self.spool.pending()}
-                self._kernel_cache = {n: b for n, b in self._kernel_cache.items() if n in live}
-            bid = self._kernel_cache.get(e.name)
-            if bid is None:
-                bid = self._kernel_cache[e.name] = _kernel_of(data)
-            if bid:
-                batch.kernels.add(bid)
+            if e.kernel_build_id:  # from the spool file's header: the session is never decoded
+                batch.kernels.add(e.kernel_build_id)
         return batch
 
     def _send_next(self) -> _Outcome:
@@ -486,7 +466,6 @@ class Exporter:
             e = by_id.get(sid)
             if e is not None and sid not in done:
                 self.spool.ack(e.name)
-                self._kernel_cache.pop(e.name, None)
                 done.add(sid)
                 sent += 1
         for r in result.get("rejected") or []:
@@ -515,7 +494,6 @@ class Exporter:
 
     def _reject(self, e: SpoolEntry, reason: str) -> None:
         self._m.rejected.inc()
-        self._kernel_cache.pop(e.name, None)
         log.warning("symbolizer rejected a session session_id=%s reason=%s", e.session_id, reason)
         self.spool.reject(e.name, reason)
 

@@ -190,7 +190,7 @@ class Env:
     def __init__(self, tmp_path: Any, url: str, max_bytes: int = 10 << 20, **settings: Any) -> None:
         read_timeout_s = settings.pop("read_timeout_s", None)
         self.reg = CollectorRegistry()
-        self.spool = Spool(str(tmp_path / "spool"), max_bytes, registry=self.reg)
+        self.spool = Spool(str(tmp_path / "spool"), max_bytes, registry=self.reg, kernel_build_id=KERNEL)
         self.kallsyms_calls: list[bytes] = []
 
         def kallsyms(bid: bytes) -> str:
@@ -380,7 +380,7 @@ def test_whole_batch_400_bisects_to_the_bad_session(server, make_env):
 
 def test_gzipped_kallsyms_from_the_provider_is_not_compressed_twice(server, tmp_path):
     reg = CollectorRegistry()
-    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg)
+    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg, kernel_build_id=KERNEL)
     ex = Exporter(
         sp,
         AgentSettings(symbolizer_endpoint=server.url),
@@ -432,7 +432,7 @@ def test_spool_full_while_down_drops_oldest_and_counts(make_env):
     probe = FakeSymbolizer()
     port = probe.port
     probe.close()
-    one = len(session(0)[1]) + 12
+    one = len(session(0)[1]) + wire.FILE_HEADER.size + len(KERNEL)
     env = make_env(f"http://127.0.0.1:{port}", max_bytes=4 * one)
     env.exporter.start()
     ids = env.put(10)
@@ -479,7 +479,7 @@ def test_flush_skips_own_backoff_and_empties_the_spool(make_env):
 
 def test_no_endpoint_means_spool_only(tmp_path):
     reg = CollectorRegistry()
-    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg)
+    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg, kernel_build_id=KERNEL)
     ex = Exporter(sp, AgentSettings(), registry=reg)
     ex.start()
     sid, data = session()
