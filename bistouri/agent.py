@@ -282,6 +282,7 @@ class Agent:
             period_ns=self.s.period_ns,
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
+            max_bytes=self.s.capture_max_bytes,
         )
         self.trigger = TriggerAgent(
             self.loop,

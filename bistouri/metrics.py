@@ -56,7 +56,15 @@ class AgentMetrics:
             registry=r,
         )
         self.traces_dropped = Counter(
-            "bistouri_traces_dropped_total", "Distinct stacks dropped because a session was full", registry=r
+            "bistouri_traces_dropped_total",
+            "Distinct stacks not held, by reason (session_full, memory)",
+            ["reason"],
+            registry=r,
+        )
+        self.capture_bytes = Gauge(
+            "bistouri_capture_bytes",
+            "Estimated memory held by the stacks of running sessions (bound: --capture-max-bytes)",
+            registry=r,
         )
         self.ringbuf_queue_dropped = Counter(
             "bistouri_ringbuf_queue_dropped_total",
