@@ -385,6 +385,10 @@ class CaptureOrchestrator:
         """Whether the vDSO range of `pid` is cached (safe to call from the walk thread)."""
         return pid in self._vdso
 
+    def forget_vdso(self, pid: int) -> None:
+        """The process behind `pid` is gone (its pid may come back as another process)."""
+        self._vdso.pop(pid, None)
+
     def set_vdso(self, pid: int, rng: tuple[int, int] | None) -> None:
         """The /proc walk records each matched process's vDSO range here."""
         self._vdso[pid] = rng
