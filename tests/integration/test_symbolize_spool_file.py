@@ -13,6 +13,8 @@ from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.spool import Spool
 from bistouri.symbolizer.resolve import read_session_file
+from tests.helpers import Cgroup
+from tests.integration.agent_harness import AgentProcess, burner_config
 
 from .conftest import KALLSYMS, KERNEL_BUILD_ID, REPO, DemoBinary, clean_env, make_session
 
@@ -71,3 +73,18 @@ def test_read_session_file_bounds_decompression(tmp_path: Path) -> None:
     assert bomb.stat().st_size < 1 << 20
     with pytest.raises(WireError, match="inflates to more than"):
         read_session_file(bomb, max_bytes=1 << 20)
+
+
+@pytest.mark.requires_bpf
+@pytest.mark.slow
+def test_symbolize_reads_what_a_real_agent_spooled(tmp_path: Path, workloads: Path) -> None:
+    with AgentProcess(tmp_path, burner_config()) as agent, Cgroup.create() as cg:
+        for _ in range(3):
+            cg.spawn([str(workloads / "burner"), "20"])
+        s = agent.wait_session(lambda s: s.trigger.resource == "cpu" and s.total_samples > 0, 15)
+        assert s is not None, agent.log()[-3000:]
+    [path] = [p for p in agent.spool_dir.glob("*.bses") if s.session_id in p.name]
+    assert wire.unframe_session(path.read_bytes()).kernel_build_id == s.kernel.build_id
+    r = _run("symbolize", str(path), "--binary-dir", str(workloads), "--format", "folded")
+    assert r.returncode == 0, r.stderr
+    assert "hot_spin" in r.stdout, r.stdout[:2000]
