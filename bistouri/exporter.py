@@ -10,7 +10,7 @@ sure the symbolizer has that kernel's kallsyms (`GET`, then `PUT` on 404).
 Failures back off exponentially with jitter; `Retry-After` is obeyed but never
 waits less than that backoff (`Retry-After: 0` must not become a tight loop); 413
 halves the batch; a 400 on a batch is bisected to find the one bad session.
-The answers follow docs/api.md's ingest contract: a 503 that lists `failed`
+The answers follow the ingest contract (docs/configuration.md): a 503 listing `failed`
 sessions (the symbolizer broke on its own side) keeps those in the spool to be
 sent again, while its `accepted` and `duplicates` are done. Only a session the
 symbolizer refused for its own content goes to `rejected/`. Nothing is dropped

@@ -294,7 +294,12 @@ class MetricsServer:
                     if len(conn.inbox) > self.MAX_REQUEST_BYTES:
                         self._drop(sel, conn, self._DROP_TOO_LARGE)
                     return
-                conn.outbox = memoryview(self._answer(bytes(conn.inbox[:end])))
+                try:
+                    answer = self._answer(bytes(conn.inbox[:end]))
+                except Exception:  # a failing collector must not end the endpoint
+                    log.exception("metrics: cannot build the answer")
+                    answer = _http(500, [], b"cannot collect the metrics\n")
+                conn.outbox = memoryview(answer)
                 sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
             sent = conn.sock.send(conn.outbox)
             conn.outbox = conn.outbox[sent:]
@@ -342,7 +347,7 @@ class MetricsServer:
         conn.sock.close()
 
 
-_REASONS = {200: "OK", 405: "Method Not Allowed"}
+_REASONS = {200: "OK", 405: "Method Not Allowed", 500: "Internal Server Error"}
 
 
 def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: bool = False) -> bytes:

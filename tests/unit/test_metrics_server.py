@@ -118,3 +118,18 @@ def test_gzip_head_filtering_and_methods(serve):
     assert head.startswith(b"HTTP/1.1 200") and text.count(b"# TYPE") == 1
     c = s.connect(b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
     assert c.recv(100).startswith(b"HTTP/1.1 405")
+
+
+class _Broken:
+    def collect(self):
+        raise RuntimeError("collector bug")
+
+
+def test_a_failing_collector_answers_500_and_the_endpoint_stays(serve):
+    s = serve()
+    broken = _Broken()
+    s.reg.register(broken)  # type: ignore[arg-type]
+    c = s.connect(b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert c.recv(100).startswith(b"HTTP/1.1 500")
+    s.reg.unregister(broken)  # type: ignore[arg-type]
+    assert s.scrape()[0] == 200
