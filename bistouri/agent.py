@@ -14,15 +14,13 @@ import gzip
 import logging
 import os
 import queue
-import selectors
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import __version__, preflight, threads
 from .capture import CaptureOrchestrator
@@ -31,7 +29,7 @@ from .confwatch import ConfigWatcher
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
-from .metrics import AgentMetrics, BpfCountersCollector
+from .metrics import AgentMetrics, BpfCountersCollector, MetricsServer
 from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 from .settings import AgentSettings
@@ -53,25 +51,6 @@ _BLOCKING_CHECKS = (
 class StartupError(BistouriError):
     def __init__(self, phase: str, what: str) -> None:
         super().__init__(f"start-up failed in phase '{phase}': {what}")
-
-
-def _serve_until_woken(server: WSGIServer, wake_fd: int) -> None:
-    """Serve scrapes until `wake_fd` is written. Unlike serve_forever() (which wakes every
-    0.5 s to check for shutdown: 0.02 % of a core, the largest idle cost), this sleeps
-    until a scrape or the shutdown arrives."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(server.fileno(), selectors.EVENT_READ, "scrape")
-        sel.register(wake_fd, selectors.EVENT_READ, "stop")
-        while True:
-            for key, _ in sel.select():
-                if key.data == "stop":
-                    return
-                server.handle_request()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 class Walker:
@@ -153,9 +132,8 @@ class Agent:
         self._event_fd = -1
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
-        self._metrics_server: WSGIServer | None = None
+        self._metrics_server: MetricsServer | None = None
         self._metrics_thread: threading.Thread | None = None
-        self._metrics_wake = -1
         self._bpf_error_log_at = 0.0
 
     # -- phases ---------------------------------------------------------------------
@@ -200,7 +178,13 @@ class Agent:
                 f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
                 "Pass --config or create it (see docs/configuration.md)",
             )
-        self.spool = Spool(self.s.spool_dir, self.s.spool_max_bytes, registry=self.registry)
+        assert self.kernel is not None
+        self.spool = Spool(
+            self.s.spool_dir,
+            self.s.spool_max_bytes,
+            registry=self.registry,
+            kernel_build_id=self.kernel.build_id,
+        )
         self.loop = PsiLoop(registry=self.registry)
         self._event_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._walk_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -232,9 +216,13 @@ class Agent:
         )
 
     def _start_metrics(self) -> None:
-        app = make_wsgi_app(self.registry or REGISTRY)
         try:
-            server = make_server(self.s.metrics_addr, self.s.metrics_port, app, handler_class=_QuietHandler)
+            server = MetricsServer(
+                self.s.metrics_addr,
+                self.s.metrics_port,
+                self.registry or REGISTRY,
+                self.metrics.scrape_connections_dropped,
+            )
         except OSError as e:
             raise StartupError(
                 "prepare",
@@ -242,8 +230,7 @@ class Agent:
                 f"{e.strerror}. Choose another --metrics-port, or 0 to disable",
             )
         self._metrics_server = server
-        wake = self._metrics_wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._metrics_thread = threads.start("metrics", lambda: _serve_until_woken(server, wake))
+        self._metrics_thread = threads.start("metrics", server.serve)
 
     def _load(self) -> None:
         assert self.kernel is not None
@@ -276,6 +263,7 @@ class Agent:
             period_ns=self.s.period_ns,
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
+            max_bytes=self.s.capture_max_bytes,
         )
         self.trigger = TriggerAgent(
             self.loop,
@@ -458,11 +446,10 @@ class Agent:
                     pass
         self._event_fd = self._walk_fd = self._sig_r = self._sig_w = -1
         if self._metrics_server is not None:
-            os.eventfd_write(self._metrics_wake, 1)
+            self._metrics_server.stop()
             if self._metrics_thread is not None:
                 self._metrics_thread.join(2.0)
-            self._metrics_server.server_close()
-            os.close(self._metrics_wake)
+            self._metrics_server.close()
             self._metrics_server = self._metrics_thread = None
 
 

@@ -147,8 +147,26 @@ class TriggerConfig:
 # YAML loading
 
 
+MAX_DEPTH = 32  # a trigger file nests 4 levels; PyYAML composes recursively (2 000 levels: RecursionError)
+MAX_FILE_BYTES = 1 << 20
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)
+    and nesting deeper than MAX_DEPTH."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self._depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -473,9 +491,11 @@ def load_trigger_config(path: str = DEFAULT_TRIGGER_PATH, first_rule_id: int = 1
     """Read and validate the trigger file. Raises ConfigError (also when unreadable)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(
             [f"cannot read the trigger file: {e.strerror} (check --config / BISTOURI_CONFIG)"], path
         )
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError([f"the file is larger than {MAX_FILE_BYTES} bytes: not a trigger file"], path)
     return parse_trigger_config(data, source=path, first_rule_id=first_rule_id)

@@ -7,9 +7,15 @@ gzip-compressed msgpack), and deletes a session only once the symbolizer has
 accepted it (or already had it). Before the first session of a kernel it makes
 sure the symbolizer has that kernel's kallsyms (`GET`, then `PUT` on 404).
 
-Failures back off exponentially with jitter; 429/503 `Retry-After` is obeyed;
-413 halves the batch; a 400 on a batch is bisected to find the one bad session.
-Nothing is dropped here: the spool's byte bound is the only place sessions go.
+Failures back off exponentially with jitter; `Retry-After` is obeyed but never
+waits less than that backoff (`Retry-After: 0` must not become a tight loop); 413
+halves the batch; a 400 on a batch is bisected to find the one bad session.
+The answers follow the ingest contract (docs/configuration.md): a 503 listing `failed`
+sessions (the symbolizer broke on its own side) keeps those in the spool to be
+sent again, while its `accepted` and `duplicates` are done. Only a session the
+symbolizer refused for its own content goes to `rejected/`. Nothing is dropped
+here: the spool's byte bound is the only place sessions go. Answers are read up
+to MAX_RESPONSE_BYTES.
 """
 
 from __future__ import annotations
@@ -21,12 +27,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-import msgpack
 import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
@@ -61,6 +66,19 @@ class _Batch:
     @property
     def nbytes(self) -> int:
         return sum(len(d) for d in self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """An HTTP answer, its body read whole but bounded."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
 
 
 class _Metrics:
@@ -105,16 +123,6 @@ def _retry_after(value: str | None, default: float, now_wall: float) -> float:
         return default
 
 
-def _kernel_of(data: bytes) -> bytes:
-    """The kernel build id of an encoded session, without validating the rest."""
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-        bid = obj["kernel"]["build_id"]
-        return bid if isinstance(bid, bytes) else b""
-    except Exception:  # the symbolizer validates; an odd session just skips the kernel check
-        return b""
-
-
 class Exporter:
     """Ships the spool to the symbolizer from the `bistouri-exporter` thread."""
 
@@ -127,10 +135,10 @@ class Exporter:
     JITTER = 0.25  # each wait is scaled by a uniform factor in [1 - JITTER, 1 + JITTER]
     RETRY_AFTER_DEFAULT_S = 60.0
     RETRY_AFTER_MAX_S = 3600.0
+    MAX_RESPONSE_BYTES = 1 << 20  # our answers are small JSON; more is a broken or hostile server
     IDLE_RESCAN_S = 30.0  # look at the spool even without notify()
     REGROW_AFTER_POSTS = 16  # successful posts before a lowered batch limit doubles again
-    KERNEL_RETRY_S = 600.0
-    _KERNEL_CACHE_MAX = 4096  # how long a refused kallsyms upload is not retried
+    KERNEL_RETRY_S = 600.0  # how long a refused kallsyms upload is not retried
 
     def __init__(
         self,
@@ -177,7 +185,6 @@ class Exporter:
         self._disabled_until = 0.0  # monotonic; the server's Retry-After, never cut short
         self._known_kernels: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
-        self._kernel_cache: dict[str, bytes] = {}  # spool name -> build id
         self._rng = random.Random()
 
     # -- lifecycle
@@ -252,7 +259,8 @@ class Exporter:
                 outcome = _Outcome(failed=True)
             if outcome.retry_in > 0:
                 self._failures += 1
-                self._disabled_until = time.monotonic() + outcome.retry_in
+                # The server's wait, never cut short by flush(), and never below our own backoff.
+                self._disabled_until = time.monotonic() + max(outcome.retry_in, self._backoff())
             elif outcome.failed:
                 self._failures += 1
                 self._backoff_until = time.monotonic() + self._backoff()
@@ -268,7 +276,7 @@ class Exporter:
 
     def _backoff(self) -> float:
         base = min(self._backoff_max, self._backoff_initial * 2 ** min(self._failures - 1, 30))
-        return base * self._rng.uniform(1 - self.JITTER, 1 + self.JITTER)
+        return max(self._backoff_initial, base * self._rng.uniform(1 - self.JITTER, 1 + self.JITTER))
 
     def _next_batch(self) -> _Batch:
         batch = _Batch()
@@ -284,15 +292,8 @@ class Exporter:
             batch.entries.append(e)
             batch.data.append(data)
             size += len(data)
-            if len(self._kernel_cache) > self._KERNEL_CACHE_MAX:
-                # Evicted sessions never get acked: forget what is no longer spooled.
-                live = {p.name for p in self.spool.pending()}
-                self._kernel_cache = {n: b for n, b in self._kernel_cache.items() if n in live}
-            bid = self._kernel_cache.get(e.name)
-            if bid is None:
-                bid = self._kernel_cache[e.name] = _kernel_of(data)
-            if bid:
-                batch.kernels.add(bid)
+            if e.kernel_build_id:  # from the spool file's header: the session is never decoded
+                batch.kernels.add(e.kernel_build_id)
         return batch
 
     def _send_next(self) -> _Outcome:
@@ -329,18 +330,32 @@ class Exporter:
             self._token_stat = None
         return self._token
 
-    def _request(self, method: str, path: str, **kw: Any) -> requests.Response | _Outcome:
-        """One request; a transport failure becomes a failed _Outcome."""
+    def _request(self, method: str, path: str, **kw: Any) -> _Reply | _Outcome:
+        """One request; a transport failure or an oversized answer becomes a failed _Outcome."""
         try:
-            return self._http.request(
+            with self._http.request(
                 method,
                 f"{self.endpoint}{path}",
                 timeout=self._timeout,
                 headers=self._merged(kw),
                 verify=self._verify,
                 cert=self._cert,
+                stream=True,
                 **kw,
-            )
+            ) as resp:
+                body = bytearray()
+                for chunk in resp.iter_content(64 * 1024):
+                    body += chunk
+                    if len(body) > self.MAX_RESPONSE_BYTES:
+                        self._m.failures.labels("response_too_large").inc()
+                        log.warning(
+                            "symbolizer answer too large, ignored status=%d max_bytes=%d url=%s",
+                            resp.status_code,
+                            self.MAX_RESPONSE_BYTES,
+                            self.endpoint,
+                        )
+                        return _Outcome(failed=True)
+                return _Reply(resp.status_code, resp.headers, bytes(body))
         except requests.Timeout:
             reason = "timeout"
         except requests.exceptions.SSLError:
@@ -361,7 +376,7 @@ class Exporter:
         headers.update(kw.pop("headers", {}) or {})
         return headers
 
-    def _http_failure(self, resp: requests.Response, what: str) -> _Outcome:
+    def _http_failure(self, resp: _Reply, what: str) -> _Outcome:
         status = resp.status_code
         detail = _error_detail(resp)
         if status in (429, 503):
@@ -371,6 +386,7 @@ class Exporter:
             )
             self._m.failures.labels("rate_limited" if status == 429 else "unavailable").inc()
             log.info("symbolizer asks to wait status=%d retry_after_s=%.1f", status, wait)
+            # 0 (or a past date) still waits our own backoff: see _run.
             return _Outcome(retry_in=max(wait, 0.001))
         if status == 401 or status == 403:
             self._m.failures.labels("unauthorized").inc()
@@ -384,6 +400,10 @@ class Exporter:
         reason = "server_error" if status >= 500 else f"http_{status}"
         self._m.failures.labels(reason).inc()
         log.warning("symbolizer error on %s status=%d detail=%s", what, status, detail)
+        header = resp.headers.get("Retry-After")
+        if header and (status >= 500 or status == 408):
+            wait = min(self.RETRY_AFTER_MAX_S, _retry_after(header, 0.0, time.time()))
+            return _Outcome(retry_in=max(wait, 0.001))
         return _Outcome(failed=True)
 
     def _ensure_kernel(self, bid: bytes) -> _Outcome | None:
@@ -450,6 +470,12 @@ class Exporter:
         n = len(batch.entries)
         if status == 200 and result is not None:
             return self._apply_result(batch, result)
+        if status == 503 and result is not None and "failed" in result:
+            # The symbolizer broke on its own side for some sessions: what it stored is done,
+            # the failed ones stay spooled and come again after the wait (never rejected/).
+            self._apply_result(batch, result)
+            self._log_failed(result)
+            return self._http_failure(resp, "POST sessions")
         if status in (400, 413) and result is not None and result.get("rejected"):
             # The server said which sessions it refused: act on that rather than guess.
             return self._apply_result(batch, result)
@@ -474,6 +500,15 @@ class Exporter:
             return _Outcome(failed=True)
         return self._http_failure(resp, "POST sessions")
 
+    def _log_failed(self, result: dict[str, Any]) -> None:
+        failed = [f for f in result.get("failed") or [] if isinstance(f, dict)]
+        reasons = sorted({str(f.get("reason", "?"))[:64] for f in failed})
+        log.warning(
+            "symbolizer failed on its side, sessions kept to send again failed=%d reasons=%s",
+            len(failed),
+            ",".join(reasons),
+        )
+
     def _lower_limit(self, n: int) -> None:
         self._batch_limit = max(1, n // 2)
         self._good_posts = 0
@@ -486,13 +521,15 @@ class Exporter:
             e = by_id.get(sid)
             if e is not None and sid not in done:
                 self.spool.ack(e.name)
-                self._kernel_cache.pop(e.name, None)
                 done.add(sid)
                 sent += 1
+        failed = {f.get("id") for f in result.get("failed") or [] if isinstance(f, dict)}
         for r in result.get("rejected") or []:
             rid = r.get("id") if isinstance(r, dict) else None
             rej = by_id.get(rid) if isinstance(rid, str) else None
-            if rej is not None and rej.session_id not in done:
+            if rej is not None and r.get("reason") in _SERVER_SIDE_REASONS:
+                failed.add(rej.session_id)  # an older symbolizer's own failure: not the session's fault
+            elif rej is not None and rej.session_id not in done:
                 self._reject(rej, f"{r.get('reason', 'rejected')}: {r.get('detail', '')}".rstrip(": "))
                 done.add(rej.session_id)
         for hexid in result.get("missing_kernels") or []:
@@ -501,6 +538,9 @@ class Exporter:
             except (TypeError, ValueError):
                 pass
         self._m.sent.inc(sent)
+        if any(e.session_id in failed and e.session_id not in done for e in batch.entries):
+            # Failed on the symbolizer's side: kept, sent again after a pause.
+            return _Outcome(sent=sent, failed=True, progress=bool(done))
         if len(done) < len(batch.entries):
             # Sessions the answer did not mention stay spooled and are sent again after a pause.
             self._m.failures.labels("incomplete_response").inc()
@@ -515,24 +555,28 @@ class Exporter:
 
     def _reject(self, e: SpoolEntry, reason: str) -> None:
         self._m.rejected.inc()
-        self._kernel_cache.pop(e.name, None)
         log.warning("symbolizer rejected a session session_id=%s reason=%s", e.session_id, reason)
         self.spool.reject(e.name, reason)
+
+
+# Reasons that are the symbolizer's own failures; symbolizers before the ingest contract of
+# docs/api.md sent them as "rejected" with a 400, and the session went to rejected/ for good.
+_SERVER_SIDE_REASONS = frozenset({"symbolize_failed", "store_failed", "internal"})
 
 
 def _ids(v: Any) -> list[str]:
     return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
 
 
-def _json_body(resp: requests.Response) -> dict[str, Any] | None:
+def _json_body(resp: _Reply) -> dict[str, Any] | None:
     try:
-        obj = resp.json()
-    except ValueError:
+        obj = json.loads(resp.body)
+    except (ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 
 
-def _error_detail(resp: requests.Response) -> str:
+def _error_detail(resp: _Reply) -> str:
     body = _json_body(resp)
     if body is not None and ("error" in body or "detail" in body):
         return f"{body.get('error', '')}: {body.get('detail', '')}"

@@ -1,16 +1,25 @@
-"""Prometheus metrics of the agent (port 9464). docs/metrics.csv is the catalogue.
+"""Prometheus metrics of the agent (port 9464) and the server that exposes them.
 
-Labels are resource/kind/reason-class only: never pid or comm (unbounded).
-BPF-side counters are read from the `counters` map at scrape time.
+docs/metrics.csv is the catalogue. Labels are resource/kind/reason-class only:
+never pid or comm (unbounded). BPF-side counters are read from the `counters`
+map at scrape time.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
+import os
+import selectors
+import socket
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from . import abi
@@ -56,7 +65,15 @@ class AgentMetrics:
             registry=r,
         )
         self.traces_dropped = Counter(
-            "bistouri_traces_dropped_total", "Distinct stacks dropped because a session was full", registry=r
+            "bistouri_traces_dropped_total",
+            "Distinct stacks not held, by reason (session_full, memory)",
+            ["reason"],
+            registry=r,
+        )
+        self.capture_bytes = Gauge(
+            "bistouri_capture_bytes",
+            "Estimated memory held by the stacks of running sessions (bound: --capture-max-bytes)",
+            registry=r,
         )
         self.ringbuf_queue_dropped = Counter(
             "bistouri_ringbuf_queue_dropped_total",
@@ -84,6 +101,12 @@ class AgentMetrics:
             "bistouri_proc_walk_duration_seconds",
             "Duration of the periodic /proc walk",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.scrape_connections_dropped = Counter(
+            "bistouri_metrics_connections_dropped_total",
+            "Connections to the metrics port closed unanswered, by reason (timeout, overflow, too_large)",
+            ["reason"],
             registry=r,
         )
         self.session_samples = Histogram(
@@ -153,3 +176,181 @@ class BpfCountersCollector(Collector):
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",
             value=orphaned,
         )
+
+
+# -- the /metrics endpoint
+
+
+@dataclass(slots=True)
+class _Conn:
+    sock: socket.socket
+    deadline: float  # monotonic: the request must be read and the answer sent by then
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: memoryview | None = None  # set once the request is read
+
+
+class MetricsServer:
+    """Answers scrapes from one thread that sleeps on a selector: nothing runs while idle.
+
+    Every socket is non-blocking, so an idle or slow client holds nobody up (a blocking
+    server stalled every scrape behind one idle TCP connection). Each connection gets
+    `request_timeout_s` to send a request head of at most MAX_REQUEST_BYTES and take the
+    answer; at most `max_connections` are open, the oldest is closed to make room. Every
+    connection closed unanswered is counted with its reason.
+    """
+
+    MAX_REQUEST_BYTES = 8192
+    _DROP_TIMEOUT = "timeout"
+    _DROP_OVERFLOW = "overflow"
+    _DROP_TOO_LARGE = "too_large"
+
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        registry: CollectorRegistry,
+        dropped: Counter,
+        *,
+        max_connections: int = 64,
+        request_timeout_s: float = 10.0,
+    ) -> None:
+        self.registry = registry
+        self._dropped = dropped
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self._listener = socket.socket(family, kind, proto)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(sockaddr)
+            self._listener.listen(64)
+            self._listener.setblocking(False)
+        except OSError:
+            self._listener.close()
+            raise
+        self.port: int = self._listener.getsockname()[1]
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._conns: dict[socket.socket, _Conn] = {}  # in accept order: the first is the oldest
+
+    def stop(self) -> None:
+        """Make serve() return (from any thread)."""
+        os.eventfd_write(self._wake, 1)
+
+    def close(self) -> None:
+        """Release the sockets once serve() has returned."""
+        for c in list(self._conns.values()):
+            c.sock.close()
+        self._conns.clear()
+        self._listener.close()
+        os.close(self._wake)
+
+    def serve(self) -> None:
+        """Serve until stop(). Blocks in select() with no timeout while no connection is open."""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._listener, selectors.EVENT_READ, "accept")
+            sel.register(self._wake, selectors.EVENT_READ, "stop")
+            while True:
+                timeout = None
+                if self._conns:
+                    first = min(c.deadline for c in self._conns.values())
+                    timeout = max(0.0, first - time.monotonic())
+                for key, _ in sel.select(timeout):
+                    if key.data == "stop":
+                        return
+                    if key.data == "accept":
+                        self._accept(sel)
+                    else:
+                        self._service(sel, key.data)
+                self._expire(sel, time.monotonic())
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: the client waits in the backlog meanwhile
+                log.warning("metrics: cannot accept a connection: %s", e.strerror)
+                return
+            sock.setblocking(False)
+            if len(self._conns) >= self.max_connections:
+                self._drop(sel, next(iter(self._conns.values())), self._DROP_OVERFLOW)
+            conn = _Conn(sock, time.monotonic() + self.request_timeout_s)
+            self._conns[sock] = conn
+            sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _service(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        try:
+            if conn.outbox is None:
+                data = conn.sock.recv(4096)
+                if not data:
+                    self._close(sel, conn)
+                    return
+                conn.inbox += data
+                end = conn.inbox.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(conn.inbox) > self.MAX_REQUEST_BYTES:
+                        self._drop(sel, conn, self._DROP_TOO_LARGE)
+                    return
+                try:
+                    answer = self._answer(bytes(conn.inbox[:end]))
+                except Exception:  # a failing collector must not end the endpoint
+                    log.exception("metrics: cannot build the answer")
+                    answer = _http(500, [], b"cannot collect the metrics\n")
+                conn.outbox = memoryview(answer)
+                sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            sent = conn.sock.send(conn.outbox)
+            conn.outbox = conn.outbox[sent:]
+            if not conn.outbox:
+                self._close(sel, conn)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset by the peer
+            self._close(sel, conn)
+
+    def _answer(self, head: bytes) -> bytes:
+        """The whole HTTP/1.0-style answer (the connection closes after it)."""
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split()
+        if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
+            return _http(405, [("Allow", "GET, HEAD")], b"only GET and HEAD\n")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        registry: CollectorRegistry = self.registry
+        names = parse_qs(urlsplit(parts[1]).query).get("name[]")
+        if names:
+            registry = registry.restricted_registry(names)  # type: ignore[assignment]
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        body = encoder(registry)
+        extra = [("Content-Type", content_type)]
+        if "gzip" in headers.get("accept-encoding", ""):
+            body = gzip.compress(body, compresslevel=1)
+            extra.append(("Content-Encoding", "gzip"))
+        return _http(200, extra, body, head_only=parts[0] == "HEAD")
+
+    def _expire(self, sel: selectors.BaseSelector, now: float) -> None:
+        for conn in [c for c in self._conns.values() if c.deadline <= now]:
+            self._drop(sel, conn, self._DROP_TIMEOUT)
+
+    def _drop(self, sel: selectors.BaseSelector, conn: _Conn, reason: str) -> None:
+        self._dropped.labels(reason).inc()
+        self._close(sel, conn)
+
+    def _close(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        sel.unregister(conn.sock)
+        del self._conns[conn.sock]
+        conn.sock.close()
+
+
+_REASONS = {200: "OK", 405: "Method Not Allowed", 500: "Internal Server Error"}
+
+
+def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: bool = False) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS[status]}", f"Content-Length: {len(body)}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)

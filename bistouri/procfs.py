@@ -98,6 +98,13 @@ def read_stat(pid: int, proc_root: str = "/proc") -> ProcStat | None:
     return None if data is None else parse_stat(data, pid)
 
 
+def is_same_process(pid: int, starttime: int, proc_root: str = "/proc") -> bool:
+    """Whether `pid` is still the process that started at `starttime`: a pid freed by an exit
+    can be given to another process, and only the start time tells them apart."""
+    st = read_stat(pid, proc_root)
+    return st is not None and st.starttime == starttime
+
+
 def parse_cgroup2_path(data: bytes) -> str | None:
     """The cgroup v2 path from /proc/<pid>/cgroup content (the `0::/path` line)."""
     for line in data.splitlines():

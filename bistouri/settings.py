@@ -38,6 +38,7 @@ class AgentSettings:
     cgroup_path: str | None = None  # None: no cgroup2 mount found (only scope: system works)
     spool_dir: str = "/var/lib/bistouri/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
+    capture_max_bytes: int = 64 * 1024 * 1024  # stacks held by running sessions
     walk_interval_secs: float = 30.0
     offcpu: bool = True
     log_level: str = "info"
@@ -69,6 +70,7 @@ _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--cgroup-path", "BISTOURI_CGROUP_PATH", "PATH", "cgroup2 mount (default: found in <proc>/mounts)"),
     ("--spool-dir", "BISTOURI_SPOOL_DIR", "PATH", "spooled sessions (default /var/lib/bistouri/spool)"),
     ("--spool-max-bytes", "BISTOURI_SPOOL_MAX_BYTES", "SIZE", "spool size cap, e.g. 256MiB (default 256MiB)"),
+    ("--capture-max-bytes", "BISTOURI_CAPTURE_MAX_BYTES", "SIZE", "stack memory of sessions (default 64MiB)"),
     ("--walk-interval-secs", "BISTOURI_WALK_INTERVAL", "SECS", "period of the /proc walk (default 30)"),
     ("--offcpu", "BISTOURI_OFFCPU", None, "capture off-CPU (D state) stacks (default on)"),
     ("--log-level", "BISTOURI_LOG_LEVEL", "LEVEL", "debug, info, warning or error (default info)"),
@@ -255,6 +257,18 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
                 problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
             else:
                 s["spool_max_bytes"] = size
+    cm, where = raw("capture_max_bytes")
+    s["capture_max_bytes"] = 64 * 1024 * 1024
+    if cm is not None:
+        try:
+            size = parse_size(str(cm))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+        else:
+            if size < 1024 * 1024:
+                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
+            else:
+                s["capture_max_bytes"] = size
     s["walk_interval_secs"] = number("walk_interval_secs", 30.0, 1.0, 3600.0, integer=False)
 
     off, where = raw("offcpu")

@@ -2,9 +2,10 @@
 
 One file per session, named `<sequence>.<session_id>.bses`, so that a name sort
 is oldest first and the order survives restarts. A file is written in `tmp/`,
-fsynced and renamed into place, so a reader sees whole files only. Each file
-starts with a small header (magic, length, CRC32) so a file damaged on disk is
-spotted and moved aside into `rejected/` instead of being sent.
+fsynced and renamed into place, so a reader sees whole files only. The file
+framing (header with magic, length, CRC32 and the kernel build id) belongs to
+`wire.frame_session`: a file damaged on disk is spotted and moved aside into
+`rejected/` instead of being sent, and `bistouri symbolize` reads the same files.
 
 The spool is bounded in bytes: putting a session into a full spool drops the
 oldest ones first, and every drop is counted with its reason. `rejected/`
@@ -16,20 +17,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from . import wire
+from .errors import WireError
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".bses"
 REASON_SUFFIX = ".reason"
-_MAGIC = b"BSP1"
-_HEADER = struct.Struct("<4sII")  # magic, payload length, crc32 of the payload
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _NAME_RE = re.compile(r"^(\d{12})\.([A-Za-z0-9][A-Za-z0-9_-]{0,63})\.bses$")
 _LOG_EVERY_S = 60.0
@@ -48,6 +48,7 @@ class SpoolEntry:
     name: str
     session_id: str
     size: int  # bytes on disk, header included
+    kernel_build_id: bytes = b""  # from the file's header: no need to decode the session
 
 
 def _session_of(name: str) -> str:
@@ -83,10 +84,13 @@ class Spool:
         max_bytes: int,
         registry: CollectorRegistry | None = REGISTRY,
         max_rejected_bytes: int | None = None,
+        kernel_build_id: bytes = b"",
     ) -> None:
+        """`kernel_build_id`: the running kernel's, stamped on every session put here."""
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.directory = directory
+        self.kernel_build_id = kernel_build_id
         self.max_bytes = max_bytes
         self.max_rejected_bytes = (
             max_rejected_bytes if max_rejected_bytes is not None else max(1, max_bytes // 8)
@@ -95,6 +99,7 @@ class Spool:
         self.rejected_dir = os.path.join(directory, "rejected")
         self._lock = threading.Lock()
         self._entries: dict[str, int] = {}  # name -> size, the names sort oldest first
+        self._kernels: dict[str, bytes] = {}  # name -> kernel build id, when it has one
         self._bytes = 0
         self._seq = 0
         self._rejected: dict[str, int] = {}
@@ -127,11 +132,15 @@ class Spool:
                 continue  # not ours; leave it alone
             self._seq = max(self._seq, int(m.group(1)))
             try:
+                with open(path, "rb") as f:
+                    head = f.read(wire.FILE_HEADER_MAX)
                 size = os.path.getsize(path)
             except OSError:
                 continue
             self._entries[name] = size
             self._bytes += size
+            if bid := wire.framed_kernel_build_id(head):
+                self._kernels[name] = bid
         for name in sorted(os.listdir(self.rejected_dir)):
             path = os.path.join(self.rejected_dir, name)
             if name.endswith(SUFFIX) and os.path.isfile(path):
@@ -158,12 +167,12 @@ class Spool:
         """
         if not SESSION_ID_RE.match(session_id):
             raise ValueError(f"session id {session_id!r} must match {SESSION_ID_RE.pattern}")
-        size = _HEADER.size + len(data)
+        framed = wire.frame_session(wire.SessionFile(data, self.kernel_build_id))
+        size = len(framed)
         if size > self.max_bytes:
             self._m.dropped.labels(DROP_TOO_LARGE).inc()
             self._log_limited(DROP_TOO_LARGE, "spool: session larger than the spool, dropped", size)
             return None
-        header = _HEADER.pack(_MAGIC, len(data), zlib.crc32(data))
         with self._lock:
             self._seq += 1
             name = f"{self._seq:012d}.{session_id}{SUFFIX}"
@@ -171,8 +180,7 @@ class Spool:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, header)
-                view = memoryview(data)
+                view = memoryview(framed)
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
@@ -183,9 +191,10 @@ class Spool:
                 self._evict_locked(size)
                 os.rename(tmp, os.path.join(self.directory, name))
                 self._entries[name] = size
+                if self.kernel_build_id:
+                    self._kernels[name] = self.kernel_build_id
                 self._bytes += size
                 self._publish_locked()
-            self._fsync_dir(self.directory)
         except OSError as e:
             self._unlink(tmp)
             self._m.dropped.labels(DROP_WRITE_ERROR).inc()
@@ -193,12 +202,18 @@ class Spool:
                 DROP_WRITE_ERROR, f"spool: cannot write a session ({e.strerror}), dropped", size
             )
             return None
+        try:
+            self._fsync_dir(self.directory)
+        except OSError as e:
+            # The session is in place and will be sent; only its survival of a power loss is at risk.
+            self._log_limited("fsync", f"spool: cannot fsync the directory ({e.strerror})", size)
         return name
 
     def _evict_locked(self, incoming: int) -> None:
         while self._entries and self._bytes + incoming > self.max_bytes:
             oldest = min(self._entries)
             size = self._entries.pop(oldest)
+            self._kernels.pop(oldest, None)
             self._bytes -= size
             self._unlink(os.path.join(self.directory, oldest))
             self._m.dropped.labels(DROP_FULL).inc()
@@ -209,7 +224,10 @@ class Spool:
     def pending(self) -> list[SpoolEntry]:
         """Waiting sessions, oldest first."""
         with self._lock:
-            return [SpoolEntry(n, _session_of(n), s) for n, s in sorted(self._entries.items())]
+            return [
+                SpoolEntry(n, _session_of(n), s, self._kernels.get(n, b""))
+                for n, s in sorted(self._entries.items())
+            ]
 
     def __len__(self) -> int:
         with self._lock:
@@ -232,21 +250,11 @@ class Spool:
         except OSError as e:
             self._quarantine(name, f"unreadable: {e.strerror}")
             return None
-        if len(raw) < _HEADER.size:
-            self._quarantine(name, "shorter than its header")
+        try:
+            return wire.unframe_session(raw).data
+        except WireError as e:
+            self._quarantine(name, str(e).removeprefix("corrupt: "))
             return None
-        magic, length, crc = _HEADER.unpack_from(raw)
-        data = raw[_HEADER.size :]
-        if magic != _MAGIC:
-            self._quarantine(name, "bad magic")
-            return None
-        if length != len(data):
-            self._quarantine(name, f"truncated: {len(data)} of {length} bytes")
-            return None
-        if zlib.crc32(data) != crc:
-            self._quarantine(name, "checksum mismatch")
-            return None
-        return data
 
     def ack(self, name: str) -> None:
         """Delivered: delete it. Unknown names are ignored (evicted meanwhile)."""
@@ -254,6 +262,7 @@ class Spool:
             size = self._entries.pop(name, None)
             if size is None:
                 return
+            self._kernels.pop(name, None)
             self._bytes -= size
             self._unlink(os.path.join(self.directory, name))
             self._publish_locked()
@@ -264,17 +273,18 @@ class Spool:
             size = self._entries.pop(name, None)
             if size is None:
                 return
+            self._kernels.pop(name, None)
             self._bytes -= size
             try:
                 os.rename(os.path.join(self.directory, name), os.path.join(self.rejected_dir, name))
-                with open(os.path.join(self.rejected_dir, name + REASON_SUFFIX), "w") as f:
-                    f.write(reason[:4096] + "\n")
             except OSError as e:
                 log.warning("spool: cannot move a rejected session aside name=%s error=%s", name, e.strerror)
                 self._unlink(os.path.join(self.directory, name))
             else:
+                # Tracked from here on, so the rejected/ bound covers it even without its reason.
                 self._rejected[name] = size
                 self._rejected_bytes += size
+                self._write_reason(name, reason)
                 self._trim_rejected_locked()
             self._m.rejected.inc()
             self._publish_locked()
@@ -302,9 +312,24 @@ class Spool:
     def _forget(self, name: str) -> None:
         with self._lock:
             size = self._entries.pop(name, None)
+            self._kernels.pop(name, None)
             if size is not None:
                 self._bytes -= size
                 self._publish_locked()
+
+    def _write_reason(self, name: str, reason: str) -> None:
+        path = os.path.join(self.rejected_dir, name + REASON_SUFFIX)
+        try:
+            with open(path, "w") as f:
+                f.write(reason[:4096] + "\n")
+        except OSError as e:
+            log.warning(
+                "spool: cannot write why a session was rejected name=%s reason=%s error=%s",
+                name,
+                reason[:200],
+                e.strerror,
+            )
+            self._unlink(path)
 
     def _trim_rejected_locked(self) -> None:
         while self._rejected and self._rejected_bytes > self.max_rejected_bytes:

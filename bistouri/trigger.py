@@ -33,6 +33,7 @@ SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
 @dataclass(frozen=True, slots=True)
 class FoundProcess:
     pid: int
+    starttime: int  # with pid, identifies the process: pids are reused
     comm: str
     cgroup: str  # cgroup2 path relative to the mount, "/" for the root
     rule_ids: tuple[int, ...]
@@ -61,6 +62,7 @@ class WatchGroup:
 
 @dataclass(slots=True)
 class Tracked:
+    starttime: int
     comm: str
     cgroup: str
     rule_ids: tuple[int, ...]
@@ -95,7 +97,7 @@ def walk_processes(
         if cgroup is None:
             continue  # exited meanwhile
         vdso = None if known_vdso(st.pid) else procfs.read_vdso_range(st.pid, proc_root)
-        found.append(FoundProcess(st.pid, st.comm, cgroup, tuple(rule_ids), vdso))
+        found.append(FoundProcess(st.pid, st.starttime, st.comm, cgroup, tuple(rule_ids), vdso))
     return WalkResult(generation, started, time.monotonic() - started, found)
 
 
@@ -156,11 +158,12 @@ class TriggerAgent:
                 return
         else:
             rule_ids = self.matcher.match(ev.comm)
+        st = procfs.read_stat(ev.pid, self.proc_root)
         cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
-        if cgroup is None:
+        if st is None or cgroup is None:
             return  # already gone
         self.orch.set_vdso(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
-        self._track(FoundProcess(ev.pid, ev.comm, cgroup, tuple(rule_ids)))
+        self._track(FoundProcess(ev.pid, st.starttime, ev.comm, cgroup, tuple(rule_ids)))
 
     def on_walk(self, result: WalkResult) -> None:
         if result.generation != self.generation:
@@ -180,11 +183,19 @@ class TriggerAgent:
 
     def _track(self, p: FoundProcess) -> None:
         old = self.processes.get(p.pid)
-        if old is not None and (old.cgroup, old.rule_ids, old.comm) == (p.cgroup, p.rule_ids, p.comm):
+        if old is not None and (old.starttime, old.cgroup, old.rule_ids, old.comm) == (
+            p.starttime,
+            p.cgroup,
+            p.rule_ids,
+            p.comm,
+        ):
             return
         if old is not None:
-            self._untrack(p.pid)  # moved cgroup or renamed: re-register
-        t = Tracked(p.comm, p.cgroup, p.rule_ids, time.monotonic())
+            self._untrack(p.pid)  # moved cgroup, renamed, or another process got the pid: re-register
+            if old.starttime != p.starttime and p.vdso is None:
+                # The walk skipped the vDSO of a pid it knew: that was the previous process's.
+                self.orch.set_vdso(p.pid, procfs.read_vdso_range(p.pid, self.proc_root))
+        t = Tracked(p.starttime, p.comm, p.cgroup, p.rule_ids, time.monotonic())
         self.processes[p.pid] = t
         for rid in p.rule_ids:
             target = self._target(rid)
@@ -278,8 +289,9 @@ class TriggerAgent:
                 t = self.processes.get(pid)
                 if t is None or rid not in t.rule_ids:
                     continue
-                if not os.path.exists(os.path.join(self.proc_root, str(pid))):
-                    self._untrack(pid)
+                if not procfs.is_same_process(pid, t.starttime, self.proc_root):
+                    self._untrack(pid)  # exited, or its pid now belongs to another process
+                    self.orch.forget_vdso(pid)  # so the walk reads the new process's
                     continue
                 procs[pid] = t.comm
             sid = self.orch.start_session(

@@ -443,9 +443,9 @@ def run_symbolizer(args: argparse.Namespace) -> int:
 
 
 def run_symbolize(args: argparse.Namespace) -> int:
-    from .. import wire
     from ..errors import WireError
     from . import formats
+    from .resolve import read_session_file
     from .store import meta_from_session
 
     _apply_source_env(args)
@@ -461,11 +461,9 @@ def run_symbolize(args: argparse.Namespace) -> int:
         sessions = []
         for name in args.files:
             try:
-                data = Path(name).read_bytes()
+                sessions.append(read_session_file(name))  # spool files, bare or gzip'd msgpack
             except OSError as e:
                 raise UsageError(f"{name}: cannot read it: {e.strerror}")
-            try:
-                sessions.append(wire.decode_session(data))
             except WireError as e:
                 raise UsageError(f"{name}: not a bistouri session file: {e}")
         if args.kallsyms:

@@ -20,12 +20,12 @@ deployed later) gets a new generation, so stale names age out.
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import logging
 import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -646,20 +646,39 @@ def _path(p: str) -> str:
 
 
 def read_session_file(path: str | os.PathLike[str], max_bytes: int = 256 << 20) -> wire.Session:
-    """One session from a spool file or a one-session request body (msgpack, gzip'd or not)."""
+    """One session from a spool file (`wire.frame_session`), bare msgpack, or a one-session
+    request body (gzip'd or not). Reads and inflates at most `max_bytes`."""
+    name = os.fspath(path)
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
     if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+        data = _gunzip(data, max_bytes, name)
     if len(data) > max_bytes:
-        raise WireError("too_large", f"{os.fspath(path)} holds more than {max_bytes} bytes")
+        raise WireError("too_large", f"{name} holds more than {max_bytes} bytes")
+    if wire.is_framed(data):
+        try:
+            data = wire.unframe_session(data).data
+        except WireError as e:
+            raise WireError(e.reason, f"{name}: {e} (a damaged spool file)") from None
     try:
         return wire.decode_session(data)
     except WireError:
         sessions: list[Any] = wire.decode_batch(data)
         if len(sessions) != 1:
-            raise WireError("malformed", f"{os.fspath(path)} holds {len(sessions)} sessions; expected one")
+            raise WireError("malformed", f"{name} holds {len(sessions)} sessions; expected one")
         return wire.session_from_wire(sessions[0])
+
+
+def _gunzip(data: bytes, max_bytes: int, name: str) -> bytes:
+    """Inflate at most `max_bytes`: a small gzip bomb must not take the memory."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(data, max_bytes + 1)
+    except zlib.error as e:
+        raise WireError("malformed", f"{name}: not valid gzip: {e}") from None
+    if len(out) > max_bytes:
+        raise WireError("too_large", f"{name} inflates to more than {max_bytes} bytes")
+    return out
 
 
 def symbolize_file(

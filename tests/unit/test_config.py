@@ -93,6 +93,26 @@ def test_duplicate_yaml_key_is_an_error():
     assert "line 4" in p and "duplicate key 'service_id'" in p
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "targets: " + "[" * 2000 + "]" * 2000,  # flow style
+        "targets:\n" + "".join("  " * i + "- k:\n" for i in range(2000)),  # block style
+    ],
+)
+def test_deep_nesting_is_a_clear_error_not_a_recursion_error(text):
+    [p] = problems(text)  # RecursionError escaped before, and killed the agent on reload
+    assert "nested deeper than 32 levels" in p and p.startswith("line ")
+
+
+def test_an_oversized_file_is_refused_unread(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (config.MAX_FILE_BYTES + 1))
+    with pytest.raises(ConfigError) as ei:
+        load_trigger_config(str(big))
+    assert "larger than 1048576 bytes" in ei.value.problems[0]
+
+
 def test_missing_file():
     with pytest.raises(ConfigError) as ei:
         load_trigger_config("/nonexistent/trigger.yaml")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+import os
 import shutil
 import ssl
 import subprocess
@@ -54,6 +56,7 @@ class FakeSymbolizer:
         self.kernel_gets = 0
         self.auth_headers: list[str | None] = []
         self.script: list[tuple[int, dict[str, str], dict[str, Any]]] = []  # forced next POST answers
+        self.always: tuple[int, dict[str, str], dict[str, Any]] | None = None  # once the script is done
         self.max_batch: int | None = None  # more sessions than this: 413
         self.reject: dict[str, str] = {}  # session id -> reason
         self.poison: set[str] = set()  # a batch containing one of these: whole-request 400
@@ -123,8 +126,8 @@ class FakeSymbolizer:
                 ids = [it["id"] for it in items]
                 with owner.lock:
                     owner.posts.append((time.monotonic(), ids))
-                    if owner.script:
-                        status, headers, payload = owner.script.pop(0)
+                    if owner.script or owner.always:
+                        status, headers, payload = owner.script.pop(0) if owner.script else owner.always
                         self._reply(status, payload, headers)
                         return
                     if owner.max_batch is not None and len(ids) > owner.max_batch:
@@ -189,8 +192,10 @@ def server() -> Iterator[FakeSymbolizer]:
 class Env:
     def __init__(self, tmp_path: Any, url: str, max_bytes: int = 10 << 20, **settings: Any) -> None:
         read_timeout_s = settings.pop("read_timeout_s", None)
+        backoff_initial_s = settings.pop("backoff_initial_s", 0.05)
+        backoff_max_s = settings.pop("backoff_max_s", 0.3)
         self.reg = CollectorRegistry()
-        self.spool = Spool(str(tmp_path / "spool"), max_bytes, registry=self.reg)
+        self.spool = Spool(str(tmp_path / "spool"), max_bytes, registry=self.reg, kernel_build_id=KERNEL)
         self.kallsyms_calls: list[bytes] = []
 
         def kallsyms(bid: bytes) -> str:
@@ -202,8 +207,8 @@ class Env:
             AgentSettings(symbolizer_endpoint=url, **settings),
             registry=self.reg,
             kallsyms_provider=kallsyms,
-            backoff_initial_s=0.05,
-            backoff_max_s=0.3,
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
             read_timeout_s=read_timeout_s,
         )
 
@@ -380,7 +385,7 @@ def test_whole_batch_400_bisects_to_the_bad_session(server, make_env):
 
 def test_gzipped_kallsyms_from_the_provider_is_not_compressed_twice(server, tmp_path):
     reg = CollectorRegistry()
-    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg)
+    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg, kernel_build_id=KERNEL)
     ex = Exporter(
         sp,
         AgentSettings(symbolizer_endpoint=server.url),
@@ -432,7 +437,7 @@ def test_spool_full_while_down_drops_oldest_and_counts(make_env):
     probe = FakeSymbolizer()
     port = probe.port
     probe.close()
-    one = len(session(0)[1]) + 12
+    one = len(session(0)[1]) + wire.FILE_HEADER.size + len(KERNEL)
     env = make_env(f"http://127.0.0.1:{port}", max_bytes=4 * one)
     env.exporter.start()
     ids = env.put(10)
@@ -479,7 +484,7 @@ def test_flush_skips_own_backoff_and_empties_the_spool(make_env):
 
 def test_no_endpoint_means_spool_only(tmp_path):
     reg = CollectorRegistry()
-    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg)
+    sp = Spool(str(tmp_path / "s"), 1 << 20, registry=reg, kernel_build_id=KERNEL)
     ex = Exporter(sp, AgentSettings(), registry=reg)
     ex.start()
     sid, data = session()
@@ -571,3 +576,77 @@ def test_tls_server_not_trusted_without_our_ca(pki, make_env):
         assert len(env.spool) == 1 and not srv.stored
     finally:
         srv.close()
+
+
+# -- the ingest contract after the hardening (docs/api.md)
+
+
+def _failed(*ids: str) -> list[dict[str, str]]:
+    return [{"id": i, "reason": "symbolize_failed", "detail": "ENOSPC"} for i in ids]
+
+
+def test_503_with_failed_sessions_keeps_them_and_drops_the_stored_ones(server, make_env):
+    env = make_env(server.url)
+    ids = env.put(3)
+    server.script.append(
+        (
+            503,
+            {"Retry-After": "0"},
+            {"accepted": [ids[0]], "duplicates": [ids[1]], "rejected": [], "failed": _failed(ids[2])},
+        )
+    )
+    env.exporter.start()
+    wait_for(lambda: len(env.spool) == 0)
+    # Only the failed one came again; the stored ones were done after the first answer.
+    assert [b for _, b in server.posts] == [ids, [ids[2]]]
+    assert env.spool.rejected() == [] and os.listdir(env.spool.rejected_dir) == []
+    assert env.metric("bistouri_export_sessions_rejected_total") == 0
+    assert env.metric("bistouri_export_sessions_sent_total") == 3
+    assert env.metric("bistouri_export_failures_total", reason="unavailable") == 1
+
+
+def test_a_session_failing_server_side_again_and_again_is_never_rejected(server, make_env):
+    env = make_env(server.url)
+    [sid] = env.put(1)
+    answer = {"accepted": [], "duplicates": [], "rejected": [], "failed": _failed(sid)}
+    server.script.extend([(503, {"Retry-After": "0"}, answer)] * 5)
+    env.exporter.start()
+    wait_for(lambda: len(env.spool) == 0)
+    assert [b for _, b in server.posts] == [[sid]] * 6 and server.stored == {sid: 1}
+    assert env.spool.rejected() == []
+
+
+@pytest.mark.parametrize("retry_after", ["0", "Wed, 21 Oct 2015 07:28:00 GMT"])
+def test_retry_after_zero_or_past_never_waits_less_than_the_backoff(server, make_env, retry_after):
+    server.always = (503, {"Retry-After": retry_after}, {"error": "unavailable", "detail": "db down"})
+    env = make_env(server.url, backoff_initial_s=0.2, backoff_max_s=0.2)
+    env.put(1)
+    env.exporter.start()
+    wait_for(lambda: len(server.posts) >= 4)
+    env.close()
+    gaps = [b - a for a, b in itertools.pairwise(t for t, _ in server.posts)]
+    # Before: ~250 POSTs a second (3-4 ms apart). Each gap is at least the backoff, by construction.
+    assert all(g >= 0.2 for g in gaps), gaps
+    assert len(env.spool) == 1
+
+
+def test_an_oversized_answer_is_not_read_whole_nor_trusted(server, make_env):
+    env = make_env(server.url)
+    ids = env.put(2)
+    big = {"accepted": ids, "duplicates": [], "rejected": [], "pad": "x" * (2 << 20)}
+    server.script.append((200, {}, big))
+    env.exporter.start()
+    wait_for(lambda: len(env.spool) == 0)
+    assert [b for _, b in server.posts] == [ids, ids]  # the 2 MiB answer was cut off, the batch sent again
+    assert env.metric("bistouri_export_failures_total", reason="response_too_large") == 1
+
+
+def test_an_older_symbolizers_symbolize_failed_rejection_is_kept_not_rejected(server, make_env):
+    env = make_env(server.url)
+    [sid] = env.put(1)
+    old = {"accepted": [], "duplicates": [], "rejected": _failed(sid)}  # before the contract: a 400
+    server.script.append((400, {}, old))
+    env.exporter.start()
+    wait_for(lambda: len(env.spool) == 0)
+    assert [b for _, b in server.posts] == [[sid], [sid]] and server.stored == {sid: 1}
+    assert env.spool.rejected() == [] and env.metric("bistouri_export_sessions_rejected_total") == 0

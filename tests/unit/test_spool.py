@@ -8,9 +8,10 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
+from bistouri import wire
 from bistouri.spool import Spool
 
-HEADER = 12
+HEADER = wire.FILE_HEADER.size  # with no kernel build id
 
 
 def dropped(reg: CollectorRegistry, reason: str) -> float:
@@ -196,3 +197,63 @@ def test_concurrent_writer_and_reader(tmp_path):
     assert len(seen) == len(set(seen))
     assert len(seen) + dropped(reg, "spool_full") == total
     assert dropped(reg, "corrupt") == 0
+
+
+def test_kernel_build_id_rides_in_the_file_header_across_restarts(tmp_path):
+    kernel = bytes(range(20))
+    sp, _ = make(tmp_path, kernel_build_id=kernel)
+    name = sp.put("k1", b"session")
+    assert name is not None
+    assert [e.kernel_build_id for e in sp.pending()] == [kernel]
+    assert [e.size for e in sp.pending()] == [HEADER + 20 + 7]
+    sp2, _ = make(tmp_path)  # a restart on another kernel: the file still says which kernel it needs
+    assert [e.kernel_build_id for e in sp2.pending()] == [kernel]
+    assert wire.unframe_session((tmp_path / "spool" / name).read_bytes()) == wire.SessionFile(
+        b"session", kernel
+    )
+    assert sp2.read(name) == b"session"
+
+
+def test_files_of_format_1_still_read(tmp_path):
+    import struct
+    import zlib
+
+    make(tmp_path)
+    name = "000000000007.old.bses"
+    (tmp_path / "spool" / name).write_bytes(struct.pack("<4sII", b"BSP1", 3, zlib.crc32(b"old")) + b"old")
+    sp, _ = make(tmp_path)
+    assert [(e.name, e.kernel_build_id) for e in sp.pending()] == [(name, b"")]
+    assert sp.read(name) == b"old"
+
+
+class _DirFsyncFails(Spool):
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        raise OSError(5, "Input/output error")
+
+
+def test_directory_fsync_failure_keeps_the_session_and_counts_no_drop(tmp_path):
+    reg = CollectorRegistry()
+    sp = _DirFsyncFails(str(tmp_path / "spool"), 10_000, registry=reg)
+    name = sp.put("f1", b"data")
+    assert name is not None  # it was a drop before, though the file stayed and was sent
+    assert [e.name for e in sp.pending()] == [name]
+    assert dropped(reg, "write_error") == 0
+    assert sp.read(name) == b"data"
+
+
+def test_reject_without_its_reason_file_is_still_tracked_and_bounded(tmp_path):
+    sp, reg = make(tmp_path, max_bytes=100_000, max_rejected_bytes=HEADER + 10)
+    first = sp.put("r0", bytes(10))
+    assert first is not None
+    # A directory in the way makes writing the .reason file fail for real.
+    os.mkdir(tmp_path / "spool" / "rejected" / (first + ".reason"))
+    sp.reject(first, "malformed")
+    assert sp.rejected() == [(first, "")]
+    second = sp.put("r1", bytes(10))
+    assert second is not None
+    sp.reject(second, "malformed")
+    # The bound evicted the first one: before, it was never tracked and stayed for good.
+    assert [n for n, _ in sp.rejected()] == [second]
+    assert not (tmp_path / "spool" / "rejected" / first).exists()
+    assert dropped(reg, "rejected_evicted") == 1

@@ -1,0 +1,90 @@
+"""`bistouri symbolize` on the files the agent's spool really writes (framed, with the kernel build id)."""
+
+from __future__ import annotations
+
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bistouri import wire
+from bistouri.errors import WireError
+from bistouri.spool import Spool
+from bistouri.symbolizer.resolve import read_session_file
+from tests.helpers import Cgroup
+from tests.integration.agent_harness import AgentProcess, burner_config
+
+from .conftest import KALLSYMS, KERNEL_BUILD_ID, REPO, DemoBinary, clean_env, make_session
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bistouri", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+        timeout=60,
+    )
+
+
+def _spooled(tmp_path: Path, sid: str, binary: DemoBinary) -> Path:
+    spool = Spool(str(tmp_path / "spool"), 1 << 20, registry=None, kernel_build_id=KERNEL_BUILD_ID)
+    name = spool.put(sid, wire.encode_session(make_session(sid, binary)))
+    assert name is not None
+    return tmp_path / "spool" / name
+
+
+def test_symbolize_reads_a_real_spool_file(tmp_path: Path, demo_binary: DemoBinary) -> None:
+    path = _spooled(tmp_path, "spooled-1", demo_binary)
+    kallsyms = tmp_path / "kallsyms"
+    kallsyms.write_bytes(KALLSYMS)
+    r = _run(
+        "symbolize",
+        str(path),
+        "--binary-dir",
+        str(demo_binary.dir),
+        "--kallsyms",
+        str(kallsyms),
+        "--format",
+        "folded",
+        "--value",
+        "off_cpu",
+    )
+    # It said "extra data" before: the spool's header was never removed.
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k] 5\n"
+
+
+def test_a_damaged_spool_file_is_a_clear_error(tmp_path: Path, demo_binary: DemoBinary) -> None:
+    path = _spooled(tmp_path, "spooled-2", demo_binary)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]))
+    r = _run("symbolize", str(path), "--format", "json")
+    assert r.returncode == 2, r.stderr
+    assert "checksum mismatch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_read_session_file_bounds_decompression(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.gz"
+    bomb.write_bytes(gzip.compress(bytes(64 << 20)))  # 64 MiB of zeros in ~64 KiB
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(WireError, match="inflates to more than"):
+        read_session_file(bomb, max_bytes=1 << 20)
+
+
+@pytest.mark.requires_bpf
+@pytest.mark.slow
+def test_symbolize_reads_what_a_real_agent_spooled(tmp_path: Path, workloads: Path) -> None:
+    with AgentProcess(tmp_path, burner_config()) as agent, Cgroup.create() as cg:
+        for _ in range(3):
+            cg.spawn([str(workloads / "burner"), "20"])
+        s = agent.wait_session(lambda s: s.trigger.resource == "cpu" and s.total_samples > 0, 15)
+        assert s is not None, agent.log()[-3000:]
+    [path] = [p for p in agent.spool_dir.glob("*.bses") if s.session_id in p.name]
+    assert wire.unframe_session(path.read_bytes()).kernel_build_id == s.kernel.build_id
+    r = _run("symbolize", str(path), "--binary-dir", str(workloads), "--format", "folded")
+    assert r.returncode == 0, r.stderr
+    assert "hot_spin" in r.stdout, r.stdout[:2000]

@@ -1,0 +1,102 @@
+"""Capture memory bounded in bytes across sessions, and what a dropped spool put does."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry
+
+from bistouri import abi, wire
+from bistouri.capture import TRACE_OVERHEAD_BYTES, CaptureOrchestrator
+from bistouri.events import decode_stack
+from bistouri.kernel import KernelMeta
+from bistouri.metrics import AgentMetrics
+from bistouri.spool import Spool
+
+from .test_capture import copy, record
+
+
+class _Filter:
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}
+
+    def set_pid_filter(self, pid: int, flags: int) -> None:
+        if flags:
+            self.pids[pid] = flags
+        else:
+            self.pids.pop(pid, None)
+
+
+def _orch(sink, reg: CollectorRegistry, tmp_path, **kw) -> CaptureOrchestrator:
+    return CaptureOrchestrator(
+        _Filter(),
+        sink,
+        AgentMetrics(reg),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+        **kw,
+    )
+
+
+def _deep(tid: int):
+    """A sample with the deepest stacks the BPF side sends: the costly case of the bound."""
+    return decode_stack(
+        copy(record(7, tid, [0xFFFFFFFF81000000 + tid] * abi.MAX_DEPTH, [0x1000 + tid] * 100))
+    )
+
+
+def test_capture_memory_is_bounded_in_bytes_across_sessions(tmp_path):
+    reg = CollectorRegistry()
+    spool = Spool(str(tmp_path / "spool"), 64 << 20, registry=reg)
+    cost = len(_deep(1).stacks) + TRACE_OVERHEAD_BYTES
+    orch = _orch(spool, reg, tmp_path, max_bytes=10 * cost)
+    a = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    b = orch.start_session(wire.Trigger("io"), "svc", {}, {7: "burner"}, 60)
+    assert a and b
+    orch.add_samples([_deep(tid) for tid in range(1, 9)])  # 8 stacks, held by both sessions: 16
+    assert orch.nbytes <= orch.max_bytes
+    held = sum(len(s.traces) for s in orch.sessions.values())
+    assert held == 10 and orch.nbytes == 10 * cost
+    assert reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "memory"}) == 6
+    assert reg.get_sample_value("bistouri_capture_bytes") == 10 * cost
+    # Stacks already held keep counting.
+    orch.add_samples([_deep(1)] * 3)
+    assert all(next(iter(s.traces.values())).on_cpu == 4 for s in orch.sessions.values())
+    orch.flush_all()
+    assert orch.nbytes == 0 and reg.get_sample_value("bistouri_capture_bytes") == 0
+    # Memory given back: a new session holds stacks again.
+    c = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    orch.add_samples([_deep(20)])
+    assert c and len(orch.sessions[c].traces) == 1
+
+
+def test_the_trace_count_limit_is_counted_under_its_own_reason(tmp_path):
+    reg = CollectorRegistry()
+    orch = _orch(Spool(str(tmp_path / "spool"), 64 << 20, registry=reg), reg, tmp_path)
+    orch.MAX_TRACES = 2
+    assert orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    orch.add_samples([_deep(tid) for tid in range(1, 5)])
+    assert reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "session_full"}) == 2
+
+
+def test_a_session_the_spool_drops_is_not_logged_as_spooled(tmp_path, caplog):
+    reg = CollectorRegistry()
+    spool = Spool(str(tmp_path / "spool"), 64, registry=reg)  # smaller than any session: dropped
+    notified: list[bool] = []
+    orch = _orch(spool, reg, tmp_path, on_spooled=lambda: notified.append(True))
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    orch.add_samples([_deep(1)])
+    with caplog.at_level(logging.INFO, logger="bistouri.capture"):
+        orch.flush_all()
+    assert len(spool) == 0
+    assert reg.get_sample_value("bistouri_spool_dropped_total", {"reason": "too_large"}) == 1
+    assert (
+        "Capture spooled" not in caplog.text
+        and f"Capture not spooled: dropped by the spool. session={sid}" in caplog.text
+    )
+    assert not notified  # nothing to send
+    assert not reg.get_sample_value("bistouri_sessions_completed_total", {"resource": "cpu"})

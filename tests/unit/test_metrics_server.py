@@ -1,0 +1,135 @@
+"""The agent's /metrics endpoint: idle, slow and oversized clients cannot stall a scrape."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from bistouri.metrics import AgentMetrics, MetricsServer
+
+
+class Served:
+    def __init__(self, **kw: float) -> None:
+        self.reg = CollectorRegistry()
+        self.metrics = AgentMetrics(self.reg)
+        self.metrics.exec_events.inc(7)
+        self.server = MetricsServer("127.0.0.1", 0, self.reg, self.metrics.scrape_connections_dropped, **kw)
+        self.thread = threading.Thread(target=self.server.serve, name="test-metrics", daemon=True)
+        self.thread.start()
+        self.clients: list[socket.socket] = []
+
+    def connect(self, send: bytes = b"") -> socket.socket:
+        c = socket.create_connection(("127.0.0.1", self.server.port), timeout=10)
+        if send:
+            c.sendall(send)
+        self.clients.append(c)
+        return c
+
+    def scrape(self, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.server.port}/metrics", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+
+    def dropped(self, reason: str) -> float:
+        return (
+            self.reg.get_sample_value("bistouri_metrics_connections_dropped_total", {"reason": reason}) or 0
+        )
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.server.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+        self.server.close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    made: list[Served] = []
+
+    def make(**kw: float) -> Served:
+        made.append(Served(**kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def test_a_scrape_is_answered_while_idle_and_slow_header_connections_are_open(serve):
+    s = serve()
+    for _ in range(10):
+        s.connect()  # idle: sends nothing (before, the first one blocked every scrape for good)
+    for _ in range(10):
+        s.connect(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+    status, _, body = s.scrape()
+    assert status == 200 and b"bistouri_exec_events_total 7.0" in body
+
+
+def test_idle_connections_time_out_and_are_counted(serve):
+    s = serve(request_timeout_s=0.2)
+    c = s.connect(b"GET / HTTP/1.1\r\n")
+    assert c.recv(100) == b""  # closed by the server once its time was up
+    wait_for(lambda: s.dropped("timeout") == 1)
+
+
+def test_connections_beyond_the_bound_close_the_oldest(serve):
+    s = serve(max_connections=4)
+    first = [s.connect() for _ in range(4)]
+    s.connect()
+    assert first[0].recv(100) == b""  # made room
+    wait_for(lambda: s.dropped("overflow") == 1)
+    assert s.scrape()[0] == 200
+
+
+def test_an_endless_request_head_is_refused(serve):
+    s = serve()
+    c = s.connect(b"GET / HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 9000)
+    assert c.recv(100) == b""
+    wait_for(lambda: s.dropped("too_large") == 1)
+
+
+def test_gzip_head_filtering_and_methods(serve):
+    s = serve()
+    _, headers, body = s.scrape({"Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip" and b"bistouri_exec_events_total" in gzip.decompress(body)
+    c = s.connect(b"GET /metrics?name[]=bistouri_exec_events_total HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = b""
+    while chunk := c.recv(65536):
+        answer += chunk
+    head, _, text = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and text.count(b"# TYPE") == 1
+    c = s.connect(b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    assert c.recv(100).startswith(b"HTTP/1.1 405")
+
+
+class _Broken:
+    def collect(self):
+        raise RuntimeError("collector bug")
+
+
+def test_a_failing_collector_answers_500_and_the_endpoint_stays(serve):
+    s = serve()
+    broken = _Broken()
+    s.reg.register(broken)  # type: ignore[arg-type]
+    c = s.connect(b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert c.recv(100).startswith(b"HTTP/1.1 500")
+    s.reg.unregister(broken)  # type: ignore[arg-type]
+    assert s.scrape()[0] == 200
