@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 
 MSGPACK_TYPES = ("application/x-msgpack", "application/msgpack")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-DECOMPRESSION_RATIO = 8  # decompressed bodies may be this many times --max-request-bytes
-MAX_SESSIONS_PER_BATCH = 1000
+# Decompressed bodies may be this many times --max-request-bytes: the agent's gzip'd sessions shrink ~3-6
+# times, and a worker holds the decompressed body while it decodes it (64 MiB by default).
+DECOMPRESSION_RATIO = 4
+MAX_SESSIONS_PER_BATCH = wire.MAX_SESSIONS_PER_BATCH
 MAX_LIST_LIMIT = 1000
 DEFAULT_MERGE_LIMIT = 500
 RETENTION_INTERVAL_S = 60.0

@@ -6,12 +6,22 @@ same inputs go through the real service in tests/integration/test_attacks_input.
 
 from __future__ import annotations
 
+import gzip
+import re
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bistouri import wire
+from bistouri.errors import WireError
 from bistouri.symbolizer import demangle as dm
 from bistouri.symbolizer.demangle import demangle
-from tests.hostile import cxx_bomb, rust_v0_bomb
+from tests.hostile import cxx_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -90,3 +100,191 @@ def test_fuzz_itanium_shaped(tokens: list[str]) -> None:
     name = "_Z" + "".join(tokens)
     out = demangle(name)
     assert isinstance(out, str) and _bounded(name, out)
+
+
+# ---------------------------------------------------------------------------
+# msgpack shapes against the decoder
+
+
+def _session_map(**changes: Any) -> dict[str, Any]:
+    from tests.unit.test_wire import sample_session
+
+    m = wire.session_to_wire(sample_session())
+    m.update(changes)
+    return m
+
+
+def _batch(*sessions: Any) -> bytes:
+    return msgpack.packb({"v": wire.VERSION, "sessions": list(sessions)}, use_bin_type=True)
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes allocated through Python's allocators while fn runs (msgpack's objects included)."""
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
+def _too_large(data: bytes) -> WireError:
+    with pytest.raises(WireError) as e:
+        wire.decode_batch(data)
+    assert e.value.reason == "too_large", e.value
+    return e.value
+
+
+def test_empty_arrays_bomb_is_refused_before_it_is_decoded() -> None:
+    """72 KiB of gzip (16 M empty arrays) took a worker to 1.24 GB: refused from the array header."""
+    data = gzip.decompress(msgpack_empty_arrays_bomb())
+    assert _peak_bytes(lambda: _too_large(data)) < 4 << 20  # the reader's 1 MiB window
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # A table of empty rows.
+        lambda n: _batch(_session_map(stacks=[[]] * n)),
+        # Rows within the array limit, many of them.
+        lambda n: _batch(_session_map(stacks=[[[], []]] * (n // 2))),
+        # Many sessions, each under the budget, over it together.
+        lambda n: _batch(*[_session_map(kframes=[0] * (n // 500)) for _ in range(600)]),
+        # One-byte integers that are each a new object (-32..-6 are not cached).
+        lambda n: _batch(_session_map(kframes=[-20] * n)),
+    ],
+)
+def test_object_budget_bounds_memory(shape: Callable[[int], bytes]) -> None:
+    data = shape(wire.MAX_BATCH_OBJECTS + 10)
+    # Under the budget a value costs ~60 bytes: the refusal comes before 300 MB.
+    assert _peak_bytes(lambda: _too_large(data)) < 250 << 20
+
+
+def test_processes_of_the_wrong_type_are_malformed() -> None:
+    # Found by test_fuzz_msgpack_shapes: `processes: true` raised TypeError.
+    with pytest.raises(WireError, match="processes must be an array"):
+        wire.session_from_wire(_session_map(processes=True))
+
+
+def test_oversized_arrays_and_strings_are_refused() -> None:
+    for data in (
+        _batch(_session_map(stacks=[[[0] * 2000, []]])),
+        _batch(_session_map(tenant="x" * (wire.MAX_STR_BYTES + 1))),
+        _batch(_session_map(mappings=[b"x" * 65])),
+        _batch(_session_map(labels={f"k{i}": "v" for i in range(wire.MAX_MAP_LEN + 1)})),
+        msgpack.packb({"v": 1, "sessions": [{}] * (wire.MAX_SESSIONS_PER_BATCH + 1)}),
+    ):
+        with pytest.raises(WireError):
+            wire.decode_batch(data)
+
+
+def test_stack_frame_limits() -> None:
+    m = _session_map()
+    m["kframes"] = [0xFFFFFFFF81000000 + i for i in range(wire.MAX_KERNEL_FRAMES + 1)]
+    m["stacks"] = [[list(range(wire.MAX_KERNEL_FRAMES + 1)), []]]
+    m["traces"] = [[0, 0, 1, 0, 0]]
+    with pytest.raises(WireError, match="kernel and 0 user frames, at most 512 and 1024") as e:
+        wire.session_from_wire(m)
+    assert e.value.reason == "too_large"
+    m["stacks"] = [[list(range(wire.MAX_KERNEL_FRAMES)), []]]
+    assert len(wire.session_from_wire(m).traces[0].kernel) == wire.MAX_KERNEL_FRAMES
+
+
+def _with_trigger(**kw: Any) -> dict[str, Any]:
+    m = _session_map()
+    m["trigger"] = {**m["trigger"], **kw}
+    return m
+
+
+def _with_kernel(**kw: Any) -> dict[str, Any]:
+    m = _session_map()
+    m["kernel"] = {**m["kernel"], **kw}
+    return m
+
+
+@pytest.mark.parametrize(
+    ("session", "field"),
+    [
+        (lambda: _session_map(tenant="t" * 257), "session[6f1c2a8e-6b55-4a3e-9b9b-2a1f0d6c0001].tenant"),
+        (lambda: _session_map(service="s" * 257), ".service must be a string of at most 256"),
+        (lambda: _session_map(host="h" * 257), ".host must be a string of at most 256"),
+        (lambda: _session_map(labels={f"k{i}": "" for i in range(65)}), "65 labels, at most 64"),
+        (lambda: _session_map(labels={"k" * 129: ""}), "keys are 1 to 128 characters"),
+        (lambda: _session_map(labels={"": "v"}), "keys are 1 to 128 characters"),
+        (lambda: _session_map(labels={"k": "v" * 1025}), "values at most 1024"),
+        (lambda: _session_map(processes=[[1, "c" * 65]]), ".processes[1] must be at most 64"),
+        (lambda: _session_map(threads=[[1, 1, "n" * 65]]), ".threads[0].name must be at most 64"),
+        (lambda: _with_trigger(cgroup="/" * 4097), ".trigger.cgroup must be a string of at most 4096"),
+        (lambda: _with_kernel(release="r" * 257), ".kernel.release must be a string of at most 256"),
+        (lambda: _session_map(id="i" * 65), "session.id must be 1 to 64 characters"),
+    ],
+)
+def test_text_fields_have_limits(session: Callable[[], dict[str, Any]], field: str) -> None:
+    with pytest.raises(WireError, match=re.escape(field)) as e:
+        wire.session_from_wire(session())
+    assert e.value.reason == "malformed"
+
+
+def test_text_fields_at_their_limits_pass() -> None:
+    m = _session_map(
+        tenant="t" * 256,
+        labels={"k" * 128: "v" * 1024, **{f"k{i}": "" for i in range(63)}},
+        processes=[[100, "c" * 64]],
+    )
+    m["trigger"]["cgroup"] = "/" * 4096
+    m["kernel"]["release"] = "r" * 256
+    s = wire.decode_batch(_batch(m))[0]
+    assert wire.session_from_wire(s).trigger.cgroup == "/" * 4096
+
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=80)
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda kids: st.lists(kids, max_size=6) | st.dictionaries(st.text(max_size=10), kids, max_size=6),
+    max_leaves=40,
+)
+_KEYS = ["v", "id", "trigger", "kernel", "mappings", "kframes", "uframes", "stacks", "threads", "traces"]
+
+
+@st.composite
+def _session_shapes(draw: st.DrawFn) -> Any:
+    """A valid session with some fields replaced by arbitrary values, or anything at all."""
+    if draw(st.booleans()):
+        return draw(_VALUES)
+    m = _session_map()
+    for key in draw(st.lists(st.sampled_from(_KEYS + ["labels", "processes", "tenant"]), max_size=3)):
+        m[key] = draw(_VALUES)
+    return m
+
+
+@FUZZ
+@given(st.lists(_session_shapes(), max_size=4), _VALUES)
+def test_fuzz_msgpack_shapes(sessions: list[Any], version: Any) -> None:
+    for body in (_batch(*sessions), msgpack.packb({"v": version, "sessions": sessions}, use_bin_type=True)):
+        try:
+            items = wire.decode_batch(body)
+        except WireError:
+            continue
+        for item in items:
+            try:
+                wire.session_from_wire(item)
+            except WireError:
+                pass
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_fuzz_msgpack_bytes(data: bytes) -> None:
+    for decode in (wire.decode_batch, wire.decode_session):
+        try:
+            decode(data)
+        except WireError:
+            pass
