@@ -487,9 +487,9 @@ def _read(data: bytes, read: Callable[[_Reader], Any]) -> Any:
         out = read(reader)
         reader.end()
         return out
-    except msgpack.OutOfData:
+    except (msgpack.OutOfData, msgpack.BufferFull):  # BufferFull: a header claims more than the body has
         raise WireError("malformed", "not valid msgpack: truncated")
-    except (msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
+    except (msgpack.UnpackException, ValueError, TypeError) as e:
         raise WireError("malformed", f"not valid msgpack: {e}")
 
 

@@ -612,7 +612,9 @@ class SymbolizerApp:
                     "bad_parameter",
                     f"give {side}=<session id> or {side}.<filter>=… (e.g. {side}.service=)",
                 )
-        return _json(formats.diff(sides[0], sides[1], value))
+        return Response(
+            formats.tree_json(formats.diff(sides[0], sides[1], value)), mimetype="application/json"
+        )
 
     def _renderer(self, fmt: str) -> Callable[[Request, Profile, str], Response]:
         renderers: dict[str, Callable[[Request, Profile, str], Response]] = {
@@ -646,7 +648,8 @@ class SymbolizerApp:
 
     @staticmethod
     def _render_flamegraph(request: Request, profile: Profile, name: str) -> Response:
-        return _json(formats.flamegraph(profile, _value(request.args)))
+        tree = formats.flamegraph(profile, _value(request.args))
+        return Response(formats.tree_json(tree), mimetype="application/json")
 
 
 def _safe_name(name: str) -> str:

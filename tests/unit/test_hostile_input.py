@@ -7,7 +7,9 @@ same inputs go through the real service in tests/integration/test_attacks_input.
 from __future__ import annotations
 
 import gzip
+import json
 import re
+import sys
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +22,9 @@ from hypothesis import strategies as st
 from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.symbolizer import demangle as dm
+from bistouri.symbolizer import formats
 from bistouri.symbolizer.demangle import demangle
+from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
 from tests.hostile import cxx_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -288,3 +292,62 @@ def test_fuzz_msgpack_bytes(data: bytes) -> None:
             decode(data)
         except WireError:
             pass
+
+
+# ---------------------------------------------------------------------------
+# Stack depths through the formats
+
+
+def _deep_profile(depth: int, sid: str = "deep", leaf: str = "leaf") -> Profile:
+    frames = [Frame(f"f{i}", "deep.so") for i in range(depth - 1)] + [Frame(leaf, "deep.so")]
+    stack = tuple(range(depth))
+    samples = [Sample(stack, on_cpu=3, off_cpu=1, off_cpu_ns=10), Sample(stack[: depth // 2], on_cpu=1)]
+    return Profile(SessionMeta(sid), frames, samples)
+
+
+def _depth(tree: dict[str, Any]) -> int:
+    depth = 0
+    while tree["children"]:
+        tree = tree["children"][0]
+        depth += 1
+    return depth
+
+
+def test_deep_stacks_render_everywhere() -> None:
+    """A 1 500-frame stack made flamegraphs, merges and diffs raise RecursionError (deepest: 496)."""
+    a, b = _deep_profile(1500), _deep_profile(1500, "b", leaf="other")
+    merged = formats.merge([a, b])
+    for tree in (
+        formats.flamegraph(a),
+        formats.flamegraph(merged),
+        formats.diff(a, b),
+        formats.diff(merged, a),
+    ):
+        text = formats.tree_json(tree)
+        old = sys.getrecursionlimit()
+        sys.setrecursionlimit(20_000)  # json.loads and == recurse per level, as json.dumps did
+        try:
+            assert json.loads(text) == tree
+        finally:
+            sys.setrecursionlimit(old)
+    assert _depth(formats.flamegraph(a)) == 1500
+    assert formats.folded(a).count(";") == 1499 + 749
+    formats.speedscope(a)
+    formats.pprof(a)
+
+
+def test_tree_json_is_json_dumps() -> None:
+    from tests.unit.test_formats import sample_profile
+
+    for tree in (formats.flamegraph(sample_profile()), formats.diff(sample_profile(), sample_profile())):
+        assert json.loads(formats.tree_json(tree)) == tree
+
+
+@settings(FUZZ, max_examples=40)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=4), st.sampled_from(formats.VALUES))
+def test_fuzz_stack_depths(depths: list[int], value: str) -> None:
+    profiles = [_deep_profile(max(d, 1), f"s{i}") for i, d in enumerate(depths)]
+    merged = formats.merge(profiles)
+    formats.tree_json(formats.flamegraph(merged, value))
+    formats.tree_json(formats.diff(profiles[0], merged, value))
+    formats.tree_json(formats.diff(merged, profiles[-1], value))
