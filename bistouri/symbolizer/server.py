@@ -33,7 +33,7 @@ from werkzeug.wrappers import Request, Response
 from .. import wire
 from ..errors import WireError
 from . import formats
-from .kallsyms import KallsymsError, KallsymsStore
+from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
 from .metrics import Metrics
 from .model import Profile
 from .store import Filter, Store, StoredSession, StoreError, meta_from_session
@@ -294,8 +294,8 @@ class SymbolizerApp:
         if not hmac.compare_digest(value.strip().encode(), token.encode()):
             raise ApiError(401, "unauthorized", "bad bearer token")
 
-    def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
+    def _read_body(self, request: Request, limit: int | None = None) -> bytes:
+        limit = self.config.max_request_bytes if limit is None else limit
         length = request.content_length
         if length is not None and length > limit:
             raise ApiError(413, "too_large", f"body of {length} bytes, at most {limit} accepted")
@@ -466,6 +466,11 @@ class SymbolizerApp:
         self.run_retention()
 
     def run_retention(self) -> dict[str, int]:
+        # Kernels no session needs go first: under size pressure, before any session.
+        for build_id in self.store.expire_kernels():
+            self.kallsyms.remove(build_id)
+            self._known_kernels.discard(build_id)
+            log.info("retention deleted a kernel's symbols. build_id=%s", build_id)
         deleted = self.store.enforce_retention()
         for reason, n in deleted.items():
             if n:
@@ -501,12 +506,13 @@ class SymbolizerApp:
                 return _json({"build_id": build_id, "present": True})
             return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
         self._authorize(request, write=True)
-        body = self._read_body(request)
+        body = self._read_body(request, min(self.config.max_request_bytes, MAX_UPLOAD_BYTES))
         if body[:2] != b"\x1f\x8b":
             raise ApiError(400, "bad_encoding", "body must be gzip-compressed /proc/kallsyms text")
-        gunzip_limited(body, self.config.max_decompressed_bytes)  # bounded check before the parser reads it
         try:
-            index = self.kallsyms.put(build_id, body)
+            index = self.kallsyms.put(build_id, body)  # decompressed and parsed in bounded slices
+        except KallsymsTooLarge as e:
+            raise ApiError(413, "too_large", f"kallsyms over the limits: {e}")
         except KallsymsError as e:
             raise ApiError(400, "malformed", f"unusable kallsyms: {e}")
         self.store.put_kernel(build_id, body)

@@ -10,8 +10,10 @@ import gzip
 import json
 import re
 import sys
+import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -22,10 +24,12 @@ from hypothesis import strategies as st
 from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.symbolizer import demangle as dm
-from bistouri.symbolizer import formats
+from bistouri.symbolizer import formats, kallsyms
 from bistouri.symbolizer.demangle import demangle
+from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsTooLarge, parse_kallsyms
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from tests.hostile import cxx_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
+from bistouri.symbolizer.store import Store
+from tests.hostile import cxx_bomb, kallsyms_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -351,3 +355,67 @@ def test_fuzz_stack_depths(depths: list[int], value: str) -> None:
     formats.tree_json(formats.flamegraph(merged, value))
     formats.tree_json(formats.diff(profiles[0], merged, value))
     formats.tree_json(formats.diff(merged, profiles[-1], value))
+
+
+# ---------------------------------------------------------------------------
+# kallsyms uploads
+
+
+def test_kallsyms_bomb_is_refused_in_bounded_memory() -> None:
+    """16 MiB of kallsyms lines (24 KiB of gzip) took a worker to 658 MB."""
+    bomb = kallsyms_bomb(16)
+
+    def parse() -> None:
+        with pytest.raises(KallsymsTooLarge, match="more than 500000 text symbols"):
+            parse_kallsyms(bomb)
+
+    assert _peak_bytes(parse) < 64 << 20
+
+
+def test_kallsyms_decompressed_size_is_checked_while_decompressing() -> None:
+    bomb = gzip.compress(b"\n" * (kallsyms.MAX_SNAPSHOT_BYTES + 1), mtime=0)
+
+    def parse() -> None:
+        with pytest.raises(KallsymsTooLarge, match="larger than 33554432 bytes uncompressed"):
+            parse_kallsyms(bomb)
+
+    assert _peak_bytes(parse) < 8 << 20
+
+
+def test_kallsyms_names_and_framing_are_checked() -> None:
+    good = b"ffffffff81000000 T _text\nffffffff81000100 T schedule\n"
+    with pytest.raises(KallsymsError, match="a symbol name is over 512 bytes"):
+        parse_kallsyms(good + b"ffffffff81000200 T " + b"n" * 513 + b"\n")
+    with pytest.raises(KallsymsError, match="truncated"):
+        parse_kallsyms(gzip.compress(good)[:-12])
+    with pytest.raises(KallsymsError, match="after its gzip member"):
+        parse_kallsyms(gzip.compress(good) + b"junk")
+    # A line cut between two slices of the decompressed text is joined again.
+    lines = b"".join(b"ffffffff%08x T fn_%07d\n" % (0x81000000 + 16 * i, i) for i in range(60_000))
+    idx = parse_kallsyms(gzip.compress(lines))
+    assert len(idx) == 60_000 and idx.lookup(0xFFFFFFFF81000000 + 16 * 59_999 + 4) == ("fn_0059999", "", 4)
+
+
+def test_uploaded_kernels_expire_and_count_in_the_size_limit(tmp_path: Path) -> None:
+    from tests.unit.test_store import DAY, T0, record
+
+    s = Store(str(tmp_path / "k.db"), retention_days=7)
+    s.migrate()
+    s.put_kernel("aa", b"A" * 1000)  # uploaded now, needed by a session
+    s.put_kernel("bb", b"B" * 1000)  # uploaded now, needed by none
+    s.insert(record("uses-aa", T0, kernel_build_id="aa"))
+    far = time.time_ns() + 30 * DAY
+    assert s.expire_kernels(far) == ["bb"]  # aa is kept while its session is
+    assert s.has_kernel("aa") and not s.has_kernel("bb")
+
+    s.retention_days = None
+    s.put_kernel("cc", b"C" * 100_000)
+    sessions = s.stats()[1]
+    s.max_db_bytes = sessions + 1000 + 50_000
+    assert s.kernel_bytes() == 101_000
+    assert s.expire_kernels() == ["cc"]  # an unused kernel goes before any session
+    assert s.stats()[0] == 1
+    s.put_kernel("dd", b"D" * 100_000)
+    s.insert(record("uses-dd", T0 + DAY, kernel_build_id="dd"))
+    assert s.expire_kernels() == []
+    assert s.enforce_retention()["size"] >= 1  # the kernel's bytes push sessions out
