@@ -38,12 +38,14 @@ MAX_SESSIONS_PER_BATCH = 1000
 # msgpack values one request may hold, every element of every array and map counted: each costs a
 # worker ~60 bytes decoded, and a byte of gzip'd msgpack can hold ~1000 of them (empty arrays).
 MAX_BATCH_OBJECTS = 3_000_000
-MAX_ARRAY_LEN = 1024  # any array inside a table row: a stack's frames, a trace, a thread
 MAX_MAP_LEN = 64  # any map: a session's fields, its labels, its trigger
 MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
 MAX_BIN_LEN = 64  # build ids
 MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
 MAX_KERNEL_FRAMES = 512  # per stack; the kernel's limit (sysctl kernel.perf_event_max_stack) is 127
+# Any array inside a table row (a stack's frames, a trace): past the frame limits, so that a stack a
+# little too deep is refused alone, with its session named, and a huge one ends the whole request.
+MAX_ARRAY_LEN = 2 * MAX_USER_FRAMES
 MAX_LABELS = 64
 MAX_LABEL_KEY_CHARS = 128
 MAX_LABEL_VALUE_CHARS = 1024
@@ -489,7 +491,11 @@ def _read(data: bytes, read: Callable[[_Reader], Any]) -> Any:
         return out
     except (msgpack.OutOfData, msgpack.BufferFull):  # BufferFull: a header claims more than the body has
         raise WireError("malformed", "not valid msgpack: truncated")
-    except (msgpack.UnpackException, ValueError, TypeError) as e:
+    except ValueError as e:
+        if "exceeds max_" in str(e):  # one of the msgpack limits above
+            raise WireError("too_large", f"{e}: see the limits in docs/api.md")
+        raise WireError("malformed", f"not valid msgpack: {e}")
+    except (msgpack.UnpackException, TypeError) as e:
         raise WireError("malformed", f"not valid msgpack: {e}")
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import zlib
+from pathlib import Path
+from typing import Any
 
 _B62 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -76,3 +79,42 @@ def kallsyms_bomb(megabytes: int = 16) -> bytes:
     """gzip of `megabytes` MiB of one kallsyms line repeated: 16 MiB took a worker to 658 MB."""
     line = b"ffffffff81000000 T x\n"
     return gzip.compress(line * ((megabytes << 20) // len(line)), compresslevel=9, mtime=0)
+
+
+def deep_session(sid: str, user_frames: int, kernel_ips: tuple[int, ...], leaf: int = 0) -> Any:
+    """A session of one trace whose stack is `user_frames` raw user IPs under `kernel_ips` (leaf first)."""
+    from bistouri import wire
+
+    user = tuple(
+        wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x5555_0000_0000 + 16 * (i + leaf))
+        for i in range(user_frames)
+    )
+    return wire.Session(
+        session_id=sid,
+        trigger=wire.Trigger("cpu"),
+        kernel=wire.KernelInfo("6.18.0-test", bytes.fromhex("6b65726e656c2d666f722d74657374732d303031")),
+        start_ns=1_763_000_000 * 10**9,
+        duration_ns=10**9,
+        period_ns=10**7,
+        service="deep",
+        processes={7: "deep"},
+        threads={7: "deep"},
+        traces=[wire.Trace(kernel_ips, user, 7, 7, on_cpu=5)],
+    )
+
+
+def gunicorn_workers(master_pid: int) -> list[int]:
+    """The worker processes of a gunicorn master (its children)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{master_pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set size (VmHWM) since it started."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise LookupError(f"no VmHWM for pid {pid}")

@@ -177,7 +177,7 @@ def test_processes_of_the_wrong_type_are_malformed() -> None:
 
 def test_oversized_arrays_and_strings_are_refused() -> None:
     for data in (
-        _batch(_session_map(stacks=[[[0] * 2000, []]])),
+        _batch(_session_map(stacks=[[[0] * (wire.MAX_ARRAY_LEN + 1), []]])),
         _batch(_session_map(tenant="x" * (wire.MAX_STR_BYTES + 1))),
         _batch(_session_map(mappings=[b"x" * 65])),
         _batch(_session_map(labels={f"k{i}": "v" for i in range(wire.MAX_MAP_LEN + 1)})),
