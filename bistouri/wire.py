@@ -38,7 +38,6 @@ MAX_SESSIONS_PER_BATCH = 1000
 # msgpack values one request may hold, every element of every array and map counted: each costs a
 # worker ~60 bytes decoded, and a byte of gzip'd msgpack can hold ~1000 of them (empty arrays).
 MAX_BATCH_OBJECTS = 3_000_000
-MAX_MAP_LEN = 64  # any map: a session's fields, its labels, its trigger
 MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
 MAX_BIN_LEN = 64  # build ids
 MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
@@ -47,6 +46,7 @@ MAX_KERNEL_FRAMES = 512  # per stack; the kernel's limit (sysctl kernel.perf_eve
 # little too deep is refused alone, with its session named, and a huge one ends the whole request.
 MAX_ARRAY_LEN = 2 * MAX_USER_FRAMES
 MAX_LABELS = 64
+MAX_MAP_LEN = 2 * MAX_LABELS  # any map (a session's fields, labels, trigger): past MAX_LABELS, as arrays
 MAX_LABEL_KEY_CHARS = 128
 MAX_LABEL_VALUE_CHARS = 1024
 MAX_NAME_CHARS = 256  # tenant, service, host

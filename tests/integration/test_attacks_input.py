@@ -146,3 +146,21 @@ def test_kallsyms_bomb(symbolizer_server: Callable[..., SymbolizerURL], tmp_path
     # The service still takes a real snapshot afterwards.
     assert put_kernel(url).status_code == 204
     assert json.loads(requests.get(url + "/v1/kernels/" + KERNEL_BUILD_ID.hex(), timeout=10).text)["present"]
+
+
+def test_oversized_text_is_refused_alone(
+    symbolizer_server: Callable[..., SymbolizerURL], tmp_path: Path
+) -> None:
+    url = _start(symbolizer_server, tmp_path)
+    good = deep_session("good", 3, KERNEL_STACK)
+    loud = deep_session("loud", 3, KERNEL_STACK)
+    loud.labels = {f"k{i}": "v" for i in range(wire.MAX_LABELS + 1)}
+    long_comm = deep_session("long-comm", 3, KERNEL_STACK)
+    long_comm.processes = {7: "c" * (wire.MAX_COMM_CHARS + 1)}
+    r = post_sessions(url, [good, loud, long_comm])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["accepted"] == ["good"]
+    details = {x["id"]: x["detail"] for x in body["rejected"]}
+    assert "65 labels, at most 64" in details["loud"]
+    assert "processes[7] must be at most 64 characters" in details["long-comm"]
