@@ -94,7 +94,7 @@ def test_fuzz_any_text(name: str) -> None:
         assert isinstance(out, str) and _bounded(candidate, out)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(st.lists(st.sampled_from(_V0_TOKENS), max_size=300), st.integers(0, 80))
 def test_fuzz_v0_shaped(tokens: list[str], levels: int) -> None:
     for name in ("_R" + "".join(tokens), rust_v0_bomb(levels) + "".join(tokens), rust_v0_bomb(levels)):
