@@ -42,6 +42,7 @@ MAX_SYMBOL_NAME = 512  # the kernel's KSYM_NAME_LEN
 MAX_LOADED_BYTES = 96 << 20  # parsed snapshots kept in memory per process (a distro kernel's: ~20 MB)
 DEFAULT_LOADED = 8
 _SLICE_BYTES = 1 << 20  # decompressed and parsed at a time
+_MAX_LINE = MAX_SYMBOL_NAME + 256  # address, type and module around a name
 MAX_SYMBOL_SPAN = 1 << 20  # no kernel function is this long: past it the address is unknown
 _CORE_LABELS = frozenset(("_text", "_stext", "_etext", "_sinittext", "_einittext"))
 
@@ -198,14 +199,26 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
 
 
 def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:
-    """Slices cut after their last line break: no line is split between two."""
+    """Slices cut after their last line break: no line is split between two.
+
+    A line too long to be a symbol's is dropped whole, so that reading on to the size limit needs no more
+    memory than a slice.
+    """
     carry = b""
+    skipping = False
     for piece in slices:
+        if skipping:
+            nl = piece.find(b"\n")
+            if nl < 0:
+                continue
+            piece = piece[nl + 1 :]
+            skipping = False
         piece = carry + piece
         cut = piece.rfind(b"\n") + 1
-        if not cut and len(piece) > _SLICE_BYTES:
-            raise KallsymsError(f"a line of the snapshot is longer than {_SLICE_BYTES} bytes")
         carry = piece[cut:]
+        if len(carry) > _MAX_LINE:
+            carry = b""
+            skipping = True
         if cut:
             yield piece[:cut]
     if carry:

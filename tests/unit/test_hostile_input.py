@@ -390,6 +390,11 @@ def test_kallsyms_names_and_framing_are_checked() -> None:
         parse_kallsyms(gzip.compress(good)[:-12])
     with pytest.raises(KallsymsError, match="after its gzip member"):
         parse_kallsyms(gzip.compress(good) + b"junk")
+    # A line too long for a symbol is skipped whole, even across slices.
+    long_line = b"ffffffff81000300 T " + b"x" * (3 << 20) + b"ffffffff81000400 T hidden\n"
+    idx = parse_kallsyms(gzip.compress(good + long_line + b"ffffffff81000500 T after\n"))
+    assert idx.lookup(0xFFFFFFFF81000404) == ("schedule", "", 0x304)
+    assert idx.address_of("after") == 0xFFFFFFFF81000500 and idx.address_of("hidden") is None
     # A line cut between two slices of the decompressed text is joined again.
     lines = b"".join(b"ffffffff%08x T fn_%07d\n" % (0x81000000 + 16 * i, i) for i in range(60_000))
     idx = parse_kallsyms(gzip.compress(lines))
