@@ -310,10 +310,10 @@ def session_from_wire(m: Any) -> Session:
     process_rows = m.get("processes") or []
     if not isinstance(process_rows, list):
         raise WireError("malformed", f"{where}.processes must be an array of [pid, comm]")
-    for p in process_rows:
+    for i, p in enumerate(process_rows):
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)):
             raise WireError("malformed", f"{where}.processes entries are [pid, comm]")
-        _comm(p[1], f"{where}.processes[{p[0]!r}]")
+        _comm(p[1], f"{where}.processes[{i}]")
         processes[_u64(p[0], where + ".processes.pid")] = p[1]
 
     mappings = _req(m, "mappings", list, where)
@@ -510,7 +510,8 @@ def decode_batch(data: bytes, max_sessions: int = MAX_SESSIONS_PER_BATCH) -> lis
     The whole request is held to MAX_BATCH_OBJECTS values: over it, the batch is refused as too large
     (the agent then sends fewer sessions at a time).
     """
-    return list(_read(data, lambda r: _batch(r, max_sessions)))
+    sessions: list[Any] = _read(data, lambda r: _batch(r, max_sessions))
+    return sessions
 
 
 def _batch(r: _Reader, max_sessions: int) -> list[Any]:

@@ -163,4 +163,4 @@ def test_oversized_text_is_refused_alone(
     assert body["accepted"] == ["good"]
     details = {x["id"]: x["detail"] for x in body["rejected"]}
     assert "65 labels, at most 64" in details["loud"]
-    assert "processes[7] must be at most 64 characters" in details["long-comm"]
+    assert "processes[0] must be at most 64 characters" in details["long-comm"]

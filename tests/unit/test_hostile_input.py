@@ -221,7 +221,7 @@ def _with_kernel(**kw: Any) -> dict[str, Any]:
         (lambda: _session_map(labels={"k" * 129: ""}), "keys are 1 to 128 characters"),
         (lambda: _session_map(labels={"": "v"}), "keys are 1 to 128 characters"),
         (lambda: _session_map(labels={"k": "v" * 1025}), "values at most 1024"),
-        (lambda: _session_map(processes=[[1, "c" * 65]]), ".processes[1] must be at most 64"),
+        (lambda: _session_map(processes=[[1, "c" * 65]]), ".processes[0] must be at most 64"),
         (lambda: _session_map(threads=[[1, 1, "n" * 65]]), ".threads[0].name must be at most 64"),
         (lambda: _with_trigger(cgroup="/" * 4097), ".trigger.cgroup must be a string of at most 4096"),
         (lambda: _with_kernel(release="r" * 257), ".kernel.release must be a string of at most 256"),
