@@ -31,6 +31,7 @@ from tests.hostile import (  # noqa: E402
     deep_session,
     gunicorn_workers,
     kallsyms_bomb,
+    msgpack_budget_filler,
     msgpack_empty_arrays_bomb,
     peak_rss_bytes,
     rust_v0_bomb,
@@ -85,6 +86,12 @@ def attack_msgpack_bomb(url: str) -> list[tuple[str, int, float]]:
     return [("POST 16 M empty arrays", r.status_code, time.perf_counter() - t)]
 
 
+def attack_budget_filler(url: str) -> list[tuple[str, int, float]]:
+    t = time.perf_counter()
+    r = post(url, msgpack_budget_filler(wire.MAX_BATCH_OBJECTS))
+    return [("POST 3 M values, just under the budget", r.status_code, time.perf_counter() - t)]
+
+
 def attack_deep_stack(url: str) -> list[tuple[str, int, float]]:
     put_kallsyms(url, gzip.compress(KALLSYMS))
     kernel = KERNEL_STACK * 166 + KERNEL_STACK[:2]
@@ -135,10 +142,11 @@ def main() -> int:
     p.add_argument(
         "--rust-levels", type=int, nargs="*", default=[21, 25], help="v0 bomb levels (21: 206 chars)"
     )
-    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--out", type=Path, default=REPO / "bench/results/attacks.json", help="results as JSON")
     args = p.parse_args()
     attacks: list[tuple[str, Callable[[str], list[tuple[str, int, float]]]]] = [
         ("msgpack bomb", attack_msgpack_bomb),
+        ("value budget", attack_budget_filler),
         ("deep stacks", attack_deep_stack),
         ("kallsyms bomb", attack_kallsyms_bomb),
     ]
@@ -157,8 +165,8 @@ def main() -> int:
                 print(f"{name:18} {what:48} HTTP {status:3}  {seconds:7.2f} s")
             print(f"{name:18} {'worker peak RSS (VmHWM)':48} {peak / 1e6:8.0f} MB", flush=True)
             results.append({"attack": name, "steps": steps, "peak_rss_bytes": peak})
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
     return 0
 
 

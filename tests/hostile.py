@@ -118,3 +118,18 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise LookupError(f"no VmHWM for pid {pid}")
+
+
+def msgpack_budget_filler(values: int) -> bytes:
+    """gzip of a batch of one valid session whose stacks table holds empty stacks up to `values` values.
+
+    Just under the value budget it is the most memory a request can make a worker decode.
+    """
+    import msgpack
+
+    from bistouri import wire
+
+    s = wire.session_to_wire(deep_session("filler", 0, ()))
+    rows = (values - 100) // 6  # [[], []] counts 6: a table entry, the row (1 + 2), its two lists
+    s["stacks"] = [[[], []]] * rows
+    return gzip.compress(msgpack.packb({"v": wire.VERSION, "sessions": [s]}, use_bin_type=True), 1)

@@ -22,6 +22,7 @@ from tests.hostile import (
     deep_session,
     gunicorn_workers,
     kallsyms_bomb,
+    msgpack_budget_filler,
     msgpack_empty_arrays_bomb,
     peak_rss_bytes,
     rust_v0_bomb,
@@ -78,6 +79,11 @@ def test_empty_arrays_bomb(symbolizer_server: Callable[..., SymbolizerURL], tmp_
     )
     r = requests.post(url + "/v1/sessions", data=gzip.compress(table, 1), headers=GZIP_HEADERS, timeout=120)
     assert r.status_code == 413 and "session.stacks has 16777216 entries" in r.json()["detail"], r.text
+    assert _peak(url) <= MAX_WORKER_RSS
+    # The most a request may make a worker decode: just under the value budget, all of it empty arrays.
+    filler = msgpack_budget_filler(wire.MAX_BATCH_OBJECTS)
+    r = requests.post(url + "/v1/sessions", data=filler, headers=GZIP_HEADERS, timeout=120)
+    assert r.status_code == 200 and r.json()["accepted"] == ["filler"], r.text
     assert _peak(url) <= MAX_WORKER_RSS
 
 
