@@ -424,3 +424,19 @@ def test_uploaded_kernels_expire_and_count_in_the_size_limit(tmp_path: Path) -> 
     s.insert(record("uses-dd", T0 + DAY, kernel_build_id="dd"))
     assert s.expire_kernels() == []
     assert s.enforce_retention()["size"] >= 1  # the kernel's bytes push sessions out
+
+
+def test_expired_kernel_leaves_the_state_dir_and_is_asked_for_again(tmp_path: Path) -> None:
+    from werkzeug.test import Client
+
+    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+
+    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, max_db_bytes=10), lambda: None)  # type: ignore[arg-type,return-value]
+    app.store.migrate()
+    client = Client(app)
+    snapshot = gzip.compress(b"ffffffff81000000 T _text\nffffffff81000100 T schedule\n")
+    assert client.put("/v1/kernels/" + "ab" * 20, data=snapshot).status_code == 204
+    assert client.get("/v1/kernels/" + "ab" * 20).status_code == 200
+    app.run_retention()  # no session needs it and the database is over 10 bytes
+    assert not app.store.has_kernel("ab" * 20) and not app.kallsyms.has("ab" * 20)
+    assert client.get("/v1/kernels/" + "ab" * 20).status_code == 404  # the agent uploads it again
