@@ -588,10 +588,14 @@ def _clone_suffix(suffix: str) -> str:
     return "".join(f" [clone {p}]" for p in parts)
 
 
+# k back-references can multiply a name's length by up to ~3^(k/3) (each group of three tripling it).
+_LOG_REF_GROWTH = math.log(3) / 3
+_LOG_MAX_CXX_WORK = math.log(_MAX_CXX_WORK)
+
+
 def _itanium_bounded(name: str) -> str | None:
     # libstdc++ has no output limit: f(A, A<A, A>, A<A<A, A>, A<A, A> >, …) printed 3.5 GB from 284
-    # characters. Each back-reference can at most about multiply what precedes it (e^(1/e) per
-    # reference at best), so names whose estimate is over budget are not handed to it.
+    # characters. A name that could print more than the budget is not handed to it.
     refs = len(_CXX_BACKREF.findall(name))
     if refs * _LOG_REF_GROWTH + math.log(len(name)) > _LOG_MAX_CXX_WORK:
         return None
@@ -601,14 +605,9 @@ def _itanium_bounded(name: str) -> str | None:
     return out
 
 
-_LOG_REF_GROWTH = 1 / math.e
-_LOG_MAX_CXX_WORK = math.log(_MAX_CXX_WORK)
-
-
 @functools.lru_cache(maxsize=_MEMO_SIZE)
 def demangle(name: str) -> str:
-    """Demangle a linkage name of any supported scheme; unknown, invalid or over-budget names come back
-    unchanged."""
+    """Demangle a linkage name of any supported scheme; unknown, invalid or over-budget names stay as is."""
     if not name.startswith(("_Z", "_R")) or len(name) > MAX_NAME_CHARS:
         return name
     if "." in name:
