@@ -11,9 +11,10 @@ Packing and unpacking are pure functions: no I/O, no clocks.
 
 from __future__ import annotations
 
+import io
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,28 @@ RESOURCES = ("cpu", "memory", "io")
 STALLS = ("some", "full")
 
 MAX_U64 = (1 << 64) - 1
+
+# Limits of what the decoder accepts: it runs on untrusted input. docs/api.md ("Limits") quotes them.
+MAX_SESSIONS_PER_BATCH = 1000
+# msgpack values one request may hold, every element of every array and map counted: each costs a
+# worker ~60 bytes decoded, and a byte of gzip'd msgpack can hold ~1000 of them (empty arrays).
+MAX_BATCH_OBJECTS = 3_000_000
+MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
+MAX_BIN_LEN = 64  # build ids
+MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
+MAX_KERNEL_FRAMES = 512  # per stack; the kernel's limit (sysctl kernel.perf_event_max_stack) is 127
+# Any array inside a table row (a stack's frames, a trace): past the frame limits, so that a stack a
+# little too deep is refused alone, with its session named, and a huge one ends the whole request.
+MAX_ARRAY_LEN = 2 * MAX_USER_FRAMES
+MAX_LABELS = 64
+MAX_MAP_LEN = 2 * MAX_LABELS  # any map (a session's fields, labels, trigger): past MAX_LABELS, as arrays
+MAX_LABEL_KEY_CHARS = 128
+MAX_LABEL_VALUE_CHARS = 1024
+MAX_NAME_CHARS = 256  # tenant, service, host
+MAX_COMM_CHARS = 64  # process and thread names; the kernel's TASK_COMM_LEN is 16
+MAX_CGROUP_CHARS = 4096  # the kernel's PATH_MAX
+MAX_RELEASE_CHARS = 256  # uname -r; the kernel's is 64
+MAX_SESSION_ID_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +261,8 @@ def session_from_wire(m: Any) -> Session:
     if v != VERSION:
         raise WireError("unsupported_version", f"session version {v!r}, this build reads {VERSION}")
     sid = _req(m, "id", str, "session")
-    if not 0 < len(sid) <= 64:
-        raise WireError("malformed", "session.id must be 1 to 64 characters")
+    if not 0 < len(sid) <= MAX_SESSION_ID_CHARS:
+        raise WireError("malformed", f"session.id must be 1 to {MAX_SESSION_ID_CHARS} characters")
     where = f"session[{sid}]"
     trig = _req(m, "trigger", dict, where)
     resource = _req(trig, "resource", str, where + ".trigger")
@@ -251,9 +274,7 @@ def session_from_wire(m: Any) -> Session:
     avg = trig.get("avg", [0.0, 0.0, 0.0])
     if not isinstance(avg, list) or len(avg) != 3:
         raise WireError("malformed", f"{where}.trigger.avg must be [avg10, avg60, avg300]")
-    cgroup = trig.get("cgroup", "")
-    if not isinstance(cgroup, str):
-        raise WireError("malformed", f"{where}.trigger.cgroup must be a string")
+    cgroup = _str(trig, "cgroup", where + ".trigger", MAX_CGROUP_CHARS)
     trigger = Trigger(
         resource=resource,
         stall=stall,
@@ -268,9 +289,9 @@ def session_from_wire(m: Any) -> Session:
     )
     k = _req(m, "kernel", dict, where)
     kbid = k.get("build_id", b"")
-    krel = k.get("release", "")
-    if not isinstance(kbid, bytes) or len(kbid) > 64 or not isinstance(krel, str):
-        raise WireError("malformed", f"{where}.kernel must hold release (str) and build_id (bin)")
+    if not isinstance(kbid, bytes) or len(kbid) > 64:
+        raise WireError("malformed", f"{where}.kernel.build_id must be a build id (bin, 0-64 bytes)")
+    krel = _str(k, "release", where + ".kernel", MAX_RELEASE_CHARS)
     kernel = KernelInfo(release=krel, build_id=kbid, text_addr=_u64(k.get("text", 0), where + ".kernel.text"))
 
     labels = m.get("labels", {})
@@ -278,10 +299,23 @@ def session_from_wire(m: Any) -> Session:
         isinstance(a, str) and isinstance(b, str) for a, b in labels.items()
     ):
         raise WireError("malformed", f"{where}.labels must map strings to strings")
+    if len(labels) > MAX_LABELS:
+        raise WireError("malformed", f"{where}.labels: {len(labels)} labels, at most {MAX_LABELS}")
+    for key, value in labels.items():
+        if not 0 < len(key) <= MAX_LABEL_KEY_CHARS or len(value) > MAX_LABEL_VALUE_CHARS:
+            raise WireError(
+                "malformed",
+                f"{where}.labels[{key[:64]!r}]: keys are 1 to {MAX_LABEL_KEY_CHARS} characters, "
+                f"values at most {MAX_LABEL_VALUE_CHARS}",
+            )
     processes: dict[int, str] = {}
-    for p in m.get("processes", []) or []:
+    process_rows = m.get("processes") or []
+    if not isinstance(process_rows, list):
+        raise WireError("malformed", f"{where}.processes must be an array of [pid, comm]")
+    for i, p in enumerate(process_rows):
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)):
             raise WireError("malformed", f"{where}.processes entries are [pid, comm]")
+        _comm(p[1], f"{where}.processes[{i}]")
         processes[_u64(p[0], where + ".processes.pid")] = p[1]
 
     mappings = _req(m, "mappings", list, where)
@@ -306,6 +340,12 @@ def session_from_wire(m: Any) -> Session:
             isinstance(st, list) and len(st) == 2 and isinstance(st[0], list) and isinstance(st[1], list)
         ):
             raise WireError("malformed", f"{where}.stacks[{i}] must be [kernel indexes, user indexes]")
+        if len(st[0]) > MAX_KERNEL_FRAMES or len(st[1]) > MAX_USER_FRAMES:
+            raise WireError(
+                "too_large",
+                f"{where}.stacks[{i}] has {len(st[0])} kernel and {len(st[1])} user frames, "
+                f"at most {MAX_KERNEL_FRAMES} and {MAX_USER_FRAMES}",
+            )
         kst = tuple(kframes[_index(x, len(kframes), f"{where}.stacks[{i}]")] for x in st[0])
         ust = tuple(uframes[_index(x, len(uframes), f"{where}.stacks[{i}]")] for x in st[1])
         stacks.append((kst, ust))
@@ -316,6 +356,7 @@ def session_from_wire(m: Any) -> Session:
             raise WireError("malformed", f"{where}.threads[{i}] must be [pid, tid, name]")
         pid = _u64(th[0], f"{where}.threads[{i}].pid")
         tid = _u64(th[1], f"{where}.threads[{i}].tid")
+        _comm(th[2], f"{where}.threads[{i}].name")
         thread_rows.append((pid, tid))
         threads[tid] = th[2]
     traces: list[Trace] = []
@@ -342,9 +383,9 @@ def session_from_wire(m: Any) -> Session:
         start_ns=_u64(_req(m, "start_ns", int, where), where + ".start_ns"),
         duration_ns=_u64(_req(m, "duration_ns", int, where), where + ".duration_ns"),
         period_ns=_u64(_req(m, "period_ns", int, where), where + ".period_ns"),
-        tenant=_str(m, "tenant", where),
-        service=_str(m, "service", where),
-        host=_str(m, "host", where),
+        tenant=_str(m, "tenant", where, MAX_NAME_CHARS),
+        service=_str(m, "service", where, MAX_NAME_CHARS),
+        host=_str(m, "host", where, MAX_NAME_CHARS),
         labels=dict(labels),
         processes=processes,
         threads=threads,
@@ -352,37 +393,152 @@ def session_from_wire(m: Any) -> Session:
     )
 
 
-def _str(m: Mapping[str, Any], key: str, where: str, limit: int = 256) -> str:
+def _str(m: Mapping[str, Any], key: str, where: str, limit: int = MAX_NAME_CHARS) -> str:
     v = m.get(key, "")
     if not isinstance(v, str) or len(v) > limit:
         raise WireError("malformed", f"{where}.{key} must be a string of at most {limit} characters")
     return v
 
 
-def _unpack(data: bytes) -> Any:
+def _comm(v: str, where: str) -> None:
+    if len(v) > MAX_COMM_CHARS:
+        raise WireError("malformed", f"{where} must be at most {MAX_COMM_CHARS} characters")
+
+
+# The tables of a session: read row by row, so that no array holding more than MAX_ARRAY_LEN values is
+# decoded in one go (msgpack decodes an array's values before its length can be counted).
+_TABLES = frozenset(("processes", "mappings", "kframes", "uframes", "stacks", "threads", "traces"))
+_MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+_ARRAY_TYPES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+
+
+class _Reader:
+    """A bounded msgpack reader over one buffer: every limit above, and MAX_BATCH_OBJECTS in all."""
+
+    def __init__(self, data: bytes, max_objects: int = MAX_BATCH_OBJECTS) -> None:
+        self.data = data
+        self.objects = 0
+        self.max_objects = max_objects
+        self.u = msgpack.Unpacker(
+            io.BytesIO(data),  # read in slices: feeding the whole body would copy it
+            read_size=min(len(data), 1 << 20) or 1,
+            raw=False,
+            strict_map_key=True,
+            max_buffer_size=len(data) or 1,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=MAX_BIN_LEN,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
+            list_hook=self._list,
+            object_hook=self._map,
+        )
+
+    def count(self, n: int) -> None:
+        self.objects += n
+        if self.objects > self.max_objects:
+            raise WireError("too_large", f"more than {self.max_objects} msgpack values in one request")
+
+    def _list(self, v: list[Any]) -> list[Any]:
+        self.count(len(v) + 1)
+        return v
+
+    def _map(self, v: dict[str, Any]) -> dict[str, Any]:
+        self.count(len(v) + 1)
+        return v
+
+    def peek(self) -> int:
+        pos = self.u.tell()
+        return self.data[pos] if pos < len(self.data) else -1
+
+    def value(self) -> Any:
+        return self.u.unpack()
+
+    def header(self, types: frozenset[int], limit: int, what: str) -> int:
+        """The length of the map or array that comes next (counted), or -1 if something else comes."""
+        if self.peek() not in types:
+            return -1
+        n = self.u.read_map_header() if types is _MAP_TYPES else self.u.read_array_header()
+        if n > limit:
+            raise WireError("too_large", f"{what} has {n} entries, at most {limit}")
+        self.count(n + 1)
+        return int(n)
+
+    def session(self) -> Any:
+        """One session map, its tables row by row; anything else as it is, for the validator to refuse."""
+        n = self.header(_MAP_TYPES, MAX_MAP_LEN, "a session")
+        if n < 0:
+            return self.value()
+        m: dict[Any, Any] = {}
+        for _ in range(n):
+            key = self.value()
+            if not isinstance(key, str):
+                raise WireError("malformed", "a session's keys must be strings")
+            rows = self.header(_ARRAY_TYPES, self.max_objects, f"session.{key}") if key in _TABLES else -1
+            m[key] = [self.value() for _ in range(rows)] if rows >= 0 else self.value()
+        return m
+
+    def end(self) -> None:
+        if self.u.tell() != len(self.data):
+            raise WireError(
+                "malformed", f"not valid msgpack: {len(self.data) - self.u.tell()} bytes of extra data"
+            )
+
+
+def _read(data: bytes, read: Callable[[_Reader], Any]) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
+        reader = _Reader(data)
+        out = read(reader)
+        reader.end()
+        return out
+    except (msgpack.OutOfData, msgpack.BufferFull):  # BufferFull: a header claims more than the body has
+        raise WireError("malformed", "not valid msgpack: truncated")
+    except ValueError as e:
+        if "exceeds max_" in str(e):  # one of the msgpack limits above
+            raise WireError("too_large", f"{e}: see the limits in docs/api.md")
+        raise WireError("malformed", f"not valid msgpack: {e}")
+    except (msgpack.UnpackException, TypeError) as e:
         raise WireError("malformed", f"not valid msgpack: {e}")
 
 
 def decode_session(data: bytes) -> Session:
     """Decode one session as written by `encode_session` (a spool file)."""
-    return session_from_wire(_unpack(data))
+    return session_from_wire(_read(data, _Reader.session))
 
 
-def decode_batch(data: bytes, max_sessions: int = 1000) -> list[Any]:
-    """Split a request body into undecoded session maps (each validated on its own)."""
-    obj = _unpack(data)
-    if not isinstance(obj, dict):
+def decode_batch(data: bytes, max_sessions: int = MAX_SESSIONS_PER_BATCH) -> list[Any]:
+    """Split a request body into undecoded session maps (each validated on its own).
+
+    The whole request is held to MAX_BATCH_OBJECTS values: over it, the batch is refused as too large
+    (the agent then sends fewer sessions at a time).
+    """
+    sessions: list[Any] = _read(data, lambda r: _batch(r, max_sessions))
+    return sessions
+
+
+def _batch(r: _Reader, max_sessions: int) -> list[Any]:
+    n = r.header(_MAP_TYPES, MAX_MAP_LEN, "a batch")
+    if n < 0:
         raise WireError("malformed", "a batch must be a map")
-    if obj.get("v") != VERSION:
-        raise WireError("unsupported_version", f"batch version {obj.get('v')!r}, this build reads {VERSION}")
-    sessions = obj.get("sessions")
-    if not isinstance(sessions, list):
+    version: Any = None
+    sessions: list[Any] | None = None
+    for _ in range(n):
+        key = r.value()
+        if key == "sessions":
+            count = r.header(_ARRAY_TYPES, MAX_BATCH_OBJECTS, "batch.sessions")
+            if count < 0:
+                raise WireError("malformed", "batch.sessions must be an array")
+            if count > max_sessions:
+                raise WireError("too_large", f"{count} sessions in one batch, at most {max_sessions}")
+            sessions = [r.session() for _ in range(count)]
+        elif key == "v":
+            version = r.value()
+        else:
+            r.value()
+    if version != VERSION:
+        raise WireError("unsupported_version", f"batch version {version!r}, this build reads {VERSION}")
+    if sessions is None:
         raise WireError("malformed", "batch.sessions must be an array")
-    if len(sessions) > max_sessions:
-        raise WireError("too_large", f"{len(sessions)} sessions in one batch, at most {max_sessions}")
     return sessions
 
 

@@ -13,6 +13,15 @@ C++ demanglers leave legacy Rust escapes (`$LT$`) in place. Compiler clone
 suffixes (`.cold`, `.isra.0`, `.part.1`, `.llvm.123`) are kept as
 ` [clone .cold]`, as c++filt prints them. Anything that fails to decode comes
 back unchanged. Results are memoized.
+
+Names come from untrusted uploads (kallsyms), and both Rust v0 and Itanium
+back-references can double the output at every step: a 206-character v0 name
+printed 25 M characters. So the work is bounded: names over `MAX_NAME_CHARS`
+are not decoded, v0 decoding stops after `_MAX_V0_STEPS` productions or
+`_MAX_V0_WORK` printed characters, and a C++ name is handed to libstdc++ only
+when its back-references cannot expand past `_MAX_CXX_WORK` characters. A name
+over a budget comes back mangled; a C++ name that decodes longer than
+`MAX_DEMANGLED_CHARS` is cut there and ends with `TRUNCATED_MARK`.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import codecs
 import functools
 import logging
+import math
 import re
 import select
 import shutil
@@ -29,8 +39,18 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-_MEMO_SIZE = 1 << 16
+_MEMO_SIZE = 1 << 14  # with the caps below, at most ~130 MB even if every entry is as long as allowed
 _FILT_TIMEOUT_S = 2.0
+
+MAX_NAME_CHARS = 4096  # mangled; longer names are left as they are
+MAX_DEMANGLED_CHARS = 4096  # the longest name in 300 real rustc symbols demangles to 572
+TRUNCATED_MARK = " [truncated]"
+# 300 real rustc symbols take at most 132 steps and 9 149 characters of work: ~15 times that.
+_MAX_V0_STEPS = 1 << 11  # grammar productions, each back-reference expansion counted again
+_MAX_V0_WORK = 1 << 17  # characters printed along the way, a nested part counted at every level
+_MAX_CXX_WORK = 1 << 22  # estimated characters libstdc++ may print before the cut
+# Itanium back-references: substitutions (S_, S0_, …) and template parameters (T_, T0_, …).
+_CXX_BACKREF = re.compile(r"[ST][0-9A-Z]*_")
 
 # Clone suffixes GCC and LLVM append to a mangled name.
 _SUFFIX = re.compile(r"(\.(?:cold|part|isra|constprop|lto_priv|localalias|clone|str|unlikely)(?:\.\d+)*)+$")
@@ -41,6 +61,10 @@ _LEGACY_HASH = re.compile(r"h[0-9a-f]{16}")
 
 class _Invalid(Exception):
     """The name does not follow the scheme it looked like."""
+
+
+class _OverBudget(_Invalid):
+    """The name would print too much or take too long to decode: left mangled."""
 
 
 # --- Rust legacy ----------------------------------------------------------------
@@ -149,6 +173,8 @@ class _V0:
         self.pos = 0
         self.depth = 0
         self.bound = 0  # lifetimes bound by enclosing for<...> binders
+        self.steps = 0
+        self.work = 0
 
     # -- lexing --
 
@@ -232,47 +258,62 @@ class _V0:
 
     def enter(self) -> None:
         self.depth += 1
+        self.steps += 1
         if self.depth > _MAX_DEPTH:
             raise _Invalid("too deep")
+        if self.steps > _MAX_V0_STEPS:
+            raise _OverBudget(f"over {_MAX_V0_STEPS} steps")
+
+    def printed(self, text: str) -> str:
+        # Back-references re-print what they point to: what a symbol prints is bounded, not its length.
+        self.work += len(text)
+        if len(text) > MAX_DEMANGLED_CHARS:
+            raise _OverBudget(f"demangles to over {MAX_DEMANGLED_CHARS} characters")
+        if self.work > _MAX_V0_WORK:
+            raise _OverBudget(f"over {_MAX_V0_WORK} characters of work")
+        return text
 
     # -- grammar --
 
     def path(self, in_value: bool) -> str:
         self.enter()
         try:
-            c = self.next()
-            if c == "C":
-                return self.ident()[1]
-            if c == "N":
-                ns = self.next()
-                prefix = self.path(in_value)
-                dis, name = self.ident()
-                if "A" <= ns <= "Z":
-                    kind = {"C": "closure", "S": "shim"}.get(ns, ns)
-                    label = f"{kind}:{name}" if name else kind
-                    return f"{prefix}::{{{label}#{dis}}}"
-                return f"{prefix}::{name}" if name else prefix
-            if c == "M":
-                self.opt_base62("s")
-                self.path(False)  # the impl's own path is not printed
-                return f"<{self.type_()}>"
-            if c == "X":
-                self.opt_base62("s")
-                self.path(False)
-                ty = self.type_()
-                return f"<{ty} as {self.path(False)}>"
-            if c == "Y":
-                ty = self.type_()
-                return f"<{ty} as {self.path(False)}>"
-            if c == "I":
-                base = self.path(in_value)
-                args = self.generic_args()
-                return f"{base}{'::' if in_value else ''}<{args}>"
-            if c == "B":
-                return self.backref(self.path, in_value)
-            raise _Invalid(f"bad path tag {c!r}")
+            return self.printed(self._path(in_value))
         finally:
             self.depth -= 1
+
+    def _path(self, in_value: bool) -> str:
+        c = self.next()
+        if c == "C":
+            return self.ident()[1]
+        if c == "N":
+            ns = self.next()
+            prefix = self.path(in_value)
+            dis, name = self.ident()
+            if "A" <= ns <= "Z":
+                kind = {"C": "closure", "S": "shim"}.get(ns, ns)
+                label = f"{kind}:{name}" if name else kind
+                return f"{prefix}::{{{label}#{dis}}}"
+            return f"{prefix}::{name}" if name else prefix
+        if c == "M":
+            self.opt_base62("s")
+            self.path(False)  # the impl's own path is not printed
+            return f"<{self.type_()}>"
+        if c == "X":
+            self.opt_base62("s")
+            self.path(False)
+            ty = self.type_()
+            return f"<{ty} as {self.path(False)}>"
+        if c == "Y":
+            ty = self.type_()
+            return f"<{ty} as {self.path(False)}>"
+        if c == "I":
+            base = self.path(in_value)
+            args = self.generic_args()
+            return f"{base}{'::' if in_value else ''}<{args}>"
+        if c == "B":
+            return self.backref(self.path, in_value)
+        raise _Invalid(f"bad path tag {c!r}")
 
     def generic_args(self) -> str:
         args = []
@@ -299,6 +340,8 @@ class _V0:
         if not self.eat("G"):
             return ""
         count = self.base62() + 1
+        if count > _MAX_DEPTH:
+            raise _Invalid(f"binder of {count} lifetimes")
         names = [self.lifetime_name_new(i) for i in range(count)]
         self.bound += count
         return f"for<{', '.join(names)}> "
@@ -310,43 +353,46 @@ class _V0:
     def type_(self, _in_value: bool = False) -> str:
         self.enter()
         try:
-            c = self.peek()
-            if c in _BASIC_TYPES:
-                self.pos += 1
-                return _BASIC_TYPES[c]
-            if c in "CMNXYI":
-                return self.path(False)
-            self.pos += 1
-            if c == "A":
-                ty = self.type_()
-                return f"[{ty}; {self.const()}]"
-            if c == "S":
-                return f"[{self.type_()}]"
-            if c in "RQ":
-                lt = ""
-                if self.eat("L"):
-                    name = self.lifetime_name(self.base62())
-                    lt = "" if name == "'_" else name + " "
-                mut = "mut " if c == "Q" else ""
-                return f"&{lt}{mut}{self.type_()}"
-            if c == "P":
-                return f"*const {self.type_()}"
-            if c == "O":
-                return f"*mut {self.type_()}"
-            if c == "F":
-                return self.fn_sig()
-            if c == "D":
-                return self.dyn_bounds()
-            if c == "T":
-                items = []
-                while not self.eat("E"):
-                    items.append(self.type_())
-                return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
-            if c == "B":
-                return self.backref(self.type_, False)
-            raise _Invalid(f"bad type tag {c!r}")
+            return self.printed(self._type())
         finally:
             self.depth -= 1
+
+    def _type(self) -> str:
+        c = self.peek()
+        if c in _BASIC_TYPES:
+            self.pos += 1
+            return _BASIC_TYPES[c]
+        if c in "CMNXYI":
+            return self.path(False)
+        self.pos += 1
+        if c == "A":
+            ty = self.type_()
+            return f"[{ty}; {self.const()}]"
+        if c == "S":
+            return f"[{self.type_()}]"
+        if c in "RQ":
+            lt = ""
+            if self.eat("L"):
+                name = self.lifetime_name(self.base62())
+                lt = "" if name == "'_" else name + " "
+            mut = "mut " if c == "Q" else ""
+            return f"&{lt}{mut}{self.type_()}"
+        if c == "P":
+            return f"*const {self.type_()}"
+        if c == "O":
+            return f"*mut {self.type_()}"
+        if c == "F":
+            return self.fn_sig()
+        if c == "D":
+            return self.dyn_bounds()
+        if c == "T":
+            items = []
+            while not self.eat("E"):
+                items.append(self.type_())
+            return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+        if c == "B":
+            return self.backref(self.type_, False)
+        raise _Invalid(f"bad type tag {c!r}")
 
     def fn_sig(self) -> str:
         saved_bound = self.bound
@@ -395,25 +441,31 @@ class _V0:
     def const(self, _in_value: bool = False) -> str:
         self.enter()
         try:
-            if self.eat("p"):
-                return "_"
-            if self.eat("B"):
-                return self.backref(self.const, False)
-            ty = self.next()
-            if ty in _SIGNED or ty in _UNSIGNED:
-                neg = ty in _SIGNED and self.eat("n")
-                value = self.hex_digits()
-                return f"-{value}" if neg else str(value)
-            if ty == "b":
-                value = self.hex_digits()
-                if value > 1:
-                    raise _Invalid("bad bool")
-                return "true" if value else "false"
-            if ty == "c":
-                return repr(chr(self.hex_digits()))
-            raise _Invalid(f"unsupported const type {ty!r}")
+            return self.printed(self._const())
         finally:
             self.depth -= 1
+
+    def _const(self) -> str:
+        if self.eat("p"):
+            return "_"
+        if self.eat("B"):
+            return self.backref(self.const, False)
+        ty = self.next()
+        if ty in _SIGNED or ty in _UNSIGNED:
+            neg = ty in _SIGNED and self.eat("n")
+            value = self.hex_digits()
+            return f"-{value}" if neg else str(value)
+        if ty == "b":
+            value = self.hex_digits()
+            if value > 1:
+                raise _Invalid("bad bool")
+            return "true" if value else "false"
+        if ty == "c":
+            code = self.hex_digits()
+            if code > 0x10FFFF:
+                raise _Invalid("bad char")
+            return repr(chr(code))
+        raise _Invalid(f"unsupported const type {ty!r}")
 
     def hex_digits(self) -> int:
         start = self.pos
@@ -536,10 +588,27 @@ def _clone_suffix(suffix: str) -> str:
     return "".join(f" [clone {p}]" for p in parts)
 
 
+# k back-references can multiply a name's length by up to ~3^(k/3) (each group of three tripling it).
+_LOG_REF_GROWTH = math.log(3) / 3
+_LOG_MAX_CXX_WORK = math.log(_MAX_CXX_WORK)
+
+
+def _itanium_bounded(name: str) -> str | None:
+    # libstdc++ has no output limit: f(A, A<A, A>, A<A<A, A>, A<A, A> >, …) printed 3.5 GB from 284
+    # characters. A name that could print more than the budget is not handed to it.
+    refs = len(_CXX_BACKREF.findall(name))
+    if refs * _LOG_REF_GROWTH + math.log(len(name)) > _LOG_MAX_CXX_WORK:
+        return None
+    out = _itanium(name)
+    if out and len(out) > MAX_DEMANGLED_CHARS:
+        out = out[: MAX_DEMANGLED_CHARS - len(TRUNCATED_MARK)] + TRUNCATED_MARK
+    return out
+
+
 @functools.lru_cache(maxsize=_MEMO_SIZE)
 def demangle(name: str) -> str:
-    """Demangle a linkage name of any supported scheme; unknown or invalid names come back unchanged."""
-    if not name.startswith(("_Z", "_R")):
+    """Demangle a linkage name of any supported scheme; unknown, invalid or over-budget names stay as is."""
+    if not name.startswith(("_Z", "_R")) or len(name) > MAX_NAME_CHARS:
         return name
     if "." in name:
         m = _LLVM_SUFFIX.search(name)
@@ -559,5 +628,5 @@ def demangle(name: str) -> str:
                 return demangle_rust_legacy(base) + _clone_suffix(suffix)
             except ValueError:
                 pass
-    out = _itanium(name)
+    out = _itanium_bounded(name)
     return out if out else name

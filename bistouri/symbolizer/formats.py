@@ -9,6 +9,7 @@ each output.
 from __future__ import annotations
 
 import gzip
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -114,10 +115,15 @@ def _tree(profile: Profile, value: str) -> dict[str, Any]:
     return root
 
 
-def _finish(node: dict[str, Any]) -> dict[str, Any]:
-    kids = node.pop("_kids")
-    node["children"] = [_finish(kids[k]) for k in sorted(kids)]
-    return node
+def _finish(root: dict[str, Any]) -> dict[str, Any]:
+    # Without recursion, here and in every walk of a tree: a tree is as deep as the longest stack.
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        kids = node.pop("_kids")
+        node["children"] = [kids[k] for k in sorted(kids)]
+        todo.extend(node["children"])
+    return root
 
 
 def flamegraph(profile: Profile, value: str = "on_cpu") -> dict[str, Any]:
@@ -138,15 +144,40 @@ def diff(a: Profile, b: Profile, value: str = "on_cpu") -> dict[str, Any]:
     tb = _tree(b, value)
     scale = tb["value"] / ta["value"] if ta["value"] else 0.0
 
-    def walk(nb: dict[str, Any], na: dict[str, Any] | None) -> None:
+    todo: list[tuple[dict[str, Any], dict[str, Any] | None]] = [(tb, ta)]
+    while todo:
+        nb, na = todo.pop()
         base = na["value"] if na is not None else 0
         nb["base"] = base
         nb["delta"] = round(nb["value"] - base * scale, 3)
         for key, child in nb["_kids"].items():
-            walk(child, na["_kids"].get(key) if na is not None else None)
-
-    walk(tb, ta)
+            todo.append((child, na["_kids"].get(key) if na is not None else None))
     return _finish(tb)
+
+
+def tree_json(tree: dict[str, Any]) -> str:
+    """A flamegraph or diff tree as compact JSON, `children` last in each node.
+
+    json.dumps recurses once per level and fails past ~1000; here only each node's own fields go
+    through it, and the nesting is written from an explicit stack.
+    """
+    out: list[str] = []
+    todo: list[Any] = [tree]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        fields = {k: v for k, v in item.items() if k != "children"}
+        head = json.dumps(fields, separators=(",", ":"))[:-1]
+        out.append(head + (',"children":[' if fields else '"children":['))
+        todo.append("]}")
+        kids = item["children"]
+        for i in range(len(kids) - 1, -1, -1):
+            todo.append(kids[i])
+            if i:
+                todo.append(",")
+    return "".join(out)
 
 
 # ---------------------------------------------------------------------------
@@ -497,4 +528,5 @@ __all__ = [
     "pprof",
     "profile_json",
     "speedscope",
+    "tree_json",
 ]

@@ -10,6 +10,10 @@ A snapshot's addresses are those of the boot that wrote it. A session from
 another boot of the same kernel (another KASLR slide) is corrected with the
 runtime `_text` it carries; module addresses cannot be corrected that way and
 resolve only when `_text` matches.
+
+Snapshots are uploaded by anyone holding the write token, so every size is
+bounded (the limits below, quoted by docs/api.md): the gzip is decompressed in
+slices and parsed slice by slice, never whole.
 """
 
 from __future__ import annotations
@@ -22,21 +26,33 @@ import re
 import tempfile
 import threading
 import zlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 
 from ..errors import BistouriError
 from .sources import check_build_id
 
 log = logging.getLogger(__name__)
 
-MAX_SNAPSHOT_BYTES = 64 << 20  # uncompressed; a distro kernel with modules is ~15 MB
+MAX_UPLOAD_BYTES = 16 << 20  # gzip'd, as uploaded; a distro kernel's is ~2 MB
+MAX_SNAPSHOT_BYTES = 32 << 20  # uncompressed; a distro kernel with modules is ~15 MB
+MAX_SYMBOLS = 500_000  # text symbols (lines of type t, T, w, W); a distro kernel has ~150 000
+MAX_SYMBOL_NAME = 512  # the kernel's KSYM_NAME_LEN
+MAX_LOADED_BYTES = 96 << 20  # parsed snapshots kept in memory per process (a distro kernel's: ~20 MB)
 DEFAULT_LOADED = 8
+_SLICE_BYTES = 1 << 20  # decompressed and parsed at a time
+_MAX_LINE = MAX_SYMBOL_NAME + 256  # address, type and module around a name
 MAX_SYMBOL_SPAN = 1 << 20  # no kernel function is this long: past it the address is unknown
 _CORE_LABELS = frozenset(("_text", "_stext", "_etext", "_sinittext", "_einittext"))
 
 
 class KallsymsError(BistouriError, ValueError):
     """A kallsyms snapshot cannot be used."""
+
+
+class KallsymsTooLarge(KallsymsError):
+    """A kallsyms snapshot is over one of the limits."""
 
 
 def _is_label(name: str) -> bool:
@@ -55,22 +71,24 @@ def _is_end_label(name: str) -> bool:
 class KallsymsIndex:
     """Text symbols of one boot, sorted by address."""
 
-    __slots__ = ("_addrs", "_ends", "_modules", "_names", "text_addr")
+    __slots__ = ("_addrs", "_ends", "_modules", "_names", "nbytes", "text_addr")
 
-    def __init__(self, addrs: list[int], names: list[str], modules: list[str], text_addr: int) -> None:
-        self._addrs = addrs
+    def __init__(self, addrs: Sequence[int], names: list[str], modules: list[str], text_addr: int) -> None:
+        self._addrs = array("Q", addrs)  # 8 bytes an address, not 40 as a list of ints
         self._names = names
         self._modules = modules
         self.text_addr = text_addr  # runtime _text of the boot that wrote the snapshot
         # Where each symbol stops: the next symbol, a span limit, or at once for end labels.
         n = len(addrs)
-        ends = [min(addrs[i + 1], addrs[i] + MAX_SYMBOL_SPAN) for i in range(n - 1)]
+        ends = array("Q", (min(addrs[i + 1], addrs[i] + MAX_SYMBOL_SPAN) for i in range(n - 1)))
         if n:
-            ends.append(addrs[-1] + MAX_SYMBOL_SPAN)
+            ends.append(min(addrs[-1] + MAX_SYMBOL_SPAN, (1 << 64) - 1))
         for i, name in enumerate(names):
             if name[0] in "_" and _is_end_label(name):
                 ends[i] = addrs[i]
         self._ends = ends
+        # About what it holds in memory: two addresses, two pointers and a str object per symbol.
+        self.nbytes = sum(map(len, names)) + 90 * n
 
     def __len__(self) -> int:
         return len(self._addrs)
@@ -93,57 +111,118 @@ _LINE = re.compile(rb"^([0-9a-fA-F]+) ([tTwW]) (\S+)(?:[ \t]+\[([^\]\n]+)\])?[ \
 _ZERO_ADDR = re.compile(rb"^0+ [tTwW] ", re.M)
 
 
-def parse_kallsyms(data: bytes) -> KallsymsIndex:
-    """Parse `/proc/kallsyms` text: `addr type name [module]` per line, text symbols only."""
-    rows = _LINE.findall(data)
-    keyed: list[tuple[int, int, int]] = []
+def parse_kallsyms(data: bytes, max_bytes: int = MAX_SNAPSHOT_BYTES) -> KallsymsIndex:
+    """Parse `/proc/kallsyms` text, or its gzip: `addr type name [module]` per line, text symbols only."""
+    return _parse(_slices(data, max_bytes))
+
+
+def _slices(data: bytes, limit: int) -> Iterator[bytes]:
+    """The snapshot in slices of whole lines, decompressed as it goes; at most `limit` bytes in all."""
+    if data[:2] != b"\x1f\x8b":
+        if len(data) > limit:
+            raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes")
+        for start in range(0, len(data), _SLICE_BYTES):
+            yield data[start : start + _SLICE_BYTES]  # a line cut in two is joined again by _parse
+        return
+    d = zlib.decompressobj(wbits=31)
+    total = 0
+    tail = data
+    try:
+        while tail or not d.eof:
+            out = d.decompress(tail, _SLICE_BYTES)
+            tail = d.unconsumed_tail
+            total += len(out)
+            if total > limit:
+                raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes uncompressed")
+            if out:
+                yield out
+            elif d.eof or not tail:
+                break
+    except zlib.error as e:
+        raise KallsymsError(f"the snapshot is not valid gzip: {e}")
+    if not d.eof:
+        raise KallsymsError("the snapshot's gzip is truncated")
+    if d.unused_data:
+        raise KallsymsError("the snapshot has data after its gzip member")
+
+
+def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
+    # One sortable int per symbol: address, then preference at that address, then row number.
+    keys: list[int] = []
     names: list[str] = []
     modules: list[str] = []
+    module_names: dict[bytes, str] = {b"": ""}  # a few hundred distinct: stored once each
     text_addr = 0
-    for i, (a, typ, n, m) in enumerate(rows):
-        addr = int(a, 16)
-        name = n.decode("utf-8", "replace")
-        names.append(name)
-        modules.append(m.decode("utf-8", "replace") if m else "")
-        if not addr:
-            continue
-        if name == "_text" and not m:
-            text_addr = addr
-        # Order at one address: real names before labels, then global before local.
-        pref = (2 if name[0] == "_" and _is_label(name) else 0) + (typ in (b"t", b"w"))
-        keyed.append((addr, pref, i))
-    if not keyed:
-        if _ZERO_ADDR.search(data):
+    zero_addresses = False
+    for piece in _lines(slices):
+        for a, typ, n, m in _LINE.findall(piece):
+            addr = int(a, 16)
+            if not addr:
+                zero_addresses = True
+                continue
+            if len(n) > MAX_SYMBOL_NAME:
+                raise KallsymsError(f"a symbol name is over {MAX_SYMBOL_NAME} bytes: {n[:64]!r}…")
+            if len(names) >= MAX_SYMBOLS:
+                raise KallsymsTooLarge(f"the snapshot has more than {MAX_SYMBOLS} text symbols")
+            name = n.decode("utf-8", "replace")
+            module = module_names.get(m)
+            if module is None:
+                module = module_names[m] = m.decode("utf-8", "replace")
+            if name == "_text" and not m:
+                text_addr = addr
+            # Order at one address: real names before labels, then global before local.
+            pref = (2 if name[0] == "_" and _is_label(name) else 0) + (typ in (b"t", b"w"))
+            keys.append(addr << 22 | pref << 20 | len(names))
+            names.append(name)
+            modules.append(module)
+    if not keys:
+        if zero_addresses:
             raise KallsymsError(
                 "the snapshot's text symbols all have address 0: it was read without privileges. "
                 "Read /proc/kallsyms as root (or with CAP_SYSLOG) and kernel.kptr_restrict < 2"
             )
         raise KallsymsError("the snapshot has no text symbols: it is not /proc/kallsyms output")
-    keyed.sort()
-    addrs: list[int] = []
+    keys.sort()
+    addrs = array("Q")
     out_names: list[str] = []
     out_modules: list[str] = []
     last = -1
-    for addr, _pref, i in keyed:
+    for key in keys:
+        addr = key >> 22
         if addr != last:  # later entries at one address are less preferred aliases
             last = addr
+            i = key & ((1 << 20) - 1)
             addrs.append(addr)
             out_names.append(names[i])
             out_modules.append(modules[i])
     return KallsymsIndex(addrs, out_names, out_modules, text_addr)
 
 
-def _decompress(data: bytes, limit: int) -> bytes:
-    if data[:2] != b"\x1f\x8b":
-        return data
-    d = zlib.decompressobj(wbits=31)
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise KallsymsError(f"the snapshot is not valid gzip: {e}")
-    if len(out) > limit:
-        raise KallsymsError(f"the snapshot is larger than {limit} bytes uncompressed")
-    return out
+def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:
+    """Slices cut after their last line break: no line is split between two.
+
+    A line too long to be a symbol's is dropped whole, so that reading on to the size limit needs no more
+    memory than a slice.
+    """
+    carry = b""
+    skipping = False
+    for piece in slices:
+        if skipping:
+            nl = piece.find(b"\n")
+            if nl < 0:
+                continue
+            piece = piece[nl + 1 :]
+            skipping = False
+        piece = carry + piece
+        cut = piece.rfind(b"\n") + 1
+        carry = piece[cut:]
+        if len(carry) > _MAX_LINE:
+            carry = b""
+            skipping = True
+        if cut:
+            yield piece[:cut]
+    if carry:
+        yield carry
 
 
 class KallsymsStore:
@@ -169,17 +248,14 @@ class KallsymsStore:
     def put(self, build_id: bytes | str, data: bytes) -> KallsymsIndex:
         """Validate and store a snapshot (plain text or gzip). Raises KallsymsError if unusable."""
         hexid = check_build_id(build_id)
-        raw = _decompress(data, self.max_bytes)
-        if len(raw) > self.max_bytes:
-            raise KallsymsError(f"the snapshot is larger than {self.max_bytes} bytes")
-        index = parse_kallsyms(raw)
+        if len(data) > MAX_UPLOAD_BYTES:
+            raise KallsymsTooLarge(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
+        index = parse_kallsyms(data, self.max_bytes)
         fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=self.dir)
         try:
-            with (
-                os.fdopen(fd, "wb") as f,
-                gzip.GzipFile(fileobj=f, mode="wb", compresslevel=6, mtime=0) as gz,
-            ):
-                gz.write(raw)
+            with os.fdopen(fd, "wb") as f:
+                # A gzip upload was checked whole by the parser: kept as it came.
+                f.write(data if data[:2] == b"\x1f\x8b" else gzip.compress(data, 6, mtime=0))
             os.replace(tmp, self.path(hexid))
         except BaseException:
             try:
@@ -206,9 +282,9 @@ class KallsymsStore:
                 return index
             path = self.path(hexid)
             try:
-                with gzip.open(path, "rb") as f:
-                    raw = f.read(self.max_bytes + 1)
-                index = parse_kallsyms(raw[: self.max_bytes])
+                with open(path, "rb") as f:
+                    data = f.read(MAX_UPLOAD_BYTES + 1)
+                index = parse_kallsyms(data, self.max_bytes)
             except FileNotFoundError:
                 return None
             except (OSError, EOFError, KallsymsError) as e:
@@ -219,9 +295,28 @@ class KallsymsStore:
             self._remember(hexid, index)
             return index
 
+    def remove(self, build_id: bytes | str) -> None:
+        """Forget a snapshot (its kernel expired from the database)."""
+        hexid = check_build_id(build_id)
+        with self._lock:
+            self._loaded.pop(hexid, None)
+        try:
+            os.unlink(self.path(hexid))
+        except FileNotFoundError:
+            pass
+
+    def ids(self) -> list[str]:
+        """The build ids of the snapshots on disk."""
+        suffix = ".kallsyms.gz"
+        return [n[: -len(suffix)] for n in os.listdir(self.dir) if n.endswith(suffix)]
+
     def _remember(self, hexid: str, index: KallsymsIndex) -> None:
         with self._lock:
             self._loaded[hexid] = index
             self._loaded.move_to_end(hexid)
-            while len(self._loaded) > self.max_loaded:
-                self._loaded.popitem(last=False)
+            # Bounded in bytes too: a few large snapshots weigh as much as many small ones.
+            loaded = sum(i.nbytes for i in self._loaded.values())
+            while len(self._loaded) > 1 and (
+                len(self._loaded) > self.max_loaded or loaded > MAX_LOADED_BYTES
+            ):
+                loaded -= self._loaded.popitem(last=False)[1].nbytes

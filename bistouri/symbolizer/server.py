@@ -33,7 +33,7 @@ from werkzeug.wrappers import Request, Response
 from .. import wire
 from ..errors import WireError
 from . import formats
-from .kallsyms import KallsymsError, KallsymsStore
+from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
 from .metrics import Metrics
 from .model import Profile
 from .store import Filter, Store, StoredSession, StoreError, meta_from_session
@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 
 MSGPACK_TYPES = ("application/x-msgpack", "application/msgpack")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-DECOMPRESSION_RATIO = 8  # decompressed bodies may be this many times --max-request-bytes
-MAX_SESSIONS_PER_BATCH = 1000
+# Decompressed bodies may be this many times --max-request-bytes: the agent's gzip'd sessions shrink ~3-6
+# times, and a worker holds the decompressed body while it decodes it (64 MiB by default).
+DECOMPRESSION_RATIO = 4
+MAX_SESSIONS_PER_BATCH = wire.MAX_SESSIONS_PER_BATCH
 MAX_LIST_LIMIT = 1000
 DEFAULT_MERGE_LIMIT = 500
 RETENTION_INTERVAL_S = 60.0
@@ -292,8 +294,8 @@ class SymbolizerApp:
         if not hmac.compare_digest(value.strip().encode(), token.encode()):
             raise ApiError(401, "unauthorized", "bad bearer token")
 
-    def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
+    def _read_body(self, request: Request, limit: int | None = None) -> bytes:
+        limit = self.config.max_request_bytes if limit is None else limit
         length = request.content_length
         if length is not None and length > limit:
             raise ApiError(413, "too_large", f"body of {length} bytes, at most {limit} accepted")
@@ -464,6 +466,11 @@ class SymbolizerApp:
         self.run_retention()
 
     def run_retention(self) -> dict[str, int]:
+        # Kernels no session needs go first: under size pressure, before any session.
+        for build_id in self.store.expire_kernels():
+            self.kallsyms.remove(build_id)
+            self._known_kernels.discard(build_id)
+            log.info("retention deleted a kernel's symbols. build_id=%s", build_id)
         deleted = self.store.enforce_retention()
         for reason, n in deleted.items():
             if n:
@@ -499,12 +506,13 @@ class SymbolizerApp:
                 return _json({"build_id": build_id, "present": True})
             return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
         self._authorize(request, write=True)
-        body = self._read_body(request)
+        body = self._read_body(request, min(self.config.max_request_bytes, MAX_UPLOAD_BYTES))
         if body[:2] != b"\x1f\x8b":
             raise ApiError(400, "bad_encoding", "body must be gzip-compressed /proc/kallsyms text")
-        gunzip_limited(body, self.config.max_decompressed_bytes)  # bounded check before the parser reads it
         try:
-            index = self.kallsyms.put(build_id, body)
+            index = self.kallsyms.put(build_id, body)  # decompressed and parsed in bounded slices
+        except KallsymsTooLarge as e:
+            raise ApiError(413, "too_large", f"kallsyms over the limits: {e}")
         except KallsymsError as e:
             raise ApiError(400, "malformed", f"unusable kallsyms: {e}")
         self.store.put_kernel(build_id, body)
@@ -610,7 +618,9 @@ class SymbolizerApp:
                     "bad_parameter",
                     f"give {side}=<session id> or {side}.<filter>=… (e.g. {side}.service=)",
                 )
-        return _json(formats.diff(sides[0], sides[1], value))
+        return Response(
+            formats.tree_json(formats.diff(sides[0], sides[1], value)), mimetype="application/json"
+        )
 
     def _renderer(self, fmt: str) -> Callable[[Request, Profile, str], Response]:
         renderers: dict[str, Callable[[Request, Profile, str], Response]] = {
@@ -644,7 +654,8 @@ class SymbolizerApp:
 
     @staticmethod
     def _render_flamegraph(request: Request, profile: Profile, name: str) -> Response:
-        return _json(formats.flamegraph(profile, _value(request.args)))
+        tree = formats.flamegraph(profile, _value(request.args))
+        return Response(formats.tree_json(tree), mimetype="application/json")
 
 
 def _safe_name(name: str) -> str:

@@ -443,7 +443,7 @@ class Store:
             cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
             deleted["age"] = self._exec("DELETE FROM sessions WHERE start_ns < ?", (cutoff,))
         if self.max_db_bytes is not None:
-            _, used = self.stats()
+            used = self.stats()[1] + self.kernel_bytes()
             while used > self.max_db_bytes:
                 rows = self._fetch(
                     "SELECT id, size_bytes FROM sessions ORDER BY start_ns, id LIMIT ?", (_RETENTION_BATCH,)
@@ -462,6 +462,33 @@ class Store:
             # Give freed pages back to the file system (auto_vacuum = INCREMENTAL).
             self._fetch("PRAGMA incremental_vacuum")
         return deleted
+
+    def kernel_bytes(self) -> int:
+        """Bytes of the uploaded kallsyms: they count in max_db_bytes."""
+        return int(self._fetch("SELECT COALESCE(SUM(LENGTH(kallsyms)), 0) FROM kernels")[0][0])
+
+    def expire_kernels(self, now_ns: int | None = None) -> list[str]:
+        """Delete uploaded kallsyms no stored session refers to: those uploaded before the retention
+        cutoff, then the oldest while the database is over max_db_bytes. Returns their build ids."""
+        unused = "NOT EXISTS (SELECT 1 FROM sessions WHERE sessions.kernel_build_id = kernels.build_id)"
+        expired: list[str] = []
+        if self.retention_days is not None:
+            now_ns = time.time_ns() if now_ns is None else now_ns
+            cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
+            rows = self._fetch(f"SELECT build_id FROM kernels WHERE uploaded_ns < ? AND {unused}", (cutoff,))
+            expired += [str(r[0]) for r in rows]
+            for build_id in expired:
+                self._exec("DELETE FROM kernels WHERE build_id = ?", (build_id,))
+        if self.max_db_bytes is not None:
+            used = self.stats()[1] + self.kernel_bytes()
+            query = f"SELECT build_id, LENGTH(kallsyms) FROM kernels WHERE {unused} ORDER BY uploaded_ns"
+            for build_id, size in self._fetch(query) if used > self.max_db_bytes else []:
+                if used <= self.max_db_bytes:
+                    break
+                self._exec("DELETE FROM kernels WHERE build_id = ?", (build_id,))
+                expired.append(str(build_id))
+                used -= int(size)
+        return expired
 
 
 def _redact(url: str) -> str:
