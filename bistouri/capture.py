@@ -78,6 +78,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 # Reasons of bistouri_traces_dropped_total.
 DROP_SESSION_FULL = "session_full"  # MAX_TRACES distinct stacks in this session
 DROP_MEMORY = "memory"  # max_bytes reached across all sessions
+DROP_SESSION_TOO_LARGE = "session_too_large"  # over wire.MAX_SESSION_OBJECTS when encoded
 
 
 class CaptureOrchestrator:
@@ -322,7 +323,15 @@ class CaptureOrchestrator:
             self.metrics.sessions_empty.labels(res).inc()
             log.info("Capture ended without samples. session=%s service=%s", s.session_id, s.service)
             return
-        data = wire.encode_session(session)
+        data, left_out = wire.encode_session_to_fit(session)
+        if left_out:
+            # Bigger than the symbolizer takes in one request: the lightest stacks are left out.
+            self.metrics.traces_dropped.labels(DROP_SESSION_TOO_LARGE).inc(left_out)
+            log.warning(
+                "Capture too large for one request: lightest stacks left out. session=%s left_out=%d",
+                s.session_id,
+                left_out,
+            )
         if not self._sink.put(s.session_id, data):
             # The spool counted why (bistouri_spool_dropped_total) and logs it at most once a minute.
             log.info(

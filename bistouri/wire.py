@@ -15,7 +15,7 @@ import io
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -40,6 +40,8 @@ MAX_SESSIONS_PER_BATCH = 1000
 # msgpack values one request may hold, every element of every array and map counted: each costs a
 # worker ~60 bytes decoded, and a byte of gzip'd msgpack can hold ~1000 of them (empty arrays).
 MAX_BATCH_OBJECTS = 3_000_000
+# One session must fit a request alone, with room for the batch around it (encode_session_to_fit).
+MAX_SESSION_OBJECTS = MAX_BATCH_OBJECTS * 9 // 10
 MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
 MAX_BIN_LEN = 64  # build ids
 MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
@@ -202,6 +204,35 @@ def session_to_wire(s: Session) -> dict[str, Any]:
 def encode_session(s: Session) -> bytes:
     """One session as msgpack bytes: the spool file content and the unit of a batch."""
     return _pack(session_to_wire(s))
+
+
+def count_objects(obj: Any) -> int:
+    """msgpack values as the decoder counts them against MAX_BATCH_OBJECTS: each array and map, its
+    length + 1."""
+    n = 0
+    todo = [obj]
+    while todo:
+        v = todo.pop()
+        items = v.values() if isinstance(v, dict) else v
+        n += len(v) + 1
+        todo.extend(x for x in items if isinstance(x, (list, dict)))
+    return n if isinstance(obj, (list, dict)) else 0
+
+
+def encode_session_to_fit(s: Session, max_objects: int = 0) -> tuple[bytes, int]:
+    """`encode_session`, keeping the session under what one request may hold (MAX_SESSION_OBJECTS):
+    beyond it the lightest traces are left out. Returns the bytes and how many traces were left out,
+    so that the agent never spools a session the symbolizer must refuse for its size."""
+    budget = max_objects or MAX_SESSION_OBJECTS
+    traces = sorted(s.traces, key=lambda t: t.on_cpu + t.off_cpu, reverse=True)
+    keep = len(traces)
+    while True:
+        m = session_to_wire(s if keep == len(traces) else replace(s, traces=traces[:keep]))
+        n = count_objects(m)
+        if n <= budget or keep == 0:
+            return _pack(m), len(traces) - keep
+        # Objects grow about linearly with traces: aim a little under, then check again.
+        keep = min(keep - 1, int(keep * budget / n * 0.95))
 
 
 def encode_batch(encoded_sessions: Iterable[bytes]) -> bytes:

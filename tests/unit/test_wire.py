@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 from pathlib import Path
 
@@ -111,3 +112,25 @@ def test_garbage_is_malformed_not_a_crash():
             wire.decode_session(junk)
         with pytest.raises(WireError):
             wire.decode_batch(junk)
+
+
+def test_object_count_is_the_decoders():
+    m = wire.session_to_wire(sample_session(n_stacks=40))
+    n = wire.count_objects(m)
+    data = msgpack.packb(m, use_bin_type=True)
+    wire._Reader(data, max_objects=n).session()  # exactly enough
+    with pytest.raises(WireError, match="msgpack values"):
+        wire._Reader(data, max_objects=n - 1).session()
+
+
+def test_a_session_too_large_for_one_request_keeps_its_heaviest_traces():
+    s = sample_session(n_stacks=400)
+    s.traces = [dataclasses.replace(t, on_cpu=i, off_cpu=0) for i, t in enumerate(s.traces)]
+    whole = wire.count_objects(wire.session_to_wire(s))
+    data, left_out = wire.encode_session_to_fit(s, max_objects=whole // 3)
+    kept = wire.decode_session(data)
+    assert 0 < left_out < 400 and len(kept.traces) == 400 - left_out
+    assert wire.count_objects(msgpack.unpackb(data, raw=False)) <= whole // 3
+    # The heaviest stay: weights 0..399, so the kept ones are the top len(kept.traces).
+    assert min(t.on_cpu for t in kept.traces) == 400 - len(kept.traces)
+    assert wire.encode_session_to_fit(s, max_objects=whole) == (wire.encode_session(s), 0)
