@@ -276,5 +276,5 @@ def test_warning_for_exact_empty_comm():
 def test_summary_lines():
     cfg = load_trigger_config(str(EXAMPLE))
     assert cfg.summary()[1] == (
-        "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup resources=[io:full>20%/2000ms]"
+        "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup recorder=5s resources=[io:full>20%/2000ms]"
     )
