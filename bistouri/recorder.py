@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .events import StackSample
 
 # Python objects around one held sample beyond its raw stack bytes: the deque slot, the
-# entry tuple, the StackSample and its ints and comm (tracemalloc: see tests/unit/test_recorder.py).
+# entry, the StackSample and its ints and comm (tracemalloc: 288 measured, tests/unit/test_recorder.py).
 ENTRY_OVERHEAD_BYTES = 320
 DEFAULT_MAX_BYTES = 16 << 20
 
@@ -109,7 +109,11 @@ class FlightRecorder:
 
     def _trim(self, now_ns: int) -> None:
         ring = self._ring
-        horizon_s = max(self._horizons, default=0.0)
+        if not self._horizons:  # nobody watched: no session can want what is held
+            ring.clear()
+            self.nbytes = 0
+            return
+        horizon_s = max(self._horizons)
         oldest_ns = now_ns - int(horizon_s * 1e9)
         while ring and ring[0].at_ns < oldest_ns:
             self.nbytes -= len(ring.popleft().sample.stacks) + ENTRY_OVERHEAD_BYTES

@@ -220,3 +220,26 @@ def test_recorder_stays_within_its_bound_under_an_exec_storm(tmp_path, workloads
         assert max(seen) <= bound, max(seen)
         assert max(seen) > bound // 2, max(seen)  # it did fill up to near the bound
         assert agent.metrics()["bistouri_recorder_bytes"] <= bound
+
+
+def test_the_symbolizer_shows_a_manual_trigger_and_the_seconds_before_it(
+    symbolizer_server, tmp_path, demo_binary
+):
+    import dataclasses
+
+    import requests
+
+    from tests.integration.conftest import make_session, post_sessions
+
+    s = make_session("sess-pre", demo_binary)
+    s.traces.append(dataclasses.replace(s.traces[0], on_cpu=7, pre_trigger=True))
+    s.pre_trigger_ns = 4_800_000_000
+    s.trigger = dataclasses.replace(s.trigger, kind=wire.TRIGGER_MANUAL)
+    url = symbolizer_server(tmp_path, binary_dir=demo_binary.dir)
+    r = post_sessions(url, [s, make_session("sess-psi", demo_binary)])
+    assert r.status_code == 200 and r.json()["accepted"] == ["sess-pre", "sess-psi"], r.text
+    meta = requests.get(f"{url}/v1/sessions/sess-pre", timeout=10).json()
+    assert meta["trigger"]["kind"] == "manual" and meta["episode"] == {"pre_trigger_s": 4.8}
+    assert meta["samples"]["on_cpu"] == 53 + 7  # the samples before the trigger are in the profile
+    old = requests.get(f"{url}/v1/sessions/sess-psi", timeout=10).json()
+    assert old["trigger"]["kind"] == "psi" and old["episode"] == {"pre_trigger_s": 0.0}

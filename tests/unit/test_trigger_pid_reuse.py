@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.capture import CaptureOrchestrator
 from bistouri.config import parse_trigger_config
+from bistouri.discovery import walk_processes
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
 from bistouri.procfs import is_same_process
 from bistouri.psi import PsiEvent, PsiLoop
-from bistouri.discovery import walk_processes
 from bistouri.trigger import TriggerAgent
 
 CONFIG = """

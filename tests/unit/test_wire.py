@@ -95,6 +95,10 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
         (lambda m: m["uframes"].append([1, -1, -5]), "malformed"),
         (lambda m: m.update(labels={"a": 1}), "malformed"),
         (lambda m: m.update(id=""), "malformed"),
+        (lambda m: m["trigger"].update(kind="cron"), "malformed"),
+        (lambda m: m.update(pre_traces=[[99, 0, 1, 0, 0]]), "malformed"),
+        (lambda m: m.update(pre_traces={}), "malformed"),
+        (lambda m: m.update(pre_trigger_ns=-1), "malformed"),
     ],
 )
 def test_invalid_sessions_are_rejected_with_a_reason(mutate, reason):
@@ -111,3 +115,25 @@ def test_garbage_is_malformed_not_a_crash():
             wire.decode_session(junk)
         with pytest.raises(WireError):
             wire.decode_batch(junk)
+
+
+def test_pre_trigger_traces_and_a_manual_trigger_round_trip():
+    import dataclasses
+
+    s = sample_session()
+    s.traces.append(dataclasses.replace(s.traces[0], on_cpu=4, pre_trigger=True))  # same stack, before
+    s.pre_trigger_ns = 4_800_000_000
+    s.trigger = dataclasses.replace(s.trigger, kind=wire.TRIGGER_MANUAL)
+    m = wire.session_to_wire(s)
+    assert m["trigger"]["kind"] == "manual" and m["pre_trigger_ns"] == 4_800_000_000
+    assert len(m["traces"]) == 3 and len(m["pre_traces"]) == 1
+    assert m["pre_traces"][0][0] == m["traces"][0][0]  # the stack is stored once
+    assert m["total"] == s.total_samples == 30 + 4 + 3
+    assert wire.decode_session(wire.encode_session(s)) == s
+
+
+def test_sessions_without_the_new_keys_encode_as_before_and_older_readers_ignore_them():
+    m = wire.session_to_wire(sample_session())
+    assert "pre_traces" not in m and "pre_trigger_ns" not in m and "kind" not in m["trigger"]
+    decoded = wire.decode_session(wire.encode_session(sample_session()))
+    assert decoded.trigger.kind == wire.TRIGGER_PSI and decoded.pre_trigger_ns == 0
