@@ -81,6 +81,10 @@ class ActiveSession:
 TRACE_OVERHEAD_BYTES = 384
 DEFAULT_MAX_BYTES = 64 << 20
 
+# Processes the flight recorder keeps in the BPF pid filter (4096 entries) at most: the rest
+# stays free for sessions, so recording many processes cannot stop a capture.
+RECORDER_MAX_PROCESSES = 3072
+
 # Reasons of bistouri_traces_dropped_total.
 DROP_SESSION_FULL = "session_full"  # MAX_TRACES distinct stacks in this session
 DROP_MEMORY = "memory"  # max_bytes reached across all sessions
@@ -135,7 +139,12 @@ class CaptureOrchestrator:
     # -- flight recorder ---------------------------------------------------------
     def watch(self, pid: int, recorder_secs: float) -> None:
         """Sample `pid` from now on and keep its last `recorder_secs` of samples."""
-        if self.recorder.max_bytes == 0 or not self.recorder.watch(pid, recorder_secs):
+        if self.recorder.max_bytes == 0:
+            return
+        if not self.recorder.watches(pid) and self.recorder.processes >= RECORDER_MAX_PROCESSES:
+            self.metrics.recorder_dropped.labels("filter_full").inc()
+            return
+        if not self.recorder.watch(pid, recorder_secs):
             return
         try:
             self._ref(pid)

@@ -62,6 +62,11 @@ class FlightRecorder:
         return self._clock_ns()
 
     @property
+    def processes(self) -> int:
+        """How many processes are watched."""
+        return len(self._keep_s)
+
+    @property
     def watching(self) -> bool:
         return bool(self._keep_s)
 

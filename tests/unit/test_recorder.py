@@ -131,3 +131,17 @@ def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
     orch.recorder.max_bytes = 0  # --recorder-max-bytes 0
     orch.watch(7, 5.0)
     assert filt.pids == {}
+
+
+def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
+    from bistouri.capture import RECORDER_MAX_PROCESSES
+
+    reg = CollectorRegistry()
+    filt, sink = _Filter(), _Sink()
+    orch = _orch(tmp_path, filt, sink, reg)
+    for pid in range(1, RECORDER_MAX_PROCESSES + 11):
+        orch.watch(pid, 5.0)
+    assert len(filt.pids) == RECORDER_MAX_PROCESSES
+    assert reg.get_sample_value("bistouri_recorder_dropped_total", {"reason": "filter_full"}) == 10
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {RECORDER_MAX_PROCESSES + 5: "x"}, 60)
+    assert sid and len(filt.pids) == RECORDER_MAX_PROCESSES + 1
