@@ -145,3 +145,56 @@ def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
     assert reg.get_sample_value("bistouri_recorder_dropped_total", {"reason": "filter_full"}) == 10
     sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {RECORDER_MAX_PROCESSES + 5: "x"}, 60)
     assert sid and len(filt.pids) == RECORDER_MAX_PROCESSES + 1
+
+
+def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
+    """TriggerAgent keeps each tracked process of a recording target in the filter, and lets go
+    when the process is gone or the config is replaced (recorder_secs: 0 leaves it out)."""
+    import os
+    import threading
+
+    import pytest
+
+    from bistouri.config import parse_trigger_config
+    from bistouri.discovery import walk_processes
+    from bistouri.psi import PsiLoop
+    from bistouri.trigger import TriggerAgent
+    from tests.unit.test_trigger_pid_reuse import _process
+
+    if not os.path.exists("/proc/pressure/cpu"):
+        pytest.skip("no PSI on this kernel")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "pressure").symlink_to("/proc/pressure")
+    _process(proc, 100, "burner", 4242)
+    _process(proc, 101, "quiet", 4243)
+    reg = CollectorRegistry()
+    filt = _Filter()
+    orch = _orch(tmp_path, filt, _Sink(), reg)
+    loop = PsiLoop(registry=reg)
+    trigger = TriggerAgent(
+        loop, orch, lambda e: None, orch.metrics, proc_root=str(proc), cgroup_root=None, default_capture_s=10
+    )
+    cpu = "scope: system, resources: [{resource: cpu, threshold: 50, window_ms: 2000}]"
+    try:
+        trigger.apply_config(
+            parse_trigger_config(
+                "targets:\n"
+                f"  - {{rule: {{type: Exact, comm: burner}}, service_id: a, {cpu}}}\n"
+                f"  - {{rule: {{type: Exact, comm: quiet}}, service_id: b, recorder_secs: 0, {cpu}}}\n"
+            )
+        )
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert set(trigger.processes) == {100, 101} and filt.pids.keys() == {100}
+        (proc / "100" / "stat").unlink()  # gone
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert filt.pids == {}
+        _process(proc, 100, "burner", 5000)
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert filt.pids.keys() == {100}
+        trigger.apply_config(
+            parse_trigger_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
+        )
+        assert filt.pids == {} and not orch.recorder.watching
+    finally:
+        loop.clear()
