@@ -122,9 +122,18 @@ def find_unit_cgroup(cgroup_root: str, unit: str, max_depth: int = UNIT_SEARCH_D
     return None
 
 
-def _target_cgroup(cgroup_root: str, target: Target) -> str | None:
+def _target_cgroup(cgroup_root: str, target: Target, units: dict[str, str]) -> str | None:
     if target.unit is not None:
-        return find_unit_cgroup(cgroup_root, target.unit)
+        # Where the unit was last time is checked first: a search reads the whole tree.
+        known = units.get(target.unit)
+        if known is not None and os.path.isdir(os.path.join(cgroup_root, known.lstrip("/"))):
+            return known
+        found = find_unit_cgroup(cgroup_root, target.unit)
+        if found is None:
+            units.pop(target.unit, None)
+        else:
+            units[target.unit] = found
+        return found
     assert target.cgroup is not None
     d = procfs.cgroup_dir(cgroup_root, target.cgroup)
     return target.cgroup if d is not None and os.path.isdir(d) else None
@@ -150,12 +159,15 @@ def walk_processes(
     proc_root: str,
     cancel: threading.Event,
     known_vdso: Callable[[int], bool] = lambda pid: False,
+    units: dict[str, str] | None = None,
 ) -> WalkResult:
     """Find the processes the targets name (runs on the walk thread).
 
     The vDSO range of a process does not change: it is read only for processes
     `known_vdso` does not know yet (auxv and maps reads were most of an idle walk).
+    `units` (unit -> cgroup path) remembers where units were found, across walks.
     """
+    units = {} if units is None else units
     started = time.monotonic()
     found = []
     own = os.getpid()
@@ -163,7 +175,7 @@ def walk_processes(
     in_targets: dict[int, list[int]] = {}  # pid -> rule ids of the cgroup/unit targets holding it
     if job.cgroup_root is not None:
         for t in job.cgroup_targets:
-            cg = _target_cgroup(job.cgroup_root, t)
+            cg = _target_cgroup(job.cgroup_root, t, units)
             if cg is None:
                 continue  # not running now: looked up again at the next walk
             target_cgroups[t.rule_id] = cg
@@ -204,6 +216,7 @@ class Walker:
         self._stop = threading.Event()
         self._cancel = threading.Event()
         self._job: WalkJob | None = None
+        self._units: dict[str, str] = {}  # where each unit was found (walk thread only)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -229,7 +242,7 @@ class Walker:
             if job is None:
                 continue
             try:
-                result = walk_processes(job, self.proc_root, self._cancel, self.known_vdso)
+                result = walk_processes(job, self.proc_root, self._cancel, self.known_vdso, self._units)
             except Exception as e:  # a broken walk must not kill discovery for good
                 log.error("Process walk failed: %s", e)
                 continue

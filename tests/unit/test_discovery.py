@@ -75,3 +75,26 @@ def test_the_vdso_cache_is_bounded_and_reads_once(tmp_path):
     assert not cache.knows(1) and len(cache) == 2  # the least recently used went
     cache.forget(3)
     assert not cache.knows(3)
+
+
+def test_where_a_unit_was_found_is_checked_first_and_forgotten_when_gone(tmp_path):
+    proc, cg = tmp_path / "proc", tmp_path / "cgroup"
+    _process(proc, 10, "nginx", "/a.slice/nginx.service")
+    _cgroup(cg, "/a.slice/nginx.service", [10])
+    cfg = parse_trigger_config(
+        "targets:\n  - {unit: nginx.service, service_id: b, resources: [{resource: cpu, threshold: 1}]}\n"
+    )
+    job = WalkJob(CommMatcher(cfg.targets), 1, cfg.targets, str(cg))
+    units: dict[str, str] = {}
+    assert walk_processes(job, str(proc), threading.Event(), units=units).target_cgroups == {
+        1: "/a.slice/nginx.service"
+    }
+    assert units == {"nginx.service": "/a.slice/nginx.service"}
+    # The unit restarts in another slice: the remembered place is gone, it is searched again.
+    (cg / "a.slice" / "nginx.service" / "cgroup.procs").unlink()
+    (cg / "a.slice" / "nginx.service").rmdir()
+    _cgroup(cg, "/b.slice/nginx.service", [10])
+    assert walk_processes(job, str(proc), threading.Event(), units=units).target_cgroups == {
+        1: "/b.slice/nginx.service"
+    }
+    assert units == {"nginx.service": "/b.slice/nginx.service"}
