@@ -5,7 +5,9 @@ load (BPF), activate (tries filled, walk started) — and stops at the first one
 that cannot complete, saying why. The main thread runs one `select.poll` loop
 over PSI trigger fds, the signal wakeup fd, the inotify fd and two eventfds
 (ring-buffer events, walk results). Other threads: bistouri-ringbuf,
-bistouri-walk, bistouri-exporter, bistouri-metrics.
+bistouri-walk, bistouri-exporter, bistouri-metrics. A capture-now request
+(POST /v1/capture on the metrics port, loopback only) is queued by the metrics
+thread and started by the main loop.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -26,6 +29,7 @@ from . import __version__, preflight, threads
 from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
+from .discovery import VdsoCache, Walker
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
@@ -34,7 +38,7 @@ from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 from .settings import AgentSettings
 from .spool import Spool
-from .trigger import TriggerAgent, WalkResult, walk_processes
+from .trigger import TriggerAgent
 
 log = logging.getLogger(__name__)
 
@@ -53,70 +57,6 @@ class StartupError(BistouriError):
         super().__init__(f"start-up failed in phase '{phase}': {what}")
 
 
-class Walker:
-    """The periodic /proc walk on its own thread; results go to a queue and wake the main loop."""
-
-    def __init__(
-        self,
-        interval_s: float,
-        proc_root: str,
-        wake: Callable[[], None],
-        known_vdso: Callable[[int], bool] = lambda pid: False,
-    ) -> None:
-        self.interval_s = interval_s
-        self.known_vdso = known_vdso
-        self.proc_root = proc_root
-        self._wake = wake
-        self.results: queue.Queue[WalkResult] = queue.Queue(maxsize=4)
-        self._now = threading.Event()
-        self._stop = threading.Event()
-        self._cancel = threading.Event()
-        self._job: tuple | None = None
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threads.start("walk", self._run)
-
-    def request(self, matcher: object, generation: int) -> None:
-        """Walk now with this matcher; an in-flight walk of an older config is cancelled."""
-        with self._lock:
-            self._job = (matcher, generation)
-        self._cancel.set()
-        self._now.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._now.wait(self.interval_s)
-            self._now.clear()
-            if self._stop.is_set():
-                return
-            with self._lock:
-                job = self._job
-                self._cancel.clear()
-            if job is None:
-                continue
-            try:
-                result = walk_processes(job[0], self.proc_root, job[1], self._cancel, self.known_vdso)
-            except Exception as e:  # a broken walk must not kill discovery for good
-                log.error("Process walk failed: %s", e)
-                continue
-            if self._cancel.is_set():
-                continue
-            try:
-                self.results.put_nowait(result)
-            except queue.Full:
-                pass
-            self._wake()
-
-    def stop(self, timeout: float = 1.0) -> None:
-        self._stop.set()
-        self._cancel.set()
-        self._now.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout)
-
-
 class Agent:
     def __init__(self, settings: AgentSettings, registry: CollectorRegistry | None = REGISTRY) -> None:
         self.s = settings
@@ -128,7 +68,16 @@ class Agent:
         self.kernel: KernelMeta | None = None
         self.profiler: ProfilerAgent | None = None
         self.exporter: object | None = None
-        self._closers: list[Callable[[], None]] = []
+        # Set by the phases; None until then (and close() copes with any of them missing).
+        self.spool: Spool | None = None
+        self.loop: PsiLoop | None = None
+        self.confwatch: ConfigWatcher | None = None
+        self.orch: CaptureOrchestrator | None = None
+        self.trigger: TriggerAgent | None = None
+        self.walker: Walker | None = None
+        self.vdso = VdsoCache(settings.proc_path)  # one cache for the walk, exec events and captures
+        # Capture-now requests (service id, session id) from the metrics thread to the main loop.
+        self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
         self._event_fd = -1
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
@@ -193,7 +142,7 @@ class Agent:
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.loop.add_fd(self._sig_r, lambda fd, ev: self._drain_fd(fd))
         try:
-            self.confwatch: ConfigWatcher | None = ConfigWatcher(self.s.config_path)
+            self.confwatch = ConfigWatcher(self.s.config_path)
             self.loop.add_fd(
                 self.confwatch.fileno(),
                 lambda fd, ev: self.confwatch.read_events(time.monotonic()) if self.confwatch else None,
@@ -222,6 +171,7 @@ class Agent:
                 self.s.metrics_port,
                 self.registry or REGISTRY,
                 self.metrics.scrape_connections_dropped,
+                capture=self.request_capture,
             )
         except OSError as e:
             raise StartupError(
@@ -251,6 +201,7 @@ class Agent:
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
+        assert self.spool is not None and self.loop is not None
         self.exporter = self._make_exporter()
         self.orch = CaptureOrchestrator(
             self.profiler,
@@ -264,6 +215,8 @@ class Agent:
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
             max_bytes=self.s.capture_max_bytes,
+            recorder_max_bytes=self.s.recorder_max_bytes,
+            vdso=self.vdso,
         )
         self.trigger = TriggerAgent(
             self.loop,
@@ -280,10 +233,10 @@ class Agent:
             self.s.walk_interval_secs,
             self.s.proc_path,
             lambda: os.eventfd_write(self._walk_fd, 1),
-            known_vdso=self.orch.knows_vdso,
+            known_vdso=self.vdso.knows,
         )
         self.walker.start()
-        self.walker.request(self.trigger.matcher, self.trigger.generation)
+        self.walker.request(self.trigger.walk_job())
         log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
 
     def _make_exporter(self) -> object | None:
@@ -298,6 +251,7 @@ class Agent:
                 return None
             return gzip.compress(read_kallsyms(self.s.proc_path), 6)
 
+        assert self.spool is not None
         exp = Exporter(self.spool, self.s, registry=self.registry, kallsyms_provider=kallsyms)
         exp.start()
         return exp
@@ -323,6 +277,42 @@ class Agent:
             except OSError:
                 pass
 
+    def request_capture(self, service_id: str) -> tuple[int, dict[str, Any]]:
+        """Capture now (called on the metrics thread): queue a manual session of a target.
+
+        Answers (HTTP status, JSON body). The session id is chosen here so the caller can
+        look the session up; the main loop starts it with the target's live processes.
+        """
+        config = self.config  # replaced whole on reload: reading the reference is safe
+        if config is None or config.by_service(service_id) is None:
+            known = ", ".join(t.service_id for t in config.targets) if config else ""
+            return 404, {"error": f"no target with service_id {service_id!r}", "known": known}
+        session_id = str(uuid.uuid4())
+        try:
+            self._capture_requests.put_nowait((service_id, session_id))
+        except queue.Full:
+            return 429, {"error": "too many capture requests waiting: try again in a second"}
+        if self._sig_w >= 0:
+            try:
+                os.write(self._sig_w, b"c")
+            except OSError:
+                pass
+        return 202, {"session_id": session_id, "service_id": service_id}
+
+    def _run_capture_requests(self) -> None:
+        assert self.trigger is not None
+        while True:
+            try:
+                service_id, session_id = self._capture_requests.get_nowait()
+            except queue.Empty:
+                return
+            if self.trigger.capture_now(service_id, session_id) is None:
+                log.warning(
+                    "Capture now not started: no live process of the target. service=%s session=%s",
+                    service_id,
+                    session_id,
+                )
+
     @staticmethod
     def _drain_fd(fd: int) -> None:
         try:
@@ -333,6 +323,7 @@ class Agent:
 
     def run(self) -> None:
         """The main loop, until SIGTERM/SIGINT."""
+        assert self.loop is not None and self.orch is not None and self.trigger is not None
         while not self.stop_requested:
             now = time.monotonic()
             deadlines = [now + 5.0]  # everything else wakes the loop through its fds
@@ -343,6 +334,8 @@ class Agent:
             timeout_ms = max(0, int((min(deadlines) - now) * 1000) + 1)
             for ev in self.loop.poll(timeout_ms):
                 self.trigger.on_psi(ev)
+            if not self._capture_requests.empty():
+                self._run_capture_requests()
             if self.profiler:
                 self.profiler.check_thread()
             now = time.monotonic()
@@ -355,7 +348,7 @@ class Agent:
 
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
-        assert self.profiler is not None
+        assert self.profiler is not None and self.orch is not None and self.trigger is not None
         events = self.profiler.take()
         self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
         for ev in events:
@@ -375,6 +368,7 @@ class Agent:
 
     def _on_walk_results(self) -> None:
         self._drain_fd(self._walk_fd)
+        assert self.walker is not None and self.trigger is not None
         while True:
             try:
                 result = self.walker.results.get_nowait()
@@ -384,7 +378,7 @@ class Agent:
 
     def reload(self, why: str) -> bool:
         """Swap in a new trigger config; an invalid one keeps the running config."""
-        assert self.config is not None
+        assert self.config is not None and self.trigger is not None and self.walker is not None
         try:
             cfg = load_trigger_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
         except (ConfigError, OSError) as e:
@@ -404,22 +398,22 @@ class Agent:
             self.confwatch.accept()
         self.metrics.config_reloads.inc()
         log.info("Config reloaded (%s). targets=%d", why, len(cfg.targets))
-        self.walker.request(self.trigger.matcher, self.trigger.generation)
+        self.walker.request(self.trigger.walk_job())
         return True
 
     # -- shutdown ---------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop triggers, drain the rings, spool open sessions, detach. Bounded in time."""
         t0 = time.monotonic()
-        if hasattr(self, "loop"):
+        if self.loop is not None:
             self.loop.clear()
-        if hasattr(self, "walker"):
+        if self.walker is not None:
             self.walker.stop(0.5)
         if self.profiler is not None:
             self.profiler.close(timeout=0.5)  # drains what is already in the rings
-            if hasattr(self, "orch"):
+            if self.orch is not None and self.trigger is not None:
                 self._on_bpf_events()
-        if hasattr(self, "orch"):
+        if self.orch is not None:
             flushed = self.orch.flush_all()
             if flushed:
                 log.info("Open sessions flushed to the spool at shutdown. sessions=%d", len(flushed))
@@ -435,8 +429,8 @@ class Agent:
         if self.profiler is not None:
             self.profiler.close(timeout=0.5)
             self.profiler = None
-        if getattr(self, "confwatch", None):
-            self.confwatch.close()  # type: ignore[union-attr]
+        if self.confwatch is not None:
+            self.confwatch.close()
             self.confwatch = None
         for fd in (self._event_fd, self._walk_fd, self._sig_r, self._sig_w):
             if fd >= 0:

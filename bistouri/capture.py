@@ -10,6 +10,9 @@ Memory is bounded in bytes across all running sessions (`max_bytes`, from
 --capture-max-bytes): each distinct stack costs its raw frames (8 bytes a kernel
 frame, 32 a user frame) plus a fixed overhead; a new stack beyond the bound is
 dropped and counted, while the stacks already held keep counting samples.
+Processes a target watches with its flight recorder (recorder.py) stay in the
+pid filter between sessions; a session starts with their recorded samples,
+marked as before the trigger.
 Everything runs on the main thread; nothing here blocks on the network.
 """
 
@@ -18,15 +21,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from . import abi, procfs, wire
+from . import abi, wire
+from .discovery import VdsoCache
 from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
+from .recorder import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
+from .recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +69,21 @@ class ActiveSession:
     start_ns: int
     start_mono: float
     deadline: float
-    traces: dict[tuple[int, int, bytes], _Agg] = field(default_factory=dict)
+    traces: dict[tuple[int, int, bytes, bool], _Agg] = field(default_factory=dict)
     threads: dict[int, str] = field(default_factory=dict)
     dropped_traces: int = 0
     nbytes: int = 0  # estimated memory of `traces` and `threads`
+    pre_trigger_ns: int = 0  # start_ns is this much before the trigger (flight recorder)
 
 
 # Python objects around one distinct stack beyond its raw bytes: its dict slot, key tuple and
 # ints, bytes header, _Agg and thread entry (tracemalloc over 50 000 traces: 362, rounded up).
 TRACE_OVERHEAD_BYTES = 384
 DEFAULT_MAX_BYTES = 64 << 20
+
+# Processes the flight recorder keeps in the BPF pid filter (4096 entries) at most: the rest
+# stays free for sessions, so recording many processes cannot stop a capture.
+RECORDER_MAX_PROCESSES = 3072
 
 # Reasons of bistouri_traces_dropped_total.
 DROP_SESSION_FULL = "session_full"  # MAX_TRACES distinct stacks in this session
@@ -84,7 +94,6 @@ DROP_SESSION_TOO_LARGE = "session_too_large"  # over wire.MAX_SESSION_OBJECTS wh
 class CaptureOrchestrator:
     MAX_SESSIONS = 64  # concurrent sessions
     MAX_TRACES = 50_000  # distinct (thread, stack) pairs per session
-    VDSO_CACHE = 256
 
     def __init__(
         self,
@@ -102,6 +111,8 @@ class CaptureOrchestrator:
         on_spooled: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
+        vdso: VdsoCache | None = None,
     ) -> None:
         self._filter = pid_filter
         self._sink = sink
@@ -120,8 +131,32 @@ class CaptureOrchestrator:
         self.sessions: dict[str, ActiveSession] = {}
         self._by_pid: dict[int, list[ActiveSession]] = {}
         self._refs: dict[int, int] = {}
-        self._vdso: OrderedDict[int, tuple[int, int] | None] = OrderedDict()
+        self.vdso = vdso if vdso is not None else VdsoCache(proc_root)
+        self.recorder = FlightRecorder(
+            recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
+        )
         self._memory_full_logged = -60.0
+
+    # -- flight recorder ---------------------------------------------------------
+    def watch(self, pid: int, recorder_secs: float) -> None:
+        """Sample `pid` from now on and keep its last `recorder_secs` of samples."""
+        if self.recorder.max_bytes == 0:
+            return
+        if not self.recorder.watches(pid) and self.recorder.processes >= RECORDER_MAX_PROCESSES:
+            self.metrics.recorder_dropped.labels("filter_full").inc()
+            return
+        if not self.recorder.watch(pid, recorder_secs):
+            return
+        try:
+            self._ref(pid)
+        except OSError as e:  # pid filter full: this process gets no recording
+            self.recorder.unwatch(pid)
+            self.metrics.recorder_dropped.labels("filter_full").inc()
+            log.debug("Cannot add a watched process to the BPF filter. pid=%d error=%s", pid, e)
+
+    def unwatch(self, pid: int) -> None:
+        if self.recorder.unwatch(pid):
+            self._unref(pid)
 
     # -- sessions ---------------------------------------------------------------
     def start_session(
@@ -131,8 +166,15 @@ class CaptureOrchestrator:
         labels: dict[str, str],
         processes: dict[int, str],
         duration_s: float,
+        *,
+        recorder_secs: float = 0.0,
+        session_id: str | None = None,
     ) -> str | None:
-        """Arm the filter for `processes` and open a session; None when it cannot start."""
+        """Arm the filter for `processes` and open a session; None when it cannot start.
+
+        With `recorder_secs`, the session starts with the flight recorder's samples of
+        its processes from that many seconds before now, marked as before the trigger.
+        """
         res = trigger.resource
         if not processes:
             self.metrics.sessions_dropped.labels("no_process").inc()
@@ -152,12 +194,12 @@ class CaptureOrchestrator:
                 self.metrics.sessions_dropped.labels("filter_full").inc()
                 continue
             armed[pid] = comm
-            self._remember_vdso(pid)
+            self.vdso.remember(pid)
         if not armed:
             return None
         now = self._clock()
         s = ActiveSession(
-            session_id=str(uuid.uuid4()),
+            session_id=session_id or str(uuid.uuid4()),
             trigger=trigger,
             service=service,
             labels={**self.labels, **labels},
@@ -169,18 +211,55 @@ class CaptureOrchestrator:
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
+        if recorder_secs > 0:
+            self._add_recorded(s, recorder_secs)
         self.metrics.sessions_started.labels(res).inc()
         self.metrics.sessions_active.set(len(self.sessions))
         log.info(
-            "Capture started. session=%s service=%s resource=%s processes=%d duration=%.1fs avg10=%.2f",
+            "Capture started. session=%s service=%s kind=%s resource=%s processes=%d duration=%.1fs "
+            "avg10=%.2f pre_trigger=%.1fs",
             s.session_id,
             service,
+            trigger.kind,
             res,
             len(armed),
             duration_s,
             trigger.avg10,
+            s.pre_trigger_ns / 1e9,
         )
         return s.session_id
+
+    def _add_recorded(self, s: ActiveSession, seconds: float) -> None:
+        """Open `s` with the recorder's samples of its processes: the onset before the trigger."""
+        recorded = self.recorder.recent(s.processes, seconds)
+        if not recorded:
+            return
+        now_ns = self.recorder.now_ns()
+        s.pre_trigger_ns = max(0, now_ns - recorded[0].at_ns)
+        s.start_ns -= s.pre_trigger_ns
+        over = 0
+        for r in recorded:
+            sample = r.sample
+            key = (sample.pid, sample.tid, sample.stacks, True)
+            agg = s.traces.get(key)
+            if agg is None:
+                cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
+                if len(s.traces) >= self.MAX_TRACES or self.nbytes + cost > self.max_bytes:
+                    s.dropped_traces += 1
+                    over += 1
+                    continue
+                agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
+                s.threads.setdefault(sample.tid, sample.comm)
+                s.nbytes += cost
+                self.nbytes += cost
+            if sample.kind == abi.EventKind.OFF_CPU:
+                agg.off_cpu += sample.weight
+                agg.off_cpu_ns += sample.blocked_ns * sample.weight
+            else:
+                agg.on_cpu += sample.weight
+        if over:
+            self.metrics.traces_dropped.labels(DROP_MEMORY).inc(over)
+        self.metrics.capture_bytes.set(self.nbytes)
 
     def extend_session(self, session_id: str, processes: dict[int, str]) -> None:
         """Add processes to a running session (new members of a cgroup, forks of a command)."""
@@ -197,7 +276,7 @@ class CaptureOrchestrator:
                 continue
             s.processes[pid] = comm
             self._by_pid.setdefault(pid, []).append(s)
-            self._remember_vdso(pid)
+            self.vdso.remember(pid)
 
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
@@ -226,15 +305,21 @@ class CaptureOrchestrator:
     def add_samples(self, samples: Iterable[StackSample]) -> None:
         """Count a batch of samples into their sessions. The hot path at high frequency:
         metrics are updated once per batch, not per sample."""
+        recorder = self.recorder
+        if recorder.watching:
+            samples = list(samples)
+            recorder.add(samples)
+            self.metrics.recorder_bytes.set(recorder.nbytes)
         by_pid = self._by_pid
         off_kind = abi.EventKind.OFF_CPU
         on = off = unmatched = full = over = 0
         for sample in samples:
             sessions = by_pid.get(sample.pid)
             if not sessions:
-                unmatched += 1
+                if not recorder.watches(sample.pid):
+                    unmatched += 1
                 continue
-            key = (sample.pid, sample.tid, sample.stacks)
+            key = (sample.pid, sample.tid, sample.stacks, False)
             is_off = sample.kind == off_kind
             weight = sample.weight
             for s in sessions:
@@ -290,6 +375,9 @@ class CaptureOrchestrator:
     def tick(self, now: float | None = None) -> list[str]:
         """Finish the sessions whose time is up; returns their ids."""
         now = self._clock() if now is None else now
+        if len(self.recorder):
+            self.recorder.expire()  # samples age out even when none arrive
+            self.metrics.recorder_bytes.set(self.recorder.nbytes)
         done = [s for s in self.sessions.values() if s.deadline <= now]
         for s in done:
             self._finish(s, now)
@@ -352,7 +440,7 @@ class CaptureOrchestrator:
 
     def build(self, s: ActiveSession, now: float) -> wire.Session:
         traces = []
-        for (pid, tid, stacks), agg in s.traces.items():
+        for (pid, tid, stacks, pre), agg in s.traces.items():
             kernel, raw_user = split_stacks(stacks, agg.kernel_len)
             traces.append(
                 wire.Trace(
@@ -363,6 +451,7 @@ class CaptureOrchestrator:
                     on_cpu=agg.on_cpu,
                     off_cpu=agg.off_cpu,
                     off_cpu_ns=agg.off_cpu_ns,
+                    pre_trigger=pre,
                 )
             )
         return wire.Session(
@@ -370,7 +459,7 @@ class CaptureOrchestrator:
             trigger=s.trigger,
             kernel=wire.KernelInfo(self.kernel.release, self.kernel.build_id, self.kernel.text_addr),
             start_ns=s.start_ns,
-            duration_ns=int((now - s.start_mono) * 1e9),
+            duration_ns=int((now - s.start_mono) * 1e9) + s.pre_trigger_ns,
             period_ns=self.period_ns,
             tenant=self.tenant,
             service=s.service,
@@ -379,35 +468,13 @@ class CaptureOrchestrator:
             processes=dict(s.processes),
             threads=dict(s.threads),
             traces=traces,
+            pre_trigger_ns=s.pre_trigger_ns,
         )
 
     # -- user frames ----------------------------------------------------------------
-    def _remember_vdso(self, pid: int) -> None:
-        if pid in self._vdso:
-            self._vdso.move_to_end(pid)
-            return
-        self._vdso[pid] = procfs.read_vdso_range(pid, self.proc_root)
-        while len(self._vdso) > self.VDSO_CACHE:
-            self._vdso.popitem(last=False)
-
-    def knows_vdso(self, pid: int) -> bool:
-        """Whether the vDSO range of `pid` is cached (safe to call from the walk thread)."""
-        return pid in self._vdso
-
-    def forget_vdso(self, pid: int) -> None:
-        """The process behind `pid` is gone (its pid may come back as another process)."""
-        self._vdso.pop(pid, None)
-
-    def set_vdso(self, pid: int, rng: tuple[int, int] | None) -> None:
-        """The /proc walk records each matched process's vDSO range here."""
-        self._vdso[pid] = rng
-        self._vdso.move_to_end(pid)
-        while len(self._vdso) > self.VDSO_CACHE:
-            self._vdso.popitem(last=False)
-
     def _classify(self, pid: int, raw: list[tuple[int, bytes, int]]) -> tuple[wire.UserFrame, ...]:
         out = []
-        vdso = self._vdso.get(pid)
+        vdso = self.vdso.get(pid)
         for status, build_id, value in raw:
             if status == _STATUS_BUILD_ID:
                 out.append(wire.UserFrame(wire.FRAME_RESOLVED, build_id, value))

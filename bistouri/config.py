@@ -2,9 +2,11 @@
 
 The trigger file keeps the original Bistouri schema (``targets: [{rule, service_id,
 resources, labels}]``) and adds optional keys with defaults: per resource ``stall``
-and ``window_ms``, per target ``scope``, ``capture_duration_secs`` and
-``cooldown_secs``. Every problem is collected with its path before anything is
-raised, so one run of ``bistouri check --config`` shows them all.
+and ``window_ms``, per target ``scope``, ``capture_duration_secs``,
+``cooldown_secs`` and ``recorder_secs``. A target names its processes by comm
+(``rule``), by cgroup path (``cgroup``) or by systemd unit (``unit``). Every
+problem is collected with its path before anything is raised, so one run of
+``bistouri check --config`` shows them all.
 
 The agent's own settings (flags and environment) live in settings.py;
 docs/configuration.md is the reference for both.
@@ -41,6 +43,11 @@ CAPTURE_SECS_MAX = 3600.0
 COOLDOWN_SECS_MAX = 86_400.0
 LABEL_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
 LABEL_VALUE_MAX = 256
+CGROUP_PATH_MAX = 4096  # PATH_MAX
+UNIT_RE = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope|slice)$")  # the unit kinds that hold processes
+UNIT_MAX = 255  # systemd's UNIT_NAME_MAX
+DEFAULT_RECORDER_SECS = 5.0
+RECORDER_SECS_MAX = 60.0
 
 _TOP_KEYS = ("targets",)
 _TARGET_KEYS = (
@@ -51,7 +58,11 @@ _TARGET_KEYS = (
     "scope",
     "capture_duration_secs",
     "cooldown_secs",
+    "cgroup",
+    "unit",
+    "recorder_secs",
 )
+_SELECTORS = ("rule", "cgroup", "unit")  # how a target names its processes: exactly one
 _RULE_KEYS = ("type", "comm")
 _RESOURCE_KEYS = ("resource", "threshold", "stall", "window_ms")
 
@@ -93,16 +104,30 @@ class ResourceTrigger:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A watched service. `rule_id` is assigned at load, monotonic across reloads."""
+    """A watched service. `rule_id` is assigned at load, monotonic across reloads.
+
+    Its processes are named by exactly one of `rule` (comm), `cgroup` (a cgroup2 path,
+    every process in it and below) or `unit` (a systemd unit, found in the hierarchy).
+    """
 
     rule_id: int
-    rule: Rule
+    rule: Rule | None
     service_id: str
     resources: tuple[ResourceTrigger, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
     scope: str = "cgroup"  # cgroup: the process's own cgroup; system: /proc/pressure
     capture_duration_secs: float | None = None  # None: the agent's --capture-duration-secs
     cooldown_secs: float | None = None  # None: the capture duration
+    cgroup: str | None = None  # "/system.slice/nginx.service": relative to the cgroup2 mount
+    unit: str | None = None  # "nginx.service": its cgroup is searched under the mount
+    recorder_secs: float = DEFAULT_RECORDER_SECS  # seconds kept before a trigger; 0: off
+
+    @property
+    def selector(self) -> str:
+        """How the target names its processes, for logs: `Exact:'nginx'`, `cgroup:/a/b`, `unit:x.service`."""
+        if self.rule is not None:
+            return f"{self.rule.type}:{self.rule.comm!r}"
+        return f"cgroup:{self.cgroup}" if self.cgroup is not None else f"unit:{self.unit}"
 
     def capture_secs(self, default: float) -> float:
         return self.capture_duration_secs if self.capture_duration_secs is not None else default
@@ -131,14 +156,20 @@ class TriggerConfig:
                 return t
         return None
 
+    def by_service(self, service_id: str) -> Target | None:
+        for t in self.targets:
+            if t.service_id == service_id:
+                return t
+        return None
+
     def summary(self) -> list[str]:
         """One line per target, for the start-up and reload logs."""
         lines = []
         for t in self.targets:
             res = ", ".join(f"{r.resource}:{r.stall}>{r.threshold:g}%/{r.window_ms}ms" for r in t.resources)
             lines.append(
-                f"rule_id={t.rule_id} service_id={t.service_id} match={t.rule.type}:{t.rule.comm!r} "
-                f"scope={t.scope} resources=[{res}]"
+                f"rule_id={t.rule_id} service_id={t.service_id} match={t.selector} "
+                f"scope={t.scope} recorder={t.recorder_secs:g}s resources=[{res}]"
             )
         return lines
 
@@ -358,11 +389,18 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
         return None
     p.unknown_keys(raw, _TARGET_KEYS, path)
     before = len(p.items)
-    rule = None
-    if "rule" not in raw:
-        p.add(f"{path}.rule", "missing")
-    else:
+    rule = cgroup = unit = None
+    given = [k for k in _SELECTORS if k in raw]
+    if not given:
+        p.add(f"{path}.rule", "missing (or name the processes by 'cgroup' or 'unit' instead)")
+    elif len(given) > 1:
+        p.add(path, f"give one of rule, cgroup, unit to name the processes, not {' and '.join(given)}")
+    if "rule" in raw:
         rule = _parse_rule(p, raw["rule"], f"{path}.rule")
+    if "cgroup" in raw:
+        cgroup = _parse_cgroup(p, raw["cgroup"], f"{path}.cgroup")
+    if "unit" in raw:
+        unit = _parse_unit(p, raw["unit"], f"{path}.unit")
     service_id = raw.get("service_id")
     if "service_id" not in raw:
         p.add(f"{path}.service_id", "missing")
@@ -398,7 +436,13 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
         capture = _parse_seconds(p, raw["capture_duration_secs"], f"{path}.capture_duration_secs", True, 3600)
     if "cooldown_secs" in raw:
         cooldown = _parse_seconds(p, raw["cooldown_secs"], f"{path}.cooldown_secs", False, 86_400)
-    if len(p.items) != before or rule is None or not isinstance(service_id, str):
+    recorder = DEFAULT_RECORDER_SECS
+    if "recorder_secs" in raw:
+        r = _parse_seconds(p, raw["recorder_secs"], f"{path}.recorder_secs", False, RECORDER_SECS_MAX)
+        recorder = r if r is not None else recorder
+    if len(p.items) != before or not isinstance(service_id, str):
+        return None
+    if rule is None and cgroup is None and unit is None:
         return None
     return Target(
         rule_id=rule_id,
@@ -409,7 +453,44 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
         scope=scope,
         capture_duration_secs=capture,
         cooldown_secs=cooldown,
+        cgroup=cgroup,
+        unit=unit,
+        recorder_secs=recorder,
     )
+
+
+def _parse_cgroup(p: _Problems, raw: Any, path: str) -> str | None:
+    """A cgroup2 path relative to the mount, normalised to start with one '/'."""
+    if not isinstance(raw, str) or not raw:
+        p.add(path, f"must be a cgroup path such as /system.slice/nginx.service, got {raw!r}")
+        return None
+    if not raw.startswith("/"):
+        p.add(path, f"{raw!r} must start with '/' (relative to the cgroup2 mount): write '/{raw}'")
+        return None
+    parts = [x for x in raw.split("/") if x]
+    if "\0" in raw or len(raw.encode()) > CGROUP_PATH_MAX:
+        p.add(path, f"must be at most {CGROUP_PATH_MAX} bytes without NUL")
+        return None
+    if any(x in (".", "..") for x in parts):
+        p.add(path, f"{raw!r} must not contain '.' or '..' components")
+        return None
+    if not parts:
+        p.add(path, "'/' is the whole host: use a comm rule with Prefix '' and scope: system instead")
+        return None
+    return "/" + "/".join(parts)
+
+
+def _parse_unit(p: _Problems, raw: Any, path: str) -> str | None:
+    if not isinstance(raw, str) or not raw:
+        p.add(path, f"must be a systemd unit name such as nginx.service, got {raw!r}")
+        return None
+    if len(raw) > UNIT_MAX or not UNIT_RE.match(raw):
+        hint = ""
+        if "." not in raw and re.match(r"^[A-Za-z0-9:_.\\@-]+$", raw):
+            hint = f" (did you mean '{raw}.service'?)"
+        p.add(path, f"{raw!r} is not a unit that holds processes: NAME.service, .scope or .slice{hint}")
+        return None
+    return raw
 
 
 def _check_unique(p: _Problems, raw_targets: list[Any]) -> None:
@@ -427,6 +508,12 @@ def _check_unique(p: _Problems, raw_targets: list[Any]) -> None:
                 by_service[sid] = i
         rule, resources = raw.get("rule"), raw.get("resources")
         comm = rule.get("comm") if isinstance(rule, dict) else None
+        what = "comm"
+        if comm is None:
+            # A cgroup or unit names its processes too: one target per (cgroup, resource) as well.
+            what = "cgroup" if "cgroup" in raw else "unit"
+            comm = raw.get(what)
+            comm = f"{what}:{comm}" if isinstance(comm, str) else None
         if not isinstance(comm, str) or not isinstance(resources, list):
             continue
         seen_here: set[str] = set()
@@ -439,8 +526,8 @@ def _check_unique(p: _Problems, raw_targets: list[Any]) -> None:
             if prev != i:
                 p.add(
                     f"targets[{i}].resources[{j}]",
-                    f"comm {comm!r} already watches {res} in targets[{prev}] "
-                    "(one target per comm and resource)",
+                    f"{what} {comm.removeprefix(what + ':')!r} already watches {res} in targets[{prev}] "
+                    f"(one target per {what} and resource)",
                 )
 
 
@@ -480,7 +567,7 @@ def parse_trigger_config(
         raise ConfigError(p.items, source=source)
     warnings = []
     for t in targets:
-        if t.rule.type == "Exact" and t.rule.comm == "":
+        if t.rule is not None and t.rule.type == "Exact" and t.rule.comm == "":
             warnings.append(
                 f"targets[{t.rule_id - first_rule_id}].rule: Exact '' only matches a nameless task"
             )

@@ -41,13 +41,15 @@ class CommMatcher:
     """Matches task names against the targets' rules."""
 
     def __init__(self, targets: Iterable[Target]) -> None:
-        self._targets = {t.rule_id: t for t in targets}
+        # Targets named by cgroup or unit have no comm rule: the walk finds their processes.
+        self._targets = {t.rule_id: t for t in targets if t.rule is not None}
+        self._rules = {rid: t.rule for rid, t in self._targets.items() if t.rule is not None}
         self._root = _Node()
-        for t in self._targets.values():
+        for rid, rule in self._rules.items():
             node = self._root
-            for byte in t.rule.comm_bytes:
+            for byte in rule.comm_bytes:
                 node = node.children.setdefault(byte, _Node())
-            (node.exact if t.rule.type == "Exact" else node.prefix).append(t.rule_id)
+            (node.exact if rule.type == "Exact" else node.prefix).append(rid)
 
     def __len__(self) -> int:
         return len(self._targets)
@@ -76,12 +78,12 @@ class CommMatcher:
 
     def matches(self, rule_id: int, comm: str | bytes) -> bool:
         """Whether `rule_id` is current and matches `comm`: how stale exec events are spotted."""
-        t = self._targets.get(rule_id)
+        t = self._rules.get(rule_id)
         if t is None:
             return False
         b = _comm_bytes(comm)
-        want = t.rule.comm_bytes
-        return b == want if t.rule.type == "Exact" else b.startswith(want)
+        want = t.comm_bytes
+        return b == want if t.type == "Exact" else b.startswith(want)
 
     def lpm_entries(self) -> list[tuple[bytes, int]]:
         """(key, rule_id) pairs for the BPF comm trie, one per distinct key, sorted by key.
@@ -91,8 +93,8 @@ class CommMatcher:
         0-bit key that matches every task.
         """
         entries: dict[bytes, int] = {}
-        for t in sorted(self._targets.values(), key=lambda t: t.rule_id):
-            comm = t.rule.comm_bytes
-            bits = (len(comm) + 1) * 8 if t.rule.type == "Exact" else len(comm) * 8
-            entries.setdefault(lpm_key(comm, bits), t.rule_id)
+        for rid, rule in sorted(self._rules.items()):
+            comm = rule.comm_bytes
+            bits = (len(comm) + 1) * 8 if rule.type == "Exact" else len(comm) * 8
+            entries.setdefault(lpm_key(comm, bits), rid)
         return sorted(entries.items())

@@ -8,6 +8,8 @@ map at scrape time.
 from __future__ import annotations
 
 import gzip
+import ipaddress
+import json
 import logging
 import os
 import selectors
@@ -15,6 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -73,6 +76,17 @@ class AgentMetrics:
         self.capture_bytes = Gauge(
             "bistouri_capture_bytes",
             "Estimated memory held by the stacks of running sessions (bound: --capture-max-bytes)",
+            registry=r,
+        )
+        self.recorder_bytes = Gauge(
+            "bistouri_recorder_bytes",
+            "Estimated memory held by the flight recorder's samples (bound: --recorder-max-bytes)",
+            registry=r,
+        )
+        self.recorder_dropped = Counter(
+            "bistouri_recorder_dropped_total",
+            "Flight-recorder samples let go early (memory) or processes not recorded (filter_full)",
+            ["reason"],
             registry=r,
         )
         self.ringbuf_queue_dropped = Counter(
@@ -187,6 +201,21 @@ class _Conn:
     deadline: float  # monotonic: the request must be read and the answer sent by then
     inbox: bytearray = field(default_factory=bytearray)
     outbox: memoryview | None = None  # set once the request is read
+    loopback: bool = False  # the peer is this host: it may ask for a capture
+
+
+# Capture now: service id -> (HTTP status, JSON body). Runs on the metrics thread: must not block.
+CaptureHandler = Callable[[str], tuple[int, dict[str, Any]]]
+CAPTURE_PATH = "/v1/capture"
+
+
+def _is_loopback(peer: Any) -> bool:
+    try:
+        ip = ipaddress.ip_address(peer[0])
+    except (ValueError, TypeError, IndexError):
+        return False  # AF_UNIX and friends are not served here
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class MetricsServer:
@@ -197,6 +226,10 @@ class MetricsServer:
     `request_timeout_s` to send a request head of at most MAX_REQUEST_BYTES and take the
     answer; at most `max_connections` are open, the oldest is closed to make room. Every
     connection closed unanswered is counted with its reason.
+
+    With a `capture` handler it also answers `POST /v1/capture?service=<service_id>` (capture
+    now), from loopback peers only whatever the listen address: asking for a session is an
+    operator's action on the host, not something the network may do.
     """
 
     MAX_REQUEST_BYTES = 8192
@@ -213,8 +246,10 @@ class MetricsServer:
         *,
         max_connections: int = 64,
         request_timeout_s: float = 10.0,
+        capture: CaptureHandler | None = None,
     ) -> None:
         self.registry = registry
+        self._capture = capture
         self._dropped = dropped
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
@@ -268,7 +303,7 @@ class MetricsServer:
     def _accept(self, sel: selectors.BaseSelector) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # EMFILE and friends: the client waits in the backlog meanwhile
@@ -277,7 +312,7 @@ class MetricsServer:
             sock.setblocking(False)
             if len(self._conns) >= self.max_connections:
                 self._drop(sel, next(iter(self._conns.values())), self._DROP_OVERFLOW)
-            conn = _Conn(sock, time.monotonic() + self.request_timeout_s)
+            conn = _Conn(sock, time.monotonic() + self.request_timeout_s, loopback=_is_loopback(peer))
             self._conns[sock] = conn
             sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -295,7 +330,7 @@ class MetricsServer:
                         self._drop(sel, conn, self._DROP_TOO_LARGE)
                     return
                 try:
-                    answer = self._answer(bytes(conn.inbox[:end]))
+                    answer = self._answer(bytes(conn.inbox[:end]), conn.loopback)
                 except Exception:  # a failing collector must not end the endpoint
                     log.exception("metrics: cannot build the answer")
                     answer = _http(500, [], b"cannot collect the metrics\n")
@@ -310,10 +345,12 @@ class MetricsServer:
         except OSError:  # reset by the peer
             self._close(sel, conn)
 
-    def _answer(self, head: bytes) -> bytes:
+    def _answer(self, head: bytes, loopback: bool = False) -> bytes:
         """The whole HTTP/1.0-style answer (the connection closes after it)."""
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split()
+        if len(parts) == 3 and parts[0] == "POST" and urlsplit(parts[1]).path == CAPTURE_PATH:
+            return self._answer_capture(parts[1], loopback)
         if len(parts) != 3 or parts[0] not in ("GET", "HEAD"):
             return _http(405, [("Allow", "GET, HEAD")], b"only GET and HEAD\n")
         headers = {}
@@ -333,6 +370,17 @@ class MetricsServer:
             extra.append(("Content-Encoding", "gzip"))
         return _http(200, extra, body, head_only=parts[0] == "HEAD")
 
+    def _answer_capture(self, target: str, loopback: bool) -> bytes:
+        if self._capture is None:
+            return _json(404, {"error": "capture now is not enabled on this endpoint"})
+        if not loopback:
+            return _json(403, {"error": "capture now is only accepted from this host (loopback)"})
+        services = parse_qs(urlsplit(target).query).get("service", [])
+        if len(services) != 1 or not services[0]:
+            return _json(400, {"error": "give the target as ?service=<service_id> (once)"})
+        status, body = self._capture(services[0])
+        return _json(status, body)
+
     def _expire(self, sel: selectors.BaseSelector, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now]:
             self._drop(sel, conn, self._DROP_TIMEOUT)
@@ -347,7 +395,20 @@ class MetricsServer:
         conn.sock.close()
 
 
-_REASONS = {200: "OK", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    202: "Accepted",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+}
+
+
+def _json(status: int, body: dict[str, Any]) -> bytes:
+    return _http(status, [("Content-Type", "application/json")], json.dumps(body).encode() + b"\n")
 
 
 def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: bool = False) -> bytes:

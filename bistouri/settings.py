@@ -39,6 +39,7 @@ class AgentSettings:
     spool_dir: str = "/var/lib/bistouri/spool"
     spool_max_bytes: int = 256 * 1024 * 1024
     capture_max_bytes: int = 64 * 1024 * 1024  # stacks held by running sessions
+    recorder_max_bytes: int = 16 * 1024 * 1024  # flight recorder; 0: off for every target
     walk_interval_secs: float = 30.0
     offcpu: bool = True
     log_level: str = "info"
@@ -71,6 +72,7 @@ _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--spool-dir", "BISTOURI_SPOOL_DIR", "PATH", "spooled sessions (default /var/lib/bistouri/spool)"),
     ("--spool-max-bytes", "BISTOURI_SPOOL_MAX_BYTES", "SIZE", "spool size cap, e.g. 256MiB (default 256MiB)"),
     ("--capture-max-bytes", "BISTOURI_CAPTURE_MAX_BYTES", "SIZE", "stack memory of sessions (default 64MiB)"),
+    ("--recorder-max-bytes", "BISTOURI_RECORDER_MAX_BYTES", "SIZE", "recorder memory, 0 off (default 16MiB)"),
     ("--walk-interval-secs", "BISTOURI_WALK_INTERVAL", "SECS", "period of the /proc walk (default 30)"),
     ("--offcpu", "BISTOURI_OFFCPU", None, "capture off-CPU (D state) stacks (default on)"),
     ("--log-level", "BISTOURI_LOG_LEVEL", "LEVEL", "debug, info, warning or error (default info)"),
@@ -269,6 +271,18 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
                 problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
             else:
                 s["capture_max_bytes"] = size
+    rm, where = raw("recorder_max_bytes")
+    s["recorder_max_bytes"] = 16 * 1024 * 1024
+    if rm is not None:
+        try:
+            size = parse_size(str(rm))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+        else:
+            if 0 < size < 1024 * 1024:
+                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum (0 turns it off)")
+            else:
+                s["recorder_max_bytes"] = size
     s["walk_interval_secs"] = number("walk_interval_secs", 30.0, 1.0, 3600.0, integer=False)
 
     off, where = raw("offcpu")

@@ -1,25 +1,28 @@
 """TriggerAgent: which processes to watch, their PSI watchers, and when to capture.
 
 Processes are found two ways: exec events from the BPF comm trie (fast path)
-and a periodic /proc walk (finds processes started before the agent and forks
-without exec). Every matching process is tracked — not only the first one of
-its cgroup — and a watcher goes away when no matching process is left in its
-cgroup. A PSI event starts one capture session per target watching that
-(cgroup, resource), with all of the target's live processes in that cgroup.
+and the periodic walk of discovery.py (processes started before the agent,
+forks without exec, and the members of targets named by cgroup or unit).
+Every matching process is tracked — not only the first one of its cgroup — and
+a watcher goes away when no matching process is left in its cgroup. A target
+named by cgroup or unit watches the pressure of that cgroup. A PSI event starts
+one capture session per target watching that (cgroup, resource), with all of
+the target's live processes in that cgroup; `capture_now` starts one without
+pressure. Tracked processes of a target with a flight recorder stay sampled.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import procfs
+from . import procfs, wire
 from .capture import CaptureOrchestrator
 from .config import Target, TriggerConfig
+from .discovery import FoundProcess, VdsoCache, WalkJob, WalkResult, walk_processes
 from .events import ExecMatch
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
@@ -27,25 +30,9 @@ from .psi import PsiEvent, PsiLoop
 
 log = logging.getLogger(__name__)
 
+__all__ = ["SYSTEM", "FoundProcess", "TriggerAgent", "WalkResult", "walk_processes"]
+
 SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
-
-
-@dataclass(frozen=True, slots=True)
-class FoundProcess:
-    pid: int
-    starttime: int  # with pid, identifies the process: pids are reused
-    comm: str
-    cgroup: str  # cgroup2 path relative to the mount, "/" for the root
-    rule_ids: tuple[int, ...]
-    vdso: tuple[int, int] | None = None
-
-
-@dataclass(slots=True)
-class WalkResult:
-    generation: int
-    started: float  # monotonic time the walk started
-    duration_s: float
-    found: list[FoundProcess]
 
 
 # (cgroup, resource, stall, threshold %, window ms)
@@ -70,37 +57,6 @@ class Tracked:
     keys: set[WatchKey] = field(default_factory=set)
 
 
-def walk_processes(
-    matcher: CommMatcher,
-    proc_root: str,
-    generation: int,
-    cancel: threading.Event,
-    known_vdso: Callable[[int], bool] = lambda pid: False,
-) -> WalkResult:
-    """Scan /proc for processes whose comm matches a rule (runs on the walk thread).
-
-    The vDSO range of a process does not change: it is read only for processes
-    `known_vdso` does not know yet (auxv and maps reads were most of an idle walk).
-    """
-    started = time.monotonic()
-    found = []
-    own = os.getpid()
-    for st in procfs.iter_processes(proc_root):
-        if cancel.is_set():
-            break
-        if st.is_kernel_thread or st.pid == own:
-            continue
-        rule_ids = matcher.match(st.comm)
-        if not rule_ids:
-            continue
-        cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
-        if cgroup is None:
-            continue  # exited meanwhile
-        vdso = None if known_vdso(st.pid) else procfs.read_vdso_range(st.pid, proc_root)
-        found.append(FoundProcess(st.pid, st.starttime, st.comm, cgroup, tuple(rule_ids), vdso))
-    return WalkResult(generation, started, time.monotonic() - started, found)
-
-
 class TriggerAgent:
     def __init__(
         self,
@@ -123,8 +79,10 @@ class TriggerAgent:
         self.config: TriggerConfig | None = None
         self.matcher = CommMatcher(())
         self.generation = 0
+        self.vdso: VdsoCache = orchestrator.vdso  # one cache with the walk and the captures
         self.processes: dict[int, Tracked] = {}
         self.groups: dict[WatchKey, WatchGroup] = {}
+        self.target_cgroups: dict[int, str] = {}  # rule_id -> cgroup of a cgroup/unit target, from the walk
         self.watch_failures = 0
 
     # -- configuration ------------------------------------------------------------
@@ -136,12 +94,25 @@ class TriggerAgent:
         self.generation += 1  # walk results of the old config are discarded
         self.loop.clear()
         self.groups.clear()
+        for pid in list(self.processes):
+            self.orch.unwatch(pid)
         self.processes.clear()
+        self.target_cgroups.clear()
         self.matcher = matcher
         self.config = cfg
         self.metrics.processes.set(0)
         for line in cfg.summary():
             log.info("Watching target. %s", line)
+
+    def walk_job(self) -> WalkJob:
+        """What the walk must look for under the current config."""
+        targets = self.config.targets if self.config else ()
+        return WalkJob(
+            self.matcher,
+            self.generation,
+            tuple(t for t in targets if t.rule is None),
+            self.cgroup_root,
+        )
 
     def _target(self, rule_id: int) -> Target | None:
         return self.config.target(rule_id) if self.config else None
@@ -162,18 +133,22 @@ class TriggerAgent:
         cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
         if st is None or cgroup is None:
             return  # already gone
-        self.orch.set_vdso(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
+        self.vdso.set(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
         self._track(FoundProcess(ev.pid, st.starttime, ev.comm, cgroup, tuple(rule_ids)))
 
     def on_walk(self, result: WalkResult) -> None:
         if result.generation != self.generation:
             return  # a reload happened while it ran
         self.metrics.proc_walk_duration.observe(result.duration_s)
+        for rid, cg in result.target_cgroups.items():
+            if self.target_cgroups.get(rid) != cg:
+                log.info("Target cgroup found. rule_id=%d cgroup=%s", rid, cg)
+                self.target_cgroups[rid] = cg
         seen = set()
         for p in result.found:
             seen.add(p.pid)
             if p.vdso is not None:
-                self.orch.set_vdso(p.pid, p.vdso)
+                self.vdso.set(p.pid, p.vdso)
             self._track(p)
         # Forget processes that are gone, unless added after the walk started (exec during the walk).
         for pid, t in list(self.processes.items()):
@@ -194,14 +169,19 @@ class TriggerAgent:
             self._untrack(p.pid)  # moved cgroup, renamed, or another process got the pid: re-register
             if old.starttime != p.starttime and p.vdso is None:
                 # The walk skipped the vDSO of a pid it knew: that was the previous process's.
-                self.orch.set_vdso(p.pid, procfs.read_vdso_range(p.pid, self.proc_root))
+                self.vdso.set(p.pid, procfs.read_vdso_range(p.pid, self.proc_root))
         t = Tracked(p.starttime, p.comm, p.cgroup, p.rule_ids, time.monotonic())
         self.processes[p.pid] = t
+        recorder_s = 0.0
         for rid in p.rule_ids:
             target = self._target(rid)
             if target is None:
                 continue
+            recorder_s = max(recorder_s, target.recorder_secs)
             cgroup = SYSTEM if target.scope == "system" or self.cgroup_root is None else p.cgroup
+            if target.rule is None and cgroup != SYSTEM:
+                # A cgroup or unit target watches the pressure of the whole cgroup it names.
+                cgroup = self.target_cgroups.get(rid, p.cgroup)
             for r in target.resources:
                 key: WatchKey = (cgroup, r.resource, r.stall, r.threshold, r.window_ms)
                 group = self.groups.get(key)
@@ -212,6 +192,8 @@ class TriggerAgent:
                 group.rule_ids.add(rid)
                 group.pids.add(p.pid)
                 t.keys.add(key)
+        if recorder_s > 0:
+            self.orch.watch(p.pid, recorder_s)
         self.metrics.processes.set(len(self.processes))
         log.info(
             "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)
@@ -221,6 +203,7 @@ class TriggerAgent:
         t = self.processes.pop(pid, None)
         if t is None:
             return
+        self.orch.unwatch(pid)
         for key in t.keys:
             group = self.groups.get(key)
             if group is None:
@@ -291,7 +274,7 @@ class TriggerAgent:
                     continue
                 if not procfs.is_same_process(pid, t.starttime, self.proc_root):
                     self._untrack(pid)  # exited, or its pid now belongs to another process
-                    self.orch.forget_vdso(pid)  # so the walk reads the new process's
+                    self.vdso.forget(pid)  # so the walk reads the new process's
                     continue
                 procs[pid] = t.comm
             sid = self.orch.start_session(
@@ -300,7 +283,42 @@ class TriggerAgent:
                 dict(target.labels),
                 procs,
                 target.capture_secs(self.default_capture_s),
+                recorder_secs=target.recorder_secs,
             )
             if sid:
                 sessions.append(sid)
         return sessions
+
+    def capture_now(self, service_id: str, session_id: str) -> str | None:
+        """A manual session of a target's live processes, without pressure (capture now)."""
+        target = self.config.by_service(service_id) if self.config else None
+        if target is None:
+            return None  # the config changed since the request was accepted
+        procs = {}
+        for pid, t in sorted(self.processes.items()):
+            if target.rule_id not in t.rule_ids:
+                continue
+            if not procfs.is_same_process(pid, t.starttime, self.proc_root):
+                self._untrack(pid)
+                self.vdso.forget(pid)
+                continue
+            procs[pid] = t.comm
+        cgroups = {t.cgroup for pid, t in self.processes.items() if pid in procs}
+        cgroup = self.target_cgroups.get(target.rule_id) or (cgroups.pop() if len(cgroups) == 1 else "")
+        first = target.resources[0]
+        trigger = wire.Trigger(
+            resource=first.resource,
+            stall=first.stall,
+            cgroup=cgroup,
+            time_ns=time.time_ns(),
+            kind=wire.TRIGGER_MANUAL,
+        )
+        return self.orch.start_session(
+            trigger,
+            target.service_id,
+            dict(target.labels),
+            procs,
+            target.capture_secs(self.default_capture_s),
+            recorder_secs=target.recorder_secs,
+            session_id=session_id,
+        )

@@ -32,6 +32,10 @@ FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN)
 
 RESOURCES = ("cpu", "memory", "io")
 STALLS = ("some", "full")
+# What started a session: a PSI event, or an operator asking the agent (capture now).
+TRIGGER_PSI = "psi"
+TRIGGER_MANUAL = "manual"
+TRIGGER_KINDS = (TRIGGER_PSI, TRIGGER_MANUAL)
 
 MAX_U64 = (1 << 64) - 1
 
@@ -78,11 +82,12 @@ class Trace:
     on_cpu: int = 0
     off_cpu: int = 0
     off_cpu_ns: int = 0
+    pre_trigger: bool = False  # sampled by the flight recorder before the trigger
 
 
 @dataclass(frozen=True, slots=True)
 class Trigger:
-    resource: str  # cpu | memory | io
+    resource: str  # cpu | memory | io (a manual capture: the target's first resource)
     stall: str = "some"  # some | full
     threshold_us: int = 0
     window_us: int = 0
@@ -92,6 +97,7 @@ class Trigger:
     avg60: float = 0.0
     avg300: float = 0.0
     total_us: int = 0
+    kind: str = TRIGGER_PSI  # psi | manual
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +122,9 @@ class Session:
     processes: dict[int, str] = field(default_factory=dict)  # pid -> comm
     threads: dict[int, str] = field(default_factory=dict)  # tid -> thread name
     traces: list[Trace] = field(default_factory=list)
+    # How long before the trigger the session starts (flight-recorder samples): start_ns is
+    # trigger time minus this; traces with pre_trigger=True were sampled in it.
+    pre_trigger_ns: int = 0
 
     @property
     def total_samples(self) -> int:
@@ -138,6 +147,7 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     stack_list: list[list[list[int]]] = []
     thread_list: list[list[Any]] = []
     traces: list[list[int]] = []
+    pre_traces: list[list[int]] = []
 
     for t in s.traces:
         kidx = []
@@ -166,10 +176,24 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         if ti is None:
             ti = threads[t.tid] = len(thread_list)
             thread_list.append([t.pid, t.tid, s.threads.get(t.tid, "")])
-        traces.append([si, ti, t.on_cpu, t.off_cpu, t.off_cpu_ns])
+        (pre_traces if t.pre_trigger else traces).append([si, ti, t.on_cpu, t.off_cpu, t.off_cpu_ns])
 
     tr = s.trigger
-    return {
+    trigger: dict[str, Any] = {
+        "resource": tr.resource,
+        "stall": tr.stall,
+        "threshold_us": tr.threshold_us,
+        "window_us": tr.window_us,
+        "cgroup": tr.cgroup,
+        "time_ns": tr.time_ns,
+        "avg": [tr.avg10, tr.avg60, tr.avg300],
+        "total_us": tr.total_us,
+    }
+    # Optional keys only when they differ from their default: older readers ignore them,
+    # and a session without them encodes byte for byte as before.
+    if tr.kind != TRIGGER_PSI:
+        trigger["kind"] = tr.kind
+    out: dict[str, Any] = {
         "v": VERSION,
         "id": s.session_id,
         "tenant": s.tenant,
@@ -177,16 +201,7 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "host": s.host,
         "labels": dict(s.labels),
         "processes": [[pid, comm] for pid, comm in sorted(s.processes.items())],
-        "trigger": {
-            "resource": tr.resource,
-            "stall": tr.stall,
-            "threshold_us": tr.threshold_us,
-            "window_us": tr.window_us,
-            "cgroup": tr.cgroup,
-            "time_ns": tr.time_ns,
-            "avg": [tr.avg10, tr.avg60, tr.avg300],
-            "total_us": tr.total_us,
-        },
+        "trigger": trigger,
         "kernel": {"release": s.kernel.release, "build_id": s.kernel.build_id, "text": s.kernel.text_addr},
         "start_ns": s.start_ns,
         "duration_ns": s.duration_ns,
@@ -199,6 +214,10 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "threads": thread_list,
         "traces": traces,
     }
+    if pre_traces:
+        out["pre_traces"] = pre_traces
+        out["pre_trigger_ns"] = s.pre_trigger_ns
+    return out
 
 
 def encode_session(s: Session) -> bytes:
@@ -306,7 +325,11 @@ def session_from_wire(m: Any) -> Session:
     if not isinstance(avg, list) or len(avg) != 3:
         raise WireError("malformed", f"{where}.trigger.avg must be [avg10, avg60, avg300]")
     cgroup = _str(trig, "cgroup", where + ".trigger", MAX_CGROUP_CHARS)
+    kind = trig.get("kind", TRIGGER_PSI)
+    if kind not in TRIGGER_KINDS:
+        raise WireError("malformed", f"{where}.trigger.kind {kind!r} is not one of {TRIGGER_KINDS}")
     trigger = Trigger(
+        kind=kind,
         resource=resource,
         stall=stall,
         threshold_us=_u64(trig.get("threshold_us", 0), where + ".trigger.threshold_us"),
@@ -391,22 +414,29 @@ def session_from_wire(m: Any) -> Session:
         thread_rows.append((pid, tid))
         threads[tid] = th[2]
     traces: list[Trace] = []
-    for i, tr in enumerate(_req(m, "traces", list, where)):
-        if not (isinstance(tr, list) and len(tr) == 5):
-            raise WireError("malformed", f"{where}.traces[{i}] must be [stack, thread, on, off, off_ns]")
-        kst, ust = stacks[_index(tr[0], len(stacks), f"{where}.traces[{i}].stack")]
-        pid, tid = thread_rows[_index(tr[1], len(thread_rows), f"{where}.traces[{i}].thread")]
-        traces.append(
-            Trace(
-                kernel=kst,
-                user=ust,
-                pid=pid,
-                tid=tid,
-                on_cpu=_u64(tr[2], f"{where}.traces[{i}].on_cpu"),
-                off_cpu=_u64(tr[3], f"{where}.traces[{i}].off_cpu"),
-                off_cpu_ns=_u64(tr[4], f"{where}.traces[{i}].off_cpu_ns"),
+    pre_rows = m.get("pre_traces", [])
+    if not isinstance(pre_rows, list):
+        raise WireError("malformed", f"{where}.pre_traces must be a list")
+    post_rows = _req(m, "traces", list, where)
+    for name, rows, pre in (("traces", post_rows, False), ("pre_traces", pre_rows, True)):
+        for i, tr in enumerate(rows):
+            at = f"{where}.{name}[{i}]"
+            if not (isinstance(tr, list) and len(tr) == 5):
+                raise WireError("malformed", f"{at} must be [stack, thread, on, off, off_ns]")
+            kst, ust = stacks[_index(tr[0], len(stacks), f"{at}.stack")]
+            pid, tid = thread_rows[_index(tr[1], len(thread_rows), f"{at}.thread")]
+            traces.append(
+                Trace(
+                    kernel=kst,
+                    user=ust,
+                    pid=pid,
+                    tid=tid,
+                    on_cpu=_u64(tr[2], f"{at}.on_cpu"),
+                    off_cpu=_u64(tr[3], f"{at}.off_cpu"),
+                    off_cpu_ns=_u64(tr[4], f"{at}.off_cpu_ns"),
+                    pre_trigger=pre,
+                )
             )
-        )
     return Session(
         session_id=sid,
         trigger=trigger,
@@ -421,6 +451,7 @@ def session_from_wire(m: Any) -> Session:
         processes=processes,
         threads=threads,
         traces=traces,
+        pre_trigger_ns=_u64(m.get("pre_trigger_ns", 0), where + ".pre_trigger_ns"),
     )
 
 
@@ -438,7 +469,9 @@ def _comm(v: str, where: str) -> None:
 
 # The tables of a session: read row by row, so that no array holding more than MAX_ARRAY_LEN values is
 # decoded in one go (msgpack decodes an array's values before its length can be counted).
-_TABLES = frozenset(("processes", "mappings", "kframes", "uframes", "stacks", "threads", "traces"))
+_TABLES = frozenset(
+    ("processes", "mappings", "kframes", "uframes", "stacks", "threads", "traces", "pre_traces")
+)
 _MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAY_TYPES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 

@@ -65,6 +65,8 @@ class SessionMeta:
     on_cpu: int = 0
     off_cpu: int = 0
     off_cpu_ns: int = 0
+    trigger_kind: str = wire.TRIGGER_PSI  # psi | manual (capture now)
+    pre_trigger_ns: int = 0  # the session starts this long before its trigger (flight recorder)
 
     @classmethod
     def from_wire(cls, s: wire.Session) -> SessionMeta:
@@ -94,6 +96,8 @@ class SessionMeta:
             on_cpu=sum(x.on_cpu for x in s.traces),
             off_cpu=sum(x.off_cpu for x in s.traces),
             off_cpu_ns=sum(x.off_cpu_ns for x in s.traces),
+            trigger_kind=t.kind,
+            pre_trigger_ns=s.pre_trigger_ns,
         )
 
     @property
@@ -115,6 +119,7 @@ class SessionMeta:
             "pid": self.pid,
             "processes": [{"pid": p, "comm": c} for p, c in self.processes.items()],
             "trigger": {
+                "kind": self.trigger_kind,
                 "resource": self.resource,
                 "stall": self.stall,
                 "threshold_us": self.threshold_us,
@@ -131,6 +136,8 @@ class SessionMeta:
             "period_ns": self.period_ns,
             "kernel_release": self.kernel_release,
             "samples": {"on_cpu": self.on_cpu, "off_cpu": self.off_cpu, "off_cpu_ns": self.off_cpu_ns},
+            # The episode: the session runs from start_ns, pre_trigger_s before trigger.time_ns.
+            "episode": {"pre_trigger_s": self.pre_trigger_ns / 1e9},
         }
 
 

@@ -48,7 +48,9 @@ def with_resource(**res: object) -> str:
 
 def test_example_config_parses():
     cfg = load_trigger_config(str(EXAMPLE))
-    assert [t.service_id for t in cfg.targets] == ["web_frontend", "database", "jvm_fleet"]
+    assert [t.service_id for t in cfg.targets] == ["web_frontend", "database", "jvm_fleet", "cache"]
+    cache = cfg.targets[3]
+    assert (cache.rule, cache.unit, cache.cgroup, cache.recorder_secs) == (None, "redis.service", None, 10.0)
     db = cfg.targets[1]
     assert db.resources == (ResourceTrigger("io", 20.0, "full", 2000),)
     assert (db.capture_duration_secs, db.cooldown_secs) == (15.0, 60.0)
@@ -276,5 +278,75 @@ def test_warning_for_exact_empty_comm():
 def test_summary_lines():
     cfg = load_trigger_config(str(EXAMPLE))
     assert cfg.summary()[1] == (
-        "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup resources=[io:full>20%/2000ms]"
+        "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup recorder=5s "
+        "resources=[io:full>20%/2000ms]"
     )
+    assert cfg.summary()[3] == (
+        "rule_id=4 service_id=cache match=unit:redis.service scope=cgroup recorder=10s resources=[mem"
+        "ory:some>10%/1000ms]"
+    )
+
+
+def test_targets_by_cgroup_or_unit():
+    cfg = parse_trigger_config(
+        "targets:\n"
+        "  - cgroup: /system.slice//nginx.service/\n"
+        "    service_id: web\n"
+        "    resources: [{resource: cpu, threshold: 10}]\n"
+        "  - unit: nginx.service\n"
+        "    service_id: web_unit\n"
+        "    resources: [{resource: cpu, threshold: 10}]\n"
+        "    recorder_secs: 0\n"
+    )
+    web, unit = cfg.targets
+    assert (web.rule, web.cgroup, web.unit, web.recorder_secs) == (
+        None,
+        "/system.slice/nginx.service",
+        None,
+        5.0,
+    )
+    assert (unit.unit, unit.recorder_secs) == ("nginx.service", 0.0)
+    assert web.selector == "cgroup:/system.slice/nginx.service" and unit.selector == "unit:nginx.service"
+
+
+def test_cgroup_and_unit_problems_are_all_reported_at_once():
+    cpu = "resources: [{resource: cpu, threshold: 1}]"
+    out = problems(
+        "targets:\n"
+        f"  - {{rule: {{type: Exact, comm: a}}, unit: a.service, service_id: a, {cpu}}}\n"
+        f"  - {{cgroup: system.slice/x.service, service_id: b, {cpu}}}\n"
+        f"  - {{unit: nginx, service_id: c, {cpu}}}\n"
+        f"  - {{cgroup: /a/../b, service_id: d, {cpu}}}\n"
+        f"  - {{cgroup: /, service_id: e, {cpu}}}\n"
+        f"  - {{service_id: f, {cpu}}}\n"
+        f"  - {{unit: x.service, service_id: g, {cpu}, recorder_secs: 61}}\n"
+        f"  - {{unit: x.service, service_id: h, {cpu}}}\n"
+        f"  - {{unit: 5, service_id: i, {cpu}}}\n"
+    )
+    assert out == [
+        "targets[0]: give one of rule, cgroup, unit to name the processes, not rule and unit",
+        "targets[1].cgroup: 'system.slice/x.service' must start with '/' (relative to the cgroup2 mount): "
+        "write '/system.slice/x.service'",
+        "targets[2].unit: 'nginx' is not a unit that holds processes: NAME.service, .scope or .slice "
+        "(did you mean 'nginx.service'?)",
+        "targets[3].cgroup: '/a/../b' must not contain '.' or '..' components",
+        "targets[4].cgroup: '/' is the whole host: use a comm rule with Prefix '' and scope: system instead",
+        "targets[5].rule: missing (or name the processes by 'cgroup' or 'unit' instead)",
+        "targets[6].recorder_secs: 61 is out of range: 0 <= value <= 60",
+        "targets[8].unit: must be a systemd unit name such as nginx.service, got 5",
+        "targets[7].resources[0]: unit 'x.service' already watches cpu in targets[6] "
+        "(one target per unit and resource)",
+    ]
+
+
+def test_the_matcher_and_the_comm_trie_skip_cgroup_targets():
+    from bistouri.matcher import CommMatcher
+
+    cfg = parse_trigger_config(
+        "targets:\n"
+        "  - {rule: {type: Prefix, comm: ''}, service_id: all, resources: [{resource: cpu, threshold: 1}]}\n"
+        "  - {unit: x.service, service_id: u, resources: [{resource: cpu, threshold: 1}]}\n"
+    )
+    m = CommMatcher(cfg.targets)
+    assert m.match("anything") == [1] and [rid for _, rid in m.lpm_entries()] == [1]
+    assert not m.matches(2, "anything")

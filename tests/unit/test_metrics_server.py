@@ -6,6 +6,7 @@ import gzip
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -16,11 +17,17 @@ from bistouri.metrics import AgentMetrics, MetricsServer
 
 
 class Served:
-    def __init__(self, **kw: float) -> None:
+    def __init__(self, **kw: object) -> None:
         self.reg = CollectorRegistry()
         self.metrics = AgentMetrics(self.reg)
         self.metrics.exec_events.inc(7)
-        self.server = MetricsServer("127.0.0.1", 0, self.reg, self.metrics.scrape_connections_dropped, **kw)
+        self.server = MetricsServer(
+            "127.0.0.1",
+            0,
+            self.reg,
+            self.metrics.scrape_connections_dropped,
+            **kw,  # type: ignore[arg-type]
+        )
         self.thread = threading.Thread(target=self.server.serve, name="test-metrics", daemon=True)
         self.thread.start()
         self.clients: list[socket.socket] = []
@@ -55,7 +62,7 @@ class Served:
 def serve() -> Iterator[Callable[..., Served]]:
     made: list[Served] = []
 
-    def make(**kw: float) -> Served:
+    def make(**kw: object) -> Served:
         made.append(Served(**kw))
         return made[-1]
 
@@ -133,3 +140,42 @@ def test_a_failing_collector_answers_500_and_the_endpoint_stays(serve):
     assert c.recv(100).startswith(b"HTTP/1.1 500")
     s.reg.unregister(broken)  # type: ignore[arg-type]
     assert s.scrape()[0] == 200
+
+
+def _post(served: Served, target: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{served.server.port}{target}", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_capture_now_is_handed_to_its_handler_with_the_service(serve):
+    asked: list[str] = []
+
+    def capture(service: str) -> tuple[int, dict[str, object]]:
+        asked.append(service)
+        return (202, {"session_id": "x"}) if service == "web" else (404, {"error": "no"})
+
+    s = serve(capture=capture)
+    assert _post(s, "/v1/capture?service=web") == (202, b'{"session_id": "x"}\n')
+    assert _post(s, "/v1/capture?service=db")[0] == 404
+    assert _post(s, "/v1/capture")[0] == 400  # no service: the handler is not called
+    assert _post(s, "/v1/capture?service=a&service=b")[0] == 400
+    assert _post(s, "/metrics")[0] == 405  # POST is only for a capture
+    assert asked == ["web", "db"]
+    assert s.scrape()[0] == 200
+
+
+def test_capture_now_without_a_handler_is_not_found(serve):
+    assert _post(serve(), "/v1/capture?service=web")[0] == 404
+
+
+def test_only_loopback_peers_may_capture():
+    from bistouri.metrics import _is_loopback
+
+    assert _is_loopback(("127.0.0.1", 1)) and _is_loopback(("::1", 1, 0, 0))
+    assert _is_loopback(("::ffff:127.0.0.1", 1, 0, 0))
+    assert not _is_loopback(("10.0.0.5", 1)) and not _is_loopback(("::ffff:10.0.0.5", 1, 0, 0))
+    assert not _is_loopback("") and not _is_loopback(("not an address", 1))

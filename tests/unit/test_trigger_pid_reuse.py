@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.capture import CaptureOrchestrator
 from bistouri.config import parse_trigger_config
+from bistouri.discovery import walk_processes
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
 from bistouri.procfs import is_same_process
 from bistouri.psi import PsiEvent, PsiLoop
-from bistouri.trigger import TriggerAgent, walk_processes
+from bistouri.trigger import TriggerAgent
 
 CONFIG = """
 targets:
@@ -85,7 +86,7 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
     )
     try:
         trigger.apply_config(parse_trigger_config(CONFIG))
-        trigger.on_walk(walk_processes(trigger.matcher, str(proc), trigger.generation, threading.Event()))
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
         [group] = trigger.groups.values()
         assert group.pids == {100, 101}
         # Process 100 exits; another process named burner gets its pid before the next walk.
@@ -96,11 +97,11 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         assert orch.sessions[sid].processes == {101: "burner"}
         assert 100 not in trigger.processes
         # The next walk finds the new process and tracks it as a process of its own.
-        trigger.on_walk(walk_processes(trigger.matcher, str(proc), trigger.generation, threading.Event()))
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
         assert trigger.processes[100].starttime == 9999
         # Reused again between two walks: the walk's start time replaces the tracked process.
         _process(proc, 100, "burner", 12345)
-        trigger.on_walk(walk_processes(trigger.matcher, str(proc), trigger.generation, threading.Event()))
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
         assert trigger.processes[100].starttime == 12345 and group.pids == {100, 101}
     finally:
         loop.clear()

@@ -96,6 +96,10 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
         (lambda m: m["uframes"].append([1, -1, -5]), "malformed"),
         (lambda m: m.update(labels={"a": 1}), "malformed"),
         (lambda m: m.update(id=""), "malformed"),
+        (lambda m: m["trigger"].update(kind="cron"), "malformed"),
+        (lambda m: m.update(pre_traces=[[99, 0, 1, 0, 0]]), "malformed"),
+        (lambda m: m.update(pre_traces={}), "malformed"),
+        (lambda m: m.update(pre_trigger_ns=-1), "malformed"),
     ],
 )
 def test_invalid_sessions_are_rejected_with_a_reason(mutate, reason):
@@ -134,3 +138,34 @@ def test_a_session_too_large_for_one_request_keeps_its_heaviest_traces():
     # The heaviest stay: weights 0..399, so the kept ones are the top len(kept.traces).
     assert min(t.on_cpu for t in kept.traces) == 400 - len(kept.traces)
     assert wire.encode_session_to_fit(s, max_objects=whole) == (wire.encode_session(s), 0)
+
+
+def test_pre_trigger_traces_and_a_manual_trigger_round_trip():
+    import dataclasses
+
+    s = sample_session()
+    s.traces.append(dataclasses.replace(s.traces[0], on_cpu=4, pre_trigger=True))  # same stack, before
+    s.pre_trigger_ns = 4_800_000_000
+    s.trigger = dataclasses.replace(s.trigger, kind=wire.TRIGGER_MANUAL)
+    m = wire.session_to_wire(s)
+    assert m["trigger"]["kind"] == "manual" and m["pre_trigger_ns"] == 4_800_000_000
+    assert len(m["traces"]) == 3 and len(m["pre_traces"]) == 1
+    assert m["pre_traces"][0][0] == m["traces"][0][0]  # the stack is stored once
+    assert m["total"] == s.total_samples == 30 + 4 + 3
+    assert wire.decode_session(wire.encode_session(s)) == s
+
+
+def test_sessions_without_the_new_keys_encode_as_before_and_older_readers_ignore_them():
+    m = wire.session_to_wire(sample_session())
+    assert "pre_traces" not in m and "pre_trigger_ns" not in m and "kind" not in m["trigger"]
+    decoded = wire.decode_session(wire.encode_session(sample_session()))
+    assert decoded.trigger.kind == wire.TRIGGER_PSI and decoded.pre_trigger_ns == 0
+
+
+def test_a_long_pre_trigger_table_is_read_row_by_row_like_the_others():
+    s = sample_session(n_stacks=3 * wire.MAX_ARRAY_LEN)  # each table over MAX_ARRAY_LEN rows
+    s.traces = [dataclasses.replace(t, pre_trigger=i % 2 == 0) for i, t in enumerate(s.traces)]
+    body = wire.encode_batch([wire.encode_session(s)])
+    (m,) = wire.decode_batch(body)
+    decoded = wire.session_from_wire(m)
+    assert sorted(map(repr, decoded.traces)) == sorted(map(repr, s.traces))  # after, then before

@@ -1,0 +1,146 @@
+"""FlightRecorder: the last seconds of stack samples of watched processes, so a session starts
+before its trigger.
+
+PSI fires once pressure has built up for a whole window; the onset is before
+that. Watched processes therefore stay in the BPF pid filter all the time (the
+perf event samples every CPU at --freq anyway: the filter only decides whose
+stacks are kept), and their samples go into one ring, in arrival order, bounded
+in time (the longest `recorder_secs` of the watching targets) and in bytes. When
+a session starts it takes the samples of its processes from the last
+`recorder_secs`, marked as before the trigger. Runs on the main thread.
+
+Samples are timed at arrival (monotonic), not by their kernel timestamp: a
+repeat counted in the kernel arrives as its first sample with a weight, so its
+own timestamp is that of the first sample. Arrival is at most one drain
+interval (~200 ms) after the sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .events import StackSample
+
+# Python objects around one held sample beyond its raw stack bytes: the deque slot, the
+# entry, the StackSample and its ints and comm (tracemalloc: 288 measured, tests/unit/test_recorder.py).
+ENTRY_OVERHEAD_BYTES = 320
+DEFAULT_MAX_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """A sample the recorder held, with when it arrived (monotonic ns)."""
+
+    at_ns: int
+    sample: StackSample
+
+
+class FlightRecorder:
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        on_dropped: Callable[[int], None] = lambda n: None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.dropped = 0  # samples let go before their time because of max_bytes
+        self._on_dropped = on_dropped
+        self._clock_ns = clock_ns
+        self._keep_s: dict[int, float] = {}  # watched pid -> seconds it wants kept
+        self._horizons: Counter[float] = Counter()  # how many pids want each horizon
+        self._ring: deque[Recorded] = deque()
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def now_ns(self) -> int:
+        return self._clock_ns()
+
+    @property
+    def processes(self) -> int:
+        """How many processes are watched."""
+        return len(self._keep_s)
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._keep_s)
+
+    def watches(self, pid: int) -> bool:
+        return pid in self._keep_s
+
+    def watch(self, pid: int, seconds: float) -> bool:
+        """Keep the samples of `pid` for `seconds`. True if it was not watched before."""
+        old = self._keep_s.get(pid)
+        if old == seconds:
+            return False
+        if old is not None:
+            self._drop_horizon(old)
+        self._keep_s[pid] = seconds
+        self._horizons[seconds] += 1
+        return old is None
+
+    def unwatch(self, pid: int) -> bool:
+        """Stop keeping `pid`'s new samples (held ones expire with time). True if it was watched."""
+        old = self._keep_s.pop(pid, None)
+        if old is None:
+            return False
+        self._drop_horizon(old)
+        return True
+
+    def _drop_horizon(self, seconds: float) -> None:
+        self._horizons[seconds] -= 1
+        if self._horizons[seconds] <= 0:
+            del self._horizons[seconds]
+
+    def add(self, samples: Iterable[StackSample]) -> None:
+        """Hold the samples of watched processes, then let go of what is too old or too much."""
+        now = self._clock_ns()
+        keep = self._keep_s
+        ring = self._ring
+        for s in samples:
+            if s.pid in keep:
+                ring.append(Recorded(now, s))
+                self.nbytes += len(s.stacks) + ENTRY_OVERHEAD_BYTES
+        self._trim(now)
+
+    def expire(self) -> None:
+        """Let go of the samples older than every horizon."""
+        self._trim(self._clock_ns())
+
+    def _trim(self, now_ns: int) -> None:
+        ring = self._ring
+        if not self._horizons:  # nobody watched: no session can want what is held
+            ring.clear()
+            self.nbytes = 0
+            return
+        horizon_s = max(self._horizons)
+        oldest_ns = now_ns - int(horizon_s * 1e9)
+        while ring and ring[0].at_ns < oldest_ns:
+            self.nbytes -= len(ring.popleft().sample.stacks) + ENTRY_OVERHEAD_BYTES
+        dropped = 0
+        while ring and self.nbytes > self.max_bytes:
+            self.nbytes -= len(ring.popleft().sample.stacks) + ENTRY_OVERHEAD_BYTES
+            dropped += 1
+        if dropped:
+            self.dropped += dropped
+            self._on_dropped(dropped)
+
+    def recent(self, pids: Iterable[int], seconds: float) -> list[Recorded]:
+        """The held samples of `pids` from the last `seconds`, oldest first."""
+        now = self._clock_ns()
+        self._trim(now)
+        wanted = set(pids)
+        since = now - int(seconds * 1e9)
+        out = []
+        for r in reversed(self._ring):  # newest first: stop at the first one too old
+            if r.at_ns < since:
+                break
+            if r.sample.pid in wanted:
+                out.append(r)
+        out.reverse()
+        return out

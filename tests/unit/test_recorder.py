@@ -1,0 +1,200 @@
+"""The flight recorder: bounded in time and bytes, and sessions that start with its samples."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from prometheus_client import CollectorRegistry
+
+from bistouri import wire
+from bistouri.capture import CaptureOrchestrator
+from bistouri.events import StackSample, decode_stack
+from bistouri.kernel import KernelMeta
+from bistouri.metrics import AgentMetrics
+from bistouri.recorder import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from tests.unit.test_capture import _Filter, _Sink, copy, record
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000_000
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.ns += int(seconds * 1e9)
+
+
+def _sample(pid: int, leaf: int = 0x1100, depth: int = 3) -> StackSample:
+    return decode_stack(copy(record(pid, pid, [0xFFFFFFFF81000010] * depth, [leaf] * depth)))
+
+
+def test_samples_of_watched_processes_are_kept_for_their_horizon_only():
+    clock = _Clock()
+    rec = FlightRecorder(1 << 20, clock_ns=clock)
+    assert rec.watch(7, 5.0) and not rec.watch(7, 5.0)
+    rec.add([_sample(7), _sample(8)])  # 8 is not watched
+    assert len(rec) == 1
+    clock.advance(3)
+    rec.add([_sample(7, 0x2200)])
+    assert [r.sample.pid for r in rec.recent([7], 5.0)] == [7, 7]
+    assert len(rec.recent([7], 2.0)) == 1  # a shorter horizon asked: only the last 2 s
+    clock.advance(2.5)  # the first sample is now 5.5 s old
+    rec.expire()
+    assert len(rec) == 1 and rec.nbytes == len(_sample(7).stacks) + ENTRY_OVERHEAD_BYTES
+    rec.watch(8, 1.0)
+    assert rec.unwatch(7) and not rec.watches(7)
+    rec.add([_sample(7)])
+    assert len(rec) == 0  # no new samples once unwatched, and the shorter horizon applies to the rest
+    rec.add([_sample(8)])
+    assert rec.unwatch(8) and not rec.watching
+    rec.expire()
+    assert len(rec) == 0 and rec.nbytes == 0  # nobody watched: nothing kept
+
+
+def test_the_ring_lets_the_oldest_go_at_its_byte_bound_and_counts_them():
+    dropped: list[int] = []
+    rec = FlightRecorder(64 * 1024, on_dropped=dropped.append)
+    for pid in range(1000):  # an exec storm: every new process watched
+        rec.watch(pid, 60.0)
+        rec.add([_sample(pid)])
+        assert rec.nbytes <= rec.max_bytes
+    cost = len(_sample(1).stacks) + ENTRY_OVERHEAD_BYTES
+    assert len(rec) == rec.max_bytes // cost
+    assert sum(dropped) == rec.dropped == 1000 - len(rec)
+    assert rec.recent(range(1000), 60.0)[-1].sample.pid == 999  # the newest are the ones kept
+
+
+def test_entry_overhead_covers_what_python_allocates():
+    """ENTRY_OVERHEAD_BYTES must cover the objects around a sample's stack bytes."""
+    rec = FlightRecorder(1 << 30)
+    rec.watch(7, 60.0)
+    n = 5000
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    samples = [_sample(7, 0x1000 + i) for i in range(n)]
+    rec.add(samples)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    stacks = sum(len(s.stacks) for s in samples)
+    assert (grown - stacks) / n <= ENTRY_OVERHEAD_BYTES, (grown - stacks) / n
+
+
+def _orch(tmp_path, filt, sink, reg=None) -> CaptureOrchestrator:
+    return CaptureOrchestrator(
+        filt,
+        sink,
+        AgentMetrics(reg or CollectorRegistry()),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+    )
+
+
+def test_a_session_starts_with_the_recorded_samples_marked_before_the_trigger(tmp_path):
+    clock = _Clock()
+    reg = CollectorRegistry()
+    filt, sink = _Filter(), _Sink()
+    orch = _orch(tmp_path, filt, sink, reg)
+    orch.recorder = FlightRecorder(1 << 20, clock_ns=clock)
+    orch.watch(7, 5.0)
+    assert filt.pids.keys() == {7}  # sampled between sessions
+    orch.add_samples([_sample(7, 0x1111)])
+    clock.advance(2)
+    orch.add_samples([_sample(7, 0x2222)])
+    assert reg.get_sample_value("bistouri_samples_unmatched_total") == 0  # recorded, not lost
+    clock.advance(0.5)
+    sid = orch.start_session(
+        wire.Trigger("cpu", time_ns=10**18), "svc", {}, {7: "burner"}, 60, recorder_secs=5
+    )
+    orch.add_samples([_sample(7, 0x1111)])
+    assert sid
+    orch.flush_all()
+    s = sink.sessions[sid]
+    assert s.pre_trigger_ns == 2_500_000_000
+    pre = sorted((t.user[0].address, t.on_cpu) for t in s.traces if t.pre_trigger)
+    post = [(t.user[0].address, t.on_cpu) for t in s.traces if not t.pre_trigger]
+    assert pre == [(0x1111, 1), (0x2222, 1)] and post == [(0x1111, 1)]
+    assert filt.pids.keys() == {7}  # the session let go of its reference, the recorder keeps its own
+    orch.unwatch(7)
+    assert filt.pids == {}
+
+
+def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
+    filt, sink = _Filter(), _Sink()
+    orch = _orch(tmp_path, filt, sink)
+    orch.recorder.max_bytes = 0  # --recorder-max-bytes 0
+    orch.watch(7, 5.0)
+    assert filt.pids == {}
+
+
+def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
+    from bistouri.capture import RECORDER_MAX_PROCESSES
+
+    reg = CollectorRegistry()
+    filt, sink = _Filter(), _Sink()
+    orch = _orch(tmp_path, filt, sink, reg)
+    for pid in range(1, RECORDER_MAX_PROCESSES + 11):
+        orch.watch(pid, 5.0)
+    assert len(filt.pids) == RECORDER_MAX_PROCESSES
+    assert reg.get_sample_value("bistouri_recorder_dropped_total", {"reason": "filter_full"}) == 10
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {RECORDER_MAX_PROCESSES + 5: "x"}, 60)
+    assert sid and len(filt.pids) == RECORDER_MAX_PROCESSES + 1
+
+
+def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
+    """TriggerAgent keeps each tracked process of a recording target in the filter, and lets go
+    when the process is gone or the config is replaced (recorder_secs: 0 leaves it out)."""
+    import os
+    import threading
+
+    import pytest
+
+    from bistouri.config import parse_trigger_config
+    from bistouri.discovery import walk_processes
+    from bistouri.psi import PsiLoop
+    from bistouri.trigger import TriggerAgent
+    from tests.unit.test_trigger_pid_reuse import _process
+
+    if not os.path.exists("/proc/pressure/cpu"):
+        pytest.skip("no PSI on this kernel")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "pressure").symlink_to("/proc/pressure")
+    _process(proc, 100, "burner", 4242)
+    _process(proc, 101, "quiet", 4243)
+    reg = CollectorRegistry()
+    filt = _Filter()
+    orch = _orch(tmp_path, filt, _Sink(), reg)
+    loop = PsiLoop(registry=reg)
+    trigger = TriggerAgent(
+        loop, orch, lambda e: None, orch.metrics, proc_root=str(proc), cgroup_root=None, default_capture_s=10
+    )
+    cpu = "scope: system, resources: [{resource: cpu, threshold: 50, window_ms: 2000}]"
+    try:
+        trigger.apply_config(
+            parse_trigger_config(
+                "targets:\n"
+                f"  - {{rule: {{type: Exact, comm: burner}}, service_id: a, {cpu}}}\n"
+                f"  - {{rule: {{type: Exact, comm: quiet}}, service_id: b, recorder_secs: 0, {cpu}}}\n"
+            )
+        )
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert set(trigger.processes) == {100, 101} and filt.pids.keys() == {100}
+        (proc / "100" / "stat").unlink()  # gone
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert filt.pids == {}
+        _process(proc, 100, "burner", 5000)
+        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        assert filt.pids.keys() == {100}
+        trigger.apply_config(
+            parse_trigger_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
+        )
+        assert filt.pids == {} and not orch.recorder.watching
+    finally:
+        loop.clear()
