@@ -32,6 +32,7 @@ from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector
+from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 from .settings import AgentSettings
@@ -247,7 +248,7 @@ class Agent:
 
     def _load(self) -> None:
         assert self.kernel is not None
-        opts = ProfilerOptions(freq_hz=self.s.freq, offcpu=self.s.offcpu)
+        opts = ProfilerOptions(freq_hz=self.s.freq, offcpu=self.s.offcpu, proc_root=self.s.proc_path)
         self.profiler = ProfilerAgent(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
@@ -256,11 +257,10 @@ class Agent:
         if self.registry is not None:
             self.registry.register(BpfCountersCollector(self.profiler.counters, self._cache_stats))
 
-    def _cache_stats(self) -> tuple[int, int, int]:
+    def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:
-            return 0, 0, 0
-        cache = self.profiler.user_stacks
-        return len(cache), cache.misses, self.profiler.orphaned
+            return ProcMapsStats(), 0
+        return self.profiler.maps.stats, self.profiler.orphaned
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None

@@ -23,16 +23,19 @@ from . import abi, procfs, wire
 from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
+from .procmaps import FrameStatus, ProcMaps, Unmapped
 
 log = logging.getLogger(__name__)
 
-# User-space addresses end at 0x7fff_ffff_ffff on x86_64 (4-level paging).
-_USER_MAX = 0x7FFF_FFFF_FFFF
-_STATUS_BUILD_ID = 1
-_STATUS_IP = 2
+_FILE, _VDSO, _ANON = int(FrameStatus.FILE), int(FrameStatus.VDSO), int(FrameStatus.ANON)
+_UNMAPPED_REASONS = {int(r): r.name.lower() for r in Unmapped}
 
 
 class PidFilter(Protocol):
+    """The profiler: what it samples, and the address maps its user frames were mapped with."""
+
+    maps: ProcMaps
+
     def set_pid_filter(self, pid: int, flags: int) -> None: ...
 
 
@@ -342,21 +345,37 @@ class CaptureOrchestrator:
         while len(self._vdso) > self.VDSO_CACHE:
             self._vdso.popitem(last=False)
 
-    def _classify(self, pid: int, raw: list[tuple[int, bytes, int]]) -> tuple[wire.UserFrame, ...]:
+    def _classify(self, pid: int, raw: list[tuple[int, int, int]]) -> tuple[wire.UserFrame, ...]:
+        """Mapped frames (procmaps.FrameStatus) as wire frames: a file and offset (with the
+        file's name, so an unnamed frame still says `libc.so.6+0x…`), the vDSO, a JIT
+        function named by the perf map, or an unmapped address counted by reason."""
         out = []
-        vdso = self._vdso.get(pid)
-        for status, build_id, value in raw:
-            if status == _STATUS_BUILD_ID:
-                out.append(wire.UserFrame(wire.FRAME_RESOLVED, build_id, value))
-                self.metrics.user_frames.labels("resolved").inc()
-            elif status == _STATUS_IP:
-                if value > _USER_MAX or value == 0:
-                    self.metrics.user_frames.labels("corrupted").inc()
-                    continue
-                if vdso and vdso[0] <= value < vdso[1]:
-                    out.append(wire.UserFrame(wire.FRAME_VDSO, b"", value))
-                    self.metrics.user_frames.labels("vdso").inc()
+        maps = self._filter.maps
+        counts: dict[str, int] = {}
+        for i, (status, ref, value) in enumerate(raw):
+            if status == _FILE:
+                f = maps.file(ref)
+                out.append(wire.UserFrame(wire.FRAME_RESOLVED, f.build_id, value, f.name))
+                label = "resolved"
+            elif status == _VDSO:
+                out.append(wire.UserFrame(wire.FRAME_VDSO, b"", value))
+                label = "vdso"
+            elif status == _ANON:
+                # A return address points past its call: name the call (as the resolver does).
+                name = maps.jit_name(pid, value if i == 0 else value - 1)
+                if name is not None:
+                    out.append(wire.UserFrame(wire.FRAME_JIT, b"", value, name))
+                    label = "jit"
                 else:
                     out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
-                    self.metrics.user_frames.labels("unknown").inc()
+                    label = "jit_unnamed"
+            else:
+                label = _UNMAPPED_REASONS.get(ref, "no_mapping")
+                if ref == Unmapped.CORRUPTED:  # not an address: dropped, counted
+                    counts[label] = counts.get(label, 0) + 1
+                    continue
+                out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
+            counts[label] = counts.get(label, 0) + 1
+        for label, n in counts.items():
+            self.metrics.user_frames.labels(label).inc(n)
         return tuple(out)

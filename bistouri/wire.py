@@ -19,13 +19,15 @@ import msgpack
 
 from .errors import WireError
 
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: no mapping names, no JIT frames (old spool files)
 
 # User frame kinds, as sent on the wire.
-FRAME_RESOLVED = 0  # build id (mapping index) + file offset
+FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
 FRAME_VDSO = 1  # raw IP inside the process's vDSO
-FRAME_UNKNOWN = 2  # raw IP the kernel could not tie to a build id
-FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN)
+FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
+FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
+FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
 
 RESOURCES = ("cpu", "memory", "io")
 STALLS = ("some", "full")
@@ -36,8 +38,9 @@ MAX_U64 = (1 << 64) - 1
 @dataclass(frozen=True, slots=True)
 class UserFrame:
     kind: int  # FRAME_*
-    build_id: bytes  # empty unless kind == FRAME_RESOLVED
+    build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
     address: int  # file offset when resolved, raw IP otherwise
+    name: str = ""  # resolved: the mapped file's basename; jit: the function's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ def _pack(obj: Any) -> bytes:
 
 def session_to_wire(s: Session) -> dict[str, Any]:
     """Dictionary-encode a session into plain msgpack-able values."""
-    mappings: dict[bytes, int] = {}
+    mappings: dict[tuple[bytes, str], int] = {}
+    jit_names: dict[str, int] = {}
     kframes: dict[int, int] = {}
     uframes: dict[UserFrame, int] = {}
     stacks: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -126,7 +130,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
             if i is None:
                 m = -1
                 if f.kind == FRAME_RESOLVED:
-                    m = mappings.setdefault(f.build_id, len(mappings))
+                    m = mappings.setdefault((f.build_id, f.name), len(mappings))
+                elif f.kind == FRAME_JIT:
+                    m = jit_names.setdefault(f.name, len(jit_names))
                 i = uframes[f] = len(uframe_list)
                 uframe_list.append([f.kind, m, f.address])
             uidx.append(i)
@@ -165,7 +171,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "duration_ns": s.duration_ns,
         "period_ns": s.period_ns,
         "total": s.total_samples,
-        "mappings": sorted(mappings, key=mappings.__getitem__),
+        "mappings": [bid for bid, _ in sorted(mappings, key=mappings.__getitem__)],
+        "mapping_names": [name for _, name in sorted(mappings, key=mappings.__getitem__)],
+        "jit_names": sorted(jit_names, key=jit_names.__getitem__),
         "kframes": kframe_list,
         "uframes": uframe_list,
         "stacks": stack_list,
@@ -233,8 +241,8 @@ def session_from_wire(m: Any) -> Session:
     if not isinstance(m, dict):
         raise WireError("malformed", "a session must be a map")
     v = m.get("v")
-    if v != VERSION:
-        raise WireError("unsupported_version", f"session version {v!r}, this build reads {VERSION}")
+    if v not in READABLE_VERSIONS:
+        raise WireError("unsupported_version", f"session version {v!r}, this build reads {READABLE_VERSIONS}")
     sid = _req(m, "id", str, "session")
     if not 0 < len(sid) <= 64:
         raise WireError("malformed", "session.id must be 1 to 64 characters")
@@ -283,9 +291,20 @@ def session_from_wire(m: Any) -> Session:
         processes[_u64(p[0], where + ".processes.pid")] = p[1]
 
     mappings = _req(m, "mappings", list, where)
+    min_id = 1 if v == 1 else 0  # v2: a file without a build id is known by its name only
     for i, b in enumerate(mappings):
-        if not isinstance(b, bytes) or not 1 <= len(b) <= 64:
-            raise WireError("malformed", f"{where}.mappings[{i}] must be a build id (bin, 1-64 bytes)")
+        if not isinstance(b, bytes) or not min_id <= len(b) <= 64:
+            raise WireError("malformed", f"{where}.mappings[{i}] must be a build id (bin, {min_id}-64 bytes)")
+    mapping_names = m.get("mapping_names", [""] * len(mappings)) if v >= 2 else [""] * len(mappings)
+    if not (
+        isinstance(mapping_names, list)
+        and len(mapping_names) == len(mappings)
+        and all(isinstance(n, str) and len(n) <= 256 for n in mapping_names)
+    ):
+        raise WireError("malformed", f"{where}.mapping_names must hold one name (<= 256 chars) per mapping")
+    jit_names = m.get("jit_names", []) if v >= 2 else []
+    if not (isinstance(jit_names, list) and all(isinstance(n, str) and len(n) <= 1024 for n in jit_names)):
+        raise WireError("malformed", f"{where}.jit_names must be strings of at most 1024 characters")
     kframes = [_u64(ip, f"{where}.kframes") for ip in _req(m, "kframes", list, where)]
     uframes: list[UserFrame] = []
     for i, f in enumerate(_req(m, "uframes", list, where)):
@@ -293,11 +312,13 @@ def session_from_wire(m: Any) -> Session:
             raise WireError("malformed", f"{where}.uframes[{i}] must be [kind, mapping, address]")
         kind, mi, addr = f
         addr = _u64(addr, f"{where}.uframes[{i}].address")
+        bid, name = b"", ""
         if kind == FRAME_RESOLVED:
-            bid = mappings[_index(mi, len(mappings), f"{where}.uframes[{i}].mapping")]
-        else:
-            bid = b""
-        uframes.append(UserFrame(kind, bid, addr))
+            mi = _index(mi, len(mappings), f"{where}.uframes[{i}].mapping")
+            bid, name = mappings[mi], mapping_names[mi]
+        elif kind == FRAME_JIT:
+            name = jit_names[_index(mi, len(jit_names), f"{where}.uframes[{i}].jit name")]
+        uframes.append(UserFrame(kind, bid, addr, name))
     stacks: list[tuple[tuple[int, ...], tuple[UserFrame, ...]]] = []
     for i, st in enumerate(_req(m, "stacks", list, where)):
         if not (
@@ -374,8 +395,10 @@ def decode_batch(data: bytes, max_sessions: int = 1000) -> list[Any]:
     obj = _unpack(data)
     if not isinstance(obj, dict):
         raise WireError("malformed", "a batch must be a map")
-    if obj.get("v") != VERSION:
-        raise WireError("unsupported_version", f"batch version {obj.get('v')!r}, this build reads {VERSION}")
+    if obj.get("v") not in READABLE_VERSIONS:
+        raise WireError(
+            "unsupported_version", f"batch version {obj.get('v')!r}, this build reads {READABLE_VERSIONS}"
+        )
     sessions = obj.get("sessions")
     if not isinstance(sessions, list):
         raise WireError("malformed", "batch.sessions must be an array")
