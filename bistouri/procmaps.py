@@ -60,6 +60,8 @@ _USER_MAX = 0x7FFF_FFFF_FFFF  # x86_64, 4-level paging
 _MAPPING_BYTES = 120  # estimated Python memory of one mapping in a table
 _TABLE_BYTES = 600
 _PERF_ENTRY_BYTES = 100  # + the name
+_KNOWN_BYTES = 150  # one remembered address: dict slot, int key, 16-byte bytes
+_KNOWN_MAX = 16384  # remembered addresses per table, then forgotten all at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +84,12 @@ class _Table:
     gone: bool = False  # the process exited: the table is what it last was
     generation: int = 0
     perf: _PerfMap | None = None
+    known: dict[int, bytes] = field(default_factory=dict)  # (ip << 1 | leaf) -> its USER_FRAME
 
     @property
     def nbytes(self) -> int:
-        return _TABLE_BYTES + _MAPPING_BYTES * len(self.starts) + (self.perf.nbytes if self.perf else 0)
+        perf = self.perf.nbytes if self.perf else 0
+        return _TABLE_BYTES + _MAPPING_BYTES * len(self.starts) + _KNOWN_BYTES * len(self.known) + perf
 
 
 @dataclass(slots=True)
@@ -153,34 +157,49 @@ class ProcMaps:
 
     def resolve(self, pid: int, ips: tuple[int, ...]) -> bytes:
         """Raw user IPs (leaf first) as `USER_FRAME`s, back to back."""
-        out = []
-        pack = USER_FRAME.pack
+        out: list[bytes] = []
         with self._lock:
             t = self._table(pid)
             if t.stale and self._may_read(t):
                 self._read(pid, t)
-            for i, ip in enumerate(ips):
-                # Return addresses point past the call: look the caller up one byte earlier,
-                # but report the address itself (the symbolizer subtracts 1 again).
-                probe = ip if i == 0 else ip - 1
-                if ip == 0 or ip > _USER_MAX:
-                    out.append(pack(FrameStatus.UNMAPPED, Unmapped.CORRUPTED, ip))
-                    continue
-                k = bisect.bisect_right(t.starts, probe) - 1
-                missed = k < 0 or probe >= t.ends[k]
-                if missed and not t.gone and self._clock() - t.read_at >= self.miss_interval_s:
-                    self._read(pid, t)
-                    k = bisect.bisect_right(t.starts, probe) - 1
-                if k < 0 or probe >= t.ends[k]:
-                    why = Unmapped.PROCESS_GONE if t.gone and not t.starts else Unmapped.NO_MAPPING
-                    out.append(pack(FrameStatus.UNMAPPED, why, ip))
-                    continue
-                fid = t.files[k]
-                if fid >= 0:
-                    out.append(pack(FrameStatus.FILE, fid, ip - t.starts[k] + t.pgoffs[k]))
-                else:
-                    out.append(pack(-1 - fid, 0, ip))
+            get = t.known.get
+            if ips:
+                leaf = ips[0]
+                out.append(get(leaf << 1 | 1) or self._map_ip(pid, t, leaf, True))
+                # Frames are never empty bytes: `or` falls through only on a miss.
+                out.extend([get(ip << 1) or self._map_ip(pid, t, ip, False) for ip in ips[1:]])
+            if self._bytes > self.max_bytes:
+                self._evict()
         return b"".join(out)
+
+    def _map_ip(self, pid: int, t: _Table, ip: int, leaf: bool) -> bytes:
+        # Return addresses point past the call: look the caller up one byte earlier, but
+        # report the address itself (the symbolizer subtracts 1 again).
+        probe = ip if leaf else ip - 1
+        if ip == 0 or ip > _USER_MAX:
+            return USER_FRAME.pack(FrameStatus.UNMAPPED, Unmapped.CORRUPTED, ip)
+        k = bisect.bisect_right(t.starts, probe) - 1
+        missed = k < 0 or probe >= t.ends[k]
+        if missed and not t.gone and self._clock() - t.read_at >= self.miss_interval_s:
+            self._read(pid, t)
+            k = bisect.bisect_right(t.starts, probe) - 1
+        if k < 0 or probe >= t.ends[k]:
+            # Not remembered: a later read of the maps may still find it.
+            why = Unmapped.PROCESS_GONE if t.gone and not t.starts else Unmapped.NO_MAPPING
+            return USER_FRAME.pack(FrameStatus.UNMAPPED, why, ip)
+        fid = t.files[k]
+        if fid >= 0:
+            frame = USER_FRAME.pack(FrameStatus.FILE, fid, ip - t.starts[k] + t.pgoffs[k])
+        else:
+            frame = USER_FRAME.pack(-1 - fid, 0, ip)
+        # Each distinct address is looked up once per read of the maps (the common case: a new
+        # stack made of return addresses seen before).
+        if len(t.known) >= _KNOWN_MAX:
+            self._bytes -= _KNOWN_BYTES * len(t.known)
+            t.known.clear()
+        t.known[ip << 1 | leaf] = frame
+        self._bytes += _KNOWN_BYTES
+        return frame
 
     def generation(self, pid: int, map_count: int) -> int:
         """Changes whenever the table of `pid` is re-read (a cached resolution is stale then).
@@ -257,6 +276,7 @@ class ProcMaps:
             pgoffs.append(int(parts[2], 16))
             files.append(fid)
         t.starts, t.ends, t.pgoffs, t.files = starts, ends, pgoffs, files
+        t.known = {}
         t.gone = False
         t.generation += 1
         self._bytes += t.nbytes - before
