@@ -83,10 +83,8 @@ class Walker:
         interval_s: float,
         proc_root: str,
         wake: Callable[[], None],
-        known_vdso: Callable[[int], bool] = lambda pid: False,
     ) -> None:
         self.interval_s = interval_s
-        self.known_vdso = known_vdso
         self.proc_root = proc_root
         self._wake = wake
         self.results: queue.Queue[WalkResult] = queue.Queue(maxsize=4)
@@ -119,7 +117,7 @@ class Walker:
             if job is None:
                 continue
             try:
-                result = walk_processes(job[0], self.proc_root, job[1], self._cancel, self.known_vdso)
+                result = walk_processes(job[0], self.proc_root, job[1], self._cancel)
             except Exception as e:  # a broken walk must not kill discovery for good
                 log.error("Process walk failed: %s", e)
                 continue
@@ -292,7 +290,6 @@ class Agent:
             self.s.walk_interval_secs,
             self.s.proc_path,
             lambda: os.eventfd_write(self._walk_fd, 1),
-            known_vdso=self.orch.knows_vdso,
         )
         self.walker.start()
         self.walker.request(self.trigger.matcher, self.trigger.generation)

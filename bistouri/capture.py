@@ -14,12 +14,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from . import abi, procfs, wire
+from . import abi, wire
 from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
@@ -69,7 +68,6 @@ class ActiveSession:
 class CaptureOrchestrator:
     MAX_SESSIONS = 64  # concurrent sessions
     MAX_TRACES = 50_000  # distinct (thread, stack) pairs per session
-    VDSO_CACHE = 256
 
     def __init__(
         self,
@@ -102,7 +100,6 @@ class CaptureOrchestrator:
         self.sessions: dict[str, ActiveSession] = {}
         self._by_pid: dict[int, list[ActiveSession]] = {}
         self._refs: dict[int, int] = {}
-        self._vdso: OrderedDict[int, tuple[int, int] | None] = OrderedDict()
 
     # -- sessions ---------------------------------------------------------------
     def start_session(
@@ -133,7 +130,6 @@ class CaptureOrchestrator:
                 self.metrics.sessions_dropped.labels("filter_full").inc()
                 continue
             armed[pid] = comm
-            self._remember_vdso(pid)
         if not armed:
             return None
         now = self._clock()
@@ -178,7 +174,6 @@ class CaptureOrchestrator:
                 continue
             s.processes[pid] = comm
             self._by_pid.setdefault(pid, []).append(s)
-            self._remember_vdso(pid)
 
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
@@ -326,25 +321,6 @@ class CaptureOrchestrator:
         )
 
     # -- user frames ----------------------------------------------------------------
-    def _remember_vdso(self, pid: int) -> None:
-        if pid in self._vdso:
-            self._vdso.move_to_end(pid)
-            return
-        self._vdso[pid] = procfs.read_vdso_range(pid, self.proc_root)
-        while len(self._vdso) > self.VDSO_CACHE:
-            self._vdso.popitem(last=False)
-
-    def knows_vdso(self, pid: int) -> bool:
-        """Whether the vDSO range of `pid` is cached (safe to call from the walk thread)."""
-        return pid in self._vdso
-
-    def set_vdso(self, pid: int, rng: tuple[int, int] | None) -> None:
-        """The /proc walk records each matched process's vDSO range here."""
-        self._vdso[pid] = rng
-        self._vdso.move_to_end(pid)
-        while len(self._vdso) > self.VDSO_CACHE:
-            self._vdso.popitem(last=False)
-
     def _classify(self, pid: int, raw: list[tuple[int, int, int]]) -> tuple[wire.UserFrame, ...]:
         """Mapped frames (procmaps.FrameStatus) as wire frames: a file and offset (with the
         file's name, so an unnamed frame still says `libc.so.6+0x…`), the vDSO, a JIT

@@ -36,7 +36,6 @@ class FoundProcess:
     comm: str
     cgroup: str  # cgroup2 path relative to the mount, "/" for the root
     rule_ids: tuple[int, ...]
-    vdso: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -73,13 +72,8 @@ def walk_processes(
     proc_root: str,
     generation: int,
     cancel: threading.Event,
-    known_vdso: Callable[[int], bool] = lambda pid: False,
 ) -> WalkResult:
-    """Scan /proc for processes whose comm matches a rule (runs on the walk thread).
-
-    The vDSO range of a process does not change: it is read only for processes
-    `known_vdso` does not know yet (auxv and maps reads were most of an idle walk).
-    """
+    """Scan /proc for processes whose comm matches a rule (runs on the walk thread)."""
     started = time.monotonic()
     found = []
     own = os.getpid()
@@ -94,8 +88,7 @@ def walk_processes(
         cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
         if cgroup is None:
             continue  # exited meanwhile
-        vdso = None if known_vdso(st.pid) else procfs.read_vdso_range(st.pid, proc_root)
-        found.append(FoundProcess(st.pid, st.comm, cgroup, tuple(rule_ids), vdso))
+        found.append(FoundProcess(st.pid, st.comm, cgroup, tuple(rule_ids)))
     return WalkResult(generation, started, time.monotonic() - started, found)
 
 
@@ -159,7 +152,6 @@ class TriggerAgent:
         cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
         if cgroup is None:
             return  # already gone
-        self.orch.set_vdso(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
         self._track(FoundProcess(ev.pid, ev.comm, cgroup, tuple(rule_ids)))
 
     def on_walk(self, result: WalkResult) -> None:
@@ -169,8 +161,6 @@ class TriggerAgent:
         seen = set()
         for p in result.found:
             seen.add(p.pid)
-            if p.vdso is not None:
-                self.orch.set_vdso(p.pid, p.vdso)
             self._track(p)
         # Forget processes that are gone, unless added after the walk started (exec during the walk).
         for pid, t in list(self.processes.items()):
