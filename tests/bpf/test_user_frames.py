@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections import Counter
 
 import pytest
@@ -70,23 +71,30 @@ def test_a_process_that_dlopens_a_library_and_exits_within_100_ms_gets_named_fra
 
 def test_a_process_holding_its_mmap_lock_for_long_still_gets_named_frames(workloads):
     """The kernel's build-id walk gave bare IPs whenever the mmap lock was taken (a thread
-    unmapping large regions holds it for milliseconds); a frame-pointer walk of raw IPs does not
-    need it, and user space maps them."""
+    changing the protection of a large populated region holds it for milliseconds): measured
+    with it, 10 % of the main thread's samples and 72 % of the churning thread's had raw frames.
+    A frame-pointer walk of raw IPs does not need the lock, and user space maps them."""
     binary = workloads / "unmapper"
     bid = bytes.fromhex(build_id(binary))
     syms = symbols(binary)
     proc = subprocess.Popen([str(binary), "30"])
     chains: Counter[tuple[str | None, ...]] = Counter()
+    churn: Counter[bool] = Counter()  # the other thread's samples: all user frames mapped?
     try:
         with ProfilerAgent(ProfilerOptions(freq_hz=199, offcpu=False, exec_discovery=False)) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            t0 = time.monotonic()
 
             def enough() -> bool:
                 agent.check_thread()
                 for e in agent.take(timeout=0.1):
-                    if isinstance(e, StackSample) and e.pid == proc.pid and e.tid == proc.pid:
-                        user = split_stacks(e.stacks, e.kernel_len)[1]
+                    if not (isinstance(e, StackSample) and e.pid == proc.pid):
+                        continue
+                    user = split_stacks(e.stacks, e.kernel_len)[1]
+                    if e.tid != proc.pid:
+                        churn[bool(user) and all(st == FrameStatus.FILE for st, _, _ in user)] += e.weight
+                    else:
                         own = tuple(
                             _function_at(syms, off if i == 0 else off - 1)
                             if st == FrameStatus.FILE and agent.maps.file(ref).build_id == bid
@@ -94,10 +102,10 @@ def test_a_process_holding_its_mmap_lock_for_long_still_gets_named_frames(worklo
                             for i, (st, ref, off) in enumerate(user[:4])
                         )
                         chains[own] += e.weight
-                return sum(chains.values()) >= 300
+                return sum(chains.values()) >= 300 and sum(churn.values()) >= 100
 
             assert wait_until(enough, 60.0, step=0), chains
-            changes = agent.counters()[abi.Counter.MAP_CHANGES]
+            reads, elapsed = agent.maps.stats.reads, time.monotonic() - t0
     finally:
         proc.kill()
         proc.wait()
@@ -105,5 +113,8 @@ def test_a_process_holding_its_mmap_lock_for_long_still_gets_named_frames(worklo
     named = chains[("hot_spin", "level2", "level1", "main")]
     # Main thread samples: the whole chain named in nearly all (the old walk lost a large share).
     assert named / total >= 0.95, chains.most_common(5)
-    # The unmapping thread changes the VMA count all the time: reads of its maps stay bounded.
-    assert changes > 0
+    # The churning thread, sampled inside mprotect/munmap (libc frames): every frame mapped.
+    assert churn[True] / sum(churn.values()) >= 0.95, churn
+    # Its VMA count changes all the time: reads of its maps stay within the budget (a burst of
+    # 5, then 20 a second, plus the first read).
+    assert reads <= 1 + 5 + 20 * elapsed + 1, (reads, elapsed)
