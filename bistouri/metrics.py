@@ -161,6 +161,11 @@ class BpfCountersCollector(Collector):
             value=maps.evicted,
         )
         yield CounterMetricFamily(
+            "bistouri_proc_maps_files_over_bound",
+            "Mappings of files past the bound of distinct files (65 536): their frames keep only an offset",
+            value=maps.files_over_bound,
+        )
+        yield CounterMetricFamily(
             "bistouri_perf_maps_truncated",
             "Perf maps that reached their byte bound: JIT code generated after that stays unnamed",
             value=maps.perf_map_truncated,

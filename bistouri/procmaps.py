@@ -62,6 +62,7 @@ _TABLE_BYTES = 600
 _PERF_ENTRY_BYTES = 100  # + the name
 _KNOWN_BYTES = 150  # one remembered address: dict slot, int key, 16-byte bytes
 _KNOWN_MAX = 16384  # remembered addresses per table, then forgotten all at once
+_NAMES_MAX = 1 << 17  # interned JIT names, then forgotten all at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class ProcMapsStats:
     evicted: int = 0  # tables dropped to stay within the byte bound
     perf_map_reads: int = 0
     perf_map_truncated: int = 0  # perf maps that hit their byte bound
+    files_over_bound: int = 0  # mappings of files past max_files: named by offset only
 
 
 class ProcMaps:
@@ -144,6 +146,7 @@ class ProcMaps:
         self._bytes = 0
         self._files: list[MappedFile] = []
         self._file_ids: dict[tuple[int, int, int, str], int] = {}  # (dev, inode, mtime_ns, name) -> id
+        self._over_bound = -1  # id of the file entry shared past max_files
         self._names: dict[str, str] = {}  # interned JIT names
         self.stats = ProcMapsStats()
 
@@ -300,20 +303,22 @@ class ProcMaps:
         fid = self._file_ids.get(key)
         if fid is not None:
             return fid
-        build_id = (read_build_id(opened) if st is not None else None) or b""
         if len(self._files) >= self.max_files:
-            # Bounded: past this many distinct files, new ones share an anonymous entry.
-            return self._intern_file(MappedFile(b"", os.path.basename(name)), None)
-        return self._intern_file(MappedFile(build_id, os.path.basename(name)), key)
-
-    def _intern_file(self, f: MappedFile, key: tuple[int, int, int, str] | None) -> int:
+            # Bounded: past this many distinct files (a host replacing binaries for days), new
+            # ones share one entry, counted, and their frames keep only an offset.
+            self.stats.files_over_bound += 1
+            return self._over_bound_file()
+        build_id = (read_build_id(opened) if st is not None else None) or b""
         fid = len(self._files)
-        if key is None and self._files and self._files[-1] == f:
-            return fid - 1
-        self._files.append(f)
-        if key is not None:
-            self._file_ids[key] = fid
+        self._files.append(MappedFile(build_id, os.path.basename(name)))
+        self._file_ids[key] = fid
         return fid
+
+    def _over_bound_file(self) -> int:
+        if self._over_bound < 0:
+            self._over_bound = len(self._files)
+            self._files.append(MappedFile(b"", "[too many files]"))
+        return self._over_bound
 
     def _evict(self) -> None:
         while self._bytes > self.max_bytes and len(self._tables) > 1:
@@ -395,6 +400,8 @@ class ProcMaps:
             except ValueError:
                 continue
             name = parts[2].decode(errors="replace")
+            if len(self._names) >= _NAMES_MAX:  # interning only: names in use stay valid
+                self._names.clear()
             name = self._names.setdefault(name, name)
             entries.append((start, start + size_, name))
             pm.nbytes += _PERF_ENTRY_BYTES + len(name)

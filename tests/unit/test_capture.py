@@ -346,3 +346,17 @@ def test_every_user_frame_ends_named_or_counted(tmp_path, workloads):
         for k in ("jit", "jit_unnamed", "vdso", "resolved", "no_mapping", "corrupted")
     }
     assert got == dict.fromkeys(got, 1.0)
+
+
+def test_distinct_files_are_bounded_and_the_excess_counted(tmp_path, workloads):
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    maps = ProcMaps(str(tmp_path), max_files=2)
+    lines = "".join(
+        f"{0x1000000 * (i + 1):08x}-{0x1000000 * (i + 1) + 0x1000:08x} r-xp 00000000 fd:01 {100 + i} "
+        f"{workloads / 'burner'}\n"
+        for i in range(5)
+    )
+    fake_proc(tmp_path, 7, lines)
+    maps.track(7)
+    names = {maps.file(USER_FRAME.unpack(maps.resolve(7, (0x1000000 * (i + 1),)))[1]).name for i in range(5)}
+    assert names == {"burner", "[too many files]"} and maps.stats.files_over_bound == 3
