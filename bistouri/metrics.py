@@ -53,7 +53,7 @@ class AgentMetrics:
         self.user_frames = Counter(
             "bistouri_user_frames_total",
             "User frames by class (resolved, vdso, jit; unmapped by reason: jit_unnamed, no_mapping, "
-            "process_gone, corrupted)",
+            "process_gone, no_access, corrupted)",
             ["kind"],
             registry=r,
         )

@@ -51,6 +51,7 @@ class Unmapped(IntEnum):
     NO_MAPPING = 0  # the process lives, its maps hold no executable range there
     PROCESS_GONE = 1  # the process exited before its maps could be read
     CORRUPTED = 2  # not a user-space address: a broken frame-pointer chain
+    NO_ACCESS = 3  # the agent may not read the process's maps (CAP_SYS_PTRACE missing)
 
 
 # One mapped frame in a sample's stacks: status, file id (or reason), offset or IP.
@@ -83,6 +84,7 @@ class _Table:
     tokens: float = 0.0  # reads allowed now on a changed count (token bucket)
     tokens_at: float = 0.0
     gone: bool = False  # the process exited: the table is what it last was
+    denied: bool = False  # its maps are not ours to read (another user's, no CAP_SYS_PTRACE)
     generation: int = 0
     perf: _PerfMap | None = None
     known: dict[int, bytes] = field(default_factory=dict)  # (ip << 1 | leaf) -> its USER_FRAME
@@ -152,11 +154,10 @@ class ProcMaps:
 
     # -- tables -------------------------------------------------------------------
     def track(self, pid: int) -> None:
-        """`pid` becomes a capture target: read its maps now (if not read yet)."""
+        """`pid` becomes a capture target: read its maps now (a table kept from an earlier
+        process with the same pid must not stand for this one)."""
         with self._lock:
-            t = self._table(pid)
-            if t.stale:
-                self._read(pid, t)
+            self._read(pid, self._table(pid))
 
     def resolve(self, pid: int, ips: tuple[int, ...]) -> bytes:
         """Raw user IPs (leaf first) as `USER_FRAME`s, back to back."""
@@ -188,7 +189,12 @@ class ProcMaps:
             k = bisect.bisect_right(t.starts, probe) - 1
         if k < 0 or probe >= t.ends[k]:
             # Not remembered: a later read of the maps may still find it.
-            why = Unmapped.PROCESS_GONE if t.gone and not t.starts else Unmapped.NO_MAPPING
+            if t.denied:
+                why = Unmapped.NO_ACCESS
+            elif t.gone and not t.starts:
+                why = Unmapped.PROCESS_GONE
+            else:
+                why = Unmapped.NO_MAPPING
             return USER_FRAME.pack(FrameStatus.UNMAPPED, why, ip)
         fid = t.files[k]
         if fid >= 0:
@@ -248,12 +254,17 @@ class ProcMaps:
         try:
             with open(f"{base}/maps", "rb") as f:
                 data = f.read()
+        except PermissionError:
+            # Another user's process without CAP_SYS_PTRACE: nothing to map with, counted apart.
+            t.denied = True
+            data = b""
         except OSError:
             data = b""
         if not data:
             # Gone (or a zombie without mm): keep what was read before, for late samples.
             t.gone = True
             return
+        t.denied = False
         before = t.nbytes
         starts, ends, pgoffs, files = [], [], [], []
         lines = data.splitlines()

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
@@ -360,3 +365,31 @@ def test_distinct_files_are_bounded_and_the_excess_counted(tmp_path, workloads):
     maps.track(7)
     names = {maps.file(USER_FRAME.unpack(maps.resolve(7, (0x1000000 * (i + 1),)))[1]).name for i in range(5)}
     assert names == {"burner", "[too many files]"} and maps.stats.files_over_bound == 3
+
+
+def test_a_table_of_a_reused_pid_is_read_again_when_it_becomes_a_target(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
+    maps.track(7)
+    fake_proc(tmp_path, 7, f"00900000-00901000 r-xp 00000000 fd:01 77 {workloads / 'burner'}\n")
+    maps.track(7)  # another process got pid 7
+    assert USER_FRAME.unpack(maps.resolve(7, (0x900010,)))[0] == FrameStatus.FILE
+
+
+def test_maps_the_agent_may_not_read_are_counted_apart():
+    """As another user without CAP_SYS_PTRACE, a root process's maps are refused: its frames are
+    counted as no_access, not mistaken for an exited process."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to read as another user")
+    code = (
+        "from bistouri.procmaps import ProcMaps, USER_FRAME; m = ProcMaps(); m.track(1); "
+        "print(USER_FRAME.unpack(m.resolve(1, (0x400100,)))[:2])"
+    )
+    out = subprocess.run(
+        [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+    )
+    assert out.stdout.strip() == str((int(FrameStatus.UNMAPPED), int(Unmapped.NO_ACCESS)))
