@@ -1,7 +1,8 @@
-"""ctypes mirrors of the structs in bpf/bistouri.h.
+"""ctypes mirrors of the structs and enums in bpf/bistouri.h: the one description of
+the ring records user space reads (sizes come from here, never from literals).
 
-tests/bpf/test_abi.py compares every mirror (size and field offsets) with the
-BTF of the built object; `check_abi()` does the same at load time, so an agent
+tests/bpf/test_abi.py compares every mirror (size, field offsets, enum values) with
+the BTF of the built object; the profiler does the same at load time, so an agent
 never decodes events with a stale layout.
 """
 
@@ -16,7 +17,6 @@ from .bpf import Btf
 
 COMM_LEN = 16
 MAX_DEPTH = 127
-BUILD_ID_SIZE = 20
 
 
 class EventKind(IntEnum):
@@ -27,14 +27,6 @@ class EventKind(IntEnum):
 class FilterFlags(IntEnum):
     ON_CPU = 1
     OFF_CPU = 2
-
-
-class UserFormat(IntEnum):
-    """What the user_stack of a stack event holds."""
-
-    FRAMES = 0  # build-id frames; user space keeps them under user_key
-    KNOWN = 1  # raw IPs of a stack sent before under user_key
-    IPS = 2  # raw IPs, build ids off
 
 
 class Counter(IntEnum):
@@ -50,13 +42,10 @@ class Counter(IntEnum):
     ON_CPU_SAMPLES = 7
     OFF_CPU_SAMPLES = 8
     EXEC_MATCHES = 9
+    MAP_CHANGES = 10
 
 
-COUNTER_MAX = 10
-
-
-class UserFrame(Structure):
-    _fields_ = [("status", c_int32), ("build_id", c_uint8 * BUILD_ID_SIZE), ("offset_or_ip", c_uint64)]
+COUNTER_MAX = 11
 
 
 class UserStackKey(Structure):
@@ -76,14 +65,14 @@ class StackEvent(Structure):
         ("timestamp_ns", c_uint64),
         ("blocked_ns", c_uint64),
         ("waits", c_uint32),
-        ("user_format", c_uint32),
+        ("map_count", c_uint32),
         ("user_key", UserStackKey),
         ("kernel_hash", c_uint64),
         ("kernel_stack_size", c_int32),
         ("user_stack_size", c_int32),
         ("comm", c_uint8 * COMM_LEN),
         ("kernel_stack", c_uint64 * MAX_DEPTH),
-        ("user_stack", UserFrame * MAX_DEPTH),
+        ("user_stack", c_uint64 * MAX_DEPTH),
     ]
 
 
@@ -109,16 +98,13 @@ class Config(Structure):
         ("offcpu_min_ns", c_uint64),
         ("offcpu_interval_ns", c_uint64),
         ("wakeup_bytes", c_uint64),
-        ("user_build_id", c_uint32),
         ("tp_btf_skip", c_uint32),
         ("aggregate", c_uint32),
-        ("reserved", c_uint32),
     ]
 
 
 # C struct name -> mirror. Every shared struct must be listed here.
 MIRRORS: dict[str, type[Structure]] = {
-    "bistouri_user_frame": UserFrame,
     "bistouri_user_stack_key": UserStackKey,
     "bistouri_sample_key": SampleKey,
     "bistouri_stack_event": StackEvent,
@@ -128,6 +114,13 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_config": Config,
 }
 
+# C enum name -> (prefix of its constants, mirror), compared value by value.
+ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
+    "bistouri_event_kind": ("BISTOURI_EVENT_", EventKind),
+    "bistouri_filter_flags": ("BISTOURI_FILTER_", FilterFlags),
+    "bistouri_counter": ("BISTOURI_CNT_", Counter),
+}
+
 # Precompiled decoders for the hot path (the ring-buffer callback).
 STACK_HEADER = struct.Struct("<IIIIQQII24sQii16s")  # user_key stays packed: it is a map key as is
 SAMPLE_KEY_HEAD = struct.Struct("<IIQ")  # tid, reserved, kernel_hash; the user key follows
@@ -135,7 +128,7 @@ USER_STACK_KEY = struct.Struct("<IIQQ")
 STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset
-USER_FRAME = struct.Struct("<i20sQ")
+STACK_EVENT_SIZE = ctypes.sizeof(StackEvent)
 EXEC_EVENT = struct.Struct("<IIQ16s")
 ERROR_EVENT = struct.Struct("<IIqQ")
 
@@ -155,6 +148,17 @@ def abi_mismatches(btf: Btf) -> list[str]:
         py_fields = [(name, getattr(mirror, name).offset) for name, *_ in mirror._fields_]
         if c_fields != py_fields:
             problems.append(f"struct {cname}: fields {c_fields} in BTF, {py_fields} in abi.py")
+    for cname, (prefix, enum) in ENUMS.items():
+        values = btf.enum(cname)
+        if values is None:
+            problems.append(f"enum {cname}: absent from the object's BTF (not anchored?)")
+            continue
+        c_values = {k.removeprefix(prefix): v for k, v in values.items()}
+        py_values = {m.name: int(m.value) for m in enum}
+        if enum is Counter:
+            py_values["MAX"] = COUNTER_MAX
+        if c_values != py_values:
+            problems.append(f"enum {cname}: {c_values} in BTF, {py_values} in abi.py")
     return problems
 
 

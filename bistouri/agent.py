@@ -29,11 +29,12 @@ from . import __version__, preflight, threads
 from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
-from .discovery import VdsoCache, Walker
+from .discovery import Walker
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector, MetricsServer
+from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
 from .settings import AgentSettings
@@ -75,7 +76,6 @@ class Agent:
         self.orch: CaptureOrchestrator | None = None
         self.trigger: TriggerAgent | None = None
         self.walker: Walker | None = None
-        self.vdso = VdsoCache(settings.proc_path)  # one cache for the walk, exec events and captures
         # Capture-now requests (service id, session id) from the metrics thread to the main loop.
         self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
         self._event_fd = -1
@@ -184,7 +184,7 @@ class Agent:
 
     def _load(self) -> None:
         assert self.kernel is not None
-        opts = ProfilerOptions(freq_hz=self.s.freq, offcpu=self.s.offcpu)
+        opts = ProfilerOptions(freq_hz=self.s.freq, offcpu=self.s.offcpu, proc_root=self.s.proc_path)
         self.profiler = ProfilerAgent(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
@@ -193,11 +193,10 @@ class Agent:
         if self.registry is not None:
             self.registry.register(BpfCountersCollector(self.profiler.counters, self._cache_stats))
 
-    def _cache_stats(self) -> tuple[int, int, int]:
+    def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:
-            return 0, 0, 0
-        cache = self.profiler.user_stacks
-        return len(cache), cache.misses, self.profiler.orphaned
+            return ProcMapsStats(), 0
+        return self.profiler.maps.stats, self.profiler.orphaned
 
     def _activate(self) -> None:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
@@ -216,7 +215,6 @@ class Agent:
             on_spooled=self._notify_exporter,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
-            vdso=self.vdso,
         )
         self.trigger = TriggerAgent(
             self.loop,
@@ -233,7 +231,6 @@ class Agent:
             self.s.walk_interval_secs,
             self.s.proc_path,
             lambda: os.eventfd_write(self._walk_fd, 1),
-            known_vdso=self.vdso.knows,
         )
         self.walker.start()
         self.walker.request(self.trigger.walk_job())

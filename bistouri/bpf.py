@@ -11,6 +11,7 @@ import ctypes
 import errno
 import logging
 import os
+import struct
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ _libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, c
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 
 BTF_KIND_STRUCT = 4
+BTF_KIND_ENUM = 6
 BTF_KIND_DATASEC = 15
 
 
@@ -254,6 +256,20 @@ class Btf:
             size = lib.btf__resolve_size(self._ptr, m.type)
             members.append(BtfMember(self._name(m.name_off), bit_off // 8, int(size)))
         return t.size_or_type, members
+
+    def enum(self, name: str) -> dict[str, int] | None:
+        """Names and values of an enum, None if absent."""
+        tid = library().btf__find_by_name_kind(self._ptr, name.encode(), BTF_KIND_ENUM)
+        if tid < 0:
+            return None
+        t = self._type(tid)
+        base = ctypes.addressof(t) + ctypes.sizeof(_libbpf.btf_type)
+        values = {}
+        for i in range(t.info & 0xFFFF):
+            # struct btf_enum { __u32 name_off; __s32 val; }
+            name_off, val = struct.unpack_from("<Ii", ctypes.string_at(base + i * 8, 8))
+            values[self._name(name_off)] = val
+        return values
 
     def datasec_var_offset(self, section: str, var: str) -> int | None:
         """Offset of variable `var` inside data section `section` (e.g. .rodata)."""

@@ -26,22 +26,24 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import abi, wire
-from .discovery import VdsoCache
 from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
+from .procmaps import FrameStatus, ProcMaps, Unmapped
 from .recorder import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
-# User-space addresses end at 0x7fff_ffff_ffff on x86_64 (4-level paging).
-_USER_MAX = 0x7FFF_FFFF_FFFF
-_STATUS_BUILD_ID = 1
-_STATUS_IP = 2
+_FILE, _VDSO, _ANON = int(FrameStatus.FILE), int(FrameStatus.VDSO), int(FrameStatus.ANON)
+_UNMAPPED_REASONS = {int(r): r.name.lower() for r in Unmapped}
 
 
 class PidFilter(Protocol):
+    """The profiler: what it samples, and the address maps its user frames were mapped with."""
+
+    maps: ProcMaps
+
     def set_pid_filter(self, pid: int, flags: int) -> None: ...
 
 
@@ -112,7 +114,6 @@ class CaptureOrchestrator:
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
-        vdso: VdsoCache | None = None,
     ) -> None:
         self._filter = pid_filter
         self._sink = sink
@@ -131,7 +132,6 @@ class CaptureOrchestrator:
         self.sessions: dict[str, ActiveSession] = {}
         self._by_pid: dict[int, list[ActiveSession]] = {}
         self._refs: dict[int, int] = {}
-        self.vdso = vdso if vdso is not None else VdsoCache(proc_root)
         self.recorder = FlightRecorder(
             recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
         )
@@ -194,7 +194,6 @@ class CaptureOrchestrator:
                 self.metrics.sessions_dropped.labels("filter_full").inc()
                 continue
             armed[pid] = comm
-            self.vdso.remember(pid)
         if not armed:
             return None
         now = self._clock()
@@ -276,7 +275,6 @@ class CaptureOrchestrator:
                 continue
             s.processes[pid] = comm
             self._by_pid.setdefault(pid, []).append(s)
-            self.vdso.remember(pid)
 
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
@@ -472,21 +470,37 @@ class CaptureOrchestrator:
         )
 
     # -- user frames ----------------------------------------------------------------
-    def _classify(self, pid: int, raw: list[tuple[int, bytes, int]]) -> tuple[wire.UserFrame, ...]:
+    def _classify(self, pid: int, raw: list[tuple[int, int, int]]) -> tuple[wire.UserFrame, ...]:
+        """Mapped frames (procmaps.FrameStatus) as wire frames: a file and offset (with the
+        file's name, so an unnamed frame still says `libc.so.6+0x…`), the vDSO, a JIT
+        function named by the perf map, or an unmapped address counted by reason."""
         out = []
-        vdso = self.vdso.get(pid)
-        for status, build_id, value in raw:
-            if status == _STATUS_BUILD_ID:
-                out.append(wire.UserFrame(wire.FRAME_RESOLVED, build_id, value))
-                self.metrics.user_frames.labels("resolved").inc()
-            elif status == _STATUS_IP:
-                if value > _USER_MAX or value == 0:
-                    self.metrics.user_frames.labels("corrupted").inc()
-                    continue
-                if vdso and vdso[0] <= value < vdso[1]:
-                    out.append(wire.UserFrame(wire.FRAME_VDSO, b"", value))
-                    self.metrics.user_frames.labels("vdso").inc()
+        maps = self._filter.maps
+        counts: dict[str, int] = {}
+        for i, (status, ref, value) in enumerate(raw):
+            if status == _FILE:
+                f = maps.file(ref)
+                out.append(wire.UserFrame(wire.FRAME_RESOLVED, f.build_id, value, f.name))
+                label = "resolved"
+            elif status == _VDSO:
+                out.append(wire.UserFrame(wire.FRAME_VDSO, b"", value))
+                label = "vdso"
+            elif status == _ANON:
+                # A return address points past its call: name the call (as the resolver does).
+                name = maps.jit_name(pid, value if i == 0 else value - 1)
+                if name is not None:
+                    out.append(wire.UserFrame(wire.FRAME_JIT, b"", value, name))
+                    label = "jit"
                 else:
                     out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
-                    self.metrics.user_frames.labels("unknown").inc()
+                    label = "jit_unnamed"
+            else:
+                label = _UNMAPPED_REASONS.get(ref, "no_mapping")
+                if ref == Unmapped.CORRUPTED:  # not an address: dropped, counted
+                    counts[label] = counts.get(label, 0) + 1
+                    continue
+                out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
+            counts[label] = counts.get(label, 0) + 1
+        for label, n in counts.items():
+            self.metrics.user_frames.labels(label).inc(n)
         return tuple(out)

@@ -3,9 +3,7 @@
 The exec hook (BPF comm trie, see trigger.py) sees new processes at once; the
 walk here, on the bistouri-walk thread, finds the rest: processes started before
 the agent, forks without exec, and every process of a target named by cgroup or
-systemd unit (the kernel reports no event when a process enters a cgroup). The
-vDSO range of each process is read once, by whichever of the walk, the exec hook
-or a capture meets the process first, into the one `VdsoCache`.
+systemd unit (the kernel reports no event when a process enters a cgroup).
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,7 +33,6 @@ class FoundProcess:
     comm: str
     cgroup: str  # cgroup2 path relative to the mount, "/" for the root
     rule_ids: tuple[int, ...]
-    vdso: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -57,42 +53,6 @@ class WalkJob:
     generation: int
     cgroup_targets: tuple[Target, ...] = ()
     cgroup_root: str | None = None
-
-
-class VdsoCache:
-    """vDSO range per pid, least recently used out first. Written on the main thread;
-    `knows` is also called from the walk thread (a dict lookup, safe under the GIL)."""
-
-    def __init__(self, proc_root: str = "/proc", size: int = 1024) -> None:
-        self.proc_root = proc_root
-        self.size = size
-        self._ranges: OrderedDict[int, tuple[int, int] | None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._ranges)
-
-    def knows(self, pid: int) -> bool:
-        return pid in self._ranges
-
-    def get(self, pid: int) -> tuple[int, int] | None:
-        return self._ranges.get(pid)
-
-    def set(self, pid: int, rng: tuple[int, int] | None) -> None:
-        self._ranges[pid] = rng
-        self._ranges.move_to_end(pid)
-        while len(self._ranges) > self.size:
-            self._ranges.popitem(last=False)
-
-    def remember(self, pid: int) -> None:
-        """Read the range of `pid` unless it is known."""
-        if pid in self._ranges:
-            self._ranges.move_to_end(pid)
-            return
-        self.set(pid, procfs.read_vdso_range(pid, self.proc_root))
-
-    def forget(self, pid: int) -> None:
-        """The process behind `pid` is gone (its pid may come back as another process)."""
-        self._ranges.pop(pid, None)
 
 
 def find_unit_cgroup(cgroup_root: str, unit: str, max_depth: int = UNIT_SEARCH_DEPTH) -> str | None:
@@ -158,13 +118,10 @@ def walk_processes(
     job: WalkJob,
     proc_root: str,
     cancel: threading.Event,
-    known_vdso: Callable[[int], bool] = lambda pid: False,
     units: dict[str, str] | None = None,
 ) -> WalkResult:
     """Find the processes the targets name (runs on the walk thread).
 
-    The vDSO range of a process does not change: it is read only for processes
-    `known_vdso` does not know yet (auxv and maps reads were most of an idle walk).
     `units` (unit -> cgroup path) remembers where units were found, across walks.
     """
     units = {} if units is None else units
@@ -192,8 +149,7 @@ def walk_processes(
         cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
         if cgroup is None:
             continue  # exited meanwhile
-        vdso = None if known_vdso(st.pid) else procfs.read_vdso_range(st.pid, proc_root)
-        found.append(FoundProcess(st.pid, st.starttime, st.comm, cgroup, tuple(rule_ids), vdso))
+        found.append(FoundProcess(st.pid, st.starttime, st.comm, cgroup, tuple(rule_ids)))
     return WalkResult(job.generation, started, time.monotonic() - started, found, target_cgroups)
 
 
@@ -205,10 +161,8 @@ class Walker:
         interval_s: float,
         proc_root: str,
         wake: Callable[[], None],
-        known_vdso: Callable[[int], bool] = lambda pid: False,
     ) -> None:
         self.interval_s = interval_s
-        self.known_vdso = known_vdso
         self.proc_root = proc_root
         self._wake = wake
         self.results: queue.Queue[WalkResult] = queue.Queue(maxsize=4)
@@ -242,7 +196,7 @@ class Walker:
             if job is None:
                 continue
             try:
-                result = walk_processes(job, self.proc_root, self._cancel, self.known_vdso, self._units)
+                result = walk_processes(job, self.proc_root, self._cancel, self._units)
             except Exception as e:  # a broken walk must not kill discovery for good
                 log.error("Process walk failed: %s", e)
                 continue

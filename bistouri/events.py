@@ -1,10 +1,10 @@
 """Ring-buffer records decoded, and the two caches that complete them.
 
-The BPF programs send a user stack's build-id frames only the first time (after
-that, raw IPs and a key: `UserStackCache` substitutes the frames), and an on-CPU
-sample whole only the first time (after that, the kernel counts repeats:
-`SentSamples` keeps the sample the counts are weighed on). Both caches are used
-by the ring-buffer thread only, and tell the kernel what they forget.
+The BPF programs send raw user IPs; `procmaps.ProcMaps` maps them to (file, offset)
+and `ResolvedStacks` keeps that answer per distinct user stack, so a stack is mapped
+once. An on-CPU sample comes whole only the first time (after that, the kernel counts
+repeats: `SentSamples` keeps the sample the counts are weighed on, and tells the
+kernel what it forgets). Both caches are used by the ring-buffer thread only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from . import abi
+from .procmaps import USER_FRAME, ProcMaps
 
 
 # Not frozen: a frozen dataclass costs 5x more to build, and one is built per sample.
@@ -36,7 +37,7 @@ class StackSample:
     weight: int
     comm: str
     kernel_len: int  # bytes of `stacks` holding kernel IPs (0 on error)
-    stacks: bytes  # kernel IPs then user frames: the dedup key
+    stacks: bytes  # kernel IPs then mapped user frames (procmaps.USER_FRAME): the dedup key
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +55,7 @@ class BpfErrorEvent:
     code: int
 
 
-_KERNEL_MAX = abi.MAX_DEPTH * 8
-_USER_MAX = abi.MAX_DEPTH * abi.USER_FRAME.size
+_STACK_MAX = abi.MAX_DEPTH * 8  # bytes of IPs in either stack
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,30 +106,24 @@ class _KernelMirroredLru(Generic[V]):
             self._forget(key)
 
 
-class UserStackCache(_KernelMirroredLru[bytes]):
-    """Build-id frames of the user stacks sent so far, by their raw key (pid, mm, hash of IPs).
+class ResolvedStacks(_KernelMirroredLru[tuple[int, bytes]]):
+    """Mapped frames of the user stacks seen so far, by their raw key (pid, mm, hash of IPs),
+    with the generation of the process's table they were mapped with: a repeated stack
+    costs one lookup, and a re-read table (a new mapping) maps it again. Bounded in bytes,
+    least recently used out first; nothing to tell the kernel."""
 
-    The kernel walks build ids only for a stack it has not sent before (~8 µs a sample
-    otherwise, measured); repeats come as raw IPs and get their frames from here. Bounded
-    in bytes, least recently used out first; what leaves is forgotten in the kernel's
-    `known_user_stacks` too.
-    """
+    def __init__(self, max_bytes: int = 8 << 20) -> None:
+        super().__init__(1 << 62, max_bytes, None)
 
-    def __init__(self, max_bytes: int = 16 << 20, forget: Callable[[bytes], None] | None = None) -> None:
-        super().__init__(1 << 62, max_bytes, forget)
-        self.misses = 0  # known to the kernel, not here: frames left as raw IPs
-
-    def remember(self, key: bytes, frames: bytes) -> None:
-        self._put(key, frames, len(frames))
-
-    def frames(self, key: bytes, ips: bytes) -> bytes:
-        frames = self._get(key)
-        if frames is not None:
-            return frames
-        # Its first sample was lost (or forgotten): keep the addresses, have the kernel resend.
-        self.misses += 1
-        self.forget(key)
-        return ips_as_frames(ips)
+    def frames(self, key: bytes, pid: int, map_count: int, ips: bytes, maps: ProcMaps) -> bytes:
+        generation = maps.generation(pid, map_count)
+        got = self._get(key)
+        if got is not None and got[0] == generation:
+            return got[1]
+        frames = maps.resolve(pid, struct.unpack(f"<{len(ips) // 8}Q", ips))
+        # Under the generation asked for: if a miss re-read the table, the next sample maps again.
+        self._put(key, (generation, frames), len(frames) + 100)
+        return frames
 
 
 class SentSamples(_KernelMirroredLru["StackSample"]):
@@ -155,59 +149,29 @@ class SentSamples(_KernelMirroredLru["StackSample"]):
         return self._get(key)
 
 
-def ips_as_frames(ips: bytes) -> bytes:
-    """Raw user IPs as frames with status 2 (an address, no build id): still shipped, never lost."""
-    n = len(ips) // 8
-    return b"".join(abi.USER_FRAME.pack(2, _NO_BUILD_ID, ip) for ip in struct.unpack_from(f"<{n}Q", ips))
+def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSample:
+    """A stack record → its header fields, the kernel IPs and the mapped user frames.
 
-
-_NO_BUILD_ID = bytes(abi.BUILD_ID_SIZE)
-
-
-def decode_stack(data: bytes, cache: UserStackCache | None = None) -> StackSample:
-    """A stack record → its header fields and the used part of each stack, back to back.
-
-    The hot path at high frequency (one call per sample): one unpack, two slices, and for a
-    repeated user stack one dict lookup.
+    The hot path at high frequency (one call per record): one unpack, two slices, and for
+    a user stack seen before one dict lookup.
     """
     header = abi.STACK_HEADER.unpack_from(data)
-    kind, pid, tid, cpu, ts, blocked, weight, fmt, key, _kernel_hash, ksize, usize, comm = header
+    kind, pid, tid, cpu, ts, blocked, weight, map_count, key, _khash, ksize, usize, comm = header
     # Negative sizes are bpf_get_stack errors; the bounds keep a bad header inside the record.
-    ksize = max(0, min(ksize, _KERNEL_MAX))
+    ksize = max(0, min(ksize, _STACK_MAX))
+    usize = max(0, min(usize, _STACK_MAX)) & ~7
     k0 = abi.KERNEL_STACK_OFFSET
     u0 = abi.USER_STACK_OFFSET
-    if fmt == _FRAMES:
-        user = data[u0 : u0 + max(0, min(usize, _USER_MAX))]
-        if cache is not None and user:
-            cache.remember(key, user)
-    else:
-        ips = data[u0 : u0 + max(0, min(usize, _KERNEL_MAX))]
-        user = cache.frames(key, ips) if fmt == _KNOWN and cache is not None and ips else ips_as_frames(ips)
+    user = cache.frames(key, pid, map_count, data[u0 : u0 + usize], maps) if usize else b""
     stacks = data[k0 : k0 + ksize] + user
     return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks)
 
 
-_FRAMES = int(abi.UserFormat.FRAMES)  # plain ints: IntEnum comparisons cost more
-_KNOWN = int(abi.UserFormat.KNOWN)
-_ON_CPU = int(abi.EventKind.ON_CPU)
-_FORMAT_AT = abi.StackEvent.user_format.offset  # u32, little-endian: its first byte is the value
-_UKEY_AT = abi.StackEvent.user_key.offset
-_KHASH_AT = abi.StackEvent.kernel_hash.offset
-_KERNEL_HASH = struct.Struct("<Q")
-_SAMPLE_KEY_HEAD = abi.SAMPLE_KEY_HEAD
-
-
-def split_stacks(
-    sample_stacks: bytes, kernel_len: int
-) -> tuple[tuple[int, ...], list[tuple[int, bytes, int]]]:
-    """Kernel IPs and (status, build_id, offset_or_ip) user frames, both leaf first."""
+def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, int, int]]]:
+    """Kernel IPs and (procmaps.FrameStatus, file id or reason, offset or IP) user frames,
+    both leaf first."""
     kernel = struct.unpack_from(f"<{kernel_len // 8}Q", sample_stacks)
-    user = []
-    for off in range(kernel_len, len(sample_stacks) - abi.USER_FRAME.size + 1, abi.USER_FRAME.size):
-        status, build_id, value = abi.USER_FRAME.unpack_from(sample_stacks, off)
-        if status == 0:  # BPF_STACK_BUILD_ID_EMPTY ends the stack
-            break
-        user.append((status, build_id, value))
+    user = list(USER_FRAME.iter_unpack(sample_stacks[kernel_len:]))
     return tuple(ip for ip in kernel if ip), user
 
 
@@ -224,10 +188,17 @@ def decode_error(data: bytes) -> BpfErrorEvent:
 Event = StackSample | ExecMatch | BpfErrorEvent
 
 
+_ON_CPU = int(abi.EventKind.ON_CPU)  # a plain int: IntEnum comparisons cost more
+_UKEY_AT = abi.StackEvent.user_key.offset
+_KHASH_AT = abi.StackEvent.kernel_hash.offset
+_KERNEL_HASH = struct.Struct("<Q")
+_SAMPLE_KEY_HEAD = abi.SAMPLE_KEY_HEAD
+
+
 def counted_sample_key(data: bytes, sample: StackSample) -> bytes | None:
     """The key under which the kernel counts repeats of this record (struct
-    bistouri_sample_key), or None: only on-CPU samples of a known user stack are counted."""
-    if sample.kind != _ON_CPU or data[_FORMAT_AT] != _KNOWN:
+    bistouri_sample_key), or None: only on-CPU samples are counted."""
+    if sample.kind != _ON_CPU:
         return None
     head = _SAMPLE_KEY_HEAD.pack(sample.tid, 0, *_KERNEL_HASH.unpack_from(data, _KHASH_AT))
     return head + data[_UKEY_AT : _UKEY_AT + abi.USER_STACK_KEY.size]

@@ -26,6 +26,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from . import abi
+from .procmaps import ProcMapsStats
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class AgentMetrics:
         )
         self.user_frames = Counter(
             "bistouri_user_frames_total",
-            "User frames by class (resolved, vdso, unknown, corrupted)",
+            "User frames by class (resolved, vdso, jit; unmapped by reason: jit_unnamed, no_mapping, "
+            "process_gone, no_access, corrupted)",
             ["kind"],
             registry=r,
         )
@@ -135,10 +137,10 @@ class BpfCountersCollector(Collector):
     """Reads the BPF `counters` map at scrape time."""
 
     def __init__(
-        self, read: Callable[[], dict[abi.Counter, int]], caches: Callable[[], tuple[int, int, int]]
+        self, read: Callable[[], dict[abi.Counter, int]], caches: Callable[[], tuple[ProcMapsStats, int]]
     ) -> None:
         self._read = read
-        self._caches = caches  # the profiler's (user stacks cached, their misses, orphaned samples)
+        self._caches = caches  # the profiler's address maps and its orphaned samples
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -173,17 +175,37 @@ class BpfCountersCollector(Collector):
         emitted.add_metric(["on_cpu"], c[abi.Counter.ON_CPU_SAMPLES])
         emitted.add_metric(["off_cpu"], c[abi.Counter.OFF_CPU_SAMPLES])
         emitted.add_metric(["exec"], c[abi.Counter.EXEC_MATCHES])
+        emitted.add_metric(["map_change"], c[abi.Counter.MAP_CHANGES])
         yield emitted
-        cached, misses, orphaned = self._caches()
+        maps, orphaned = self._caches()
         yield GaugeMetricFamily(
-            "bistouri_user_stacks_cached",
-            "User stacks whose build-id frames the agent holds (the kernel sends those as raw IPs)",
-            value=cached,
+            "bistouri_proc_maps_tables", "Processes whose address maps the agent holds", value=maps.tables
+        )
+        yield GaugeMetricFamily(
+            "bistouri_proc_maps_bytes",
+            "Estimated bytes of the address maps and perf maps held",
+            value=maps.bytes,
+        )
+        reads = CounterMetricFamily(
+            "bistouri_proc_maps_reads", "Reads of /proc/PID/maps and perf maps, by file", labels=["file"]
+        )
+        reads.add_metric(["maps"], maps.reads)
+        reads.add_metric(["perf_map"], maps.perf_map_reads)
+        yield reads
+        yield CounterMetricFamily(
+            "bistouri_proc_maps_evicted",
+            "Address maps dropped to stay within the byte bound (late samples of them map as unmapped)",
+            value=maps.evicted,
         )
         yield CounterMetricFamily(
-            "bistouri_user_stack_misses",
-            "Samples of a user stack sent before that the agent no longer held: frames kept as raw addresses",
-            value=misses,
+            "bistouri_proc_maps_files_over_bound",
+            "Mappings of files past the bound of distinct files (65 536): their frames keep only an offset",
+            value=maps.files_over_bound,
+        )
+        yield CounterMetricFamily(
+            "bistouri_perf_maps_truncated",
+            "Perf maps that reached their byte bound: JIT code generated after that stays unnamed",
+            value=maps.perf_map_truncated,
         )
         yield CounterMetricFamily(
             "bistouri_samples_orphaned",

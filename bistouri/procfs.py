@@ -10,17 +10,10 @@ name may itself contain ") ".
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 PF_KTHREAD = 0x00200000  # task flags bit of kernel threads (include/linux/sched.h)
-AT_NULL = 0
-AT_SYSINFO_EHDR = 33  # auxv entry: base of the vDSO ELF image
-
-_WORD = struct.calcsize("P")
-_AUXV = struct.Struct(f"={'Q' if _WORD == 8 else 'I'}{'Q' if _WORD == 8 else 'I'}")
-_VDSO_FALLBACK_PAGES = 2  # when /proc/pid/maps is unreadable
 
 
 def _read(path: str, limit: int = 1 << 20) -> bytes | None:
@@ -157,43 +150,6 @@ def iter_pids(proc_root: str = "/proc") -> Iterator[int]:
 
 def iter_tids(pid: int, proc_root: str = "/proc") -> Iterator[int]:
     yield from _numeric_entries(f"{proc_root}/{pid}/task")
-
-
-def parse_auxv(data: bytes, key: int) -> int | None:
-    """Value of one auxv entry (native word size and endianness), or None."""
-    n = len(data) - len(data) % _AUXV.size
-    for k, v in _AUXV.iter_unpack(data[:n]):
-        if k == AT_NULL:
-            break
-        if k == key:
-            return int(v)
-    return None
-
-
-def parse_maps_range(data: bytes, name: bytes) -> tuple[int, int] | None:
-    """(start, end) of the first mapping whose path column is `name` (e.g. b"[vdso]")."""
-    for line in data.splitlines():
-        fields = line.split(None, 5)
-        if len(fields) == 6 and fields[5].strip() == name:
-            lo, _, hi = fields[0].partition(b"-")
-            try:
-                return int(lo, 16), int(hi, 16)
-            except ValueError:
-                return None
-    return None
-
-
-def read_vdso_range(pid: int, proc_root: str = "/proc") -> tuple[int, int] | None:
-    """[start, end) of the process's vDSO, from auxv AT_SYSINFO_EHDR and its /proc/pid/maps line."""
-    auxv = _read(f"{proc_root}/{pid}/auxv", 4096)
-    start = parse_auxv(auxv, AT_SYSINFO_EHDR) if auxv else None
-    maps = _read(f"{proc_root}/{pid}/maps", 16 << 20)
-    rng = parse_maps_range(maps, b"[vdso]") if maps else None
-    if rng is not None and (start is None or start == rng[0]):
-        return rng
-    if start:
-        return start, start + _VDSO_FALLBACK_PAGES * os.sysconf("SC_PAGE_SIZE")
-    return None
 
 
 def _unescape_mount(field: bytes) -> str:

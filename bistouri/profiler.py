@@ -8,8 +8,10 @@ sample) and `comm_rules` (which execs to report).
 The drain thread (`bistouri-ringbuf`) waits on libbpf's epoll fd plus a stop
 eventfd, with a bounded timeout, consumes in bounded batches, reads the on-CPU
 counts the kernel kept since the last drain (`events.py` says how records and
-counts become samples), and hands decoded events to a bounded queue. A full
-queue drops the event and counts it: the kernel side is never blocked.
+counts become samples), maps user IPs to files (`procmaps.py`; a sample whose process's
+mappings changed wakes this thread at once, which re-reads them while the process
+lives), and hands decoded
+events to a bounded queue. A full queue drops the event and counts it: the kernel side is never blocked.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from .bpf import BpfObject, Link, RingBuffer
 from .errors import BistouriError, BpfError
 from .events import (
     Event,
+    ResolvedStacks,
     SentSamples,
-    UserStackCache,
     counted_sample_key,
     decode_error,
     decode_exec,
     decode_stack,
 )
+from .procmaps import ProcMaps
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,6 @@ class ProfilerOptions:
     # io said 50 %). The per-process rate limit below bounds the cost, not this floor.
     offcpu_min_ns: int = 1_000
     offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
-    user_build_id: bool = True
     aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
     drain_interval_s: float = 0.2
@@ -75,6 +77,7 @@ class ProfilerOptions:
     object_path: Path | None = None
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
+    proc_root: str = "/proc"
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -84,8 +87,7 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
     the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
     forced wakeup at a quarter of the ring, well before it fills.
     """
-    event = 5176  # sizeof(struct bistouri_stack_event)
-    want = int(ncpus * freq_hz * event * drain_interval_s * 1.5)
+    want = int(ncpus * freq_hz * abi.STACK_EVENT_SIZE * drain_interval_s * 1.5)
     size = 512 << 10
     while size < want and size < (64 << 20):
         size <<= 1
@@ -101,7 +103,9 @@ class ProfilerAgent:
         self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
         self._batch: list[Event] = []
         self.dropped = 0  # events lost because the queue was full
-        self.user_stacks = UserStackCache(forget=self._forgetter("known_user_stacks"))
+        # Ring-buffer thread (and the capture, for file names): user IPs mapped to files.
+        self.maps = ProcMaps(options.proc_root)
+        self.resolved = ResolvedStacks()
         # Ring-buffer thread only: the samples the kernel counts repeats of, and counts whose
         # sample is not here yet (sent after the ring was read).
         self.sent = SentSamples(forget=self._forgetter("known_samples"))
@@ -144,7 +148,6 @@ class ProfilerAgent:
             offcpu_min_ns=o.offcpu_min_ns,
             offcpu_interval_ns=o.offcpu_interval_ns,
             wakeup_bytes=o.wakeup_bytes or ring // 4,
-            user_build_id=1 if o.user_build_id else 0,
             tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
             aggregate=1 if o.aggregate else 0,
         )
@@ -174,7 +177,7 @@ class ProfilerAgent:
             path,
             o.freq_hz,
             o.offcpu,
-            len(self._links) - int(o.offcpu) - int(o.exec_discovery),
+            len(cpus),
         )
 
     def start(self) -> None:
@@ -238,6 +241,7 @@ class ProfilerAgent:
                     self._require().maps["offcpu_last"].delete(key)
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
+                self.maps.track(pid)  # its mappings from now on, even if it exits early
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
@@ -284,7 +288,7 @@ class ProfilerAgent:
 
     # -- ring-buffer thread --------------------------------------------------------
     def _on_stack(self, data: bytes) -> None:
-        sample = decode_stack(data, self.user_stacks)
+        sample = decode_stack(data, self.maps, self.resolved)
         self._batch.append(sample)
         if self.options.aggregate and (key := counted_sample_key(data, sample)) is not None:
             # The kernel counts this sample's repeats under its key: keep it to weigh them on.

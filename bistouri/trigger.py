@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from . import procfs, wire
 from .capture import CaptureOrchestrator
 from .config import Target, TriggerConfig
-from .discovery import FoundProcess, VdsoCache, WalkJob, WalkResult, walk_processes
+from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .events import ExecMatch
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
@@ -79,7 +79,6 @@ class TriggerAgent:
         self.config: TriggerConfig | None = None
         self.matcher = CommMatcher(())
         self.generation = 0
-        self.vdso: VdsoCache = orchestrator.vdso  # one cache with the walk and the captures
         self.processes: dict[int, Tracked] = {}
         self.groups: dict[WatchKey, WatchGroup] = {}
         self.target_cgroups: dict[int, str] = {}  # rule_id -> cgroup of a cgroup/unit target, from the walk
@@ -133,7 +132,6 @@ class TriggerAgent:
         cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
         if st is None or cgroup is None:
             return  # already gone
-        self.vdso.set(ev.pid, procfs.read_vdso_range(ev.pid, self.proc_root))
         self._track(FoundProcess(ev.pid, st.starttime, ev.comm, cgroup, tuple(rule_ids)))
 
     def on_walk(self, result: WalkResult) -> None:
@@ -147,8 +145,6 @@ class TriggerAgent:
         seen = set()
         for p in result.found:
             seen.add(p.pid)
-            if p.vdso is not None:
-                self.vdso.set(p.pid, p.vdso)
             self._track(p)
         # Forget processes that are gone, unless added after the walk started (exec during the walk).
         for pid, t in list(self.processes.items()):
@@ -167,9 +163,6 @@ class TriggerAgent:
             return
         if old is not None:
             self._untrack(p.pid)  # moved cgroup, renamed, or another process got the pid: re-register
-            if old.starttime != p.starttime and p.vdso is None:
-                # The walk skipped the vDSO of a pid it knew: that was the previous process's.
-                self.vdso.set(p.pid, procfs.read_vdso_range(p.pid, self.proc_root))
         t = Tracked(p.starttime, p.comm, p.cgroup, p.rule_ids, time.monotonic())
         self.processes[p.pid] = t
         recorder_s = 0.0
@@ -274,7 +267,6 @@ class TriggerAgent:
                     continue
                 if not procfs.is_same_process(pid, t.starttime, self.proc_root):
                     self._untrack(pid)  # exited, or its pid now belongs to another process
-                    self.vdso.forget(pid)  # so the walk reads the new process's
                     continue
                 procs[pid] = t.comm
             sid = self.orch.start_session(
@@ -300,7 +292,6 @@ class TriggerAgent:
                 continue
             if not procfs.is_same_process(pid, t.starttime, self.proc_root):
                 self._untrack(pid)
-                self.vdso.forget(pid)
                 continue
             procs[pid] = t.comm
         cgroups = {t.cgroup for pid, t in self.processes.items() if pid in procs}

@@ -22,13 +22,15 @@ import msgpack
 
 from .errors import WireError
 
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1: no mapping names, no JIT frames (old spool files)
 
 # User frame kinds, as sent on the wire.
-FRAME_RESOLVED = 0  # build id (mapping index) + file offset
+FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
 FRAME_VDSO = 1  # raw IP inside the process's vDSO
-FRAME_UNKNOWN = 2  # raw IP the kernel could not tie to a build id
-FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN)
+FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
+FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
+FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
 
 RESOURCES = ("cpu", "memory", "io")
 STALLS = ("some", "full")
@@ -62,13 +64,16 @@ MAX_COMM_CHARS = 64  # process and thread names; the kernel's TASK_COMM_LEN is 1
 MAX_CGROUP_CHARS = 4096  # the kernel's PATH_MAX
 MAX_RELEASE_CHARS = 256  # uname -r; the kernel's is 64
 MAX_SESSION_ID_CHARS = 64
+MAX_MAPPING_NAME_CHARS = 256  # a mapped file's base name (NAME_MAX is 255)
+MAX_JIT_NAME_CHARS = 1024  # a perf-map name (node's carry the script path and position)
 
 
 @dataclass(frozen=True, slots=True)
 class UserFrame:
     kind: int  # FRAME_*
-    build_id: bytes  # empty unless kind == FRAME_RESOLVED
+    build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
     address: int  # file offset when resolved, raw IP otherwise
+    name: str = ""  # resolved: the mapped file's basename; jit: the function's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +142,8 @@ def _pack(obj: Any) -> bytes:
 
 def session_to_wire(s: Session) -> dict[str, Any]:
     """Dictionary-encode a session into plain msgpack-able values."""
-    mappings: dict[bytes, int] = {}
+    mappings: dict[tuple[bytes, str], int] = {}
+    jit_names: dict[str, int] = {}
     kframes: dict[int, int] = {}
     uframes: dict[UserFrame, int] = {}
     stacks: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -163,7 +169,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
             if i is None:
                 m = -1
                 if f.kind == FRAME_RESOLVED:
-                    m = mappings.setdefault(f.build_id, len(mappings))
+                    m = mappings.setdefault((f.build_id, f.name), len(mappings))
+                elif f.kind == FRAME_JIT:
+                    m = jit_names.setdefault(f.name, len(jit_names))
                 i = uframes[f] = len(uframe_list)
                 uframe_list.append([f.kind, m, f.address])
             uidx.append(i)
@@ -207,7 +215,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "duration_ns": s.duration_ns,
         "period_ns": s.period_ns,
         "total": s.total_samples,
-        "mappings": sorted(mappings, key=mappings.__getitem__),
+        "mappings": [bid for bid, _ in sorted(mappings, key=mappings.__getitem__)],
+        "mapping_names": [name for _, name in sorted(mappings, key=mappings.__getitem__)],
+        "jit_names": sorted(jit_names, key=jit_names.__getitem__),
         "kframes": kframe_list,
         "uframes": uframe_list,
         "stacks": stack_list,
@@ -308,8 +318,8 @@ def session_from_wire(m: Any) -> Session:
     if not isinstance(m, dict):
         raise WireError("malformed", "a session must be a map")
     v = m.get("v")
-    if v != VERSION:
-        raise WireError("unsupported_version", f"session version {v!r}, this build reads {VERSION}")
+    if v not in READABLE_VERSIONS:
+        raise WireError("unsupported_version", f"session version {v!r}, this build reads {READABLE_VERSIONS}")
     sid = _req(m, "id", str, "session")
     if not 0 < len(sid) <= MAX_SESSION_ID_CHARS:
         raise WireError("malformed", f"session.id must be 1 to {MAX_SESSION_ID_CHARS} characters")
@@ -373,9 +383,28 @@ def session_from_wire(m: Any) -> Session:
         processes[_u64(p[0], where + ".processes.pid")] = p[1]
 
     mappings = _req(m, "mappings", list, where)
+    min_id = 1 if v == 1 else 0  # v2: a file without a build id is known by its name only
     for i, b in enumerate(mappings):
-        if not isinstance(b, bytes) or not 1 <= len(b) <= 64:
-            raise WireError("malformed", f"{where}.mappings[{i}] must be a build id (bin, 1-64 bytes)")
+        if not isinstance(b, bytes) or not min_id <= len(b) <= 64:
+            raise WireError("malformed", f"{where}.mappings[{i}] must be a build id (bin, {min_id}-64 bytes)")
+    mapping_names = m.get("mapping_names", [""] * len(mappings)) if v >= 2 else [""] * len(mappings)
+    if not (
+        isinstance(mapping_names, list)
+        and len(mapping_names) == len(mappings)
+        and all(isinstance(n, str) and len(n) <= MAX_MAPPING_NAME_CHARS for n in mapping_names)
+    ):
+        raise WireError(
+            "malformed",
+            f"{where}.mapping_names must hold one name (<= {MAX_MAPPING_NAME_CHARS} chars) per mapping",
+        )
+    jit_names = m.get("jit_names", []) if v >= 2 else []
+    if not (
+        isinstance(jit_names, list)
+        and all(isinstance(n, str) and len(n) <= MAX_JIT_NAME_CHARS for n in jit_names)
+    ):
+        raise WireError(
+            "malformed", f"{where}.jit_names must be strings of at most {MAX_JIT_NAME_CHARS} characters"
+        )
     kframes = [_u64(ip, f"{where}.kframes") for ip in _req(m, "kframes", list, where)]
     uframes: list[UserFrame] = []
     for i, f in enumerate(_req(m, "uframes", list, where)):
@@ -383,11 +412,13 @@ def session_from_wire(m: Any) -> Session:
             raise WireError("malformed", f"{where}.uframes[{i}] must be [kind, mapping, address]")
         kind, mi, addr = f
         addr = _u64(addr, f"{where}.uframes[{i}].address")
+        bid, name = b"", ""
         if kind == FRAME_RESOLVED:
-            bid = mappings[_index(mi, len(mappings), f"{where}.uframes[{i}].mapping")]
-        else:
-            bid = b""
-        uframes.append(UserFrame(kind, bid, addr))
+            mi = _index(mi, len(mappings), f"{where}.uframes[{i}].mapping")
+            bid, name = mappings[mi], mapping_names[mi]
+        elif kind == FRAME_JIT:
+            name = jit_names[_index(mi, len(jit_names), f"{where}.uframes[{i}].jit name")]
+        uframes.append(UserFrame(kind, bid, addr, name))
     stacks: list[tuple[tuple[int, ...], tuple[UserFrame, ...]]] = []
     for i, st in enumerate(_req(m, "stacks", list, where)):
         if not (
@@ -470,7 +501,18 @@ def _comm(v: str, where: str) -> None:
 # The tables of a session: read row by row, so that no array holding more than MAX_ARRAY_LEN values is
 # decoded in one go (msgpack decodes an array's values before its length can be counted).
 _TABLES = frozenset(
-    ("processes", "mappings", "kframes", "uframes", "stacks", "threads", "traces", "pre_traces")
+    (
+        "processes",
+        "mappings",
+        "mapping_names",
+        "jit_names",
+        "kframes",
+        "uframes",
+        "stacks",
+        "threads",
+        "traces",
+        "pre_traces",
+    )
 )
 _MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 _ARRAY_TYPES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
@@ -599,8 +641,10 @@ def _batch(r: _Reader, max_sessions: int) -> list[Any]:
             version = r.value()
         else:
             r.value()
-    if version != VERSION:
-        raise WireError("unsupported_version", f"batch version {version!r}, this build reads {VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise WireError(
+            "unsupported_version", f"batch version {version!r}, this build reads {READABLE_VERSIONS}"
+        )
     if sessions is None:
         raise WireError("malformed", "batch.sessions must be an array")
     return sessions

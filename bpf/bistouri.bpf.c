@@ -12,36 +12,29 @@
 #include "bistouri.h"
 #include "core_fixes.bpf.h"
 
-_Static_assert(sizeof(struct bistouri_user_frame) == 32, "user frame is bpf_stack_build_id");
-_Static_assert(sizeof(struct bistouri_stack_event) == 5176, "stack event layout");
-_Static_assert(sizeof(struct bistouri_sample_key) == 40, "sample key layout");
-_Static_assert(sizeof(struct bistouri_user_stack_key) == 24, "user stack key layout");
-_Static_assert(sizeof(struct bistouri_exec_event) == 32, "exec event layout");
-_Static_assert(sizeof(struct bistouri_error_event) == 24, "error event layout");
-_Static_assert(sizeof(struct bistouri_comm_key) == 20, "comm key layout");
-_Static_assert(sizeof(struct bistouri_config) == 40, "config layout");
-
 #define TASK_UNINTERRUPTIBLE 0x2
 #define TASK_NOLOAD 0x400
 #define KERNEL_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
-#define USER_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(struct bistouri_user_frame))
-#define USER_IPS_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
+#define USER_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
 
 const volatile struct bistouri_config cfg = {
 	.offcpu_min_ns = 1000,
 	.offcpu_interval_ns = 10000000,
 	.wakeup_bytes = 128 << 10,
-	.user_build_id = 1,
 	.tp_btf_skip = 2,
 	.aggregate = 1,
 };
 
 /*
- * Ring-buffer records have no map __type to keep them in BTF: these globals
- * anchor them, so the ABI test can compare the Python mirrors with them.
+ * Ring-buffer records and enums have no map __type to keep them in BTF: these
+ * globals anchor them, so abi.py (the one description user space reads) is
+ * compared with them: struct sizes, field offsets and enum values.
  */
 struct bistouri_exec_event abi_anchor_exec_event SEC(".bss");
 struct bistouri_error_event abi_anchor_error_event SEC(".bss");
+enum bistouri_event_kind abi_anchor_event_kind SEC(".bss");
+enum bistouri_filter_flags abi_anchor_filter_flags SEC(".bss");
+enum bistouri_counter abi_anchor_counter SEC(".bss");
 
 /* tgid -> enum bistouri_filter_flags. Filled by the capture orchestrator. */
 struct {
@@ -74,6 +67,27 @@ struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 64 << 10);
 } error_events SEC(".maps");
+
+/*
+ * tgid -> its VMA count when last sampled, and when a sample last woke user
+ * space for a change. A changed count (a dlopen, an exec, JIT code) sends the
+ * sample at once and wakes the reader, which re-reads /proc/PID/maps while the
+ * process lives: one that dlopen()s and exits 100 ms later still gets named.
+ */
+struct map_seen {
+	__u32 count;
+	__u32 reserved;
+	__u64 woke_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct map_seen);
+} map_counts SEC(".maps");
+
+#define MAP_WAKEUP_INTERVAL_NS 10000000ULL /* a process remapping all the time wakes the reader <= 100/s */
 
 /* Loss and activity counters, read by the metrics collector at scrape time. */
 struct {
@@ -108,14 +122,6 @@ struct {
 	__type(key, __u32);
 	__type(value, struct offcpu_limit);
 } offcpu_last SEC(".maps");
-
-/* User stacks whose build-id frames user space holds (it deletes what it forgets). */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, struct bistouri_user_stack_key);
-	__type(value, __u8);
-} known_user_stacks SEC(".maps");
 
 /* Sample keys whose stacks user space holds (it deletes what it forgets). */
 struct {
@@ -199,8 +205,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 					__u32 kernel_skip)
 {
 	struct bistouri_user_stack_key *key = &ev->user_key;
-	__u64 *ips = (__u64 *)ev->user_stack;
-	__u8 one = 1;
+	struct mm_struct *mm;
 	long n;
 
 	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
@@ -209,13 +214,18 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
 	ev->kernel_hash = hash_ips(ev->kernel_stack, n);
 
-	/* Raw IPs first: cheap, and enough to know whether this stack was sent before. */
-	ev->user_format = cfg.user_build_id ? BISTOURI_USER_KNOWN : BISTOURI_USER_IPS;
+	/*
+	 * Raw IPs only: the build-id walk (BPF_F_USER_BUILD_ID) cost ~8 us a new
+	 * stack and fell back to bare IPs whenever the mmap lock was busy. User
+	 * space maps the IPs to files from /proc/PID/maps instead.
+	 */
 	key->pid = ev->pid;
 	key->reserved = 0;
-	key->mm = (__u64)BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+	mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+	key->mm = (__u64)mm;
 	key->hash = 0;
-	n = bpf_get_stack(ctx, ips, USER_IPS_BYTES, BPF_F_USER_STACK);
+	ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
+	n = bpf_get_stack(ctx, ev->user_stack, USER_STACK_BYTES, BPF_F_USER_STACK);
 	ev->user_stack_size = n;
 	if (n <= 0) {
 		/* Kernel threads have no user stack: not an error. */
@@ -223,27 +233,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
 		return;
 	}
-	if (!cfg.user_build_id)
-		return;
-	key->hash = hash_ips(ips, n);
-	if (bpf_map_lookup_elem(&known_user_stacks, key))
-		return;
-
-	/* New to user space: the expensive walk, once. */
-	ev->user_format = BISTOURI_USER_FRAMES;
-	n = bpf_get_stack(ctx, ev->user_stack, USER_STACK_BYTES, BPF_F_USER_STACK | BPF_F_USER_BUILD_ID);
-	ev->user_stack_size = n;
-	if (n < 0)
-		report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
-	else
-		bpf_map_update_elem(&known_user_stacks, key, &one, BPF_ANY);
-}
-
-/* A stack event that will not reach user space must not leave its stack marked as known. */
-static __always_inline void forget_user_stack(struct bistouri_stack_event *ev)
-{
-	if (ev->user_format == BISTOURI_USER_FRAMES)
-		bpf_map_delete_elem(&known_user_stacks, &ev->user_key);
+	key->hash = hash_ips(ev->user_stack, n);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,
@@ -259,6 +249,34 @@ static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 k
 	bpf_get_current_comm(ev->comm, sizeof(ev->comm));
 }
 
+/*
+ * Whether the sampled process's mappings changed since its last sample; if so,
+ * also whether to wake the reader now (at most every MAP_WAKEUP_INTERVAL_NS).
+ */
+static __always_inline bool maps_changed(struct bistouri_stack_event *ev, bool *wake)
+{
+	struct map_seen *seen = bpf_map_lookup_elem(&map_counts, &ev->pid);
+	struct map_seen fresh = { .count = ev->map_count, .woke_ns = ev->timestamp_ns };
+
+	*wake = false;
+	if (!seen) {
+		/* Its first sample: the maps user space read may be older than this. */
+		bpf_map_update_elem(&map_counts, &ev->pid, &fresh, BPF_ANY);
+		*wake = true;
+		count(BISTOURI_CNT_MAP_CHANGES);
+		return true;
+	}
+	if (seen->count == ev->map_count)
+		return false;
+	seen->count = ev->map_count;
+	if (ev->timestamp_ns - seen->woke_ns >= MAP_WAKEUP_INTERVAL_NS) {
+		seen->woke_ns = ev->timestamp_ns;
+		*wake = true;
+	}
+	count(BISTOURI_CNT_MAP_CHANGES);
+	return true;
+}
+
 SEC("perf_event")
 int handle_perf(struct bpf_perf_event_data *ctx)
 {
@@ -268,7 +286,7 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	struct bistouri_stack_event *ev;
 	__u32 slot = SCRATCH_ON_CPU;
 	__u64 zero = 0, *seen;
-	bool marked = false;
+	bool marked = false, wake;
 	__u8 one = 1;
 	__u32 *flags;
 
@@ -289,7 +307,13 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	 * user stack) only adds to a count: a CPU-bound loop then costs user
 	 * space one event per distinct stack instead of one per sample.
 	 */
-	if (cfg.aggregate && ev->user_format == BISTOURI_USER_KNOWN) {
+	if (maps_changed(ev, &wake)) {
+		/* Sent whole (not counted) and, unless it happens all the time, with a wakeup. */
+		if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), wake ? BPF_RB_FORCE_WAKEUP : wakeup_flags()))
+			report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, tgid, 0);
+		return 0;
+	}
+	if (cfg.aggregate) {
 		key.tid = ev->tid;
 		key.kernel_hash = ev->kernel_hash;
 		key.user = ev->user_key;
@@ -311,7 +335,6 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	}
 	if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), wakeup_flags())) {
 		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, tgid, 0);
-		forget_user_stack(ev);
 		if (marked) /* its repeats would have no stack to count into */
 			bpf_map_delete_elem(&known_samples, &key);
 	}
@@ -331,12 +354,10 @@ static __always_inline void finish_wait(struct task_struct *next, __u64 now)
 	blocked = now - pending->timestamp_ns;
 	if (blocked < cfg.offcpu_min_ns) {
 		count(BISTOURI_CNT_OFFCPU_TOO_SHORT);
-		forget_user_stack(pending);
 	} else {
 		pending->blocked_ns = blocked;
 		if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags())) {
 			report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, pending->pid, 0);
-			forget_user_stack(pending);
 		} else
 			count(BISTOURI_CNT_OFF_CPU_SAMPLES);
 	}
@@ -399,12 +420,10 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
 	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
 	fill_stacks(ctx, ev, cfg.tp_btf_skip);
-	/* The wait starts now: the build-id stack walk above (tens of µs) is ours, not its. */
+	/* The wait starts now: the stack walk above is ours, not its. */
 	ev->timestamp_ns = bpf_ktime_get_ns();
-	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY)) {
+	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, tgid, 0);
-		forget_user_stack(ev);
-	}
 }
 
 SEC("tp_btf/sched_switch")

@@ -17,9 +17,6 @@
 #ifndef BISTOURI_MAX_DEPTH
 #define BISTOURI_MAX_DEPTH 127    /* PERF_MAX_STACK_DEPTH */
 #endif
-#ifndef BISTOURI_BUILD_ID_SIZE
-#define BISTOURI_BUILD_ID_SIZE 20 /* BPF_BUILD_ID_SIZE */
-#endif
 
 /* What a stack_event is. */
 enum bistouri_event_kind {
@@ -45,26 +42,8 @@ enum bistouri_counter {
 	BISTOURI_CNT_ON_CPU_SAMPLES = 7,       /* samples emitted */
 	BISTOURI_CNT_OFF_CPU_SAMPLES = 8,      /* off-CPU waits emitted */
 	BISTOURI_CNT_EXEC_MATCHES = 9,         /* exec events emitted */
-	BISTOURI_CNT_MAX = 10,
-};
-
-/* One user frame: the kernel's struct bpf_stack_build_id, 32 bytes, no padding. */
-struct bistouri_user_frame {
-	__s32 status;                             /* 0 empty, 1 build id + offset, 2 raw ip */
-	__u8 build_id[BISTOURI_BUILD_ID_SIZE];
-	__u64 offset_or_ip;
-};
-
-/*
- * What user_stack of a stack_event holds. Walking build ids costs ~8 µs a
- * sample here (measured), so the kernel walks them only for a user stack it
- * has not sent before; a known one comes as raw IPs plus its key, and user
- * space substitutes the frames it kept.
- */
-enum bistouri_user_format {
-	BISTOURI_USER_FRAMES = 0, /* struct bistouri_user_frame[]; user space keeps them under user_key */
-	BISTOURI_USER_KNOWN = 1,  /* __u64 IPs of the stack sent before under user_key */
-	BISTOURI_USER_IPS = 2,    /* __u64 IPs, build ids off (cfg.user_build_id == 0) */
+	BISTOURI_CNT_MAP_CHANGES = 10,         /* samples sent at once: their process's mappings changed */
+	BISTOURI_CNT_MAX = 11,
 };
 
 /* Identity of a user stack: same process image (mm), same raw IPs (hash). */
@@ -96,14 +75,14 @@ struct bistouri_stack_event {
 	__u64 timestamp_ns;    /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
 	__u64 blocked_ns;      /* off-CPU: time spent blocked; 0 on-CPU */
 	__u32 waits;           /* off-CPU: waits this one stands for (1 + rate-limited since the last capture); 1 on-CPU */
-	__u32 user_format;     /* enum bistouri_user_format */
+	__u32 map_count;       /* VMAs of the process (mm->map_count): user space re-reads its maps when it changes */
 	struct bistouri_user_stack_key user_key;
 	__u64 kernel_hash;     /* FNV-1a of the kernel IPs: with tid and user_key, the sample key */
 	__s32 kernel_stack_size;
 	__s32 user_stack_size;
 	__u8 comm[BISTOURI_COMM_LEN];
 	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
-	struct bistouri_user_frame user_stack[BISTOURI_MAX_DEPTH];
+	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/procmaps.py) */
 };
 
 /* A process whose new comm matched a rule of the LPM trie at exec. */
@@ -133,10 +112,8 @@ struct bistouri_config {
 	__u64 offcpu_min_ns;      /* waits shorter than this are not reported */
 	__u64 offcpu_interval_ns; /* per-process minimum gap between off-CPU captures */
 	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
-	__u32 user_build_id;      /* 1: user frames as build id + offset */
 	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
 	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
-	__u32 reserved;
 };
 
 #endif /* BISTOURI_H */

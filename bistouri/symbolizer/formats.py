@@ -14,7 +14,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .model import KIND_KERNEL, KIND_UNKNOWN, KIND_USER, KIND_VDSO, Frame, Profile, Sample, SessionMeta
+from .model import (
+    KIND_JIT,
+    KIND_KERNEL,
+    KIND_UNKNOWN,
+    KIND_USER,
+    KIND_VDSO,
+    Frame,
+    Profile,
+    Sample,
+    SessionMeta,
+)
 
 # The three sample values a profile carries, in pprof's sample_type order.
 VALUES = ("on_cpu", "off_cpu", "off_cpu_ns")
@@ -22,7 +32,7 @@ _PPROF_TYPES = (("on_cpu", "count"), ("off_cpu", "count"), ("off_cpu_time", "nan
 _INT64_MAX = (1 << 63) - 1
 
 # flamegraph.pl's annotations: it colours `_[k]` frames as kernel and `_[i]` as inlined.
-_KIND_SUFFIX = {KIND_KERNEL: "_[k]", KIND_VDSO: "_[v]"}
+_KIND_SUFFIX = {KIND_KERNEL: "_[k]", KIND_VDSO: "_[v]", KIND_JIT: "_[j]"}
 
 SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
 

@@ -16,6 +16,7 @@ from .. import wire
 KIND_KERNEL = "kernel"
 KIND_USER = "user"
 KIND_VDSO = "vdso"
+KIND_JIT = "jit"  # JIT or interpreter code named by the process's perf map
 KIND_UNKNOWN = "unknown"
 
 

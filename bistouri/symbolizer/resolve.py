@@ -84,7 +84,7 @@ class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.lookups = Counter(
             "bistouri_symbolizer_frame_lookups_total",
-            "Stack frames looked up (before de-duplication), by kind (user, kernel, vdso, unknown)",
+            "Stack frames looked up (before de-duplication), by kind (user, kernel, vdso, jit, unknown)",
             ["kind"],
             registry=registry,
         )
@@ -362,11 +362,12 @@ class Resolver:
     # --- user frames -----------------------------------------------------------
 
     def _resolve_user(
-        self, mod: _Module | None, build_id: bytes, todo: Sequence[tuple[int, bool]]
+        self, mod: _Module | None, build_id: bytes, todo: Sequence[tuple[int, bool]], file_name: str = ""
     ) -> list[_Frames | _Uncached]:
-        """Frames for (file offset, is_leaf) pairs of one build id."""
+        """Frames for (file offset, is_leaf) pairs of one build id; `file_name`, the mapped file's
+        name the agent sent, labels them when the file cannot be found (`libc.so.6+0x2724a`)."""
         if mod is None:
-            label = build_id.hex()[:8]
+            label = file_name or build_id.hex()[:8]
             self.metrics.unresolved.labels("no_file").inc(len(todo))
             return [(self._intern(model.Frame(f"{label}+0x{off:x}", label)),) for off, _ in todo]
         vaddrs: list[int | None] = []
@@ -491,6 +492,7 @@ class Resolver:
         memo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][id]
         kmemo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][ip]
         modules: dict[bytes, _Module | None] = {}
+        file_names: dict[bytes, str] = {}
         user_todo: dict[bytes, dict[tuple[int, bool], list[int]]] = {}
         kernel_todo: dict[tuple[int, bool], None] = {}
         k: _Kernel | None = None
@@ -508,12 +510,21 @@ class Resolver:
                 got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
                 if got is None:
                     user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))
+                    if f.name:
+                        file_names.setdefault(bid, f.name)
                     m[id(f)] = ()
                 else:
                     hits[0] += 1
                     m[id(f)] = indexes(got)
+            elif f.kind == wire.FRAME_RESOLVED and f.name:
+                # A file without a build id: its name and offset are all there is.
+                label = model.Frame(f"{f.name}+0x{f.address:x}", f.name)
+                m[id(f)] = indexes((intern(label),))
             elif f.kind == wire.FRAME_VDSO:
                 m[id(f)] = indexes((_VDSO,))
+            elif f.kind == wire.FRAME_JIT:
+                # Named by the process's perf map on the host: the name is the answer.
+                m[id(f)] = indexes((intern(model.Frame(f.name, _JIT_MODULE, kind=model.KIND_JIT)),))
             else:
                 label = model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
                 m[id(f)] = indexes((intern(label),))
@@ -556,7 +567,8 @@ class Resolver:
         for bid, todo in user_todo.items():
             mod = modules[bid]
             keys = list(todo)
-            for (off, leaf), frames in zip(keys, self._resolve_user(mod, bid, keys), strict=True):
+            resolved = self._resolve_user(mod, bid, keys, file_names.get(bid, ""))
+            for (off, leaf), frames in zip(keys, resolved, strict=True):
                 if isinstance(frames, _Uncached):
                     frames = frames.frames
                 elif mod is not None:
@@ -578,7 +590,7 @@ class Resolver:
         # 3. Root-first stacks: user frames from the root down, then kernel frames down to the leaf.
         stacks: dict[tuple[int, int], tuple[int, ...]] = {}
         samples: list[model.Sample] = []
-        kinds = {"user": 0, "kernel": 0, "vdso": 0, "unknown": 0}
+        kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "unknown": 0}
         threads = session.threads
         call_get, kcall_get = call_memo.__getitem__, kcall_memo.__getitem__
         for t in session.traces:
@@ -595,10 +607,12 @@ class Resolver:
                     parts.extend(kleaf_memo[kern[0]])
                 stack = stacks[skey] = tuple(parts)
                 for f in user:
-                    if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                    if f.kind == wire.FRAME_RESOLVED and (f.build_id or f.name):
                         kinds["user"] += 1
                     elif f.kind == wire.FRAME_VDSO:
                         kinds["vdso"] += 1
+                    elif f.kind == wire.FRAME_JIT:
+                        kinds["jit"] += 1
                     else:
                         kinds["unknown"] += 1
                 kinds["kernel"] += len(kern)
@@ -632,6 +646,7 @@ class _Uncached:
 
 
 _VDSO = model.Frame("[vdso]", "[vdso]", kind=model.KIND_VDSO)
+_JIT_MODULE = "[jit]"
 _PATHS: dict[str, str] = {}
 
 

@@ -29,28 +29,30 @@ def test_every_shared_struct_has_a_mirror():
     assert declared == set(abi.MIRRORS)
 
 
+def test_every_shared_enum_has_a_mirror():
+    header = (ROOT / "bpf" / "bistouri.h").read_text()
+    import re
+
+    declared = set(re.findall(r"^enum (bistouri_\w+) \{", header, re.M))
+    assert declared == set(abi.ENUMS)
+
+
 def test_precompiled_decoders_agree_with_mirrors():
     assert abi.StackEvent.kernel_stack.offset == abi.STACK_HEADER_SIZE
-    assert abi.USER_FRAME.size == ctypes.sizeof(abi.UserFrame)
+    assert ctypes.sizeof(abi.StackEvent) == abi.STACK_EVENT_SIZE
     assert abi.EXEC_EVENT.size == ctypes.sizeof(abi.ExecEvent)
     assert abi.ERROR_EVENT.size == ctypes.sizeof(abi.ErrorEvent)
 
 
-@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is needed to build a modified object")
-def test_a_field_added_in_c_only_is_detected(tmp_path: Path):
-    """Adding a field to a shared struct without its Python mirror must fail the ABI check."""
+def _build_modified(tmp_path: Path, header_edit: tuple[str, str]) -> Path:
+    """The object built from bpf/ with one edit of bistouri.h."""
     bpf = tmp_path / "bpf"
     shutil.copytree(ROOT / "bpf", bpf, ignore=shutil.ignore_patterns("vmlinux"))
     header = bpf / "bistouri.h"
-    text = header.read_text().replace(
-        "\t__u64 cgroup_id;       /* cgroup2 inode of the process */",
-        "\t__u64 cgroup_id;       /* cgroup2 inode of the process */\n\t__u64 added_in_c_only;",
-    )
-    assert "added_in_c_only" in text
-    header.write_text(text)
-    src = (bpf / "bistouri.bpf.c").read_text()
-    src = src.replace("sizeof(struct bistouri_exec_event) == 32", "sizeof(struct bistouri_exec_event) == 40")
-    (bpf / "bistouri.bpf.c").write_text(src)
+    old, new = header_edit
+    text = header.read_text()
+    assert old in text
+    header.write_text(text.replace(old, new))
     obj = tmp_path / "modified.bpf.o"
     subprocess.run(
         [
@@ -69,6 +71,42 @@ def test_a_field_added_in_c_only_is_detected(tmp_path: Path):
         ],
         check=True,
     )
+    return obj
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is needed to build a modified object")
+def test_a_field_added_in_c_only_is_detected(tmp_path: Path):
+    """Adding a field to a shared struct without its Python mirror must fail the ABI check."""
+    obj = _build_modified(
+        tmp_path,
+        (
+            "\t__u64 cgroup_id;       /* cgroup2 inode of the process */",
+            "\t__u64 cgroup_id;       /* cgroup2 inode of the process */\n\t__u64 added_in_c_only;",
+        ),
+    )
     with BtfFile(obj) as f:
         problems = abi.abi_mismatches(f.btf)
     assert any("bistouri_exec_event" in p and "size 40" in p for p in problems), problems
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is needed to build a modified object")
+def test_fields_swapped_at_equal_size_are_detected(tmp_path: Path):
+    """Same size, different offsets: sizes alone would not see it."""
+    obj = _build_modified(
+        tmp_path,
+        ("\t__u32 rule_id;\n\t__u32 pid;             /* tgid */", "\t__u32 pid;\n\t__u32 rule_id;"),
+    )
+    with BtfFile(obj) as f:
+        problems = abi.abi_mismatches(f.btf)
+    assert any("bistouri_exec_event" in p and "fields" in p for p in problems), problems
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is needed to build a modified object")
+def test_an_enum_value_changed_in_c_only_is_detected(tmp_path: Path):
+    obj = _build_modified(
+        tmp_path,
+        ("BISTOURI_CNT_MAP_CHANGES = 10,", "BISTOURI_CNT_MAP_CHANGES = 11, BISTOURI_CNT_NEW = 10,"),
+    )
+    with BtfFile(obj) as f:
+        problems = abi.abi_mismatches(f.btf)
+    assert any("enum bistouri_counter" in p for p in problems), problems

@@ -55,8 +55,16 @@ def test_cpu_pressure_yields_a_session_in_the_hot_function(tmp_path, workloads):
         m = agent.metrics()
         assert m['bistouri_sessions_started_total{resource="cpu"}'] >= 1
         assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
-        # Build-id frames kept for the stacks the kernel sent whole, and none missing.
-        assert m["bistouri_user_stacks_cached"] > 0 and m["bistouri_user_stack_misses_total"] == 0, m
+        # User IPs mapped from the targets' maps, every frame a file frame (none unmapped).
+        assert (
+            m["bistouri_proc_maps_tables"] >= 3 and m['bistouri_proc_maps_reads_total{file="maps"}'] >= 3
+        ), m
+        assert m['bistouri_user_frames_total{kind="resolved"}'] > 0, m
+        unnamed = {k: v for k, v in m.items() if k.startswith("bistouri_user_frames_total") and v}
+        assert set(unnamed) <= {
+            'bistouri_user_frames_total{kind="resolved"}',
+            'bistouri_user_frames_total{kind="vdso"}',  # clock_gettime
+        }, unnamed
         assert m["bistouri_samples_orphaned_total"] == 0, m
         assert agent.proc is not None
         names = {p.read_text().strip() for p in Path(f"/proc/{agent.proc.pid}/task").glob("*/comm")}

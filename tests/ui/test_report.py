@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bistouri.symbolizer import formats
-from bistouri.symbolizer.model import KIND_KERNEL, KIND_VDSO, Frame, Profile, Sample, SessionMeta
+from bistouri.symbolizer.model import KIND_JIT, KIND_KERNEL, KIND_VDSO, Frame, Profile, Sample, SessionMeta
 from bistouri.symbolizer.report import flamegraph_html
 
 # URLs that appear in the vendored d3 as XML namespace names and in its banner comment: not references.
@@ -36,6 +36,7 @@ def _profile() -> Profile:
         Frame("__vdso_clock_gettime", "[vdso]", kind=KIND_VDSO),
         Frame(TRICKY, "app"),
         Frame("décode_µs", "app"),
+        Frame("JS:*hotLoop", "[jit]", kind=KIND_JIT),
     ]
     samples = [
         Sample((0, 1, 2), on_cpu=60),
@@ -44,6 +45,7 @@ def _profile() -> Profile:
         Sample((0, 6), on_cpu=10),
         Sample((0, 7), on_cpu=5),
         Sample((0, 8), on_cpu=3),
+        Sample((0, 9), on_cpu=2),
     ]
     meta = SessionMeta(
         "rec-1",
@@ -130,6 +132,14 @@ def test_report_renders_offline_from_file(browser, tmp_path: Path, screenshots: 
             page.locator('g.frame[name="parse_header"]').get_attribute("class").split().count("inlined") == 1
         )
         assert page.locator('g.frame[name="do_syscall_64"]').get_attribute("data-kind") == "kernel"
+        # JIT code named by a perf map is its own kind, with its own colour in the legend.
+        jit = page.locator('g.frame[name="JS:*hotLoop"]')
+        assert jit.get_attribute("data-kind") == "jit"
+        assert "JIT" in page.locator(".fg-legend").inner_text()
+        fill = jit.locator("rect").evaluate("r => getComputedStyle(r).fill")
+        user_fill = page.locator('g.frame[name="serve"] rect').evaluate("r => getComputedStyle(r).fill")
+        r, g, b = (int(x) for x in re.findall(r"\d+", fill)[:3])
+        assert g > r and g > b and fill != user_fill, fill  # green, unlike the warm user frames
         assert page.evaluate("() => window.pwned") is None
         assert page.locator(f'g.frame[name="{TRICKY}"]').count() == 1
         # Zoom, search and views work without a server.

@@ -4,16 +4,51 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
-from bistouri.events import SentSamples, UserStackCache, decode_stack, split_stacks
+from bistouri.events import ResolvedStacks, SentSamples, StackSample, decode_stack, split_stacks
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
+from bistouri.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
+from tests.helpers import build_id
 
-BUILD_ID = bytes(range(20))
+
+def fake_proc(root: Path, pid: int, maps: str) -> None:
+    """/proc/PID of a process whose root is this machine's /: its files are readable."""
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "maps").write_text(maps)
+    (d / "status").write_text(f"Name:\tx\nNSpid:\t{pid}\t7\n")
+    if not (d / "root").exists():
+        (d / "root").symlink_to("/")
+
+
+def burner_maps(workloads: Path) -> str:
+    """The burner's text mapped at 0x400000 from file offset 0x1000, the vDSO and JIT code."""
+    return (
+        f"00400000-00402000 r-xp 00001000 fd:01 1234 {workloads / 'burner'}\n"
+        "00600000-00601000 rw-p 00000000 00:00 0 \n"
+        "7f0000000000-7f0000010000 rwxp 00000000 00:00 0 \n"
+        "7fff00000000-7fff00002000 r-xp 00000000 00:00 0                          [vdso]\n"
+    )
+
+
+BURNER_VMAS = 4  # lines of burner_maps(): what mm->map_count says
+
+
+def maps_for(tmp_path: Path, workloads: Path, pids: tuple[int, ...] = (7,)) -> ProcMaps:
+    for pid in pids:
+        fake_proc(tmp_path, pid, burner_maps(workloads))
+    return ProcMaps(str(tmp_path))
 
 
 def record(
@@ -27,22 +62,20 @@ def record(
     waits: int = 1,
 ) -> ctypes.Array[ctypes.c_char]:
     """A full-size stack_event as the BPF program reserves it, with garbage after the used frames."""
-    buf = ctypes.create_string_buffer(b"\xaa" * ctypes.sizeof(abi.StackEvent), ctypes.sizeof(abi.StackEvent))
+    buf = ctypes.create_string_buffer(b"\xaa" * abi.STACK_EVENT_SIZE, abi.STACK_EVENT_SIZE)
     ev = abi.StackEvent.from_buffer(buf)
     ev.kind, ev.pid, ev.tid, ev.cpu, ev.timestamp_ns, ev.blocked_ns = kind, pid, tid, 1, 123, blocked_ns
     ev.waits = waits
-    ev.user_format = abi.UserFormat.FRAMES
+    ev.map_count = BURNER_VMAS
     key = ev.user_key
-    key.pid, key.reserved, key.mm, key.hash = pid, 0, 0xFFFF888000001000, 0x1234
+    key.pid, key.reserved, key.mm, key.hash = pid, 0, 0xFFFF888000001000, hash(tuple(user)) & 0xFFFF_FFFF
     ev.comm = (ctypes.c_uint8 * 16)(*b"burner")
     for i, ip in enumerate(kernel):
         ev.kernel_stack[i] = ip
-    for i, off in enumerate(user):
-        ev.user_stack[i].status = 1  # BPF_STACK_BUILD_ID_VALID
-        ev.user_stack[i].build_id = (ctypes.c_uint8 * 20)(*BUILD_ID)
-        ev.user_stack[i].offset_or_ip = off
+    for i, ip in enumerate(user):
+        ev.user_stack[i] = ip
     ev.kernel_stack_size = len(kernel) * 8 if ksize is None else ksize
-    ev.user_stack_size = len(user) * abi.USER_FRAME.size
+    ev.user_stack_size = len(user) * 8
     return buf
 
 
@@ -50,97 +83,181 @@ def copy(buf: ctypes.Array[ctypes.c_char]) -> bytes:
     return ctypes.string_at(ctypes.addressof(buf), ctypes.sizeof(buf))  # what the ring callback gets
 
 
-def test_decoding_keeps_only_the_used_frames():
-    buf = record(7, 8, [0xFFFFFFFF81000010, 0xFFFFFFFF81000020], [0x1100, 0x1200, 0x1300])
-    s = decode_stack(copy(buf))
-    assert len(s.stacks) == 2 * 8 + 3 * abi.USER_FRAME.size  # the dedup key: no garbage after the frames
+def decode(
+    buf: ctypes.Array[ctypes.c_char], maps: ProcMaps, cache: ResolvedStacks | None = None
+) -> StackSample:
+    return decode_stack(copy(buf), maps, cache if cache is not None else ResolvedStacks())
+
+
+def test_decoding_maps_ips_to_file_offsets_and_keeps_only_the_used_frames(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
+    buf = record(7, 8, [0xFFFFFFFF81000010, 0xFFFFFFFF81000020], [0x400100, 0x400200, 0x401300])
+    s = decode(buf, maps)
+    assert len(s.stacks) == 2 * 8 + 3 * USER_FRAME.size  # the dedup key: no garbage after the frames
     assert (s.pid, s.tid, s.cpu, s.comm, s.kernel_len, s.weight) == (7, 8, 1, "burner", 16, 1)
     kernel, user = split_stacks(s.stacks, s.kernel_len)
     assert kernel == (0xFFFFFFFF81000010, 0xFFFFFFFF81000020)
-    assert [(st, bid, off) for st, bid, off in user] == [(1, BUILD_ID, o) for o in (0x1100, 0x1200, 0x1300)]
+    # ip - start + pgoff, as the kernel's build-id walk gave
+    assert [(st, off) for st, _, off in user] == [(FrameStatus.FILE, 0x1100), (1, 0x1200), (1, 0x2300)]
+    f = maps.file(user[0][1])
+    assert f == MappedFile(bytes.fromhex(build_id(workloads / "burner")), "burner")
 
 
-def test_an_off_cpu_record_decodes_its_blocked_time_and_weight():
-    s = decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 250_000, waits=40)))
+def test_vdso_jit_and_unmapped_addresses_are_told_apart(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
+    s = decode(record(7, 8, [], [0x7FFF00000100, 0x7F0000000100, 0x500000, 0xFFFF_FFFF_FFFF_0000]), maps)
+    user = split_stacks(s.stacks, s.kernel_len)[1]
+    assert [(st, ref) for st, ref, _ in user] == [
+        (FrameStatus.VDSO, 0),
+        (FrameStatus.ANON, 0),
+        (FrameStatus.UNMAPPED, Unmapped.NO_MAPPING),
+        (FrameStatus.UNMAPPED, Unmapped.CORRUPTED),
+    ]
+
+
+def test_an_off_cpu_record_decodes_its_blocked_time_and_weight(tmp_path, workloads):
+    s = decode(
+        record(7, 8, [], [0x400100], abi.EventKind.OFF_CPU, 250_000, waits=40), maps_for(tmp_path, workloads)
+    )
     assert (s.kind, s.blocked_ns, s.weight) == (abi.EventKind.OFF_CPU, 250_000, 40)
 
 
-def ips_record(pid: int, ips: list[int], fmt: abi.UserFormat, key_hash: int) -> ctypes.Array[ctypes.c_char]:
-    """A record whose user part is raw IPs (a known stack, or build ids off)."""
-    buf = record(pid, pid, [0xFFFFFFFF81000010], [])
-    ev = abi.StackEvent.from_buffer(buf)
-    ev.user_format = fmt
-    ev.user_key.hash = key_hash
-    raw = (ctypes.c_uint64 * len(ips))(*ips)
-    ctypes.memmove(ctypes.addressof(ev) + abi.USER_STACK_OFFSET, raw, ctypes.sizeof(raw))
-    ev.user_stack_size = ctypes.sizeof(raw)
-    return buf
+def test_a_repeated_user_stack_is_mapped_once_until_its_table_is_read_again(tmp_path, workloads):
+    now = [100.0]
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0])
+    cache = ResolvedStacks()
+    first = decode(record(7, 7, [1], [0x400100, 0x400200]), maps, cache)
+    reads = maps.stats.reads
+    again = decode(record(7, 7, [2], [0x400100, 0x400200]), maps, cache)
+    assert again.stacks[8:] == first.stacks[8:] and maps.stats.reads == reads and len(cache) == 1
+    # A sample says the process has one more VMA (a dlopen): the table is read again at once,
+    # and the stack mapped again.
+    changed = record(7, 7, [2], [0x400100, 0x400200])
+    abi.StackEvent.from_buffer(changed).map_count = BURNER_VMAS + 1
+    decode(changed, maps, cache)
+    assert maps.stats.reads == reads + 1 and maps.generation(7, BURNER_VMAS) == 2
+    # The maps still say 4 (the new VMA went away again): the next sample of 4 reads nothing more.
+    decode(record(7, 7, [2], [0x400100, 0x400200]), maps, cache)
+    assert maps.stats.reads == reads + 1
 
 
-def test_a_known_user_stack_gets_the_frames_sent_with_its_first_sample():
-    forgotten: list[bytes] = []
-    cache = UserStackCache(forget=forgotten.append)
-    first = record(7, 7, [0xFFFFFFFF81000010], [0x1100, 0x1200])
-    abi.StackEvent.from_buffer(first).user_key.hash = 0xABC
-    whole = decode_stack(copy(first), cache)
-    again = decode_stack(copy(ips_record(7, [0x401100, 0x401200], abi.UserFormat.KNOWN, 0xABC)), cache)
-    assert again.stacks == whole.stacks and len(cache) == 1 and cache.misses == 0 and not forgotten
+def test_changed_counts_read_the_maps_within_a_budget(tmp_path, workloads):
+    """A process that maps and unmaps all the time costs a burst of reads, then a steady rate."""
+    now = [100.0]
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0], change_reads_burst=5, change_reads_per_s=20)
+    maps.track(7)
+    for i in range(100):  # every sample another count, all at the same instant
+        maps.generation(7, 100 + i)
+    assert maps.stats.reads == 1 + 5
+    now[0] += 1.0
+    for i in range(100):
+        maps.generation(7, 300 + i)
+    assert maps.stats.reads == 1 + 5 + 5  # 20 tokens refilled, capped at the burst
 
 
-def test_an_unknown_user_stack_keeps_its_addresses_and_is_forgotten_in_the_kernel():
-    forgotten: list[bytes] = []
-    cache = UserStackCache(forget=forgotten.append)
-    s = decode_stack(copy(ips_record(7, [0x401100, 0x401200], abi.UserFormat.KNOWN, 0xDEF)), cache)
-    _, user = split_stacks(s.stacks, s.kernel_len)
-    assert user == [(2, bytes(20), 0x401100), (2, bytes(20), 0x401200)]  # status 2: a raw address
-    assert cache.misses == 1 and len(forgotten) == 1
-    assert abi.USER_STACK_KEY.unpack(forgotten[0]) == (7, 0, 0xFFFF888000001000, 0xDEF)
+def test_a_miss_reads_the_maps_again_at_most_once_per_interval(tmp_path, workloads):
+    now = [100.0]
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0])
+    maps.track(7)
+    assert maps.stats.reads == 1
+    dlopened = f"00800000-00801000 r-xp 00000000 fd:01 99 {workloads / 'burner'}\n"
+    fake_proc(tmp_path, 7, burner_maps(workloads).replace("00600000", dlopened + "00600000", 1))
+    now[0] += 0.5  # within the interval: the miss stays a miss
+    assert USER_FRAME.unpack(maps.resolve(7, (0x800010,)))[:2] == (FrameStatus.UNMAPPED, Unmapped.NO_MAPPING)
+    assert maps.stats.reads == 1
+    now[0] += 1.0
+    status, file_id, offset = USER_FRAME.unpack(maps.resolve(7, (0x800010,)))
+    assert (status, maps.file(file_id).name, offset) == (FrameStatus.FILE, "burner", 0x10)
+    assert maps.stats.reads == 2
 
 
-def test_raw_ips_with_build_ids_off_decode_as_addresses():
-    s = decode_stack(copy(ips_record(7, [0x401100], abi.UserFormat.IPS, 0)))
-    assert split_stacks(s.stacks, s.kernel_len)[1] == [(2, bytes(20), 0x401100)]
+def test_a_table_outlives_its_process(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
+    maps.track(7)
+    (tmp_path / "7" / "maps").unlink()  # the process exited
+    maps.generation(7, BURNER_VMAS + 1)  # a late sample says its mappings changed: nothing to read
+    assert USER_FRAME.unpack(maps.resolve(7, (0x400100,)))[0] == FrameStatus.FILE
+    gone = USER_FRAME.unpack(maps.resolve(8, (0x400100,)))
+    assert gone[:2] == (FrameStatus.UNMAPPED, Unmapped.PROCESS_GONE)
 
 
-def test_the_user_stack_cache_is_bounded_in_bytes_and_forgets_the_oldest():
-    forgotten: list[bytes] = []
-    cache = UserStackCache(max_bytes=100, forget=forgotten.append)
-    for i in range(5):
-        cache.remember(bytes([i]) * 24, b"f" * 40)
-    assert len(cache) == 2 and forgotten == [bytes([i]) * 24 for i in range(3)]
-    cache.frames(bytes([3]) * 24, b"")  # a hit refreshes it: 4 goes out next
-    cache.remember(b"n" * 24, b"f" * 40)
-    assert forgotten[-1] == bytes([4]) * 24
+def test_tables_are_bounded_in_bytes_least_recently_used_out(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads, pids=(1, 2, 3, 4))
+    maps.max_bytes = 2000  # two tables of four mappings
+    for pid in (1, 2, 3, 4):
+        maps.track(pid)
+    assert maps.stats.tables == 2 and maps.stats.evicted == 2 and maps.stats.bytes <= 2000
+    assert maps.stats.reads == 4 and maps.generation(4, BURNER_VMAS) == 1 and maps.stats.reads == 4
+    maps.generation(1, BURNER_VMAS)  # evicted: read again
+    assert maps.stats.reads == 5
 
 
-def test_sent_samples_are_bounded_in_entries_and_bytes_and_forgotten_in_the_kernel():
+def test_jit_names_come_from_the_perf_map_through_the_process_root(tmp_path, workloads):
+    now = [0.0]
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    (tmp_path / "7" / "root").unlink()
+    root = tmp_path / "7" / "root"
+    (root / "tmp").mkdir(parents=True)
+    perf_map = root / "tmp" / "perf-7.map"  # named with the pid in its own namespace (NSpid)
+    perf_map.write_text("7f0000000100 40 JS:*hotLoop /app/x.js:2:17\n7f0000000200 10 Stub")
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0])
+    maps.track(7)
+    assert maps.jit_name(7, 0x7F0000000120) == "JS:*hotLoop /app/x.js:2:17"
+    assert maps.jit_name(7, 0x7F0000000205) is None  # its line is not complete yet
+    with perf_map.open("a") as f:
+        f.write("\n7f0000000300 10 JS:~warm /app/x.js:9:1\n")
+    now[0] += 1  # the map grew: read again (only what was appended)
+    assert maps.jit_name(7, 0x7F0000000305) == "JS:~warm /app/x.js:9:1"
+    assert maps.jit_name(7, 0x7F0000000205) == "Stub"
+    assert maps.stats.perf_map_reads == 2
+
+
+def test_a_perf_map_is_bounded_in_bytes(tmp_path, workloads):
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    (tmp_path / "7" / "root").unlink()
+    (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
+    lines = "".join(f"{0x7F0000000000 + i * 16:x} 10 fn{i}\n" for i in range(1000))
+    (tmp_path / "7" / "root" / "tmp" / "perf-7.map").write_text(lines)
+    maps = ProcMaps(str(tmp_path), perf_map_max_bytes=1000)
+    maps.track(7)
+    assert maps.jit_name(7, 0x7F0000000005) == "fn0"
+    assert maps.jit_name(7, 0x7F0000000000 + 999 * 16) is None
+    assert maps.stats.perf_map_truncated == 1
+
+
+def test_sent_samples_are_bounded_in_entries_and_bytes_and_forgotten_in_the_kernel(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
     forgotten: list[bytes] = []
     sent = SentSamples(max_entries=3, max_bytes=1000, forget=forgotten.append)
-    small = decode_stack(copy(record(7, 8, [1], [0x1100])))  # 8 + 32 bytes of stacks
+    small = decode(record(7, 8, [1], [0x400100]), maps)  # 8 + 16 bytes of stacks
     for i in range(4):
         sent.remember(bytes([i]) * 40, small)
     assert len(sent) == 3 and forgotten == [bytes([0]) * 40]  # entries
     assert sent.get(bytes([1]) * 40) is small  # counted: now the most recent
-    big = decode_stack(copy(record(7, 9, [1] * 100, [0x1100] * 10)))  # 800 + 320 bytes
+    big = decode(record(7, 9, [1] * 100, [0x400100] * 20), maps)  # 800 + 320 bytes
     sent.remember(b"b" * 40, big)
     assert sent.get(b"b" * 40) is None and len(sent) == 0  # bytes: everything older went first
     assert forgotten[1:] == [bytes([2]) * 40, bytes([3]) * 40, bytes([1]) * 40, b"b" * 40]
 
 
-def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames():
-    s = decode_stack(copy(record(7, 8, [], [0x1100], ksize=-14)))  # -EFAULT from bpf_get_stack
+def test_a_failed_kernel_stack_fetch_decodes_as_no_kernel_frames(tmp_path, workloads):
+    s = decode(record(7, 8, [], [0x400100], ksize=-14), maps_for(tmp_path, workloads))  # -EFAULT
     kernel, user = split_stacks(s.stacks, s.kernel_len)
     assert s.kernel_len == 0 and kernel == () and len(user) == 1
 
 
-def test_sizes_beyond_the_record_are_clamped():
-    s = decode_stack(copy(record(7, 8, [1], [], ksize=1 << 30)))
+def test_sizes_beyond_the_record_are_clamped(tmp_path, workloads):
+    s = decode(record(7, 8, [1], [], ksize=1 << 30), maps_for(tmp_path, workloads))
     assert s.kernel_len == len(s.stacks) == abi.MAX_DEPTH * 8
 
 
 class _Filter:
-    def __init__(self) -> None:
+    def __init__(self, maps: ProcMaps) -> None:
         self.pids: dict[int, int] = {}
+        self.maps = maps
 
     def set_pid_filter(self, pid: int, flags: int) -> None:
         if flags:
@@ -158,9 +275,10 @@ class _Sink:
         return None
 
 
-def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_session(tmp_path):
+def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_session(tmp_path, workloads):
     reg = CollectorRegistry()
-    flt, sink = _Filter(), _Sink()
+    maps = maps_for(tmp_path, workloads, pids=(7, 42))
+    flt, sink = _Filter(maps), _Sink()
     orch = CaptureOrchestrator(
         flt,
         sink,
@@ -175,12 +293,12 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     a = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
     b = orch.start_session(wire.Trigger("io"), "svc", {}, {7: "burner", 9: "other"}, 60)
     assert a and b and flt.pids.keys() == {7, 9}
-    hot = record(7, 8, [0xFFFFFFFF81000010], [0x1100])
-    samples = [decode_stack(copy(hot)) for _ in range(5)]
+    hot = record(7, 8, [0xFFFFFFFF81000010], [0x400100])
+    samples = [decode(hot, maps) for _ in range(5)]
     samples.append(dataclasses.replace(samples[0], weight=10))  # 10 repeats counted in the kernel
     # A rate-limited off-CPU capture standing for itself and 2 skipped waits.
-    samples.append(decode_stack(copy(record(7, 8, [], [0x1100], abi.EventKind.OFF_CPU, 2_000_000, waits=3))))
-    samples.append(decode_stack(copy(record(42, 42, [], [0x1]))))  # no session: unmatched
+    samples.append(decode(record(7, 8, [], [0x400100], abi.EventKind.OFF_CPU, 2_000_000, waits=3), maps))
+    samples.append(decode(record(42, 42, [], [0x400100]), maps))  # no session: unmatched
     orch.add_samples(samples)
     orch.flush_all()
     assert flt.pids == {}  # every reference released
@@ -189,6 +307,89 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
         assert sorted((t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in traces) == [(0, 3, 6_000_000), (15, 0, 0)]
         on = next(t for t in traces if t.on_cpu)
         assert on.kernel == (0xFFFFFFFF81000010,) and on.user[0].address == 0x1100
+        assert on.user[0].name == "burner" and on.user[0].kind == wire.FRAME_RESOLVED
     assert reg.get_sample_value("bistouri_samples_total", {"kind": "on_cpu"}) == 15
     assert reg.get_sample_value("bistouri_samples_total", {"kind": "off_cpu"}) == 3
     assert reg.get_sample_value("bistouri_samples_unmatched_total") == 1
+
+
+def test_every_user_frame_ends_named_or_counted(tmp_path, workloads):
+    """A file frame carries its file name, JIT code its perf-map name; the rest is counted by reason."""
+    reg = CollectorRegistry()
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    (tmp_path / "7" / "root").unlink()
+    (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
+    (tmp_path / "7" / "root" / "tmp" / "perf-7.map").write_text("7f0000000100 40 JS:*hot\n")
+    maps = ProcMaps(str(tmp_path))
+    flt, sink = _Filter(maps), _Sink()
+    orch = CaptureOrchestrator(
+        flt,
+        sink,
+        AgentMetrics(reg),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+    )
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    ips = [0x7F0000000110, 0x7F0000000901, 0x7FFF00000100, 0x400100, 0x500000, 0xFFFF_FFFF_FFFF_0000]
+    orch.add_samples([decode(record(7, 7, [], ips), maps)])
+    orch.flush_all()
+    assert sid is not None
+    (trace,) = sink.sessions[sid].traces
+    assert [(f.kind, f.name) for f in trace.user] == [
+        (wire.FRAME_JIT, "JS:*hot"),
+        (wire.FRAME_UNKNOWN, ""),  # JIT code the perf map does not name
+        (wire.FRAME_VDSO, ""),
+        (wire.FRAME_RESOLVED, "burner"),
+        (wire.FRAME_UNKNOWN, ""),  # no mapping
+    ]  # the corrupted address is dropped
+    got = {
+        k: reg.get_sample_value("bistouri_user_frames_total", {"kind": k})
+        for k in ("jit", "jit_unnamed", "vdso", "resolved", "no_mapping", "corrupted")
+    }
+    assert got == dict.fromkeys(got, 1.0)
+
+
+def test_distinct_files_are_bounded_and_the_excess_counted(tmp_path, workloads):
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    maps = ProcMaps(str(tmp_path), max_files=2)
+    lines = "".join(
+        f"{0x1000000 * (i + 1):08x}-{0x1000000 * (i + 1) + 0x1000:08x} r-xp 00000000 fd:01 {100 + i} "
+        f"{workloads / 'burner'}\n"
+        for i in range(5)
+    )
+    fake_proc(tmp_path, 7, lines)
+    maps.track(7)
+    names = {maps.file(USER_FRAME.unpack(maps.resolve(7, (0x1000000 * (i + 1),)))[1]).name for i in range(5)}
+    assert names == {"burner", "[too many files]"} and maps.stats.files_over_bound == 3
+
+
+def test_a_table_of_a_reused_pid_is_read_again_when_it_becomes_a_target(tmp_path, workloads):
+    maps = maps_for(tmp_path, workloads)
+    maps.track(7)
+    fake_proc(tmp_path, 7, f"00900000-00901000 r-xp 00000000 fd:01 77 {workloads / 'burner'}\n")
+    maps.track(7)  # another process got pid 7
+    assert USER_FRAME.unpack(maps.resolve(7, (0x900010,)))[0] == FrameStatus.FILE
+
+
+def test_maps_the_agent_may_not_read_are_counted_apart():
+    """As another user without CAP_SYS_PTRACE, a root process's maps are refused: its frames are
+    counted as no_access, not mistaken for an exited process."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to read as another user")
+    code = (
+        "from bistouri.procmaps import ProcMaps, USER_FRAME; m = ProcMaps(); m.track(1); "
+        "print(USER_FRAME.unpack(m.resolve(1, (0x400100,)))[:2])"
+    )
+    out = subprocess.run(
+        [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+    )
+    assert out.stdout.strip() == str((int(FrameStatus.UNMAPPED), int(Unmapped.NO_ACCESS)))

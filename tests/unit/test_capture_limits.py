@@ -8,17 +8,23 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
 from bistouri.capture import TRACE_OVERHEAD_BYTES, CaptureOrchestrator
-from bistouri.events import decode_stack
+from bistouri.events import ResolvedStacks, decode_stack
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
+from bistouri.procmaps import ProcMaps
 from bistouri.spool import Spool
 
 from .test_capture import copy, record
 
 
+# No /proc here: user frames map as addresses of a gone process, which is all these bounds need.
+_NO_PROC = ProcMaps("/nonexistent-proc")
+
+
 class _Filter:
     def __init__(self) -> None:
         self.pids: dict[int, int] = {}
+        self.maps = _NO_PROC
 
     def set_pid_filter(self, pid: int, flags: int) -> None:
         if flags:
@@ -45,7 +51,9 @@ def _orch(sink, reg: CollectorRegistry, tmp_path, **kw) -> CaptureOrchestrator:
 def _deep(tid: int):
     """A sample with the deepest stacks the BPF side sends: the costly case of the bound."""
     return decode_stack(
-        copy(record(7, tid, [0xFFFFFFFF81000000 + tid] * abi.MAX_DEPTH, [0x1000 + tid] * 100))
+        copy(record(7, tid, [0xFFFFFFFF81000000 + tid] * abi.MAX_DEPTH, [0x1000 + tid] * 100)),
+        _NO_PROC,
+        ResolvedStacks(),
     )
 
 

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 from bistouri.config import parse_trigger_config
-from bistouri.discovery import VdsoCache, WalkJob, find_unit_cgroup, walk_processes
+from bistouri.discovery import WalkJob, find_unit_cgroup, walk_processes
 from bistouri.matcher import CommMatcher
 
 
@@ -62,19 +62,6 @@ def test_the_walk_takes_every_member_of_a_cgroup_or_unit_target_whatever_its_com
         13: ("burner", "/batch", (1, 3)),  # by its comm and by its cgroup
     }
     assert result.target_cgroups == {2: "/system.slice/nginx.service", 3: "/batch"}
-
-
-def test_the_vdso_cache_is_bounded_and_reads_once(tmp_path):
-    cache = VdsoCache(str(tmp_path), size=2)
-    cache.set(1, (10, 20))
-    cache.remember(1)  # known: not read again (no /proc/1 here)
-    assert cache.get(1) == (10, 20)
-    cache.remember(2)  # unknown and unreadable: remembered as None
-    assert cache.knows(2) and cache.get(2) is None
-    cache.set(3, (30, 40))
-    assert not cache.knows(1) and len(cache) == 2  # the least recently used went
-    cache.forget(3)
-    assert not cache.knows(3)
 
 
 def test_where_a_unit_was_found_is_checked_first_and_forgotten_when_gone(tmp_path):

@@ -298,3 +298,28 @@ def test_every_format_keeps_the_totals(profile_pb2: ModuleType, p: Profile) -> N
     assert formats.merge([p, p]).totals() == tuple(2 * t for t in totals)
     json.dumps(formats.speedscope(p))
     json.dumps(formats.profile_json(p))
+
+
+def _jit_profile() -> Profile:
+    p = sample_profile()
+    jit = Frame("JS:*hotLoop /app/x.js:2:17", "[jit]", kind="jit")
+    p.frames.append(jit)
+    p.samples = [Sample((0, len(p.frames) - 1), pid=10, tid=10, thread="app", on_cpu=3)]
+    return p
+
+
+def test_jit_frames_keep_their_names_in_every_format(profile_pb2: ModuleType) -> None:
+    """A JIT frame named by a perf map is its own kind: `_[j]` in folded (as perf's scripts mark
+    it), its own `[jit]` mapping in pprof, its name in speedscope and the flamegraph tree."""
+    p = _jit_profile()
+    assert formats.folded(p, "on_cpu") == "main;JS:*hotLoop /app/x.js:2:17_[j] 3\n"
+    msg = parse_pprof(profile_pb2, formats.pprof(p))
+    s = msg.string_table
+    leaf = next(loc for loc in msg.location if loc.id == msg.sample[0].location_id[0])
+    assert {m.id: s[m.filename] for m in msg.mapping}[leaf.mapping_id] == "[jit]"
+    assert s[next(f for f in msg.function if f.id == leaf.line[0].function_id).name].startswith("JS:*hotLoop")
+    names = [f["name"] for f in formats.speedscope(p)["shared"]["frames"]]
+    assert any(n.startswith("JS:*hotLoop") for n in names)
+    tree = formats.flamegraph(p, "on_cpu")
+    assert tree["children"][0]["children"][0]["name"].startswith("JS:*hotLoop")
+    assert tree["children"][0]["children"][0]["kind"] == "jit"

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from bistouri import abi
 from bistouri.exporter import Exporter
 from bistouri.metrics import AgentMetrics, BpfCountersCollector
+from bistouri.procmaps import ProcMapsStats
 from bistouri.psi import PsiLoop
 from bistouri.settings import AgentSettings
 from bistouri.spool import Spool
@@ -21,7 +22,7 @@ CATALOGUE = Path(__file__).resolve().parents[2] / "docs" / "metrics.csv"
 def _exposed_agent_metrics() -> dict[str, str]:
     r = CollectorRegistry()
     AgentMetrics(r)
-    r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: (0, 0, 0)))
+    r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: (ProcMapsStats(), 0)))
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
     Exporter(spool, AgentSettings(symbolizer_endpoint="http://127.0.0.1:1"), registry=r)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -96,29 +95,6 @@ def test_threads():
     assert list(procfs.iter_tids(999, PROC)) == []
 
 
-def test_vdso_range_from_auxv_and_maps():
-    assert procfs.read_vdso_range(100, PROC) == (0x7FFD5A3F1000, 0x7FFD5A3F3000)
-
-
-def test_vdso_range_absent():
-    assert procfs.read_vdso_range(2, PROC) is None  # kernel thread
-    assert procfs.read_vdso_range(400, PROC) is None  # no AT_SYSINFO_EHDR
-    assert procfs.read_vdso_range(999, PROC) is None
-
-
-def test_vdso_range_without_maps_assumes_two_pages(tmp_path):
-    (tmp_path / "7").mkdir()
-    (tmp_path / "7" / "auxv").write_bytes(struct.pack("=QQQQ", 33, 0x10000, 0, 0))
-    page = os.sysconf("SC_PAGE_SIZE")
-    assert procfs.read_vdso_range(7, str(tmp_path)) == (0x10000, 0x10000 + 2 * page)
-
-
-def test_parse_auxv_stops_at_null():
-    data = struct.pack("=QQQQQQ", 6, 4096, 0, 0, 33, 0x1000)
-    assert procfs.parse_auxv(data, 33) is None
-    assert procfs.parse_auxv(data + b"\x01\x02", 6) == 4096  # trailing partial word ignored
-
-
 def test_find_cgroup2_mount_unescapes_and_takes_first():
     assert procfs.find_cgroup2_mount(PROC) == "/sys/fs/cgroup/unified v2"
 
@@ -139,8 +115,6 @@ def test_live_self():
     assert procfs.read_comm(me) == st.comm
     assert me in list(procfs.iter_pids())
     assert procfs.read_cgroup2_path(me) is not None
-    rng = procfs.read_vdso_range(me)
-    assert rng is not None and rng[1] - rng[0] >= 4096
 
 
 def test_live_vanished_process_is_none():
@@ -148,7 +122,6 @@ def test_live_vanished_process_is_none():
     p.wait()
     assert procfs.read_stat(p.pid) is None
     assert procfs.read_comm(p.pid) is None
-    assert procfs.read_vdso_range(p.pid) is None
     assert procfs.read_cgroup2_path(p.pid) is None
 
 

@@ -8,9 +8,10 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import wire
 from bistouri.capture import CaptureOrchestrator
-from bistouri.events import StackSample, decode_stack
+from bistouri.events import ResolvedStacks, StackSample, decode_stack
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
+from bistouri.procmaps import ProcMaps
 from bistouri.recorder import ENTRY_OVERHEAD_BYTES, FlightRecorder
 from tests.unit.test_capture import _Filter, _Sink, copy, record
 
@@ -26,8 +27,13 @@ class _Clock:
         self.ns += int(seconds * 1e9)
 
 
+# No /proc here: user frames map as addresses of a gone process, which is all the recorder needs.
+_NO_PROC = ProcMaps("/nonexistent-proc")
+
+
 def _sample(pid: int, leaf: int = 0x1100, depth: int = 3) -> StackSample:
-    return decode_stack(copy(record(pid, pid, [0xFFFFFFFF81000010] * depth, [leaf] * depth)))
+    raw = copy(record(pid, pid, [0xFFFFFFFF81000010] * depth, [leaf] * depth))
+    return decode_stack(raw, _NO_PROC, ResolvedStacks())
 
 
 def test_samples_of_watched_processes_are_kept_for_their_horizon_only():
@@ -99,7 +105,7 @@ def _orch(tmp_path, filt, sink, reg=None) -> CaptureOrchestrator:
 def test_a_session_starts_with_the_recorded_samples_marked_before_the_trigger(tmp_path):
     clock = _Clock()
     reg = CollectorRegistry()
-    filt, sink = _Filter(), _Sink()
+    filt, sink = _Filter(_NO_PROC), _Sink()
     orch = _orch(tmp_path, filt, sink, reg)
     orch.recorder = FlightRecorder(1 << 20, clock_ns=clock)
     orch.watch(7, 5.0)
@@ -126,7 +132,7 @@ def test_a_session_starts_with_the_recorded_samples_marked_before_the_trigger(tm
 
 
 def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
-    filt, sink = _Filter(), _Sink()
+    filt, sink = _Filter(_NO_PROC), _Sink()
     orch = _orch(tmp_path, filt, sink)
     orch.recorder.max_bytes = 0  # --recorder-max-bytes 0
     orch.watch(7, 5.0)
@@ -137,7 +143,7 @@ def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
     from bistouri.capture import RECORDER_MAX_PROCESSES
 
     reg = CollectorRegistry()
-    filt, sink = _Filter(), _Sink()
+    filt, sink = _Filter(_NO_PROC), _Sink()
     orch = _orch(tmp_path, filt, sink, reg)
     for pid in range(1, RECORDER_MAX_PROCESSES + 11):
         orch.watch(pid, 5.0)
@@ -169,7 +175,7 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
     _process(proc, 100, "burner", 4242)
     _process(proc, 101, "quiet", 4243)
     reg = CollectorRegistry()
-    filt = _Filter()
+    filt = _Filter(_NO_PROC)
     orch = _orch(tmp_path, filt, _Sink(), reg)
     loop = PsiLoop(registry=reg)
     trigger = TriggerAgent(

@@ -12,21 +12,28 @@ import pytest
 from bistouri import wire
 from bistouri.errors import WireError
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v1.msgpack"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v2.msgpack"
+GOLDEN_V1 = GOLDEN.with_name("session-v1.msgpack")  # written by VERSION 1: old spool files must still decode
 
 
-def sample_session(n_stacks: int = 3, repeat: int = 1) -> wire.Session:
+def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False) -> wire.Session:
+    """v1: what version 1 could say (no file names, no JIT frames)."""
     bid = bytes(range(20))
     libc = bytes(range(20, 40))
+    app, libc_name = ("", "") if v1 else ("burner", "libc.so.6")
+    jit = () if v1 else (wire.UserFrame(wire.FRAME_JIT, b"", 0x7F0000001234, "JS:*hotLoop /app/x.js:2:17"),)
+    no_build_id = () if v1 else (wire.UserFrame(wire.FRAME_RESOLVED, b"", 0x4242, "libplain.so"),)
     traces = []
     for i in range(n_stacks):
         traces.append(
             wire.Trace(
                 kernel=(0xFFFFFFFF81000000 + 0x100 * i, 0xFFFFFFFF81002000),
                 user=(
-                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x1150 + i),
-                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x11B8),
-                    wire.UserFrame(wire.FRAME_RESOLVED, libc, 0x2724A),
+                    *jit,
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x1150 + i, app),
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x11B8, app),
+                    *no_build_id,
+                    wire.UserFrame(wire.FRAME_RESOLVED, libc, 0x2724A, libc_name),
                     wire.UserFrame(wire.FRAME_VDSO, b"", 0x7FFC12345678),
                 ),
                 pid=100,
@@ -67,6 +74,19 @@ def test_golden_bytes_are_stable():
     assert data == GOLDEN.read_bytes(), "the wire format changed: bump VERSION and update docs/wire-format.md"
 
 
+def test_version_1_sessions_still_decode():
+    """Spool files written before VERSION 2 (no file names, no JIT frames) are read as they were."""
+    assert wire.decode_session(GOLDEN_V1.read_bytes()) == sample_session(v1=True)
+
+
+def test_file_names_and_jit_names_travel_in_tables():
+    m = wire.session_to_wire(sample_session())
+    assert m["v"] == 2
+    assert m["mapping_names"] == ["burner", "libplain.so", "libc.so.6"] and m["mappings"][1] == b""
+    assert m["jit_names"] == ["JS:*hotLoop /app/x.js:2:17"]
+    assert m["uframes"][0] == [wire.FRAME_JIT, 0, 0x7F0000001234]
+
+
 def test_batch_concatenates_encoded_sessions():
     a, b = sample_session(), sample_session(2)
     b.session_id = "other"
@@ -87,7 +107,11 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda m: m.update(v=2), "unsupported_version"),
+        (lambda m: m.update(v=3), "unsupported_version"),
+        (lambda m: m["uframes"].append([wire.FRAME_JIT, 5, 1]), "malformed"),
+        (lambda m: m.update(v=1), "malformed"),  # v1 knows no JIT frame (nor an empty build id)
+        (lambda m: m["mapping_names"].pop(), "malformed"),
+        (lambda m: m["jit_names"].append(7), "malformed"),
         (lambda m: m.pop("traces"), "malformed"),
         (lambda m: m["traces"].append([99, 0, 1, 0, 0]), "malformed"),
         (lambda m: m["uframes"].append([0, 42, 1]), "malformed"),

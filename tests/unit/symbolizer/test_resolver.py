@@ -102,6 +102,26 @@ def test_stack_root_first_with_every_frame_kind(symfix: Path, tmp_path: Path) ->
     assert len(set(p.frames)) == len(p.frames)  # a frame table without duplicates
 
 
+def test_frames_the_service_cannot_open_still_say_which_file_and_jit_frames_keep_their_name(
+    symfix: Path, tmp_path: Path
+) -> None:
+    """The agent sends the mapped file's name beside its build id, and perf-map names of JIT code."""
+    missing = bytes.fromhex("deadbeef" + "00" * 16)
+    user = (
+        wire.UserFrame(wire.FRAME_JIT, b"", 0x7F0000001234, "JS:*hotLoop /app/x.js:2:17"),
+        wire.UserFrame(wire.FRAME_RESOLVED, missing, 0x2724A, "libc.so.6"),
+        wire.UserFrame(wire.FRAME_RESOLVED, b"", 0x4242, "libplain.so"),  # a file without a build id
+    )
+    with _resolver(symfix, tmp_path) as r:
+        p = r.symbolize(_session([wire.Trace((), user, pid=42, tid=43, on_cpu=1)]))
+    frames = [p.frames[x] for x in p.samples[0].stack]
+    assert [(f.name, f.kind, f.module) for f in frames] == [
+        ("libplain.so+0x4242", "user", "libplain.so"),
+        ("libc.so.6+0x2724a", "user", "libc.so.6"),
+        ("JS:*hotLoop /app/x.js:2:17", "jit", "[jit]"),
+    ]
+
+
 def test_return_addresses_are_looked_up_one_byte_back(symfix: Path, tmp_path: Path) -> None:
     """exported_fail_fast ends with a call to a noreturn function: its return address is past its end."""
     bid, off = _c(symfix)

@@ -20,7 +20,7 @@
   const B = (global.Bistouri = global.Bistouri || {});
   const d3 = global.d3;
 
-  const KIND_LABEL = { kernel: "kernel", user: "user", vdso: "vDSO", unknown: "unknown", root: "root" };
+  const KIND_LABEL = { kernel: "kernel", user: "user", vdso: "vDSO", jit: "JIT", unknown: "unknown", root: "root" };
 
   // Stable small hash of a function name, in [0, 1).
   function hash01(name) {
@@ -34,8 +34,9 @@
     return ((h >>> 0) % 1000) / 1000;
   }
 
-  // Kernel frames are cool (blue), user frames warm (red→yellow), vDSO violet,
-  // unknown grey. Lightness stays high enough for black labels.
+  // Kernel frames are cool (blue), user frames warm (red→yellow), vDSO violet, JIT
+  // code (named by a perf map) green, unknown grey. Lightness stays high enough for
+  // black labels.
   B.frameColor = function (kind, name) {
     const v = hash01(name);
     switch (kind) {
@@ -43,6 +44,8 @@
         return "hsl(" + Math.round(195 + 25 * v) + ", 62%, " + Math.round(68 + 10 * v) + "%)";
       case "vdso":
         return "hsl(" + Math.round(268 + 20 * v) + ", 55%, " + Math.round(74 + 8 * v) + "%)";
+      case "jit":
+        return "hsl(" + Math.round(100 + 35 * v) + ", 52%, " + Math.round(62 + 10 * v) + "%)";
       case "unknown":
         return "hsl(30, 4%, " + Math.round(72 + 10 * v) + "%)";
       case "root":
@@ -215,6 +218,7 @@
         legendItem("lg-user", B.frameColor("user", "main"), "user"),
         legendItem("lg-kernel", B.frameColor("kernel", "schedule"), "kernel"),
         legendItem("lg-vdso", B.frameColor("vdso", "clock_gettime"), "vDSO"),
+        legendItem("lg-jit", B.frameColor("jit", "JS:*hotLoop"), "JIT (perf map)"),
         legendItem("lg-unknown", B.frameColor("unknown", "?"), "unknown"),
         B.el("span", { class: "lg-item lg-inlined", title: "Inlined into its caller (from DWARF)" },
           B.el("span", { class: "lg-swatch lg-swatch-inlined" }), B.el("i", null, "inlined")),
