@@ -16,7 +16,6 @@ from bistouri.spool import Spool
 
 from .test_capture import copy, record
 
-
 # No /proc here: user frames map as addresses of a gone process, which is all these bounds need.
 _NO_PROC = ProcMaps("/nonexistent-proc")
 
