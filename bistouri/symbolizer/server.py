@@ -48,6 +48,11 @@ MAX_LIST_LIMIT = 1000
 DEFAULT_MERGE_LIMIT = 500
 RETENTION_INTERVAL_S = 60.0
 RESYMBOLIZE_PER_UPLOAD = 2000
+# Seconds an agent waits after a failure on our side (database, disk): long enough for an
+# operator or a restart to clear it, short enough that spools do not pile up.
+RETRY_AFTER_S = 15
+# Text from a request echoed in an answer (ids, details) is cut here: never a megabyte back.
+MAX_ECHO_CHARS = 200
 _BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
 
 
@@ -73,6 +78,19 @@ class ServerConfig:
         return self.max_request_bytes * DECOMPRESSION_RATIO
 
 
+def echo(text: object) -> str:
+    """Text that came from a request, cut to MAX_ECHO_CHARS for answers and logs."""
+    t = str(text)
+    return t if len(t) <= MAX_ECHO_CHARS else t[:MAX_ECHO_CHARS] + f"... ({len(t)} chars)"
+
+
+def _log_failure(what: str, e: BaseException, **fields: object) -> None:
+    """One line per failure with the exception's type and message; the traceback only at debug."""
+    extra = "".join(f" {k}={echo(v)}" for k, v in fields.items())
+    log.error("%s.%s error=%s: %s", what, extra, type(e).__name__, echo(e))
+    log.debug("traceback of: %s", what, exc_info=e)
+
+
 class ApiError(Exception):
     """A request problem: becomes `{"error": reason, "detail": text}` with its HTTP status."""
 
@@ -80,7 +98,7 @@ class ApiError(Exception):
         super().__init__(detail)
         self.status = status
         self.reason = reason
-        self.detail = detail
+        self.detail = echo(detail)
         self.extra = extra
 
 
@@ -256,9 +274,14 @@ class SymbolizerApp:
             headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
             response = _json(body, e.status, headers)
         except StoreError as e:
-            # The database is down or locked: not the client's fault, worth a retry later.
+            # The database is down or locked: not the client's fault, worth a retry later. Its path
+            # or URL is for the log, not for clients.
             log.warning("database unavailable. path=%s error=%s", request.path, e)
-            response = _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "30"})
+            response = _json(
+                {"error": "unavailable", "detail": "the database is unavailable; retry later"},
+                503,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
         except NotFound:
             response = _json({"error": "not_found", "detail": f"no such endpoint {request.path}"}, 404)
         except MethodNotAllowed as e:
@@ -273,8 +296,8 @@ class SymbolizerApp:
             )
         except HTTPException as e:
             response = e.get_response(environ)
-        except Exception:
-            log.exception("request failed. method=%s path=%s", request.method, request.path)
+        except Exception as e:
+            _log_failure("request failed", e, method=request.method, path=request.path)
             response = _json({"error": "internal", "detail": "internal error, see the service log"}, 500)
         self.metrics.http_requests.labels(route, str(response.status_code)).inc()
         return response(environ, start_response)
@@ -366,6 +389,11 @@ class SymbolizerApp:
         except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
             raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
         result = self._ingest(items)
+        self.metrics.received_bytes.inc(received)
+        if result.get("failed"):
+            # Our fault, not the sessions': the agent keeps them and sends them again (docs/api.md).
+            self._maybe_retention()
+            return _json(result, 503, {"Retry-After": str(RETRY_AFTER_S)})
         if items and not result["accepted"] and not result["duplicates"]:
             first = result["rejected"][0]["reason"]
             raise ApiError(
@@ -374,45 +402,79 @@ class SymbolizerApp:
                 f"all {len(items)} sessions of the batch were rejected",
                 **result,
             )
-        self.metrics.received_bytes.inc(received)
         self._maybe_retention()
         return _json(result)
 
     def _ingest(self, items: list[Any]) -> dict[str, Any]:
+        """Store each session: accepted, duplicate, rejected (its own fault) or failed (ours)."""
         accepted: list[str] = []
         duplicates: list[str] = []
         rejected: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
         missing: list[str] = []
         for item in items:
             sid = item.get("id") if isinstance(item, dict) else None
-            sid = sid if isinstance(sid, str) else None
+            sid = echo(sid) if isinstance(sid, str) else None
             try:
                 session = wire.session_from_wire(item)
             except WireError as e:
-                rejected.append({"id": sid, "reason": e.reason, "detail": str(e)})
+                rejected.append({"id": sid, "reason": e.reason, "detail": echo(e)})
                 continue
             except Exception as e:
-                rejected.append({"id": sid, "reason": "malformed", "detail": f"{type(e).__name__}: {e}"})
+                rejected.append(
+                    {"id": sid, "reason": "malformed", "detail": echo(f"{type(e).__name__}: {e}")}
+                )
                 continue
             problem = _nul_problem(session)
             if problem:
-                rejected.append({"id": session.session_id, "reason": "malformed", "detail": problem})
+                rejected.append({"id": sid, "reason": "malformed", "detail": echo(problem)})
                 continue
-            if self.store.exists(session.session_id):
+            outcome = self._store_one(session, item)
+            if isinstance(outcome, dict):
+                failed.append(outcome)
+            elif outcome == "duplicate":
                 duplicates.append(session.session_id)
-                continue
+            else:
+                accepted.append(session.session_id)
+                kernel_hex = outcome
+                if kernel_hex and kernel_hex not in missing:
+                    missing.append(kernel_hex)
+        self.metrics.ingested.inc(len(accepted))
+        self.metrics.duplicates.inc(len(duplicates))
+        for r in rejected:
+            self.metrics.sessions_rejected.labels(r["reason"]).inc()
+        for f in failed:
+            self.metrics.sessions_failed.labels(f["reason"]).inc()
+        result: dict[str, Any] = {
+            "accepted": accepted,
+            "duplicates": duplicates,
+            "rejected": rejected,
+            "missing_kernels": missing,
+        }
+        if failed:
+            result["failed"] = failed
+        return result
+
+    def _store_one(self, session: wire.Session, item: Any) -> str | dict[str, Any]:
+        """Symbolize and store one valid session.
+
+        Returns "duplicate", the hex build id of a kernel whose symbols are missing ("" if none), or
+        the failure entry ({"id", "reason", "detail"}) when something on our side broke.
+        """
+        sid = session.session_id
+        stage = "store_failed"
+        try:
+            if self.store.exists(sid):
+                return "duplicate"
+            stage = "symbolize_failed"
             kernel_hex = session.kernel.build_id.hex()
             pending = (
                 bool(kernel_hex)
                 and any(t.kernel for t in session.traces)
                 and not self.kernel_known(kernel_hex)
             )
-            try:
-                profile = self._symbolize(session)
-            except Exception as e:
-                log.exception("symbolization failed. session=%s", session.session_id)
-                rejected.append({"id": session.session_id, "reason": "symbolize_failed", "detail": str(e)})
-                continue
+            profile = self._symbolize(session)
+            stage = "store_failed"
             stored = self.store.insert(
                 StoredSession(
                     meta=profile.meta,
@@ -423,23 +485,17 @@ class SymbolizerApp:
                     kernel_pending=pending,
                 )
             )
-            if not stored:
-                duplicates.append(session.session_id)
-                continue
-            accepted.append(session.session_id)
-            self.metrics.stored_bytes.inc(stored)
-            if pending and kernel_hex not in missing:
-                missing.append(kernel_hex)
-        self.metrics.ingested.inc(len(accepted))
-        self.metrics.duplicates.inc(len(duplicates))
-        for r in rejected:
-            self.metrics.sessions_rejected.labels(r["reason"]).inc()
-        return {
-            "accepted": accepted,
-            "duplicates": duplicates,
-            "rejected": rejected,
-            "missing_kernels": missing,
-        }
+        except Exception as e:
+            _log_failure("session not stored", e, session=sid, reason=stage)
+            # The database's path or URL stays in the log.
+            detail = (
+                "the database is unavailable" if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            )
+            return {"id": sid, "reason": stage, "detail": echo(detail)}
+        if not stored:
+            return "duplicate"
+        self.metrics.stored_bytes.inc(stored)
+        return kernel_hex if pending else ""
 
     def _symbolize(self, session: wire.Session) -> Profile:
         t0 = time.perf_counter()
@@ -533,8 +589,8 @@ class SymbolizerApp:
             return None
         try:
             profile = self._symbolize(wire.decode_session(raw))
-        except Exception:
-            log.exception("re-symbolization failed. session=%s", sid)
+        except Exception as e:
+            _log_failure("re-symbolization failed", e, session=sid)
             return None
         self.store.update_profile(sid, profile, kernel_pending=False)
         self.metrics.resymbolized.inc()
