@@ -29,6 +29,7 @@ ENV_PREFIX = "BISTOURI_SYMBOLIZER_"
 DEFAULT_LISTEN = "0.0.0.0:8470"
 DEFAULT_STATE_DIR = "/var/lib/bistouri-symbolizer"
 FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph")
+THREADS_PER_WORKER = 8
 
 
 class UsageError(BistouriError):
@@ -346,8 +347,11 @@ def serve(
     options: dict[str, Any] = {
         "bind": binds,
         "workers": workers,
-        "worker_class": "sync",
-        # Symbolizing a large batch, or re-symbolizing after a kernel upload, can take a while.
+        # Threads, so that /healthz and reads are answered while a batch is symbolized; request
+        # headers are read by the worker's poller, so slow clients hold no thread (worker.py).
+        "worker_class": "bistouri.symbolizer.worker.HeaderGateWorker",
+        "threads": THREADS_PER_WORKER,
+        # The worker's main loop beats even while a thread symbolizes; a request stuck longer is a bug.
         "timeout": 120,
         "graceful_timeout": 20,
         "keepalive": 5,

@@ -16,6 +16,7 @@ import logging
 import mimetypes
 import os
 import re
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -51,6 +52,10 @@ RESYMBOLIZE_PER_UPLOAD = 2000
 # Seconds an agent waits after a failure on our side (database, disk): long enough for an
 # operator or a restart to clear it, short enough that spools do not pile up.
 RETRY_AFTER_S = 15
+# Work bounded per request (~1 s and ~150 MB of a worker for 100 000 distinct user frames):
+# a session over it is refused, and sessions of a batch past it are put off to a next request.
+MAX_FRAMES_PER_REQUEST = 100_000  # distinct kernel + user frames
+MAX_STACKS_PER_REQUEST = 100_000  # distinct stacks
 # Text from a request echoed in an answer (ids, details) is cut here: never a megabyte back.
 MAX_ECHO_CHARS = 200
 _BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
@@ -166,6 +171,33 @@ def _nul_problem(s: wire.Session) -> str:
     return ""
 
 
+@dataclass(slots=True)
+class _Work:
+    """What symbolizing costs: distinct frames and stacks (of a session, or left to a request)."""
+
+    frames: int
+    stacks: int
+
+    def take(self, work: _Work) -> bool:
+        if work.frames > self.frames or work.stacks > self.stacks:
+            return False
+        self.frames -= work.frames
+        self.stacks -= work.stacks
+        return True
+
+
+def _work(item: Any) -> _Work:
+    """The work of an undecoded session map."""
+    if not isinstance(item, dict):
+        return _Work(0, 0)
+
+    def n(key: str) -> int:
+        v = item.get(key)
+        return len(v) if isinstance(v, list) else 0
+
+    return _Work(n("kframes") + n("uframes"), n("stacks"))
+
+
 def _check_id(sid: str) -> str:
     if not 0 < len(sid) <= 64 or "\x00" in sid:
         raise ApiError(404, "not_found", f"no session {sid[:80]!r}")
@@ -212,6 +244,10 @@ class SymbolizerApp:
         self.config = config
         self._resolver_factory = resolver_factory
         self._resolver: ResolverLike | None = None
+        self._resolver_lock = threading.Lock()
+        # One batch symbolized at a time per worker: its memory is bounded per request
+        # (MAX_FRAMES_PER_REQUEST), and the worker's by this; reads and /healthz go on meanwhile.
+        self._ingest_slot = threading.Lock()
         self.store = Store.for_state_dir(
             config.db,
             config.state_dir,
@@ -250,9 +286,10 @@ class SymbolizerApp:
 
     @property
     def resolver(self) -> ResolverLike:
-        if self._resolver is None:
-            self._resolver = self._resolver_factory()
-        return self._resolver
+        with self._resolver_lock:
+            if self._resolver is None:
+                self._resolver = self._resolver_factory()
+            return self._resolver
 
     # -- WSGI ---------------------------------------------------------------
 
@@ -388,12 +425,15 @@ class SymbolizerApp:
             raise ApiError(413 if e.reason == "too_large" else 400, e.reason, str(e))
         except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
             raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
-        result = self._ingest(items)
+        with self._ingest_slot:
+            result = self._ingest(items)
         self.metrics.received_bytes.inc(received)
-        if result.get("failed"):
+        failed = result.get("failed")
+        if failed:
             # Our fault, not the sessions': the agent keeps them and sends them again (docs/api.md).
             self._maybe_retention()
-            return _json(result, 503, {"Retry-After": str(RETRY_AFTER_S)})
+            only_put_off = all(f["reason"] == "deferred" for f in failed)
+            return _json(result, 503, {"Retry-After": "1" if only_put_off else str(RETRY_AFTER_S)})
         if items and not result["accepted"] and not result["duplicates"]:
             first = result["rejected"][0]["reason"]
             raise ApiError(
@@ -412,9 +452,19 @@ class SymbolizerApp:
         rejected: list[dict[str, Any]] = []
         failed: list[dict[str, Any]] = []
         missing: list[str] = []
+        budget = _Work(MAX_FRAMES_PER_REQUEST, MAX_STACKS_PER_REQUEST)
         for item in items:
             sid = item.get("id") if isinstance(item, dict) else None
             sid = echo(sid) if isinstance(sid, str) else None
+            work = _work(item)
+            if work.frames > MAX_FRAMES_PER_REQUEST or work.stacks > MAX_STACKS_PER_REQUEST:
+                detail = (
+                    f"{work.frames} distinct frames and {work.stacks} stacks in one session; at most "
+                    f"{MAX_FRAMES_PER_REQUEST} and {MAX_STACKS_PER_REQUEST} are symbolized per request: "
+                    "capture shorter sessions or at a lower frequency"
+                )
+                rejected.append({"id": sid, "reason": "too_large", "detail": detail})
+                continue
             try:
                 session = wire.session_from_wire(item)
             except WireError as e:
@@ -429,7 +479,7 @@ class SymbolizerApp:
             if problem:
                 rejected.append({"id": sid, "reason": "malformed", "detail": echo(problem)})
                 continue
-            outcome = self._store_one(session, item)
+            outcome = self._store_one(session, item, work, budget)
             if isinstance(outcome, dict):
                 failed.append(outcome)
             elif outcome == "duplicate":
@@ -455,17 +505,23 @@ class SymbolizerApp:
             result["failed"] = failed
         return result
 
-    def _store_one(self, session: wire.Session, item: Any) -> str | dict[str, Any]:
-        """Symbolize and store one valid session.
+    def _store_one(
+        self, session: wire.Session, item: Any, work: _Work, budget: _Work
+    ) -> str | dict[str, Any]:
+        """Symbolize and store one valid session, if `budget` (left of this request) covers its `work`.
 
         Returns "duplicate", the hex build id of a kernel whose symbols are missing ("" if none), or
-        the failure entry ({"id", "reason", "detail"}) when something on our side broke.
+        the failure entry ({"id", "reason", "detail"}) when something on our side broke or the
+        session is put off to a next request.
         """
         sid = session.session_id
         stage = "store_failed"
         try:
             if self.store.exists(sid):
                 return "duplicate"
+            if not budget.take(work):
+                detail = "the batch is over the work of one request; this session is taken in a next one"
+                return {"id": sid, "reason": "deferred", "detail": detail}
             stage = "symbolize_failed"
             kernel_hex = session.kernel.build_id.hex()
             pending = (
