@@ -354,7 +354,9 @@ def serve(
         # The worker's main loop beats even while a thread symbolizes; a request stuck longer is a bug.
         "timeout": 120,
         "graceful_timeout": 20,
-        "keepalive": 5,
+        # No keep-alive: agents post every few seconds, and a client reusing a connection the
+        # server is closing for idleness gets a spurious connection error.
+        "keepalive": 0,
         "loglevel": log_level.lower(),
         "errorlog": "-",
         "accesslog": "-" if log_level.lower() == "debug" else None,
