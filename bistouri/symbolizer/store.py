@@ -462,7 +462,8 @@ class Store:
             _, used = self.stats()
             while used > self.max_db_bytes:
                 rows = self._fetch(
-                    "SELECT id, size_bytes FROM sessions ORDER BY ingested_ns, id LIMIT ?", (_RETENTION_BATCH,)
+                    "SELECT id, size_bytes FROM sessions ORDER BY ingested_ns, id LIMIT ?",
+                    (_RETENTION_BATCH,),
                 )
                 if not rows:
                     break
