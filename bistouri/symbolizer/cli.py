@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import ipaddress
 import json
 import logging
 import os
@@ -193,6 +194,12 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "max_db_bytes": (_size, None),
         "log_level": (str, "info"),
     }
+    if args.token_file is None and os.environ.get(ENV_PREFIX + "TOKEN_FILE") == "":
+        # Set but empty is a mistake (a template without its value), not a wish to run open.
+        raise UsageError(
+            f"{ENV_PREFIX}TOKEN_FILE is set but empty: give the path of the token file, "
+            "or remove the variable to run without a token"
+        )
     for dest, (conv, default) in scalars.items():
         if getattr(args, dest, None) is None:
             text = _env(dest.upper())
@@ -248,6 +255,14 @@ def check_bind(host: str, port: int, flag: str) -> None:
             )
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
 def read_token(path: str) -> str:
     try:
         token = Path(path).read_text().strip()
@@ -255,7 +270,9 @@ def read_token(path: str) -> str:
         raise UsageError(f"--token-file {path}: cannot read it: {e.strerror}")
     except UnicodeDecodeError:
         raise UsageError(f"--token-file {path}: not text")
-    if not token or any(c.isspace() for c in token):
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty; write the token in it")
+    if any(c.isspace() for c in token):
         raise UsageError(f"--token-file {path}: must hold one token without spaces")
     return token
 
@@ -397,7 +414,9 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level)
         state_dir = Path(args.state_dir)
         _prepare_state_dir(state_dir)
-        token = read_token(args.token_file) if args.token_file else None
+        if args.token_file == "":
+            raise UsageError("--token-file is empty: give the path of the token file")
+        token = read_token(args.token_file) if args.token_file is not None else None
         if args.read_token and token is None:
             raise UsageError(
                 "--read-token needs --token-file: reads would require a token that does not exist"
@@ -444,6 +463,12 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         args.binary_dir,
         args.debuginfod_url,
     )
+    if token is None and not _is_loopback(host):
+        log.warning(
+            "NO TOKEN on a listener reachable from the network: anyone who reaches %s can store sessions "
+            "and read every profile. Set --token-file (BISTOURI_SYMBOLIZER_TOKEN_FILE), or listen on 127.0.0.1",
+            args.listen_addr,
+        )
     serve(config, resolver_factory(args, state_dir), binds, args.workers, args.log_level)
     return 0
 
