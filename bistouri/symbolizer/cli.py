@@ -124,6 +124,11 @@ def register(subparsers: Any) -> None:
         "--db", metavar="PATH|URL", help="SQLite file or postgresql:// URL (default: STATE_DIR/bistouri.db)"
     )
     p.add_argument("--state-dir", metavar="DIR", help=f"state directory (default {DEFAULT_STATE_DIR})")
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where debuginfod downloads are kept (default STATE_DIR/debuginfod; the unit gives /var/cache)",
+    )
     p.add_argument("--token-file", metavar="PATH", help="file holding the bearer token required on writes")
     p.add_argument(
         "--read-token", action="store_true", default=None, help="require the token on read endpoints too"
@@ -188,6 +193,7 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "metrics_port": (_port, None),
         "db": (str, ""),
         "state_dir": (str, DEFAULT_STATE_DIR),
+        "cache_dir": (str, None),
         "token_file": (str, None),
         "max_request_bytes": (_size, None),
         "retention_days": (_days, None),
@@ -277,14 +283,14 @@ def read_token(path: str) -> str:
     return token
 
 
-def _prepare_state_dir(path: Path) -> None:
+def _prepare_state_dir(path: Path, flag: str = "--state-dir") -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--state-dir {path}: not writable: {e.strerror}. Create it or choose another")
+        raise UsageError(f"{flag} {path}: not writable: {e.strerror}. Create it or choose another")
 
 
 def _setup_multiprocess_metrics(state_dir: Path) -> None:
@@ -321,12 +327,17 @@ def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[], 
     debug_dirs = [Path(d) for d in args.debug_dir]
     binary_dirs = [Path(d) for d in args.binary_dir]
     urls = list(args.debuginfod_url)
+    cache_dir = getattr(args, "cache_dir", None)
 
     def make() -> Any:
         from .resolve import Resolver
 
         return Resolver.from_options(
-            state_dir=state_dir, debug_dirs=debug_dirs, binary_dirs=binary_dirs, debuginfod_urls=urls
+            state_dir=state_dir,
+            debug_dirs=debug_dirs,
+            binary_dirs=binary_dirs,
+            debuginfod_urls=urls,
+            cache_dir=cache_dir,
         )
 
     return make
@@ -414,6 +425,8 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level)
         state_dir = Path(args.state_dir)
         _prepare_state_dir(state_dir)
+        if args.cache_dir:
+            _prepare_state_dir(Path(args.cache_dir), "--cache-dir")
         if args.token_file == "":
             raise UsageError("--token-file is empty: give the path of the token file")
         token = read_token(args.token_file) if args.token_file is not None else None
@@ -450,12 +463,13 @@ def run_symbolizer(args: argparse.Namespace) -> int:
     except (UsageError, StoreError) as e:
         return _error("symbolizer", e)
     log.info(
-        "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s schema_from=%d token=%s read_token=%s "
-        "debug_dirs=%s binary_dirs=%s debuginfod=%s",
+        "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s cache_dir=%s schema_from=%d token=%s "
+        "read_token=%s debug_dirs=%s binary_dirs=%s debuginfod=%s",
         ",".join(binds),
         args.workers,
         store.display,
         state_dir,
+        args.cache_dir or state_dir / "debuginfod",
         before,
         "yes" if token else "no",
         args.read_token,
@@ -465,8 +479,9 @@ def run_symbolizer(args: argparse.Namespace) -> int:
     )
     if token is None and not _is_loopback(host):
         log.warning(
-            "NO TOKEN on a listener reachable from the network: anyone who reaches %s can store sessions "
-            "and read every profile. Set --token-file (BISTOURI_SYMBOLIZER_TOKEN_FILE), or listen on 127.0.0.1",
+            "NO TOKEN on a listener reachable from the network: anyone who reaches %s can store "
+            "sessions and read every profile. Set --token-file (BISTOURI_SYMBOLIZER_TOKEN_FILE), "
+            "or listen on 127.0.0.1",
             args.listen_addr,
         )
     serve(config, resolver_factory(args, state_dir), binds, args.workers, args.log_level)
