@@ -319,6 +319,17 @@ class SymbolizerApp:
                 503,
                 {"Retry-After": str(RETRY_AFTER_S)},
             )
+        except OSError as e:
+            # The machine's fault (a full disk, too many open files): not the client's, worth a retry.
+            _log_failure("request failed on the server's side", e, method=request.method, path=request.path)
+            response = _json(
+                {
+                    "error": "unavailable",
+                    "detail": f"the server cannot do this now ({os.strerror(e.errno or 0)})",
+                },
+                503,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
         except NotFound:
             response = _json({"error": "not_found", "detail": f"no such endpoint {request.path}"}, 404)
         except MethodNotAllowed as e:

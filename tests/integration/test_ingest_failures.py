@@ -13,7 +13,7 @@ from typing import Any
 
 import requests
 
-from .conftest import DemoBinary, make_session, metric_value, post_sessions, put_kernel
+from .conftest import KERNEL_BUILD_ID, DemoBinary, make_session, metric_value, post_sessions, put_kernel
 from .fullfs import fill, small_tmpfs
 
 
@@ -62,6 +62,9 @@ def test_a_full_kallsyms_cache_answers_503_symbolize_failed(
     with small_tmpfs(state_b / "kernels") as kernels:
         b = symbolizer_server(tmp_path, db=db, workers=1, state_dir=state_b, binary_dir=demo_binary.dir)
         filler = fill(kernels)
+        r = requests.get(f"{b}/v1/kernels/{KERNEL_BUILD_ID.hex()}", timeout=10)
+        assert r.status_code == 503 and "No space left on device" in r.json()["detail"], r.text
+        assert "Retry-After" in r.headers
         r = post_sessions(b, [make_session("kernel-frames", demo_binary)])
         assert r.status_code == 503, r.text
         assert "Retry-After" in r.headers
