@@ -52,10 +52,12 @@ RESYMBOLIZE_PER_UPLOAD = 2000
 # Seconds an agent waits after a failure on our side (database, disk): long enough for an
 # operator or a restart to clear it, short enough that spools do not pile up.
 RETRY_AFTER_S = 15
-# Work bounded per request (~1 s and ~150 MB of a worker for 100 000 distinct user frames):
-# a session over it is refused, and sessions of a batch past it are put off to a next request.
-MAX_FRAMES_PER_REQUEST = 100_000  # distinct kernel + user frames
-MAX_STACKS_PER_REQUEST = 100_000  # distinct stacks
+# Work bounded per request: at these bounds a worker spends at most ~2 s and ~150 MB on the
+# symbolization of one request (measured on a loaded 2-CPU machine). A session over them is
+# refused (413), and sessions of a batch past them are put off to a next request.
+MAX_FRAMES_PER_REQUEST = 50_000  # distinct kernel + user frames
+MAX_STACKS_PER_REQUEST = 50_000  # distinct stacks (the agent keeps at most 50 000 per session)
+MAX_STACK_ENTRIES_PER_REQUEST = 500_000  # frames in all the stacks, counted once per stack
 # Text from a request echoed in an answer (ids, details) is cut here: never a megabyte back.
 MAX_ECHO_CHARS = 200
 _BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
@@ -173,29 +175,45 @@ def _nul_problem(s: wire.Session) -> str:
 
 @dataclass(slots=True)
 class _Work:
-    """What symbolizing costs: distinct frames and stacks (of a session, or left to a request)."""
+    """What symbolizing costs: distinct frames, stacks and the frames in them (of a session, or
+    left to a request)."""
 
     frames: int
     stacks: int
+    entries: int
+
+    def fits(self, budget: _Work) -> bool:
+        return (
+            self.frames <= budget.frames and self.stacks <= budget.stacks and self.entries <= budget.entries
+        )
 
     def take(self, work: _Work) -> bool:
-        if work.frames > self.frames or work.stacks > self.stacks:
+        if not work.fits(self):
             return False
         self.frames -= work.frames
         self.stacks -= work.stacks
+        self.entries -= work.entries
         return True
 
 
 def _work(item: Any) -> _Work:
-    """The work of an undecoded session map."""
+    """The work of an undecoded session map (what is malformed counts 0: decoding refuses it)."""
     if not isinstance(item, dict):
-        return _Work(0, 0)
+        return _Work(0, 0, 0)
 
-    def n(key: str) -> int:
+    def listed(key: str) -> list[Any]:
         v = item.get(key)
-        return len(v) if isinstance(v, list) else 0
+        return v if isinstance(v, list) else []
 
-    return _Work(n("kframes") + n("uframes"), n("stacks"))
+    stacks = listed("stacks")
+    entries = 0
+    for st in stacks:
+        if isinstance(st, list):
+            entries += sum(len(part) for part in st if isinstance(part, list))
+    return _Work(len(listed("kframes")) + len(listed("uframes")), len(stacks), entries)
+
+
+_REQUEST_WORK = _Work(MAX_FRAMES_PER_REQUEST, MAX_STACKS_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST)
 
 
 def _check_id(sid: str) -> str:
@@ -463,16 +481,17 @@ class SymbolizerApp:
         rejected: list[dict[str, Any]] = []
         failed: list[dict[str, Any]] = []
         missing: list[str] = []
-        budget = _Work(MAX_FRAMES_PER_REQUEST, MAX_STACKS_PER_REQUEST)
+        budget = _Work(_REQUEST_WORK.frames, _REQUEST_WORK.stacks, _REQUEST_WORK.entries)
         for item in items:
             sid = item.get("id") if isinstance(item, dict) else None
             sid = echo(sid) if isinstance(sid, str) else None
             work = _work(item)
-            if work.frames > MAX_FRAMES_PER_REQUEST or work.stacks > MAX_STACKS_PER_REQUEST:
+            if not work.fits(_REQUEST_WORK):
                 detail = (
-                    f"{work.frames} distinct frames and {work.stacks} stacks in one session; at most "
-                    f"{MAX_FRAMES_PER_REQUEST} and {MAX_STACKS_PER_REQUEST} are symbolized per request: "
-                    "capture shorter sessions or at a lower frequency"
+                    f"{work.frames} distinct frames, {work.stacks} stacks of {work.entries} frames in one "
+                    f"session; at most {MAX_FRAMES_PER_REQUEST}, {MAX_STACKS_PER_REQUEST} and "
+                    f"{MAX_STACK_ENTRIES_PER_REQUEST} are symbolized per request: capture shorter sessions "
+                    "or at a lower frequency"
                 )
                 rejected.append({"id": sid, "reason": "too_large", "detail": detail})
                 continue

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from bistouri import wire
-from bistouri.symbolizer.server import MAX_FRAMES_PER_REQUEST
+from bistouri.symbolizer.server import MAX_FRAMES_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST
 from bistouri.symbolizer.worker import HEADER_TIMEOUT_S
 
 SLOW_CLIENTS = 50
@@ -150,8 +150,18 @@ def test_a_million_distinct_frames_is_refused_within_300mb(one_worker: Any) -> N
     assert r.status_code == 413, r.text
     (rejected,) = r.json()["rejected"]
     assert rejected["reason"] == "too_large"
-    assert f"at most {MAX_FRAMES_PER_REQUEST}" in rejected["detail"]
+    assert f"at most {MAX_FRAMES_PER_REQUEST}," in rejected["detail"]
     assert _worker_peak_rss(one_worker) < 300 << 20
+
+
+def test_deep_stacks_over_the_work_of_a_request_are_refused(one_worker: Any) -> None:
+    m = _session_map("deep", 1000)
+    m["stacks"] = [[[], [(i + j) % 1000 for j in range(64)]] for i in range(10_000)]  # 640 000 frames
+    m["traces"] = [[i, 0, 1, 0, 0] for i in range(len(m["stacks"]))]
+    m["total"] = len(m["traces"])
+    r = _post(one_worker, [m])
+    assert r.status_code == 413, r.text
+    assert f"{MAX_STACK_ENTRIES_PER_REQUEST} are symbolized per request" in r.json()["rejected"][0]["detail"]
 
 
 def test_a_batch_over_the_work_of_one_request_is_taken_in_two(one_worker: Any) -> None:
