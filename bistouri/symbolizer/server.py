@@ -1,11 +1,13 @@
 """The symbolizer HTTP service: ingest of agent sessions, kernel symbols, the read API and the UI.
 
 A plain WSGI application (werkzeug routing, requests and responses) served by
-gunicorn with several worker processes. Each worker builds its own resolver and
-database connection after the fork. Untrusted input never reaches a 500: every
-malformed, oversized or wrong-version payload gets a 4xx with a reason, and is
-counted in `bistouri_symbolizer_requests_rejected_total{reason}`. docs/api.md
-is the reference of the endpoints.
+gunicorn with several worker processes of several threads (worker.py). Each worker
+builds its own resolver and database connection after the fork, and symbolizes one
+batch at a time, bounded in work (MAX_*_PER_REQUEST). Untrusted input never reaches
+a 500: every malformed, oversized or wrong-version payload gets a 4xx with a reason,
+and is counted in `bistouri_symbolizer_requests_rejected_total{reason}`. A failure
+on the server's side (disk, database) is a 503 with Retry-After: the client keeps
+its data and sends it again. docs/api.md is the reference of the endpoints.
 """
 
 from __future__ import annotations
