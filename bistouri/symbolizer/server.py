@@ -22,7 +22,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -483,7 +483,7 @@ class SymbolizerApp:
         rejected: list[dict[str, Any]] = []
         failed: list[dict[str, Any]] = []
         missing: list[str] = []
-        budget = _Work(_REQUEST_WORK.frames, _REQUEST_WORK.stacks, _REQUEST_WORK.entries)
+        budget = replace(_REQUEST_WORK)  # what is left of this request
         for item in items:
             sid = item.get("id") if isinstance(item, dict) else None
             sid = echo(sid) if isinstance(sid, str) else None
