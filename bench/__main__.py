@@ -11,6 +11,7 @@ BENCHES = (
     "bench.bench_symbolize",
     "bench.bench_ingest",
     "bench.bench_attacks",
+    "bench.bench_service_limits",
 )
 
 

@@ -48,6 +48,12 @@ MAX_SESSIONS_PER_BATCH = 1000
 MAX_BATCH_OBJECTS = 3_000_000
 # One session must fit a request alone, with room for the batch around it (encode_session_to_fit).
 MAX_SESSION_OBJECTS = MAX_BATCH_OBJECTS * 9 // 10
+# The symbolization work of one request (`work_of`): at these a worker spends at most ~2 s and
+# ~150 MB. The symbolizer refuses a session over them (413) and puts off the rest of a batch past
+# them; the agent leaves the lightest stacks out of a session over them (encode_session_to_fit).
+MAX_FRAMES_PER_REQUEST = 50_000  # distinct kernel + user frames
+MAX_STACKS_PER_REQUEST = 50_000  # distinct stacks
+MAX_STACK_ENTRIES_PER_REQUEST = 500_000  # frames in all the stacks, counted once per stack
 MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
 MAX_BIN_LEN = 64  # build ids
 MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
@@ -248,20 +254,49 @@ def count_objects(obj: Any) -> int:
     return n if isinstance(obj, (list, dict)) else 0
 
 
+def work_of(m: Any) -> tuple[int, int, int]:
+    """The symbolization work of a session map: (distinct frames, distinct stacks, frames in all the
+    stacks). What is malformed counts 0: decoding refuses it."""
+    if not isinstance(m, dict):
+        return 0, 0, 0
+
+    def listed(key: str) -> list[Any]:
+        v = m.get(key)
+        return v if isinstance(v, list) else []
+
+    stacks = listed("stacks")
+    entries = 0
+    for st in stacks:
+        if isinstance(st, list):
+            entries += sum(len(part) for part in st if isinstance(part, list))
+    return len(listed("kframes")) + len(listed("uframes")), len(stacks), entries
+
+
+def _overshoot(m: dict[str, Any], max_objects: int) -> float:
+    """How far a session map is over what one request may hold: > 1 when it is over."""
+    frames, stacks, entries = work_of(m)
+    return max(
+        count_objects(m) / max_objects,
+        frames / MAX_FRAMES_PER_REQUEST,
+        stacks / MAX_STACKS_PER_REQUEST,
+        entries / MAX_STACK_ENTRIES_PER_REQUEST,
+    )
+
+
 def encode_session_to_fit(s: Session, max_objects: int = 0) -> tuple[bytes, int]:
-    """`encode_session`, keeping the session under what one request may hold (MAX_SESSION_OBJECTS):
-    beyond it the lightest traces are left out. Returns the bytes and how many traces were left out,
-    so that the agent never spools a session the symbolizer must refuse for its size."""
+    """`encode_session`, keeping the session within what one request may hold (MAX_SESSION_OBJECTS
+    and the work limits): beyond it the lightest traces are left out. Returns the bytes and how many
+    traces were left out, so that the agent never spools a session the symbolizer must refuse."""
     budget = max_objects or MAX_SESSION_OBJECTS
     traces = sorted(s.traces, key=lambda t: t.on_cpu + t.off_cpu, reverse=True)
     keep = len(traces)
     while True:
         m = session_to_wire(s if keep == len(traces) else replace(s, traces=traces[:keep]))
-        n = count_objects(m)
-        if n <= budget or keep == 0:
+        over = _overshoot(m, budget)
+        if over <= 1 or keep == 0:
             return _pack(m), len(traces) - keep
-        # Objects grow about linearly with traces: aim a little under, then check again.
-        keep = min(keep - 1, int(keep * budget / n * 0.95))
+        # What a session holds grows about linearly with its traces: aim a little under, check again.
+        keep = min(keep - 1, int(keep / over * 0.95))
 
 
 def encode_batch(encoded_sessions: Iterable[bytes]) -> bytes:

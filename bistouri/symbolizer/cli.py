@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import ipaddress
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ ENV_PREFIX = "BISTOURI_SYMBOLIZER_"
 DEFAULT_LISTEN = "0.0.0.0:8470"
 DEFAULT_STATE_DIR = "/var/lib/bistouri-symbolizer"
 FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph")
+THREADS_PER_WORKER = 8
 
 
 class UsageError(BistouriError):
@@ -122,6 +124,11 @@ def register(subparsers: Any) -> None:
         "--db", metavar="PATH|URL", help="SQLite file or postgresql:// URL (default: STATE_DIR/bistouri.db)"
     )
     p.add_argument("--state-dir", metavar="DIR", help=f"state directory (default {DEFAULT_STATE_DIR})")
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where debuginfod downloads are kept (default STATE_DIR/debuginfod; the unit gives /var/cache)",
+    )
     p.add_argument("--token-file", metavar="PATH", help="file holding the bearer token required on writes")
     p.add_argument(
         "--read-token", action="store_true", default=None, help="require the token on read endpoints too"
@@ -186,12 +193,19 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "metrics_port": (_port, None),
         "db": (str, ""),
         "state_dir": (str, DEFAULT_STATE_DIR),
+        "cache_dir": (str, None),
         "token_file": (str, None),
         "max_request_bytes": (_size, None),
         "retention_days": (_days, None),
         "max_db_bytes": (_size, None),
         "log_level": (str, "info"),
     }
+    if args.token_file is None and os.environ.get(ENV_PREFIX + "TOKEN_FILE") == "":
+        # Set but empty is a mistake (a template without its value), not a wish to run open.
+        raise UsageError(
+            f"{ENV_PREFIX}TOKEN_FILE is set but empty: give the path of the token file, "
+            "or remove the variable to run without a token"
+        )
     for dest, (conv, default) in scalars.items():
         if getattr(args, dest, None) is None:
             text = _env(dest.upper())
@@ -247,6 +261,14 @@ def check_bind(host: str, port: int, flag: str) -> None:
             )
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
 def read_token(path: str) -> str:
     try:
         token = Path(path).read_text().strip()
@@ -254,19 +276,21 @@ def read_token(path: str) -> str:
         raise UsageError(f"--token-file {path}: cannot read it: {e.strerror}")
     except UnicodeDecodeError:
         raise UsageError(f"--token-file {path}: not text")
-    if not token or any(c.isspace() for c in token):
+    if not token:
+        raise UsageError(f"--token-file {path}: the file is empty; write the token in it")
+    if any(c.isspace() for c in token):
         raise UsageError(f"--token-file {path}: must hold one token without spaces")
     return token
 
 
-def _prepare_state_dir(path: Path) -> None:
+def _prepare_state_dir(path: Path, flag: str = "--state-dir") -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--state-dir {path}: not writable: {e.strerror}. Create it or choose another")
+        raise UsageError(f"{flag} {path}: not writable: {e.strerror}. Create it or choose another")
 
 
 def _setup_multiprocess_metrics(state_dir: Path) -> None:
@@ -303,12 +327,17 @@ def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[], 
     debug_dirs = [Path(d) for d in args.debug_dir]
     binary_dirs = [Path(d) for d in args.binary_dir]
     urls = list(args.debuginfod_url)
+    cache_dir = getattr(args, "cache_dir", None)
 
     def make() -> Any:
         from .resolve import Resolver
 
         return Resolver.from_options(
-            state_dir=state_dir, debug_dirs=debug_dirs, binary_dirs=binary_dirs, debuginfod_urls=urls
+            state_dir=state_dir,
+            debug_dirs=debug_dirs,
+            binary_dirs=binary_dirs,
+            debuginfod_urls=urls,
+            cache_dir=cache_dir,
         )
 
     return make
@@ -346,11 +375,16 @@ def serve(
     options: dict[str, Any] = {
         "bind": binds,
         "workers": workers,
-        "worker_class": "sync",
-        # Symbolizing a large batch, or re-symbolizing after a kernel upload, can take a while.
+        # Threads, so that /healthz and reads are answered while a batch is symbolized; request
+        # headers are read by the worker's poller, so slow clients hold no thread (worker.py).
+        "worker_class": "bistouri.symbolizer.worker.HeaderGateWorker",
+        "threads": THREADS_PER_WORKER,
+        # The worker's main loop beats even while a thread symbolizes; a request stuck longer is a bug.
         "timeout": 120,
         "graceful_timeout": 20,
-        "keepalive": 5,
+        # No keep-alive: agents post every few seconds, and a client reusing a connection the
+        # server is closing for idleness gets a spurious connection error.
+        "keepalive": 0,
         "loglevel": log_level.lower(),
         "errorlog": "-",
         "accesslog": "-" if log_level.lower() == "debug" else None,
@@ -391,7 +425,11 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level)
         state_dir = Path(args.state_dir)
         _prepare_state_dir(state_dir)
-        token = read_token(args.token_file) if args.token_file else None
+        if args.cache_dir:
+            _prepare_state_dir(Path(args.cache_dir), "--cache-dir")
+        if args.token_file == "":
+            raise UsageError("--token-file is empty: give the path of the token file")
+        token = read_token(args.token_file) if args.token_file is not None else None
         if args.read_token and token is None:
             raise UsageError(
                 "--read-token needs --token-file: reads would require a token that does not exist"
@@ -425,12 +463,13 @@ def run_symbolizer(args: argparse.Namespace) -> int:
     except (UsageError, StoreError) as e:
         return _error("symbolizer", e)
     log.info(
-        "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s schema_from=%d token=%s read_token=%s "
-        "debug_dirs=%s binary_dirs=%s debuginfod=%s",
+        "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s cache_dir=%s schema_from=%d token=%s "
+        "read_token=%s debug_dirs=%s binary_dirs=%s debuginfod=%s",
         ",".join(binds),
         args.workers,
         store.display,
         state_dir,
+        args.cache_dir or state_dir / "debuginfod",
         before,
         "yes" if token else "no",
         args.read_token,
@@ -438,6 +477,13 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         args.binary_dir,
         args.debuginfod_url,
     )
+    if token is None and not _is_loopback(host):
+        log.warning(
+            "NO TOKEN on a listener reachable from the network: anyone who reaches %s can store "
+            "sessions and read every profile. Set --token-file (BISTOURI_SYMBOLIZER_TOKEN_FILE), "
+            "or listen on 127.0.0.1",
+            args.listen_addr,
+        )
     serve(config, resolver_factory(args, state_dir), binds, args.workers, args.log_level)
     return 0
 

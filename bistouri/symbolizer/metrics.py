@@ -38,6 +38,11 @@ class Metrics:
         self.sessions_rejected = counter(
             "sessions_rejected_total", "Sessions refused in a batch, by reason", "reason"
         )
+        self.sessions_failed = counter(
+            "sessions_failed_total",
+            "Sessions not stored because of a failure on the server's side (sent again later), by reason",
+            "reason",
+        )
         self.resymbolized = counter(
             "sessions_resymbolized_total", "Sessions symbolized again for late kallsyms"
         )

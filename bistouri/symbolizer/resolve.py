@@ -177,9 +177,11 @@ class Resolver:
         debuginfod_urls: Sequence[str] | None = None,
         *,
         registry: CollectorRegistry | None = REGISTRY,
+        cache_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> Resolver:
-        """The service's resolver: kallsyms snapshots and debuginfod downloads live under `state_dir`.
+        """The service's resolver: kallsyms snapshots live under `state_dir`, debuginfod downloads
+        in `cache_dir` (default `state_dir`/debuginfod).
 
         `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. Other keyword arguments go to `Resolver`.
         """
@@ -188,7 +190,7 @@ class Resolver:
             [os.fspath(d) for d in debug_dirs],
             [os.fspath(d) for d in binary_dirs],
             debuginfod_urls,
-            cache_dir=os.path.join(state, "debuginfod"),
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else os.path.join(state, "debuginfod"),
             registry=registry,
         )
         return cls(sources, KallsymsStore(state), registry=registry, **kwargs)

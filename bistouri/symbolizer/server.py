@@ -1,11 +1,13 @@
 """The symbolizer HTTP service: ingest of agent sessions, kernel symbols, the read API and the UI.
 
 A plain WSGI application (werkzeug routing, requests and responses) served by
-gunicorn with several worker processes. Each worker builds its own resolver and
-database connection after the fork. Untrusted input never reaches a 500: every
-malformed, oversized or wrong-version payload gets a 4xx with a reason, and is
-counted in `bistouri_symbolizer_requests_rejected_total{reason}`. docs/api.md
-is the reference of the endpoints.
+gunicorn with several worker processes of several threads (worker.py). Each worker
+builds its own resolver and database connection after the fork, and symbolizes one
+batch at a time, bounded in work (MAX_*_PER_REQUEST). Untrusted input never reaches
+a 500: every malformed, oversized or wrong-version payload gets a 4xx with a reason,
+and is counted in `bistouri_symbolizer_requests_rejected_total{reason}`. A failure
+on the server's side (disk, database) is a 503 with Retry-After: the client keeps
+its data and sends it again. docs/api.md is the reference of the endpoints.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import logging
 import mimetypes
 import os
 import re
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +53,17 @@ MAX_LIST_LIMIT = 1000
 DEFAULT_MERGE_LIMIT = 500
 RETENTION_INTERVAL_S = 60.0
 RESYMBOLIZE_PER_UPLOAD = 2000
+# Seconds an agent waits after a failure on our side (database, disk): long enough for an
+# operator or a restart to clear it, short enough that spools do not pile up.
+RETRY_AFTER_S = 15
+# Work bounded per request: at these bounds a worker spends at most ~2 s and ~150 MB on the
+# symbolization of one request (measured on a loaded 2-CPU machine). A session over them is
+# refused (413), and sessions of a batch past them are put off to a next request.
+MAX_FRAMES_PER_REQUEST = wire.MAX_FRAMES_PER_REQUEST
+MAX_STACKS_PER_REQUEST = wire.MAX_STACKS_PER_REQUEST
+MAX_STACK_ENTRIES_PER_REQUEST = wire.MAX_STACK_ENTRIES_PER_REQUEST
+# Text from a request echoed in an answer (ids, details) is cut here: never a megabyte back.
+MAX_ECHO_CHARS = 200
 _BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
 
 
@@ -75,6 +89,19 @@ class ServerConfig:
         return self.max_request_bytes * DECOMPRESSION_RATIO
 
 
+def echo(text: object) -> str:
+    """Text that came from a request, cut to MAX_ECHO_CHARS for answers and logs."""
+    t = str(text)
+    return t if len(t) <= MAX_ECHO_CHARS else t[:MAX_ECHO_CHARS] + f"... ({len(t)} chars)"
+
+
+def _log_failure(what: str, e: BaseException, **fields: object) -> None:
+    """One line per failure with the exception's type and message; the traceback only at debug."""
+    extra = "".join(f" {k}={echo(v)}" for k, v in fields.items())
+    log.error("%s.%s error=%s: %s", what, extra, type(e).__name__, echo(e))
+    log.debug("traceback of: %s", what, exc_info=e)
+
+
 class ApiError(Exception):
     """A request problem: becomes `{"error": reason, "detail": text}` with its HTTP status."""
 
@@ -82,7 +109,7 @@ class ApiError(Exception):
         super().__init__(detail)
         self.status = status
         self.reason = reason
-        self.detail = detail
+        self.detail = echo(detail)
         self.extra = extra
 
 
@@ -150,6 +177,37 @@ def _nul_problem(s: wire.Session) -> str:
     return ""
 
 
+@dataclass(slots=True)
+class _Work:
+    """What symbolizing costs: distinct frames, stacks and the frames in them (of a session, or
+    left to a request)."""
+
+    frames: int
+    stacks: int
+    entries: int
+
+    def fits(self, budget: _Work) -> bool:
+        return (
+            self.frames <= budget.frames and self.stacks <= budget.stacks and self.entries <= budget.entries
+        )
+
+    def take(self, work: _Work) -> bool:
+        if not work.fits(self):
+            return False
+        self.frames -= work.frames
+        self.stacks -= work.stacks
+        self.entries -= work.entries
+        return True
+
+
+def _work(item: Any) -> _Work:
+    """The work of an undecoded session map (what is malformed counts 0: decoding refuses it)."""
+    return _Work(*wire.work_of(item))
+
+
+_REQUEST_WORK = _Work(MAX_FRAMES_PER_REQUEST, MAX_STACKS_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST)
+
+
 def _check_id(sid: str) -> str:
     if not 0 < len(sid) <= 64 or "\x00" in sid:
         raise ApiError(404, "not_found", f"no session {sid[:80]!r}")
@@ -196,6 +254,10 @@ class SymbolizerApp:
         self.config = config
         self._resolver_factory = resolver_factory
         self._resolver: ResolverLike | None = None
+        self._resolver_lock = threading.Lock()
+        # One batch symbolized at a time per worker: its memory is bounded per request
+        # (MAX_FRAMES_PER_REQUEST), and the worker's by this; reads and /healthz go on meanwhile.
+        self._ingest_slot = threading.Lock()
         self.store = Store.for_state_dir(
             config.db,
             config.state_dir,
@@ -234,9 +296,10 @@ class SymbolizerApp:
 
     @property
     def resolver(self) -> ResolverLike:
-        if self._resolver is None:
-            self._resolver = self._resolver_factory()
-        return self._resolver
+        with self._resolver_lock:
+            if self._resolver is None:
+                self._resolver = self._resolver_factory()
+            return self._resolver
 
     # -- WSGI ---------------------------------------------------------------
 
@@ -258,9 +321,25 @@ class SymbolizerApp:
             headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
             response = _json(body, e.status, headers)
         except StoreError as e:
-            # The database is down or locked: not the client's fault, worth a retry later.
+            # The database is down or locked: not the client's fault, worth a retry later. Its path
+            # or URL is for the log, not for clients.
             log.warning("database unavailable. path=%s error=%s", request.path, e)
-            response = _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "30"})
+            response = _json(
+                {"error": "unavailable", "detail": "the database is unavailable; retry later"},
+                503,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
+        except OSError as e:
+            # The machine's fault (a full disk, too many open files): not the client's, worth a retry.
+            _log_failure("request failed on the server's side", e, method=request.method, path=request.path)
+            response = _json(
+                {
+                    "error": "unavailable",
+                    "detail": f"the server cannot do this now ({os.strerror(e.errno or 0)})",
+                },
+                503,
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
         except NotFound:
             response = _json({"error": "not_found", "detail": f"no such endpoint {request.path}"}, 404)
         except MethodNotAllowed as e:
@@ -275,8 +354,8 @@ class SymbolizerApp:
             )
         except HTTPException as e:
             response = e.get_response(environ)
-        except Exception:
-            log.exception("request failed. method=%s path=%s", request.method, request.path)
+        except Exception as e:
+            _log_failure("request failed", e, method=request.method, path=request.path)
             response = _json({"error": "internal", "detail": "internal error, see the service log"}, 500)
         self.metrics.http_requests.labels(route, str(response.status_code)).inc()
         return response(environ, start_response)
@@ -367,7 +446,15 @@ class SymbolizerApp:
             raise ApiError(413 if e.reason == "too_large" else 400, e.reason, str(e))
         except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
             raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
-        result = self._ingest(items)
+        with self._ingest_slot:
+            result = self._ingest(items)
+        self.metrics.received_bytes.inc(received)
+        failed = result.get("failed")
+        if failed:
+            # Our fault, not the sessions': the agent keeps them and sends them again (docs/api.md).
+            self._maybe_retention()
+            only_put_off = all(f["reason"] == "deferred" for f in failed)
+            return _json(result, 503, {"Retry-After": "1" if only_put_off else str(RETRY_AFTER_S)})
         if items and not result["accepted"] and not result["duplicates"]:
             first = result["rejected"][0]["reason"]
             raise ApiError(
@@ -376,45 +463,96 @@ class SymbolizerApp:
                 f"all {len(items)} sessions of the batch were rejected",
                 **result,
             )
-        self.metrics.received_bytes.inc(received)
         self._maybe_retention()
         return _json(result)
 
     def _ingest(self, items: list[Any]) -> dict[str, Any]:
+        """Store each session: accepted, duplicate, rejected (its own fault) or failed (ours)."""
         accepted: list[str] = []
         duplicates: list[str] = []
         rejected: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
         missing: list[str] = []
+        budget = replace(_REQUEST_WORK)  # what is left of this request
         for item in items:
             sid = item.get("id") if isinstance(item, dict) else None
-            sid = sid if isinstance(sid, str) else None
+            sid = echo(sid) if isinstance(sid, str) else None
+            work = _work(item)
+            if not work.fits(_REQUEST_WORK):
+                detail = (
+                    f"{work.frames} distinct frames, {work.stacks} stacks of {work.entries} frames in one "
+                    f"session; at most {MAX_FRAMES_PER_REQUEST}, {MAX_STACKS_PER_REQUEST} and "
+                    f"{MAX_STACK_ENTRIES_PER_REQUEST} are symbolized per request: capture shorter sessions "
+                    "or at a lower frequency"
+                )
+                rejected.append({"id": sid, "reason": "too_large", "detail": detail})
+                continue
             try:
                 session = wire.session_from_wire(item)
             except WireError as e:
-                rejected.append({"id": sid, "reason": e.reason, "detail": str(e)})
+                rejected.append({"id": sid, "reason": e.reason, "detail": echo(e)})
                 continue
             except Exception as e:
-                rejected.append({"id": sid, "reason": "malformed", "detail": f"{type(e).__name__}: {e}"})
+                rejected.append(
+                    {"id": sid, "reason": "malformed", "detail": echo(f"{type(e).__name__}: {e}")}
+                )
                 continue
             problem = _nul_problem(session)
             if problem:
-                rejected.append({"id": session.session_id, "reason": "malformed", "detail": problem})
+                rejected.append({"id": sid, "reason": "malformed", "detail": echo(problem)})
                 continue
-            if self.store.exists(session.session_id):
+            outcome = self._store_one(session, item, work, budget)
+            if isinstance(outcome, dict):
+                failed.append(outcome)
+            elif outcome == "duplicate":
                 duplicates.append(session.session_id)
-                continue
+            else:
+                accepted.append(session.session_id)
+                kernel_hex = outcome
+                if kernel_hex and kernel_hex not in missing:
+                    missing.append(kernel_hex)
+        self.metrics.ingested.inc(len(accepted))
+        self.metrics.duplicates.inc(len(duplicates))
+        for r in rejected:
+            self.metrics.sessions_rejected.labels(r["reason"]).inc()
+        for f in failed:
+            self.metrics.sessions_failed.labels(f["reason"]).inc()
+        result: dict[str, Any] = {
+            "accepted": accepted,
+            "duplicates": duplicates,
+            "rejected": rejected,
+            "missing_kernels": missing,
+        }
+        if failed:
+            result["failed"] = failed
+        return result
+
+    def _store_one(
+        self, session: wire.Session, item: Any, work: _Work, budget: _Work
+    ) -> str | dict[str, Any]:
+        """Symbolize and store one valid session, if `budget` (left of this request) covers its `work`.
+
+        Returns "duplicate", the hex build id of a kernel whose symbols are missing ("" if none), or
+        the failure entry ({"id", "reason", "detail"}) when something on our side broke or the
+        session is put off to a next request.
+        """
+        sid = session.session_id
+        stage = "store_failed"
+        try:
+            if self.store.exists(sid):
+                return "duplicate"
+            if not budget.take(work):
+                detail = "the batch is over the work of one request; this session is taken in a next one"
+                return {"id": sid, "reason": "deferred", "detail": detail}
+            stage = "symbolize_failed"
             kernel_hex = session.kernel.build_id.hex()
             pending = (
                 bool(kernel_hex)
                 and any(t.kernel for t in session.traces)
                 and not self.kernel_known(kernel_hex)
             )
-            try:
-                profile = self._symbolize(session)
-            except Exception as e:
-                log.exception("symbolization failed. session=%s", session.session_id)
-                rejected.append({"id": session.session_id, "reason": "symbolize_failed", "detail": str(e)})
-                continue
+            profile = self._symbolize(session)
+            stage = "store_failed"
             stored = self.store.insert(
                 StoredSession(
                     meta=profile.meta,
@@ -425,23 +563,17 @@ class SymbolizerApp:
                     kernel_pending=pending,
                 )
             )
-            if not stored:
-                duplicates.append(session.session_id)
-                continue
-            accepted.append(session.session_id)
-            self.metrics.stored_bytes.inc(stored)
-            if pending and kernel_hex not in missing:
-                missing.append(kernel_hex)
-        self.metrics.ingested.inc(len(accepted))
-        self.metrics.duplicates.inc(len(duplicates))
-        for r in rejected:
-            self.metrics.sessions_rejected.labels(r["reason"]).inc()
-        return {
-            "accepted": accepted,
-            "duplicates": duplicates,
-            "rejected": rejected,
-            "missing_kernels": missing,
-        }
+        except Exception as e:
+            _log_failure("session not stored", e, session=sid, reason=stage)
+            # The database's path or URL stays in the log.
+            detail = (
+                "the database is unavailable" if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
+            )
+            return {"id": sid, "reason": stage, "detail": echo(detail)}
+        if not stored:
+            return "duplicate"
+        self.metrics.stored_bytes.inc(stored)
+        return kernel_hex if pending else ""
 
     def _symbolize(self, session: wire.Session) -> Profile:
         t0 = time.perf_counter()
@@ -541,8 +673,8 @@ class SymbolizerApp:
             return None
         try:
             profile = self._symbolize(wire.decode_session(raw))
-        except Exception:
-            log.exception("re-symbolization failed. session=%s", sid)
+        except Exception as e:
+            _log_failure("re-symbolization failed", e, session=sid)
             return None
         self.store.update_profile(sid, profile, kernel_pending=False)
         self.metrics.resymbolized.inc()

@@ -34,7 +34,7 @@ from .model import Frame, Profile, Sample, SessionMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -72,6 +72,8 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
             )""",
         ],
     ),
+    # Retention goes by the time the server received a session, not by the agent's clock.
+    (2, ["CREATE INDEX sessions_ingested ON sessions (ingested_ns, id)"]),
 ]
 
 
@@ -295,8 +297,11 @@ class Store:
 
     # -- writes -------------------------------------------------------------
 
-    def insert(self, rec: StoredSession) -> int:
-        """Store a session unless its id exists. Returns the bytes stored, 0 for a duplicate."""
+    def insert(self, rec: StoredSession, received_ns: int | None = None) -> int:
+        """Store a session unless its id exists. Returns the bytes stored, 0 for a duplicate.
+
+        `received_ns` (default: now) is what retention goes by.
+        """
         m = rec.meta
         profile = profile_to_blob(rec.profile)
         raw = zlib.compress(rec.raw, 6)
@@ -315,7 +320,7 @@ class Store:
                 m.comm,
                 _i64(m.start_ns),
                 _i64(m.duration_ns),
-                time.time_ns(),
+                time.time_ns() if received_ns is None else received_ns,
                 rec.kernel_build_id,
                 int(rec.kernel_pending),
                 meta_to_text(m),
@@ -408,22 +413,32 @@ class Store:
         return [meta_from_text(r[0]) for r in rows], int(total)
 
     def profiles(self, f: Filter, limit: int) -> Iterator[Profile]:
-        """The profiles of the newest `limit` sessions matching `f`, fetched in small pages."""
+        """The profiles of the newest `limit` sessions matching `f`, fetched in small pages.
+
+        Pages follow a key, (start_ns, id), not an offset: a session stored meanwhile cannot
+        shift the pages, so none is returned twice or skipped.
+        """
         where, params = self._where(f)
         done = 0
         page = 50
+        after: tuple[int, str] | None = None
         while done < limit:
+            clause, args = where, list(params)
+            if after is not None:
+                clause += (" AND " if clause else " WHERE ") + "(start_ns < ? OR (start_ns = ? AND id < ?))"
+                args += [after[0], after[0], after[1]]
             rows = self._fetch(
-                "SELECT meta, profile FROM sessions"
-                + where
-                + " ORDER BY start_ns DESC, id DESC LIMIT ? OFFSET ?",
-                [*params, min(page, limit - done), done],
+                "SELECT meta, profile, start_ns, id FROM sessions"
+                + clause
+                + " ORDER BY start_ns DESC, id DESC LIMIT ?",
+                [*args, min(page, limit - done)],
             )
             if not rows:
                 return
-            for meta, blob in rows:
+            for meta, blob, _, _ in rows:
                 yield profile_from_blob(bytes(blob), meta_from_text(meta))
             done += len(rows)
+            after = (int(rows[-1][2]), str(rows[-1][3]))
 
     def stats(self) -> tuple[int, int]:
         """(sessions, stored blob bytes)."""
@@ -433,7 +448,8 @@ class Store:
     # -- retention ----------------------------------------------------------
 
     def enforce_retention(self, now_ns: int | None = None) -> dict[str, int]:
-        """Delete sessions older than retention_days, then the oldest until under max_db_bytes.
+        """Delete sessions received more than retention_days ago, then the oldest received until
+        under max_db_bytes. By the server's clock: an agent's clock cannot keep a session forever.
 
         Returns how many were deleted, by reason ("age", "size").
         """
@@ -441,12 +457,13 @@ class Store:
         now_ns = time.time_ns() if now_ns is None else now_ns
         if self.retention_days is not None:
             cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
-            deleted["age"] = self._exec("DELETE FROM sessions WHERE start_ns < ?", (cutoff,))
+            deleted["age"] = self._exec("DELETE FROM sessions WHERE ingested_ns < ?", (cutoff,))
         if self.max_db_bytes is not None:
             used = self.stats()[1] + self.kernel_bytes()
             while used > self.max_db_bytes:
                 rows = self._fetch(
-                    "SELECT id, size_bytes FROM sessions ORDER BY start_ns, id LIMIT ?", (_RETENTION_BATCH,)
+                    "SELECT id, size_bytes FROM sessions ORDER BY ingested_ns, id LIMIT ?",
+                    (_RETENTION_BATCH,),
                 )
                 if not rows:
                     break

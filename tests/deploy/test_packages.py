@@ -8,6 +8,7 @@ systemd is PID 1 there, so scriptlets start and stop real units.
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import time
@@ -63,6 +64,11 @@ def test_deb_payload_and_conffiles(dist: Path) -> None:
     ]
     assert f"bistouri (= {FULL_VERSION})" in sh("dpkg-deb", "--field", agent, "Depends")
     assert "./lib/systemd/system/bistouri-agent.service" in sh("dpkg-deb", "--contents", agent)
+    symbolizer = sh("dpkg-deb", "--contents", dist / DEBS[2])
+    # May hold a database password: not world-readable (postinst gives it to the service's group).
+    assert re.search(r"^-rw-r----- root/root .* \./etc/default/bistouri-symbolizer$", symbolizer, re.M), (
+        symbolizer
+    )
 
 
 def test_rpm_payload_config_and_requires(dist: Path) -> None:
@@ -76,6 +82,8 @@ def test_rpm_payload_config_and_requires(dist: Path) -> None:
     # %config(noreplace): rpm keeps an edited file on upgrade and writes .rpmnew.
     dump = sh("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEFLAGS:fflags}\n]", agent)
     assert "/etc/bistouri/trigger.yaml cn" in dump
+    modes = sh("rpm", "-qp", "--qf", "[%{FILENAMES} %{FILEMODES:perms}\n]", dist / RPMS[2])
+    assert "/etc/sysconfig/bistouri-symbolizer -rw-r-----" in modes, modes
 
 
 def test_apt_resolves_the_dependencies_on_bookworm(dist: Path) -> None:
@@ -149,14 +157,24 @@ def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Pat
     ]
     wait_healthy(c)
     assert c.run("test -d /usr/lib/bistouri/python/bistouri/__pycache__", check=False).returncode == 0
+    # The env file, readable by the service's group only; the unit's bounds and cache directory.
+    env_stat = c.run("stat -c '%U:%G %a' /etc/default/bistouri-symbolizer").stdout.strip()
+    assert env_stat == "root:bistouri-symbolizer 640"
+    props = c.run("systemctl show -p MemoryMax -p TasksMax -p Environment bistouri-symbolizer").stdout
+    assert "MemoryMax=1073741824" in props and "TasksMax=256" in props, props
+    assert "BISTOURI_SYMBOLIZER_CACHE_DIR=/var/cache/bistouri-symbolizer" in props, props
+    started = c.run("journalctl -u bistouri-symbolizer --no-pager -o cat").stdout
+    assert "cache_dir=/var/cache/bistouri-symbolizer" in started, started[-2000:]
 
     # Upgrade to the same version again (dpkg runs the full upgrade path: prerm upgrade,
     # postinst configure <old>): config edits and the spool survive, the service restarts.
     c.run("echo '# local edit' >> /etc/default/bistouri-agent && touch /var/lib/bistouri/spool/keep.msgpack")
+    c.run("chmod 0644 /etc/default/bistouri-symbolizer")  # as an older package left it
     pid_before = c.run("systemctl show -p MainPID --value bistouri-symbolizer").stdout.strip()
     apt = "DEBIAN_FRONTEND=noninteractive apt-get -o Dpkg::Options::=--force-confold"
     c.run(f"{apt} install -y --reinstall {debs}")
     assert "# local edit" in c.run("cat /etc/default/bistouri-agent").stdout
+    assert c.run("stat -c '%a' /etc/default/bistouri-symbolizer").stdout.strip() == "640"
     assert c.run("test -f /var/lib/bistouri/spool/keep.msgpack", check=False).returncode == 0
     wait_active(c, "bistouri-symbolizer")
     assert c.run("systemctl show -p MainPID --value bistouri-symbolizer").stdout.strip() != pid_before
@@ -200,7 +218,8 @@ def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) 
     assert c.run("stat -c '%U' /var/lib/bistouri/spool").stdout.strip() == "bistouri"
     assert c.run("rpm -qf /usr/lib/systemd/system/bistouri-agent.service").returncode == 0
     assert "ExecStart=/usr/bin/bistouri agent" in c.run("systemctl cat bistouri-agent").stdout
-    assert c.run("test -f /etc/sysconfig/bistouri-symbolizer").returncode == 0
+    env_stat = c.run("stat -c '%U:%G %a' /etc/sysconfig/bistouri-symbolizer").stdout.strip()
+    assert env_stat == "root:bistouri-symbolizer 640"
     c.run("systemctl start bistouri-symbolizer")
     wait_active(c, "bistouri-symbolizer")
     wait_healthy(c)

@@ -59,3 +59,38 @@ def test_example_playbooks_pass_syntax_check() -> None:
             timeout=120,
         )
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(("token", "refused"), [("change-me", True), ("9f1c2e7a4b", False)])
+def test_symbolizer_preflight_refuses_the_sample_token(tmp_path: Path, token: str, refused: bool) -> None:
+    playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
+    if not playbook.exists():
+        pytest.skip("ansible-playbook is not installed: make venv")
+    play = tmp_path / "preflight.yml"
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "ansible.builtin.include_role": {
+                                "name": str(ROLES / "bistouri_symbolizer"),
+                                "tasks_from": "preflight",
+                            },
+                            "vars": {"bistouri_symbolizer_token": token},
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    r = subprocess.run(
+        [str(playbook), "-i", "localhost,", str(play)], capture_output=True, text=True, timeout=300
+    )
+    out = r.stdout + r.stderr
+    assert ("the sample value of the example inventory" in out) == refused, out[-3000:]
+    if refused:
+        assert r.returncode != 0

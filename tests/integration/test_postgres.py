@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from bistouri.symbolizer.store import Filter, Store, StoredSession
+from bistouri.symbolizer.store import SCHEMA_VERSION, Filter, Store, StoredSession
 
 from .conftest import (
     KERNEL_BUILD_ID,
@@ -131,7 +131,7 @@ def _record(sid: str, start_ns: int, service: str = "api") -> StoredSession:
 def test_store_on_postgres(fresh_db: str) -> None:
     s = Store(fresh_db, max_db_bytes=None)
     assert s.migrate() == 0
-    assert s.migrate() == 1  # idempotent
+    assert s.migrate() == SCHEMA_VERSION  # idempotent
     for i in range(12):
         assert s.insert(_record(f"p{i:02}", 10**18 + i * 10**9, "api" if i % 2 else "db")) > 0
     assert s.insert(_record("p00", 0)) == 0

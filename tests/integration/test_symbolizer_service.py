@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from .conftest import (
     metric_value,
     post_sessions,
     put_kernel,
+    stop,
     symbolizer_command,
 )
 
@@ -502,21 +504,29 @@ def test_startup_errors_are_clear(tmp_path: Path) -> None:
 def test_environment_flags_retention_and_metrics_port(
     symbolizer_server: Any, tmp_path: Path, demo_binary: DemoBinary
 ) -> None:
+    # A session whose agent's clock runs a century ahead, received 3 days ago (the database says so).
+    first = symbolizer_server(tmp_path, workers=1, binary_dir=demo_binary.dir)
+    old = make_session("old-1", demo_binary, start_ns=time.time_ns() + 100 * 365 * 86400 * 10**9)
+    assert post_sessions(first, [old]).json()["accepted"] == ["old-1"]
+    stop(first)
+    with sqlite3.connect(first.state_dir / "bistouri.db") as conn:
+        conn.execute("UPDATE sessions SET ingested_ns = ?", (time.time_ns() - 3 * 86400 * 10**9,))
     metrics_port = free_port()
     url = symbolizer_server(
         tmp_path,
         workers=1,
         metrics_port=metrics_port,
+        state_dir=first.state_dir,
         env={
             "BISTOURI_SYMBOLIZER_RETENTION_DAYS": "1",
             "BISTOURI_SYMBOLIZER_BINARY_DIR": str(demo_binary.dir),
         },
     )
-    old = make_session("old-1", demo_binary, start_ns=time.time_ns() - 3 * 86400 * 10**9)
     new = make_session("new-1", demo_binary, start_ns=time.time_ns())
-    r = post_sessions(url, [old, new])
-    assert r.status_code == 200 and r.json()["accepted"] == ["old-1", "new-1"]
-    # Retention ran after that ingest: the 3-day-old session went, the binary dir came from the environment.
+    r = post_sessions(url, [new])
+    assert r.status_code == 200 and r.json()["accepted"] == ["new-1"]
+    # Retention ran after that ingest: the session received 3 days ago went, whatever its start time
+    # said; the binary dir came from the environment.
     assert [s["id"] for s in requests.get(url + "/v1/sessions", timeout=10).json()["sessions"]] == ["new-1"]
     assert "main;middle_step;leaf_work" in folded(url, "new-1")
     m = f"http://127.0.0.1:{metrics_port}"

@@ -193,3 +193,13 @@ def test_a_long_pre_trigger_table_is_read_row_by_row_like_the_others():
     (m,) = wire.decode_batch(body)
     decoded = wire.session_from_wire(m)
     assert sorted(map(repr, decoded.traces)) == sorted(map(repr, s.traces))  # after, then before
+
+
+def test_a_session_over_the_symbolization_work_of_one_request_is_cut_to_fit():
+    # Two distinct frames per trace: 30 000 traces are 60 000 distinct frames, over the 50 000 a
+    # request may make the symbolizer resolve (it would refuse the session whole: 413).
+    s = sample_session(n_stacks=30_000)
+    data, left_out = wire.encode_session_to_fit(s)
+    frames, stacks, entries = wire.work_of(msgpack.unpackb(data, raw=False))
+    assert left_out > 0 and frames <= wire.MAX_FRAMES_PER_REQUEST
+    assert frames > 0.8 * wire.MAX_FRAMES_PER_REQUEST, "no more left out than needed"

@@ -140,11 +140,32 @@
     return new URL(path.replace(/^\//, ""), base).pathname + B.qs(params || {});
   };
 
+  // A service run with --read-token wants its token on reads too. The UI asks for it once (on the
+  // first 401) and keeps it in sessionStorage: this tab only, gone when it closes, never in a URL.
+  const TOKEN_KEY = "bistouri-token";
+  B.token = function () {
+    try {
+      return global.sessionStorage.getItem(TOKEN_KEY) || "";
+    } catch (e) {
+      return ""; // storage disabled (or a file:// report): no token
+    }
+  };
+  B.setToken = function (token) {
+    if (token) global.sessionStorage.setItem(TOKEN_KEY, token);
+    else global.sessionStorage.removeItem(TOKEN_KEY);
+  };
+  B.authHeaders = function (headers) {
+    const out = Object.assign({}, headers || {});
+    const token = B.token();
+    if (token) out.Authorization = "Bearer " + token;
+    return out;
+  };
+
   B.getJson = async function (path, params) {
     const url = B.apiUrl(path, params);
     let resp;
     try {
-      resp = await fetch(url, { headers: { Accept: "application/json" } });
+      resp = await fetch(url, { headers: B.authHeaders({ Accept: "application/json" }) });
     } catch (e) {
       throw new Error("cannot reach the symbolizer (" + e.message + ")");
     }
@@ -167,7 +188,41 @@
     container.replaceChildren(
       B.el("div", { class: "error", role: "alert" }, B.el("strong", null, "Error: "), err.message || String(err)),
     );
+    if (err && err.status === 401 && !global.document.getElementById("token-form")) container.append(tokenForm());
   };
+
+  // Asked on a 401: the token is kept for this tab, and the page loads again with it.
+  function tokenForm() {
+    const input = B.el("input", { type: "password", id: "token-input", autocomplete: "off",
+      placeholder: "bearer token", "aria-label": "Bearer token" });
+    return B.el("form", { class: "token-form", id: "token-form", onsubmit: function (ev) {
+      ev.preventDefault();
+      B.setToken(input.value.trim());
+      global.location.reload();
+    } },
+      B.el("span", null, B.token() ? "This token was refused. Another one: " : "This symbolizer asks for a token: "),
+      input,
+      B.el("button", { class: "btn btn-primary", type: "submit", id: "token-submit" }, "Use token"));
+  }
+
+  // Download links are plain <a href download>, which send no header: with a token, fetch the
+  // file with it and hand the browser the bytes.
+  if (global.document) {
+    global.document.addEventListener("click", async function (ev) {
+      const a = ev.target && ev.target.closest ? ev.target.closest("a[download]") : null;
+      if (!a || !B.token() || !new URL(a.href, global.location.href).pathname.includes("/v1/")) return;
+      ev.preventDefault();
+      const resp = await fetch(a.href, { headers: B.authHeaders() });
+      if (!resp.ok) return B.showError(a.parentNode, Object.assign(new Error(resp.status + " " + resp.statusText),
+        { status: resp.status }));
+      const blobUrl = URL.createObjectURL(await resp.blob());
+      const tmp = B.el("a", { href: blobUrl, download: a.getAttribute("download") });
+      global.document.body.append(tmp);
+      tmp.click();
+      tmp.remove();
+      setTimeout(function () { URL.revokeObjectURL(blobUrl); }, 10000);
+    });
+  }
 
   // Filters the list, merged and diff pages share.
   B.FILTER_KEYS = ["service", "host", "resource", "comm", "since", "until"];
