@@ -81,9 +81,11 @@ def test_empty_arrays_bomb(symbolizer_server: Callable[..., SymbolizerURL], tmp_
     assert r.status_code == 413 and "session.stacks has 16777216 entries" in r.json()["detail"], r.text
     assert _peak(url) <= MAX_WORKER_RSS
     # The most a request may make a worker decode: just under the value budget, all of it empty arrays.
+    # Decoded whole, then refused for the symbolization work its ~500 000 stacks would take.
     filler = msgpack_budget_filler(wire.MAX_BATCH_OBJECTS)
     r = requests.post(url + "/v1/sessions", data=filler, headers=GZIP_HEADERS, timeout=120)
-    assert r.status_code == 200 and r.json()["accepted"] == ["filler"], r.text
+    assert r.status_code == 413 and r.json()["rejected"][0]["id"] == "filler", r.text
+    assert f"at most {wire.MAX_FRAMES_PER_REQUEST}, {wire.MAX_STACKS_PER_REQUEST}" in r.text
     assert _peak(url) <= MAX_WORKER_RSS
 
 

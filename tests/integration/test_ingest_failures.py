@@ -13,6 +13,8 @@ from typing import Any
 
 import requests
 
+from bistouri import wire
+
 from .conftest import KERNEL_BUILD_ID, DemoBinary, make_session, metric_value, post_sessions, put_kernel
 from .fullfs import fill, small_tmpfs
 
@@ -94,8 +96,10 @@ def test_answers_echo_at_most_200_characters_of_the_request(symbolizer_server: A
     r = requests.get(url + "/v1/sessions", params={"since": huge[:3000]}, timeout=10)
     assert r.status_code == 400
     assert 0 < len(r.json()["detail"]) < 300
-    # A session with a long id, and a resource naming an attacker's text.
-    sessions = [{"v": 1, "id": huge}, {"v": 1, "id": "x", "trigger": {"resource": huge}}]
+    # A session with a long id, and a resource naming an attacker's text: just under the decoder's
+    # string limit, so that each session is refused on its own and its refusal echoes it.
+    long = huge[: wire.MAX_STR_BYTES]
+    sessions = [{"v": 1, "id": long}, {"v": 1, "id": "x", "trigger": {"resource": long}}]
     batch = msgpack.packb({"v": 1, "sessions": sessions})
     r = requests.post(
         url + "/v1/sessions",

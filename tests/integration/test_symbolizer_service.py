@@ -255,7 +255,7 @@ def _pack(obj: Any) -> bytes:
 
 # Each mutation makes one session certainly invalid (the rest of the map stays as it was).
 _BREAKERS: list[tuple[str, Any]] = [
-    ("v", 2),
+    ("v", 99),
     ("v", "1"),
     ("v", None),
     ("id", ""),
@@ -264,7 +264,7 @@ _BREAKERS: list[tuple[str, Any]] = [
     ("trigger", {"resource": "gpu"}),
     ("trigger", []),
     ("kernel", {"build_id": "not-bytes"}),
-    ("mappings", [b""]),
+    ("mappings", ["not-bytes"]),
     ("kframes", [-1]),
     ("kframes", [1.5]),
     ("uframes", [[7, 0, 0]]),
@@ -343,7 +343,13 @@ def bad_payloads(draw: Any) -> tuple[bytes, dict[str, str]]:
         broken = {k: v for k, v in valid.items() if k != key}
         return gzip.compress(_pack({"v": 1, "sessions": [broken]}), mtime=0), headers
     if kind == "batch_version":
-        v = draw(st.one_of(st.integers(-5, 100).filter(lambda x: x != 1), st.text(max_size=3), st.none()))
+        v = draw(
+            st.one_of(
+                st.integers(-5, 100).filter(lambda x: x not in wire.READABLE_VERSIONS),
+                st.text(max_size=3),
+                st.none(),
+            )
+        )
         return gzip.compress(_pack({"v": v, "sessions": [valid]}), mtime=0), headers
     if kind == "batch_shape":
         obj = draw(
