@@ -18,6 +18,7 @@ the ring buffer already holds samples.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from . import wire
     from .kernel import KernelMeta
     from .symbolizer.model import Profile
+
+log = logging.getLogger(__name__)
 
 RESOURCES = ("cpu", "memory", "io")
 # --format name -> the file it writes
@@ -453,8 +456,6 @@ def cmd_record(args: argparse.Namespace) -> int:
         print("error: give exactly one target: --pid, --cgroup, --comm or -- COMMAND", file=sys.stderr)
         return 2
     if args.log_level == "info":  # the default: progress lines say enough
-        import logging
-
         logging.getLogger("bistouri").setLevel(logging.WARNING)
     progress = Progress(show=args.progress)
     cgroup_root = procfs.find_cgroup2_mount(args.proc_path)
@@ -537,6 +538,7 @@ def _capture(
     for pid in procs:
         agent.set_pid_filter(pid, flags)
     agent.start()
+    log.debug("Sampling. pids=%s", ",".join(map(str, procs)))
     t0 = time.monotonic()
 
     # Sampling runs: what follows may take its time (imports, /proc reads).
