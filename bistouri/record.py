@@ -622,7 +622,7 @@ def _symbolize(
     kernels = symcache.CachedKallsyms(session.kernel.build_id, kernel_key, cache, args.proc_path)
     debug_dirs = [tree, *args.debug_dir]
 
-    def open_resolver() -> Any:
+    def open_resolver(file_lines: bool) -> Any:
         from typing import cast
 
         from .symbolizer.kallsyms import KallsymsStore
@@ -637,7 +637,7 @@ def _symbolize(
             registry=None,
         )
         # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
-        return Resolver(sources, cast(KallsymsStore, kernels), registry=None)
+        return Resolver(sources, cast(KallsymsStore, kernels), use_llvm=file_lines, registry=None)
 
     t1 = time.monotonic()
     progress.update("Symbolizing…", force=True)

@@ -437,12 +437,14 @@ def _frame_keys(session: wire.Session) -> tuple[dict[bytes, set[FrameKey]], set[
 def symbolize(
     session: wire.Session,
     cache: SymbolCache | None,
-    open_resolver: Callable[[], Resolver],
+    open_resolver: Callable[[bool], Resolver],
     kernel_key: str,
     debug_dirs: list[str],
     progress: Callable[[str], None] = lambda _text: None,
 ) -> tuple[Profile, SymbolizeStats]:
-    """Name every frame of `session`: from the cache, else through a resolver opened only if needed."""
+    """Name every frame of `session`: from the cache, else through a resolver opened only if needed
+    (`open_resolver(file_lines)`: file_lines False when only kernel addresses miss, which kallsyms
+    names without llvm-symbolizer)."""
     from . import wire
     from .symbolizer.model import Profile, Sample, SessionMeta
 
@@ -461,7 +463,7 @@ def symbolize(
     if missing or other_keys:
         stats.binaries = len(missing)
         progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
-        with open_resolver() as resolver:
+        with open_resolver(any(missing)) as resolver:  # b"", the kernel, is falsy
             for n, (module, miss) in enumerate(missing.items(), 1):
                 label = module.hex()[:12] if module else "the kernel"
                 progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
