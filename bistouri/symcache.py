@@ -193,7 +193,9 @@ class FrameEntry:
     """The cached frames of one binary (or kernel boot), and what they were made from."""
 
     frames: dict[FrameKey, Frames]
-    debug_file: str = ""  # the file DWARF came from, "" when names only: a debug file installed later wins
+    # Made with DWARF (file:line, inlines)? If not, a debug file installed later makes it stale.
+    # Not the file's path: record links the binaries from a new temporary tree at each run.
+    file_lines: bool = False
 
 
 class SymbolCache:
@@ -303,15 +305,18 @@ class SymbolCache:
             log.warning("Corrupt symbol cache entry ignored. key=%s error=%s", key, e)
             return None
 
-    def add_frames(self, key: str, new: dict[FrameKey, Frames], debug_file: str) -> None:
+    def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         """Merge `new` into the entry of `key` (what another run added meanwhile is kept)."""
         with self._locked():
             old = self.frames(key)
-            merged = dict(old.frames) if old is not None and old.debug_file == debug_file else {}
+            # Answers made with DWARF replace names-only ones, never the other way around.
+            if old is not None and old.file_lines and not file_lines:
+                return
+            merged = dict(old.frames) if old is not None and old.file_lines == file_lines else {}
             merged.update(new)
             if len(merged) > MAX_FRAMES_PER_FILE:  # keep the newest answers
                 merged = dict(list(merged.items())[-MAX_FRAMES_PER_FILE:])
-            self._write(key + ".frames", _KIND_FRAMES, _encode_frames(FrameEntry(merged, debug_file)))
+            self._write(key + ".frames", _KIND_FRAMES, _encode_frames(FrameEntry(merged, file_lines)))
             self.evict()
 
     # -- kernel symbols -------------------------------------------------------------------
@@ -350,7 +355,7 @@ def _encode_frames(entry: FrameEntry) -> bytes:
         [addr, int(leaf), [[f.name, f.module, f.file, f.line, f.kind, int(f.inlined)] for f in frames]]
         for (addr, leaf), frames in entry.frames.items()
     ]
-    return json.dumps({"debug_file": entry.debug_file, "frames": rows}, separators=(",", ":")).encode()
+    return json.dumps({"file_lines": entry.file_lines, "frames": rows}, separators=(",", ":")).encode()
 
 
 def _decode_frames(payload: bytes) -> FrameEntry:
@@ -365,7 +370,7 @@ def _decode_frames(payload: bytes) -> FrameEntry:
             f = Frame(str(name), str(module), str(file), int(line), str(kind), bool(inlined))
             out.append(interned.setdefault(f, f))
         frames[(int(addr), bool(leaf))] = tuple(out)
-    return FrameEntry(frames, str(doc.get("debug_file", "")))
+    return FrameEntry(frames, doc["file_lines"] is True)
 
 
 class CachedKallsyms:
@@ -518,16 +523,16 @@ def _remember(
     if module:
         mod = resolver.module(module)
         if mod is not None:
-            cache.add_frames(key, got, mod.dwarf_path or "")
+            cache.add_frames(key, got, bool(mod.dwarf_path) and resolver.file_lines)
         return
     named = {k: v for k, v in got.items() if not any(f.module == "[kernel]" for f in v)}
     if named:
-        cache.add_frames(key, named, "")
+        cache.add_frames(key, named, False)
 
 
 def _usable(entry: FrameEntry | None, module: bytes, debug_dirs: list[str]) -> FrameEntry | None:
     """An entry made without DWARF is dropped when a debug file for the binary has appeared since."""
-    if entry is None or entry.debug_file or not module:
+    if entry is None or entry.file_lines or not module:
         return entry
     hexid = module.hex()
     for d in debug_dirs:

@@ -202,8 +202,12 @@ def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, work
 
 
 def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
+    from bistouri import symcache
+    from tests.helpers import build_id
+
     cache = tmp_path / "cache"
     runs = []
+    kept = []  # addresses of `shares` in the cache after each run
     for i in range(2):
         out = tmp_path / f"o{i}"
         r = record(
@@ -212,6 +216,11 @@ def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
         )  # fmt: skip
         assert r.returncode == 0, r.stderr
         runs.append((json.loads((out / "summary.json").read_text()), folded(out / "profile.folded")))
+        entry = symcache.SymbolCache(cache).frames(build_id(workloads / "shares"))
+        assert entry is not None and entry.file_lines
+        kept.append(set(entry.frames))
+    # Each run adds to what the runs before it left (the temporary build-id tree changes every run).
+    assert kept[0] <= kept[1], kept
     (first, leaves1), (second, leaves2) = runs
     assert first["symbolization"]["cached"] == 0
     assert second["symbolization"]["cached"] > 0, second

@@ -33,19 +33,25 @@ def frames(n: int) -> dict[tuple[int, bool], tuple[Frame, ...]]:
 
 def test_frames_round_trip_and_merge_across_instances(tmp_path: Path) -> None:
     a = symcache.SymbolCache(tmp_path / "c")
-    a.add_frames("ab" * 20, frames(3), "/usr/lib/debug/x.debug")
+    a.add_frames("ab" * 20, frames(3), True)
     b = symcache.SymbolCache(tmp_path / "c")  # another run: what the first wrote is kept
-    b.add_frames("ab" * 20, {(0x9999, False): (Frame("late", "app"),)}, "/usr/lib/debug/x.debug")
+    b.add_frames("ab" * 20, {(0x9999, False): (Frame("late", "app"),)}, True)
     got = a.frames("ab" * 20)
-    assert got is not None and got.debug_file == "/usr/lib/debug/x.debug"
+    assert got is not None and got.file_lines
     assert got.frames == {**frames(3), (0x9999, False): (Frame("late", "app"),)}
     assert a.frames("cd" * 20) is None
+    # Names-only answers (no DWARF then) never replace answers with file:line; the reverse does.
+    a.add_frames("ab" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
+    assert (0x1, True) not in a.frames("ab" * 20).frames  # type: ignore[union-attr]
+    a.add_frames("cd" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
+    a.add_frames("cd" * 20, {(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
+    assert a.frames("cd" * 20) == symcache.FrameEntry({(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
 
 
 def _writer(root: str, first: int) -> None:
     cache = symcache.SymbolCache(root)
     for i in range(first, first + 40):
-        cache.add_frames("aa" * 20, {(i, True): (Frame(f"f_{i}", "m"),)}, "")
+        cache.add_frames("aa" * 20, {(i, True): (Frame(f"f_{i}", "m"),)}, False)
 
 
 def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
@@ -64,7 +70,7 @@ def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
 
 def test_a_corrupt_file_is_removed_and_never_trusted(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(tmp_path)
-    cache.add_frames("ab" * 20, frames(5), "")
+    cache.add_frames("ab" * 20, frames(5), False)
     path = tmp_path / ("ab" * 20 + ".frames")
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x20  # one flipped bit in the payload: the CRC catches it
@@ -79,7 +85,7 @@ def test_bounded_in_bytes_least_recently_used_first(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(tmp_path, max_bytes=1)
     cache.max_bytes = 10**9
     for i, key in enumerate(("aa" * 20, "bb" * 20, "cc" * 20)):
-        cache.add_frames(key, frames(200), "")
+        cache.add_frames(key, frames(200), False)
         os.utime(tmp_path / f"{key}.frames", (1000 + i, 1000 + i))
     one = (tmp_path / ("aa" * 20 + ".frames")).stat().st_size
     assert cache.frames("aa" * 20) is not None  # a hit makes it the most recently used
@@ -145,7 +151,7 @@ def test_a_planted_link_in_the_cache_is_not_followed(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(cache_dir)
     (cache_dir / ("ab" * 20 + ".frames")).symlink_to(victim)
     assert cache.frames("ab" * 20) is None
-    cache.add_frames("ab" * 20, frames(1), "")
+    cache.add_frames("ab" * 20, frames(1), False)
     assert victim.read_bytes() == b"precious"
     assert not (cache_dir / ("ab" * 20 + ".frames")).is_symlink()
     assert cache.frames("ab" * 20) is not None
