@@ -468,7 +468,7 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     tree = BuildIdTree(tempfile.mkdtemp(prefix="bistouri-record-"), args.proc_path)
     agent = ProfilerAgent(
-        ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.1)
+        ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.25)
     )
     stop: list[bool] = []
     old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
@@ -585,8 +585,8 @@ def _capture(
         if child is not None and child.poll() is not None:
             break
         agent.check_thread()
-        count([ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample])
-        if time.monotonic() - last_refresh > 0.5:
+        count([ev for ev in agent.take(timeout=0.25) if type(ev) is StackSample])
+        if time.monotonic() - last_refresh > 1.0:  # new processes, mapped files, progress
             last_refresh = time.monotonic()
             new = {p: c for p, c in targets.current().items() if p not in known}
             if new:
@@ -641,8 +641,16 @@ def _symbolize(
 
     t1 = time.monotonic()
     progress.update("Symbolizing…", force=True)
+    # A vmlinux with DWARF could only come from --debug-dir or debuginfod: without them, kallsyms.
+    direct = None if (args.debug_dir or args.debuginfod_url) else kernels
     profile, stats = symcache.symbolize(
-        session, cache, open_resolver, kernel_key, debug_dirs, lambda text: progress.update(text, force=True)
+        session,
+        cache,
+        open_resolver,
+        kernel_key,
+        debug_dirs,
+        lambda text: progress.update(text, force=True),
+        kallsyms=direct,
     )
     progress.done(
         f"Symbolized {stats.addresses} addresses ({stats.cached} from the cache) "

@@ -390,6 +390,26 @@ class CachedKallsyms:
         hexid = build_id.hex() if isinstance(build_id, bytes) else build_id
         return bool(hexid) and hexid == self.build_id_hex and not self.failed
 
+    def frames(self, keys: list[FrameKey]) -> dict[FrameKey, Frames] | None:
+        """Kernel addresses named from kallsyms alone, as the resolver names them when it has no
+        vmlinux with DWARF: without importing the resolver (a rerun's few new kernel addresses
+        would cost its imports). None when the symbols are unavailable."""
+        from .symbolizer.demangle import demangle
+        from .symbolizer.model import KIND_KERNEL, Frame
+
+        index = self.get(self.build_id_hex)
+        if index is None:
+            return None
+        out: dict[FrameKey, Frames] = {}
+        for ip, leaf in keys:
+            hit = index.lookup(ip if leaf else ip - 1)  # a return address points after its call
+            if hit is not None:
+                frame = Frame(demangle(hit[0]), hit[1] or "vmlinux", kind=KIND_KERNEL)
+            else:
+                frame = Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=KIND_KERNEL)
+            out[(ip, leaf)] = (frame,)
+        return out
+
     def get(self, build_id: bytes | str) -> CompactKallsyms | None:
         if not self.has(build_id):
             return None
@@ -446,10 +466,12 @@ def symbolize(
     kernel_key: str,
     debug_dirs: list[str],
     progress: Callable[[str], None] = lambda _text: None,
+    kallsyms: CachedKallsyms | None = None,
 ) -> tuple[Profile, SymbolizeStats]:
     """Name every frame of `session`: from the cache, else through a resolver opened only if needed
     (`open_resolver(file_lines)`: file_lines False when only kernel addresses miss, which kallsyms
-    names without llvm-symbolizer)."""
+    names without llvm-symbolizer). With `kallsyms` (no vmlinux debug file can be found), kernel
+    addresses are named from it directly."""
     from . import wire
     from .symbolizer.model import Profile, Sample, SessionMeta
 
@@ -464,9 +486,17 @@ def symbolize(
         stats.cached += len(wanted) - len(miss)
         if miss:
             missing[module] = sorted(miss)
+    if b"" in missing and kallsyms is not None:
+        got_kernel = kallsyms.frames(missing[b""])
+        if got_kernel is not None:
+            del missing[b""]
+            known[b""].update(got_kernel)
+            stats.binaries += 1
+            if cache is not None:
+                _remember_kernel(cache, _key(b"", kernel_key), got_kernel)
     other: dict[tuple[wire.UserFrame, bool], Frames] = {}
     if missing or other_keys:
-        stats.binaries = len(missing)
+        stats.binaries += len(missing)
         progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
         with open_resolver(any(missing)) as resolver:  # b"", the kernel, is falsy
             for n, (module, miss) in enumerate(missing.items(), 1):
@@ -524,7 +554,11 @@ def _remember(
         mod = resolver.module(module)
         if mod is not None:
             cache.add_frames(key, got, bool(mod.dwarf_path) and resolver.file_lines)
-        return
+    else:
+        _remember_kernel(cache, key, got)
+
+
+def _remember_kernel(cache: SymbolCache, key: str, got: dict[FrameKey, Frames]) -> None:
     named = {k: v for k, v in got.items() if not any(f.module == "[kernel]" for f in v)}
     if named:
         cache.add_frames(key, named, False)

@@ -155,3 +155,32 @@ def test_a_planted_link_in_the_cache_is_not_followed(tmp_path: Path) -> None:
     assert victim.read_bytes() == b"precious"
     assert not (cache_dir / ("ab" * 20 + ".frames")).is_symlink()
     assert cache.frames("ab" * 20) is not None
+
+
+def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: Path) -> None:
+    """record names new kernel addresses from kallsyms itself (no resolver import): same answers."""
+    from bistouri import wire
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+
+    build_id = b"\x42" * 20
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "kallsyms").write_bytes(KALLSYMS)
+    ips = [0xFFFFFFFF81001010, 0xFFFFFFFF81002000, 0xFFFFFFFF81002001, 0xFFFFFFFFC0001002, 0xFFFFFFFF70000000]
+    keys = [(ip, leaf) for ip in ips for leaf in (True, False)]
+    direct = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
+    got = direct.frames(keys)
+    store = KallsymsStore(str(tmp_path / "state"))
+    store.put(build_id, KALLSYMS)
+    session = wire.Session(
+        "s", wire.Trigger("cpu"), wire.KernelInfo("6.1", build_id, 0xFFFFFFFF81000000), 0, 1, 1
+    )
+    with Resolver(kernels=store, use_llvm=False, registry=None) as resolver:
+        want = symcache._resolve(resolver, session, b"", keys)
+    assert got == want
+    assert got[(0xFFFFFFFF81002000, False)][0].name == "do_syscall_64"  # a call site: address - 1
+    # The compact index went to the cache: the next run reads no /proc/kallsyms.
+    (proc / "kallsyms").unlink()
+    again = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
+    assert again.frames(keys) == got
