@@ -22,6 +22,8 @@ APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-c
 	dpkg-dev lintian rpm rpmlint fakeroot
 APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY)
 APT_DEMO := $(APT_BUILD) llvm-19
+# What bench/bench_record.py compares `bistouri record` with.
+APT_BENCH := linux-perf bpftrace
 
 export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export PYTHONDONTWRITEBYTECODE := 1
@@ -53,12 +55,16 @@ endef
 
 APT_STAMP := .cache/apt-$(shell echo $(APT_ALL) | md5sum | cut -c1-8).stamp
 APT_DEMO_STAMP := .cache/apt-demo-$(shell echo $(APT_DEMO) | md5sum | cut -c1-8).stamp
+APT_BENCH_STAMP := .cache/apt-bench-$(shell echo $(APT_BENCH) | md5sum | cut -c1-8).stamp
 
 $(APT_STAMP):
 	$(call apt_install,$(APT_ALL))
 
 $(APT_DEMO_STAMP):
 	$(call apt_install,$(APT_DEMO))
+
+$(APT_BENCH_STAMP):
+	$(call apt_install,$(APT_BENCH))
 
 deps: $(APT_STAMP)
 deps-demo: $(APT_DEMO_STAMP)
@@ -107,7 +113,7 @@ test: bpf venv fixtures lint typecheck
 test-fast: venv
 	$(VENV)/bin/pytest -q tests/unit
 
-bench: bpf venv fixtures
+bench: bpf venv fixtures $(APT_BENCH_STAMP)
 	$(VPY) -m bench $(BENCH_ARGS)
 
 demo: bpf venv-runtime fixtures

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ("bench.bench_agent", "bench.bench_symbolize", "bench.bench_ingest")
+BENCHES = ("bench.bench_agent", "bench.bench_symbolize", "bench.bench_ingest", "bench.bench_record")
 
 
 def main() -> int:

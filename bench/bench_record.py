@@ -15,10 +15,11 @@ interleaved rounds. Measured per run:
 - the shares it reports for the three functions (leaf samples).
 
 bistouri runs twice per round: with an empty symbol cache (first run on these
-binaries) and with the cache the first run left ("seen before"). Its bytecode is
-compiled first (into a private pycache prefix), as it is in an installed package.
-Run as root: `python -m bench.bench_record`; `--write-docs` puts the table into
-docs/benchmarks.md.
+binaries) and with a cache that earlier runs filled ("seen before": an unmeasured
+2 s run first, then each warm run adds what it met). Its bytecode is compiled
+first (into a private pycache prefix), as it is in an installed package.
+Run as root: `python -m bench.bench_record`; the table goes into
+docs/benchmarks.md (between its bench_record markers) unless `--no-docs`.
 """
 
 from __future__ import annotations
@@ -160,12 +161,13 @@ def compile_bytecode(prefix: Path) -> dict[str, str]:
     return env
 
 
-def warm_up(env: dict[str, str], work: Path) -> None:
-    """One unmeasured run: the standard library's bytecode lands in the private pycache prefix too."""
-    workload = subprocess.Popen([str(SHARES), "5"])
+def warm_up(env: dict[str, str], work: Path, cache: Path, freq: int) -> None:
+    """One unmeasured run: the standard library's bytecode lands in the private pycache prefix too,
+    and the binaries are seen once."""
+    workload = subprocess.Popen([str(SHARES), "10"])
     try:
         time.sleep(0.3)
-        run_bistouri(workload.pid, 0.5, 99, work / "warm-up-cache", work, env)
+        run_bistouri(workload.pid, 2, freq, cache, work, env)
     finally:
         workload.kill()
         workload.wait()
@@ -219,7 +221,8 @@ def write_docs(results: dict) -> None:
     block = (
         f"{DOC_START}\n{table(results)}\n\n"
         f"{results['rounds']} interleaved rounds of {results['seconds']:g} s at {results['freq_hz']} Hz "
-        f"(ranges; one median of each: see `bench/results/record.json`), {time.strftime('%Y-%m-%d')}.\n"
+        f"(ranges; medians in `bench/results/record.json`), {time.strftime('%Y-%m-%d')}, load average "
+        f"{results['load_average_1min']:.1f} at the end (2 vCPUs).\n"
         f"{DOC_END}"
     )
     if DOC_START in text:
@@ -235,7 +238,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8)
     ap.add_argument("--freq", type=int, default=999)
     ap.add_argument("--out", default=str(ROOT / "bench/results/record.json"))
-    ap.add_argument("--write-docs", action="store_true", help="put the table into docs/benchmarks.md")
+    ap.add_argument(
+        "--no-docs",
+        dest="write_docs",
+        action="store_false",
+        help="do not put the table into docs/benchmarks.md",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_record needs root (BPF, perf events)", file=sys.stderr)
@@ -246,17 +254,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bistouri-bench-record-") as tmp:
         work = Path(tmp)
         env = compile_bytecode(work / "pycache")
-        warm_up(env, work)
+        warm_cache = work / "cache-warm"
+        warm_up(env, work, warm_cache, args.freq)
         for rnd in range(args.rounds):
             workload = subprocess.Popen([str(SHARES), str(args.seconds * 6 + 10)])
             try:
                 time.sleep(0.5)
-                cache = work / f"cache-{rnd}"
-                steps = ["bistouri_cold", "bistouri_warm"]  # the second run finds the first's cache
+                cold_cache = work / f"cache-cold-{rnd}"
+                steps = ["bistouri_cold", "bistouri_warm"]
                 steps += ["perf"] if have_perf else []
                 steps += ["bpftrace"] if have_bpftrace else []
                 for name in steps:
                     if name.startswith("bistouri"):
+                        cache = cold_cache if name == "bistouri_cold" else warm_cache
                         r = run_bistouri(workload.pid, args.seconds, args.freq, cache, work, env)
                     elif name == "perf":
                         r = run_perf(workload.pid, args.seconds, args.freq, work)
@@ -273,6 +283,7 @@ def main() -> int:
                 workload.kill()
                 workload.wait()
     results = {
+        "load_average_1min": os.getloadavg()[0],
         "rounds": args.rounds,
         "seconds": args.seconds,
         "freq_hz": args.freq,
