@@ -184,3 +184,38 @@ def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: 
     (proc / "kallsyms").unlink()
     again = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
     assert again.frames(keys) == got
+
+
+def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None:
+    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver."""
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+    from tests.ui import data
+
+    kernels = KallsymsStore(str(tmp_path / "state"))
+    kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
+
+    def no_resolver(file_lines: bool) -> Resolver:
+        raise AssertionError("everything should come from the cache")
+
+    def render(p) -> list[str]:
+        return [formats.folded(p, v) for v in ("on_cpu", "off_cpu", "off_cpu_ns")]
+
+    sessions = data.ui_sessions()
+    for session in sessions.values():
+        with resolver() as r:
+            want = render(r.symbolize(session))
+        cache = symcache.SymbolCache(tmp_path / "cache")
+        got, stats = symcache.symbolize(session, cache, resolver, "k-ui", [])
+        assert render(got) == want
+        assert got.meta == r.symbolize(session).meta
+        again, stats = symcache.symbolize(
+            session, symcache.SymbolCache(tmp_path / "cache"), no_resolver, "k-ui", []
+        )
+        assert render(again) == want and stats.cached == stats.addresses
+        assert "main;" in want[0] and "_[k]" in want[0]  # user and kernel frames were named
