@@ -194,8 +194,10 @@ def table(results: dict) -> str:
     r = results["tools"]
 
     def rng(t: str, k: str, fmt: str) -> str:
+        """median (min-max)"""
         lo, hi = r[t]["ranges"][k]
-        return f"{lo:{fmt}}-{hi:{fmt}}" if f"{lo:{fmt}}" != f"{hi:{fmt}}" else f"{lo:{fmt}}"
+        spread = f" ({lo:{fmt}}-{hi:{fmt}})" if f"{lo:{fmt}}" != f"{hi:{fmt}}" else ""
+        return f"**{r[t][k]:{fmt}}**{spread}"
 
     lines = [
         "| | " + " | ".join(names[t] for t in tools) + " |",
@@ -221,7 +223,7 @@ def write_docs(results: dict) -> None:
     block = (
         f"{DOC_START}\n{table(results)}\n\n"
         f"{results['rounds']} interleaved rounds of {results['seconds']:g} s at {results['freq_hz']} Hz "
-        f"(ranges; medians in `bench/results/record.json`), {time.strftime('%Y-%m-%d')}, load average "
+        f"(median, min-max), {time.strftime('%Y-%m-%d')}, load average "
         f"{results['load_average_1min']:.1f} at the end (2 vCPUs).\n"
         f"{DOC_END}"
     )

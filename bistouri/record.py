@@ -338,7 +338,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     out = OutputDir.open(args.output)
     tree = BuildIdTree(args.proc_path)
     agent = ProfilerAgent(
-        ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.25)
+        ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.1)
     )
     stop: list[bool] = []
     old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
@@ -453,7 +453,7 @@ def _capture(
         if child is not None and child.poll() is not None:
             break
         agent.check_thread()
-        count([ev for ev in agent.take(timeout=0.25) if type(ev) is StackSample])
+        count([ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample])
         if time.monotonic() - last_refresh > 1.0:  # new processes, mapped files, progress
             last_refresh = time.monotonic()
             new = {p: c for p, c in targets.current().items() if p not in known}
