@@ -10,14 +10,15 @@ interleaved rounds. Measured per run:
   of `perf script`; bpftrace: `nsecs` of its first sample);
 - CPU: user + system time of the tool and its children (`wait4` rusage; perf:
   `perf record` + `perf script`);
-- peak RSS (`ru_maxrss`; perf: the larger of record and script); bistouri's capture
-  peak is reported apart from its overall peak (symbolization, after the capture);
+- peak RSS (`ru_maxrss`; perf: the larger of record and script); bistouri's peaks
+  while capturing and while symbolizing (after the capture) apart, from its
+  summary.json;
 - the shares it reports for the three functions (leaf samples).
 
 bistouri runs twice per round: with an empty symbol cache (first run on these
 binaries) and with a cache that earlier runs filled ("seen before": an unmeasured
-2 s run first, then each warm run adds what it met). Its bytecode is compiled
-first (into a private pycache prefix), as it is in an installed package.
+2 s run first, then each warm run adds what it met). It is started as the
+package's /usr/bin/bistouri starts it (`python3 -I`, bytecode compiled first).
 Run as root: `python -m bench.bench_record`; the table goes into
 docs/benchmarks.md (between its bench_record markers) unless `--no-docs`.
 """
@@ -43,6 +44,17 @@ DOCS = ROOT / "docs/benchmarks.md"
 FUNCTIONS = ("work_seventy", "work_twenty", "work_ten")
 DOC_START = "<!-- bench_record: start -->"
 DOC_END = "<!-- bench_record: end -->"
+# As packaging/bin/bistouri starts it: the system interpreter in isolated mode, the package and its
+# dependencies first on sys.path (here the source tree and the virtualenv's site-packages, without
+# the editable install's import hook, which costs ~9 ms of start-up an installed package has not).
+SITE_PACKAGES = next((ROOT / ".venv/lib").glob("python3*/site-packages"), ROOT)
+LAUNCHER = [
+    "/usr/bin/python3",
+    "-I",
+    "-c",
+    f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(SITE_PACKAGES)!r}]; "
+    "from bistouri.cli import main; sys.exit(main())",
+]
 
 
 def run_measured(argv: list[str], env: dict[str, str] | None = None, **kw) -> tuple[int, float, float, int]:
@@ -61,13 +73,11 @@ def shares_of(leaves: Counter) -> dict[str, float]:
     return {f: 100 * leaves[f] / total for f in FUNCTIONS}
 
 
-def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path, env: dict[str, str]) -> dict:
+def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path) -> dict:
     out = work / f"bistouri-{time.monotonic_ns()}"
-    argv = [sys.executable, "-m", "bistouri", "record", "--pid", str(pid), "-d", str(seconds)]
+    argv = [*LAUNCHER, "record", "--pid", str(pid), "-d", str(seconds)]
     argv += ["-F", str(freq), "-o", str(out), "--format", "folded,summary", "--cache-dir", str(cache)]
-    launch, cpu, rss, _ = run_measured(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT
-    )
+    launch, cpu, rss, _ = run_measured(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work)
     summary = json.loads((out / "summary.json").read_text())
     leaves: Counter = Counter()
     for line in (out / "profile.folded").read_text().splitlines():
@@ -78,8 +88,11 @@ def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path, e
     return {
         "first_sample_ms": (cap["first_sample_monotonic_ns"] - launch) / 1e6,
         "cpu_s": cpu,
-        "rss_mb": rss,
+        # record resets its peak after the capture (clear_refs), which ru_maxrss follows: the overall
+        # peak is the larger of the two phases'.
+        "rss_mb": max(rss, cap["peak_rss_bytes"] / 2**20),
         "capture_rss_mb": cap["peak_rss_bytes"] / 2**20,
+        "symbolize_rss_mb": summary["symbolization"]["peak_rss_bytes"] / 2**20,
         "cached": summary["symbolization"]["cached"],
         "addresses": summary["symbolization"]["addresses"],
         "shares": shares_of(leaves),
@@ -153,21 +166,19 @@ def run_bpftrace(pid: int, seconds: float, freq: int, work: Path) -> dict:
     }
 
 
-def compile_bytecode(prefix: Path) -> dict[str, str]:
-    """An environment where bistouri's bytecode is precompiled, as in an installed package."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "bistouri")], env=env, check=True)
-    return env
+def compile_bytecode() -> None:
+    """bistouri's bytecode, as an installed package has it (in isolated mode the interpreter writes
+    it into the source tree's __pycache__, whatever PYTHONDONTWRITEBYTECODE says)."""
+    subprocess.run([*LAUNCHER[:2], "-m", "compileall", "-q", str(ROOT / "bistouri")], check=True)
 
 
-def warm_up(env: dict[str, str], work: Path, cache: Path, freq: int) -> None:
+def warm_up(work: Path, cache: Path, freq: int) -> None:
     """One unmeasured run: the standard library's bytecode lands in the private pycache prefix too,
     and the binaries are seen once."""
     workload = subprocess.Popen([str(SHARES), "10"])
     try:
         time.sleep(0.3)
-        run_bistouri(workload.pid, 2, freq, cache, work, env)
+        run_bistouri(workload.pid, 2, freq, cache, work)
     finally:
         workload.kill()
         workload.wait()
@@ -208,8 +219,9 @@ def table(results: dict) -> str:
         "| CPU per run (s) | " + " | ".join(rng(t, "cpu_s", ".2f") for t in tools) + " |",
         "| peak RSS (MB) | " + " | ".join(rng(t, "rss_mb", ".0f") for t in tools) + " |",
     ]
-    cap = [f"{r[t]['capture_rss_mb']:.0f}" if "capture_rss_mb" in r[t] else "-" for t in tools]
-    lines.append("| of which while capturing (MB) | " + " | ".join(cap) + " |")
+    for key, label in (("capture_rss_mb", "capturing"), ("symbolize_rss_mb", "symbolizing, writing")):
+        cells = [f"{r[t][key]:.0f}" if key in r[t] else "-" for t in tools]
+        lines.append(f"| peak RSS {label} (MB) | " + " | ".join(cells) + " |")
     lines.append(
         "| hot/warm/cold shares (truth 70/20/10) | "
         + " | ".join("/".join(f"{r[t]['shares'][f]:.1f}" for f in FUNCTIONS) for t in tools)
@@ -255,9 +267,9 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"bistouri_cold": [], "bistouri_warm": []}
     with tempfile.TemporaryDirectory(prefix="bistouri-bench-record-") as tmp:
         work = Path(tmp)
-        env = compile_bytecode(work / "pycache")
+        compile_bytecode()
         warm_cache = work / "cache-warm"
-        warm_up(env, work, warm_cache, args.freq)
+        warm_up(work, warm_cache, args.freq)
         for rnd in range(args.rounds):
             workload = subprocess.Popen([str(SHARES), str(args.seconds * 6 + 10)])
             try:
@@ -269,7 +281,7 @@ def main() -> int:
                 for name in steps:
                     if name.startswith("bistouri"):
                         cache = cold_cache if name == "bistouri_cold" else warm_cache
-                        r = run_bistouri(workload.pid, args.seconds, args.freq, cache, work, env)
+                        r = run_bistouri(workload.pid, args.seconds, args.freq, cache, work)
                     elif name == "perf":
                         r = run_perf(workload.pid, args.seconds, args.freq, work)
                     else:
