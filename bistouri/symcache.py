@@ -307,6 +307,12 @@ class SymbolCache:
 
     def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         """Merge `new` into the entry of `key` (what another run added meanwhile is kept)."""
+        try:
+            self._add_frames(key, new, file_lines)
+        except OSError as e:  # disk full, a planted link: the cache helps, it must never cost a capture
+            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
+
+    def _add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         with self._locked():
             old = self.frames(key)
             # Answers made with DWARF replace names-only ones, never the other way around.
@@ -331,9 +337,12 @@ class SymbolCache:
             return None
 
     def put_kallsyms(self, key: str, index: CompactKallsyms) -> None:
-        with self._locked():
-            self._write(key + ".kallsyms", _KIND_KALLSYMS, index.to_bytes())
-            self.evict()
+        try:
+            with self._locked():
+                self._write(key + ".kallsyms", _KIND_KALLSYMS, index.to_bytes())
+                self.evict()
+        except OSError as e:
+            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
 
 
 def _frame(kind: int, payload: bytes) -> bytes:

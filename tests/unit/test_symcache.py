@@ -219,3 +219,12 @@ def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None
         )
         assert render(again) == want and stats.cached == stats.addresses
         assert "main;" in want[0] and "_[k]" in want[0]  # user and kernel frames were named
+
+
+def test_a_cache_that_cannot_be_written_costs_nothing_but_the_cache(tmp_path: Path) -> None:
+    cache = symcache.SymbolCache(tmp_path)
+    (tmp_path / ".lock").symlink_to(tmp_path / "elsewhere")  # a planted lock: O_NOFOLLOW refuses it
+    cache.add_frames("ab" * 20, frames(2), False)  # logged, not raised
+    cache.put_kallsyms("k-1", symcache.CompactKallsyms.of(parse_kallsyms(KALLSYMS)))
+    assert cache.frames("ab" * 20) is None and cache.kallsyms("k-1") is None
+    assert not (tmp_path / "elsewhere").exists()
