@@ -494,7 +494,7 @@ def symbolize(
         miss = [k for k in wanted if k not in have]
         stats.cached += len(wanted) - len(miss)
         if miss:
-            missing[module] = sorted(miss)
+            missing[module] = sorted(_with_neighbours(miss, have) if module else miss)
     if b"" in missing and kallsyms is not None:
         got_kernel = kallsyms.frames(missing[b""])
         if got_kernel is not None:
@@ -549,6 +549,30 @@ def symbolize(
             )
         )
     return Profile(SessionMeta.from_wire(session), frames_out, samples), stats
+
+
+NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
+MAX_NEIGHBOURS = 20_000  # extra addresses resolved per binary and run
+
+
+def _with_neighbours(miss: list[FrameKey], have: dict[FrameKey, Frames]) -> set[FrameKey]:
+    """The missing addresses, and the bytes around each missing leaf address.
+
+    A sampled loop lands on neighbouring instructions from one run to the next; resolving the
+    bytes around a new leaf once (instruction boundaries are unknown: every byte; llvm answers
+    for any byte of an instruction) lets the next runs find them in the cache instead of starting
+    the resolver and llvm-symbolizer for a handful of addresses. Call sites (not leaves) are return
+    addresses, the same every run: no neighbours."""
+    out = set(miss)
+    budget = MAX_NEIGHBOURS
+    for addr, leaf in miss:
+        if not leaf:
+            continue
+        for near in range(max(0, addr - NEIGHBOUR_BYTES), addr + NEIGHBOUR_BYTES + 1):
+            if (near, True) not in have and (near, True) not in out and budget > 0:
+                out.add((near, True))
+                budget -= 1
+    return out
 
 
 def _key(module: bytes, kernel_key: str) -> str:

@@ -228,3 +228,37 @@ def test_a_cache_that_cannot_be_written_costs_nothing_but_the_cache(tmp_path: Pa
     cache.put_kallsyms("k-1", symcache.CompactKallsyms.of(parse_kallsyms(KALLSYMS)))
     assert cache.frames("ab" * 20) is None and cache.kallsyms("k-1") is None
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_bytes_around_a_new_leaf_are_cached_for_the_next_run(tmp_path: Path) -> None:
+    """A loop's next samples land on neighbouring instructions: they need no resolver then."""
+    import dataclasses
+
+    from bistouri import wire
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+    from tests.ui import data
+
+    kernels = KallsymsStore(str(tmp_path / "state"))
+    kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
+
+    def no_resolver(file_lines: bool) -> Resolver:
+        raise AssertionError("the neighbours should come from the cache")
+
+    session = next(iter(data.ui_sessions().values()))
+    symcache.symbolize(session, symcache.SymbolCache(tmp_path / "c"), resolver, "k-ui", [])
+    t = next(t for t in session.traces if t.user and t.user[0].kind == wire.FRAME_RESOLVED)
+    for delta in (-symcache.NEIGHBOUR_BYTES, 1, symcache.NEIGHBOUR_BYTES):
+        leaf = dataclasses.replace(t.user[0], address=t.user[0].address + delta)
+        moved = dataclasses.replace(session, traces=[dataclasses.replace(t, user=(leaf, *t.user[1:]))])
+        got, _ = symcache.symbolize(moved, symcache.SymbolCache(tmp_path / "c"), no_resolver, "k-ui", [])
+        with resolver() as r:
+            want = r.symbolize(moved)
+        views = ("on_cpu", "off_cpu_ns")
+        assert [formats.folded(got, v) for v in views] == [formats.folded(want, v) for v in views]
+        assert "".join(formats.folded(got, v) for v in views).count("\n") == 1
