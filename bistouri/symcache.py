@@ -488,8 +488,11 @@ def symbolize(
     stats = SymbolizeStats(addresses=sum(map(len, keys.values())) + len(other_keys))
     known: dict[bytes, dict[FrameKey, Frames]] = {}  # build id (b"": the kernel) -> answers
     missing: dict[bytes, list[FrameKey]] = {}
+    names_only: set[bytes] = set()  # binaries known to have no DWARF: llvm-symbolizer has nothing for them
     for module, wanted in keys.items():
         entry = _usable(cache.frames(_key(module, kernel_key)), module, debug_dirs) if cache else None
+        if entry is not None and not entry.file_lines:
+            names_only.add(module)
         have = known[module] = dict(entry.frames) if entry is not None else {}
         miss = [k for k in wanted if k not in have]
         stats.cached += len(wanted) - len(miss)
@@ -507,7 +510,8 @@ def symbolize(
     if missing or other_keys:
         stats.binaries += len(missing)
         progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
-        with open_resolver(any(missing)) as resolver:  # b"", the kernel, is falsy
+        # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
+        with open_resolver(any(m and m not in names_only for m in missing)) as resolver:
             for n, (module, miss) in enumerate(missing.items(), 1):
                 label = module.hex()[:12] if module else "the kernel"
                 progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
