@@ -172,6 +172,27 @@ def compile_bytecode() -> None:
     subprocess.run([*LAUNCHER[:2], "-m", "compileall", "-q", str(ROOT / "bistouri")], check=True)
 
 
+def startup_runs(
+    n: int, work: Path, cache: Path, freq: int, have_perf: bool, have_bpftrace: bool
+) -> dict[str, list[float]]:
+    """Launch -> first sample of `n` short (1 s) runs of each tool, interleaved: start-up needs
+    many repetitions more than long captures."""
+    out: dict[str, list[float]] = {"bistouri": [], "perf": [], "bpftrace": []}
+    workload = subprocess.Popen([str(SHARES), str(n * 12 + 10)])
+    try:
+        time.sleep(0.5)
+        for _ in range(n):
+            out["bistouri"].append(run_bistouri(workload.pid, 1, freq, cache, work)["first_sample_ms"])
+            if have_perf:
+                out["perf"].append(run_perf(workload.pid, 1, freq, work)["first_sample_ms"])
+            if have_bpftrace:
+                out["bpftrace"].append(run_bpftrace(workload.pid, 1, freq, work)["first_sample_ms"])
+    finally:
+        workload.kill()
+        workload.wait()
+    return {k: v for k, v in out.items() if v}
+
+
 def warm_up(work: Path, cache: Path, freq: int) -> None:
     """One unmeasured run: the standard library's bytecode lands in the private pycache prefix too,
     and the binaries are seen once."""
@@ -222,6 +243,24 @@ def table(results: dict) -> str:
     for key, label in (("capture_rss_mb", "capturing"), ("symbolize_rss_mb", "symbolizing, writing")):
         cells = [f"{r[t][key]:.0f}" if key in r[t] else "-" for t in tools]
         lines.append(f"| peak RSS {label} (MB) | " + " | ".join(cells) + " |")
+    starts = results.get("startup_ms", {})
+    if starts:
+        base = {
+            "bistouri_cold": "bistouri",
+            "bistouri_warm": "bistouri",
+            "perf": "perf",
+            "bpftrace": "bpftrace",
+        }
+        cells = []
+        for t in tools:
+            ms = starts.get(base[t], [])
+            cells.append(f"**{statistics.median(ms):.0f}** (min {min(ms):.0f})" if ms else "-")
+        lines.insert(
+            3,
+            f"| launch → first sample, {len(next(iter(starts.values())))} short runs (ms) | "
+            + " | ".join(cells)
+            + " |",
+        )
     lines.append(
         "| hot/warm/cold shares (truth 70/20/10) | "
         + " | ".join("/".join(f"{r[t]['shares'][f]:.1f}" for f in FUNCTIONS) for t in tools)
@@ -251,6 +290,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=8)
     ap.add_argument("--freq", type=int, default=999)
+    ap.add_argument(
+        "--startup-runs", type=int, default=10, help="short runs of each tool for the start-up row"
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/record.json"))
     ap.add_argument(
         "--no-docs",
@@ -296,12 +338,14 @@ def main() -> int:
             finally:
                 workload.kill()
                 workload.wait()
+        starts = startup_runs(args.startup_runs, work, warm_cache, args.freq, have_perf, have_bpftrace)
     results = {
         "load_average_1min": os.getloadavg()[0],
         "rounds": args.rounds,
         "seconds": args.seconds,
         "freq_hz": args.freq,
         "tools": {name: median_of(r) for name, r in runs.items() if r},
+        "startup_ms": {name: sorted(ms) for name, ms in starts.items()},
         "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
