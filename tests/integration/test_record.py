@@ -168,16 +168,45 @@ def test_format_chooses_the_outputs(tmp_path, workloads):
 
 
 def test_progress_only_on_a_terminal_or_when_asked(tmp_path, workloads):
-    cmd = ("-o", str(tmp_path / "a"), "--no-cache", "--", str(workloads / "shares"), "1.5")
+    # 3 s: the capture line is drawn each second, so at least once before the command ends.
+    cmd = ("-o", str(tmp_path / "a"), "--no-cache", "--", str(workloads / "shares"), "3")
     quiet = record(*cmd)
     assert quiet.returncode == 0, quiet.stderr
     assert "Capturing at" not in quiet.stderr and "Symbolizing…" not in quiet.stderr
     assert "Captured" in quiet.stderr  # outcomes always print
     asked = record(
-        "--progress", "-o", str(tmp_path / "b"), "--no-cache", "--", str(workloads / "shares"), "1.5"
+        "--progress", "-o", str(tmp_path / "b"), "--no-cache", "--", str(workloads / "shares"), "3"
     )
     assert asked.returncode == 0, asked.stderr
     assert "Capturing at" in asked.stderr and "Symbolizing" in asked.stderr
+
+
+def test_progress_is_redrawn_in_place_on_a_terminal(tmp_path, workloads):
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "bistouri", "record", "-o", str(tmp_path / "o"), "--no-cache", "--",
+             str(workloads / "shares"), "3"],
+            stdout=subprocess.DEVNULL, stderr=slave,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )  # fmt: skip
+        os.close(slave)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the other side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert p.wait(60) == 0, out
+    finally:
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert "\r\x1b[KCapturing at" in text and "\r\x1b[KSymbolizing" in text, text
 
 
 def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, workloads):
