@@ -520,6 +520,7 @@ def _symbolize(
         lambda text: progress.update(text, force=True),
         kallsyms=direct,
     )
+    stats.kallsyms_child_rss_bytes = kernels.child_peak_rss_bytes
     progress.done(
         f"Symbolized {stats.addresses} addresses ({stats.cached} from the cache) "
         f"in {time.monotonic() - t1:.1f} s"
@@ -558,10 +559,12 @@ def _write_outputs(
     usage.symbolize_rss_bytes = _peak_rss()
     t = os.times()
     usage.cpu_s, usage.children_cpu_s = t.user + t.system, t.children_user + t.children_system
+    child = stats.kallsyms_child_rss_bytes
     progress_line = (
         f"Peak RSS: capture {usage.capture_rss_bytes / 2**20:.1f} MB, "
-        f"symbolization {usage.symbolize_rss_bytes / 2**20:.1f} MB; CPU {usage.cpu_s:.2f} s "
-        f"(+{usage.children_cpu_s:.2f} s in helpers)"
+        f"symbolization {usage.symbolize_rss_bytes / 2**20:.1f} MB"
+        + (f" (+ {child / 2**20:.0f} MB in a child reading the kernel's symbols)" if child else "")
+        + f"; CPU {usage.cpu_s:.2f} s (+{usage.children_cpu_s:.2f} s in helpers)"
     )
     print(progress_line, file=sys.stderr)
     if "summary" in want:
@@ -579,6 +582,7 @@ def _write_outputs(
                 "addresses": stats.addresses,
                 "cached": stats.cached,
                 "peak_rss_bytes": usage.symbolize_rss_bytes,
+                "kallsyms_child_peak_rss_bytes": child,
             },
             "cpu_seconds": {"self": round(usage.cpu_s, 3), "children": round(usage.children_cpu_s, 3)},
         }

@@ -394,6 +394,7 @@ class CachedKallsyms:
         self.proc_root = proc_root
         self._index: CompactKallsyms | None = None
         self.failed = False
+        self.child_peak_rss_bytes = 0  # of the child that parsed /proc/kallsyms, 0 if none did
 
     def has(self, build_id: bytes | str) -> bool:
         hexid = build_id.hex() if isinstance(build_id, bytes) else build_id
@@ -424,12 +425,11 @@ class CachedKallsyms:
             return None
         if self._index is None and self.cache is not None:
             self._index = self.cache.kallsyms(self.boot_key)
+            if self._index is None and self._parse_in_child():
+                self._index = self.cache.kallsyms(self.boot_key)
         if self._index is None:
-            from .symbolizer.kallsyms import parse_kallsyms
-
             try:
-                raw = Path(self.proc_root, "kallsyms").read_bytes()
-                self._index = CompactKallsyms.of(parse_kallsyms(raw))
+                self._index = self._parse()
             except (OSError, ValueError) as e:
                 log.warning("Kernel frames stay unnamed: /proc/kallsyms is unusable. error=%s", e)
                 self.failed = True
@@ -437,6 +437,33 @@ class CachedKallsyms:
             if self.cache is not None:
                 self.cache.put_kallsyms(self.boot_key, self._index)
         return self._index
+
+    def _parse(self) -> CompactKallsyms:
+        from .symbolizer.kallsyms import parse_kallsyms
+
+        return CompactKallsyms.of(parse_kallsyms(Path(self.proc_root, "kallsyms").read_bytes()))
+
+    def _parse_in_child(self) -> bool:
+        """Parse into the cache in a child process: the Python form of ~120 k symbols (~60 MB, the
+        first run's peak) never joins record's memory, only the compact form read back. Its peak
+        is kept in `child_peak_rss_bytes`. False when it failed (then record parses it itself)."""
+        assert self.cache is not None
+        try:
+            pid = os.fork()
+        except OSError:
+            return False
+        if pid == 0:  # the child: parse, write the cache file, leave without cleanup handlers
+            code = 1
+            try:
+                self.cache.put_kallsyms(self.boot_key, self._parse())
+                code = 0
+            except BaseException:
+                pass
+            finally:
+                os._exit(code)
+        _, status, usage = os.wait4(pid, 0)
+        self.child_peak_rss_bytes = usage.ru_maxrss * 1024
+        return os.waitstatus_to_exitcode(status) == 0
 
 
 # --- symbolization through the cache ------------------------------------------------------
@@ -447,6 +474,7 @@ class SymbolizeStats:
     addresses: int = 0  # distinct (module, address, leaf?) in the session
     cached: int = 0  # of which answered from the cache
     binaries: int = 0  # modules (build ids, the kernel) with at least one miss
+    kallsyms_child_rss_bytes: int = 0  # peak of the child that parsed /proc/kallsyms (first run of a boot)
 
 
 def _frame_keys(session: wire.Session) -> tuple[dict[bytes, set[FrameKey]], set[Any]]:

@@ -171,6 +171,7 @@ def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: 
     keys = [(ip, leaf) for ip in ips for leaf in (True, False)]
     direct = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
     got = direct.frames(keys)
+    assert direct.child_peak_rss_bytes > 0  # parsed in a child process, read back from the cache
     store = KallsymsStore(str(tmp_path / "state"))
     store.put(build_id, KALLSYMS)
     session = wire.Session(
