@@ -22,7 +22,7 @@ APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-c
 	dpkg-dev lintian rpm rpmlint fakeroot
 APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY)
 APT_DEMO := $(APT_BUILD) llvm-19
-# bench_sampling: BPF cost side by side with bpftrace, JIT names side by side with perf.
+# What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`).
 APT_BENCH := bpftrace linux-perf nodejs openjdk-17-jdk-headless
 
 export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)

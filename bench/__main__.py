@@ -12,6 +12,7 @@ BENCHES = (
     "bench.bench_ingest",
     "bench.bench_attacks",
     "bench.bench_service_limits",
+    "bench.bench_record",
 )
 
 

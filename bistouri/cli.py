@@ -138,7 +138,31 @@ def _add_record(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_record)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Every command and the function that adds its parser; `main` builds only the one run, so that
+# `bistouri record` does not import the agent's and the symbolizer's modules before it samples.
+_COMMANDS = {
+    "check": _add_check,
+    "check-config": _add_check,
+    "agent": _add_agent,
+    "symbolizer": _add_symbolizer,
+    "symbolize": _add_symbolizer,
+    "record": _add_record,
+}
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command named in `argv` (the first word that is not an option or its value)."""
+    it = iter(argv)
+    for word in it:
+        if word == "--log-level":
+            next(it, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of the command `only` when it is one of them."""
     parser = argparse.ArgumentParser(
         prog="bistouri",
         description=DESCRIPTION,
@@ -153,18 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity [BISTOURI_LOG_LEVEL] (default: info)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_check(sub)
-    _add_agent(sub)
-    _add_symbolizer(sub)
-    try:
-        _add_record(sub)
-    except ImportError:
-        pass
+    adders = [_COMMANDS[only]] if only in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for add in adders:
+        try:
+            add(sub)
+        except ImportError:  # only `record` is optional (its BPF parts)
+            if add is not _add_record:
+                raise
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -4,14 +4,21 @@ Targets: `--pid`, `--cgroup`, `--comm`, or `-- COMMAND ARGS` (started and
 followed until it exits). Optionally waits for PSI first (`--on-pressure
 cpu:10,io:5`). Captures on-CPU and off-CPU stacks with the same BPF programs and
 capture code as the agent, symbolizes in-process with the symbolizer's resolver
-and the binaries of this host, and writes flamegraph.html, profile.pb.gz
-(pprof), profile.folded and profile.speedscope.json.
+and the binaries of this host (through the persistent symbol cache,
+`symcache.py`), and writes the outputs chosen with `--format`: flamegraph.html,
+profile.pb.gz (pprof), profile.folded (+ profile.offcpu.folded),
+profile.speedscope.json, summary.json.
+
+Start-up is on the critical path (someone looks at a process *now*): only what
+sampling needs is imported before the programs are attached and the targets
+armed. The capture code, the metrics and the symbolizer are imported after, while
+the ring buffer already holds samples.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import signal
 import subprocess
@@ -19,18 +26,31 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from . import procfs, wire
-from .capture import CaptureOrchestrator
+from . import procfs
 from .errors import BistouriError
 from .events import StackSample
-from .kernel import read_kallsyms, read_kernel_meta
-from .metrics import AgentMetrics
 from .profiler import ProfilerAgent, ProfilerOptions
-from .psi import PsiLoop
+from .recordfiles import BuildIdTree, OutputDir
+
+if TYPE_CHECKING:
+    from . import wire
+    from .kernel import KernelMeta
+    from .symbolizer.model import Profile
+
+log = logging.getLogger(__name__)
 
 RESOURCES = ("cpu", "memory", "io")
+# --format name -> the file it writes
+FORMATS = {
+    "html": "flamegraph.html",
+    "pprof": "profile.pb.gz",
+    "folded": "profile.folded",  # and profile.offcpu.folded when off-CPU waits were seen
+    "speedscope": "profile.speedscope.json",
+    "summary": "summary.json",
+}
+DEFAULT_FORMATS = ("html", "pprof", "folded", "speedscope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +77,16 @@ def parse_on_pressure(text: str) -> list[PressureRule]:
     return rules
 
 
+def parse_formats(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in FORMATS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown format {', '.join(bad) or text!r}; choose among {', '.join(FORMATS)} (e.g. html,folded)"
+        )
+    return names
+
+
 def add_record_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target (one of)")
     t.add_argument("--pid", type=int, action="append", default=[], help="a process id (repeatable)")
@@ -81,22 +111,49 @@ def add_record_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--wait-timeout", type=float, default=0, help="give up waiting for pressure after N seconds"
     )
-    p.add_argument("-o", "--output", help="output directory (default ./bistouri-record-DATE)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="output directory (default: a new ./bistouri-record-DATE; an existing one is used only "
+        "when named here)",
+    )
+    p.add_argument(
+        "--format",
+        type=parse_formats,
+        default=DEFAULT_FORMATS,
+        metavar="LIST",
+        help=f"outputs to write, comma-separated among {', '.join(FORMATS)} "
+        f"(default {','.join(DEFAULT_FORMATS)})",
+    )
     p.add_argument("--top", type=int, default=15, help="functions to print (default 15)")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show progress on stderr even when it is not a terminal (default: on a terminal only)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        help="symbol cache directory (default $XDG_CACHE_HOME/bistouri, else ~/.cache/bistouri)",
+    )
+    p.add_argument("--no-cache", dest="cache", action="store_false", help="do not use the symbol cache")
     p.add_argument("--debug-dir", action="append", default=[], help="extra .build-id debug tree (repeatable)")
     p.add_argument("--debuginfod-url", action="append", default=None, help="debuginfod server (repeatable)")
     p.add_argument("--proc-path", default="/proc", help=argparse.SUPPRESS)
 
 
 class Progress:
-    """One status line, redrawn in place on a terminal, printed sparingly otherwise."""
+    """One status line on stderr: redrawn in place on a terminal; on anything else silent,
+    unless asked (`--progress`), then a line now and then. Outcomes (`done`) always print."""
 
-    def __init__(self, stream=sys.stderr) -> None:
+    def __init__(self, stream: Any = sys.stderr, show: bool = False) -> None:
         self.stream = stream
         self.tty = stream.isatty()
+        self.show = show or self.tty
         self._last = 0.0
 
     def update(self, text: str, force: bool = False) -> None:
+        if not self.show:
+            return
         now = time.monotonic()
         if self.tty:
             self.stream.write("\r\033[K" + text)
@@ -113,12 +170,11 @@ class Progress:
         self.stream.flush()
 
 
-class _ListSink:
-    def __init__(self) -> None:
-        self.sessions: list[bytes] = []
+class _NoSink:
+    """Record builds its one session itself (`CaptureOrchestrator.build`): nothing is encoded."""
 
     def put(self, session_id: str, data: bytes) -> None:
-        self.sessions.append(data)
+        raise AssertionError("record's session is never finished through the sink")
 
 
 class Targets:
@@ -174,44 +230,11 @@ class Targets:
         return out
 
 
-def _build_id_tree(pids: list[int], proc_root: str, into: Path) -> int:
-    """Link the ELF files mapped by the targets into a .build-id tree the resolver can read."""
-    from .symbolizer.elf import read_build_id
-
-    seen: set[str] = set()
-    n = 0
-    for pid in pids:
-        try:
-            maps = Path(proc_root, str(pid), "maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or "x" not in parts[1] or not parts[5].startswith("/"):
-                continue
-            path = parts[5].removesuffix(" (deleted)")
-            if path in seen:
-                continue
-            seen.add(path)
-            real = f"{proc_root}/{pid}/root{path}"
-            try:
-                bid = read_build_id(real)
-            except (OSError, ValueError):
-                continue
-            if not bid:
-                continue
-            hexid = bid.hex()
-            link = into / ".build-id" / hexid[:2] / hexid[2:]
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if not link.exists():
-                link.symlink_to(os.path.realpath(real))
-                n += 1
-    return n
-
-
 def _wait_for_pressure(
     rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
 ) -> wire.Trigger:
+    from .psi import PsiLoop
+
     pids = targets.current()
     cgroup = "/"
     if pids and cgroup_root:
@@ -244,149 +267,110 @@ def _wait_for_pressure(
                 return ev.to_trigger(cgroup)
 
 
-def cmd_record(args: argparse.Namespace) -> int:
-    from .symbolizer import formats, report
-    from .symbolizer.kallsyms import KallsymsStore
-    from .symbolizer.resolve import Resolver
-    from .symbolizer.sources import DebugSources
+def _kernel_meta(proc_root: str) -> KernelMeta:
+    """Like `kernel.read_kernel_meta`, without reading all of /proc/kallsyms for `_text` (~40 ms of
+    kernel time): it is among the first lines."""
+    from .kernel import KernelMeta, build_id_from_notes, parse_text_address, read_kernel_meta
 
+    try:
+        with open(f"{proc_root}/kallsyms", "rb") as f:
+            text = parse_text_address(f.read(64 << 10).rpartition(b"\n")[0])
+        with open("/sys/kernel/notes", "rb") as f:
+            build_id = build_id_from_notes(f.read()) or b""
+    except OSError:
+        text = None
+    if text is None:
+        return read_kernel_meta(proc_root=proc_root)
+    return KernelMeta(release=os.uname().release, build_id=build_id, text_addr=text)
+
+
+@dataclass(slots=True)
+class Usage:
+    """What record cost, for the summary: peak RSS of each phase, CPU time (self and children)."""
+
+    capture_rss_bytes: int = 0
+    symbolize_rss_bytes: int = 0
+    cpu_s: float = 0.0
+    children_cpu_s: float = 0.0
+
+
+def _peak_rss(reset: bool = False) -> int:
+    """VmHWM of this process in bytes; with `reset`, start a new peak from now (Linux >= 4.0)."""
+    peak = 0
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+    except (OSError, ValueError):
+        pass
+    return peak
+
+
+@dataclass(slots=True)
+class Capture:
+    """What the capture loop produced."""
+
+    session: wire.Session | None
+    samples: int
+    first_sample_ns: int  # CLOCK_MONOTONIC of the earliest sample (bpf_ktime_get_ns), 0 if none
+    seconds: float
+    processes: int
+
+
+def cmd_record(args: argparse.Namespace) -> int:
     command = [a for a in (args.command or []) if a != "--"] if args.command else []
     chosen = sum(bool(x) for x in (args.pid, args.cgroup, args.comm, command))
     if chosen != 1:
         print("error: give exactly one target: --pid, --cgroup, --comm or -- COMMAND", file=sys.stderr)
         return 2
     if args.log_level == "info":  # the default: progress lines say enough
-        import logging
-
         logging.getLogger("bistouri").setLevel(logging.WARNING)
-    progress = Progress()
+    progress = Progress(show=args.progress)
     cgroup_root = procfs.find_cgroup2_mount(args.proc_path)
-    out_dir = Path(args.output or f"bistouri-record-{time.strftime('%Y%m%d-%H%M%S')}")
-    child = None
-    if command:
-        try:
-            child = subprocess.Popen(command)
-        except OSError as e:
-            print(f"error: cannot start {command[0]}: {e.strerror}", file=sys.stderr)
-            return 2
-    duration = args.duration if args.duration is not None else (None if child else 10.0)
-    targets = Targets(args, child, cgroup_root)
-    if not child and not targets.current():
+    targets = Targets(args, None, cgroup_root)
+    if not command and not targets.current():
         print("error: no process matches the target", file=sys.stderr)
         return 2
-
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    old = signal.signal(signal.SIGINT, on_signal)
-    kernel = read_kernel_meta(proc_root=args.proc_path)
-    trigger = wire.Trigger("cpu", time_ns=time.time_ns())
-    sink = _ListSink()
+    out = OutputDir.open(args.output)
+    tree = BuildIdTree(args.proc_path)
     agent = ProfilerAgent(
         ProfilerOptions(freq_hz=args.freq, offcpu=args.offcpu, exec_discovery=False, drain_interval_s=0.1)
     )
-    tree = Path(os.environ.get("TMPDIR", "/tmp")) / f"bistouri-record-{os.getpid()}"
+    stop: list[bool] = []
+    old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
+        trigger = None
         if args.on_pressure:
+            targets.child = _start(command) if command else None
             trigger = _wait_for_pressure(args.on_pressure, targets, cgroup_root, args, progress)
         agent.open()
-        agent.start()
-        orch = CaptureOrchestrator(
-            agent,
-            sink,
-            AgentMetrics(registry=None),
-            kernel,
-            tenant="",
-            host=os.uname().nodename,
-            labels={},
-            period_ns=1_000_000_000 // args.freq,
-            proc_root=args.proc_path,
+        if command and targets.child is None:
+            targets.child = _start(command)  # attached first: sampled from its first instruction
+        capture = _capture(args, agent, targets, tree, trigger, progress, stop)
+        usage = Usage(capture_rss_bytes=_peak_rss(reset=True))
+        progress.done(
+            f"Captured {capture.samples} samples of {capture.processes} processes in {capture.seconds:.1f} s"
         )
-        procs = targets.current()
-        sid = orch.start_session(trigger, "record", {}, procs, 1e9)
-        if sid is None:
-            raise BistouriError("no process to sample")
-        known = dict(procs)
-        n_samples = 0
-        t0 = time.monotonic()
-        last_refresh = t0
-        while not stop:
-            elapsed = time.monotonic() - t0
-            if duration is not None and elapsed >= duration:
-                break
-            if child is not None and child.poll() is not None:
-                break
-            agent.check_thread()
-            stacks = [ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample]
-            orch.add_samples(stacks)
-            n_samples += len(stacks)
-            if time.monotonic() - last_refresh > 0.5:
-                last_refresh = time.monotonic()
-                new = {p: c for p, c in targets.current().items() if p not in known}
-                if new:
-                    orch.extend_session(sid, new)
-                    known.update(new)
-                _build_id_tree(list(known), args.proc_path, tree)
-                total = f" of {duration:g}" if duration else ""
-                progress.update(
-                    f"Capturing at {args.freq} Hz: {elapsed:.1f}{total} s, {n_samples} samples, "
-                    f"{len(known)} processes"
-                )
-        _build_id_tree(list(known), args.proc_path, tree)
-        agent.close()  # drains the rings
-        stacks = [ev for ev in agent.take() if type(ev) is StackSample]
-        orch.add_samples(stacks)
-        n_samples += len(stacks)
-        orch.flush_all()
-        progress.done(f"Captured {n_samples} samples in {time.monotonic() - t0:.1f} s")
-        if not sink.sessions:
+        if capture.session is None:
             print(
                 "No sample was captured: the target did not run (or is not built with frame pointers?)",
                 file=sys.stderr,
             )
             return 1
-        session = wire.decode_session(sink.sessions[0])
-
-        progress.update("Symbolizing…", force=True)
-        t1 = time.monotonic()
-        kernels = KallsymsStore(str(tree / "state"))
-        if kernel.build_id:
-            import gzip
-
-            kernels.put(kernel.build_id, gzip.compress(read_kallsyms(args.proc_path), 1))
-        sources = DebugSources(
-            [str(tree), *args.debug_dir],
-            [],
-            args.debuginfod_url or [],
-            cache_dir=str(tree / "debuginfod"),
-            registry=None,
-        )
-        with Resolver(sources, kernels, registry=None) as resolver:
-            profile = resolver.symbolize(session)
-        progress.done(f"Symbolized {len(profile.frames)} distinct frames in {time.monotonic() - t1:.1f} s")
-
-        out_dir.mkdir(parents=True, exist_ok=True)
-        trees = {v: formats.flamegraph(profile, v) for v in ("on_cpu", "off_cpu", "off_cpu_ns")}
-        meta = profile.meta.to_json()
-        title = f"bistouri record: {' '.join(command) if command else args.comm or args.cgroup or args.pid}"
-        (out_dir / "flamegraph.html").write_text(report.flamegraph_html(trees, meta, title))
-        (out_dir / "profile.pb.gz").write_bytes(formats.pprof(profile))
-        (out_dir / "profile.folded").write_text(formats.folded(profile, "on_cpu"))
-        if any(s.off_cpu for s in profile.samples):
-            (out_dir / "profile.offcpu.folded").write_text(formats.folded(profile, "off_cpu_ns"))
-        (out_dir / "profile.speedscope.json").write_text(json.dumps(formats.speedscope(profile, title)))
+        profile, stats = _symbolize(args, capture.session, tree.root, progress)
+        _write_outputs(args, out, profile, command, capture, stats, usage)
         print_top(profile, args.top)
-        print(
-            f"\nWrote {out_dir}/flamegraph.html (open it in a browser), profile.pb.gz (go tool pprof), "
-            "profile.folded, profile.speedscope.json"
-        )
+        print(f"\nWrote {out.path}/: {', '.join(out.written)}")
         return 0
     finally:
         signal.signal(signal.SIGINT, old)
         agent.close()
+        out.close()
+        child = targets.child
         if child is not None and child.poll() is None and args.duration is not None:
             child.terminate()
         if child is not None:
@@ -394,9 +378,215 @@ def cmd_record(args: argparse.Namespace) -> int:
                 child.wait(5)
             except subprocess.TimeoutExpired:
                 child.kill()
-        import shutil
+        tree.remove()
 
-        shutil.rmtree(tree, ignore_errors=True)
+
+def _start(command: list[str]) -> subprocess.Popen:
+    try:
+        return subprocess.Popen(command)
+    except OSError as e:
+        raise BistouriError(f"cannot start {command[0]}: {e.strerror}")
+
+
+def _capture(
+    args: argparse.Namespace,
+    agent: ProfilerAgent,
+    targets: Targets,
+    tree: BuildIdTree,
+    trigger: wire.Trigger | None,
+    progress: Progress,
+    stop: list[bool],
+) -> Capture:
+    """Arm the targets at once, then set up the capture code while the ring fills, and sample
+    until the duration is over, the command exits or Ctrl-C."""
+    from . import abi
+
+    procs = targets.current()
+    flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+    for pid in procs:
+        agent.set_pid_filter(pid, flags)
+    agent.start()
+    log.debug("Sampling. pids=%s", ",".join(map(str, procs)))
+    t0 = time.monotonic()
+
+    # Sampling runs: what follows may take its time (imports, /proc reads).
+    from . import wire
+    from .capture import CaptureOrchestrator
+    from .metrics import AgentMetrics
+
+    child = targets.child
+    duration = args.duration if args.duration is not None else (None if child else 10.0)
+    orch = CaptureOrchestrator(
+        agent,
+        _NoSink(),
+        AgentMetrics(registry=None),
+        _kernel_meta(args.proc_path),
+        tenant="",
+        host=os.uname().nodename,
+        labels={},
+        period_ns=1_000_000_000 // args.freq,
+        filter_flags=flags,
+        proc_root=args.proc_path,
+    )
+    trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
+    sid = orch.start_session(trigger, "record", {}, procs, 1e9)
+    if sid is None:
+        raise BistouriError("no process to sample")
+    known = dict(procs)
+    tree.add(list(known))
+    n_samples = 0
+    first_ns = 0
+    last_refresh = t0
+
+    def count(stacks: list[StackSample]) -> None:
+        nonlocal n_samples, first_ns
+        if stacks:
+            orch.add_samples(stacks)
+            n_samples += sum(s.weight for s in stacks)
+            first = min(s.timestamp_ns for s in stacks)
+            first_ns = min(first_ns, first) if first_ns else first
+
+    while not stop:
+        elapsed = time.monotonic() - t0
+        if duration is not None and elapsed >= duration:
+            break
+        if child is not None and child.poll() is not None:
+            break
+        agent.check_thread()
+        count([ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample])
+        if time.monotonic() - last_refresh > 1.0:  # new processes, mapped files, progress
+            last_refresh = time.monotonic()
+            new = {p: c for p, c in targets.current().items() if p not in known}
+            if new:
+                orch.extend_session(sid, new)
+                known.update(new)
+            tree.add(list(known))
+            total = f" of {duration:g}" if duration else ""
+            progress.update(
+                f"Capturing at {args.freq} Hz: {elapsed:.1f}{total} s, {n_samples} samples, "
+                f"{len(known)} processes"
+            )
+    tree.add(list(known))
+    agent.close()  # drains the rings
+    count([ev for ev in agent.take() if type(ev) is StackSample])
+    seconds = time.monotonic() - t0
+    s = orch.sessions[sid]
+    session = orch.build(s, time.monotonic()) if s.traces else None
+    return Capture(session, n_samples, first_ns, seconds, len(known))
+
+
+def _symbolize(
+    args: argparse.Namespace, session: wire.Session, tree: str, progress: Progress
+) -> tuple[Profile, Any]:
+    from . import symcache
+
+    cache = None
+    if args.cache:
+        try:
+            cache = symcache.SymbolCache(args.cache_dir or symcache.default_cache_dir())
+        except symcache.CacheUnusable as e:
+            print(f"warning: {e}; symbolizing without it (--cache-dir to choose another)", file=sys.stderr)
+    kernel_key = symcache.kernel_boot_key(session.kernel.build_id, args.proc_path)
+    kernels = symcache.CachedKallsyms(session.kernel.build_id, kernel_key, cache, args.proc_path)
+    debug_dirs = [tree, *args.debug_dir]
+
+    def open_resolver(file_lines: bool) -> Any:
+        from typing import cast
+
+        from .symbolizer.kallsyms import KallsymsStore
+        from .symbolizer.resolve import Resolver
+        from .symbolizer.sources import DebugSources
+
+        sources = DebugSources(
+            debug_dirs,
+            [],
+            args.debuginfod_url or [],
+            cache_dir=os.path.join(tree, "debuginfod"),
+            registry=None,
+        )
+        # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
+        return Resolver(sources, cast(KallsymsStore, kernels), use_llvm=file_lines, registry=None)
+
+    t1 = time.monotonic()
+    progress.update("Symbolizing…", force=True)
+    # A vmlinux with DWARF could only come from --debug-dir or debuginfod: without them, kallsyms.
+    direct = None if (args.debug_dir or args.debuginfod_url) else kernels
+    profile, stats = symcache.symbolize(
+        session,
+        cache,
+        open_resolver,
+        kernel_key,
+        debug_dirs,
+        lambda text: progress.update(text, force=True),
+        kallsyms=direct,
+    )
+    stats.kallsyms_child_rss_bytes = kernels.child_peak_rss_bytes
+    progress.done(
+        f"Symbolized {stats.addresses} addresses ({stats.cached} from the cache) "
+        f"in {time.monotonic() - t1:.1f} s"
+    )
+    return profile, stats
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    out: OutputDir,
+    profile: Profile,
+    command: list[str],
+    capture: Capture,
+    stats: Any,
+    usage: Usage,
+) -> None:
+    import json
+
+    from .symbolizer import formats
+
+    title = f"bistouri record: {' '.join(command) if command else args.comm or args.cgroup or args.pid}"
+    want = set(args.format)
+    if "html" in want:
+        from .symbolizer import report
+
+        trees = {v: formats.flamegraph(profile, v) for v in ("on_cpu", "off_cpu", "off_cpu_ns")}
+        out.write(FORMATS["html"], report.flamegraph_html(trees, profile.meta.to_json(), title))
+    if "pprof" in want:
+        out.write(FORMATS["pprof"], formats.pprof(profile))
+    if "folded" in want:
+        out.write(FORMATS["folded"], formats.folded(profile, "on_cpu"))
+        if any(s.off_cpu for s in profile.samples):
+            out.write("profile.offcpu.folded", formats.folded(profile, "off_cpu_ns"))
+    if "speedscope" in want:
+        out.write(FORMATS["speedscope"], json.dumps(formats.speedscope(profile, title)))
+    usage.symbolize_rss_bytes = _peak_rss()
+    t = os.times()
+    usage.cpu_s, usage.children_cpu_s = t.user + t.system, t.children_user + t.children_system
+    child = stats.kallsyms_child_rss_bytes
+    progress_line = (
+        f"Peak RSS: capture {usage.capture_rss_bytes / 2**20:.1f} MB, "
+        f"symbolization {usage.symbolize_rss_bytes / 2**20:.1f} MB"
+        + (f" (+ {child / 2**20:.0f} MB in a child reading the kernel's symbols)" if child else "")
+        + f"; CPU {usage.cpu_s:.2f} s (+{usage.children_cpu_s:.2f} s in helpers)"
+    )
+    print(progress_line, file=sys.stderr)
+    if "summary" in want:
+        on, off, off_ns = profile.totals()
+        summary = {
+            "command": command,
+            "samples": {"on_cpu": on, "off_cpu": off, "off_cpu_ns": off_ns},
+            "capture": {
+                "seconds": round(capture.seconds, 3),
+                "processes": capture.processes,
+                "first_sample_monotonic_ns": capture.first_sample_ns,
+                "peak_rss_bytes": usage.capture_rss_bytes,
+            },
+            "symbolization": {
+                "addresses": stats.addresses,
+                "cached": stats.cached,
+                "peak_rss_bytes": usage.symbolize_rss_bytes,
+                "kallsyms_child_peak_rss_bytes": child,
+            },
+            "cpu_seconds": {"self": round(usage.cpu_s, 3), "children": round(usage.children_cpu_s, 3)},
+        }
+        out.write(FORMATS["summary"], json.dumps(summary, indent=1) + "\n")
 
 
 def function_shares(profile, value: str = "on_cpu") -> tuple[Counter, Counter, int]:

@@ -78,8 +78,10 @@ def _inline_style(source: str) -> str:
 
 
 def _json_block(element_id: str, obj: Any) -> str:
-    # JSON allows `\/` for `/`: no `</script>` can appear inside, whatever the frame names are.
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).replace("</", "<\\/")
+    # No `<` at all in the block (`<` only occurs inside JSON strings, where `\u003c` means the
+    # same): neither `</script>` nor `<!--<script>` (which makes the parser skip the real end tag
+    # and blank the page) can appear, whatever the frame or process names are.
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
     return f'<script type="application/json" id="{element_id}">{text}</script>\n'
 
 

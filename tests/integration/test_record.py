@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +19,20 @@ from tests.helpers import Cgroup
 pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
 
 
-def record(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def record(
+    *args: str,
+    timeout: float = 120,
+    cwd: Path | None = None,
+    python: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "bistouri", "record", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, *python, "-m", "bistouri", "record", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **(env or {})},
     )
 
 
@@ -33,7 +47,8 @@ def shares(stdout: str) -> dict[str, float]:
 
 def test_command_mode_reports_the_true_shares_and_stops_with_the_child(tmp_path, workloads):
     t0 = time.monotonic()
-    r = record("-o", str(tmp_path / "out"), "--", str(workloads / "shares"), "6")
+    # 999 Hz: thousands of samples even on a loaded machine, so ±5 points is many standard deviations.
+    r = record("-F", "999", "-o", str(tmp_path / "out"), "--", str(workloads / "shares"), "6")
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     got = shares(r.stdout)
@@ -90,3 +105,201 @@ def test_bad_target_is_a_clear_error():
     assert r.returncode == 2 and "exactly one target" in r.stderr
     r = record("--comm", "x", "--on-pressure", "disk:5")
     assert r.returncode == 2 and "not a resource" in r.stderr
+
+
+def folded(path: Path) -> dict[str, int]:
+    """Leaf function -> count, from a folded file."""
+    leaves: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        leaf = stack.rsplit(";", 1)[-1]
+        leaves[leaf] = leaves.get(leaf, 0) + int(n)
+    return leaves
+
+
+def test_comm_mode_finds_the_process_by_name(tmp_path, workloads):
+    # A private copy under a name no other process has (comm: the first 15 bytes of the name).
+    name = f"brn{os.getpid() % 100000:05d}"
+    binary = tmp_path / name
+    shutil.copy(workloads / "burner", binary)
+    p = subprocess.Popen([str(binary), "30"])
+    try:
+        r = record("--comm", name, "-d", "2", "-o", str(tmp_path / "o"), "--no-cache")
+    finally:
+        p.kill()
+        p.wait()
+    assert r.returncode == 0, r.stderr
+    assert shares(r.stdout).get("hot_spin", 0) > 80, r.stdout
+    r = record("--comm", name[:4] + "*", "-d", "1", "--no-cache", cwd=tmp_path)
+    assert r.returncode == 2 and "no process matches" in r.stderr
+
+
+def test_off_cpu_waits_are_written_as_their_own_outputs(tmp_path, workloads):
+    """fsync in a loop: the thread waits in D state; record writes those waits (in ns) apart."""
+    p = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "30"])
+    out = tmp_path / "o"
+    try:
+        r = record("--pid", str(p.pid), "-d", "3", "-o", str(out), "--format", "folded,html,summary")
+    finally:
+        p.kill()
+        p.wait()
+    assert r.returncode == 0, r.stderr
+    assert sorted(f.name for f in out.iterdir()) == [
+        "flamegraph.html",
+        "profile.folded",
+        "profile.offcpu.folded",
+        "summary.json",
+    ]
+    waits = (out / "profile.offcpu.folded").read_text()
+    # (libc's fsync keeps no frame pointer: its caller write_and_sync is skipped, main is not.)
+    assert re.search(r"main;fsync;.*;schedule_\[k\].* \d+$", waits, re.M), waits[:1000]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples"]["off_cpu"] > 0 and summary["samples"]["off_cpu_ns"] > 0, summary
+    assert '"off_cpu_ns"' in (out / "flamegraph.html").read_text()
+
+
+def test_format_chooses_the_outputs(tmp_path, workloads):
+    out = tmp_path / "o"
+    r = record("--format", "pprof", "-o", str(out), "--", str(workloads / "shares"), "1")
+    assert r.returncode == 0, r.stderr
+    assert [f.name for f in out.iterdir()] == ["profile.pb.gz"]
+    r = record("--format", "html,svg", "--", str(workloads / "shares"), "1")
+    assert r.returncode == 2 and "unknown format 'svg'" in r.stderr and "choose among html" in r.stderr
+
+
+def test_progress_only_on_a_terminal_or_when_asked(tmp_path, workloads):
+    # 3 s: the capture line is drawn each second, so at least once before the command ends.
+    cmd = ("-o", str(tmp_path / "a"), "--no-cache", "--", str(workloads / "shares"), "3")
+    quiet = record(*cmd)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "Capturing at" not in quiet.stderr and "Symbolizing…" not in quiet.stderr
+    assert "Captured" in quiet.stderr  # outcomes always print
+    asked = record(
+        "--progress", "-o", str(tmp_path / "b"), "--no-cache", "--", str(workloads / "shares"), "3"
+    )
+    assert asked.returncode == 0, asked.stderr
+    assert "Capturing at" in asked.stderr and "Symbolizing" in asked.stderr
+
+
+def test_progress_is_redrawn_in_place_on_a_terminal(tmp_path, workloads):
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "bistouri", "record", "-o", str(tmp_path / "o"), "--no-cache", "--",
+             str(workloads / "shares"), "3"],
+            stdout=subprocess.DEVNULL, stderr=slave,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )  # fmt: skip
+        os.close(slave)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the other side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert p.wait(60) == 0, out
+    finally:
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert "\r\x1b[KCapturing at" in text and "\r\x1b[KSymbolizing" in text, text
+
+
+def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, workloads):
+    """The symbolizer, msgpack, HTTP, metrics and YAML come after sampling started (start-up time)."""
+    p = subprocess.Popen([str(workloads / "burner"), "30"])
+    try:
+        r = record(
+            "--pid", str(p.pid), "-d", "0.5", "-o", str(tmp_path / "o"),
+            python=("-X", "importtime"), env={"BISTOURI_LOG_LEVEL": "debug"},
+        )  # fmt: skip
+    finally:
+        p.kill()
+        p.wait()
+    assert r.returncode == 0, r.stderr
+    before, sep, _ = r.stderr.partition("Sampling. pids=")
+    assert sep, r.stderr[-2000:]
+    imported = {
+        line.split("|")[-1].strip() for line in before.splitlines() if line.startswith("import time:")
+    }
+    assert "bistouri.profiler" in imported
+    heavy = {"msgpack", "requests", "prometheus_client", "yaml", "bistouri.capture"}
+    assert not heavy & imported, heavy & imported
+    # Of the symbolizer, only the ELF reader: user addresses are mapped to build ids while sampling.
+    symbolizer = {m for m in imported if m.startswith("bistouri.symbolizer.")}
+    assert symbolizer <= {"bistouri.symbolizer.elf"}, symbolizer
+
+
+def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
+    from bistouri import symcache
+    from tests.helpers import build_id
+
+    cache = tmp_path / "cache"
+    runs = []
+    kept = []  # addresses of `shares` in the cache after each run
+    for i in range(2):
+        out = tmp_path / f"o{i}"
+        r = record(
+            "-F", "999", "--format", "folded,summary", "-o", str(out), "--cache-dir", str(cache),
+            "--", str(workloads / "shares"), "2",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        runs.append((json.loads((out / "summary.json").read_text()), folded(out / "profile.folded")))
+        entry = symcache.SymbolCache(cache).frames(build_id(workloads / "shares"))
+        assert entry is not None and entry.file_lines
+        kept.append(set(entry.frames))
+    # Each run adds to what the runs before it left (the temporary build-id tree changes every run).
+    assert kept[0] <= kept[1], kept
+    (first, leaves1), (second, leaves2) = runs
+    assert first["symbolization"]["cached"] == 0
+    assert second["symbolization"]["cached"] > 0, second
+    for leaves in (leaves1, leaves2):
+        total = sum(leaves.values())
+        assert abs(100 * leaves.get("work_seventy", 0) / total - 70) <= 5, leaves
+    # A damaged cache file is dropped and rebuilt, never trusted.
+    for f in cache.iterdir():
+        if f.suffix == ".frames":
+            f.write_bytes(f.read_bytes()[:-7] + b"garbage")
+    out = tmp_path / "o3"
+    r = record(
+        "--format", "folded", "-o", str(out), "--cache-dir", str(cache), "--", str(workloads / "shares"), "1"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "work_seventy" in folded(out / "profile.folded")
+
+
+def test_output_paths_are_never_followed_or_reused(tmp_path, workloads):
+    """As root: no write through a planted link, no existing default directory reused (issue 14 M7)."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "flamegraph.html").write_text("precious")
+    run_dir = tmp_path / "cwd"
+    run_dir.mkdir()
+    # Every default name of the next minute, planted as links to the victim.
+    now = time.time()
+    for s in range(60):
+        name = time.strftime("bistouri-record-%Y%m%d-%H%M%S", time.localtime(now + s))
+        (run_dir / name).symlink_to(victim)
+    r = record("--format", "html", "--no-cache", "--", str(workloads / "shares"), "1", cwd=run_dir)
+    assert r.returncode == 0, r.stderr
+    made = [d for d in run_dir.iterdir() if not d.is_symlink()]
+    assert len(made) == 1 and (made[0] / "flamegraph.html").stat().st_size > 1000, made
+    assert sorted(f.name for f in victim.iterdir()) == ["flamegraph.html"]
+    assert (victim / "flamegraph.html").read_text() == "precious"
+    # An existing directory named with -o is used, but a link planted in it is replaced, not followed.
+    out = tmp_path / "named"
+    out.mkdir()
+    (out / "flamegraph.html").symlink_to(victim / "flamegraph.html")
+    r = record("--format", "html", "-o", str(out), "--no-cache", "--", str(workloads / "shares"), "1")
+    assert r.returncode == 0, r.stderr
+    assert (
+        not (out / "flamegraph.html").is_symlink() and (victim / "flamegraph.html").read_text() == "precious"
+    )
+    # -o naming a link to a directory is refused, with the reason.
+    r = record("-o", str(run_dir / name), "--no-cache", "--", str(workloads / "shares"), "1")
+    assert r.returncode == 2 and "cannot use" in r.stderr and "symlink" in r.stderr, r.stderr
+    assert sorted(f.name for f in victim.iterdir()) == ["flamegraph.html"]

@@ -155,3 +155,43 @@ def test_report_renders_offline_from_file(browser, tmp_path: Path, screenshots: 
         context.close()
     assert not errors, errors
     assert requests and all(u.startswith(("file:", "data:")) for u in requests), requests
+
+
+HOSTILE_COMM = "<!--<script>"  # 12 characters: a valid process name (comm holds 15)
+
+
+def _hostile_html() -> str:
+    p = _profile()
+    p.meta.processes = {777: HOSTILE_COMM}
+    p.frames[8] = Frame(HOSTILE_COMM, HOSTILE_COMM)
+    trees = {v: formats.flamegraph(p, v) for v in formats.VALUES}
+    return flamegraph_html(trees, p.meta.to_json(), f"record of {HOSTILE_COMM}")
+
+
+def test_report_json_blocks_hold_no_less_than_sign() -> None:
+    html = _hostile_html()
+    blocks = {a["id"]: d for a, d in _scripts(html) if a.get("type") == "application/json"}
+    assert set(blocks) == {"bistouri-trees", "bistouri-meta"}
+    for text in blocks.values():
+        assert "<" not in text
+    assert json.loads(blocks["bistouri-meta"])["processes"] == [{"pid": 777, "comm": HOSTILE_COMM}]
+
+
+@pytest.mark.slow
+def test_report_renders_a_process_named_like_a_comment_opener(browser, tmp_path: Path) -> None:
+    """`<!--<script>` inside a JSON block made Chromium skip the block's end tag: a blank page."""
+    path = tmp_path / "flamegraph.html"
+    path.write_text(_hostile_html(), encoding="utf-8")
+    context = browser.new_context(viewport={"width": 1280, "height": 760}, offline=True)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(path.as_uri())
+        page.locator('g.frame[name="serve"]').wait_for(timeout=10_000)
+        assert page.locator(f'g.frame[name="{HOSTILE_COMM}"]').count() == 1
+        assert HOSTILE_COMM in page.locator("#meta").inner_text()
+        assert page.title() == f"record of {HOSTILE_COMM}"
+    finally:
+        context.close()
+    assert not errors, errors

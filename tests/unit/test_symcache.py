@@ -1,0 +1,265 @@
+"""The persistent symbol cache of `bistouri record` (bistouri/symcache.py), on real files."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from bistouri import symcache
+from bistouri.symbolizer.kallsyms import parse_kallsyms
+from bistouri.symbolizer.model import Frame
+
+KALLSYMS = b"""\
+ffffffff81000000 T _text
+ffffffff81000000 T startup_64
+ffffffff81001000 T do_syscall_64
+ffffffff81001000 t __pi_do_syscall_64
+ffffffff81002000 T schedule
+ffffffff81002800 T _etext
+ffffffffc0000000 t ext4_sync_file\t[ext4]
+ffffffffc0001000 t ext4_fsync\t[ext4]
+"""
+
+
+def frames(n: int) -> dict[tuple[int, bool], tuple[Frame, ...]]:
+    return {
+        (0x1000 + i, i % 2 == 0): (Frame(f"outer_{i}", "app", "a.c", i), Frame(f"f_{i}", "app", inlined=True))
+        for i in range(n)
+    }
+
+
+def test_frames_round_trip_and_merge_across_instances(tmp_path: Path) -> None:
+    a = symcache.SymbolCache(tmp_path / "c")
+    a.add_frames("ab" * 20, frames(3), True)
+    b = symcache.SymbolCache(tmp_path / "c")  # another run: what the first wrote is kept
+    b.add_frames("ab" * 20, {(0x9999, False): (Frame("late", "app"),)}, True)
+    got = a.frames("ab" * 20)
+    assert got is not None and got.file_lines
+    assert got.frames == {**frames(3), (0x9999, False): (Frame("late", "app"),)}
+    assert a.frames("cd" * 20) is None
+    # Names-only answers (no DWARF then) never replace answers with file:line; the reverse does.
+    a.add_frames("ab" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
+    assert (0x1, True) not in a.frames("ab" * 20).frames  # type: ignore[union-attr]
+    a.add_frames("cd" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
+    a.add_frames("cd" * 20, {(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
+    assert a.frames("cd" * 20) == symcache.FrameEntry({(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
+
+
+def _writer(root: str, first: int) -> None:
+    cache = symcache.SymbolCache(root)
+    for i in range(first, first + 40):
+        cache.add_frames("aa" * 20, {(i, True): (Frame(f"f_{i}", "m"),)}, False)
+
+
+def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    """Two processes adding to one entry at once: each merge runs under the lock, none is lost."""
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), first)) for first in (0, 1000)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    got = symcache.SymbolCache(tmp_path).frames("aa" * 20)
+    assert got is not None and sorted(got.frames) == [(i, True) for i in [*range(40), *range(1000, 1040)]]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+
+
+def test_a_corrupt_file_is_removed_and_never_trusted(tmp_path: Path) -> None:
+    cache = symcache.SymbolCache(tmp_path)
+    cache.add_frames("ab" * 20, frames(5), False)
+    path = tmp_path / ("ab" * 20 + ".frames")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x20  # one flipped bit in the payload: the CRC catches it
+    path.write_bytes(bytes(data))
+    assert cache.frames("ab" * 20) is None
+    assert not path.exists()
+    path.write_bytes(b"BSYM")  # truncated header
+    assert cache.frames("ab" * 20) is None and not path.exists()
+
+
+def test_bounded_in_bytes_least_recently_used_first(tmp_path: Path) -> None:
+    cache = symcache.SymbolCache(tmp_path, max_bytes=1)
+    cache.max_bytes = 10**9
+    for i, key in enumerate(("aa" * 20, "bb" * 20, "cc" * 20)):
+        cache.add_frames(key, frames(200), False)
+        os.utime(tmp_path / f"{key}.frames", (1000 + i, 1000 + i))
+    one = (tmp_path / ("aa" * 20 + ".frames")).stat().st_size
+    assert cache.frames("aa" * 20) is not None  # a hit makes it the most recently used
+    cache.max_bytes = 2 * one + one // 2
+    assert cache.evict() == 1
+    left = sorted(p.name for p in tmp_path.glob("*.frames"))
+    assert left == ["aa" * 20 + ".frames", "cc" * 20 + ".frames"]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= cache.max_bytes
+
+
+def test_kallsyms_compact_form_answers_like_the_parsed_index(tmp_path: Path) -> None:
+    parsed = parse_kallsyms(KALLSYMS)
+    compact = symcache.CompactKallsyms.of(parsed)
+    cache = symcache.SymbolCache(tmp_path)
+    cache.put_kallsyms("k-1", compact)
+    loaded = cache.kallsyms("k-1")
+    assert loaded is not None and loaded.text_addr == parsed.text_addr == 0xFFFFFFFF81000000
+    ips = (0xFFFFFFFF80FFFFFF, 0xFFFFFFFF81000010, 0xFFFFFFFF81001234, 0xFFFFFFFF81002900)
+    for ip in (*ips, 0xFFFFFFFFC0000010, 0xFFFFFFFFC0001002, 0xFFFFFFFFC1000000):
+        assert loaded.lookup(ip) == parsed.lookup(ip), hex(ip)
+    assert loaded.lookup(0xFFFFFFFFC0001002) == ("ext4_fsync", "ext4", 2)
+    assert loaded.address_of("schedule") == 0xFFFFFFFF81002000
+
+
+def test_kernel_key_changes_with_the_boot(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "sys/kernel/random").mkdir(parents=True)
+    (proc / "sys/kernel/random/boot_id").write_text("one\n")
+    (proc / "modules").write_text("ext4 1 2 - Live 0xffffffffc0000000\n")
+    first = symcache.kernel_boot_key(b"\x01" * 20, str(proc))
+    (proc / "modules").write_text("ext4 1 5 - Live 0xffffffffc0000000\n")  # a use count: same symbols
+    assert symcache.kernel_boot_key(b"\x01" * 20, str(proc)) == first
+    (proc / "modules").write_text("ext4 1 5 - Live 0xffffffffc0100000\n")  # reloaded elsewhere
+    assert symcache.kernel_boot_key(b"\x01" * 20, str(proc)) != first
+    (proc / "sys/kernel/random/boot_id").write_text("two\n")
+    assert symcache.kernel_boot_key(b"\x01" * 20, str(proc)) != first
+
+
+def test_unsafe_directories_are_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(symcache.CacheUnusable, match="symlink"):
+        symcache.SymbolCache(link)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(symcache.CacheUnusable, match="writable by others"):
+        symcache.SymbolCache(shared)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(symcache.CacheUnusable, match="belongs to uid 65534"):
+            symcache.SymbolCache(theirs)
+
+
+def test_a_planted_link_in_the_cache_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    cache_dir = tmp_path / "c"
+    cache = symcache.SymbolCache(cache_dir)
+    (cache_dir / ("ab" * 20 + ".frames")).symlink_to(victim)
+    assert cache.frames("ab" * 20) is None
+    cache.add_frames("ab" * 20, frames(1), False)
+    assert victim.read_bytes() == b"precious"
+    assert not (cache_dir / ("ab" * 20 + ".frames")).is_symlink()
+    assert cache.frames("ab" * 20) is not None
+
+
+def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: Path) -> None:
+    """record names new kernel addresses from kallsyms itself (no resolver import): same answers."""
+    from bistouri import wire
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+
+    build_id = b"\x42" * 20
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "kallsyms").write_bytes(KALLSYMS)
+    ips = [0xFFFFFFFF81001010, 0xFFFFFFFF81002000, 0xFFFFFFFF81002001, 0xFFFFFFFFC0001002, 0xFFFFFFFF70000000]
+    keys = [(ip, leaf) for ip in ips for leaf in (True, False)]
+    direct = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
+    got = direct.frames(keys)
+    assert direct.child_peak_rss_bytes > 0  # parsed in a child process, read back from the cache
+    store = KallsymsStore(str(tmp_path / "state"))
+    store.put(build_id, KALLSYMS)
+    session = wire.Session(
+        "s", wire.Trigger("cpu"), wire.KernelInfo("6.1", build_id, 0xFFFFFFFF81000000), 0, 1, 1
+    )
+    with Resolver(kernels=store, use_llvm=False, registry=None) as resolver:
+        want = symcache._resolve(resolver, session, b"", keys)
+    assert got == want
+    assert got[(0xFFFFFFFF81002000, False)][0].name == "do_syscall_64"  # a call site: address - 1
+    # The compact index went to the cache: the next run reads no /proc/kallsyms.
+    (proc / "kallsyms").unlink()
+    again = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
+    assert again.frames(keys) == got
+
+
+def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None:
+    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver."""
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+    from tests.ui import data
+
+    kernels = KallsymsStore(str(tmp_path / "state"))
+    kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
+
+    def no_resolver(file_lines: bool) -> Resolver:
+        raise AssertionError("everything should come from the cache")
+
+    def render(p) -> list[str]:
+        return [formats.folded(p, v) for v in ("on_cpu", "off_cpu", "off_cpu_ns")]
+
+    sessions = data.ui_sessions()
+    for session in sessions.values():
+        with resolver() as r:
+            want = render(r.symbolize(session))
+        cache = symcache.SymbolCache(tmp_path / "cache")
+        got, stats = symcache.symbolize(session, cache, resolver, "k-ui", [])
+        assert render(got) == want
+        assert got.meta == r.symbolize(session).meta
+        again, stats = symcache.symbolize(
+            session, symcache.SymbolCache(tmp_path / "cache"), no_resolver, "k-ui", []
+        )
+        assert render(again) == want and stats.cached == stats.addresses
+        assert "main;" in want[0] and "_[k]" in want[0]  # user and kernel frames were named
+
+
+def test_a_cache_that_cannot_be_written_costs_nothing_but_the_cache(tmp_path: Path) -> None:
+    cache = symcache.SymbolCache(tmp_path)
+    (tmp_path / ".lock").symlink_to(tmp_path / "elsewhere")  # a planted lock: O_NOFOLLOW refuses it
+    cache.add_frames("ab" * 20, frames(2), False)  # logged, not raised
+    cache.put_kallsyms("k-1", symcache.CompactKallsyms.of(parse_kallsyms(KALLSYMS)))
+    assert cache.frames("ab" * 20) is None and cache.kallsyms("k-1") is None
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_bytes_around_a_new_leaf_are_cached_for_the_next_run(tmp_path: Path) -> None:
+    """A loop's next samples land on neighbouring instructions: they need no resolver then."""
+    import dataclasses
+
+    from bistouri import wire
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+    from tests.ui import data
+
+    kernels = KallsymsStore(str(tmp_path / "state"))
+    kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
+
+    def no_resolver(file_lines: bool) -> Resolver:
+        raise AssertionError("the neighbours should come from the cache")
+
+    session = next(iter(data.ui_sessions().values()))
+    symcache.symbolize(session, symcache.SymbolCache(tmp_path / "c"), resolver, "k-ui", [])
+    t = next(t for t in session.traces if t.user and t.user[0].kind == wire.FRAME_RESOLVED)
+    for delta in (-symcache.NEIGHBOUR_BYTES, 1, symcache.NEIGHBOUR_BYTES):
+        leaf = dataclasses.replace(t.user[0], address=t.user[0].address + delta)
+        moved = dataclasses.replace(session, traces=[dataclasses.replace(t, user=(leaf, *t.user[1:]))])
+        got, _ = symcache.symbolize(moved, symcache.SymbolCache(tmp_path / "c"), no_resolver, "k-ui", [])
+        with resolver() as r:
+            want = r.symbolize(moved)
+        views = ("on_cpu", "off_cpu_ns")
+        assert [formats.folded(got, v) for v in views] == [formats.folded(want, v) for v in views]
+        assert "".join(formats.folded(got, v) for v in views).count("\n") == 1
