@@ -532,7 +532,7 @@ def run_symbolize(args: argparse.Namespace) -> int:
         elif args.format == "speedscope":
             out = json.dumps(formats.speedscope(profile)).encode()
         elif args.format == "flamegraph":
-            out = json.dumps(formats.flamegraph(profile, args.value)).encode()
+            out = formats.tree_json(formats.flamegraph(profile, args.value)).encode()
         else:
             out = json.dumps(formats.profile_json(profile), indent=1).encode()
         if args.output and args.output != "-":

@@ -18,6 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from . import formats
+
 UI_DIR = Path(__file__).with_name("ui")
 
 # In page order: the libraries first, then ours.
@@ -77,12 +79,21 @@ def _inline_style(source: str) -> str:
     return "<style>\n" + _STYLE_END.sub(r"<\\/\1", source) + "\n</style>\n"
 
 
-def _json_block(element_id: str, obj: Any) -> str:
+def _json_block(element_id: str, text: str) -> str:
     # No `<` at all in the block (`<` only occurs inside JSON strings, where `\u003c` means the
     # same): neither `</script>` nor `<!--<script>` (which makes the parser skip the real end tag
     # and blank the page) can appear, whatever the frame or process names are.
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
+    text = text.replace("<", "\\u003c")
     return f'<script type="application/json" id="{element_id}">{text}</script>\n'
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+
+
+def _trees_json(trees: dict[str, dict[str, Any]]) -> str:
+    # Trees are as deep as their stacks: written without recursion (json.dumps fails past ~1000).
+    return "{" + ",".join(f"{_compact(view)}:{formats.tree_json(tree)}" for view, tree in trees.items()) + "}"
 
 
 def _page_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -135,8 +146,8 @@ def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], titl
     parts += [_inline_style(_asset(rel)) for rel in _STYLES]
     parts += [_inline_script(_asset(rel)) for rel in _SCRIPTS]
     parts.append(_markup(_BODY.format(title=t)))
-    parts.append(_json_block("bistouri-trees", trees))
-    parts.append(_json_block("bistouri-meta", _page_meta(meta)))
+    parts.append(_json_block("bistouri-trees", _trees_json(trees)))
+    parts.append(_json_block("bistouri-meta", _compact(_page_meta(meta))))
     parts.append(_inline_script(_asset(_PAGE_SCRIPT)))
     parts.append("</body>\n</html>\n")
     return "".join(parts)

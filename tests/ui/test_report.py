@@ -195,3 +195,15 @@ def test_report_renders_a_process_named_like_a_comment_opener(browser, tmp_path:
     finally:
         context.close()
     assert not errors, errors
+
+
+def test_a_report_of_a_stack_deeper_than_json_can_nest_is_written_whole() -> None:
+    depth = 1500  # json.dumps gives up near 1000 levels of nesting
+    frames = [Frame(f"f{i}", "app") for i in range(depth)]
+    p = Profile(SessionMeta("deep"), frames, [Sample(tuple(range(depth)), on_cpu=1)])
+    page = flamegraph_html({"on_cpu": formats.flamegraph(p, "on_cpu")}, p.meta.to_json(), "deep")
+    block = re.search(r'id="bistouri-trees">(.*?)</script>', page, re.S)
+    assert block is not None
+    text = block.group(1)  # json.loads nests no deeper than json.dumps: count instead
+    assert text.count('"children":[') == depth + 1  # the root and every frame
+    assert '"name":"f1499"' in text and text.count("[") == text.count("]") and text.endswith("]}}")
