@@ -90,6 +90,7 @@ class Filter:
     resource: str = ""
     comm: str = ""
     tenant: str = ""
+    kind: str = ""  # trigger kind: wire.TRIGGER_PSI or wire.TRIGGER_MANUAL
     since_ns: int | None = None
     until_ns: int | None = None
 
@@ -112,6 +113,7 @@ def meta_from_session(s: wire.Session, profile: Profile | None = None) -> Sessio
     meta = SessionMeta.from_wire(s)
     if profile is not None:
         meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
+        meta.pre_on_cpu, meta.pre_off_cpu, meta.pre_off_cpu_ns = profile.totals("before")
     return meta
 
 
@@ -131,7 +133,11 @@ def meta_from_text(text: str) -> SessionMeta:
 def profile_to_blob(p: Profile) -> bytes:
     body = {
         "f": [[f.name, f.module, f.file, f.line, f.kind, f.inlined] for f in p.frames],
-        "s": [[list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns] for s in p.samples],
+        # The before-trigger flag is an 8th value, absent from blobs stored before it existed.
+        "s": [
+            [list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger]
+            for s in p.samples
+        ],
     }
     return zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
 
@@ -140,7 +146,16 @@ def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
     body = msgpack.unpackb(zlib.decompress(blob), raw=False)
     frames = [Frame(name=f[0], module=f[1], file=f[2], line=f[3], kind=f[4], inlined=f[5]) for f in body["f"]]
     samples = [
-        Sample(stack=tuple(s[0]), pid=s[1], tid=s[2], thread=s[3], on_cpu=s[4], off_cpu=s[5], off_cpu_ns=s[6])
+        Sample(
+            stack=tuple(s[0]),
+            pid=s[1],
+            tid=s[2],
+            thread=s[3],
+            on_cpu=s[4],
+            off_cpu=s[5],
+            off_cpu_ns=s[6],
+            pre_trigger=len(s) > 7 and bool(s[7]),
+        )
         for s in body["s"]
     ]
     return Profile(meta=meta, frames=frames, samples=samples)
@@ -394,6 +409,12 @@ class Store:
             if v:
                 clauses.append(f"{col} = ?")
                 params.append(v)
+        if f.kind:
+            # No column for it: matched in the metadata JSON (compact, written by meta_to_text), where a
+            # label or name holding the same text is escaped (\\") and cannot match. Sessions stored
+            # before the field existed lack it and are `psi`.
+            clauses.append("meta LIKE ?" if f.kind == wire.TRIGGER_MANUAL else "meta NOT LIKE ?")
+            params.append(f'%"trigger_kind":"{wire.TRIGGER_MANUAL}"%')
         if f.since_ns is not None:
             clauses.append("start_ns >= ?")
             params.append(_i64(max(f.since_ns, 0)))
