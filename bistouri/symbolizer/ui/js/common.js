@@ -119,6 +119,13 @@
     return B.el("span", { class: "res res-" + (resource || "none") }, B.RESOURCE_LABEL[resource] || resource || "–");
   };
 
+  // A capture asked of the agent ("capture now"), not fired by PSI.
+  B.manualBadge = function (t) {
+    if (!t || t.kind !== "manual") return null;
+    return B.el("span", { class: "badge-manual", title: "captured on demand (capture now), not by a PSI trigger" },
+      "manual");
+  };
+
   B.query = function () {
     return new URLSearchParams(global.location.search);
   };
@@ -225,7 +232,7 @@
   }
 
   // Filters the list, merged and diff pages share.
-  B.FILTER_KEYS = ["service", "host", "resource", "comm", "since", "until"];
+  B.FILTER_KEYS = ["service", "host", "resource", "comm", "kind", "since", "until"];
 
   B.filtersFrom = function (params, prefix) {
     const out = {};
@@ -245,7 +252,7 @@
 
   B.describeFilters = function (f) {
     const parts = [];
-    for (const k of ["service", "host", "comm", "resource"]) if (f[k]) parts.push(k + "=" + f[k]);
+    for (const k of ["service", "host", "comm", "resource", "kind"]) if (f[k]) parts.push(k + "=" + f[k]);
     if (f.since) parts.push("since " + B.fmtBound(f.since));
     if (f.until) parts.push("until " + B.fmtBound(f.until));
     return parts.length ? parts.join(", ") : "all sessions";
@@ -261,7 +268,7 @@
     const title = B.el("h1", null, m.comm || "session",
       B.el("span", { class: "sub" }, " on " + (m.host || "?") + (m.service ? " · " + m.service : "")));
     return B.el("div", { class: "meta-head" }, title, t.resource ? B.resourceBadge(t.resource) : null,
-      t.resource ? B.psiBadges(t) : null);
+      B.manualBadge(t), t.resource ? B.psiBadges(t) : null);
   };
 
   B.sessionGrid = function (m) {
