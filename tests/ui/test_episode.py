@@ -66,6 +66,7 @@ def test_timeline_shows_the_onset_and_its_own_flamegraph(page, symbolizer_url, e
     folded = page.locator("#dl-folded").get_attribute("href") or ""
     assert parse_qs(urlsplit(folded).query)["part"] == ["before"]
     _shot(page, screenshots / "session-onset.png")
+    page.locator("#timeline").screenshot(path=str(screenshots / "session-episode.png"))
 
     # After the trigger: the spin, reclaim almost gone.
     page.click("#part-after")
