@@ -226,10 +226,10 @@ def _value(args: Any) -> str:
     return str(v)
 
 
-def _part(args: Any) -> str:
-    p = args.get("part", "all")
+def _part(args: Any, name: str = "part") -> str:
+    p = args.get(name, "all")
     if p not in PARTS:
-        raise ApiError(400, "bad_parameter", f"part={p!r} is not one of {', '.join(PARTS)}")
+        raise ApiError(400, "bad_parameter", f"{name}={p!r} is not one of {', '.join(PARTS)}")
     return str(p)
 
 
@@ -754,10 +754,11 @@ class SymbolizerApp:
         sides = []
         for side in ("a", "b"):
             sid = request.args.get(side)
+            part = _part(request.args, side + ".part")
             if sid:
-                sides.append(self._profile(sid))
-            elif any(k.startswith(side + ".") for k in request.args):
-                sides.append(self._merged(request.args, side + ".")[0])
+                sides.append(self._profile(sid).part(part))
+            elif any(k.startswith(side + ".") and k != side + ".part" for k in request.args):
+                sides.append(self._merged(request.args, side + ".")[0].part(part))
             else:
                 raise ApiError(
                     400,

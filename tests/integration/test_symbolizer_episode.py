@@ -107,6 +107,13 @@ def test_before_and_after_the_trigger_are_kept_apart(
     assert sum(s.value[0] for s in prof_after.sample) == post_on
     assert "trigger" not in prof_after.string_table
 
+    # The onset against what followed, in one diff: A is the part before, B the part after.
+    both = {"a": "onset-1", "a.part": "before", "b": "onset-1", "b.part": "after"}
+    diff = requests.get(f"{url}/v1/diff/flamegraph", params=both, timeout=30).json()
+    assert (diff["value"], diff["base"]) == (post_on, pre_on)
+    r = requests.get(f"{url}/v1/diff/flamegraph", params={**both, "b.part": "later"}, timeout=30)
+    assert r.status_code == 400 and "b.part='later'" in r.json()["detail"]
+
     # A merge keeps the parts apart too.
     post_sessions(url, [onset_session("onset-2", demo_binary, start_ns=onset.start_ns + 10**12)])
     merged = folded(url, "/v1/profile/folded", part="before")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -74,6 +75,20 @@ def test_timeline_shows_the_onset_and_its_own_flamegraph(page, symbolizer_url, e
     _wait_share(page, "hot_spin", 400 / 405)
     assert page.locator('#flame .seg-btn[data-view="on_cpu"] .seg-count').inner_text() == "405"
 
+    # The onset compared with what followed: reclaim shrank (blue), the spin grew (red).
+    page.click("#diff-onset")
+    page.wait_for_url(re.compile(r"/ui/diff\.html\?"))
+    sides = {"a": sid, "a.part": "before", "b": sid, "b.part": "after"}
+    assert {k: v[0] for k, v in _query(page).items()} == sides
+    page.locator(_frame("try_to_free_pages")).first.wait_for()
+    assert 200 <= _hue(page, _frame("try_to_free_pages")) <= 230
+    fill = page.locator(_frame("try_to_free_pages") + " rect").first.get_attribute("fill") or ""
+    assert int(fill.split(",")[1].strip(" %")) >= 40, fill  # saturated: a change, not the grey of "unchanged"
+    assert _hue(page, _frame("hot_spin")) < 15
+    assert "before the trigger" in page.locator("#side-a").inner_text()
+    assert "75 on-CPU samples" in page.locator("#side-a").inner_text()
+    assert "405 on-CPU samples" in page.locator("#side-b").inner_text()
+
     # The URL alone restores the part.
     page.goto(f"{symbolizer_url}/ui/session.html?id={sid}&part=before")
     _wait_share(page, "try_to_free_pages", 60 / 75)
@@ -109,6 +124,17 @@ def test_manual_badge_and_kind_filter(page, symbolizer_url, episodes, stored) ->
     assert page.locator("#tl-before").count() == 0
     assert page.locator("#part-before").is_disabled()
     assert "capture now" in page.locator("#tl-trigger").inner_text()
+
+
+def _frame(name: str) -> str:
+    return f'#flame g.frame[name="{name}"]'
+
+
+def _hue(page, selector: str) -> float:
+    fill = page.locator(f"{selector} rect").first.get_attribute("fill") or ""
+    m = re.match(r"hsl\((\d+(?:\.\d+)?)", fill)
+    assert m, f"{selector}: fill {fill!r} is not hsl()"
+    return float(m.group(1))
 
 
 def _query(page) -> dict[str, list[str]]:

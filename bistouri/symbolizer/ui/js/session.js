@@ -84,9 +84,13 @@
         hasBefore ? fmtTotals(before, preNs / 1e9) : "no sample (the flight recorder was off or had nothing)"),
       el("div", { id: "tl-count-after" }, el("span", { class: "k" }, "After the trigger"),
         fmtTotals(after, (span - preNs) / 1e9)));
+    const compare = hasBefore && after.on_cpu + after.off_cpu > 0
+      ? el("a", { class: "btn", id: "diff-onset", href: "diff.html" + B.qs({ a: id, "a.part": "before", b: id,
+        "b.part": "after" }), title: "A = the samples before the trigger, B = those after it" }, "Diff: onset → after")
+      : null;
     timelineBox.replaceChildren(
       el("div", { class: "tl-head" }, el("h2", null, "Episode"),
-        el("div", { class: "seg", role: "tablist", "aria-label": "Samples shown" }, ...buttons)),
+        el("div", { class: "seg", role: "tablist", "aria-label": "Samples shown" }, ...buttons), compare),
       bar, axis, counts);
     timelineBox.hidden = false;
   }
