@@ -101,6 +101,8 @@ def test_manual_badge_and_kind_filter(page, symbolizer_url, episodes, stored) ->
     manual.wait_for()
     assert manual.locator(".badge-manual").inner_text() == "manual"
     assert page.locator(f'tr[data-id="{episodes["onset"]}"] .badge-manual').count() == 0
+    assert page.locator(f'tr[data-id="{episodes["onset"]}"] .onset').inner_text() == "5 s before"
+    assert manual.locator(".onset").count() == 0
     assert page.locator(f'tr[data-id="{stored["new"]}"] .badge-manual').count() == 0
 
     # The list filtered by trigger kind, from the form, kept in the URL.

@@ -92,6 +92,14 @@
     return el("span", null, B.fmtCount(s.off_cpu), el("span", { class: "dim" }, " · " + B.fmtNs(s.off_cpu_ns)));
   }
 
+  // The seconds the flight recorder kept from before the trigger, when there are any.
+  function onsetPill(m) {
+    const pre = (m.episode || {}).pre_trigger_s || 0;
+    if (!pre) return null;
+    return el("span", { class: "pill onset", title: "of which " + B.fmtNs(pre * 1e9) +
+      " before the trigger (flight recorder)" }, B.fmtNs(pre * 1e9) + " before");
+  }
+
   function updatePicks() {
     picked.sort((a, b) => a.start_ns - b.start_ns);
     for (const tr of list.querySelectorAll("tbody tr")) {
@@ -149,7 +157,7 @@
         el("td", { class: "trigger", title: (t.cgroup ? "cgroup " + t.cgroup : "") }, B.resourceBadge(t.resource),
           " ", B.manualBadge(t), " ", el("span", { class: "dim" }, B.fmtTrigger(t).replace(/^\S+ /, ""))),
         el("td", null, B.psiBadges(t)),
-        el("td", { class: "num" }, B.fmtNs(m.duration_ns)),
+        el("td", { class: "num" }, B.fmtNs(m.duration_ns), onsetPill(m)),
         el("td", { class: "num" }, s.on_cpu ? B.fmtCount(s.on_cpu) : el("span", { class: "dim" }, "–")),
         el("td", { class: "num" }, samplesOff(m)),
         el("td", { class: "num" }, el("a", { href: href, class: "btn" }, "Flamegraph")),
