@@ -123,6 +123,7 @@ def test_manual_badge_and_kind_filter(page, symbolizer_url, episodes, stored) ->
     page.goto(f"{symbolizer_url}/ui/session.html?id={episodes['manual']}")
     page.locator("#tl-bar").wait_for()
     assert page.locator("#meta .badge-manual").inner_text() == "manual"
+    assert "manual (capture now) · CPU" in page.locator("#meta").inner_text()
     assert page.locator("#tl-before").count() == 0
     assert page.locator("#part-before").is_disabled()
     assert "capture now" in page.locator("#tl-trigger").inner_text()

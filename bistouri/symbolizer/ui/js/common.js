@@ -278,9 +278,11 @@
     const labels = Object.entries(m.labels || {}).map(([k, v]) => k + "=" + v).join(", ");
     const period = m.period_ns ? B.fmtNs(m.period_ns) + " (" + Math.round(1e9 / m.period_ns) + " Hz)" : "–";
     return B.el("div", { class: "meta-grid" },
-      t.resource ? metaItem("Trigger", B.fmtTrigger(t)) : null,
+      t.resource ? metaItem("Trigger", t.kind === "manual" ? "manual (capture now) · " +
+        (B.RESOURCE_LABEL[t.resource] || t.resource) : B.fmtTrigger(t)) : null,
       t.resource ? metaItem("Cgroup", t.cgroup || "/", "mono") : null,
-      metaItem(t.resource ? "Triggered at" : "Started at", B.fmtTime(t.time_ns || m.start_ns)),
+      metaItem(t.kind === "manual" ? "Asked at" : t.resource ? "Triggered at" : "Started at",
+        B.fmtTime(t.time_ns || m.start_ns)),
       metaItem("Duration", B.fmtNs(m.duration_ns)),
       metaItem("Sampling period", period),
       metaItem("Processes", procs || "–", "mono"),
