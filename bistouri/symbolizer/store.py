@@ -34,7 +34,7 @@ from .model import Frame, Profile, Sample, SessionMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -74,6 +74,18 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
     # Retention goes by the time the server received a session, not by the agent's clock.
     (2, ["CREATE INDEX sessions_ingested ON sessions (ingested_ns, id)"]),
+    # The trigger's kind (psi | manual), which the list filters by.
+    (
+        3,
+        [
+            "ALTER TABLE sessions ADD COLUMN trigger_kind TEXT NOT NULL DEFAULT 'psi'",
+            "CREATE INDEX sessions_kind_start ON sessions (trigger_kind, start_ns)",
+            # Sessions stored before: their kind is in the metadata JSON, whose keys are sorted
+            # (meta_to_text), so the session's own key is followed by trigger_time_ns.
+            """UPDATE sessions SET trigger_kind = 'manual'
+               WHERE meta LIKE '%"trigger_kind":"manual","trigger_time_ns":%'""",
+        ],
+    ),
 ]
 
 
@@ -323,8 +335,8 @@ class Store:
         size = len(profile) + len(raw)
         n = self._exec(
             """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
-                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (id) DO NOTHING""",
             (
                 m.session_id,
@@ -342,6 +354,7 @@ class Store:
                 profile,
                 raw,
                 size,
+                m.trigger_kind,
             ),
         )
         return size if n else 0
@@ -410,11 +423,8 @@ class Store:
                 clauses.append(f"{col} = ?")
                 params.append(v)
         if f.kind:
-            # No column for it: matched in the metadata JSON (compact, written by meta_to_text), where a
-            # label or name holding the same text is escaped (\\") and cannot match. Sessions stored
-            # before the field existed lack it and are `psi`.
-            clauses.append("meta LIKE ?" if f.kind == wire.TRIGGER_MANUAL else "meta NOT LIKE ?")
-            params.append(f'%"trigger_kind":"{wire.TRIGGER_MANUAL}"%')
+            clauses.append("trigger_kind = ?")
+            params.append(f.kind)
         if f.since_ns is not None:
             clauses.append("start_ns >= ?")
             params.append(_i64(max(f.since_ns, 0)))
