@@ -203,7 +203,7 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     frames: list[Frame] = []
     # Keyed by a plain tuple: hashing and comparing the dataclass itself costs several times more.
     frame_ids: dict[tuple[str, str, str, int, str, bool], int] = {}
-    acc: dict[tuple[int, ...], list[int]] = {}
+    acc: dict[tuple[tuple[int, ...], bool], list[int]] = {}
     first: SessionMeta | None = None
     start = end = 0
     for p in profiles:
@@ -222,14 +222,18 @@ def merge(profiles: Iterable[Profile]) -> Profile:
                 frames.append(f)
             remap.append(i)
         for s in p.samples:
-            key = tuple(remap[i] for i in s.stack)
+            # Keyed by the before-trigger flag too: the merge keeps the onset apart.
+            key = (tuple(remap[i] for i in s.stack), s.pre_trigger)
             c = acc.get(key)
             if c is None:
                 c = acc[key] = [0, 0, 0]
             c[0] += s.on_cpu
             c[1] += s.off_cpu
             c[2] += s.off_cpu_ns
-    samples = [Sample(stack=k, on_cpu=c[0], off_cpu=c[1], off_cpu_ns=c[2]) for k, c in acc.items()]
+    samples = [
+        Sample(stack=k, on_cpu=c[0], off_cpu=c[1], off_cpu_ns=c[2], pre_trigger=pre)
+        for (k, pre), c in acc.items()
+    ]
     meta = (
         replace(first, labels=dict(first.labels), processes=dict(first.processes))
         if first
@@ -239,6 +243,10 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     meta.on_cpu = sum(s.on_cpu for s in samples)
     meta.off_cpu = sum(s.off_cpu for s in samples)
     meta.off_cpu_ns = sum(s.off_cpu_ns for s in samples)
+    pre = [s for s in samples if s.pre_trigger]
+    meta.pre_on_cpu = sum(s.on_cpu for s in pre)
+    meta.pre_off_cpu = sum(s.off_cpu for s in pre)
+    meta.pre_off_cpu_ns = sum(s.off_cpu_ns for s in pre)
     return Profile(meta=meta, frames=frames, samples=samples)
 
 
@@ -270,6 +278,7 @@ def profile_json(profile: Profile) -> dict[str, Any]:
                 "on_cpu": s.on_cpu,
                 "off_cpu": s.off_cpu,
                 "off_cpu_ns": s.off_cpu_ns,
+                "pre_trigger": s.pre_trigger,
             }
             for s in profile.samples
         ],
@@ -479,6 +488,10 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
             labels.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(s.tid))))
         if s.thread:
             labels.append(_bytes(3, _int(1, k_thread) + _int(2, st(s.thread))))
+        if s.pre_trigger:
+            # `go tool pprof -tagfocus trigger=before` shows the onset; the strings are added only
+            # when used, so a profile without the flight recorder stays byte for byte the same.
+            labels.append(_bytes(3, _int(1, st("trigger")) + _int(2, st("before"))))
         # Values are packed and always three long, zeros included, as pprof requires.
         vals = _bytes(2, b"".join(_varint(_clamp(v)) for v in (s.on_cpu, s.off_cpu, s.off_cpu_ns)))
         sample_msgs.append(_bytes(2, _packed(1, ids) + vals + b"".join(labels)))

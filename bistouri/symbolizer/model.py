@@ -39,6 +39,12 @@ class Sample:
     on_cpu: int = 0  # on-CPU sample count
     off_cpu: int = 0  # off-CPU wait count
     off_cpu_ns: int = 0  # off-CPU blocked time
+    pre_trigger: bool = False  # sampled by the flight recorder before the trigger (the onset)
+
+
+# What a profile read keeps of a session (`part=` of the read API): all of it, or the samples
+# taken before or after the trigger.
+PARTS = ("all", "before", "after")
 
 
 @dataclass(slots=True)
@@ -68,11 +74,16 @@ class SessionMeta:
     off_cpu_ns: int = 0
     trigger_kind: str = wire.TRIGGER_PSI  # psi | manual (capture now)
     pre_trigger_ns: int = 0  # the session starts this long before its trigger (flight recorder)
+    # The part of the totals above sampled before the trigger.
+    pre_on_cpu: int = 0
+    pre_off_cpu: int = 0
+    pre_off_cpu_ns: int = 0
 
     @classmethod
     def from_wire(cls, s: wire.Session) -> SessionMeta:
         """The metadata of a wire session; totals summed over its traces."""
         t = s.trigger
+        pre = [x for x in s.traces if x.pre_trigger]
         return cls(
             session_id=s.session_id,
             tenant=s.tenant,
@@ -99,6 +110,9 @@ class SessionMeta:
             off_cpu_ns=sum(x.off_cpu_ns for x in s.traces),
             trigger_kind=t.kind,
             pre_trigger_ns=s.pre_trigger_ns,
+            pre_on_cpu=sum(x.on_cpu for x in pre),
+            pre_off_cpu=sum(x.off_cpu for x in pre),
+            pre_off_cpu_ns=sum(x.off_cpu_ns for x in pre),
         )
 
     @property
@@ -137,8 +151,21 @@ class SessionMeta:
             "period_ns": self.period_ns,
             "kernel_release": self.kernel_release,
             "samples": {"on_cpu": self.on_cpu, "off_cpu": self.off_cpu, "off_cpu_ns": self.off_cpu_ns},
-            # The episode: the session runs from start_ns, pre_trigger_s before trigger.time_ns.
-            "episode": {"pre_trigger_s": self.pre_trigger_ns / 1e9},
+            # The episode: the session runs from start_ns, pre_trigger_s before trigger.time_ns;
+            # `samples` split at the trigger.
+            "episode": {
+                "pre_trigger_s": self.pre_trigger_ns / 1e9,
+                "before_trigger": {
+                    "on_cpu": self.pre_on_cpu,
+                    "off_cpu": self.pre_off_cpu,
+                    "off_cpu_ns": self.pre_off_cpu_ns,
+                },
+                "after_trigger": {
+                    "on_cpu": self.on_cpu - self.pre_on_cpu,
+                    "off_cpu": self.off_cpu - self.pre_off_cpu,
+                    "off_cpu_ns": self.off_cpu_ns - self.pre_off_cpu_ns,
+                },
+            },
         }
 
 
@@ -150,8 +177,19 @@ class Profile:
     frames: list[Frame] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
 
-    def totals(self) -> tuple[int, int, int]:
-        on = sum(s.on_cpu for s in self.samples)
-        off = sum(s.off_cpu for s in self.samples)
-        off_ns = sum(s.off_cpu_ns for s in self.samples)
+    def totals(self, part: str = "all") -> tuple[int, int, int]:
+        """(on_cpu, off_cpu, off_cpu_ns) summed over the samples of `part` (see PARTS)."""
+        samples = self.part(part).samples
+        on = sum(s.on_cpu for s in samples)
+        off = sum(s.off_cpu for s in samples)
+        off_ns = sum(s.off_cpu_ns for s in samples)
         return on, off, off_ns
+
+    def part(self, part: str) -> Profile:
+        """The profile of the samples before the trigger (`before`), after it (`after`), or all."""
+        if part == "all":
+            return self
+        if part not in PARTS:
+            raise ValueError(f"part {part!r} is not one of {', '.join(PARTS)}")
+        before = part == "before"
+        return Profile(self.meta, self.frames, [s for s in self.samples if s.pre_trigger == before])

@@ -619,7 +619,16 @@ class Resolver:
                         kinds["unknown"] += 1
                 kinds["kernel"] += len(kern)
             samples.append(
-                model.Sample(stack, t.pid, t.tid, threads.get(t.tid, ""), t.on_cpu, t.off_cpu, t.off_cpu_ns)
+                model.Sample(
+                    stack,
+                    t.pid,
+                    t.tid,
+                    threads.get(t.tid, ""),
+                    t.on_cpu,
+                    t.off_cpu,
+                    t.off_cpu_ns,
+                    t.pre_trigger,
+                )
             )
 
         misses = [sum(len(v) for v in user_todo.values()), len(kernel_todo)]

@@ -38,7 +38,7 @@ from ..errors import WireError
 from . import formats
 from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
 from .metrics import Metrics
-from .model import Profile
+from .model import PARTS, Profile
 from .store import Filter, Store, StoredSession, StoreError, meta_from_session
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,17 @@ def _filter(args: Any, prefix: str = "") -> Filter:
 
     since = g("since")
     until = g("until")
+    kind = g("kind")
+    if kind and kind not in wire.TRIGGER_KINDS:
+        kinds = ", ".join(wire.TRIGGER_KINDS)
+        raise ApiError(400, "bad_parameter", f"{prefix}kind={kind!r} is not one of {kinds}")
     return Filter(
         service=g("service"),
         host=g("host"),
         resource=g("resource"),
         comm=g("comm"),
         tenant=g("tenant"),
+        kind=kind,
         since_ns=_parse_time(prefix + "since", since) if since else None,
         until_ns=_parse_time(prefix + "until", until) if until else None,
     )
@@ -219,6 +224,13 @@ def _value(args: Any) -> str:
     if v not in formats.VALUES:
         raise ApiError(400, "bad_parameter", f"value={v!r} is not one of {', '.join(formats.VALUES)}")
     return str(v)
+
+
+def _part(args: Any, name: str = "part") -> str:
+    p = args.get(name, "all")
+    if p not in PARTS:
+        raise ApiError(400, "bad_parameter", f"{name}={p!r} is not one of {', '.join(PARTS)}")
+    return str(p)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -710,13 +722,15 @@ class SymbolizerApp:
     def on_session_profile(self, request: Request, sid: str, fmt: str) -> Response:
         self._authorize(request, write=False)
         render = self._renderer(fmt)
-        return render(request, self._profile(sid), sid)
+        part = _part(request.args)
+        return render(request, self._profile(sid).part(part), sid)
 
     def on_merged_profile(self, request: Request, fmt: str) -> Response:
         self._authorize(request, write=False)
         render = self._renderer(fmt)
+        part = _part(request.args)
         profile, n = self._merged(request.args, "")
-        response = render(request, profile, "merged")
+        response = render(request, profile.part(part), "merged")
         response.headers["X-Bistouri-Sessions"] = str(n)
         return response
 
@@ -740,10 +754,11 @@ class SymbolizerApp:
         sides = []
         for side in ("a", "b"):
             sid = request.args.get(side)
+            part = _part(request.args, side + ".part")
             if sid:
-                sides.append(self._profile(sid))
-            elif any(k.startswith(side + ".") for k in request.args):
-                sides.append(self._merged(request.args, side + ".")[0])
+                sides.append(self._profile(sid).part(part))
+            elif any(k.startswith(side + ".") and k != side + ".part" for k in request.args):
+                sides.append(self._merged(request.args, side + ".")[0].part(part))
             else:
                 raise ApiError(
                     400,

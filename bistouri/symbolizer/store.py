@@ -34,7 +34,7 @@ from .model import Frame, Profile, Sample, SessionMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -74,6 +74,18 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
     # Retention goes by the time the server received a session, not by the agent's clock.
     (2, ["CREATE INDEX sessions_ingested ON sessions (ingested_ns, id)"]),
+    # The trigger's kind (psi | manual), which the list filters by.
+    (
+        3,
+        [
+            "ALTER TABLE sessions ADD COLUMN trigger_kind TEXT NOT NULL DEFAULT 'psi'",
+            "CREATE INDEX sessions_kind_start ON sessions (trigger_kind, start_ns)",
+            # Sessions stored before: their kind is in the metadata JSON, whose keys are sorted
+            # (meta_to_text), so the session's own key is followed by trigger_time_ns.
+            """UPDATE sessions SET trigger_kind = 'manual'
+               WHERE meta LIKE '%"trigger_kind":"manual","trigger_time_ns":%'""",
+        ],
+    ),
 ]
 
 
@@ -90,6 +102,7 @@ class Filter:
     resource: str = ""
     comm: str = ""
     tenant: str = ""
+    kind: str = ""  # trigger kind: wire.TRIGGER_PSI or wire.TRIGGER_MANUAL
     since_ns: int | None = None
     until_ns: int | None = None
 
@@ -112,6 +125,7 @@ def meta_from_session(s: wire.Session, profile: Profile | None = None) -> Sessio
     meta = SessionMeta.from_wire(s)
     if profile is not None:
         meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
+        meta.pre_on_cpu, meta.pre_off_cpu, meta.pre_off_cpu_ns = profile.totals("before")
     return meta
 
 
@@ -131,7 +145,11 @@ def meta_from_text(text: str) -> SessionMeta:
 def profile_to_blob(p: Profile) -> bytes:
     body = {
         "f": [[f.name, f.module, f.file, f.line, f.kind, f.inlined] for f in p.frames],
-        "s": [[list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns] for s in p.samples],
+        # The before-trigger flag is an 8th value, absent from blobs stored before it existed.
+        "s": [
+            [list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger]
+            for s in p.samples
+        ],
     }
     return zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
 
@@ -140,7 +158,16 @@ def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
     body = msgpack.unpackb(zlib.decompress(blob), raw=False)
     frames = [Frame(name=f[0], module=f[1], file=f[2], line=f[3], kind=f[4], inlined=f[5]) for f in body["f"]]
     samples = [
-        Sample(stack=tuple(s[0]), pid=s[1], tid=s[2], thread=s[3], on_cpu=s[4], off_cpu=s[5], off_cpu_ns=s[6])
+        Sample(
+            stack=tuple(s[0]),
+            pid=s[1],
+            tid=s[2],
+            thread=s[3],
+            on_cpu=s[4],
+            off_cpu=s[5],
+            off_cpu_ns=s[6],
+            pre_trigger=len(s) > 7 and bool(s[7]),
+        )
         for s in body["s"]
     ]
     return Profile(meta=meta, frames=frames, samples=samples)
@@ -308,8 +335,8 @@ class Store:
         size = len(profile) + len(raw)
         n = self._exec(
             """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
-                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (id) DO NOTHING""",
             (
                 m.session_id,
@@ -327,6 +354,7 @@ class Store:
                 profile,
                 raw,
                 size,
+                m.trigger_kind,
             ),
         )
         return size if n else 0
@@ -394,6 +422,9 @@ class Store:
             if v:
                 clauses.append(f"{col} = ?")
                 params.append(v)
+        if f.kind:
+            clauses.append("trigger_kind = ?")
+            params.append(f.kind)
         if f.since_ns is not None:
             clauses.append("start_ns >= ?")
             params.append(_i64(max(f.since_ns, 0)))

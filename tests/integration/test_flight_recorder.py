@@ -239,7 +239,10 @@ def test_the_symbolizer_shows_a_manual_trigger_and_the_seconds_before_it(
     r = post_sessions(url, [s, make_session("sess-psi", demo_binary)])
     assert r.status_code == 200 and r.json()["accepted"] == ["sess-pre", "sess-psi"], r.text
     meta = requests.get(f"{url}/v1/sessions/sess-pre", timeout=10).json()
-    assert meta["trigger"]["kind"] == "manual" and meta["episode"] == {"pre_trigger_s": 4.8}
+    assert meta["trigger"]["kind"] == "manual" and meta["episode"]["pre_trigger_s"] == 4.8
     assert meta["samples"]["on_cpu"] == 53 + 7  # the samples before the trigger are in the profile
+    assert meta["episode"]["before_trigger"]["on_cpu"] == 7
+    assert meta["episode"]["after_trigger"]["on_cpu"] == 53
     old = requests.get(f"{url}/v1/sessions/sess-psi", timeout=10).json()
-    assert old["trigger"]["kind"] == "psi" and old["episode"] == {"pre_trigger_s": 0.0}
+    assert old["trigger"]["kind"] == "psi" and old["episode"]["pre_trigger_s"] == 0.0
+    assert old["episode"]["before_trigger"] == {"on_cpu": 0, "off_cpu": 0, "off_cpu_ns": 0}

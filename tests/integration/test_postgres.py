@@ -149,6 +149,16 @@ def test_store_on_postgres(fresh_db: str) -> None:
     deleted = s.enforce_retention()
     assert deleted["size"] == 6 and s.stats()[1] <= used // 2
     assert min(m.session_id for m in s.query(Filter())[0]) == "p06"  # oldest first
+    # The trigger-kind filter (matched in the metadata JSON) and the before-trigger flag, on PostgreSQL too.
+    manual = _record("m00", 10**18 + 20 * 10**9)
+    manual.meta.trigger_kind = "manual"
+    manual.profile.samples[0].pre_trigger = True
+    assert s.insert(manual) > 0
+    assert [m.session_id for m in s.query(Filter(kind="manual"))[0]] == ["m00"]
+    assert s.query(Filter(kind="psi"))[1] == 6
+    got, old = s.get_profile("m00"), s.get_profile("p07")
+    assert got is not None and got.samples[0].pre_trigger
+    assert old is not None and not old.samples[0].pre_trigger
     s.close()
 
 

@@ -592,11 +592,26 @@ _PARAM_NAMES = [
     "b",
     "a.since",
     "b.service",
+    "part",
+    "kind",
+    "a.kind",
 ]
 _PARAM_VALUES = st.one_of(
     st.text(max_size=20),
     st.sampled_from(
-        ["inf", "-inf", "nan", "1e400", "-1", "99999999999999999999", "2026-13-01", "q-1", "off_cpu"]
+        [
+            "inf",
+            "-inf",
+            "nan",
+            "1e400",
+            "-1",
+            "99999999999999999999",
+            "2026-13-01",
+            "q-1",
+            "off_cpu",
+            "before",
+            "manual",
+        ]
     ),
     st.integers().map(str),
 )

@@ -82,7 +82,16 @@ def symbolizer_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def stored(symbolizer_url: str) -> dict[str, str]:
     """Session ids by role (`old`, `new`, `io`), ingested the way the agent sends them."""
-    sessions = data.ui_sessions()
+    return _ingest(symbolizer_url, data.ui_sessions())
+
+
+@pytest.fixture(scope="session")
+def episodes(symbolizer_url: str) -> dict[str, str]:
+    """Session ids by role: `onset` (flight-recorder samples before its trigger), `manual` (capture now)."""
+    return _ingest(symbolizer_url, data.episode_sessions())
+
+
+def _ingest(symbolizer_url: str, sessions: dict[str, wire.Session]) -> dict[str, str]:
     r = requests.put(
         f"{symbolizer_url}/v1/kernels/{data.KERNEL_BUILD_ID.hex()}", data=data.kallsyms_gz(), timeout=10
     )

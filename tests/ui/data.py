@@ -95,7 +95,13 @@ class Binary:
 
 
 def _trace(
-    user: list[wire.UserFrame], kernel: list[str], pid: int, on: int = 0, off: int = 0, off_ns: int = 0
+    user: list[wire.UserFrame],
+    kernel: list[str],
+    pid: int,
+    on: int = 0,
+    off: int = 0,
+    off_ns: int = 0,
+    pre: bool = False,
 ):
     # Wire stacks are leaf first; the lists here read root first like a flamegraph.
     return wire.Trace(
@@ -106,6 +112,7 @@ def _trace(
         on_cpu=on,
         off_cpu=off,
         off_cpu_ns=off_ns,
+        pre_trigger=pre,
     )
 
 
@@ -193,6 +200,55 @@ def fsyncer_session(sid: str, start_ns: int) -> wire.Session:
 
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "fixtures" / "build" / "workloads"
+
+# The flight-recorder session: 5 s sampled before its trigger, 10 s after.
+ONSET_PRE_NS = 5_000_000_000
+ONSET_POST_NS = 10_000_000_000
+
+
+def onset_session(sid: str, trigger_ns: int) -> wire.Session:
+    """A memory-pressure session of `burner` with flight-recorder samples before its trigger.
+
+    Before the trigger it faults and reclaims (main > try_to_free_pages > shrink_node); after
+    it, it spins (level1 > level2 > hot_spin): the onset's flamegraph differs from the rest.
+    """
+    b = Binary.open(WORKLOADS / "burner")
+    chain = [b.frame("main", 40), b.frame("level1", 4), b.frame("level2", 4)]
+    fault = ["asm_exc_page_fault", "exc_page_fault", "handle_mm_fault", "__alloc_pages", "try_to_free_pages"]
+    pid = 6161
+    traces = [
+        _trace(chain[:1], [*fault, "shrink_node"], pid, on=60, off=9, off_ns=90_000_000, pre=True),
+        _trace([*chain, b.frame("hot_spin", 12)], [], pid, on=15, pre=True),
+        _trace([*chain, b.frame("hot_spin", 12)], [], pid, on=400),
+        _trace(chain[:1], [*fault, "shrink_node"], pid, on=5, off=1, off_ns=10_000_000),
+    ]
+    s = _session(sid, "batch", "web-07", "burner", pid, "memory", trigger_ns, (22.0, 9.5, 2.1), traces)
+    s.start_ns = trigger_ns - ONSET_PRE_NS
+    s.duration_ns = ONSET_PRE_NS + ONSET_POST_NS
+    s.pre_trigger_ns = ONSET_PRE_NS
+    return s
+
+
+def manual_session(sid: str, trigger_ns: int) -> wire.Session:
+    """A capture asked of the agent (capture now): no PSI figures, no flight recorder."""
+    b = Binary.open(WORKLOADS / "burner")
+    pid = 6262
+    traces = [_trace([b.frame("main", 40), b.frame("level1", 4)], [], pid, on=50)]
+    s = _session(sid, "batch", "web-07", "burner", pid, "cpu", trigger_ns, (0.0, 0.0, 0.0), traces)
+    s.trigger = wire.Trigger(
+        resource="cpu", cgroup="/system.slice/batch.service", time_ns=trigger_ns, kind=wire.TRIGGER_MANUAL
+    )
+    return s
+
+
+def episode_sessions(now_ns: int | None = None) -> dict[str, wire.Session]:
+    """The flight-recorder and manual sessions, by role (`onset`, `manual`), of service `batch`."""
+    now = now_ns or time.time_ns()
+    tag = f"{os.getpid():x}{now & 0xFFFFFF:06x}"
+    return {
+        "onset": onset_session(f"ui-onset-{tag}", now - 1_200_000_000_000),
+        "manual": manual_session(f"ui-manual-{tag}", now - 960_000_000_000),
+    }
 
 
 def ui_sessions(now_ns: int | None = None) -> dict[str, wire.Session]:

@@ -200,7 +200,7 @@ def test_io_session_offcpu_first(page, symbolizer_url, stored) -> None:
     """A session without on-CPU majority still opens on its data, and empty views are disabled."""
     page.goto(f"{symbolizer_url}/ui/session.html?id={stored['io']}&view=off_cpu_ns")
     page.locator(_frame("jbd2_log_wait_commit")).first.wait_for()
-    assert page.locator(".seg-btn.active").get_attribute("data-view") == "off_cpu_ns"
+    assert page.locator("#flame .seg-btn.active").get_attribute("data-view") == "off_cpu_ns"
     assert "I/O" in page.locator("#meta .res").inner_text()
 
 

@@ -119,6 +119,13 @@
     return B.el("span", { class: "res res-" + (resource || "none") }, B.RESOURCE_LABEL[resource] || resource || "–");
   };
 
+  // A capture asked of the agent ("capture now"), not fired by PSI.
+  B.manualBadge = function (t) {
+    if (!t || t.kind !== "manual") return null;
+    return B.el("span", { class: "badge-manual", title: "captured on demand (capture now), not by a PSI trigger" },
+      "manual");
+  };
+
   B.query = function () {
     return new URLSearchParams(global.location.search);
   };
@@ -225,7 +232,7 @@
   }
 
   // Filters the list, merged and diff pages share.
-  B.FILTER_KEYS = ["service", "host", "resource", "comm", "since", "until"];
+  B.FILTER_KEYS = ["service", "host", "resource", "comm", "kind", "since", "until"];
 
   B.filtersFrom = function (params, prefix) {
     const out = {};
@@ -245,7 +252,7 @@
 
   B.describeFilters = function (f) {
     const parts = [];
-    for (const k of ["service", "host", "comm", "resource"]) if (f[k]) parts.push(k + "=" + f[k]);
+    for (const k of ["service", "host", "comm", "resource", "kind"]) if (f[k]) parts.push(k + "=" + f[k]);
     if (f.since) parts.push("since " + B.fmtBound(f.since));
     if (f.until) parts.push("until " + B.fmtBound(f.until));
     return parts.length ? parts.join(", ") : "all sessions";
@@ -261,7 +268,7 @@
     const title = B.el("h1", null, m.comm || "session",
       B.el("span", { class: "sub" }, " on " + (m.host || "?") + (m.service ? " · " + m.service : "")));
     return B.el("div", { class: "meta-head" }, title, t.resource ? B.resourceBadge(t.resource) : null,
-      t.resource ? B.psiBadges(t) : null);
+      B.manualBadge(t), t.resource ? B.psiBadges(t) : null);
   };
 
   B.sessionGrid = function (m) {
@@ -271,9 +278,11 @@
     const labels = Object.entries(m.labels || {}).map(([k, v]) => k + "=" + v).join(", ");
     const period = m.period_ns ? B.fmtNs(m.period_ns) + " (" + Math.round(1e9 / m.period_ns) + " Hz)" : "–";
     return B.el("div", { class: "meta-grid" },
-      t.resource ? metaItem("Trigger", B.fmtTrigger(t)) : null,
+      t.resource ? metaItem("Trigger", t.kind === "manual" ? "manual (capture now) · " +
+        (B.RESOURCE_LABEL[t.resource] || t.resource) : B.fmtTrigger(t)) : null,
       t.resource ? metaItem("Cgroup", t.cgroup || "/", "mono") : null,
-      metaItem(t.resource ? "Triggered at" : "Started at", B.fmtTime(t.time_ns || m.start_ns)),
+      metaItem(t.kind === "manual" ? "Asked at" : t.resource ? "Triggered at" : "Started at",
+        B.fmtTime(t.time_ns || m.start_ns)),
       metaItem("Duration", B.fmtNs(m.duration_ns)),
       metaItem("Sampling period", period),
       metaItem("Processes", procs || "–", "mono"),

@@ -8,12 +8,21 @@
   const metaBox = document.getElementById("meta");
   const flameBox = document.getElementById("flame");
 
+  // A side's samples before or after the trigger only (a.part=before), or all of them.
+  const PART_NAME = { before: "before the trigger", after: "after the trigger" };
+  function sidePart(side) {
+    const p = q.get(side + ".part");
+    return PART_NAME[p] ? p : "";
+  }
+
   function sideParams(side) {
     const id = q.get(side);
-    if (id) return { [side]: id };
-    const out = {};
-    const f = B.filtersFrom(q, side + ".");
-    for (const k of Object.keys(f)) out[side + "." + k] = f[k];
+    const out = id ? { [side]: id } : {};
+    if (!id) {
+      const f = B.filtersFrom(q, side + ".");
+      for (const k of Object.keys(f)) out[side + "." + k] = f[k];
+    }
+    if (sidePart(side)) out[side + ".part"] = sidePart(side);
     return out;
   }
 
@@ -28,13 +37,15 @@
     }
     const m = await B.getJson("/v1/sessions/" + encodeURIComponent(id));
     const t = m.trigger || {};
+    const part = sidePart(side);
+    const s = (part && (m.episode || {})[part + "_trigger"]) || m.samples || {};
     return el("div", { class: "side", id: "side-" + side },
       el("div", { class: "side-title" }, tag,
-        el("a", { href: "session.html" + B.qs({ id: id }) }, (m.comm || "?") + " on " + (m.host || "?")),
-        B.resourceBadge(t.resource), B.psiBadges(t)),
+        el("a", { href: "session.html" + B.qs({ id: id, part: part }) }, (m.comm || "?") + " on " + (m.host || "?")),
+        part ? el("span", { class: "pill side-part" }, PART_NAME[part]) : null,
+        B.resourceBadge(t.resource), B.manualBadge(t), B.psiBadges(t)),
       el("div", { class: "dim" }, B.fmtTime(m.start_ns) + " · " + B.fmtNs(m.duration_ns) + " · " +
-        B.fmtCount((m.samples || {}).on_cpu || 0) + " on-CPU samples · " + B.fmtCount((m.samples || {}).off_cpu || 0) +
-        " off-CPU waits"));
+        B.fmtCount(s.on_cpu || 0) + " on-CPU samples · " + B.fmtCount(s.off_cpu || 0) + " off-CPU waits"));
   }
 
   function swapUrl() {

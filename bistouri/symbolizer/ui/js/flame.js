@@ -12,6 +12,9 @@
  *   search:   initial search term
  *   onState:  function ({view, search}) called when the user changes either
  *
+ * The returned object's reload(load, totals) shows another profile in the same
+ * views (the session page: the samples before or after the trigger).
+ *
  * The tree is d3-flame-graph's format: {name, value, children, kind, file,
  * line, inlined[, module][, delta, base]}, value inclusive of children.
  */
@@ -539,10 +542,26 @@
       }, 200);
     });
 
+    // Another profile in the same views: forget the loaded trees, show the new totals, draw again.
+    function reload(load, newTotals) {
+      opts.load = load;
+      for (const k of Object.keys(trees)) delete trees[k];
+      Object.assign(totals, newTotals || {});
+      for (const b of viewButtons) {
+        const v = b.dataset.view;
+        b.disabled = totals[v] === 0;
+        const c = b.querySelector(".seg-count");
+        if (c) c.textContent = shortTotal(v, totals[v]);
+      }
+      if (totals[state.view] === 0) state.view = views.find((v) => totals[v] !== 0) || state.view;
+      return setView(state.view, true);
+    }
+
     const ready = setView(state.view, true);
     const api = {
       ready: ready,
       setView: setView,
+      reload: reload,
       search: (term) => {
         search.value = term;
         runSearch();

@@ -39,7 +39,7 @@
   }
 
   function fillForm(s) {
-    for (const k of ["service", "host", "comm", "resource"]) form.elements[k].value = s.filters[k] || "";
+    for (const k of ["service", "host", "comm", "resource", "kind"]) form.elements[k].value = s.filters[k] || "";
     form.elements.range.value = RANGES[s.range] || s.range === "custom" ? s.range : "";
     form.elements.since.value = s.range === "custom" ? toLocalInput(s.filters.since) : "";
     form.elements.until.value = s.range === "custom" ? toLocalInput(s.filters.until) : "";
@@ -54,7 +54,7 @@
   // The URL keeps a relative range as `range=1h`; the API gets absolute seconds.
   function urlParamsFromForm() {
     const p = {};
-    for (const k of ["service", "host", "comm", "resource"]) p[k] = form.elements[k].value.trim();
+    for (const k of ["service", "host", "comm", "resource", "kind"]) p[k] = form.elements[k].value.trim();
     const range = form.elements.range.value;
     if (range === "custom") {
       p.since = fromLocalInput(form.elements.since.value);
@@ -90,6 +90,14 @@
     const s = m.samples || {};
     if (!s.off_cpu) return el("span", { class: "dim" }, "–");
     return el("span", null, B.fmtCount(s.off_cpu), el("span", { class: "dim" }, " · " + B.fmtNs(s.off_cpu_ns)));
+  }
+
+  // The seconds the flight recorder kept from before the trigger, when there are any.
+  function onsetPill(m) {
+    const pre = (m.episode || {}).pre_trigger_s || 0;
+    if (!pre) return null;
+    return el("span", { class: "pill onset", title: "of which " + B.fmtNs(pre * 1e9) +
+      " before the trigger (flight recorder)" }, B.fmtNs(pre * 1e9) + " before");
   }
 
   function updatePicks() {
@@ -146,10 +154,10 @@
         el("td", null, m.host || "–"),
         el("td", null, m.service || el("span", { class: "dim" }, "–")),
         processCell(m),
-        el("td", { title: (t.cgroup ? "cgroup " + t.cgroup : "") }, B.resourceBadge(t.resource), " ",
-          el("span", { class: "dim" }, B.fmtTrigger(t).replace(/^\S+ /, ""))),
+        el("td", { class: "trigger", title: (t.cgroup ? "cgroup " + t.cgroup : "") }, B.resourceBadge(t.resource),
+          " ", B.manualBadge(t), " ", el("span", { class: "dim" }, B.fmtTrigger(t).replace(/^\S+ /, ""))),
         el("td", null, B.psiBadges(t)),
-        el("td", { class: "num" }, B.fmtNs(m.duration_ns)),
+        el("td", { class: "num" }, B.fmtNs(m.duration_ns), onsetPill(m)),
         el("td", { class: "num" }, s.on_cpu ? B.fmtCount(s.on_cpu) : el("span", { class: "dim" }, "–")),
         el("td", { class: "num" }, samplesOff(m)),
         el("td", { class: "num" }, el("a", { href: href, class: "btn" }, "Flamegraph")),
