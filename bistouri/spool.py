@@ -56,6 +56,25 @@ def _session_of(name: str) -> str:
     return m.group(2) if m else ""
 
 
+def read_waiting(directory: str) -> list[wire.SessionFile]:
+    """The sessions waiting in a spool directory, oldest first, read without changing anything.
+
+    For a reader beside the agent that owns the directory (tools, tests): a `Spool` would
+    recover it, removing the agent's half-written files and quarantining what it cannot read.
+    Files that vanish or do not check out while being read are skipped.
+    """
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if _NAME_RE.match(name) is None:
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                out.append(wire.unframe_session(f.read()))
+        except (OSError, WireError):
+            continue
+    return out
+
+
 class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.dropped = Counter(

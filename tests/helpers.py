@@ -123,6 +123,19 @@ def bpf_prog_ids() -> set[int]:
     return {p["id"] for p in json.loads(out or "[]")}
 
 
+def own_prog_ids() -> set[int]:
+    """Ids of the BPF programs this process holds an fd of (its fdinfo says `prog_id:`): unlike
+    the programs loaded on the machine, no other process can change them."""
+    ids = set()
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            text = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue  # closed meanwhile
+        ids |= {int(line.split()[1]) for line in text.splitlines() if line.startswith("prog_id:")}
+    return ids
+
+
 def bistouri_prog_ids() -> set[int]:
     import json
 

@@ -15,7 +15,7 @@ from bistouri import abi
 from bistouri.events import ExecMatch, SentSamples, StackSample, split_stacks
 from bistouri.procmaps import FrameStatus
 from bistouri.profiler import ProfilerAgent, ProfilerOptions
-from tests.helpers import bistouri_prog_ids, build_id, symbols, wait_until
+from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf
 
@@ -187,15 +187,15 @@ def test_twenty_load_attach_destroy_cycles_leak_nothing():
     before_fds = _fd_count()
     ours: set[int] = set()
     for _ in range(20):
-        present = bistouri_prog_ids()
         agent = ProfilerAgent(ProfilerOptions(freq_hz=19))
         agent.open()
         agent.start()
-        loaded = bistouri_prog_ids() - present
-        assert len(loaded) == 3, loaded
+        loaded = own_prog_ids()
+        assert len(loaded) == 3 and loaded <= bistouri_prog_ids(), loaded
         ours |= loaded
         agent.close()
         agent.close()  # idempotent
+        assert not own_prog_ids()
     assert _fd_count() == before_fds
     # Programs are freed asynchronously (RCU): allow them a few seconds to go.
     assert wait_until(lambda: not (bistouri_prog_ids() & ours), 10), bistouri_prog_ids() & ours

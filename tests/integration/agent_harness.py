@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bistouri import wire
-from bistouri.spool import Spool
+from bistouri.spool import read_waiting
 from tests.helpers import wait_until
 
 
@@ -69,13 +69,8 @@ class AgentProcess:
     def sessions(self) -> list[wire.Session]:
         if not self.spool_dir.exists():
             return []
-        spool = Spool(str(self.spool_dir), 1 << 40, registry=None)
-        out = []
-        for e in spool.pending():
-            data = spool.read(e.name)
-            if data is not None:
-                out.append(wire.decode_session(data))
-        return out
+        # Read beside the running agent: a Spool here would remove the agent's half-written files.
+        return [wire.decode_session(f.data) for f in read_waiting(str(self.spool_dir))]
 
     def wait_session(self, predicate, timeout: float) -> wire.Session | None:
         def find() -> wire.Session | None:

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.spool import Spool
+from bistouri.spool import Spool, read_waiting
 
 HEADER = wire.FILE_HEADER.size  # with no kernel build id
 
@@ -257,3 +257,14 @@ def test_reject_without_its_reason_file_is_still_tracked_and_bounded(tmp_path):
     assert [n for n, _ in sp.rejected()] == [second]
     assert not (tmp_path / "spool" / "rejected" / first).exists()
     assert dropped(reg, "rejected_evicted") == 1
+
+
+def test_a_reader_beside_the_agent_changes_nothing(tmp_path):
+    spool = Spool(str(tmp_path), 1 << 20, registry=None)
+    spool.put("a", b"session a")
+    partial = tmp_path / "tmp" / "000000000002.b.bses"
+    partial.write_bytes(b"half-written by the agent")
+    (tmp_path / "000000000003.c.bses").write_bytes(b"damaged")
+    (waiting,) = read_waiting(str(tmp_path))
+    assert waiting.data == b"session a"
+    assert partial.exists() and (tmp_path / "000000000003.c.bses").exists()
