@@ -165,6 +165,22 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
             return default
         return n
 
+    def size(dest: str, default: int, zero_turns_off: bool = False) -> int:
+        """A byte size such as 64M, at least 1 MiB (or 0, where 0 turns the feature off)."""
+        v, where = raw(dest)
+        if v is None:
+            return default
+        try:
+            n = parse_size(str(v))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            return default
+        if n < 1 << 20 and not (zero_turns_off and n == 0):
+            off = " (0 turns it off)" if zero_turns_off else ""
+            problems.append(f"{where}: {n} bytes is below the 1 MiB minimum{off}")
+            return default
+        return n
+
     s: dict[str, Any] = {}
     s["config_path"] = text("config", DEFAULT_TRIGGER_PATH)
 
@@ -247,42 +263,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
     s["cgroup_path"] = cg
 
     s["spool_dir"] = text("spool_dir", "/var/lib/bistouri/spool")
-    sm, where = raw("spool_max_bytes")
-    s["spool_max_bytes"] = 256 * 1024 * 1024
-    if sm is not None:
-        try:
-            size = parse_size(str(sm))
-        except ValueError as e:
-            problems.append(f"{where}: {e}")
-        else:
-            if size < 1024 * 1024:
-                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
-            else:
-                s["spool_max_bytes"] = size
-    cm, where = raw("capture_max_bytes")
-    s["capture_max_bytes"] = 64 * 1024 * 1024
-    if cm is not None:
-        try:
-            size = parse_size(str(cm))
-        except ValueError as e:
-            problems.append(f"{where}: {e}")
-        else:
-            if size < 1024 * 1024:
-                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum")
-            else:
-                s["capture_max_bytes"] = size
-    rm, where = raw("recorder_max_bytes")
-    s["recorder_max_bytes"] = 16 * 1024 * 1024
-    if rm is not None:
-        try:
-            size = parse_size(str(rm))
-        except ValueError as e:
-            problems.append(f"{where}: {e}")
-        else:
-            if 0 < size < 1024 * 1024:
-                problems.append(f"{where}: {size} bytes is below the 1 MiB minimum (0 turns it off)")
-            else:
-                s["recorder_max_bytes"] = size
+    s["spool_max_bytes"] = size("spool_max_bytes", 256 << 20)
+    s["capture_max_bytes"] = size("capture_max_bytes", 64 << 20)
+    s["recorder_max_bytes"] = size("recorder_max_bytes", 16 << 20, zero_turns_off=True)
     s["walk_interval_secs"] = number("walk_interval_secs", 30.0, 1.0, 3600.0, integer=False)
 
     off, where = raw("offcpu")
