@@ -39,6 +39,7 @@ class CfaKind(IntEnum):
     PLT = 3  # .plt entry: CFA = RSP + 8, + 8 more when (RIP & 15) >= cfa_off
     SIGNAL = 4  # signal trampoline (__restore_rt): registers come from the ucontext at RSP
     OTHER = 5  # an expression or register the walk cannot evaluate: frame pointer
+    END = 6  # the outermost frame (_start, clone3): return address undefined
 
 
 class RbpKind(IntEnum):
@@ -214,6 +215,8 @@ def _plt_threshold(expr: bytes) -> int | None:
 def _row(pc: int, st: _State, signal: bool) -> Row:
     if signal:
         return Row(pc, CfaKind.SIGNAL, 0, RbpKind.OTHER, 0)
+    if st.ra[0] == "undefined":
+        return Row(pc, CfaKind.END, 0, RbpKind.UNCHANGED, 0)
     if st.ra != ("offset", -8):
         return Row(pc, CfaKind.OTHER, 0, RbpKind.OTHER, 0)
     if st.cfa_expr is not None:
@@ -288,7 +291,7 @@ def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: li
         elif op == 0x06:
             restore(r.uleb())
         elif op == 0x07:
-            set_reg(r.uleb(), ("other", 0))
+            set_reg(r.uleb(), ("undefined", 0))
         elif op == 0x08:
             set_reg(r.uleb(), ("same", 0))
         elif op == 0x09:

@@ -87,7 +87,7 @@ def _their_rule(pc: int, cells: dict[str, str]) -> Rule:
 
 
 def _our_rule(row: Row) -> Rule:
-    if row.cfa_kind == CfaKind.SIGNAL:
+    if row.cfa_kind in (CfaKind.SIGNAL, CfaKind.END):  # readelf: no c-8 return address
         return (row.pc, "other", 0, "other", 0)
     kind = {CfaKind.RSP: "rsp", CfaKind.RBP: "rbp"}.get(row.cfa_kind, "other")
     off = row.cfa_off if kind != "other" else 0
