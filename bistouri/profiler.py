@@ -79,8 +79,11 @@ class ProfilerOptions:
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
-    unwind_rows: int = 1 << 19  # rows of .eh_frame tables in BPF (12 bytes each); 0: frame pointers only
+    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
+    unwind_rows: int = 1 << 20  # 0: frame pointers only
     unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
+    unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
+    unwind_nice: int = 19  # of the thread building them: it yields to the workload
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -168,6 +171,8 @@ class ProfilerAgent:
                 obj.maps["unwind_mappings"],
                 proc_root=o.proc_root,
                 cache_dir=o.unwind_cache_dir,
+                cpu_share=o.unwind_cpu_share,
+                nice=o.unwind_nice,
             )
             self.maps.on_reread = self._maps_reread
 

@@ -82,6 +82,7 @@ class _Loaded:
 class _Proc:
     slot: int
     entries: list[tuple[int, int, int, int, int, bytes]] = field(default_factory=list)  # sorted by start
+    source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read
 
     def write(self, mappings: Map, procs: Map, pid: int) -> None:
         base = self.slot * abi.UNWIND_MAPPINGS
@@ -129,6 +130,7 @@ class UnwindTables:
         cache_dir: str | None = None,
         cache_max_bytes: int = 256 << 20,
         cpu_share: float = 0.25,
+        nice: int = 19,
     ) -> None:
         self._rows_map = rows
         self._procs_map = procs
@@ -138,6 +140,7 @@ class UnwindTables:
         self.cache_dir = cache_dir
         self.cache_max_bytes = cache_max_bytes
         self.cpu_share = cpu_share
+        self.nice = nice
         self.stats = UnwindStats()
         self._loaded: OrderedDict[bytes, _Loaded] = OrderedDict()  # build id -> rows, LRU first
         self._procs: OrderedDict[int, _Proc] = OrderedDict()
@@ -148,6 +151,7 @@ class UnwindTables:
         self._idle = threading.Event()
         self._idle.set()
         self._lock = threading.Lock()
+        self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
@@ -186,7 +190,7 @@ class UnwindTables:
 
     def _run(self) -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         except OSError:
             pass
         while not self._stop.is_set():
@@ -200,6 +204,8 @@ class UnwindTables:
                     self._publish(pid)
                 elif what == "prepare":
                     for _rng, _pgoff, path, key in self._file_mappings(pid):
+                        if self._stop.is_set():
+                            break
                         self._table(path, key)
                 elif what == "forget":
                     self._drop_proc(pid)
@@ -218,7 +224,9 @@ class UnwindTables:
         except OSError:
             return []
         out = []
-        ids: dict[tuple[bytes, bytes], bytes] = {}
+        ids = self._build_ids
+        if len(ids) > 8192:
+            ids.clear()
         for line in data.splitlines():
             parts = line.split(None, 5)
             if len(parts) < 6 or b"x" not in parts[1] or parts[4] == b"0" or not parts[5].startswith(b"/"):
@@ -228,6 +236,7 @@ class UnwindTables:
             path = f"{base}/map_files/{parts[0].decode()}"
             if not os.path.exists(path):
                 path = f"{base}/root{parts[5].decode(errors='replace').removesuffix(' (deleted)')}"
+            # Read once per (device, inode); a replaced file has a new inode.
             key = ids.get((parts[3], parts[4]))
             if key is None:
                 try:
@@ -297,7 +306,8 @@ class UnwindTables:
             total -= size
 
     # -- BPF maps ------------------------------------------------------------------------
-    def _load(self, key: bytes, t: Table) -> _Loaded | None:
+    def _load(self, key: bytes, t: Table, keep: set[bytes]) -> _Loaded | None:
+        """The file's rows in the BPF array, evicting files not in `keep` (the process's own) for room."""
         loaded = self._loaded.get(key)
         if loaded is not None:
             self._loaded.move_to_end(key)
@@ -307,8 +317,7 @@ class UnwindTables:
             self.stats.too_large += n > 0
             return None
         first = self._allocate(n)
-        while first is None and self._loaded:
-            self._evict_oldest()
+        while first is None and self._evict_oldest(keep):
             first = self._allocate(n)
         if first is None:
             return None
@@ -326,9 +335,12 @@ class UnwindTables:
             at = used.first + used.count
         return at if self.capacity - at >= n else None
 
-    def _evict_oldest(self) -> None:
+    def _evict_oldest(self, keep: set[bytes]) -> bool:
         """Drop the least recently wanted file; first unpublish it, before its rows are reused."""
-        key, old = self._loaded.popitem(last=False)
+        key = next((k for k in self._loaded if k not in keep), None)
+        if key is None:
+            return False
+        old = self._loaded.pop(key)
         self.stats.evicted += 1
         self.stats.loaded_rows -= old.count
         with self._lock:
@@ -336,12 +348,24 @@ class UnwindTables:
                 if any(e[5] == key for e in proc.entries):
                     proc.entries = [e for e in proc.entries if e[5] != key]
                     proc.write(self._mappings_map, self._procs_map, pid)
+        return True
 
     def _publish(self, pid: int) -> None:
+        mappings = self._file_mappings(pid)
+        published = self._procs.get(pid)
+        if (
+            published is not None
+            and published.source == [(m[0], m[3]) for m in mappings]
+            and all(self._loaded.get(e[5]) is not None for e in published.entries)
+        ):
+            return  # the same files, still loaded (the maps changed elsewhere: heap, JIT)
         entries = []
-        for (start, end), pgoff, path, key in self._file_mappings(pid):
+        keep = {m[3] for m in mappings}
+        for (start, end), pgoff, path, key in mappings:
+            if self._stop.is_set():
+                return
             t = None if key in self._loaded else self._table(path, key)
-            loaded = self._loaded.get(key) if t is None else self._load(key, t)
+            loaded = self._loaded.get(key) if t is None else self._load(key, t, keep)
             if loaded is None:
                 continue
             bias = _bias(loaded.segments, start, pgoff)
@@ -360,6 +384,7 @@ class UnwindTables:
                 proc = self._procs[pid] = _Proc(self._free_slots.pop())
             self._procs.move_to_end(pid)
             proc.entries = entries
+            proc.source = [(m[0], m[3]) for m in mappings]
             proc.write(self._mappings_map, self._procs_map, pid)
             self.stats.procs = len(self._procs)
 
