@@ -152,6 +152,7 @@ class UnwindTables:
         self._idle.set()
         self._lock = threading.Lock()
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
+        self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
@@ -206,7 +207,8 @@ class UnwindTables:
                     for _rng, _pgoff, path, key in self._file_mappings(pid):
                         if self._stop.is_set():
                             break
-                        self._table(path, key)
+                        if key not in self._loaded and key not in self._on_disk:
+                            self._table(path, key)
                 elif what == "forget":
                     self._drop_proc(pid)
             except Exception:
@@ -257,6 +259,7 @@ class UnwindTables:
             t = read_cached(cached)
             if t is not None:
                 self.stats.cache_hits += 1
+                self._on_disk.add(key)
                 return t
         cpu = time.thread_time()
         try:
@@ -286,6 +289,7 @@ class UnwindTables:
                     f.write(_SEGMENT.pack(*seg))
                 f.write(t.rows)
             os.replace(tmp, path)
+            self._on_disk.add(bytes.fromhex(os.path.basename(path).removesuffix(".unw")))
             self._trim_cache()
         except OSError as e:
             log.warning("Cannot write the unwind table cache %s: %s", path, e)
@@ -303,6 +307,7 @@ class UnwindTables:
             if total <= self.cache_max_bytes:
                 break
             os.unlink(p)
+            self._on_disk.discard(bytes.fromhex(os.path.basename(p).removesuffix(".unw")))
             total -= size
 
     # -- BPF maps ------------------------------------------------------------------------
