@@ -293,3 +293,61 @@ def _child_named(pid: int, comm: str) -> int:
     found = wait_until(find, 30)
     assert isinstance(found, int), f"no {comm} child of {pid}"
     return found
+
+
+def _ours_only(pid: int, files: _Files) -> list[Chain]:
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with ProfilerAgent(opts) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
+        ready = time.monotonic_ns()
+        files.learn(pid)
+        events: list = []
+
+        def enough() -> bool:
+            events.extend(agent.take())
+            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+
+        assert wait_until(enough, 120), "samples taken"
+        agent.close()
+        events.extend(agent.take())
+        return _our_chains(agent, events, pid, ready, files)
+
+
+def _in(chain: Chain, binary: str, syms: dict[str, tuple[int, int]], function: str) -> bool:
+    return (os.path.basename(binary), syms[function][0]) in chain
+
+
+def test_a_signal_handler_frame_is_unwound_through_to_the_interrupted_code(workloads: Path) -> None:
+    """The handler's caller is __restore_rt (a signal FDE): the walk reads the interrupted
+    registers from the ucontext and goes on through the frameless code to main."""
+    from tests.helpers import symbols
+
+    binary = workloads / "nofp_signal"
+    syms = symbols(binary)
+    files = _Files()
+    with _running([str(binary), "120"]) as proc:
+        chains = _ours_only(proc.pid, files)
+    in_handler = [c for c in chains if _in(c, str(binary), syms, "on_alarm")]
+    assert len(in_handler) >= len(chains) * 0.1, "the handler spins a good part of the time"
+    through = [c for c in in_handler if _in(c, str(binary), syms, "interrupted") and _reaches_entry(c, files)]
+    assert len(through) / len(in_handler) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in chains) / len(chains) >= REACH_ENTRY
+
+
+def test_cxx_exception_path_is_unwound_through_the_unwinder_to_main(workloads: Path) -> None:
+    from tests.helpers import symbols
+
+    binary = workloads / "nofp_throw"
+    syms = symbols(binary)
+    files = _Files()
+    with _running([str(binary), "120"]) as proc:
+        chains = _ours_only(proc.pid, files)
+    runtime = [c for c in chains if any(f.startswith(("libgcc_s", "libstdc++")) for f, _ in c)]
+    assert len(runtime) >= len(chains) * 0.2, "throwing is most of its time"
+    assert sum(_in(c, str(binary), syms, "_ZL7throweri") for c in runtime) / len(runtime) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in runtime) / len(runtime) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in chains) / len(chains) >= REACH_ENTRY
