@@ -5,7 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ("bench.bench_agent", "bench.bench_sampling", "bench.bench_symbolize", "bench.bench_ingest")
+BENCHES = (
+    "bench.bench_agent",
+    "bench.bench_sampling",
+    "bench.bench_unwind_tables",
+    "bench.bench_symbolize",
+    "bench.bench_ingest",
+)
 
 
 def main() -> int:
