@@ -146,7 +146,7 @@ class BpfCountersCollector(Collector):
         emitted.add_metric(["map_change"], c[abi.Counter.MAP_CHANGES])
         yield emitted
         frames = CounterMetricFamily(
-            "bistouri_user_frames",
+            "bistouri_user_frames_unwound",
             "User frames walked in BPF, by how: an .eh_frame table or the frame pointer",
             labels=["unwound_by"],
         )
