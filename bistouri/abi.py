@@ -132,6 +132,9 @@ class UnwindMapping(Structure):
         ("bias", c_uint64),
         ("first", c_uint32),
         ("count", c_uint32),
+        ("pages", c_uint32),
+        ("page_count", c_uint32),
+        ("page_base", c_uint64),
     ]
 
 

@@ -321,15 +321,27 @@ static long row_search_step(__u32 index, void *data)
 	return 0;
 }
 
-/* The last row at or before pc in rows [first, first + count). */
-static __always_inline struct bistouri_unwind_row *find_row(__u32 first, __u32 count, __u32 pc)
+/* The last row at or before pc among the mapping's rows, between two entries of its page index. */
+static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwind_mapping *m, __u32 pc)
 {
-	struct row_search s = { .lo = first, .hi = first + count, .pc = pc };
+	struct row_search s = { .lo = m->first, .hi = m->first + m->count, .pc = pc };
 	struct bistouri_unwind_row *row;
+	__u64 page = (pc >> 12) - m->page_base;
+	__u32 at;
 	__u32 lo;
 
-	if (!count)
+	if (!m->count)
 		return NULL;
+	if (page < m->page_count) {
+		at = m->pages + (__u32)page;
+		row = bpf_map_lookup_elem(&unwind_rows, &at);
+		if (row)
+			s.lo = row->pc;
+		at++;
+		row = bpf_map_lookup_elem(&unwind_rows, &at);
+		if (row)
+			s.hi = row->pc + 1;
+	}
 	bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
 	lo = s.lo;
 	row = bpf_map_lookup_elem(&unwind_rows, &lo);
@@ -361,7 +373,7 @@ static long walk_frame(__u32 index, void *data)
 		/* A return address is past its call: look up the call itself. */
 		__u64 pc = ip - m->bias - (w->exact ? 0 : 1);
 
-		row = find_row(m->first, m->count, (__u32)pc);
+		row = find_row(m, (__u32)pc);
 	}
 	if (row) {
 		kind = row->cfa_kind;

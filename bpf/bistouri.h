@@ -87,13 +87,20 @@ struct bistouri_unwind_row {
 	__u8 rbp_kind;         /* enum bistouri_rbp_kind */
 };
 
-/* An executable mapping whose file has a table: rows [first, first + count) of unwind_rows. */
+/*
+ * An executable mapping whose file has a table: rows [first, first + count) of
+ * unwind_rows, then a page index at `pages`: entry p (its pc field) is the row
+ * covering the start of page page_base + p (4 KiB), for p in [0, page_count].
+ */
 struct bistouri_unwind_mapping {
 	__u64 start;
 	__u64 end;
 	__u64 bias;            /* table pc = ip - bias */
 	__u32 first;
 	__u32 count;
+	__u32 pages;
+	__u32 page_count;
+	__u64 page_base;       /* first page of the table: its lowest pc >> 12 */
 };
 
 /* A process's mappings with tables: entries [slot * BISTOURI_UNWIND_MAPPINGS, + count) of unwind_mappings. */
