@@ -8,6 +8,7 @@ import sys
 BENCHES = (
     "bench.bench_agent",
     "bench.bench_sampling",
+    "bench.bench_unwind_tables",
     "bench.bench_symbolize",
     "bench.bench_ingest",
     "bench.bench_attacks",

@@ -49,17 +49,22 @@ def main() -> int:
     from bistouri.profiler import ProfilerAgent, ProfilerOptions
 
     opts = ProfilerOptions(freq_hz=freq, offcpu=False, exec_discovery=False, object_path=obj)
-    samples = named = 0
+    samples = named = frames = 0
     with ProfilerAgent(opts) as agent:
         agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        unwind = getattr(agent, "unwind", None)  # None in code older than the .eh_frame walk
+        if unwind is not None:
+            unwind.wait_idle(120)  # measured once its unwind tables are loaded
+        agent.take()
         ns0, cnt0 = prog_stats()
         cpu0, t0 = own_cpu_ns(), time.monotonic()
-        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
         while time.monotonic() - t0 < seconds:
             for e in agent.take(timeout=0.2):
                 if type(e) is not StackSample or e.pid != pid:
                     continue
                 samples += e.weight
+                frames += e.weight * len(split_stacks(e.stacks, e.kernel_len)[1])
                 if function:
                     user = split_stacks(e.stacks, e.kernel_len)[1]
                     names = (
@@ -84,6 +89,7 @@ def main() -> int:
                 "runs": cnt1 - cnt0,
                 "samples": samples,
                 "named": named,
+                "user_frames": frames / max(1, samples),
                 "reader_ns_per_sample": (cpu1 - cpu0) / max(1, samples),
                 "reader_share_of_one_core": (cpu1 - cpu0) / 1e9 / span,
                 "pid": os.getpid(),

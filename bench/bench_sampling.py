@@ -88,6 +88,49 @@ def build_probe(tmp: Path) -> Path:
     return out
 
 
+# ~32 frames (main, 28 recursive calls, the leaf, libc's start): the .eh_frame walk's target case.
+FRAMELESS_SOURCE = r"""
+#include <stdlib.h>
+#include <time.h>
+volatile unsigned long sink;
+__attribute__((noinline)) unsigned long leaf(unsigned long x)
+{
+	for (int i = 0; i < 2000; i++)
+		x = x * 6364136223846793005UL + 1;
+	return x;
+}
+__attribute__((noinline)) unsigned long rec(int depth, unsigned long x)
+{
+	unsigned long buf[4];
+	buf[depth & 3] = x;
+	if (depth == 0)
+		return leaf(x);
+	unsigned long r = rec(depth - 1, x + buf[(depth + 1) & 3]);
+	sink += r;
+	return r + 1;
+}
+int main(int argc, char **argv)
+{
+	time_t end = time(0) + (argc > 1 ? atoi(argv[1]) : 10);
+	while (time(0) < end)
+		sink += rec(27, sink);
+	return 0;
+}
+"""
+
+
+def build_frameless(tmp: Path) -> Path:
+    """A 32-frame stack built as distributions build: -O2, no frame pointers."""
+    src = tmp / "frameless.c"
+    src.write_text(FRAMELESS_SOURCE)
+    out = tmp / "frameless"
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-o", str(out), str(src)], check=True)
+    return out
+
+
+PYTHON_BUSY = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\nwhile True:\n    fib(20)\n"
+
+
 def baseline_tree(ref: str, tmp: Path) -> tuple[Path, Path]:
     """The package and BPF object of git `ref`: (directory for sys.path, object path)."""
     tree = tmp / "baseline"
@@ -299,6 +342,11 @@ def main() -> int:
             "workloads": [
                 bench_workload("probe", [str(probe)], args.seconds, args.freq, tree, obj),
                 bench_workload("repeated", [str(BURNER)], args.seconds, args.freq, tree, obj),
+                # Debian-like binaries without frame pointers: unwound from .eh_frame in BPF.
+                bench_workload("frameless", [str(build_frameless(tmp))], args.seconds, args.freq, tree, obj),
+                bench_workload(
+                    "python", ["/usr/bin/python3.11", "-c", PYTHON_BUSY], args.seconds, args.freq, tree, obj
+                ),
             ],
             "jit": {
                 "node": bench_jit(
@@ -324,7 +372,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(
         f"{'workload':>9} {'who':>9} {'BPF us/run':>11} {'BPF us/sample':>14} {'reader us/sample':>17} "
-        f"{'reader %core':>13}"
+        f"{'reader %core':>13} {'user frames':>12}"
     )
     for w in results["workloads"]:
         for who in ("bistouri", "baseline", "bpftrace"):
@@ -337,7 +385,7 @@ def main() -> int:
                 f"{w['workload']:>9} {who:>9} {r['bpf_ns_per_run'] / 1000:>11.2f} "
                 f"{r['bpf_ns_per_sample'] / 1000:>14.2f} "
                 f"{'' if reader is None else f'{reader / 1000:.2f}':>17} "
-                f"{'' if share is None else f'{share:.2%}':>13}"
+                f"{'' if share is None else f'{share:.2%}':>13} {r.get('user_frames', 0):>12.1f}"
             )
     for name, r in results["jit"].items():
         if r and "ratio" in r:
@@ -346,7 +394,10 @@ def main() -> int:
                 f"({r['bistouri_samples']}), {r['perf_share']:.1%} of perf -g's ({r['perf_samples']}): "
                 f"ratio {r['ratio']:.2f}"
             )
-    print("(targets: BPF <= 1.5 us/sample on both workloads; JIT ratio >= 0.90)\nwritten to " + args.out)
+    print(
+        "(targets: BPF <= 1.5 us/sample on probe and repeated, <= 3 us for ~30 frames; JIT ratio >= 0.90)"
+        "\nwritten to " + args.out
+    )
     return 0
 
 

@@ -116,6 +116,8 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
         c_int,
         [c_int, c_void_p, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), c_void_p],
     ),
+    # (fd, keys, values, count in/out, opts): many entries in one syscall (unwind rows).
+    ("bpf_map_update_batch", c_int, [c_int, c_void_p, c_void_p, POINTER(c_uint32), c_void_p]),
     ("ring_buffer__new", rb_p, [c_int, RING_BUFFER_SAMPLE_FN, c_void_p, c_void_p]),
     ("ring_buffer__add", c_int, [rb_p, c_int, RING_BUFFER_SAMPLE_FN, c_void_p]),
     ("ring_buffer__consume", c_int, [rb_p]),

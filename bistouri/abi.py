@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from ctypes import Structure, c_int32, c_int64, c_uint8, c_uint32, c_uint64
+from ctypes import Structure, c_int16, c_int32, c_int64, c_uint8, c_uint32, c_uint64
 from enum import IntEnum
 
 from .bpf import Btf
+from .ehframe import CfaKind, RbpKind
 
 COMM_LEN = 16
 MAX_DEPTH = 127
@@ -43,9 +44,20 @@ class Counter(IntEnum):
     OFF_CPU_SAMPLES = 8
     EXEC_MATCHES = 9
     MAP_CHANGES = 10
+    FRAMES_BY_TABLE = 11
+    FRAMES_BY_FP = 12
+    WALK_END = 13
+    WALK_NO_FP = 14
+    WALK_READ_FAILED = 15
+    WALK_DEPTH = 16
+    WALK_BAD_FRAME = 17
 
 
-COUNTER_MAX = 11
+COUNTER_MAX = 18
+
+# Unwind tables in BPF maps (bistouri/unwind.py fills them; ehframe.py defines the rows).
+UNWIND_MAPPINGS = 64  # per process
+UNWIND_PROCS = 512
 
 
 class UserStackKey(Structure):
@@ -103,6 +115,33 @@ class Config(Structure):
     ]
 
 
+class UnwindRow(Structure):
+    _fields_ = [
+        ("pc", c_uint32),
+        ("cfa_off", c_int32),
+        ("rbp_off", c_int16),
+        ("cfa_kind", c_uint8),
+        ("rbp_kind", c_uint8),
+    ]
+
+
+class UnwindMapping(Structure):
+    _fields_ = [
+        ("start", c_uint64),
+        ("end", c_uint64),
+        ("bias", c_uint64),
+        ("first", c_uint32),
+        ("count", c_uint32),
+        ("pages", c_uint32),
+        ("page_count", c_uint32),
+        ("page_base", c_uint64),
+    ]
+
+
+class UnwindProc(Structure):
+    _fields_ = [("slot", c_uint32), ("count", c_uint32)]
+
+
 # C struct name -> mirror. Every shared struct must be listed here.
 MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_stack_key": UserStackKey,
@@ -112,6 +151,9 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_error_event": ErrorEvent,
     "bistouri_comm_key": CommKey,
     "bistouri_config": Config,
+    "bistouri_unwind_row": UnwindRow,
+    "bistouri_unwind_mapping": UnwindMapping,
+    "bistouri_unwind_proc": UnwindProc,
 }
 
 # C enum name -> (prefix of its constants, mirror), compared value by value.
@@ -119,6 +161,8 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
     "bistouri_event_kind": ("BISTOURI_EVENT_", EventKind),
     "bistouri_filter_flags": ("BISTOURI_FILTER_", FilterFlags),
     "bistouri_counter": ("BISTOURI_CNT_", Counter),
+    "bistouri_cfa_kind": ("BISTOURI_CFA_", CfaKind),
+    "bistouri_rbp_kind": ("BISTOURI_RBP_", RbpKind),
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).

@@ -40,6 +40,7 @@ from .psi import PsiLoop
 from .settings import AgentSettings
 from .spool import Spool
 from .trigger import TriggerAgent
+from .unwind import UnwindStats
 
 log = logging.getLogger(__name__)
 
@@ -184,14 +185,26 @@ class Agent:
 
     def _load(self) -> None:
         assert self.kernel is not None
-        opts = ProfilerOptions(freq_hz=self.s.freq, offcpu=self.s.offcpu, proc_root=self.s.proc_path)
+        opts = ProfilerOptions(
+            freq_hz=self.s.freq,
+            offcpu=self.s.offcpu,
+            proc_root=self.s.proc_path,
+            # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
+            unwind_cache_dir=os.path.join(os.path.dirname(self.s.spool_dir.rstrip("/")), "unwind"),
+        )
         self.profiler = ProfilerAgent(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
         except BistouriError as e:
             raise StartupError("load", str(e))
         if self.registry is not None:
-            self.registry.register(BpfCountersCollector(self.profiler.counters, self._cache_stats))
+            self.registry.register(
+                BpfCountersCollector(self.profiler.counters, self._cache_stats, self._unwind_stats)
+            )
+
+    def _unwind_stats(self) -> UnwindStats:
+        unwind = self.profiler.unwind if self.profiler is not None else None
+        return unwind.stats if unwind is not None else UnwindStats()
 
     def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:
@@ -372,6 +385,10 @@ class Agent:
             except queue.Empty:
                 return
             self.trigger.on_walk(result)
+            unwind = self.profiler.unwind if self.profiler is not None else None
+            if unwind is not None:
+                # Tables of the watched processes to the disk cache now, before pressure samples them.
+                unwind.prepare([p.pid for p in result.found])
 
     def reload(self, why: str) -> bool:
         """Swap in a new trigger config; an invalid one keeps the running config."""

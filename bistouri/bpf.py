@@ -145,6 +145,25 @@ class Map:
             f"update of map {self.name}",
         )
 
+    @property
+    def max_entries(self) -> int:
+        return int(library().bpf_map__max_entries(self._check()))
+
+    def update_array(self, first: int, values: bytes, value_size: int) -> None:
+        """Write consecutive entries of an ARRAY map from index `first`, in one syscall."""
+        if value_size != self.value_size or len(values) % value_size:
+            raise ValueError(f"map {self.name}: {value_size}-byte values, the map holds {self.value_size}")
+        n = len(values) // value_size
+        if not n:
+            return
+        keys = (ctypes.c_uint32 * n)(*range(first, first + n))
+        count = ctypes.c_uint32(n)
+        vb = ctypes.create_string_buffer(values, len(values))
+        check_int(
+            library().bpf_map_update_batch(self.fd, keys, vb, ctypes.byref(count), None),
+            f"batch update of map {self.name}",
+        )
+
     def lookup(self, key: bytes, value_size: int | None = None) -> bytes | None:
         ptr = self._check()
         size = value_size or self.value_size

@@ -11,9 +11,7 @@ whose CFI says otherwise gets rows the walk treats as "no table here".
 Stdlib only (the agent's core has no compiled dependency); the ELF sections
 come from `symbolizer.elf`, which is pure Python too.
 
-Row kinds (`CfaKind`) are what the BPF walk will mirror in bpf/bistouri.h. That
-walk is not landed yet (issue 10): until it is, nothing in the agent calls this
-module, and tests/unit/test_ehframe.py holds it to readelf's reading of real files.
+Row kinds (`CfaKind`) mirror `enum bistouri_cfa_kind` in bpf/bistouri.h.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from . import abi
 from .procmaps import ProcMapsStats
+from .unwind import UnwindStats
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,14 @@ class BpfCountersCollector(Collector):
     """Reads the BPF `counters` map at scrape time."""
 
     def __init__(
-        self, read: Callable[[], dict[abi.Counter, int]], caches: Callable[[], tuple[ProcMapsStats, int]]
+        self,
+        read: Callable[[], dict[abi.Counter, int]],
+        caches: Callable[[], tuple[ProcMapsStats, int]],
+        unwind: Callable[[], UnwindStats] = UnwindStats,
     ) -> None:
         self._read = read
         self._caches = caches  # the profiler's address maps and its orphaned samples
+        self._unwind = unwind  # its unwind tables
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -177,6 +182,44 @@ class BpfCountersCollector(Collector):
         emitted.add_metric(["exec"], c[abi.Counter.EXEC_MATCHES])
         emitted.add_metric(["map_change"], c[abi.Counter.MAP_CHANGES])
         yield emitted
+        frames = CounterMetricFamily(
+            "bistouri_user_frames_unwound",
+            "User frames walked in BPF, by how: an .eh_frame table or the frame pointer",
+            labels=["unwound_by"],
+        )
+        frames.add_metric(["table"], c[abi.Counter.FRAMES_BY_TABLE])
+        frames.add_metric(["frame_pointer"], c[abi.Counter.FRAMES_BY_FP])
+        yield frames
+        stops = CounterMetricFamily(
+            "bistouri_user_walks_stopped", "User stack walks in BPF, by why they ended", labels=["reason"]
+        )
+        stops.add_metric(["entry"], c[abi.Counter.WALK_END])
+        stops.add_metric(["no_frame_pointer"], c[abi.Counter.WALK_NO_FP])
+        stops.add_metric(["read_failed"], c[abi.Counter.WALK_READ_FAILED])
+        stops.add_metric(["max_depth"], c[abi.Counter.WALK_DEPTH])
+        stops.add_metric(["bad_frame"], c[abi.Counter.WALK_BAD_FRAME])
+        yield stops
+        u = self._unwind()
+        yield GaugeMetricFamily(
+            "bistouri_unwind_rows",
+            "Rows of unwind tables loaded in the BPF array (12 bytes each)",
+            value=u.loaded_rows,
+        )
+        built = CounterMetricFamily(
+            "bistouri_unwind_tables", "Unwind tables obtained, by source (or failed)", labels=["source"]
+        )
+        built.add_metric(["built"], u.built)
+        built.add_metric(["disk_cache"], u.cache_hits)
+        built.add_metric(["failed"], u.failed)
+        yield built
+        yield CounterMetricFamily(
+            "bistouri_unwind_build_cpu_seconds", "CPU time spent building unwind tables", value=u.build_cpu_s
+        )
+        yield CounterMetricFamily(
+            "bistouri_unwind_tables_evicted",
+            "Files whose unwind rows were evicted from BPF for room (frame pointers for them meanwhile)",
+            value=u.evicted,
+        )
         maps, orphaned = self._caches()
         yield GaugeMetricFamily(
             "bistouri_proc_maps_tables", "Processes whose address maps the agent holds", value=maps.tables

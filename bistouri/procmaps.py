@@ -143,6 +143,8 @@ class ProcMaps:
         self.change_reads_per_s = change_reads_per_s
         self.perf_map_interval_s = perf_map_interval_s
         self._clock = clock
+        # Told of each pid whose maps were read anew (the unwind tables follow a dlopen).
+        self.on_reread: Callable[[int], None] | None = None
         self._lock = threading.Lock()
         self._tables: OrderedDict[int, _Table] = OrderedDict()
         self._bytes = 0
@@ -295,6 +297,8 @@ class ProcMaps:
         t.generation += 1
         self._bytes += t.nbytes - before
         self._evict()
+        if self.on_reread is not None:
+            self.on_reread(pid)
 
     def _file_id(self, base: str, rng: str, dev: bytes, inode: int, path: str) -> int:
         name = path.removesuffix(" (deleted)")

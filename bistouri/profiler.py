@@ -42,6 +42,7 @@ from .events import (
     decode_stack,
 )
 from .procmaps import ProcMaps
+from .unwind import UnwindTables
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class ProfilerOptions:
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
+    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
+    unwind_rows: int = 1 << 20  # 0: frame pointers only
+    unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
+    unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
+    unwind_nice: int = 19  # of the thread building them: it yields to the workload
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -121,6 +127,7 @@ class ProfilerAgent:
         self._filter_lock = threading.Lock()
         self._filtered: set[int] = set()
         self._kick_fd = -1
+        self.unwind: UnwindTables | None = None
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -155,7 +162,19 @@ class ProfilerAgent:
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
         obj.maps["stack_events"].set_max_entries(ring)
+        obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
         obj.load()
+        if o.unwind_rows:
+            self.unwind = UnwindTables(
+                obj.maps["unwind_rows"],
+                obj.maps["unwind_procs"],
+                obj.maps["unwind_mappings"],
+                proc_root=o.proc_root,
+                cache_dir=o.unwind_cache_dir,
+                cpu_share=o.unwind_cpu_share,
+                nice=o.unwind_nice,
+            )
+            self.maps.on_reread = self._maps_reread
 
         for cpu in cpus:
             fd = perf.open_cpu_clock(cpu, o.freq_hz)
@@ -187,9 +206,14 @@ class ProfilerAgent:
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
+        if self.unwind is not None:
+            self.unwind.start()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread, free the ring buffer, detach, close the object. Idempotent."""
+        if self.unwind is not None:
+            self.unwind.close(timeout)
+            self.unwind = None
         if self._thread is not None:
             os.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
@@ -242,11 +266,21 @@ class ProfilerAgent:
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
+                if self.unwind is not None:
+                    self.unwind.want(pid)  # frame pointers until its tables are loaded
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                if self.unwind is not None:
+                    self.unwind.forget(pid)
             if was_idle and self._filtered and self._kick_fd >= 0:
                 os.eventfd_write(self._kick_fd, 1)  # leave the idle wait: samples are coming
+
+    def _maps_reread(self, pid: int) -> None:
+        """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
+        unwind = self.unwind
+        if unwind is not None and pid in self._filtered:
+            unwind.want(pid)
 
     def filtered_pids(self) -> dict[int, int]:
         m = self._require().maps["pid_filter"]

@@ -15,7 +15,6 @@
 #define TASK_UNINTERRUPTIBLE 0x2
 #define TASK_NOLOAD 0x400
 #define KERNEL_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
-#define USER_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
 
 const volatile struct bistouri_config cfg = {
 	.offcpu_min_ns = 1000,
@@ -35,6 +34,8 @@ struct bistouri_error_event abi_anchor_error_event SEC(".bss");
 enum bistouri_event_kind abi_anchor_event_kind SEC(".bss");
 enum bistouri_filter_flags abi_anchor_filter_flags SEC(".bss");
 enum bistouri_counter abi_anchor_counter SEC(".bss");
+enum bistouri_cfa_kind abi_anchor_cfa_kind SEC(".bss");
+enum bistouri_rbp_kind abi_anchor_rbp_kind SEC(".bss");
 
 /* tgid -> enum bistouri_filter_flags. Filled by the capture orchestrator. */
 struct {
@@ -143,6 +144,34 @@ struct {
 	__type(value, __u64);
 } on_cpu_counts SEC(".maps");
 
+/*
+ * Unwind tables (bistouri/unwind.py loads them): the rows of every file with a
+ * table, one range per file, and per process its mappings with tables. Sized at
+ * load; user space evicts the least recently sampled files to stay within them.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1 << 19);
+	__type(key, __u32);
+	__type(value, struct bistouri_unwind_row);
+} unwind_rows SEC(".maps");
+
+/* tgid -> its slot in unwind_mappings and how many mappings it has there. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, BISTOURI_UNWIND_PROCS);
+	__type(key, __u32);
+	__type(value, struct bistouri_unwind_proc);
+} unwind_procs SEC(".maps");
+
+/* BISTOURI_UNWIND_MAPPINGS entries per slot, sorted by start. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, BISTOURI_UNWIND_PROCS * BISTOURI_UNWIND_MAPPINGS);
+	__type(key, __u32);
+	__type(value, struct bistouri_unwind_mapping);
+} unwind_mappings SEC(".maps");
+
 /* A stack event is too large for the BPF stack: build it here (slot 0 off-CPU, 1 on-CPU). */
 #define SCRATCH_OFF_CPU 0
 #define SCRATCH_ON_CPU 1
@@ -201,9 +230,279 @@ static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
 	return h;
 }
 
-static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
-					__u32 kernel_skip)
+/* Registers a user walk starts from. */
+struct user_regs {
+	__u64 ip;
+	__u64 sp;
+	__u64 bp;
+};
+
+/* State of one user walk, carried from frame to frame by bpf_loop. */
+struct walk {
+	struct user_regs regs;
+	struct bistouri_stack_event *ev;
+	struct bistouri_unwind_proc *proc; /* NULL: the process has no tables */
+	__u32 n;                           /* frames written */
+	__u32 by_table;
+	__u32 by_fp;
+	__u32 stop;                        /* enum bistouri_counter of why the walk ended; 0 while it goes on */
+	bool exact;                        /* ip is where the thread was, not a return address */
+};
+
+#define USER_TOP 0x7fffffffffffULL
+
+/* The last mapping starting at or before ip among a process's (sorted), one step per callback. */
+struct mapping_search {
+	__u32 lo;
+	__u32 hi;
+	__u64 ip;
+};
+
+static long mapping_search_step(__u32 index, void *data)
 {
+	struct mapping_search *s = data;
+	struct bistouri_unwind_mapping *m;
+	__u32 mid;
+
+	if (s->lo + 1 >= s->hi)
+		return 1;
+	mid = s->lo + (s->hi - s->lo) / 2;
+	m = bpf_map_lookup_elem(&unwind_mappings, &mid);
+	if (!m)
+		return 1;
+	if (m->start <= s->ip)
+		s->lo = mid;
+	else
+		s->hi = mid;
+	return 0;
+}
+
+static __always_inline struct bistouri_unwind_mapping *find_mapping(struct bistouri_unwind_proc *proc, __u64 ip)
+{
+	__u32 count = proc->count < BISTOURI_UNWIND_MAPPINGS ? proc->count : BISTOURI_UNWIND_MAPPINGS;
+	struct mapping_search s = { .lo = proc->slot * BISTOURI_UNWIND_MAPPINGS, .ip = ip };
+	struct bistouri_unwind_mapping *m;
+	__u32 lo;
+
+	if (!count)
+		return NULL;
+	s.hi = s.lo + count;
+	bpf_loop(8, mapping_search_step, &s, 0);
+	lo = s.lo;
+	m = bpf_map_lookup_elem(&unwind_mappings, &lo);
+	if (!m || ip < m->start || ip >= m->end)
+		return NULL;
+	return m;
+}
+
+/* A binary search over unwind_rows, one step per bpf_loop callback (the verifier checks one step once). */
+struct row_search {
+	__u32 lo;
+	__u32 hi;
+	__u32 pc;
+};
+
+static long row_search_step(__u32 index, void *data)
+{
+	struct row_search *s = data;
+	struct bistouri_unwind_row *row;
+	__u32 mid;
+
+	if (s->lo + 1 >= s->hi)
+		return 1;
+	mid = s->lo + (s->hi - s->lo) / 2;
+	row = bpf_map_lookup_elem(&unwind_rows, &mid);
+	if (!row)
+		return 1;
+	if (row->pc <= s->pc)
+		s->lo = mid;
+	else
+		s->hi = mid;
+	return 0;
+}
+
+/* The last row at or before pc among the mapping's rows, between two entries of its page index. */
+static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwind_mapping *m, __u32 pc)
+{
+	struct row_search s = { .lo = m->first, .hi = m->first + m->count, .pc = pc };
+	struct bistouri_unwind_row *row;
+	__u64 page = (pc >> 12) - m->page_base;
+	__u32 at;
+	__u32 lo;
+
+	if (!m->count)
+		return NULL;
+	if (page < m->page_count) {
+		at = m->pages + (__u32)page;
+		row = bpf_map_lookup_elem(&unwind_rows, &at);
+		if (row)
+			s.lo = row->pc;
+		at++;
+		row = bpf_map_lookup_elem(&unwind_rows, &at);
+		if (row)
+			s.hi = row->pc + 1;
+	}
+	bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
+	lo = s.lo;
+	row = bpf_map_lookup_elem(&unwind_rows, &lo);
+	if (!row || row->pc > pc)
+		return NULL;
+	return row;
+}
+
+/* One frame: record ip, then find the caller's ip, sp and bp. 1 ends the loop. */
+static long walk_frame(__u32 index, void *data)
+{
+	struct walk *w = data;
+	struct bistouri_unwind_mapping *m = NULL;
+	struct bistouri_unwind_row *row = NULL;
+	__u64 ip = w->regs.ip, sp = w->regs.sp, bp = w->regs.bp, cfa, ra = 0, saved_bp;
+	__u8 kind = BISTOURI_CFA_NONE, rbp_kind = BISTOURI_RBP_UNCHANGED;
+	__s32 cfa_off = 0, rbp_off = 0;
+
+	if (w->n >= BISTOURI_MAX_DEPTH) {
+		w->stop = BISTOURI_CNT_WALK_DEPTH;
+		return 1;
+	}
+	w->ev->user_stack[w->n & 127] = ip;
+	w->n++;
+
+	if (w->proc)
+		m = find_mapping(w->proc, ip);
+	if (m) {
+		/* A return address is past its call: look up the call itself. */
+		__u64 pc = ip - m->bias - (w->exact ? 0 : 1);
+
+		row = find_row(m, (__u32)pc);
+	}
+	if (row) {
+		kind = row->cfa_kind;
+		cfa_off = row->cfa_off;
+		rbp_kind = row->rbp_kind;
+		rbp_off = row->rbp_off;
+	}
+	w->exact = false;
+	switch (kind) {
+	case BISTOURI_CFA_RSP:
+		cfa = sp + cfa_off;
+		break;
+	case BISTOURI_CFA_RBP:
+		cfa = bp + cfa_off;
+		break;
+	case BISTOURI_CFA_PLT:
+		cfa = sp + 8 + ((ip & 15) >= (__u64)cfa_off ? 8 : 0);
+		break;
+	case BISTOURI_CFA_SIGNAL:
+		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
+		if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(sp + 168)) ||
+		    bpf_probe_read_user(&w->regs.sp, sizeof(w->regs.sp), (void *)(sp + 160)) ||
+		    bpf_probe_read_user(&w->regs.bp, sizeof(w->regs.bp), (void *)(sp + 120))) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+		w->by_table++;
+		w->regs.ip = ra;
+		w->exact = true; /* the interrupted instruction itself */
+		if (!ra) {
+			w->stop = BISTOURI_CNT_WALK_END;
+			return 1;
+		}
+		return 0;
+	case BISTOURI_CFA_END:
+		w->by_table++;
+		w->stop = BISTOURI_CNT_WALK_END;
+		return 1;
+	default:
+		/* No table here (JIT code, perf trampolines, a file not loaded yet): the frame pointer. */
+		if (!bp) {
+			w->stop = BISTOURI_CNT_WALK_NO_FP;
+			return 1;
+		}
+		cfa = bp + 16;
+		rbp_kind = BISTOURI_RBP_AT_CFA;
+		rbp_off = -16;
+		kind = BISTOURI_CFA_NONE;
+		break;
+	}
+	if (cfa <= sp || cfa > USER_TOP) {
+		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
+		return 1;
+	}
+	if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa - 8))) {
+		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+		return 1;
+	}
+	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
+		if (bpf_probe_read_user(&saved_bp, sizeof(saved_bp), (void *)(cfa + rbp_off))) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+		w->regs.bp = saved_bp;
+	}
+	if (kind == BISTOURI_CFA_NONE)
+		w->by_fp++;
+	else
+		w->by_table++;
+	w->regs.ip = ra;
+	w->regs.sp = cfa;
+	if (!ra || ra > USER_TOP) {
+		w->stop = ra ? BISTOURI_CNT_WALK_BAD_FRAME : BISTOURI_CNT_WALK_END;
+		return 1;
+	}
+	return 0;
+}
+
+static __always_inline void count_add(__u32 which, __u64 n)
+{
+	__u64 *val = bpf_map_lookup_elem(&counters, &which);
+
+	if (val)
+		*val += n;
+}
+
+/*
+ * The user stack as raw IPs, from .eh_frame tables where the process has them
+ * and the frame pointer elsewhere. Returns the size in bytes, like bpf_get_stack.
+ */
+static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
+{
+	struct walk w = { .regs = *start, .ev = ev, .exact = true };
+
+	if (!start->ip || start->ip > USER_TOP)
+		return 0;
+	w.proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
+	bpf_loop(BISTOURI_MAX_DEPTH + 1, walk_frame, &w, 0);
+	count_add(BISTOURI_CNT_FRAMES_BY_TABLE, w.by_table);
+	count_add(BISTOURI_CNT_FRAMES_BY_FP, w.by_fp);
+	if (w.stop)
+		count(w.stop);
+	return (long)w.n * sizeof(__u64);
+}
+
+/* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
+static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct user_regs *out)
+{
+	struct pt_regs *regs;
+
+	if (ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3) { /* pt_regs.cs: user mode */
+		out->ip = ctx->regs.ip;
+		out->sp = ctx->regs.sp;
+		out->bp = ctx->regs.bp;
+		return true;
+	}
+	regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+	if (!regs)
+		return false;
+	out->ip = BPF_CORE_READ(regs, ip);
+	out->sp = BPF_CORE_READ(regs, sp);
+	out->bp = BPF_CORE_READ(regs, bp);
+	return true;
+}
+
+static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
+					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx)
+{
+	struct user_regs regs = {};
 	struct bistouri_user_stack_key *key = &ev->user_key;
 	struct mm_struct *mm;
 	long n;
@@ -225,14 +524,11 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	key->mm = (__u64)mm;
 	key->hash = 0;
 	ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
-	n = bpf_get_stack(ctx, ev->user_stack, USER_STACK_BYTES, BPF_F_USER_STACK);
+	/* Kernel threads have no user stack: not an error. */
+	n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs) : 0;
 	ev->user_stack_size = n;
-	if (n <= 0) {
-		/* Kernel threads have no user stack: not an error. */
-		if (n < 0 && n != -14 /* -EFAULT: kernel thread */)
-			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
+	if (n <= 0)
 		return;
-	}
 	key->hash = hash_ips(ev->user_stack, n);
 }
 
@@ -299,7 +595,7 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	if (!ev)
 		return 0;
 	fill_header(ev, BISTOURI_EVENT_ON_CPU, pid_tgid, bpf_ktime_get_ns());
-	fill_stacks(ctx, ev, 0);
+	fill_stacks(ctx, ev, 0, ctx);
 	count(BISTOURI_CNT_ON_CPU_SAMPLES);
 
 	/*
@@ -419,7 +715,7 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 		return;
 	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
 	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
-	fill_stacks(ctx, ev, cfg.tp_btf_skip);
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL);
 	/* The wait starts now: the stack walk above is ours, not its. */
 	ev->timestamp_ns = bpf_ktime_get_ns();
 	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))

@@ -43,7 +43,70 @@ enum bistouri_counter {
 	BISTOURI_CNT_OFF_CPU_SAMPLES = 8,      /* off-CPU waits emitted */
 	BISTOURI_CNT_EXEC_MATCHES = 9,         /* exec events emitted */
 	BISTOURI_CNT_MAP_CHANGES = 10,         /* samples sent at once: their process's mappings changed */
-	BISTOURI_CNT_MAX = 11,
+	BISTOURI_CNT_FRAMES_BY_TABLE = 11,     /* user frames unwound from an .eh_frame table */
+	BISTOURI_CNT_FRAMES_BY_FP = 12,        /* user frames unwound by the frame pointer (no table covers the PC) */
+	BISTOURI_CNT_WALK_END = 13,            /* walks that reached the outermost frame (return address undefined or 0) */
+	BISTOURI_CNT_WALK_NO_FP = 14,          /* walks stopped at a PC with no table and no frame pointer */
+	BISTOURI_CNT_WALK_READ_FAILED = 15,    /* walks stopped: the stack could not be read (paged out, bad CFA) */
+	BISTOURI_CNT_WALK_DEPTH = 16,          /* walks stopped at BISTOURI_MAX_DEPTH frames */
+	BISTOURI_CNT_WALK_BAD_FRAME = 17,      /* walks stopped: the next frame is not above this one on the stack */
+	BISTOURI_CNT_MAX = 18,
+};
+
+/* How a row finds the CFA (bistouri/ehframe.py CfaKind). */
+enum bistouri_cfa_kind {
+	BISTOURI_CFA_NONE = 0,   /* no CFI covers the PC: frame pointer */
+	BISTOURI_CFA_RSP = 1,    /* CFA = RSP + cfa_off */
+	BISTOURI_CFA_RBP = 2,    /* CFA = RBP + cfa_off */
+	BISTOURI_CFA_PLT = 3,    /* .plt entry: RSP + 8, + 8 when (RIP & 15) >= cfa_off */
+	BISTOURI_CFA_SIGNAL = 4, /* signal trampoline: registers in the ucontext at RSP */
+	BISTOURI_CFA_OTHER = 5,  /* an expression the walk cannot evaluate: frame pointer */
+	BISTOURI_CFA_END = 6,    /* outermost frame (return address undefined) */
+};
+
+/* Where the caller's RBP is (bistouri/ehframe.py RbpKind). */
+enum bistouri_rbp_kind {
+	BISTOURI_RBP_UNCHANGED = 0,
+	BISTOURI_RBP_AT_CFA = 1, /* saved at CFA + rbp_off */
+	BISTOURI_RBP_OTHER = 2,  /* unknown: the caller's RBP is taken as unchanged */
+};
+
+#ifndef BISTOURI_UNWIND_MAPPINGS
+#define BISTOURI_UNWIND_MAPPINGS 64 /* mappings with a table per process */
+#endif
+#ifndef BISTOURI_UNWIND_PROCS
+#define BISTOURI_UNWIND_PROCS 512   /* processes with tables at once */
+#endif
+
+/* One row of an unwind table: from pc (file virtual address) to the next row. */
+struct bistouri_unwind_row {
+	__u32 pc;
+	__s32 cfa_off;
+	__s16 rbp_off;
+	__u8 cfa_kind;         /* enum bistouri_cfa_kind */
+	__u8 rbp_kind;         /* enum bistouri_rbp_kind */
+};
+
+/*
+ * An executable mapping whose file has a table: rows [first, first + count) of
+ * unwind_rows, then a page index at `pages`: entry p (its pc field) is the row
+ * covering the start of page page_base + p (4 KiB), for p in [0, page_count].
+ */
+struct bistouri_unwind_mapping {
+	__u64 start;
+	__u64 end;
+	__u64 bias;            /* table pc = ip - bias */
+	__u32 first;
+	__u32 count;
+	__u32 pages;
+	__u32 page_count;
+	__u64 page_base;       /* first page of the table: its lowest pc >> 12 */
+};
+
+/* A process's mappings with tables: entries [slot * BISTOURI_UNWIND_MAPPINGS, + count) of unwind_mappings. */
+struct bistouri_unwind_proc {
+	__u32 slot;
+	__u32 count;
 };
 
 /* Identity of a user stack: same process image (mm), same raw IPs (hash). */

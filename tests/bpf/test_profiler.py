@@ -70,9 +70,11 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
         assert own, "every sample of the burner has frames of the burner"
         names = tuple(_function_at(syms, off if i == 0 else off - 1) for i, (_, _, off) in enumerate(own))
         chains[names] += s.weight
-    top, count = chains.most_common(1)[0]
-    assert top == ("hot_spin", "level2", "level1", "main"), chains
-    assert count / total > 0.8
+    expected = ("hot_spin", "level2", "level1", "main")
+    assert sum(n for names, n in chains.items() if names[:4] == expected) / total > 0.8, chains
+    # Through libc's frameless __libc_start_call_main to the burner's _start once libc's
+    # .eh_frame table is loaded (before it, the frame-pointer walk stops in libc).
+    assert chains[(*expected, "_start")] > 0, chains
 
 
 def test_kernel_frames_present_for_samples_in_the_kernel(workloads, tmp_path):

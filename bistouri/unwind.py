@@ -1,0 +1,433 @@
+"""Unwind tables for the BPF walk: built per file, cached on disk, loaded into BPF maps.
+
+For each process it samples, the BPF program needs the unwind rows of every
+executable file the process maps (`ehframe.py` compiles them) and the
+process's mappings of those files (`unwind_procs` + `unwind_mappings`). This
+module owns that:
+
+- `want(pid)` queues a process; the builder thread (`bistouri-unwind`, nice 19)
+  reads its executable file mappings, builds the tables it lacks under a CPU
+  budget (it sleeps in proportion to the CPU it used: at most `cpu_share` of a
+  core), loads them and publishes the process's mappings. Until then its frames
+  are walked by frame pointer: a never-seen binary costs a bounded delay.
+- `prepare(pids)` builds tables to the disk cache only, for processes that are
+  watched but not sampled yet (the 30 s walk knows them): the first capture
+  under pressure then loads them from disk.
+- Tables live on disk per build id (`<cache_dir>/<build id>.unw`), bounded in
+  bytes (oldest out first), and in the `unwind_rows` BPF array, bounded by its
+  size: the least recently wanted files are evicted first, and the processes
+  that mapped them lose those mappings (their frames fall back to the frame
+  pointer) until wanted again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from . import abi, threads
+from .bpf import Map
+from .ehframe import ROW, UnwindTableError, build_table
+from .symbolizer.elf import ElfFile, ElfFormatError, read_build_id
+
+log = logging.getLogger(__name__)
+
+_CACHE_MAGIC = b"BSTUNW1\0"
+_CACHE_HEAD = struct.Struct("<8sII")  # magic, executable segments, rows
+_SEGMENT = struct.Struct("<QQQ")  # file offset, virtual address, size in the file
+_MAPPING = struct.Struct("<QQQIIIIQ")  # start, end, bias, first, count, pages, page_count, page_base
+_PROC = struct.Struct("<II")
+_PID = struct.Struct("<I")
+_MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
+_PAGE_SHIFT = 12  # the page index has one entry per 4 KiB of a file's code
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """A file's rows and its executable segments (to turn a mapping into a bias)."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    rows: bytes
+
+    @property
+    def row_count(self) -> int:
+        return len(self.rows) // ROW.size
+
+
+@dataclass(slots=True)
+class UnwindStats:
+    built: int = 0  # tables compiled from ELF files
+    build_cpu_s: float = 0.0
+    cache_hits: int = 0  # tables read from the disk cache
+    failed: int = 0  # files whose CFI could not be read
+    loaded_rows: int = 0  # rows in the BPF array now
+    evicted: int = 0  # files evicted from the BPF array
+    too_large: int = 0  # files whose table exceeds the BPF array
+    procs: int = 0  # processes with published mappings
+
+
+@dataclass(slots=True)
+class _Loaded:
+    first: int
+    count: int  # rows, then the page index after them
+    rows: int
+    page_base: int  # first page (pc >> 12) of the table
+    page_count: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(slots=True)
+class _Proc:
+    slot: int
+    # _MAPPING's fields and the file's build id, sorted by start
+    entries: list[tuple[int, int, int, int, int, int, int, int, bytes]] = field(default_factory=list)
+    source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read
+
+    def write(self, mappings: Map, procs: Map, pid: int) -> None:
+        base = self.slot * abi.UNWIND_MAPPINGS
+        if self.entries:
+            mappings.update_array(base, b"".join(_MAPPING.pack(*e[:8]) for e in self.entries), _MAPPING.size)
+        procs.update(_PID.pack(pid), _PROC.pack(self.slot, len(self.entries)))
+
+
+def read_cached(path: str) -> Table | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < _CACHE_HEAD.size:
+        return None
+    magic, nseg, nrows = _CACHE_HEAD.unpack_from(data)
+    rows_at = _CACHE_HEAD.size + nseg * _SEGMENT.size
+    if magic != _CACHE_MAGIC or len(data) != rows_at + nrows * ROW.size:
+        return None  # another version or a torn write: rebuilt
+    segs = tuple(_SEGMENT.unpack_from(data, _CACHE_HEAD.size + i * _SEGMENT.size) for i in range(nseg))
+    return Table(segs, data[rows_at:])
+
+
+def compile_file(path: str) -> Table:
+    """The table of the ELF file at `path` (UnwindTableError if it cannot be read)."""
+    try:
+        with ElfFile(path) as elf:
+            segs = tuple((s.offset, s.vaddr, s.filesz) for s in elf.segments if s.flags & 1)
+    except ElfFormatError as e:
+        raise UnwindTableError(path, str(e)) from e
+    return Table(segs, build_table(path))
+
+
+class UnwindTables:
+    """The BPF maps of the unwind tables and the thread that fills them."""
+
+    def __init__(
+        self,
+        rows: Map,
+        procs: Map,
+        mappings: Map,
+        *,
+        proc_root: str = "/proc",
+        cache_dir: str | None = None,
+        cache_max_bytes: int = 256 << 20,
+        cpu_share: float = 0.25,
+        nice: int = 19,
+    ) -> None:
+        self._rows_map = rows
+        self._procs_map = procs
+        self._mappings_map = mappings
+        self.capacity = rows.max_entries
+        self.proc_root = proc_root
+        self.cache_dir = cache_dir
+        self.cache_max_bytes = cache_max_bytes
+        self.cpu_share = cpu_share
+        self.nice = nice
+        self.stats = UnwindStats()
+        self._loaded: OrderedDict[bytes, _Loaded] = OrderedDict()  # build id -> rows, LRU first
+        self._procs: OrderedDict[int, _Proc] = OrderedDict()
+        self._free_slots = list(range(abi.UNWIND_PROCS - 1, -1, -1))
+        self._queue: queue.Queue[tuple[str, int]] = queue.Queue(maxsize=4096)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._lock = threading.Lock()
+        self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
+        self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
+
+    # -- requests (any thread) ---------------------------------------------------------
+    def want(self, pid: int) -> None:
+        """Load the tables of a sampled process and publish its mappings."""
+        self._put(("want", pid))
+
+    def prepare(self, pids: list[int]) -> None:
+        """Build (to the disk cache only) the tables of processes that may be sampled later."""
+        for pid in pids:
+            self._put(("prepare", pid))
+
+    def forget(self, pid: int) -> None:
+        self._put(("forget", pid))
+
+    def _put(self, item: tuple[str, int]) -> None:
+        try:
+            self._idle.clear()
+            self._queue.put_nowait(item)
+        except queue.Full:
+            log.debug("unwind queue full, dropped %s", item)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every queued request was handled within timeout (tests, bench)."""
+        return self._idle.wait(timeout)
+
+    # -- thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threads.start("unwind", self._run)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._put(("stop", 0))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+        except OSError:
+            pass
+        while not self._stop.is_set():
+            try:
+                what, pid = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                self._idle.set()
+                continue
+            try:
+                if what == "want":
+                    self._publish(pid)
+                elif what == "prepare":
+                    for _rng, _pgoff, path, key in self._file_mappings(pid):
+                        if self._stop.is_set():
+                            break
+                        if key not in self._loaded and key not in self._on_disk:
+                            self._table(path, key)
+                elif what == "forget":
+                    self._drop_proc(pid)
+            except Exception:
+                log.exception("unwind tables of pid %d", pid)
+            if self._queue.empty():
+                self._idle.set()
+
+    # -- files -------------------------------------------------------------------------
+    def _file_mappings(self, pid: int) -> list[tuple[tuple[int, int], int, str, bytes]]:
+        """((start, end), pgoff, path to open, build id) of each executable file mapping."""
+        base = f"{self.proc_root}/{pid}"
+        try:
+            with open(f"{base}/maps", "rb") as f:
+                data = f.read()
+        except OSError:
+            return []
+        out = []
+        ids = self._build_ids
+        if len(ids) > 8192:
+            ids.clear()
+        for line in data.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) < 6 or b"x" not in parts[1] or parts[4] == b"0" or not parts[5].startswith(b"/"):
+                continue
+            lo, _, hi = parts[0].partition(b"-")
+            # The mapped file itself, even deleted or in another mount namespace.
+            path = f"{base}/map_files/{parts[0].decode()}"
+            if not os.path.exists(path):
+                path = f"{base}/root{parts[5].decode(errors='replace').removesuffix(' (deleted)')}"
+            # Read once per (device, inode); a replaced file has a new inode.
+            key = ids.get((parts[3], parts[4]))
+            if key is None:
+                try:
+                    key = read_build_id(path) or b""
+                except (OSError, ElfFormatError):
+                    key = b""
+                ids[(parts[3], parts[4])] = key
+            if key:
+                out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), path, key))
+        return out
+
+    def _cache_path(self, key: bytes) -> str | None:
+        return os.path.join(self.cache_dir, key.hex() + ".unw") if self.cache_dir else None
+
+    def _table(self, path: str, key: bytes) -> Table | None:
+        cached = self._cache_path(key)
+        if cached:
+            t = read_cached(cached)
+            if t is not None:
+                self.stats.cache_hits += 1
+                self._on_disk.add(key)
+                return t
+        cpu = time.thread_time()
+        try:
+            t = compile_file(path)
+        except (UnwindTableError, OSError) as e:
+            self.stats.failed += 1
+            log.info("No unwind table for %s: %s", path, e)
+            return None
+        used = time.thread_time() - cpu
+        self.stats.built += 1
+        self.stats.build_cpu_s += used
+        if cached:
+            self._write_cache(cached, t)
+        # The budget: sleep so that building takes at most cpu_share of a core.
+        if self.cpu_share < 1:
+            self._stop.wait(used * (1 / self.cpu_share - 1))
+        return t
+
+    def _write_cache(self, path: str, t: Table) -> None:
+        assert self.cache_dir is not None
+        try:
+            os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(_CACHE_HEAD.pack(_CACHE_MAGIC, len(t.segments), t.row_count))
+                for seg in t.segments:
+                    f.write(_SEGMENT.pack(*seg))
+                f.write(t.rows)
+            os.replace(tmp, path)
+            self._on_disk.add(bytes.fromhex(os.path.basename(path).removesuffix(".unw")))
+            self._trim_cache()
+        except OSError as e:
+            log.warning("Cannot write the unwind table cache %s: %s", path, e)
+
+    def _trim_cache(self) -> None:
+        assert self.cache_dir is not None
+        entries = []
+        with os.scandir(self.cache_dir) as it:
+            for e in it:
+                if e.name.endswith(".unw"):
+                    st = e.stat()
+                    entries.append((st.st_mtime, st.st_size, e.path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in sorted(entries):
+            if total <= self.cache_max_bytes:
+                break
+            os.unlink(p)
+            self._on_disk.discard(bytes.fromhex(os.path.basename(p).removesuffix(".unw")))
+            total -= size
+
+    # -- BPF maps ------------------------------------------------------------------------
+    def _load(self, key: bytes, t: Table, keep: set[bytes]) -> _Loaded | None:
+        """The file's rows in the BPF array, evicting files not in `keep` (the process's own) for room."""
+        loaded = self._loaded.get(key)
+        if loaded is not None:
+            self._loaded.move_to_end(key)
+            return loaded
+        n = t.row_count
+        if n == 0 or n > min(self.capacity, _MAX_TABLE_ROWS):
+            self.stats.too_large += n > 0
+            return None
+        pcs = [pc for (pc,) in struct.iter_unpack("<I8x", t.rows)]
+        page_base = pcs[0] >> _PAGE_SHIFT
+        page_count = (pcs[-1] >> _PAGE_SHIFT) - page_base + 1
+        total = n + page_count + 1
+        first = self._allocate(total)
+        while first is None and self._evict_oldest(keep):
+            first = self._allocate(total)
+        if first is None:
+            return None
+        # Page index after the rows: for each page, the row covering its start, so the BPF
+        # search of a PC looks only between two neighbouring entries (a few rows, not ~17 steps).
+        index = bytearray()
+        for p in range(page_count + 1):
+            at = max(bisect.bisect_right(pcs, (page_base + p) << _PAGE_SHIFT) - 1, 0)
+            index += ROW.pack(first + at, 0, 0, 0, 0)
+        self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
+        loaded = self._loaded[key] = _Loaded(first, total, n, page_base, page_count, t.segments)
+        self.stats.loaded_rows += total
+        return loaded
+
+    def _allocate(self, n: int) -> int | None:
+        """First fit among the holes of the row array."""
+        at = 0
+        for used in sorted(self._loaded.values(), key=lambda x: x.first):
+            if used.first - at >= n:
+                return at
+            at = used.first + used.count
+        return at if self.capacity - at >= n else None
+
+    def _evict_oldest(self, keep: set[bytes]) -> bool:
+        """Drop the least recently wanted file; first unpublish it, before its rows are reused."""
+        key = next((k for k in self._loaded if k not in keep), None)
+        if key is None:
+            return False
+        old = self._loaded.pop(key)
+        self.stats.evicted += 1
+        self.stats.loaded_rows -= old.count
+        with self._lock:
+            for pid, proc in self._procs.items():
+                if any(e[-1] == key for e in proc.entries):
+                    proc.entries = [e for e in proc.entries if e[-1] != key]
+                    proc.write(self._mappings_map, self._procs_map, pid)
+        return True
+
+    def _publish(self, pid: int) -> None:
+        mappings = self._file_mappings(pid)
+        published = self._procs.get(pid)
+        if (
+            published is not None
+            and published.source == [(m[0], m[3]) for m in mappings]
+            and all(self._loaded.get(e[-1]) is not None for e in published.entries)
+        ):
+            return  # the same files, still loaded (the maps changed elsewhere: heap, JIT)
+        entries = []
+        keep = {m[3] for m in mappings}
+        for (start, end), pgoff, path, key in mappings:
+            if self._stop.is_set():
+                return
+            t = None if key in self._loaded else self._table(path, key)
+            loaded = self._loaded.get(key) if t is None else self._load(key, t, keep)
+            if loaded is None:
+                continue
+            bias = _bias(loaded.segments, start, pgoff)
+            if bias is None:
+                continue
+            entries.append(
+                (start, end, bias, loaded.first, loaded.rows, loaded.first + loaded.rows, loaded.page_count,
+                 loaded.page_base, key)
+            )  # fmt: skip
+            if len(entries) == abi.UNWIND_MAPPINGS:
+                break
+        # A file loaded for this process may have evicted one of its earlier files: keep only live rows.
+        entries = sorted(e for e in entries if self._loaded.get(e[-1]) is not None)
+        with self._lock:
+            proc = self._procs.get(pid)
+            if proc is None:
+                if not self._free_slots:
+                    self._drop_proc_locked(next(iter(self._procs)))
+                proc = self._procs[pid] = _Proc(self._free_slots.pop())
+            self._procs.move_to_end(pid)
+            proc.entries = entries
+            proc.source = [(m[0], m[3]) for m in mappings]
+            proc.write(self._mappings_map, self._procs_map, pid)
+            self.stats.procs = len(self._procs)
+
+    def _drop_proc(self, pid: int) -> None:
+        with self._lock:
+            self._drop_proc_locked(pid)
+
+    def _drop_proc_locked(self, pid: int) -> None:
+        proc = self._procs.pop(pid, None)
+        if proc is None:
+            return
+        self._procs_map.delete(_PID.pack(pid))
+        self._free_slots.append(proc.slot)
+        self.stats.procs = len(self._procs)
+
+
+def _bias(segments: tuple[tuple[int, int, int], ...], start: int, pgoff: int) -> int | None:
+    """table pc = ip - bias, for a mapping of the file at pgoff loaded at start."""
+    for offset, vaddr, filesz in segments:
+        if offset <= pgoff < offset + max(filesz, 1) or (pgoff < offset and offset - pgoff < 0x1000):
+            return start - pgoff + offset - vaddr
+    return None

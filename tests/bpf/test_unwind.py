@@ -1,0 +1,353 @@
+"""Full user stacks of Debian's own binaries (no frame pointers), walked from .eh_frame tables in BPF,
+checked against `perf record --call-graph dwarf` on the same process in the same window.
+
+Functions are told apart by their FDE (the CFI's own function ranges): Debian's binaries are
+stripped, and both walks are judged with the same yardstick. A stack "reaches the entry" when its
+outermost frame is in a function whose CFI marks the return address undefined (`_start`, `clone3`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bistouri import abi
+from bistouri.ehframe import CfaKind, file_fdes
+from bistouri.events import StackSample, split_stacks
+from bistouri.procmaps import FrameStatus
+from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.symbolizer.elf import ElfFile
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.requires_bpf
+
+SAMPLES = 300  # of ours, after the tables are loaded
+REACH_ENTRY = 0.95
+
+
+@dataclass
+class _Functions:
+    """A file's functions as its FDEs, and which of them are entries."""
+
+    starts: list[int]
+    ends: list[int]
+    entries: set[int]
+    elf_segments: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, path: str) -> _Functions:
+        with ElfFile(path) as elf:
+            fdes = sorted(file_fdes(elf), key=lambda f: f.start)
+            segs = [(s.offset, s.vaddr, s.filesz) for s in elf.segments]
+        entries = {f.start for f in fdes if any(r.cfa_kind == CfaKind.END for r in f.rows)}
+        return cls([f.start for f in fdes], [f.end for f in fdes], entries, segs)
+
+    def vaddr(self, offset: int) -> int:
+        for off, vaddr, size in self.elf_segments:
+            if off <= offset < off + size:
+                return offset - off + vaddr
+        return offset
+
+    def function(self, vaddr: int) -> int | None:
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        return self.starts[i] if i >= 0 and vaddr < self.ends[i] else None
+
+
+class _Files:
+    def __init__(self) -> None:
+        self._by_name: dict[str, _Functions] = {}
+        self.paths: dict[str, str] = {}
+
+    def learn(self, pid: int) -> None:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    path = parts[5].strip()
+                    self.paths.setdefault(os.path.basename(path), path)
+
+    def get(self, name: str) -> _Functions | None:
+        if name not in self._by_name:
+            path = self.paths.get(name)
+            if path is None:
+                return None
+            self._by_name[name] = _Functions.of(path)
+        return self._by_name[name]
+
+
+Chain = tuple[tuple[str, int | None], ...]  # (file, function) from leaf to root
+
+
+def _our_chains(agent: ProfilerAgent, events: list, pid: int, after_ns: int, files: _Files) -> list[Chain]:
+    chains = []
+    for e in events:
+        if not isinstance(e, StackSample) or e.pid != pid or e.timestamp_ns < after_ns:
+            continue
+        chain = []
+        for i, (status, fid, off) in enumerate(split_stacks(e.stacks, e.kernel_len)[1]):
+            if status != FrameStatus.FILE:
+                chain.append(("?", None))
+                continue
+            name = agent.maps.file(fid).name
+            funcs = files.get(name)
+            vaddr = funcs.vaddr(off) - (1 if i else 0) if funcs else 0  # a return address: its call
+            chain.append((name, funcs.function(vaddr) if funcs else None))
+        chains.extend([tuple(chain)] * e.weight)
+    return chains
+
+
+def _perf_chains(data: str, files: _Files) -> list[Chain]:
+    out = subprocess.run(
+        ["perf", "script", "-i", data, "-F", "ip,dso"], capture_output=True, text=True
+    ).stdout
+    chains: list[Chain] = []
+    chain: list[tuple[str, int | None]] = []
+    name, ip = "", -1
+    for line in [*out.splitlines(), ""]:
+        parts = line.split()
+        if not parts:
+            if chain:
+                chains.append(tuple(chain))
+            chain, name, ip = [], "", -1
+            continue
+        dso = os.path.basename(parts[-1].strip("()"))
+        if dso == "inlined":
+            # perf names a frame by the function inlined there: the file is the previous frame's.
+            if int(parts[0], 16) == ip:
+                continue
+        else:
+            name = dso
+        ip = int(parts[0], 16)
+        if name.startswith("["):
+            continue  # kernel frames: ours are compared apart
+        funcs = files.get(name)
+        # perf prints offsets in the file, return addresses already moved back onto their call.
+        chain.append((name, funcs.function(funcs.vaddr(ip)) if funcs else None))
+    return chains
+
+
+def _reaches_entry(chain: Chain, files: _Files) -> bool:
+    if not chain:
+        return False
+    name, func = chain[-1]
+    funcs = files.get(name)
+    return funcs is not None and func in funcs.entries
+
+
+def _edges(chains: list[Chain]) -> set[tuple[tuple[str, int | None], tuple[str, int | None]]]:
+    return {(c[i + 1], c[i]) for c in chains for i in range(len(c) - 1)}
+
+
+def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, int]:
+    """(our share reaching the entry, perf's, share of our caller->callee edges perf saw too, samples)."""
+    # Every sample sent whole (no counts in the kernel): each one is judged. Tables built at once
+    # (the agent builds them at nice 19: on a busy test machine that is minutes).
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with ProfilerAgent(opts) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None
+        assert agent.unwind.wait_idle(120), "tables loaded"
+        assert agent.unwind.stats.procs == 1 and agent.unwind.stats.loaded_rows > 1000
+        ready = time.monotonic_ns()
+        files.learn(pid)  # after the loader mapped its libraries
+        perf_data = str(tmp / "perf.data")
+        perf = subprocess.Popen(
+            ["perf", "record", "-q", "-F", "99", "--call-graph", "dwarf", "-p", str(pid), "-o", perf_data],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        events: list = []
+
+        def enough() -> bool:
+            events.extend(agent.take())  # the queue is bounded: consumed as it fills
+            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+
+        try:
+            assert wait_until(enough, 120), "samples taken"
+        finally:
+            perf.send_signal(signal.SIGINT)
+            perf.wait(60)
+        agent.close()
+        events.extend(agent.take())
+        ours = _our_chains(agent, events, pid, ready, files)
+    theirs = _perf_chains(perf_data, files)
+    assert len(ours) >= SAMPLES / 2 and len(theirs) >= 50, (len(ours), len(theirs))
+    our_entry = sum(_reaches_entry(c, files) for c in ours) / len(ours)
+    perf_entry = sum(_reaches_entry(c, files) for c in theirs) / len(theirs)
+    perf_edges = _edges(theirs)
+    ours_edges = [e for c in ours for e in _edges([c])]
+    agree = sum(e in perf_edges for e in ours_edges) / max(len(ours_edges), 1)
+    return our_entry, perf_entry, agree, len(ours)
+
+
+@contextmanager
+def _running(argv: list[str], **kw) -> Iterator[subprocess.Popen[bytes]]:
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, **kw)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _check(pid: int, tmp: Path) -> None:
+    our_entry, perf_entry, agree, n = _compare(pid, _Files(), tmp)
+    print(f"pid {pid}: {n} samples, reach entry {our_entry:.1%} (perf {perf_entry:.1%}), edges {agree:.1%}")
+    assert perf_entry >= 0.9, "perf's own unwinding is the reference"
+    assert our_entry >= REACH_ENTRY
+    # Caller -> callee pairs perf never saw would be a wrong unwind; perf has fewer samples,
+    # so a few rare edges of ours are missing from its set.
+    assert agree >= 0.9
+
+
+@pytest.mark.skipif(shutil.which("perf") is None, reason="linux-perf not installed (make deps)")
+def test_xz_stacks_reach_main_like_perf_dwarf(tmp_path: Path) -> None:
+    with open("/dev/urandom", "rb") as endless, _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc:
+        _check(proc.pid, tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("perf") is None, reason="linux-perf not installed (make deps)")
+def test_python311_stacks_reach_main_like_perf_dwarf(tmp_path: Path) -> None:
+    script = tmp_path / "busy.py"
+    script.write_text(
+        "import json\n"
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "while True:\n    fib(18)\n    json.dumps([{'a': i, 'b': str(i)} for i in range(2000)])\n"
+    )
+    with _running(["/usr/bin/python3.11", str(script)]) as proc:
+        _check(proc.pid, tmp_path)
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[4]))
+    return found[-1].parent if found else None
+
+
+@pytest.mark.skipif(shutil.which("perf") is None, reason="linux-perf not installed (make deps)")
+def test_postgres_backend_stacks_reach_main_like_perf_dwarf(tmp_path: Path) -> None:
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.fail("PostgreSQL is missing: run `make deps` (postgresql)")
+    run_as: list[str] = []
+    root = Path(tempfile.mkdtemp(prefix="bistouri-pg-unwind-"))
+    if os.geteuid() == 0:  # initdb and postgres refuse root
+        owner = pwd.getpwnam("postgres")
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+        run_as = ["runuser", "-u", "postgres", "--"]
+    try:
+        data = root / "data"
+        subprocess.run(
+            [*run_as, str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--no-sync", "-A", "trust"],
+            capture_output=True,
+            check=True,
+            timeout=120,
+        )
+        # Single-user mode: the backend is this very process, busy in the executor.
+        query = b"SELECT sum(length(md5(i::text))) FROM generate_series(1, 2000000000) i;\n"
+        proc = subprocess.Popen(
+            [*run_as, str(bindir / "postgres"), "--single", "-D", str(data), "postgres"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        backend = proc.pid
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(query)
+            proc.stdin.flush()
+            backend = _child_named(proc.pid, "postgres") if run_as else proc.pid
+            _check(backend, tmp_path)
+        finally:
+            os.kill(backend, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _child_named(pid: int, comm: str) -> int:
+    def find() -> int | None:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            children = (task / "children").read_text().split()
+            for c in children:
+                if Path(f"/proc/{c}/comm").read_text().strip() == comm:
+                    return int(c)
+        return None
+
+    found = wait_until(find, 30)
+    assert isinstance(found, int), f"no {comm} child of {pid}"
+    return found
+
+
+def _ours_only(pid: int, files: _Files) -> list[Chain]:
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with ProfilerAgent(opts) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
+        ready = time.monotonic_ns()
+        files.learn(pid)
+        events: list = []
+
+        def enough() -> bool:
+            events.extend(agent.take())
+            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+
+        assert wait_until(enough, 120), "samples taken"
+        agent.close()
+        events.extend(agent.take())
+        return _our_chains(agent, events, pid, ready, files)
+
+
+def _in(chain: Chain, binary: str, syms: dict[str, tuple[int, int]], function: str) -> bool:
+    return (os.path.basename(binary), syms[function][0]) in chain
+
+
+def test_a_signal_handler_frame_is_unwound_through_to_the_interrupted_code(workloads: Path) -> None:
+    """The handler's caller is __restore_rt (a signal FDE): the walk reads the interrupted
+    registers from the ucontext and goes on through the frameless code to main."""
+    from tests.helpers import symbols
+
+    binary = workloads / "nofp_signal"
+    syms = symbols(binary)
+    files = _Files()
+    with _running([str(binary), "120"]) as proc:
+        chains = _ours_only(proc.pid, files)
+    in_handler = [c for c in chains if _in(c, str(binary), syms, "on_alarm")]
+    assert len(in_handler) >= len(chains) * 0.1, "the handler spins a good part of the time"
+    through = [c for c in in_handler if _in(c, str(binary), syms, "interrupted") and _reaches_entry(c, files)]
+    assert len(through) / len(in_handler) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in chains) / len(chains) >= REACH_ENTRY
+
+
+def test_cxx_exception_path_is_unwound_through_the_unwinder_to_main(workloads: Path) -> None:
+    from tests.helpers import symbols
+
+    binary = workloads / "nofp_throw"
+    syms = symbols(binary)
+    files = _Files()
+    with _running([str(binary), "120"]) as proc:
+        chains = _ours_only(proc.pid, files)
+    runtime = [c for c in chains if any(f.startswith(("libgcc_s", "libstdc++")) for f, _ in c)]
+    assert len(runtime) >= len(chains) * 0.2, "throwing is most of its time"
+    assert sum(_in(c, str(binary), syms, "_ZL7throweri") for c in runtime) / len(runtime) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in runtime) / len(runtime) >= REACH_ENTRY
+    assert sum(_reaches_entry(c, files) for c in chains) / len(chains) >= REACH_ENTRY

@@ -1,0 +1,83 @@
+"""Unwind tables in the real BPF maps: the disk cache per build id, and eviction within the row bound."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from bistouri import abi
+from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from tests.helpers import build_id, wait_until
+
+pytestmark = pytest.mark.requires_bpf
+
+
+@contextmanager
+def _spinning(argv: list[str]) -> Iterator[int]:
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        # Its libraries are mapped once its maps name libc.
+        assert wait_until(lambda: "libc.so" in Path(f"/proc/{proc.pid}/maps").read_text(), 10)
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _opts(**kw: object) -> ProfilerOptions:
+    return ProfilerOptions(
+        freq_hz=19, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0, **kw
+    )  # type: ignore[arg-type]
+
+
+XZ = ["xz", "-9e", "-T1", "-c", "/dev/zero"]
+PY = ["/usr/bin/python3.11", "-c", "while True: pass"]
+
+
+def test_tables_are_cached_on_disk_per_build_id_and_read_back(tmp_path: Path) -> None:
+    cache = tmp_path / "unwind"
+    with _spinning(XZ) as pid:
+        with ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+            agent.start()
+            agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+            assert agent.unwind is not None and agent.unwind.wait_idle(120)
+            first = agent.unwind.stats
+            assert first.built >= 3 and first.cache_hits == 0 and first.procs == 1
+        names = {p.name for p in cache.iterdir()}
+        assert f"{build_id(Path('/usr/bin/xz'))}.unw" in names
+        assert f"{build_id(Path('/lib/x86_64-linux-gnu/liblzma.so.5'))}.unw" in names
+        with ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+            agent.start()
+            agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+            assert agent.unwind is not None and agent.unwind.wait_idle(120)
+            again = agent.unwind.stats
+    assert again.built == 0 and again.cache_hits == first.built
+    assert again.loaded_rows == first.loaded_rows
+
+
+def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublishes_them() -> None:
+    def published(agent: ProfilerAgent, pid: int) -> int:
+        raw = agent._require().maps["unwind_procs"].lookup(struct.pack("<I", pid))
+        assert raw is not None
+        return struct.unpack("<II", raw)[1]
+
+    # xz, liblzma, libc and ld fit (~35 k rows); python3.11 (~70 k) needs xz's own files' room.
+    with _spinning(XZ) as xz, _spinning(PY) as py, ProfilerAgent(_opts(unwind_rows=100_000)) as agent:
+        agent.start()
+        agent.set_pid_filter(xz, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120)
+        xz_files = published(agent, xz)
+        assert xz_files >= 4 and agent.unwind.stats.evicted == 0
+        agent.set_pid_filter(py, abi.FilterFlags.ON_CPU)
+        assert agent.unwind.wait_idle(120)
+        stats = agent.unwind.stats
+        assert stats.evicted >= 1
+        assert stats.loaded_rows <= 100_000
+        assert published(agent, py) >= 3  # python3.11, libc, ld at least
+        # The evicted files are no longer in xz's mappings: its frames there use frame pointers.
+        assert published(agent, xz) < xz_files
