@@ -40,6 +40,10 @@ class CfaKind(IntEnum):
     SIGNAL = 4  # signal trampoline (__restore_rt): registers come from the ucontext at RSP
     OTHER = 5  # an expression or register the walk cannot evaluate: frame pointer
     END = 6  # the outermost frame (_start, clone3): return address undefined
+    # Copies of one fixed-size trampoline from the region's start (CPython's perf trampolines,
+    # which carry no CFI and keep no frame pointer): in each cfa_off-byte copy, CFA = RSP + 16
+    # from offset rbp_off & 0xff up to offset rbp_off >> 8, RSP + 8 elsewhere.
+    TRAMPOLINE = 7
 
 
 class RbpKind(IntEnum):

@@ -151,3 +151,10 @@ class BuildIdTree:
             import shutil
 
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def default_cache_dir(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """Where `record` keeps what it learnt between runs (symbols, unwind tables):
+    $XDG_CACHE_HOME/bistouri, else ~/.cache/bistouri."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "bistouri")

@@ -70,12 +70,6 @@ class CacheUnusable(BistouriError):
     """The cache directory cannot be used safely."""
 
 
-def default_cache_dir(environ: dict[str, str] | os._Environ[str] = os.environ) -> Path:
-    """$XDG_CACHE_HOME/bistouri, else ~/.cache/bistouri."""
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bistouri"
-
-
 def kernel_boot_key(build_id: bytes, proc_root: str = "/proc") -> str:
     """What kernel addresses depend on: the kernel, the boot (KASLR) and the loaded modules."""
     h = hashlib.sha256(build_id)

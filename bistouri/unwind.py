@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from . import abi, threads
 from .bpf import Map
-from .ehframe import ROW, UnwindTableError, build_table
+from .ehframe import ROW, CfaKind, RbpKind, UnwindTableError, build_table
 from .symbolizer.elf import ElfFile, ElfFormatError, read_build_id
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,14 @@ _PROC = struct.Struct("<II")
 _PID = struct.Struct("<I")
 _MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
 _PAGE_SHIFT = 12  # the page index has one entry per 4 KiB of a file's code
+_USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
+_ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
+
+# CPython >= 3.12 `-X perf` copies this x86-64 trampoline (no CFI, no frame pointer) once per
+# Python function, end to end from the start of anonymous executable regions:
+# sub $8,%rsp; call *%rcx; add $8,%rsp; ret. One row describes every copy of a region.
+PY_TRAMPOLINE = bytes.fromhex("4883ec08ffd14883c408c3")
+_PY_TRAMPOLINE_KEY = b"cpython-perf-trampoline"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +103,13 @@ class _Proc:
         if self.entries:
             mappings.update_array(base, b"".join(_MAPPING.pack(*e[:8]) for e in self.entries), _MAPPING.size)
         procs.update(_PID.pack(pid), _PROC.pack(self.slot, len(self.entries)))
+
+
+# CFA = RSP + 16 from after the `sub` (offset 4) until the `add` has run (offset 10).
+_PY_TRAMPOLINE_TABLE = Table(
+    ((0, 0, 1),),  # bias = the region's start
+    ROW.pack(0, len(PY_TRAMPOLINE), 4 | 10 << 8, CfaKind.TRAMPOLINE, RbpKind.UNCHANGED),
+)
 
 
 def read_cached(path: str) -> Table | None:
@@ -235,8 +250,14 @@ class UnwindTables:
         ids = self._build_ids
         if len(ids) > 8192:
             ids.clear()
+        anonymous: list[tuple[int, int]] = []
         for line in data.splitlines():
             parts = line.split(None, 5)
+            if len(parts) >= 5 and b"x" in parts[1] and parts[4] == b"0":
+                lo, _, hi = parts[0].partition(b"-")
+                if len(anonymous) < _ANON_CHECKED_MAX and int(hi, 16) <= _USER_TOP:  # not [vsyscall]
+                    anonymous.append((int(lo, 16), int(hi, 16)))
+                continue
             if len(parts) < 6 or b"x" not in parts[1] or parts[4] == b"0" or not parts[5].startswith(b"/"):
                 continue
             lo, _, hi = parts[0].partition(b"-")
@@ -254,12 +275,35 @@ class UnwindTables:
                 ids[(parts[3], parts[4])] = key
             if key:
                 out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), path, key))
+        out.extend((rng, 0, "", _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))
         return out
+
+    def _py_trampolines(self, pid: int, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The anonymous executable regions that start with CPython's perf trampoline."""
+        if not regions:
+            return []
+        try:
+            fd = os.open(f"{self.proc_root}/{pid}/mem", os.O_RDONLY)
+        except OSError:
+            return []
+        found = []
+        try:
+            for start, end in regions:
+                try:
+                    if os.pread(fd, len(PY_TRAMPOLINE), start) == PY_TRAMPOLINE:
+                        found.append((start, end))
+                except OSError:
+                    continue
+        finally:
+            os.close(fd)
+        return found
 
     def _cache_path(self, key: bytes) -> str | None:
         return os.path.join(self.cache_dir, key.hex() + ".unw") if self.cache_dir else None
 
     def _table(self, path: str, key: bytes) -> Table | None:
+        if key == _PY_TRAMPOLINE_KEY:
+            return _PY_TRAMPOLINE_TABLE
         cached = self._cache_path(key)
         if cached:
             t = read_cached(cached)

@@ -359,6 +359,7 @@ static long walk_frame(__u32 index, void *data)
 	__u64 ip = w->regs.ip, sp = w->regs.sp, bp = w->regs.bp, cfa, ra = 0, saved_bp;
 	__u8 kind = BISTOURI_CFA_NONE, rbp_kind = BISTOURI_RBP_UNCHANGED;
 	__s32 cfa_off = 0, rbp_off = 0;
+	__u64 bias = 0;
 
 	if (w->n >= BISTOURI_MAX_DEPTH) {
 		w->stop = BISTOURI_CNT_WALK_DEPTH;
@@ -372,6 +373,8 @@ static long walk_frame(__u32 index, void *data)
 	if (m) {
 		/* A return address is past its call: look up the call itself. */
 		__u64 pc = ip - m->bias - (w->exact ? 0 : 1);
+
+		bias = m->bias;
 
 		row = find_row(m, (__u32)pc);
 	}
@@ -392,6 +395,14 @@ static long walk_frame(__u32 index, void *data)
 	case BISTOURI_CFA_PLT:
 		cfa = sp + 8 + ((ip & 15) >= (__u64)cfa_off ? 8 : 0);
 		break;
+	case BISTOURI_CFA_TRAMPOLINE: {
+		/* CPython's perf trampolines: sub $8,%rsp; call *%rcx; add $8,%rsp; ret, copied end to end. */
+		__u64 at = cfa_off > 0 ? (ip - bias) % (__u32)cfa_off : 0;
+
+		cfa = sp + 8 + (at >= (rbp_off & 0xff) && at < ((rbp_off >> 8) & 0xff) ? 8 : 0);
+		rbp_kind = BISTOURI_RBP_UNCHANGED;
+		break;
+	}
 	case BISTOURI_CFA_SIGNAL:
 		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
 		if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(sp + 168)) ||

@@ -62,6 +62,7 @@ enum bistouri_cfa_kind {
 	BISTOURI_CFA_SIGNAL = 4, /* signal trampoline: registers in the ucontext at RSP */
 	BISTOURI_CFA_OTHER = 5,  /* an expression the walk cannot evaluate: frame pointer */
 	BISTOURI_CFA_END = 6,    /* outermost frame (return address undefined) */
+	BISTOURI_CFA_TRAMPOLINE = 7, /* copies of a cfa_off-byte trampoline: RSP + 16 in [rbp_off & 0xff, rbp_off >> 8), else RSP + 8 */
 };
 
 /* Where the caller's RBP is (bistouri/ehframe.py RbpKind). */

@@ -351,3 +351,93 @@ def test_cxx_exception_path_is_unwound_through_the_unwinder_to_main(workloads: P
     assert sum(_in(c, str(binary), syms, "_ZL7throweri") for c in runtime) / len(runtime) >= REACH_ENTRY
     assert sum(_reaches_entry(c, files) for c in runtime) / len(runtime) >= REACH_ENTRY
     assert sum(_reaches_entry(c, files) for c in chains) / len(chains) >= REACH_ENTRY
+
+
+# -- mixed stacks: JIT code between frameless native frames -------------------------------------
+
+PYTHON312 = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
+NODE = shutil.which("node")
+
+
+def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[str], bool]]:
+    """Per sample (weighted), the JIT names of its user frames (leaf first) and whether its
+    outermost frame is an entry of its file's CFI (`_start`, `clone3`)."""
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    files = _Files()
+    with ProfilerAgent(opts) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None
+        assert agent.unwind.wait_idle(120), "tables loaded"
+        assert agent.unwind.stats.procs == 1
+        ready = time.monotonic_ns()
+        files.learn(pid)
+        events: list = []
+
+        def enough() -> bool:
+            events.extend(agent.take())
+            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+
+        assert wait_until(enough, 120), "samples taken"
+        out = []
+        for e in events:
+            if not isinstance(e, StackSample) or e.pid != pid or e.timestamp_ns < ready:
+                continue
+            user = split_stacks(e.stacks, e.kernel_len)[1]
+            names = []
+            for i, (status, _fid, ip) in enumerate(user):
+                if status == FrameStatus.ANON:
+                    names.append(agent.maps.jit_name(pid, ip if i == 0 else ip - 1) or "?")
+            chain = _our_chains(agent, [e], pid, ready, files)
+            out.extend([(names, bool(chain) and _reaches_entry(chain[0], files))] * e.weight)
+        return out
+
+
+@pytest.mark.skipif(not PYTHON312.exists(), reason="pyenv's Python 3.12 is not installed")
+def test_python312_perf_trampolines_name_the_python_function_in_full_stacks(tmp_path: Path) -> None:
+    """CPython 3.12 `-X perf`: a trampoline per Python function (no CFI, no frame pointer: the
+    agent gives its copies a rule) between libpython's frameless frames."""
+    script = tmp_path / "busy.py"
+    script.write_text(
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "def work():\n    while True:\n        fib(20)\n"
+        "work()\n"
+    )
+    with _running([str(PYTHON312), "-X", "perf", str(script)]) as proc:
+        assert wait_until(lambda: "py::fib" in _perf_map(proc.pid), 30), "the perf map names fib"
+        samples = _mixed_chains(proc.pid)
+    named = sum(any(n.startswith("py::fib:") for n in names) for names, _ in samples) / len(samples)
+    full = sum(
+        entry
+        and any(n.startswith("py::work:") for n in names)
+        and any(n.startswith("py::<module>") for n in names)
+        for names, entry in samples
+    ) / len(samples)
+    print(
+        f"python3.12 -X perf: {len(samples)} samples, fib named {named:.1%}, work->module->entry {full:.1%}"
+    )
+    assert named >= 0.9
+    assert full >= 0.9  # through every trampoline and frameless libpython frame to _start
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_node_jit_frames_between_native_frames_reach_the_entry(tmp_path: Path) -> None:
+    """V8's JIT code keeps frame pointers and has no table: frames by frame pointer in the middle
+    of node's frameless (tabled) native frames, to _start."""
+    hot = Path(__file__).parents[1] / "fixtures" / "workloads" / "hot.js"
+    with _running([NODE, "--perf-basic-prof", str(hot), "0"], cwd=tmp_path) as proc:
+        assert wait_until(lambda: "hotLoop" in _perf_map(proc.pid), 60), "the perf map names hotLoop"
+        samples = _mixed_chains(proc.pid)
+    js = [(names, entry) for names, entry in samples if any("Loop" in n for n in names)]
+    print(f"node: {len(samples)} samples, {len(js)} in JS loops, {sum(e for _, e in js)} reach the entry")
+    assert len(js) >= 0.5 * len(samples)
+    assert sum(entry for _, entry in js) >= REACH_ENTRY * len(js)
+
+
+def _perf_map(pid: int) -> str:
+    try:
+        return Path(f"/tmp/perf-{pid}.map").read_text(errors="replace")
+    except OSError:
+        return ""
