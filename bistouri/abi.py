@@ -55,6 +55,16 @@ class Counter(IntEnum):
 
 COUNTER_MAX = 18
 
+# Why a user walk ended (a stack event's user_walk_end, a WALK_* counter): the names that
+# metrics and sessions use.
+WALK_ENDS: dict[int, str] = {
+    Counter.WALK_END: "entry",
+    Counter.WALK_NO_FP: "no_frame_pointer",
+    Counter.WALK_READ_FAILED: "read_failed",
+    Counter.WALK_DEPTH: "max_depth",
+    Counter.WALK_BAD_FRAME: "bad_frame",
+}
+
 # Unwind tables in BPF maps (bistouri/unwind.py fills them; ehframe.py defines the rows).
 UNWIND_MAPPINGS = 64  # per process
 UNWIND_PROCS = 512
@@ -82,6 +92,10 @@ class StackEvent(Structure):
         ("kernel_hash", c_uint64),
         ("kernel_stack_size", c_int32),
         ("user_stack_size", c_int32),
+        ("user_by_table", c_uint8),
+        ("user_by_fp", c_uint8),
+        ("user_walk_end", c_uint8),
+        ("reserved", c_uint8 * 5),
         ("comm", c_uint8 * COMM_LEN),
         ("kernel_stack", c_uint64 * MAX_DEPTH),
         ("user_stack", c_uint64 * MAX_DEPTH),
@@ -132,9 +146,10 @@ class UnwindMapping(Structure):
         ("bias", c_uint64),
         ("first", c_uint32),
         ("count", c_uint32),
-        ("pages", c_uint32),
-        ("page_count", c_uint32),
-        ("page_base", c_uint64),
+        ("buckets", c_uint32),
+        ("bucket_count", c_uint32),
+        ("bucket_base", c_uint32),
+        ("bucket_shift", c_uint32),
     ]
 
 
@@ -166,7 +181,8 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
-STACK_HEADER = struct.Struct("<IIIIQQII24sQii16s")  # user_key stays packed: it is a map key as is
+# user_key stays packed (it is a map key as is); the three walk bytes stay packed too (UserWalk).
+STACK_HEADER = struct.Struct("<IIIIQQII24sQii3s5x16s")
 SAMPLE_KEY_HEAD = struct.Struct("<IIQ")  # tid, reserved, kernel_hash; the user key follows
 USER_STACK_KEY = struct.Struct("<IIQQ")
 STACK_HEADER_SIZE = STACK_HEADER.size

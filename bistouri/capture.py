@@ -59,6 +59,20 @@ class _Agg:
     off_cpu: int = 0
     off_cpu_ns: int = 0
     kernel_len: int = 0
+    walk: bytes = b"\0\0\0"  # how its user stack was walked (StackSample.walk)
+
+
+def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
+    """A trace's user walk into the session's summary, weighted by its samples."""
+    by_table, by_fp, end = agg.walk
+    n = agg.on_cpu + agg.off_cpu
+    if by_table:
+        summary.frames["table"] = summary.frames.get("table", 0) + by_table * n
+    if by_fp:
+        summary.frames["frame_pointer"] = summary.frames.get("frame_pointer", 0) + by_fp * n
+    reason = abi.WALK_ENDS.get(end)
+    if reason is not None:
+        summary.walks[reason] = summary.walks.get(reason, 0) + n
 
 
 @dataclass(slots=True)
@@ -247,7 +261,7 @@ class CaptureOrchestrator:
                     s.dropped_traces += 1
                     over += 1
                     continue
-                agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
+                agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
                 s.threads.setdefault(sample.tid, sample.comm)
                 s.nbytes += cost
                 self.nbytes += cost
@@ -332,7 +346,7 @@ class CaptureOrchestrator:
                         s.dropped_traces += 1
                         over += 1
                         continue
-                    agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len)
+                    agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
                     s.threads.setdefault(sample.tid, sample.comm)
                     s.nbytes += cost
                     self.nbytes += cost
@@ -438,7 +452,9 @@ class CaptureOrchestrator:
 
     def build(self, s: ActiveSession, now: float) -> wire.Session:
         traces = []
+        unwind = wire.UnwindSummary()
         for (pid, tid, stacks, pre), agg in s.traces.items():
+            _add_walk(unwind, agg)
             kernel, raw_user = split_stacks(stacks, agg.kernel_len)
             traces.append(
                 wire.Trace(
@@ -467,6 +483,7 @@ class CaptureOrchestrator:
             threads=dict(s.threads),
             traces=traces,
             pre_trigger_ns=s.pre_trigger_ns,
+            unwind=unwind,
         )
 
     # -- user frames ----------------------------------------------------------------

@@ -38,6 +38,9 @@ class StackSample:
     comm: str
     kernel_len: int  # bytes of `stacks` holding kernel IPs (0 on error)
     stacks: bytes  # kernel IPs then mapped user frames (procmaps.USER_FRAME): the dedup key
+    # How the user stack was walked: frames by table, frames by frame pointer, why it ended
+    # (an abi.WALK_ENDS key, 0: no walk), one byte each, as the kernel sent them.
+    walk: bytes = b"\0\0\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +159,7 @@ def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSam
     a user stack seen before one dict lookup.
     """
     header = abi.STACK_HEADER.unpack_from(data)
-    kind, pid, tid, cpu, ts, blocked, weight, map_count, key, _khash, ksize, usize, comm = header
+    kind, pid, tid, cpu, ts, blocked, weight, map_count, key, _khash, ksize, usize, walk, comm = header
     # Negative sizes are bpf_get_stack errors; the bounds keep a bad header inside the record.
     ksize = max(0, min(ksize, _STACK_MAX))
     usize = max(0, min(usize, _STACK_MAX)) & ~7
@@ -164,7 +167,7 @@ def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSam
     u0 = abi.USER_STACK_OFFSET
     user = cache.frames(key, pid, map_count, data[u0 : u0 + usize], maps) if usize else b""
     stacks = data[k0 : k0 + ksize] + user
-    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks)
+    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks, walk)
 
 
 def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, int, int]]]:

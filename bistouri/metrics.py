@@ -193,11 +193,8 @@ class BpfCountersCollector(Collector):
         stops = CounterMetricFamily(
             "bistouri_user_walks_stopped", "User stack walks in BPF, by why they ended", labels=["reason"]
         )
-        stops.add_metric(["entry"], c[abi.Counter.WALK_END])
-        stops.add_metric(["no_frame_pointer"], c[abi.Counter.WALK_NO_FP])
-        stops.add_metric(["read_failed"], c[abi.Counter.WALK_READ_FAILED])
-        stops.add_metric(["max_depth"], c[abi.Counter.WALK_DEPTH])
-        stops.add_metric(["bad_frame"], c[abi.Counter.WALK_BAD_FRAME])
+        for counter, reason in abi.WALK_ENDS.items():
+            stops.add_metric([reason], c[abi.Counter(counter)])
         yield stops
         u = self._unwind()
         yield GaugeMetricFamily(

@@ -42,11 +42,12 @@ log = logging.getLogger(__name__)
 _CACHE_MAGIC = b"BSTUNW1\0"
 _CACHE_HEAD = struct.Struct("<8sII")  # magic, executable segments, rows
 _SEGMENT = struct.Struct("<QQQ")  # file offset, virtual address, size in the file
-_MAPPING = struct.Struct("<QQQIIIIQ")  # start, end, bias, first, count, pages, page_count, page_base
+# start, end, bias, first, count, buckets, bucket_count, bucket_base, bucket_shift
+_MAPPING = struct.Struct("<QQQIIIIII")
 _PROC = struct.Struct("<II")
 _PID = struct.Struct("<I")
 _MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
-_PAGE_SHIFT = 12  # the page index has one entry per 4 KiB of a file's code
+_ROWS_PER_BUCKET = 8  # the bucket index: about this many rows between two entries (BPF: 3 steps)
 _USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
 _ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
 
@@ -84,10 +85,11 @@ class UnwindStats:
 @dataclass(slots=True)
 class _Loaded:
     first: int
-    count: int  # rows, then the page index after them
+    count: int  # rows, then the bucket index after them
     rows: int
-    page_base: int  # first page (pc >> 12) of the table
-    page_count: int
+    bucket_base: int  # first bucket (pc >> bucket_shift) of the table
+    bucket_count: int
+    bucket_shift: int
     segments: tuple[tuple[int, int, int], ...]
 
 
@@ -95,13 +97,13 @@ class _Loaded:
 class _Proc:
     slot: int
     # _MAPPING's fields and the file's build id, sorted by start
-    entries: list[tuple[int, int, int, int, int, int, int, int, bytes]] = field(default_factory=list)
+    entries: list[tuple[int, int, int, int, int, int, int, int, int, bytes]] = field(default_factory=list)
     source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read
 
     def write(self, mappings: Map, procs: Map, pid: int) -> None:
         base = self.slot * abi.UNWIND_MAPPINGS
         if self.entries:
-            mappings.update_array(base, b"".join(_MAPPING.pack(*e[:8]) for e in self.entries), _MAPPING.size)
+            mappings.update_array(base, b"".join(_MAPPING.pack(*e[:9]) for e in self.entries), _MAPPING.size)
         procs.update(_PID.pack(pid), _PROC.pack(self.slot, len(self.entries)))
 
 
@@ -372,22 +374,24 @@ class UnwindTables:
             self.stats.too_large += n > 0
             return None
         pcs = [pc for (pc,) in struct.iter_unpack("<I8x", t.rows)]
-        page_base = pcs[0] >> _PAGE_SHIFT
-        page_count = (pcs[-1] >> _PAGE_SHIFT) - page_base + 1
-        total = n + page_count + 1
+        # Buckets of 2^shift bytes of code holding ~_ROWS_PER_BUCKET rows on average.
+        shift = min(max((((pcs[-1] - pcs[0] + 1) * _ROWS_PER_BUCKET) // n).bit_length() - 1, 4), 16)
+        bucket_base = pcs[0] >> shift
+        bucket_count = (pcs[-1] >> shift) - bucket_base + 1
+        total = n + bucket_count + 1
         first = self._allocate(total)
         while first is None and self._evict_oldest(keep):
             first = self._allocate(total)
         if first is None:
             return None
-        # Page index after the rows: for each page, the row covering its start, so the BPF
-        # search of a PC looks only between two neighbouring entries (a few rows, not ~17 steps).
+        # Bucket index after the rows: for each bucket, the row covering its start, so the BPF
+        # search of a PC looks only between two neighbouring entries (~3 steps, not ~17).
         index = bytearray()
-        for p in range(page_count + 1):
-            at = max(bisect.bisect_right(pcs, (page_base + p) << _PAGE_SHIFT) - 1, 0)
+        for b in range(bucket_count + 1):
+            at = max(bisect.bisect_right(pcs, (bucket_base + b) << shift) - 1, 0)
             index += ROW.pack(first + at, 0, 0, 0, 0)
         self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
-        loaded = self._loaded[key] = _Loaded(first, total, n, page_base, page_count, t.segments)
+        loaded = self._loaded[key] = _Loaded(first, total, n, bucket_base, bucket_count, shift, t.segments)
         self.stats.loaded_rows += total
         return loaded
 
@@ -437,8 +441,8 @@ class UnwindTables:
             if bias is None:
                 continue
             entries.append(
-                (start, end, bias, loaded.first, loaded.rows, loaded.first + loaded.rows, loaded.page_count,
-                 loaded.page_base, key)
+                (start, end, bias, loaded.first, loaded.rows, loaded.first + loaded.rows, loaded.bucket_count,
+                 loaded.bucket_base, loaded.bucket_shift, key)
             )  # fmt: skip
             if len(entries) == abi.UNWIND_MAPPINGS:
                 break

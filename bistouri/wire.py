@@ -111,6 +111,20 @@ class Trigger:
     kind: str = TRIGGER_PSI  # psi | manual
 
 
+@dataclass(slots=True)
+class UnwindSummary:
+    """How a session's user stacks were walked, weighted by samples: the data-quality note."""
+
+    # user frames by how they were unwound: "table" (.eh_frame rows) or "frame_pointer"
+    frames: dict[str, int] = field(default_factory=dict)
+    # samples by why their user walk ended: entry (the whole stack), no_frame_pointer,
+    # read_failed, max_depth, bad_frame (abi.WALK_ENDS)
+    walks: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, dict[str, int]]:
+        return {"frames": dict(self.frames), "walks": dict(self.walks)}
+
+
 @dataclass(frozen=True, slots=True)
 class KernelInfo:
     release: str = ""
@@ -136,6 +150,7 @@ class Session:
     # How long before the trigger the session starts (flight-recorder samples): start_ns is
     # trigger time minus this; traces with pre_trigger=True were sampled in it.
     pre_trigger_ns: int = 0
+    unwind: UnwindSummary = field(default_factory=UnwindSummary)
 
     @property
     def total_samples(self) -> int:
@@ -233,6 +248,8 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     if pre_traces:
         out["pre_traces"] = pre_traces
         out["pre_trigger_ns"] = s.pre_trigger_ns
+    if s.unwind.frames or s.unwind.walks:
+        out["unwind"] = s.unwind.to_json()
     return out
 
 
@@ -518,7 +535,29 @@ def session_from_wire(m: Any) -> Session:
         threads=threads,
         traces=traces,
         pre_trigger_ns=_u64(m.get("pre_trigger_ns", 0), where + ".pre_trigger_ns"),
+        unwind=_unwind_summary(m.get("unwind"), where + ".unwind"),
     )
+
+
+_MAX_UNWIND_KEYS = 8  # per map of an unwind summary: a few known names, more is an attack
+
+
+def _unwind_summary(v: Any, where: str) -> UnwindSummary:
+    """The optional data-quality note (absent in sessions of agents before it)."""
+    if v is None:
+        return UnwindSummary()
+    if not isinstance(v, dict):
+        raise WireError("malformed", f"{where} must be a map")
+    out = UnwindSummary()
+    for name, target in (("frames", out.frames), ("walks", out.walks)):
+        counts = v.get(name, {})
+        if not isinstance(counts, dict) or len(counts) > _MAX_UNWIND_KEYS:
+            raise WireError("malformed", f"{where}.{name} must be a map of at most {_MAX_UNWIND_KEYS} counts")
+        for key, n in counts.items():
+            if not isinstance(key, str) or len(key) > 32 or not isinstance(n, int):
+                raise WireError("malformed", f"{where}.{name} must map short names to counts")
+            target[key] = _u64(n, f"{where}.{name}.{key}")
+    return out
 
 
 def _str(m: Mapping[str, Any], key: str, where: str, limit: int = MAX_NAME_CHARS) -> str:

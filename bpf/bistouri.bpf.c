@@ -242,6 +242,7 @@ struct walk {
 	struct user_regs regs;
 	struct bistouri_stack_event *ev;
 	struct bistouri_unwind_proc *proc; /* NULL: the process has no tables */
+	__u32 last_mapping;                /* index in unwind_mappings of the previous frame's, or ~0 */
 	__u32 n;                           /* frames written */
 	__u32 by_table;
 	__u32 by_fp;
@@ -251,51 +252,52 @@ struct walk {
 
 #define USER_TOP 0x7fffffffffffULL
 
-/* The last mapping starting at or before ip among a process's (sorted), one step per callback. */
-struct mapping_search {
-	__u32 lo;
-	__u32 hi;
-	__u64 ip;
-};
+/*
+ * Binary searches below are unrolled steps (array lookups are inlined by the
+ * verifier: a step is a few instructions), not bpf_loop callbacks: a helper call
+ * per step was most of the walk's time. Only a row range wider than
+ * UNROLLED_ROWS (a dense bucket) still goes through bpf_loop first.
+ */
+#define UNROLLED_ROWS 16
 
-static long mapping_search_step(__u32 index, void *data)
-{
-	struct mapping_search *s = data;
-	struct bistouri_unwind_mapping *m;
-	__u32 mid;
+/* The last mapping starting at or before ip among a process's (sorted): 6 steps cover 64. */
+#define MAPPING_STEP()                                                     \
+	do {                                                               \
+		if (lo + 1 < hi) {                                         \
+			mid = lo + (hi - lo) / 2;                          \
+			m = bpf_map_lookup_elem(&unwind_mappings, &mid);   \
+			if (!m)                                            \
+				return NULL;                               \
+			if (m->start <= ip)                                \
+				lo = mid;                                  \
+			else                                               \
+				hi = mid;                                  \
+		}                                                          \
+	} while (0)
 
-	if (s->lo + 1 >= s->hi)
-		return 1;
-	mid = s->lo + (s->hi - s->lo) / 2;
-	m = bpf_map_lookup_elem(&unwind_mappings, &mid);
-	if (!m)
-		return 1;
-	if (m->start <= s->ip)
-		s->lo = mid;
-	else
-		s->hi = mid;
-	return 0;
-}
-
-static __always_inline struct bistouri_unwind_mapping *find_mapping(struct bistouri_unwind_proc *proc, __u64 ip)
+static __always_inline struct bistouri_unwind_mapping *find_mapping(struct bistouri_unwind_proc *proc, __u64 ip,
+								    __u32 *found)
 {
 	__u32 count = proc->count < BISTOURI_UNWIND_MAPPINGS ? proc->count : BISTOURI_UNWIND_MAPPINGS;
-	struct mapping_search s = { .lo = proc->slot * BISTOURI_UNWIND_MAPPINGS, .ip = ip };
+	__u32 lo = proc->slot * BISTOURI_UNWIND_MAPPINGS, hi = lo + count, mid;
 	struct bistouri_unwind_mapping *m;
-	__u32 lo;
 
 	if (!count)
 		return NULL;
-	s.hi = s.lo + count;
-	bpf_loop(8, mapping_search_step, &s, 0);
-	lo = s.lo;
+	MAPPING_STEP();
+	MAPPING_STEP();
+	MAPPING_STEP();
+	MAPPING_STEP();
+	MAPPING_STEP();
+	MAPPING_STEP();
 	m = bpf_map_lookup_elem(&unwind_mappings, &lo);
 	if (!m || ip < m->start || ip >= m->end)
 		return NULL;
+	*found = lo;
 	return m;
 }
 
-/* A binary search over unwind_rows, one step per bpf_loop callback (the verifier checks one step once). */
+/* A binary search over unwind_rows, one step per bpf_loop callback (wide ranges only). */
 struct row_search {
 	__u32 lo;
 	__u32 hi;
@@ -308,7 +310,7 @@ static long row_search_step(__u32 index, void *data)
 	struct bistouri_unwind_row *row;
 	__u32 mid;
 
-	if (s->lo + 1 >= s->hi)
+	if (s->lo + UNROLLED_ROWS >= s->hi)
 		return 1;
 	mid = s->lo + (s->hi - s->lo) / 2;
 	row = bpf_map_lookup_elem(&unwind_rows, &mid);
@@ -321,19 +323,32 @@ static long row_search_step(__u32 index, void *data)
 	return 0;
 }
 
-/* The last row at or before pc among the mapping's rows, between two entries of its page index. */
+#define ROW_STEP()                                                         \
+	do {                                                               \
+		if (lo + 1 < hi) {                                         \
+			mid = lo + (hi - lo) / 2;                          \
+			row = bpf_map_lookup_elem(&unwind_rows, &mid);     \
+			if (!row)                                          \
+				return NULL;                               \
+			if (row->pc <= pc)                                 \
+				lo = mid;                                  \
+			else                                               \
+				hi = mid;                                  \
+		}                                                          \
+	} while (0)
+
+/* The last row at or before pc among the mapping's rows, between two entries of its bucket index. */
 static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwind_mapping *m, __u32 pc)
 {
 	struct row_search s = { .lo = m->first, .hi = m->first + m->count, .pc = pc };
 	struct bistouri_unwind_row *row;
-	__u64 page = (pc >> 12) - m->page_base;
-	__u32 at;
-	__u32 lo;
+	__u32 bucket = (pc >> (m->bucket_shift & 31)) - m->bucket_base;
+	__u32 at, lo, hi, mid;
 
 	if (!m->count)
 		return NULL;
-	if (page < m->page_count) {
-		at = m->pages + (__u32)page;
+	if (pc >> (m->bucket_shift & 31) >= m->bucket_base && bucket < m->bucket_count) {
+		at = m->buckets + bucket;
 		row = bpf_map_lookup_elem(&unwind_rows, &at);
 		if (row)
 			s.lo = row->pc;
@@ -342,8 +357,15 @@ static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwi
 		if (row)
 			s.hi = row->pc + 1;
 	}
-	bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
+	if (s.lo + UNROLLED_ROWS < s.hi)
+		bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
 	lo = s.lo;
+	hi = s.hi;
+	ROW_STEP();
+	ROW_STEP();
+	ROW_STEP();
+	ROW_STEP();
+	ROW_STEP();
 	row = bpf_map_lookup_elem(&unwind_rows, &lo);
 	if (!row || row->pc > pc)
 		return NULL;
@@ -368,8 +390,18 @@ static long walk_frame(__u32 index, void *data)
 	w->ev->user_stack[w->n & 127] = ip;
 	w->n++;
 
-	if (w->proc)
-		m = find_mapping(w->proc, ip);
+	if (w->proc) {
+		/* Callers are often in the same file as their callee: try its mapping first. */
+		if (w->last_mapping != ~0U) {
+			__u32 last = w->last_mapping;
+
+			m = bpf_map_lookup_elem(&unwind_mappings, &last);
+			if (m && (ip < m->start || ip >= m->end))
+				m = NULL;
+		}
+		if (!m)
+			m = find_mapping(w->proc, ip, &w->last_mapping);
+	}
 	if (m) {
 		/* A return address is past its call: look up the call itself. */
 		__u64 pc = ip - m->bias - (w->exact ? 0 : 1);
@@ -477,7 +509,7 @@ static __always_inline void count_add(__u32 which, __u64 n)
  */
 static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
 {
-	struct walk w = { .regs = *start, .ev = ev, .exact = true };
+	struct walk w = { .regs = *start, .ev = ev, .exact = true, .last_mapping = ~0U };
 
 	if (!start->ip || start->ip > USER_TOP)
 		return 0;
@@ -487,6 +519,10 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct us
 	count_add(BISTOURI_CNT_FRAMES_BY_FP, w.by_fp);
 	if (w.stop)
 		count(w.stop);
+	/* The same, per sample: the session says how its stacks were walked. */
+	ev->user_by_table = w.by_table;
+	ev->user_by_fp = w.by_fp;
+	ev->user_walk_end = w.stop;
 	return (long)w.n * sizeof(__u64);
 }
 
@@ -535,6 +571,9 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	key->mm = (__u64)mm;
 	key->hash = 0;
 	ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
+	ev->user_by_table = 0;
+	ev->user_by_fp = 0;
+	ev->user_walk_end = 0;
 	/* Kernel threads have no user stack: not an error. */
 	n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs) : 0;
 	ev->user_stack_size = n;

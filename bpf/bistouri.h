@@ -90,8 +90,9 @@ struct bistouri_unwind_row {
 
 /*
  * An executable mapping whose file has a table: rows [first, first + count) of
- * unwind_rows, then a page index at `pages`: entry p (its pc field) is the row
- * covering the start of page page_base + p (4 KiB), for p in [0, page_count].
+ * unwind_rows, then a bucket index at `buckets`: entry b (its pc field) is the
+ * row covering the start of bucket bucket_base + b (pcs >> bucket_shift), for b
+ * in [0, bucket_count]. The shift is chosen per file for a few rows a bucket.
  */
 struct bistouri_unwind_mapping {
 	__u64 start;
@@ -99,9 +100,10 @@ struct bistouri_unwind_mapping {
 	__u64 bias;            /* table pc = ip - bias */
 	__u32 first;
 	__u32 count;
-	__u32 pages;
-	__u32 page_count;
-	__u64 page_base;       /* first page of the table: its lowest pc >> 12 */
+	__u32 buckets;
+	__u32 bucket_count;
+	__u32 bucket_base;     /* first bucket of the table: its lowest pc >> bucket_shift */
+	__u32 bucket_shift;
 };
 
 /* A process's mappings with tables: entries [slot * BISTOURI_UNWIND_MAPPINGS, + count) of unwind_mappings. */
@@ -144,6 +146,10 @@ struct bistouri_stack_event {
 	__u64 kernel_hash;     /* FNV-1a of the kernel IPs: with tid and user_key, the sample key */
 	__s32 kernel_stack_size;
 	__s32 user_stack_size;
+	__u8 user_by_table;    /* user frames unwound from an .eh_frame table */
+	__u8 user_by_fp;       /* user frames unwound by the frame pointer */
+	__u8 user_walk_end;    /* why the user walk ended: a BISTOURI_CNT_WALK_* counter, 0 if none */
+	__u8 reserved[5];
 	__u8 comm[BISTOURI_COMM_LEN];
 	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
 	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/procmaps.py) */

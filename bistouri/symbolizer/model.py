@@ -78,6 +78,9 @@ class SessionMeta:
     pre_on_cpu: int = 0
     pre_off_cpu: int = 0
     pre_off_cpu_ns: int = 0
+    # How the user stacks were walked (wire.UnwindSummary.to_json()): frames by table or
+    # frame pointer, samples by why their walk ended. Empty for agents before it.
+    unwind: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_wire(cls, s: wire.Session) -> SessionMeta:
@@ -113,6 +116,7 @@ class SessionMeta:
             pre_on_cpu=sum(x.on_cpu for x in pre),
             pre_off_cpu=sum(x.off_cpu for x in pre),
             pre_off_cpu_ns=sum(x.off_cpu_ns for x in pre),
+            unwind=s.unwind.to_json() if s.unwind.frames or s.unwind.walks else {},
         )
 
     @property
@@ -151,6 +155,7 @@ class SessionMeta:
             "period_ns": self.period_ns,
             "kernel_release": self.kernel_release,
             "samples": {"on_cpu": self.on_cpu, "off_cpu": self.off_cpu, "off_cpu_ns": self.off_cpu_ns},
+            "unwind": self.unwind,
             # The episode: the session runs from start_ns, pre_trigger_s before trigger.time_ns;
             # `samples` split at the trigger.
             "episode": {

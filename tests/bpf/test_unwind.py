@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -441,3 +442,37 @@ def _perf_map(pid: int) -> str:
         return Path(f"/tmp/perf-{pid}.map").read_text(errors="replace")
     except OSError:
         return ""
+
+
+def test_each_sample_says_how_its_user_stack_was_walked() -> None:
+    """The per-sample walk bytes (frames by table, by frame pointer, why the walk ended) that
+    sessions sum into their data-quality note: xz's files all have tables, so its walks reach
+    the entry by table alone, and such a walk counts each of its frames once."""
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with (
+        open("/dev/urandom", "rb") as endless,
+        _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
+        ProfilerAgent(opts) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
+        ready = time.monotonic_ns()
+        samples: list[StackSample] = []
+
+        def enough() -> bool:
+            samples.extend(
+                e
+                for e in agent.take()
+                if isinstance(e, StackSample) and e.pid == proc.pid and e.timestamp_ns > ready
+            )
+            return len(samples) >= 200
+
+        assert wait_until(enough, 120), "samples taken"
+    entry = [s for s in samples if abi.WALK_ENDS.get(s.walk[2]) == "entry"]
+    assert len(entry) >= REACH_ENTRY * len(samples), Counter(abi.WALK_ENDS.get(s.walk[2]) for s in samples)
+    for s in entry:
+        frames = len(split_stacks(s.stacks, s.kernel_len)[1])
+        assert s.walk[0] + s.walk[1] == frames and s.walk[0] >= frames - 1, (s.walk, frames)

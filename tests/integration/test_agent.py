@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import wire
+from bistouri import abi, wire
 from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 
@@ -56,6 +56,11 @@ def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: flo
     assert len(s.processes) == 3 and set(s.processes.values()) == {"burner"}
     assert s.kernel.release and s.kernel.build_id and s.period_ns == 1_000_000_000 // 19
     by_fn = _frames_in(s, workloads / "burner")
+    # The data-quality note travels with the session: every sample with a user stack was walked
+    # (by table once the nice-19 builder has loaded them, by frame pointer before).
+    walks = sum(s.unwind.walks.values())
+    assert 0 < walks <= s.total_samples and set(s.unwind.walks) <= set(abi.WALK_ENDS.values()), s.unwind
+    assert sum(s.unwind.frames.values()) >= walks and set(s.unwind.frames) <= {"table", "frame_pointer"}
     assert by_fn["hot_spin"] >= 0.8 * sum(by_fn.values()), by_fn
     assert set(s.threads.values()) == {"burner"}
     m = agent.metrics()

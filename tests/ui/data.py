@@ -151,6 +151,9 @@ def _session(
         processes={pid: comm},
         threads={pid: comm},
         traces=traces,
+        unwind=wire.UnwindSummary(
+            frames={"table": 900, "frame_pointer": 100}, walks={"entry": 97, "no_frame_pointer": 3}
+        ),
     )
 
 

@@ -123,6 +123,9 @@ def test_session_page_zoom_search_views(page, symbolizer_url, stored, screenshot
     for text in ("burner", "web-03", "checkout", "CPU some", "6.1.0-ui-test", "19 Hz", "burner (4242)"):
         assert text in meta, text
     assert page.locator("#meta .psis").inner_text().startswith("10")
+    # The data-quality note: how the user stacks were walked.
+    assert "97% whole (to the entry), cut short: 3% no frame pointer" in meta, meta
+    assert "frames: 90% .eh_frame, 10% frame pointer" in meta, meta
 
     # Kernel frames are drawn in another colour family than user frames, and say so in the legend.
     assert page.locator(_frame("hrtimer_interrupt")).get_attribute("data-kind") == "kernel"

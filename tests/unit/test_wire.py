@@ -67,6 +67,14 @@ def test_round_trip_is_exact():
     assert wire.decode_session(wire.encode_session(s)) == s
 
 
+def test_the_unwind_note_round_trips_and_is_absent_when_empty():
+    s = sample_session()
+    assert "unwind" not in wire.session_to_wire(s)  # sessions without walks: bytes as before
+    s.unwind = wire.UnwindSummary({"table": 900, "frame_pointer": 12}, {"entry": 95, "bad_frame": 2})
+    back = wire.decode_session(wire.encode_session(s))
+    assert back == s and back.unwind.walks["entry"] == 95
+
+
 def test_golden_bytes_are_stable():
     data = wire.encode_session(sample_session())
     if not GOLDEN.exists():  # first run writes it; the file is committed
@@ -124,6 +132,10 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
         (lambda m: m.update(pre_traces=[[99, 0, 1, 0, 0]]), "malformed"),
         (lambda m: m.update(pre_traces={}), "malformed"),
         (lambda m: m.update(pre_trigger_ns=-1), "malformed"),
+        (lambda m: m.update(unwind=[1]), "malformed"),
+        (lambda m: m.update(unwind={"walks": {f"r{i}": 1 for i in range(9)}}), "malformed"),
+        (lambda m: m.update(unwind={"frames": {"table": -1}}), "malformed"),
+        (lambda m: m.update(unwind={"frames": {"x" * 33: 1}}), "malformed"),
     ],
 )
 def test_invalid_sessions_are_rejected_with_a_reason(mutate, reason):

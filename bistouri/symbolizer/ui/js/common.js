@@ -271,6 +271,31 @@
       B.manualBadge(t), t.resource ? B.psiBadges(t) : null);
   };
 
+  // The data-quality note: how user stacks were walked (tables vs frame pointers) and why
+  // walks ended, e.g. "98% whole (to the entry) · frames: 91% .eh_frame, 9% frame pointer".
+  B.unwindNote = function (u) {
+    const frames = (u && u.frames) || {};
+    const walks = (u && u.walks) || {};
+    const nWalks = Object.values(walks).reduce((a, b) => a + b, 0);
+    const nFrames = (frames.table || 0) + (frames.frame_pointer || 0);
+    if (!nWalks && !nFrames) return "";
+    const pct = (n, of) => Math.round((100 * n) / of) + "%";
+    const parts = [];
+    if (nWalks) {
+      const why = { no_frame_pointer: "no frame pointer", read_failed: "stack unreadable",
+        max_depth: "127 frames", bad_frame: "bad frame" };
+      const cut = Object.entries(walks).filter(([k, n]) => k !== "entry" && n)
+        .sort((a, b) => b[1] - a[1]).map(([k, n]) => pct(n, nWalks) + " " + (why[k] || k));
+      parts.push(pct(walks.entry || 0, nWalks) + " whole (to the entry)" +
+        (cut.length ? ", cut short: " + cut.join(", ") : ""));
+    }
+    if (nFrames) {
+      parts.push("frames: " + pct(frames.table || 0, nFrames) + " .eh_frame, " +
+        pct(frames.frame_pointer || 0, nFrames) + " frame pointer");
+    }
+    return parts.join(" · ");
+  };
+
   B.sessionGrid = function (m) {
     const t = m.trigger || {};
     const s = m.samples || {};
@@ -291,6 +316,7 @@
         (m.period_ns && s.on_cpu ? " ≈ " + B.fmtNs(s.on_cpu * m.period_ns) : "")),
       metaItem("Off-CPU", B.fmtCount(s.off_cpu || 0) + " waits · " + B.fmtNs(s.off_cpu_ns || 0)),
       t.total_us ? metaItem("PSI total stall", B.fmtNs(t.total_us * 1e3)) : null,
+      B.unwindNote(m.unwind) ? metaItem("User stacks", B.unwindNote(m.unwind)) : null,
       labels ? metaItem("Labels", labels, "mono") : null,
       m.id ? metaItem("Session", m.id, "mono") : null,
     );
