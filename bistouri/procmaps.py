@@ -292,6 +292,10 @@ class ProcMaps:
             pgoffs.append(int(parts[2], 16))
             files.append(fid)
         t.starts, t.ends, t.pgoffs, t.files = starts, ends, pgoffs, files
+        if t.perf is None and -1 - FrameStatus.ANON in files:
+            # Where its perf map is, found while the process lives: a short-lived JIT process
+            # (`record -- node …`) is often gone when its frames are named.
+            t.perf = _PerfMap(self._perf_map_path(pid))
         t.known = {}
         t.gone = False
         t.generation += 1
@@ -370,7 +374,8 @@ class ProcMaps:
             return None
 
     def _perf_map_path(self, pid: int) -> str:
-        """Through the process's root, named with its pid in its own namespace (NSpid)."""
+        """Named with its pid in its own namespace (NSpid); through the process's root, or
+        directly when it shares our mount namespace (that path outlives the process)."""
         nspid = pid
         try:
             with open(f"{self.proc_root}/{pid}/status", "rb") as f:
@@ -379,6 +384,11 @@ class ProcMaps:
                         nspid = int(line.split()[-1])
                         break
         except (OSError, ValueError):
+            pass
+        try:
+            if os.readlink(f"{self.proc_root}/{pid}/ns/mnt") == os.readlink(f"{self.proc_root}/self/ns/mnt"):
+                return f"/tmp/perf-{nspid}.map"
+        except OSError:
             pass
         return f"{self.proc_root}/{pid}/root/tmp/perf-{nspid}.map"
 

@@ -471,16 +471,28 @@ static long walk_frame(__u32 index, void *data)
 		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
 		return 1;
 	}
-	if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa - 8))) {
-		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
-		return 1;
-	}
-	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
-		if (bpf_probe_read_user(&saved_bp, sizeof(saved_bp), (void *)(cfa + rbp_off))) {
+	if (rbp_kind == BISTOURI_RBP_AT_CFA && rbp_off == -16) {
+		/* The usual prologue (push %rbp right after the call): both words in one read. */
+		__u64 pair[2];
+
+		if (bpf_probe_read_user(pair, sizeof(pair), (void *)(cfa - 16))) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
-		w->regs.bp = saved_bp;
+		w->regs.bp = pair[0];
+		ra = pair[1];
+	} else {
+		if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa - 8))) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+		if (rbp_kind == BISTOURI_RBP_AT_CFA) {
+			if (bpf_probe_read_user(&saved_bp, sizeof(saved_bp), (void *)(cfa + rbp_off))) {
+				w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+				return 1;
+			}
+			w->regs.bp = saved_bp;
+		}
 	}
 	if (kind == BISTOURI_CFA_NONE)
 		w->by_fp++;

@@ -303,3 +303,37 @@ def test_output_paths_are_never_followed_or_reused(tmp_path, workloads):
     r = record("-o", str(run_dir / name), "--no-cache", "--", str(workloads / "shares"), "1")
     assert r.returncode == 2 and "cannot use" in r.stderr and "symlink" in r.stderr, r.stderr
     assert sorted(f.name for f in victim.iterdir()) == ["flamegraph.html"]
+
+
+PYTHON312 = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
+
+
+@pytest.mark.skipif(not PYTHON312.exists(), reason="pyenv's Python 3.12 is not installed")
+def test_a_python312_perf_command_is_named_to_its_python_functions_after_it_exited(tmp_path):
+    """`record -- python3.12 -X perf`: the child is gone when its frames are named, and its
+    perf map is still read (from /tmp: it shares our mount namespace); the frames between the
+    trampolines are libpython's frameless ones, walked by .eh_frame tables."""
+    script = tmp_path / "busy.py"
+    script.write_text(
+        "import time\n"
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+        "end = time.process_time() + 4\n"
+        "while time.process_time() < end:\n    fib(20)\n"
+    )
+    cache = tmp_path / "cache"
+    for run in ("cold", "warm"):  # the second run finds libpython's table in the cache
+        out = tmp_path / run
+        r = record("-F", "199", "--format", "folded", "--cache-dir", str(cache), "-o", str(out), "--",
+                   str(PYTHON312), "-X", "perf", str(script))  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+    counts = {}
+    for line in (out / "profile.folded").read_text().splitlines():
+        stack, n = line.rsplit(" ", 1)
+        counts[stack] = counts.get(stack, 0) + int(n)
+    total = sum(counts.values())
+    named = sum(n for stack, n in counts.items() if "py::fib:" in stack and stack.startswith("_start;"))
+    assert total > 300 and named >= 0.9 * total, (
+        named,
+        total,
+        sorted(counts.items(), key=lambda x: -x[1])[:5],
+    )
