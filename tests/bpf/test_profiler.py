@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections import Counter
@@ -30,6 +31,14 @@ def _collect(agent: ProfilerAgent, seconds: float) -> list:
     return events
 
 
+def _on_cpu_ns(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _function_at(syms: dict[str, tuple[int, int]], offset: int) -> str | None:
     for name, (addr, size) in syms.items():
         if addr <= offset < addr + size:
@@ -43,18 +52,32 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
     syms = symbols(burner)
     proc = subprocess.Popen([str(burner), "6"])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+        opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+        with ProfilerAgent(opts) as agent:
             agent.start()
+            on_cpu_before = _on_cpu_ns(proc.pid)
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            # The tables of the burner and libc loaded (the walk reaches _start from then on),
+            # then 3 s more: every sample of the window is counted below.
+            assert agent.unwind is not None and agent.unwind.wait_idle(60)
             events = _collect(agent, 3.0)
+            # Stopped, the burner takes no more samples: its CPU time is the window's, and
+            # closing the agent drains every count the kernel still holds.
+            proc.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: _state(proc.pid) == "T", 10)
+            on_cpu = (_on_cpu_ns(proc.pid) - on_cpu_before) / 1e9
             sent = len(agent.sent)
+            agent.close()
+            events.extend(agent.take())
     finally:
         proc.kill()
         proc.wait()
     samples = [e for e in events if isinstance(e, StackSample) and e.pid == proc.pid]
     total = sum(s.weight for s in samples)
-    # One busy thread at 99 Hz for 3 s: ~297 samples, repeats counted in the kernel.
-    assert 200 < total < 330, f"expected ~99 samples/s of the burner, got {total}"
+    # 99 samples per second the burner was on a CPU (a whole one on a quiet machine: ~297),
+    # repeats counted in the kernel.
+    assert 0.85 * 99 * on_cpu <= total <= 1.1 * 99 * on_cpu + 2, f"{total} samples for {on_cpu:.2f} s on CPU"
+    assert on_cpu > 1.0, "the burner ran"
     assert sent < total / 10, "repeats were counted in the kernel, not sent: one event per distinct stack"
     # The IPs were mapped in user space: each distinct stack once, from one read of the maps.
     assert agent.maps.stats.reads <= 3 and len(agent.resolved) < total / 4, (agent.maps.stats, total)
