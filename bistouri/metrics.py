@@ -217,6 +217,11 @@ class BpfCountersCollector(Collector):
             "Files whose unwind rows were evicted from BPF for room (frame pointers for them meanwhile)",
             value=u.evicted,
         )
+        yield CounterMetricFamily(
+            "bistouri_unwind_requests_dropped",
+            "Requests to load or prepare a process's unwind tables lost to a full queue (4 096)",
+            value=u.requests_dropped,
+        )
         maps, orphaned = self._caches()
         yield GaugeMetricFamily(
             "bistouri_proc_maps_tables", "Processes whose address maps the agent holds", value=maps.tables

@@ -80,6 +80,7 @@ class UnwindStats:
     evicted: int = 0  # files evicted from the BPF array
     too_large: int = 0  # files whose table exceeds the BPF array
     procs: int = 0  # processes with published mappings
+    requests_dropped: int = 0  # want/prepare/forget requests lost to a full queue
 
 
 @dataclass(slots=True)
@@ -195,6 +196,7 @@ class UnwindTables:
             self._idle.clear()
             self._queue.put_nowait(item)
         except queue.Full:
+            self.stats.requests_dropped += 1  # that process is walked by frame pointer
             log.debug("unwind queue full, dropped %s", item)
 
     def wait_idle(self, timeout: float) -> bool:
