@@ -30,6 +30,15 @@ class FilterFlags(IntEnum):
     OFF_CPU = 2
 
 
+FILTER_DIVISOR_SHIFT = 8  # bits 8-15 of a pid filter value: one on-CPU sample kept in this many
+FILTER_DIVISOR_MAX = 255
+
+
+def filter_value(flags: int, divisor: int = 1) -> int:
+    """A pid filter value: what to capture, and one on-CPU sample kept in `divisor`."""
+    return flags | min(max(divisor, 1), FILTER_DIVISOR_MAX) << FILTER_DIVISOR_SHIFT
+
+
 class Counter(IntEnum):
     """Indexes of the BPF `counters` map, and kinds of error events."""
 

@@ -18,6 +18,7 @@ Everything runs on the main thread; nothing here blocks on the network.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -146,16 +147,27 @@ class CaptureOrchestrator:
         self.sessions: dict[str, ActiveSession] = {}
         self._by_pid: dict[int, list[ActiveSession]] = {}
         self._refs: dict[int, int] = {}
+        self._filter_values: dict[int, int] = {}  # pid -> what its filter entry holds
+        self._divisors: dict[int, int] = {}  # pid -> 1 on-CPU sample kept in this many, outside sessions
         self.recorder = FlightRecorder(
             recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
         )
         self._memory_full_logged = -60.0
 
     # -- flight recorder ---------------------------------------------------------
-    def watch(self, pid: int, recorder_secs: float) -> None:
-        """Sample `pid` from now on and keep its last `recorder_secs` of samples."""
+    def watch(self, pid: int, recorder_secs: float, recorder_hz: float | None = None) -> None:
+        """Sample `pid` from now on, at `recorder_hz` (None: the sampling rate) outside
+        sessions, and keep its last `recorder_secs` of samples."""
         if self.recorder.max_bytes == 0:
             return
+        # The perf event fires at the agent's rate: a lower one keeps 1 sample in `divisor`
+        # (in BPF), and each kept sample stands for `divisor`.
+        freq = 1e9 / self.period_ns
+        divisor = 1 if recorder_hz is None else min(max(round(freq / recorder_hz), 1), abi.FILTER_DIVISOR_MAX)
+        if divisor != self._divisors.get(pid, 1):
+            self._divisors[pid] = divisor
+            if pid in self._refs:
+                self._sync_filter(pid)
         if not self.recorder.watches(pid) and self.recorder.processes >= RECORDER_MAX_PROCESSES:
             self.metrics.recorder_dropped.labels("filter_full").inc()
             return
@@ -171,6 +183,7 @@ class CaptureOrchestrator:
     def unwatch(self, pid: int) -> None:
         if self.recorder.unwatch(pid):
             self._unref(pid)
+        self._divisors.pop(pid, None)
 
     # -- sessions ---------------------------------------------------------------
     def start_session(
@@ -224,6 +237,7 @@ class CaptureOrchestrator:
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
+            self._sync_filter(pid)
         if recorder_secs > 0:
             self._add_recorded(s, recorder_secs)
         self.metrics.sessions_started.labels(res).inc()
@@ -293,13 +307,30 @@ class CaptureOrchestrator:
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
         if n == 0:
-            self._filter.set_pid_filter(pid, self.filter_flags)
+            self._filter.set_pid_filter(pid, self._filter_value(pid))
+            self._filter_values[pid] = self._filter_value(pid)
         self._refs[pid] = n + 1
+
+    def _filter_value(self, pid: int) -> int:
+        """Full rate while a session samples `pid`, the recorder's rate otherwise."""
+        divisor = 1 if pid in self._by_pid else self._divisors.get(pid, 1)
+        return abi.filter_value(self.filter_flags, divisor)
+
+    def _sync_filter(self, pid: int) -> None:
+        """Write `pid`'s filter value again if its rate changed (a session began or ended)."""
+        value = self._filter_value(pid)
+        if pid in self._refs and self._filter_values.get(pid) != value:
+            try:
+                self._filter.set_pid_filter(pid, value)
+                self._filter_values[pid] = value
+            except OSError as e:
+                log.debug("Cannot change the sampling rate of pid %d: %s", pid, e)
 
     def _unref(self, pid: int) -> None:
         n = self._refs.get(pid, 0) - 1
         if n <= 0:
             self._refs.pop(pid, None)
+            self._filter_values.pop(pid, None)
             try:
                 self._filter.set_pid_filter(pid, 0)
             except Exception as e:  # the object may already be closed at shutdown
@@ -318,11 +349,18 @@ class CaptureOrchestrator:
         """Count a batch of samples into their sessions. The hot path at high frequency:
         metrics are updated once per batch, not per sample."""
         recorder = self.recorder
+        by_pid = self._by_pid
         if recorder.watching:
             samples = list(samples)
-            recorder.add(samples)
+            divisors = self._divisors
+            # Sampled at the recorder's lower rate: each stands for `divisor` samples.
+            recorder.add(
+                s
+                if s.pid in by_pid or divisors.get(s.pid, 1) == 1
+                else dataclasses.replace(s, weight=s.weight * divisors[s.pid])
+                for s in samples
+            )
             self.metrics.recorder_bytes.set(recorder.nbytes)
-        by_pid = self._by_pid
         off_kind = abi.EventKind.OFF_CPU
         on = off = unmatched = full = over = 0
         for sample in samples:
@@ -414,6 +452,7 @@ class CaptureOrchestrator:
             if not lst:
                 self._by_pid.pop(pid, None)
             self._unref(pid)
+            self._sync_filter(pid)  # still recorded: back to the recorder's rate
         self.metrics.sessions_active.set(len(self.sessions))
         res = s.trigger.resource
         session = self.build(s, now)

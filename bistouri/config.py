@@ -48,6 +48,7 @@ UNIT_RE = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope|slice)$")  # the uni
 UNIT_MAX = 255  # systemd's UNIT_NAME_MAX
 DEFAULT_RECORDER_SECS = 5.0
 RECORDER_SECS_MAX = 60.0
+RECORDER_HZ_MAX = 1000.0
 
 _TOP_KEYS = ("targets",)
 _TARGET_KEYS = (
@@ -61,6 +62,7 @@ _TARGET_KEYS = (
     "cgroup",
     "unit",
     "recorder_secs",
+    "recorder_hz",
 )
 _SELECTORS = ("rule", "cgroup", "unit")  # how a target names its processes: exactly one
 _RULE_KEYS = ("type", "comm")
@@ -121,6 +123,7 @@ class Target:
     cgroup: str | None = None  # "/system.slice/nginx.service": relative to the cgroup2 mount
     unit: str | None = None  # "nginx.service": its cgroup is searched under the mount
     recorder_secs: float = DEFAULT_RECORDER_SECS  # seconds kept before a trigger; 0: off
+    recorder_hz: float | None = None  # the recorder's rate; None: the agent's --freq (its ceiling)
 
     @property
     def selector(self) -> str:
@@ -440,6 +443,13 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
     if "recorder_secs" in raw:
         r = _parse_seconds(p, raw["recorder_secs"], f"{path}.recorder_secs", False, RECORDER_SECS_MAX)
         recorder = r if r is not None else recorder
+    recorder_hz = None
+    if "recorder_hz" in raw:
+        hz = raw["recorder_hz"]
+        if not _is_number(hz) or not 0 < float(hz) <= RECORDER_HZ_MAX:
+            p.add(f"{path}.recorder_hz", f"must be a rate in Hz, 0 < rate <= {RECORDER_HZ_MAX:g}, got {hz!r}")
+        else:
+            recorder_hz = float(hz)
     if len(p.items) != before or not isinstance(service_id, str):
         return None
     if rule is None and cgroup is None and unit is None:
@@ -456,6 +466,7 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
         cgroup=cgroup,
         unit=unit,
         recorder_secs=recorder,
+        recorder_hz=recorder_hz,
     )
 
 

@@ -166,11 +166,14 @@ class TriggerAgent:
         t = Tracked(p.starttime, p.comm, p.cgroup, p.rule_ids, time.monotonic())
         self.processes[p.pid] = t
         recorder_s = 0.0
+        recorder_hz: float | None = 0.0  # the fastest of its targets' (None: the agent's rate)
         for rid in p.rule_ids:
             target = self._target(rid)
             if target is None:
                 continue
             recorder_s = max(recorder_s, target.recorder_secs)
+            if target.recorder_secs > 0 and recorder_hz is not None:
+                recorder_hz = None if target.recorder_hz is None else max(recorder_hz, target.recorder_hz)
             cgroup = SYSTEM if target.scope == "system" or self.cgroup_root is None else p.cgroup
             if target.rule is None and cgroup != SYSTEM:
                 # A cgroup or unit target watches the pressure of the whole cgroup it names.
@@ -186,7 +189,7 @@ class TriggerAgent:
                 group.pids.add(p.pid)
                 t.keys.add(key)
         if recorder_s > 0:
-            self.orch.watch(p.pid, recorder_s)
+            self.orch.watch(p.pid, recorder_s, recorder_hz)
         self.metrics.processes.set(len(self.processes))
         log.info(
             "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)

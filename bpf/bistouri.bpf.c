@@ -697,12 +697,19 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	__u64 zero = 0, *seen;
 	bool marked = false, wake;
 	__u8 one = 1;
-	__u32 *flags;
+	__u32 *flags, divisor;
 
 	/* The filter comes first: this runs on every CPU at the sampling rate. */
 	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
 	if (!flags || !(*flags & BISTOURI_FILTER_ON_CPU))
 		return 0;
+	divisor = (*flags >> BISTOURI_FILTER_DIVISOR_SHIFT) & 0xff;
+	if (divisor > 1) {
+		/* The flight recorder's rate: one sample in `divisor` of this process. */
+		__sync_fetch_and_add(flags, 1U << BISTOURI_FILTER_SEEN_SHIFT);
+		if ((*flags >> BISTOURI_FILTER_SEEN_SHIFT) % divisor)
+			return 0;
+	}
 
 	ev = bpf_map_lookup_elem(&scratch, &slot);
 	if (!ev)

@@ -24,11 +24,17 @@ enum bistouri_event_kind {
 	BISTOURI_EVENT_OFF_CPU = 2, /* uninterruptible wait, timed at switch-in */
 };
 
-/* Bits of the pid filter value: what to capture for a tgid. */
+/*
+ * The pid filter value: what to capture for a tgid (bits 0-7), one on-CPU
+ * sample kept in `divisor` (bits 8-15; 0 or 1: all, the flight recorder's lower
+ * rate otherwise), and the samples seen so far (bits 16-31, counted by BPF).
+ */
 enum bistouri_filter_flags {
 	BISTOURI_FILTER_ON_CPU = 1,
 	BISTOURI_FILTER_OFF_CPU = 2,
 };
+#define BISTOURI_FILTER_DIVISOR_SHIFT 8
+#define BISTOURI_FILTER_SEEN_SHIFT 16
 
 /* Kinds of error_event; also indexes of the per-CPU counters map. */
 enum bistouri_counter {

@@ -316,3 +316,25 @@ def test_counts_of_samples_lost_in_user_space_are_dropped_counted_and_resent(wor
     # up to ~0.4 s of samples in or out).
     got = sum(e.weight for e in late)
     assert 0.9 * 99 * (on_cpu - 0.45) < got < 99 * (on_cpu + 0.5), (got, on_cpu)
+
+
+def test_a_divisor_in_the_filter_keeps_one_sample_in_n(workloads):
+    """The flight recorder's lower rate: BPF keeps 1 on-CPU sample in 4 of the process."""
+    proc = subprocess.Popen([str(workloads / "burner"), "30"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
+            agent.start()
+            before = _on_cpu_ns(proc.pid)
+            agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 4))
+            events = _collect(agent, 4.0)
+            proc.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: _state(proc.pid) == "T", 10)
+            on_cpu = (_on_cpu_ns(proc.pid) - before) / 1e9
+            agent.close()
+            events.extend(agent.take())
+    finally:
+        proc.kill()
+        proc.wait()
+    total = sum(e.weight for e in events if isinstance(e, StackSample) and e.pid == proc.pid)
+    expected = 99 * on_cpu / 4
+    assert on_cpu > 1.0 and 0.8 * expected <= total <= 1.15 * expected + 2, (total, on_cpu)

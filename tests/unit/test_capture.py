@@ -393,3 +393,34 @@ def test_maps_the_agent_may_not_read_are_counted_apart():
         check=True,
     )
     assert out.stdout.strip() == str((int(FrameStatus.UNMAPPED), int(Unmapped.NO_ACCESS)))
+
+
+def test_the_recorder_samples_at_its_own_rate_and_sessions_at_full_rate(tmp_path, workloads):
+    """A recorded process is in the filter with a divisor (1 sample kept in 5 at 100 Hz for
+    20 Hz), each kept sample weighs 5; a session switches it to every sample and back."""
+    maps = maps_for(tmp_path, workloads, pids=(7,))
+    flt, sink = _Filter(maps), _Sink()
+    orch = CaptureOrchestrator(
+        flt,
+        sink,
+        AgentMetrics(CollectorRegistry()),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=10_000_000,  # 100 Hz
+        proc_root=str(tmp_path),
+    )
+    full = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU
+    orch.watch(7, 5.0, recorder_hz=20)
+    assert flt.pids == {7: abi.filter_value(full, 5)}
+    orch.add_samples([decode(record(7, 7, [], [0x400100]), maps)])  # before the trigger: weighs 5
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60, recorder_secs=5)
+    assert sid and flt.pids == {7: abi.filter_value(full, 1)}
+    orch.add_samples([decode(record(7, 7, [], [0x400100]), maps)])  # in the session: weighs 1
+    orch.flush_all()
+    assert flt.pids == {7: abi.filter_value(full, 5)}  # recorded again at its own rate
+    traces = sink.sessions[sid].traces
+    assert sorted((t.pre_trigger, t.on_cpu) for t in traces) == [(False, 1), (True, 5)]
+    orch.unwatch(7)
+    assert flt.pids == {}

@@ -309,6 +309,24 @@ def test_targets_by_cgroup_or_unit():
     assert web.selector == "cgroup:/system.slice/nginx.service" and unit.selector == "unit:nginx.service"
 
 
+def test_recorder_rate_per_target():
+    cfg = parse_trigger_config(
+        "targets:\n"
+        "  - {unit: a.service, service_id: a, resources: [{resource: cpu, threshold: 1}], recorder_hz: 4}\n"
+        "  - {unit: b.service, service_id: b, resources: [{resource: cpu, threshold: 1}]}\n"
+    )
+    assert [t.recorder_hz for t in cfg.targets] == [4.0, None]
+    out = problems(
+        "targets:\n"
+        "  - {unit: a.service, service_id: a, resources: [{resource: cpu, threshold: 1}], recorder_hz: 0}\n"
+        "  - {unit: b.service, service_id: b, resources: [{resource: cpu, threshold: 1}], recorder_hz: x}\n"
+    )
+    assert out == [
+        "targets[0].recorder_hz: must be a rate in Hz, 0 < rate <= 1000, got 0",
+        "targets[1].recorder_hz: must be a rate in Hz, 0 < rate <= 1000, got 'x'",
+    ]
+
+
 def test_cgroup_and_unit_problems_are_all_reported_at_once():
     cpu = "resources: [{resource: cpu, threshold: 1}]"
     out = problems(
