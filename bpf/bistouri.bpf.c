@@ -565,13 +565,15 @@ static __always_inline void count_add(__u32 which, __u64 n)
  * The user stack as raw IPs, from .eh_frame tables where the process has them
  * and the frame pointer elsewhere. Returns the size in bytes, like bpf_get_stack.
  */
-static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
+/* Global: verified once on its own, not again in every program that samples stacks. */
+__noinline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
 {
-	struct walk w = { .regs = *start, .ev = ev, .exact = true, .last_mapping = ~0U };
+	struct walk w = { .ev = ev, .exact = true, .last_mapping = ~0U };
 	struct bistouri_unwind_proc *proc;
 
-	if (!start->ip || start->ip > USER_TOP)
+	if (!ev || !start || !start->ip || start->ip > USER_TOP)
 		return 0;
+	w.regs = *start;
 	proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
 	if (proc) {
 		w.proc_slot = proc->slot;
