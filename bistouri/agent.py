@@ -388,7 +388,7 @@ class Agent:
             unwind = self.profiler.unwind if self.profiler is not None else None
             if unwind is not None:
                 # Tables of the watched processes to the disk cache now, before pressure samples them.
-                unwind.prepare([p.pid for p in result.found])
+                unwind.prepare([(p.pid, p.starttime) for p in result.found])
 
     def reload(self, why: str) -> bool:
         """Swap in a new trigger config; an invalid one keeps the running config."""

@@ -81,6 +81,7 @@ class UnwindStats:
     too_large: int = 0  # files whose table exceeds the BPF array
     procs: int = 0  # processes with published mappings
     requests_dropped: int = 0  # want/prepare/forget requests lost to a full queue
+    prepared: int = 0  # processes whose files were looked at for the disk cache
 
 
 @dataclass(slots=True)
@@ -177,16 +178,24 @@ class UnwindTables:
         self._lock = threading.Lock()
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
+        self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
         """Load the tables of a sampled process and publish its mappings."""
         self._put(("want", pid))
 
-    def prepare(self, pids: list[int]) -> None:
-        """Build (to the disk cache only) the tables of processes that may be sampled later."""
-        for pid in pids:
-            self._put(("prepare", pid))
+    def prepare(self, processes: list[tuple[int, int]]) -> None:
+        """Build (to the disk cache only) the tables of processes that may be sampled later,
+        given as (pid, start time): each process once, not at every walk (its files do not
+        change often; a sampled process gets its new files through `want`)."""
+        prepared = self._prepared
+        if len(prepared) > 65536:
+            prepared.clear()
+        for pid, starttime in processes:
+            if prepared.get(pid) != starttime:
+                prepared[pid] = starttime
+                self._put(("prepare", pid))
 
     def forget(self, pid: int) -> None:
         self._put(("forget", pid))
@@ -229,6 +238,7 @@ class UnwindTables:
                 if what == "want":
                     self._publish(pid)
                 elif what == "prepare":
+                    self.stats.prepared += 1
                     for _rng, _pgoff, path, key in self._file_mappings(pid):
                         if self._stop.is_set():
                             break

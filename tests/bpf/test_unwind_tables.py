@@ -81,3 +81,22 @@ def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublis
         assert published(agent, py) >= 3  # python3.11, libc, ld at least
         # The evicted files are no longer in xz's mappings: its frames there use frame pointers.
         assert published(agent, xz) < xz_files
+
+
+def test_a_watched_process_is_prepared_once_not_at_every_walk(tmp_path: Path) -> None:
+    """The agent prepares (to the disk cache) the tables of the processes each 30 s walk finds:
+    a process already prepared costs nothing at the next walk (reading the maps of every watched
+    process each time was the largest idle cost)."""
+    cache = tmp_path / "unwind"
+    with _spinning(XZ) as pid, ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+        agent.start()
+        assert agent.unwind is not None
+        starttime = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        for _walk in range(3):
+            agent.unwind.prepare([(pid, starttime)])
+            assert agent.unwind.wait_idle(120)
+        assert agent.unwind.stats.prepared == 1 and agent.unwind.stats.built >= 3
+        assert (cache / f"{build_id(Path('/usr/bin/xz'))}.unw").exists()
+        agent.unwind.prepare([(pid, starttime + 1)])  # another process under the same pid
+        assert agent.unwind.wait_idle(120)
+        assert agent.unwind.stats.prepared == 2
