@@ -229,11 +229,8 @@ class UnwindTables:
         except OSError:
             pass
         while not self._stop.is_set():
-            try:
-                what, pid = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                self._idle.set()
-                continue
+            # Asleep until a request (close() sends one): no timer waking an idle agent.
+            what, pid = self._queue.get()
             try:
                 if what == "want":
                     self._publish(pid)
