@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import procfs
+from .config import RESOURCES, ResourceTrigger
 from .errors import BistouriError
 from .events import StackSample
 from .profiler import ProfilerAgent, ProfilerOptions
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RESOURCES = ("cpu", "memory", "io")
 # --format name -> the file it writes
 FORMATS = {
     "html": "flamegraph.html",
@@ -233,6 +233,7 @@ class Targets:
 def _wait_for_pressure(
     rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
 ) -> wire.Trigger:
+    from . import wire
     from .psi import PsiLoop
 
     pids = targets.current()
@@ -248,7 +249,7 @@ def _wait_for_pressure(
         else:
             d = procfs.cgroup_dir(cgroup_root, cgroup)
             path = os.path.join(d or cgroup_root, f"{r.resource}.pressure")
-        loop.add_watcher(r.resource, path, r.resource, "some", r.threshold, 1000, 0)
+        loop.add_watcher(r.resource, path, ResourceTrigger(r.resource, r.threshold, window_ms=1000), 0)
     want = ", ".join(f"{r.resource} > {r.threshold:g}%" for r in rules)
     t0 = time.monotonic()
     while True:
@@ -264,7 +265,7 @@ def _wait_for_pressure(
             if not ev.dead:
                 loop.clear()
                 progress.done(f"Pressure: {ev.resource} avg10={ev.avg10:.2f}% after {waited:.1f} s")
-                return ev.to_trigger(cgroup)
+                return wire.Trigger.from_psi(ev, cgroup)
 
 
 def _kernel_meta(proc_root: str) -> KernelMeta:

@@ -16,10 +16,14 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+if TYPE_CHECKING:
+    from .psi import PsiEvent
+
+from .config import RESOURCES, STALLS
 from .errors import WireError
 
 VERSION = 2
@@ -32,8 +36,6 @@ FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
 FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
 FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
 
-RESOURCES = ("cpu", "memory", "io")
-STALLS = ("some", "full")
 # What started a session: a PSI event, or an operator asking the agent (capture now).
 TRIGGER_PSI = "psi"
 TRIGGER_MANUAL = "manual"
@@ -109,6 +111,23 @@ class Trigger:
     avg300: float = 0.0
     total_us: int = 0
     kind: str = TRIGGER_PSI  # psi | manual
+
+    @classmethod
+    def from_psi(cls, event: PsiEvent, cgroup: str) -> Trigger:
+        """A session's trigger from the PSI event that fired; `cgroup` is relative to the cgroup2
+        mount, "/" for system-wide."""
+        return cls(
+            resource=event.resource,
+            stall=event.stall,
+            threshold_us=event.threshold_us,
+            window_us=event.window_us,
+            cgroup=cgroup,
+            time_ns=event.time_ns,
+            avg10=event.avg10,
+            avg60=event.avg60,
+            avg300=event.avg300,
+            total_us=event.total_us,
+        )
 
 
 @dataclass(frozen=True, slots=True)
