@@ -24,7 +24,7 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -78,6 +78,21 @@ class ProfilerOptions:
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
+    episode: bool = True  # account watched threads' time by state (episode.py)
+
+
+# The episode hooks (bpf/bistouri.bpf.c, "Episode report"): loaded and attached together.
+EPISODE_PROGRAMS = (
+    "handle_episode_switch",
+    "handle_episode_wakeup",
+    "handle_episode_wakeup_new",
+    "handle_direct_reclaim_begin",
+    "handle_direct_reclaim_end",
+    "handle_memcg_reclaim_begin",
+    "handle_memcg_reclaim_end",
+    "handle_compaction_begin",
+    "handle_compaction_end",
+)
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -154,6 +169,8 @@ class ProfilerAgent:
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
+        for name in EPISODE_PROGRAMS:
+            obj.programs[name].set_autoload(o.episode)
         obj.maps["stack_events"].set_max_entries(ring)
         obj.load()
 
@@ -164,6 +181,9 @@ class ProfilerAgent:
             self._links.append(obj.programs["handle_sched_switch"].attach())
         if o.exec_discovery:
             self._links.append(obj.programs["handle_exec"].attach())
+        if o.episode:
+            for name in EPISODE_PROGRAMS:
+                self._links.append(obj.programs[name].attach())
 
         self._rb = RingBuffer(
             [
@@ -256,6 +276,29 @@ class ProfilerAgent:
             if val is not None:
                 out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]
         return out
+
+    def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
+        """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
+        hooks count them; empty without them."""
+        if not self.options.episode or not pids:
+            return {}
+        m = self._require().maps["thread_times"]
+        out = {}
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
+            val = m.lookup(key)
+            if val is None:
+                continue  # the thread's entry was evicted meanwhile
+            t = abi.ThreadTimes.from_buffer_copy(val)
+            if t.pid in pids:
+                out[t.tid] = t
+        return out
+
+    def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
+        """Episode-hook counters summed over CPUs (zero without the hooks)."""
+        if not self.options.episode:
+            return dict.fromkeys(abi.EpisodeCounter, 0)
+        m = self._require().maps["episode_counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.EpisodeCounter}
 
     def set_comm_rules(self, entries: list[tuple[bytes, int]]) -> None:
         """Make the LPM trie hold exactly `entries` (key bytes, rule id): add new, then drop stale."""
