@@ -30,6 +30,7 @@ from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
+from .episode import EpisodeProbe
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
@@ -215,6 +216,11 @@ class Agent:
             on_spooled=self._notify_exporter,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
+            episode=EpisodeProbe(
+                self.profiler.thread_times,
+                self.s.cgroup_path,
+                on_dropped=lambda reason, n: self.metrics.episode_dropped.labels(reason).inc(n),
+            ),
         )
         self.trigger = TriggerAgent(
             self.loop,

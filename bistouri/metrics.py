@@ -85,6 +85,12 @@ class AgentMetrics:
             "Estimated memory held by the flight recorder's samples (bound: --recorder-max-bytes)",
             registry=r,
         )
+        self.episode_dropped = Counter(
+            "bistouri_episode_dropped_total",
+            "Episode report rows left out: cgroups_scan_limit, victims, aggressors",
+            ["reason"],
+            registry=r,
+        )
         self.recorder_dropped = Counter(
             "bistouri_recorder_dropped_total",
             "Flight-recorder samples let go early (memory) or processes not recorded (filter_full)",
