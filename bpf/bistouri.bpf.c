@@ -478,6 +478,7 @@ int BPF_PROG(handle_exec, struct task_struct *p, pid_t old_pid, struct linux_bin
  * Reclaim and compaction are timed begin -> end on the thread itself.
  */
 #define TASK_INTERRUPTIBLE 0x1
+#define TASK_DEAD 0x80
 
 enum bistouri_episode_kind abi_anchor_episode_kind SEC(".bss");
 enum bistouri_thread_state abi_anchor_thread_state SEC(".bss");
@@ -641,7 +642,10 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 			episode_count(BISTOURI_EPC_SWITCHES);
 			close_state(t, now);
 			state = get_task_state(prev);
-			if (preempt || state == 0) {
+			if (state & TASK_DEAD) {
+				/* Its last switch: nothing more to time (the entry stays for the final read). */
+				t->state = BISTOURI_STATE_UNKNOWN;
+			} else if (preempt || state == 0) {
 				t->state = BISTOURI_STATE_RUNNABLE;
 			} else if ((state & TASK_UNINTERRUPTIBLE) && !(state & TASK_NOLOAD)) {
 				t->state = BISTOURI_STATE_BLOCKED_D;
