@@ -365,6 +365,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         profile, stats = _symbolize(args, capture.session, tree.root, progress)
         _write_outputs(args, out, profile, command, capture, stats, usage)
         print_top(profile, args.top)
+        if capture.session.episode is not None:
+            from .episode import summary_lines
+
+            print("\nEpisode (the window of the capture, after the pressure):")
+            print("\n".join(summary_lines(capture.session.episode)))
         print(f"\nWrote {out.path}/: {', '.join(out.written)}")
         return 0
     finally:
@@ -404,6 +409,8 @@ def _capture(
 
     procs = targets.current()
     flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+    if trigger is not None:  # --on-pressure: the episode report (victims by state, aggressors)
+        flags |= abi.EpisodeFilter.ON
     for pid in procs:
         agent.set_pid_filter(pid, flags)
     agent.start()
@@ -413,6 +420,7 @@ def _capture(
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from . import wire
     from .capture import CaptureOrchestrator
+    from .episode import EpisodeProbe
     from .metrics import AgentMetrics
 
     child = targets.child
@@ -428,6 +436,9 @@ def _capture(
         period_ns=1_000_000_000 // args.freq,
         filter_flags=flags,
         proc_root=args.proc_path,
+        episode=EpisodeProbe(agent.thread_times, procfs.find_cgroup2_mount(args.proc_path))
+        if trigger is not None
+        else None,
     )
     trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
     sid = orch.start_session(trigger, "record", {}, procs, 1e9)
@@ -468,11 +479,14 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
+    s = orch.sessions[sid]
+    episode = None
+    if orch.episode is not None and s.episode_start is not None:  # read while the maps are there
+        episode = orch.episode.finish(s.episode_start, s.processes, s.trigger.resource)
     agent.close()  # drains the rings
     count([ev for ev in agent.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0
-    s = orch.sessions[sid]
-    session = orch.build(s, time.monotonic()) if s.traces else None
+    session = orch.build(s, time.monotonic(), episode) if s.traces else None
     return Capture(session, n_samples, first_ns, seconds, len(known))
 
 
