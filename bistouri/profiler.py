@@ -265,6 +265,7 @@ class ProfilerAgent:
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                self._forget_thread_times(pid)
             if was_idle and self._filtered and self._kick_fd >= 0:
                 os.eventfd_write(self._kick_fd, 1)  # leave the idle wait: samples are coming
 
@@ -292,6 +293,21 @@ class ProfilerAgent:
             if t.pid in pids:
                 out[t.tid] = t
         return out
+
+    def _forget_thread_times(self, pid: int) -> None:
+        """Drop the episode times of a process no longer watched: the state each thread was last
+        seen in goes stale while unwatched, and would be timed as lasting until its next switch
+        once watched again. Threads already gone keep no state (their last switch cleared it)."""
+        if not self.options.episode:
+            return
+        m = self._require().maps["thread_times"]
+        try:
+            tids = os.listdir(os.path.join(self.options.proc_root, str(pid), "task"))
+        except OSError:
+            return  # the process is gone: its threads' entries age out of the LRU map
+        for tid in tids:
+            if tid.isdigit():
+                m.delete(struct.pack("<I", int(tid)))
 
     def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
         """Episode-hook counters summed over CPUs (zero without the hooks)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import wire
+from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
 from bistouri.episode import EpisodeProbe
 from bistouri.events import StackSample
@@ -243,3 +243,15 @@ def _rmdir(path: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_unwatched_process_leaves_no_stale_state(workloads):
+    """A thread's state goes stale while its process is not watched: unwatching forgets its times,
+    so a later session does not time the gap as the state it was last seen in."""
+    with Cgroup.create() as cg:
+        p = cg.spawn([str(workloads / "burner"), "60"])
+        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=False, exec_discovery=False)) as agent:
+            agent.set_pid_filter(p.pid, int(abi.EpisodeFilter.ON))
+            assert wait_until(lambda: p.pid in agent.thread_times({p.pid}), 30, step=0.02)
+            agent.set_pid_filter(p.pid, 0)
+            assert agent.thread_times({p.pid}) == {}, "the unwatched process's thread times were kept"
