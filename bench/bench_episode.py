@@ -6,6 +6,8 @@ wakeups and four context switches. It is run to completion (fixed work) under
 four configurations of a ProfilerAgent in this process:
 
 - `hooks_off`: the episode programs not loaded (the agent as before issue 12);
+- `d_sampler`: hooks off, only the existing D-state sampler on sched_switch, workload
+  unwatched (what every switch of the machine paid before issue 12);
 - `unwatched`: the hooks attached, the workload not in the pid filter (the cost
   every other thread of the machine pays: one hash lookup per hook);
 - `watched`: the workload's threads timed by state (the episode filter bit);
@@ -112,9 +114,11 @@ def run_config(name: str, binary: Path, round_trips: int) -> dict:
     from bistouri import abi
     from bistouri.profiler import ProfilerAgent, ProfilerOptions
 
-    episode = name != "hooks_off"
+    episode = name not in ("hooks_off", "d_sampler")
     sampling = name == "watched_999hz"
-    opts = ProfilerOptions(freq_hz=999, offcpu=sampling, exec_discovery=False, episode=episode)
+    opts = ProfilerOptions(
+        freq_hz=999, offcpu=sampling or name == "d_sampler", exec_discovery=False, episode=episode
+    )
     with ProfilerAgent(opts) as agent:
         agent.start()
         p = subprocess.Popen(
@@ -179,7 +183,7 @@ def main() -> int:
         src, binary = Path(d) / "pingpong.c", Path(d) / "pingpong"
         src.write_text(PINGPONG)
         subprocess.run(["gcc", "-O2", "-pthread", "-o", str(binary), str(src)], check=True)
-        for name in ("hooks_off", "unwatched", "watched", "watched_999hz"):
+        for name in ("hooks_off", "d_sampler", "unwatched", "watched", "watched_999hz"):
             runs = sorted(
                 (run_config(name, binary, args.round_trips) for _ in range(args.repeat)),
                 key=lambda r: r["round_trips_per_s"],

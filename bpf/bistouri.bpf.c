@@ -533,7 +533,11 @@ static __always_inline void episode_count(__u32 which)
 
 static __always_inline bool episode_watched(__u32 tgid)
 {
-	__u32 *flags = bpf_map_lookup_elem(&pid_filter, &tgid);
+	__u32 *flags;
+
+	if (!tgid) /* the idle task: half of all switches on a quiet CPU */
+		return false;
+	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
 
 	return flags && (*flags & BISTOURI_EPISODE_FILTER_ON);
 }
@@ -628,14 +632,15 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 	     struct task_struct *next)
 {
-	__u64 now = bpf_ktime_get_ns();
 	struct bistouri_thread_times *t;
+	__u64 now = 0;
 	__u32 tgid, tid;
 	long state;
 
 	/* prev is current: account its CPU time and the state it leaves in. */
 	tgid = BPF_CORE_READ(prev, tgid);
 	if (episode_watched(tgid)) {
+		now = bpf_ktime_get_ns(); /* only for watched threads: the rest pay two lookups */
 		tid = BPF_CORE_READ(prev, pid);
 		t = thread_entry(tgid, tid, prev);
 		if (t) {
@@ -662,6 +667,8 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 	tgid = BPF_CORE_READ(next, tgid);
 	if (!episode_watched(tgid))
 		return 0;
+	if (!now)
+		now = bpf_ktime_get_ns();
 	tid = BPF_CORE_READ(next, pid);
 	t = thread_entry(tgid, tid, next);
 	if (!t)
