@@ -405,6 +405,11 @@ class CaptureOrchestrator:
         return ids
 
     def _finish(self, s: ActiveSession, now: float) -> None:
+        res = s.trigger.resource
+        episode = None
+        if self.episode is not None and s.episode_start is not None:
+            # Before the filter lets go of the processes: unwatching forgets their thread times.
+            episode = self.episode.finish(s.episode_start, s.processes, res)
         del self.sessions[s.session_id]
         self.nbytes -= s.nbytes
         self.metrics.capture_bytes.set(self.nbytes)
@@ -416,10 +421,6 @@ class CaptureOrchestrator:
                 self._by_pid.pop(pid, None)
             self._unref(pid)
         self.metrics.sessions_active.set(len(self.sessions))
-        res = s.trigger.resource
-        episode = None
-        if self.episode is not None and s.episode_start is not None:
-            episode = self.episode.finish(s.episode_start, s.processes, res)
         session = self.build(s, now, episode)
         total = session.total_samples
         self.metrics.session_samples.observe(total)
