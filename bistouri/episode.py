@@ -7,7 +7,8 @@ A session's episode has two halves, both measured over the session's own window
   (`thread_times`, bpf/bistouri.bpf.c): on-CPU, waiting for a CPU (run-queue),
   blocked uninterruptible (D) and interruptible (S), and in direct reclaim or
   compaction. Ranked by stall time (run-queue + D + reclaim: what PSI counts).
-- aggressors: the leaf cgroups of the cgroup2 tree ranked by what they used of
+- aggressors: the leaf cgroups of the cgroup2 tree, and "/" for the root's own
+  processes (system-wide: what no child cgroup holds), ranked by what they used of
   the trigger's resource: CPU (cpu.stat usage_usec), I/O (io.stat bytes, then
   ios) or memory (memory.current growth plus memory.stat pgsteal, in bytes).
 
@@ -181,9 +182,12 @@ def read_usage(cgroup_dir: str) -> CgroupUsage:
 
 def scan_cgroups(cgroup_root: str, max_cgroups: int = MAX_CGROUPS) -> tuple[dict[str, CgroupUsage], int]:
     """Usage of the leaf cgroups under `cgroup_root` (paths relative to it, "/a/b"), breadth
-    first; returns them and how many directories were left unread past `max_cgroups`."""
+    first, and as "/" what the root's own processes (and kernel threads) used: the root's
+    hierarchical counters minus its children's. Returns them and how many directories were left
+    unread past `max_cgroups` (then "/" is left out too: it would hold their usage)."""
     out: dict[str, CgroupUsage] = {}
     todo = [cgroup_root]
+    top: list[str] = []
     seen = dropped = 0
     while todo:
         d = todo.pop(0)
@@ -191,6 +195,8 @@ def scan_cgroups(cgroup_root: str, max_cgroups: int = MAX_CGROUPS) -> tuple[dict
             children = [e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False)]
         except OSError:
             continue  # removed meanwhile
+        if d == cgroup_root:
+            top = children
         for c in children:
             if seen >= max_cgroups:
                 dropped += 1
@@ -199,6 +205,14 @@ def scan_cgroups(cgroup_root: str, max_cgroups: int = MAX_CGROUPS) -> tuple[dict
             todo.append(c)
         if not children and d != cgroup_root:
             out["/" + os.path.relpath(d, cgroup_root)] = read_usage(d)
+    if not dropped:
+        root = read_usage(cgroup_root)
+        kids = [read_usage(c) for c in top]
+        out["/"] = CgroupUsage(
+            cpu_usec=max(0, root.cpu_usec - sum(k.cpu_usec for k in kids)),
+            io_bytes=max(0, root.io_bytes - sum(k.io_bytes for k in kids)),
+            io_ops=max(0, root.io_ops - sum(k.io_ops for k in kids)),
+        )
     return out, dropped
 
 

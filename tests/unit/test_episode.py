@@ -43,25 +43,29 @@ def _cgroup(root: Path, rel: str, cpu_usec: int, memory: int | None = None, io: 
 
 
 def test_leaf_cgroups_ranked_by_the_trigger_resource(tmp_path):
-    _cgroup(tmp_path, "/", 0)
-    _cgroup(tmp_path, "/a", 100)  # a parent: its usage is its children's, not ranked
+    # cpu.stat is hierarchical: a parent holds its children's time, the root the whole machine's.
+    _cgroup(tmp_path, "/", 1_000)
+    _cgroup(tmp_path, "/a", 200)  # a parent: not ranked itself
     _cgroup(tmp_path, "/a/hogs", 100)
     _cgroup(tmp_path, "/a/victim", 100, memory=1000)
     _cgroup(tmp_path, "/io", 0, io=b"8:0 rbytes=0 wbytes=0 rios=0 wios=0\n")
     start, dropped = scan_cgroups(str(tmp_path))
-    assert sorted(start) == ["/a/hogs", "/a/victim", "/io"] and dropped == 0
+    assert sorted(start) == ["/", "/a/hogs", "/a/victim", "/io"] and dropped == 0
+    assert start["/"].cpu_usec == 800  # the root's own processes: the machine minus its children
     _cgroup(tmp_path, "/a/hogs", 4_100)
     _cgroup(tmp_path, "/a/victim", 1_100, memory=5000)
+    _cgroup(tmp_path, "/a", 5_200)
     _cgroup(tmp_path, "/io", 10, io=b"8:0 rbytes=1048576 wbytes=0 rios=9 wios=0\n")
     _cgroup(tmp_path, "/new", 50)  # created in the window: counted from zero
+    _cgroup(tmp_path, "/", 1_000 + 300 + 5_000 + 10 + 50)
     end, _ = scan_cgroups(str(tmp_path))
     by_cpu, left = aggressors(start, end, "cpu")
-    assert [a.cgroup for a in by_cpu] == ["/a/hogs", "/a/victim", "/new", "/io"] and left == 0
-    assert by_cpu[0].cpu_ns == 4_000_000
+    assert [a.cgroup for a in by_cpu] == ["/a/hogs", "/a/victim", "/", "/new", "/io"] and left == 0
+    assert [a.cpu_ns for a in by_cpu] == [4_000_000, 1_000_000, 300_000, 50_000, 10_000]
     assert aggressors(start, end, "io")[0][0].cgroup == "/io"
     mem = aggressors(start, end, "memory")[0]
     assert mem[0].cgroup == "/a/victim" and mem[0].memory_bytes == 4000 and mem[0].reclaim_bytes == 0
-    assert aggressors(start, end, "cpu", max_aggressors=2)[1] == 2
+    assert aggressors(start, end, "cpu", max_aggressors=2)[1] == 3
 
 
 def test_cgroup_scan_is_bounded_and_counted(tmp_path):
