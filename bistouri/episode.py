@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from . import abi, wire
+from .errors import BistouriError
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,12 @@ class EpisodeProbe:
     def _threads(self, pids: Collection[int]) -> dict[int, StateTimes]:
         if self._thread_times is None:
             return {}
-        raw = self._thread_times(pids)
+        try:
+            raw = self._thread_times(pids)
+        except (BistouriError, OSError) as e:
+            # At shutdown the sessions are flushed after the BPF object is closed: no victims then.
+            log.debug("Episode thread times unreadable: no victims. error=%s", e)
+            return {}
         now = self._clock_ns()
         return {tid: state_times(t, now) for tid, t in raw.items()}
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import procfs
-from .config import RESOURCES, ResourceTrigger
 from .errors import BistouriError
 from .events import StackSample
 from .profiler import ProfilerAgent, ProfilerOptions
@@ -60,6 +59,8 @@ class PressureRule:
 
 
 def parse_on_pressure(text: str) -> list[PressureRule]:
+    from .config import RESOURCES  # config imports yaml: not before sampling starts without --on-pressure
+
     rules = []
     for part in text.split(","):
         res, _, thr = part.strip().partition(":")
@@ -234,6 +235,7 @@ def _wait_for_pressure(
     rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
 ) -> wire.Trigger:
     from . import wire
+    from .config import ResourceTrigger
     from .psi import PsiLoop
 
     pids = targets.current()

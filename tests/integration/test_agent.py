@@ -58,6 +58,11 @@ def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: flo
     by_fn = _frames_in(s, workloads / "burner")
     assert by_fn["hot_spin"] >= 0.8 * sum(by_fn.values()), by_fn
     assert set(s.threads.values()) == {"burner"}
+    # The episode report: the three burners timed by state over the session, their cgroup named.
+    assert s.episode is not None
+    timed = [v for v in s.episode.victims if v.pid in s.processes]
+    assert {v.pid for v in timed} == set(s.processes) and all(v.on_cpu_ns > 0 for v in timed), s.episode
+    assert cg.rel in [a.cgroup for a in s.episode.aggressors], s.episode.aggressors
     m = agent.metrics()
     assert m['bistouri_sessions_started_total{resource="cpu"}'] >= 1
     assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
@@ -81,7 +86,7 @@ def test_io_pressure_yields_off_cpu_samples_with_blocked_time(tmp_path, workload
         cg.spawn([str(workloads / "fsyncer"), str(tmp_path / "fsync.dat"), "25"])
         s = agent.wait_session(lambda s: s.trigger.resource == "io" and any(t.off_cpu for t in s.traces), 20)
         assert s is not None, f"no io session with off-CPU samples\n{agent.log()[-3000:]}"
-        off = [t for t in s.traces if t.off_cpu]
+        off = [t for t in s.traces if t.off_cpu and t.wait == wire.WAIT_D]
         # fsyncer (one thread) is blocked ~55 % of the time here (schedstat). Rate-limited
         # captures are weighed by the waits they stand for, so the estimate lands near that:
         # unweighted it was ~1 %; with the stack walk counted as waiting, over 100 %.

@@ -21,6 +21,7 @@ from bistouri.episode import (
     summary_lines,
     victims,
 )
+from bistouri.errors import BistouriError
 
 
 def test_parsers_read_by_key():
@@ -129,3 +130,13 @@ def test_summary_names_victims_and_aggressors():
     assert victim.split()[:5] == ["1.0", "2.0", "3.0", "4.0", "0.0"]  # ms by state, in the header's order
     [hogs] = [line for line in text.splitlines() if line.endswith("  /hogs")]
     assert hogs.split()[:3] == ["5.0", "1.0", "3"]
+
+
+def test_closed_bpf_object_gives_no_victims_not_an_error(tmp_path):
+    """At shutdown the agent flushes its sessions after closing the BPF object."""
+
+    def closed(pids):
+        raise BistouriError("the BPF object is not loaded")
+
+    probe = EpisodeProbe(closed, str(tmp_path))
+    assert probe.finish(probe.start([1]), [1], "cpu").victims == ()
