@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import abi, perf, threads
-from .bpf import BpfObject, Link, RingBuffer
+from .bpf import BpfObject, BtfFile, Link, RingBuffer
 from .errors import BistouriError, BpfError
 from .events import (
     Event,
@@ -81,18 +81,31 @@ class ProfilerOptions:
     episode: bool = True  # account watched threads' time by state (episode.py)
 
 
-# The episode hooks (bpf/bistouri.bpf.c, "Episode report"): loaded and attached together.
-EPISODE_PROGRAMS = (
-    "handle_episode_switch",
-    "handle_episode_wakeup",
-    "handle_episode_wakeup_new",
-    "handle_direct_reclaim_begin",
-    "handle_direct_reclaim_end",
-    "handle_memcg_reclaim_begin",
-    "handle_memcg_reclaim_end",
-    "handle_compaction_begin",
-    "handle_compaction_end",
-)
+# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
+# ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
+# then left out (their time stays 0) rather than failing the load.
+EPISODE_TRACEPOINTS = {
+    "handle_episode_switch": "sched_switch",
+    "handle_episode_wakeup": "sched_wakeup",
+    "handle_episode_wakeup_new": "sched_wakeup_new",
+    "handle_direct_reclaim_begin": "mm_vmscan_direct_reclaim_begin",
+    "handle_direct_reclaim_end": "mm_vmscan_direct_reclaim_end",
+    "handle_memcg_reclaim_begin": "mm_vmscan_memcg_reclaim_begin",
+    "handle_memcg_reclaim_end": "mm_vmscan_memcg_reclaim_end",
+    "handle_compaction_begin": "mm_compaction_begin",
+    "handle_compaction_end": "mm_compaction_end",
+}
+EPISODE_PROGRAMS = tuple(EPISODE_TRACEPOINTS)
+KERNEL_BTF = "/sys/kernel/btf/vmlinux"
+
+
+def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
+    """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
+    try:
+        with BtfFile(btf_path) as f:
+            return {n for n in names if f.btf.has_typedef("btf_trace_" + n)}
+    except BpfError:
+        return set(names)  # unreadable here: let the load say what is missing
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -136,6 +149,7 @@ class ProfilerAgent:
         self._filter_lock = threading.Lock()
         self._filtered: set[int] = set()
         self._kick_fd = -1
+        self._episode_programs: tuple[str, ...] = ()  # the episode hooks this kernel can run
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -169,8 +183,16 @@ class ProfilerAgent:
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
+        if o.episode:
+            present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
+            self._episode_programs = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
+            missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
+            if missing:
+                log.info(
+                    "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
+                )
         for name in EPISODE_PROGRAMS:
-            obj.programs[name].set_autoload(o.episode)
+            obj.programs[name].set_autoload(name in self._episode_programs)
         obj.maps["stack_events"].set_max_entries(ring)
         obj.load()
 
@@ -181,9 +203,8 @@ class ProfilerAgent:
             self._links.append(obj.programs["handle_sched_switch"].attach())
         if o.exec_discovery:
             self._links.append(obj.programs["handle_exec"].attach())
-        if o.episode:
-            for name in EPISODE_PROGRAMS:
-                self._links.append(obj.programs[name].attach())
+        for name in self._episode_programs:
+            self._links.append(obj.programs[name].attach())
 
         self._rb = RingBuffer(
             [

@@ -25,7 +25,7 @@ from bistouri.episode import EpisodeProbe
 from bistouri.events import StackSample
 from bistouri.kernel import read_kernel_meta
 from bistouri.metrics import AgentMetrics
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.profiler import ProfilerAgent, ProfilerOptions, kernel_tracepoints
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from tests.helpers import Cgroup, wait_until
 
@@ -255,3 +255,12 @@ def test_unwatched_process_leaves_no_stale_state(workloads):
             assert wait_until(lambda: p.pid in agent.thread_times({p.pid}), 30, step=0.02)
             agent.set_pid_filter(p.pid, 0)
             assert agent.thread_times({p.pid}) == {}, "the unwatched process's thread times were kept"
+
+
+def test_hooks_of_tracepoints_the_kernel_lacks_are_left_out():
+    """A kernel without memcg or compaction has no such tracepoints: those hooks are not loaded
+    (their times stay 0) instead of failing the whole object."""
+    assert kernel_tracepoints(["sched_switch", "mm_compaction_begin", "bistouri_no_such_tp"]) == {
+        "sched_switch",
+        "mm_compaction_begin",
+    }
