@@ -32,6 +32,7 @@ def episode_sid(symbolizer_url: str) -> str:
     """fsyncer's I/O session with an episode, and its journal waits also seen as S sleeps."""
     tag = f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:06x}"
     s = data.fsyncer_session(f"ui-report-{tag}", time.time_ns() - 600_000_000_000)
+    s.service = "storage_report"  # the list tests of the same symbolizer count `storage`'s sessions
     journal = s.traces[0]
     s.traces.append(dataclasses.replace(journal, off_cpu=40, off_cpu_ns=2_000_000_000, wait=wire.WAIT_S))
     s.episode = wire.Episode(VICTIMS, AGGRESSORS)
