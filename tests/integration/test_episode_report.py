@@ -180,11 +180,14 @@ def test_fsync_storm_is_uninterruptible_time(workloads, tmp_path):
         p = cg.spawn([str(workloads / "fsyncer"), str(tmp_path / "f.dat"), "60"])
         with _capture(str(cg.path)) as (agent, orch, sink):
             orch.start_session(wire.Trigger("io", time_ns=time.time_ns()), "s", {}, {p.pid: "f"}, 1e9)
+            # Counted from after the session's start snapshot: the session's own D time is at least this.
+            base = agent.thread_times({p.pid}).get(p.pid)
+            base_d = base.blocked_d_ns if base is not None else 0
 
             def blocked_enough() -> bool:
                 _drain(agent, orch)
                 t = agent.thread_times({p.pid}).get(p.pid)
-                return t is not None and t.blocked_d_ns >= 300_000_000
+                return t is not None and t.blocked_d_ns - base_d >= 300_000_000
 
             assert wait_until(blocked_enough, 60, step=0.05), "fsyncer never blocked 300 ms in D"
             orch.flush_all()
@@ -217,11 +220,13 @@ def test_page_cache_thrash_under_a_memory_limit_shows_reclaim(workloads, tmp_pat
             cg.procs.append(p)
             with _capture(str(cg.path.parent)) as (agent, orch, sink):
                 orch.start_session(wire.Trigger("memory", time_ns=time.time_ns()), "s", {}, {p.pid: "t"}, 1e9)
+                base = agent.thread_times({p.pid}).get(p.pid)
+                base_n = base.reclaims if base is not None else 0
 
                 def reclaimed() -> bool:
                     _drain(agent, orch)
                     t = agent.thread_times({p.pid}).get(p.pid)
-                    return t is not None and t.reclaims >= 20
+                    return t is not None and t.reclaims - base_n >= 20
 
                 assert wait_until(reclaimed, 60, step=0.05), "the thrasher never reclaimed"
                 _drain(agent, orch)
