@@ -470,7 +470,7 @@ int BPF_PROG(handle_exec, struct task_struct *p, pid_t old_pid, struct linux_bin
  * ---- Episode report (issue 12): victims' time by state. ----
  * Separate programs on the scheduler tracepoints, so the sampling code above
  * stays as it is. Every hook looks up the tgid in pid_filter first and returns
- * unless BISTOURI_EPISODE_FILTER_ON is set: unwatched threads cost one hash lookup.
+ * unless BISTOURI_EPISODE_FILTER_ON is set: an unwatched thread costs one hash lookup (none for the idle task).
  * State machine per thread, timed at each transition:
  *   switch-out: RUNNING -> RUNNABLE (preempted or still TASK_RUNNING), D or S
  *   wakeup:     D/S -> RUNNABLE (the wait ends: blocked time by state)
