@@ -34,7 +34,7 @@ from .episode import EpisodeProbe
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
-from .metrics import AgentMetrics, BpfCountersCollector, MetricsServer
+from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
 from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
@@ -193,6 +193,7 @@ class Agent:
             raise StartupError("load", str(e))
         if self.registry is not None:
             self.registry.register(BpfCountersCollector(self.profiler.counters, self._cache_stats))
+            self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
 
     def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:

@@ -66,6 +66,9 @@ def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: flo
     m = agent.metrics()
     assert m['bistouri_sessions_started_total{resource="cpu"}'] >= 1
     assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
+    assert m['bistouri_episode_hook_events_total{kind="switch"}'] > 0, (
+        m
+    )  # the episode hooks timed the burners
     # User IPs mapped from the targets' maps, every frame a file frame (none unmapped).
     assert m["bistouri_proc_maps_tables"] >= 3 and m['bistouri_proc_maps_reads_total{file="maps"}'] >= 3, m
     assert m['bistouri_user_frames_total{kind="resolved"}'] > 0, m
