@@ -14,6 +14,7 @@ BENCHES = (
     "bench.bench_attacks",
     "bench.bench_service_limits",
     "bench.bench_record",
+    "bench.bench_episode",
 )
 
 

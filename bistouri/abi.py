@@ -166,6 +166,63 @@ class UnwindProc(Structure):
     _fields_ = [("slot", c_uint32), ("count", c_uint32)]
 
 
+# ---- Episode report (issue 12): bpf/bistouri.h's block of the same name.
+
+
+class EpisodeFilter(IntEnum):
+    ON = 4  # a pid_filter bit beside FilterFlags: account the process's threads by state
+
+
+class EpisodeKind(IntEnum):
+    """Stack events of the episode hooks, beside EventKind."""
+
+    SLEEP = 16  # interruptible (S) wait
+    RECLAIM = 17  # direct reclaim or compaction
+
+
+class ThreadState(IntEnum):
+    UNKNOWN = 0
+    RUNNING = 1
+    RUNNABLE = 2
+    BLOCKED_D = 3
+    BLOCKED_S = 4
+
+
+class EpisodeCounter(IntEnum):
+    """Indexes of the BPF `episode_counters` map."""
+
+    SWITCHES = 0
+    WAKEUPS = 1
+    THREADS_FULL = 2
+    STACKS_LIMITED = 3
+    RECLAIMS = 4
+
+
+EPISODE_COUNTER_MAX = 5
+
+
+class ThreadTimes(Structure):
+    _fields_ = [
+        ("pid", c_uint32),
+        ("tid", c_uint32),
+        ("on_cpu_ns", c_uint64),
+        ("runqueue_ns", c_uint64),
+        ("blocked_d_ns", c_uint64),
+        ("blocked_s_ns", c_uint64),
+        ("reclaim_ns", c_uint64),
+        ("runqueue_waits", c_uint64),
+        ("d_waits", c_uint64),
+        ("s_waits", c_uint64),
+        ("reclaims", c_uint64),
+        ("since_ns", c_uint64),
+        ("reclaim_start_ns", c_uint64),
+        ("stack_ns", c_uint64),
+        ("state", c_uint32),
+        ("skipped", c_uint32),
+        ("comm", c_uint8 * COMM_LEN),
+    ]
+
+
 # C struct name -> mirror. Every shared struct must be listed here.
 MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_stack_key": UserStackKey,
@@ -178,6 +235,7 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_unwind_row": UnwindRow,
     "bistouri_unwind_mapping": UnwindMapping,
     "bistouri_unwind_proc": UnwindProc,
+    "bistouri_thread_times": ThreadTimes,
 }
 
 # C enum name -> (prefix of its constants, mirror), compared value by value.
@@ -187,6 +245,10 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
     "bistouri_counter": ("BISTOURI_CNT_", Counter),
     "bistouri_cfa_kind": ("BISTOURI_CFA_", CfaKind),
     "bistouri_rbp_kind": ("BISTOURI_RBP_", RbpKind),
+    "bistouri_episode_filter": ("BISTOURI_EPISODE_FILTER_", EpisodeFilter),
+    "bistouri_episode_kind": ("BISTOURI_EVENT_", EpisodeKind),
+    "bistouri_thread_state": ("BISTOURI_STATE_", ThreadState),
+    "bistouri_episode_counter": ("BISTOURI_EPC_", EpisodeCounter),
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
@@ -226,6 +288,8 @@ def abi_mismatches(btf: Btf) -> list[str]:
         py_values = {m.name: int(m.value) for m in enum}
         if enum is Counter:
             py_values["MAX"] = COUNTER_MAX
+        if enum is EpisodeCounter:
+            py_values["MAX"] = EPISODE_COUNTER_MAX
         if c_values != py_values:
             problems.append(f"enum {cname}: {c_values} in BTF, {py_values} in abi.py")
     return problems

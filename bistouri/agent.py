@@ -30,10 +30,11 @@ from .capture import CaptureOrchestrator
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
+from .episode import EpisodeProbe
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
 from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
-from .metrics import AgentMetrics, BpfCountersCollector, MetricsServer
+from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
 from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
 from .psi import PsiLoop
@@ -201,6 +202,7 @@ class Agent:
             self.registry.register(
                 BpfCountersCollector(self.profiler.counters, self._cache_stats, self._unwind_stats)
             )
+            self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
 
     def _unwind_stats(self) -> UnwindStats:
         unwind = self.profiler.unwind if self.profiler is not None else None
@@ -228,6 +230,11 @@ class Agent:
             on_spooled=self._notify_exporter,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
+            episode=EpisodeProbe(
+                self.profiler.thread_times,
+                self.s.cgroup_path,
+                on_dropped=lambda reason, n: self.metrics.episode_dropped.labels(reason).inc(n),
+            ),
         )
         self.trigger = TriggerAgent(
             self.loop,

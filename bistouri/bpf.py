@@ -38,6 +38,7 @@ _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 
 BTF_KIND_STRUCT = 4
 BTF_KIND_ENUM = 6
+BTF_KIND_TYPEDEF = 8
 BTF_KIND_DATASEC = 15
 
 
@@ -289,6 +290,9 @@ class Btf:
             name_off, val = struct.unpack_from("<Ii", ctypes.string_at(base + i * 8, 8))
             values[self._name(name_off)] = val
         return values
+
+    def has_typedef(self, name: str) -> bool:
+        return library().btf__find_by_name_kind(self._ptr, name.encode(), BTF_KIND_TYPEDEF) >= 0
 
     def datasec_var_offset(self, section: str, var: str) -> int | None:
         """Offset of variable `var` inside data section `section` (e.g. .rodata)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import abi, wire
+from .episode import EpisodeProbe, EpisodeStart
 from .events import StackSample, split_stacks
 from .kernel import KernelMeta
 from .metrics import AgentMetrics
@@ -38,6 +39,12 @@ log = logging.getLogger(__name__)
 
 _FILE, _VDSO, _ANON = int(FrameStatus.FILE), int(FrameStatus.VDSO), int(FrameStatus.ANON)
 _UNMAPPED_REASONS = {int(r): r.name.lower() for r in Unmapped}
+# Stack-event kind -> what its off-CPU time waited in; on-CPU samples are absent.
+_WAIT_OF_KIND = {
+    int(abi.EventKind.OFF_CPU): wire.WAIT_D,
+    int(abi.EpisodeKind.SLEEP): wire.WAIT_S,
+    int(abi.EpisodeKind.RECLAIM): wire.WAIT_RECLAIM,
+}
 
 
 class PidFilter(Protocol):
@@ -86,11 +93,13 @@ class ActiveSession:
     start_ns: int
     start_mono: float
     deadline: float
-    traces: dict[tuple[int, int, bytes, bool], _Agg] = field(default_factory=dict)
+    # (pid, tid, stacks, pre_trigger, wait state or -1 on-CPU)
+    traces: dict[tuple[int, int, bytes, bool, int], _Agg] = field(default_factory=dict)
     threads: dict[int, str] = field(default_factory=dict)
     dropped_traces: int = 0
     nbytes: int = 0  # estimated memory of `traces` and `threads`
     pre_trigger_ns: int = 0  # start_ns is this much before the trigger (flight recorder)
+    episode_start: EpisodeStart | None = None  # the victims' and cgroups' counters at start
 
 
 # Python objects around one distinct stack beyond its raw bytes: its dict slot, key tuple and
@@ -123,12 +132,13 @@ class CaptureOrchestrator:
         host: str,
         labels: dict[str, str],
         period_ns: int,
-        filter_flags: int = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU,
+        filter_flags: int = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.ON,
         proc_root: str = "/proc",
         on_spooled: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
+        episode: EpisodeProbe | None = None,
     ) -> None:
         self._filter = pid_filter
         self._sink = sink
@@ -153,6 +163,7 @@ class CaptureOrchestrator:
             recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
         )
         self._memory_full_logged = -60.0
+        self.episode = episode  # None: sessions carry no episode report
 
     # -- flight recorder ---------------------------------------------------------
     def watch(self, pid: int, recorder_secs: float, recorder_hz: float | None = None) -> None:
@@ -234,6 +245,8 @@ class CaptureOrchestrator:
             start_mono=now,
             deadline=now + duration_s,
         )
+        if self.episode is not None:
+            s.episode_start = self.episode.start(armed)
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
@@ -267,7 +280,8 @@ class CaptureOrchestrator:
         over = 0
         for r in recorded:
             sample = r.sample
-            key = (sample.pid, sample.tid, sample.stacks, True)
+            wait = _WAIT_OF_KIND.get(sample.kind, -1)
+            key = (sample.pid, sample.tid, sample.stacks, True, wait)
             agg = s.traces.get(key)
             if agg is None:
                 cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
@@ -279,7 +293,7 @@ class CaptureOrchestrator:
                 s.threads.setdefault(sample.tid, sample.comm)
                 s.nbytes += cost
                 self.nbytes += cost
-            if sample.kind == abi.EventKind.OFF_CPU:
+            if wait >= 0:
                 agg.off_cpu += sample.weight
                 agg.off_cpu_ns += sample.blocked_ns * sample.weight
             else:
@@ -361,7 +375,7 @@ class CaptureOrchestrator:
                 for s in samples
             )
             self.metrics.recorder_bytes.set(recorder.nbytes)
-        off_kind = abi.EventKind.OFF_CPU
+        wait_of_kind = _WAIT_OF_KIND
         on = off = unmatched = full = over = 0
         for sample in samples:
             sessions = by_pid.get(sample.pid)
@@ -369,8 +383,9 @@ class CaptureOrchestrator:
                 if not recorder.watches(sample.pid):
                     unmatched += 1
                 continue
-            key = (sample.pid, sample.tid, sample.stacks, False)
-            is_off = sample.kind == off_kind
+            wait = wait_of_kind.get(sample.kind, -1)
+            key = (sample.pid, sample.tid, sample.stacks, False, wait)
+            is_off = wait >= 0
             weight = sample.weight
             for s in sessions:
                 agg = s.traces.get(key)
@@ -442,6 +457,11 @@ class CaptureOrchestrator:
         return ids
 
     def _finish(self, s: ActiveSession, now: float) -> None:
+        res = s.trigger.resource
+        episode = None
+        if self.episode is not None and s.episode_start is not None:
+            # Before the filter lets go of the processes: unwatching forgets their thread times.
+            episode = self.episode.finish(s.episode_start, s.processes, res)
         del self.sessions[s.session_id]
         self.nbytes -= s.nbytes
         self.metrics.capture_bytes.set(self.nbytes)
@@ -454,8 +474,7 @@ class CaptureOrchestrator:
             self._unref(pid)
             self._sync_filter(pid)  # still recorded: back to the recorder's rate
         self.metrics.sessions_active.set(len(self.sessions))
-        res = s.trigger.resource
-        session = self.build(s, now)
+        session = self.build(s, now, episode)
         total = session.total_samples
         self.metrics.session_samples.observe(total)
         if total == 0:
@@ -489,10 +508,10 @@ class CaptureOrchestrator:
         if self._on_spooled:
             self._on_spooled()
 
-    def build(self, s: ActiveSession, now: float) -> wire.Session:
+    def build(self, s: ActiveSession, now: float, episode: wire.Episode | None = None) -> wire.Session:
         traces = []
         unwind = wire.UnwindSummary()
-        for (pid, tid, stacks, pre), agg in s.traces.items():
+        for (pid, tid, stacks, pre, wait), agg in s.traces.items():
             _add_walk(unwind, agg)
             kernel, raw_user = split_stacks(stacks, agg.kernel_len)
             traces.append(
@@ -505,6 +524,7 @@ class CaptureOrchestrator:
                     off_cpu=agg.off_cpu,
                     off_cpu_ns=agg.off_cpu_ns,
                     pre_trigger=pre,
+                    wait=max(wait, wire.WAIT_D),
                 )
             )
         return wire.Session(
@@ -523,6 +543,7 @@ class CaptureOrchestrator:
             traces=traces,
             pre_trigger_ns=s.pre_trigger_ns,
             unwind=unwind,
+            episode=episode,
         )
 
     # -- user frames ----------------------------------------------------------------

@@ -100,8 +100,14 @@ class ResourceTrigger:
 
     @property
     def stall_us(self) -> int:
-        """Stall time per window written to the kernel (truncated to whole microseconds)."""
-        return int(self.window_ms * 1000 * self.threshold / 100.0)
+        """Stall time per window written to the kernel."""
+        return stall_threshold_us(self.threshold, self.window_us)
+
+
+def stall_threshold_us(threshold: float, window_us: int) -> int:
+    """The one formula for a trigger's stall time: `threshold` % of the window, in whole microseconds
+    (truncated; at least 1, the kernel refuses 0). Also used for a window the kernel forced on us."""
+    return max(1, int(window_us * threshold / 100.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +353,7 @@ def _parse_resource(p: _Problems, raw: Any, path: str) -> ResourceTrigger | None
             ok = False
         else:
             threshold = float(t)
-            if ok and int(window_ms * 1000 * threshold / 100.0) < 1:
+            if ok and window_ms * 1000 * threshold / 100.0 < 1:
                 p.add(f"{path}.threshold", f"{t}% of {window_ms} ms is under 1 µs of stall: raise it")
                 ok = False
     if not ok or resource is None:

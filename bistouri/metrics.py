@@ -86,6 +86,12 @@ class AgentMetrics:
             "Estimated memory held by the flight recorder's samples (bound: --recorder-max-bytes)",
             registry=r,
         )
+        self.episode_dropped = Counter(
+            "bistouri_episode_dropped_total",
+            "Episode report rows left out: cgroups_scan_limit, victims, aggressors",
+            ["reason"],
+            registry=r,
+        )
         self.recorder_dropped = Counter(
             "bistouri_recorder_dropped_total",
             "Flight-recorder samples let go early (memory) or processes not recorded (filter_full)",
@@ -482,3 +488,34 @@ def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: b
     lines = [f"HTTP/1.1 {status} {_REASONS[status]}", f"Content-Length: {len(body)}", "Connection: close"]
     lines += [f"{k}: {v}" for k, v in headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
+
+
+class EpisodeCountersCollector(Collector):
+    """Reads the BPF `episode_counters` map (the episode hooks, issue 12) at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[abi.EpisodeCounter, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            c = self._read()
+        except Exception as e:  # the object may be closing: report nothing rather than fail the scrape
+            log.debug("BPF episode counters unavailable: %s", e)
+            return
+        events = CounterMetricFamily(
+            "bistouri_episode_hook_events",
+            "Transitions of watched threads the episode hooks timed",
+            labels=["kind"],
+        )
+        events.add_metric(["switch"], c[abi.EpisodeCounter.SWITCHES])
+        events.add_metric(["wakeup"], c[abi.EpisodeCounter.WAKEUPS])
+        events.add_metric(["reclaim"], c[abi.EpisodeCounter.RECLAIMS])
+        yield events
+        lost = CounterMetricFamily(
+            "bistouri_episode_hook_dropped",
+            "What the episode hooks did not record, by reason",
+            labels=["reason"],
+        )
+        lost.add_metric(["threads_full"], c[abi.EpisodeCounter.THREADS_FULL])
+        lost.add_metric(["stack_rate_limited"], c[abi.EpisodeCounter.STACKS_LIMITED])
+        yield lost

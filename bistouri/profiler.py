@@ -24,13 +24,13 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from . import abi, perf, threads
-from .bpf import BpfObject, Link, RingBuffer
+from .bpf import BpfObject, BtfFile, Link, RingBuffer
 from .errors import BistouriError, BpfError
 from .events import (
     Event,
@@ -84,6 +84,34 @@ class ProfilerOptions:
     unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
     unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
     unwind_nice: int = 19  # of the thread building them: it yields to the workload
+    episode: bool = True  # account watched threads' time by state (episode.py)
+
+
+# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
+# ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
+# then left out (their time stays 0) rather than failing the load.
+EPISODE_TRACEPOINTS = {
+    "handle_episode_switch": "sched_switch",
+    "handle_episode_wakeup": "sched_wakeup",
+    "handle_episode_wakeup_new": "sched_wakeup_new",
+    "handle_direct_reclaim_begin": "mm_vmscan_direct_reclaim_begin",
+    "handle_direct_reclaim_end": "mm_vmscan_direct_reclaim_end",
+    "handle_memcg_reclaim_begin": "mm_vmscan_memcg_reclaim_begin",
+    "handle_memcg_reclaim_end": "mm_vmscan_memcg_reclaim_end",
+    "handle_compaction_begin": "mm_compaction_begin",
+    "handle_compaction_end": "mm_compaction_end",
+}
+EPISODE_PROGRAMS = tuple(EPISODE_TRACEPOINTS)
+KERNEL_BTF = "/sys/kernel/btf/vmlinux"
+
+
+def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
+    """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
+    try:
+        with BtfFile(btf_path) as f:
+            return {n for n in names if f.btf.has_typedef("btf_trace_" + n)}
+    except BpfError:
+        return set(names)  # unreadable here: let the load say what is missing
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -128,6 +156,7 @@ class ProfilerAgent:
         self._filtered: set[int] = set()
         self._kick_fd = -1
         self.unwind: UnwindTables | None = None
+        self._episode_programs: tuple[str, ...] = ()  # the episode hooks this kernel can run
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -161,6 +190,16 @@ class ProfilerAgent:
         obj.write_rodata("cfg", bytes(cfg))
         obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
         obj.programs["handle_exec"].set_autoload(o.exec_discovery)
+        if o.episode:
+            present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
+            self._episode_programs = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
+            missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
+            if missing:
+                log.info(
+                    "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
+                )
+        for name in EPISODE_PROGRAMS:
+            obj.programs[name].set_autoload(name in self._episode_programs)
         obj.maps["stack_events"].set_max_entries(ring)
         obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
         obj.load()
@@ -183,6 +222,8 @@ class ProfilerAgent:
             self._links.append(obj.programs["handle_sched_switch"].attach())
         if o.exec_discovery:
             self._links.append(obj.programs["handle_exec"].attach())
+        for name in self._episode_programs:
+            self._links.append(obj.programs[name].attach())
 
         self._rb = RingBuffer(
             [
@@ -273,6 +314,7 @@ class ProfilerAgent:
                 self._filtered.discard(pid)
                 if self.unwind is not None:
                     self.unwind.forget(pid)
+                self._forget_thread_times(pid)
             if was_idle and self._filtered and self._kick_fd >= 0:
                 os.eventfd_write(self._kick_fd, 1)  # leave the idle wait: samples are coming
 
@@ -290,6 +332,44 @@ class ProfilerAgent:
             if val is not None:
                 out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]
         return out
+
+    def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
+        """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
+        hooks count them; empty without them."""
+        if not self.options.episode or not pids:
+            return {}
+        m = self._require().maps["thread_times"]
+        out = {}
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
+            val = m.lookup(key)
+            if val is None:
+                continue  # the thread's entry was evicted meanwhile
+            t = abi.ThreadTimes.from_buffer_copy(val)
+            if t.pid in pids:
+                out[t.tid] = t
+        return out
+
+    def _forget_thread_times(self, pid: int) -> None:
+        """Drop the episode times of a process no longer watched: the state each thread was last
+        seen in goes stale while unwatched, and would be timed as lasting until its next switch
+        once watched again. Threads already gone keep no state (their last switch cleared it)."""
+        if not self.options.episode:
+            return
+        m = self._require().maps["thread_times"]
+        try:
+            tids = os.listdir(os.path.join(self.options.proc_root, str(pid), "task"))
+        except OSError:
+            return  # the process is gone: its threads' entries age out of the LRU map
+        for tid in tids:
+            if tid.isdigit():
+                m.delete(struct.pack("<I", int(tid)))
+
+    def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
+        """Episode-hook counters summed over CPUs (zero without the hooks)."""
+        if not self.options.episode:
+            return dict.fromkeys(abi.EpisodeCounter, 0)
+        m = self._require().maps["episode_counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.EpisodeCounter}
 
     def set_comm_rules(self, entries: list[tuple[bytes, int]]) -> None:
         """Make the LPM trie hold exactly `entries` (key bytes, rule id): add new, then drop stale."""

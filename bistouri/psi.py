@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from .wire import Trigger
+from .config import STALLS, ResourceTrigger, stall_threshold_us
 
 log = logging.getLogger(__name__)
 
@@ -150,29 +150,21 @@ def _trigger_error(e: OSError, path: str, what: str) -> OSError:
 class PsiWatcher:
     """One PSI trigger fd. Created by PsiLoop.add_watcher; closed by the loop."""
 
-    def __init__(
-        self,
-        key: Hashable,
-        path: str,
-        resource: str,
-        stall: str,
-        threshold_pct: float,
-        window_ms: int,
-        cooldown_s: float,
-    ) -> None:
-        if stall not in ("some", "full"):
-            raise ValueError(f"stall must be 'some' or 'full', got {stall!r}")
-        if not 0 < threshold_pct < 100:
-            raise ValueError(f"threshold_pct must be in (0, 100), got {threshold_pct}")
+    def __init__(self, key: Hashable, path: str, trigger: ResourceTrigger, cooldown_s: float) -> None:
+        stall = trigger.stall
+        if stall not in STALLS:
+            raise ValueError(f"stall must be one of {', '.join(STALLS)}, got {stall!r}")
+        if not 0 < trigger.threshold < 100:
+            raise ValueError(f"threshold must be in (0, 100) percent, got {trigger.threshold}")
         self.key = key
         self.path = path
-        self.resource = resource
+        self.trigger = trigger  # as configured; window_us/stall_us below are what the kernel accepted
+        self.resource = trigger.resource
         self.stall = stall
-        self.threshold_pct = threshold_pct
         self.cooldown_s = cooldown_s
-        self.requested_window_us = window_ms * 1000
+        self.requested_window_us = trigger.window_us
         self.window_us = self.requested_window_us
-        self.stall_us = max(1, int(self.window_us * threshold_pct / 100.0))
+        self.stall_us = trigger.stall_us
         self.last_event = float("-inf")  # monotonic time of the last reported event
         self.events = 0
         self.suppressed = 0
@@ -187,7 +179,7 @@ class PsiWatcher:
             new_window = allowed_window_us(self.window_us)
             if e.errno != errno.EINVAL or new_window == self.window_us:
                 raise _trigger_error(e, path, what) from e
-            new_stall = max(1, int(new_window * threshold_pct / 100.0))
+            new_stall = stall_threshold_us(trigger.threshold, new_window)
             what = f"{stall} {new_stall} {new_window}"
             try:
                 self._fd = _open_trigger(path, stall, new_stall, new_window)
@@ -262,21 +254,6 @@ class PsiEvent:
     total_us: int = 0
     dead: bool = False
 
-    def to_trigger(self, cgroup: str) -> Trigger:
-        """The session's wire.Trigger; `cgroup` is relative to the cgroup2 mount, "/" for system-wide."""
-        return Trigger(
-            resource=self.resource,
-            stall=self.stall,
-            threshold_us=self.threshold_us,
-            window_us=self.window_us,
-            cgroup=cgroup,
-            time_ns=self.time_ns,
-            avg10=self.avg10,
-            avg60=self.avg60,
-            avg300=self.avg300,
-            total_us=self.total_us,
-        )
-
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
@@ -321,31 +298,17 @@ class PsiLoop:
     # -- PSI watchers
 
     def add_watcher(
-        self,
-        key: Hashable,
-        path: str,
-        resource: str,
-        stall: str,
-        threshold_pct: float,
-        window_ms: int,
-        cooldown_s: float,
+        self, key: Hashable, path: str, trigger: ResourceTrigger, cooldown_s: float
     ) -> PsiWatcher:
-        """Register a trigger. The same key with the same parameters returns the existing watcher;
-        different parameters replace it. Raises OSError (with a hint) if the kernel refuses."""
+        """Register a trigger. The same key with the same path and trigger returns the existing
+        watcher; a different one replaces it. Raises OSError (with a hint) if the kernel refuses."""
         old = self._watchers.get(key)
         if old is not None:
-            same = (old.path, old.resource, old.stall, old.threshold_pct, old.requested_window_us) == (
-                path,
-                resource,
-                stall,
-                threshold_pct,
-                window_ms * 1000,
-            )
-            if same:
+            if (old.path, old.trigger) == (path, trigger):
                 old.cooldown_s = cooldown_s
                 return old
             self.remove(key)
-        w = PsiWatcher(key, path, resource, stall, threshold_pct, window_ms, cooldown_s)
+        w = PsiWatcher(key, path, trigger, cooldown_s)
         fd = w.fileno()
         self._poll.register(fd, select.POLLPRI)
         self._watchers[key] = w

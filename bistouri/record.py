@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RESOURCES = ("cpu", "memory", "io")
 # --format name -> the file it writes
 FORMATS = {
     "html": "flamegraph.html",
@@ -60,6 +59,8 @@ class PressureRule:
 
 
 def parse_on_pressure(text: str) -> list[PressureRule]:
+    from .config import RESOURCES  # config imports yaml: not before sampling starts without --on-pressure
+
     rules = []
     for part in text.split(","):
         res, _, thr = part.strip().partition(":")
@@ -233,6 +234,8 @@ class Targets:
 def _wait_for_pressure(
     rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
 ) -> wire.Trigger:
+    from . import wire
+    from .config import ResourceTrigger
     from .psi import PsiLoop
 
     pids = targets.current()
@@ -248,7 +251,7 @@ def _wait_for_pressure(
         else:
             d = procfs.cgroup_dir(cgroup_root, cgroup)
             path = os.path.join(d or cgroup_root, f"{r.resource}.pressure")
-        loop.add_watcher(r.resource, path, r.resource, "some", r.threshold, 1000, 0)
+        loop.add_watcher(r.resource, path, ResourceTrigger(r.resource, r.threshold, window_ms=1000), 0)
     want = ", ".join(f"{r.resource} > {r.threshold:g}%" for r in rules)
     t0 = time.monotonic()
     while True:
@@ -264,7 +267,7 @@ def _wait_for_pressure(
             if not ev.dead:
                 loop.clear()
                 progress.done(f"Pressure: {ev.resource} avg10={ev.avg10:.2f}% after {waited:.1f} s")
-                return ev.to_trigger(cgroup)
+                return wire.Trigger.from_psi(ev, cgroup)
 
 
 def _kernel_meta(proc_root: str) -> KernelMeta:
@@ -349,6 +352,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             unwind_cache_dir=os.path.join(cache_dir, "unwind") if args.cache else None,
             unwind_cpu_share=1.0,
             unwind_nice=0,
+            # The episode hooks only for --on-pressure's report: each costs load time.
+            episode=bool(args.on_pressure),
         )
     )
     stop: list[bool] = []
@@ -375,6 +380,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         profile, stats = _symbolize(args, capture.session, tree.root, progress)
         _write_outputs(args, out, profile, command, capture, stats, usage)
         print_top(profile, args.top)
+        if capture.session.episode is not None:
+            from .episode import summary_lines
+
+            print("\nEpisode (the window of the capture, after the pressure):")
+            print("\n".join(summary_lines(capture.session.episode)))
         print(f"\nWrote {out.path}/: {', '.join(out.written)}")
         return 0
     finally:
@@ -414,6 +424,8 @@ def _capture(
 
     procs = targets.current()
     flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+    if trigger is not None:  # --on-pressure: the episode report (victims by state, aggressors)
+        flags |= abi.EpisodeFilter.ON
     for pid in procs:
         agent.set_pid_filter(pid, flags)
     agent.start()
@@ -423,6 +435,7 @@ def _capture(
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from . import wire
     from .capture import CaptureOrchestrator
+    from .episode import EpisodeProbe
     from .metrics import AgentMetrics
 
     child = targets.child
@@ -438,6 +451,9 @@ def _capture(
         period_ns=1_000_000_000 // args.freq,
         filter_flags=flags,
         proc_root=args.proc_path,
+        episode=EpisodeProbe(agent.thread_times, procfs.find_cgroup2_mount(args.proc_path))
+        if trigger is not None
+        else None,
     )
     trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
     sid = orch.start_session(trigger, "record", {}, procs, 1e9)
@@ -478,11 +494,14 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
+    s = orch.sessions[sid]
+    episode = None
+    if orch.episode is not None and s.episode_start is not None:  # read while the maps are there
+        episode = orch.episode.finish(s.episode_start, s.processes, s.trigger.resource)
     agent.close()  # drains the rings
     count([ev for ev in agent.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0
-    s = orch.sessions[sid]
-    session = orch.build(s, time.monotonic()) if s.traces else None
+    session = orch.build(s, time.monotonic(), episode) if s.traces else None
     return Capture(session, n_samples, first_ns, seconds, len(known))
 
 

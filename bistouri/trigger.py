@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from . import procfs, wire
 from .capture import CaptureOrchestrator
-from .config import Target, TriggerConfig
+from .config import ResourceTrigger, Target, TriggerConfig
 from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .events import ExecMatch
 from .matcher import CommMatcher
@@ -35,8 +35,8 @@ __all__ = ["SYSTEM", "FoundProcess", "TriggerAgent", "WalkResult", "walk_process
 SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
 
 
-# (cgroup, resource, stall, threshold %, window ms)
-WatchKey = tuple[str, str, str, float, int]
+# (cgroup, the configured trigger)
+WatchKey = tuple[str, ResourceTrigger]
 
 
 @dataclass(slots=True)
@@ -179,7 +179,7 @@ class TriggerAgent:
                 # A cgroup or unit target watches the pressure of the whole cgroup it names.
                 cgroup = self.target_cgroups.get(rid, p.cgroup)
             for r in target.resources:
-                key: WatchKey = (cgroup, r.resource, r.stall, r.threshold, r.window_ms)
+                key: WatchKey = (cgroup, r)
                 group = self.groups.get(key)
                 if group is None:
                     group = self._watch(key, target)
@@ -209,7 +209,9 @@ class TriggerAgent:
                 del self.groups[key]
                 self.loop.remove(key)
                 log.info(
-                    "PSI watcher removed: no matching process left. cgroup=%s resource=%s", key[0], key[1]
+                    "PSI watcher removed: no matching process left. cgroup=%s resource=%s",
+                    key[0],
+                    key[1].resource,
                 )
         self.metrics.processes.set(len(self.processes))
 
@@ -222,25 +224,23 @@ class TriggerAgent:
         return os.path.join(d, f"{resource}.pressure")
 
     def _watch(self, key: WatchKey, target: Target) -> WatchGroup | None:
-        cgroup, resource, stall, threshold, window_ms = key
+        cgroup, trigger = key
         try:
-            path = self.pressure_path(cgroup, resource)
-            self.loop.add_watcher(
-                key, path, resource, stall, threshold, window_ms, target.cooldown(self.default_capture_s)
-            )
+            path = self.pressure_path(cgroup, trigger.resource)
+            self.loop.add_watcher(key, path, trigger, target.cooldown(self.default_capture_s))
         except OSError as e:
             self.watch_failures += 1
             self.metrics.sessions_dropped.labels("watcher_failed").inc()
-            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, resource, e)
+            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, trigger.resource, e)
             return None
         group = WatchGroup(key, path)
         self.groups[key] = group
         log.info(
             "PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d",
             path,
-            stall,
-            threshold,
-            window_ms,
+            trigger.stall,
+            trigger.threshold,
+            trigger.window_ms,
         )
         return group
 
@@ -273,7 +273,7 @@ class TriggerAgent:
                     continue
                 procs[pid] = t.comm
             sid = self.orch.start_session(
-                ev.to_trigger(group.key[0]),
+                wire.Trigger.from_psi(ev, group.key[0]),
                 target.service_id,
                 dict(target.labels),
                 procs,

@@ -16,14 +16,19 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+if TYPE_CHECKING:
+    from .psi import PsiEvent
+
+from .config import RESOURCES, STALLS
 from .errors import WireError
 
-VERSION = 2
-READABLE_VERSIONS = (1, 2)  # v1: no mapping names, no JIT frames (old spool files)
+VERSION = 3
+# v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states
+READABLE_VERSIONS = (1, 2, 3)
 
 # User frame kinds, as sent on the wire.
 FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
@@ -32,14 +37,21 @@ FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
 FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
 FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
 
-RESOURCES = ("cpu", "memory", "io")
-STALLS = ("some", "full")
 # What started a session: a PSI event, or an operator asking the agent (capture now).
 TRIGGER_PSI = "psi"
 TRIGGER_MANUAL = "manual"
 TRIGGER_KINDS = (TRIGGER_PSI, TRIGGER_MANUAL)
 
 MAX_U64 = (1 << 64) - 1
+
+# (v3) What an off-CPU trace waited in: the 6th element of a trace row, absent for D.
+WAIT_D = 0  # uninterruptible (D) wait, the only kind before v3
+WAIT_S = 1  # interruptible sleep (S): futex, locks, poll, sleeps
+WAIT_RECLAIM = 2  # direct reclaim or compaction
+WAIT_STATES = (WAIT_D, WAIT_S, WAIT_RECLAIM)
+WAIT_NAMES = {WAIT_D: "D", WAIT_S: "S", WAIT_RECLAIM: "reclaim"}
+MAX_VICTIMS = 1024  # episode rows the decoder accepts (the agent keeps 256 / 20)
+MAX_AGGRESSORS = 256
 
 # Limits of what the decoder accepts: it runs on untrusted input. docs/api.md ("Limits") quotes them.
 MAX_SESSIONS_PER_BATCH = 1000
@@ -94,6 +106,7 @@ class Trace:
     off_cpu: int = 0
     off_cpu_ns: int = 0
     pre_trigger: bool = False  # sampled by the flight recorder before the trigger
+    wait: int = WAIT_D  # (v3) what the off-CPU counts waited in (WAIT_*)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +122,62 @@ class Trigger:
     avg300: float = 0.0
     total_us: int = 0
     kind: str = TRIGGER_PSI  # psi | manual
+
+    @classmethod
+    def from_psi(cls, event: PsiEvent, cgroup: str) -> Trigger:
+        """A session's trigger from the PSI event that fired; `cgroup` is relative to the cgroup2
+        mount, "/" for system-wide."""
+        return cls(
+            resource=event.resource,
+            stall=event.stall,
+            threshold_us=event.threshold_us,
+            window_us=event.window_us,
+            cgroup=cgroup,
+            time_ns=event.time_ns,
+            avg10=event.avg10,
+            avg60=event.avg60,
+            avg300=event.avg300,
+            total_us=event.total_us,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """(v3) One watched thread's time by state over the episode (episode.py)."""
+
+    pid: int
+    tid: int
+    comm: str
+    on_cpu_ns: int = 0
+    runqueue_ns: int = 0  # runnable, waiting for a CPU
+    blocked_d_ns: int = 0
+    blocked_s_ns: int = 0
+    reclaim_ns: int = 0  # direct reclaim and compaction (overlaps the states above)
+
+    @property
+    def stall_ns(self) -> int:
+        """What PSI counts as stalled: waiting for a CPU, for I/O (D), for memory (reclaim)."""
+        return self.runqueue_ns + self.blocked_d_ns + self.reclaim_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Aggressor:
+    """(v3) What one cgroup used over the episode (episode.py)."""
+
+    cgroup: str  # relative to the cgroup2 mount
+    cpu_ns: int = 0
+    io_bytes: int = 0
+    io_ops: int = 0
+    memory_bytes: int = 0  # growth of memory.current
+    reclaim_bytes: int = 0  # reclaimed from it (memory.stat pgsteal)
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """(v3) Who waited and who used the machine, over the session's window, ranked."""
+
+    victims: tuple[Victim, ...] = ()
+    aggressors: tuple[Aggressor, ...] = ()
 
 
 @dataclass(slots=True)
@@ -151,6 +220,7 @@ class Session:
     # trigger time minus this; traces with pre_trigger=True were sampled in it.
     pre_trigger_ns: int = 0
     unwind: UnwindSummary = field(default_factory=UnwindSummary)
+    episode: Episode | None = None  # (v3) absent from older sessions and manual ones without it
 
     @property
     def total_samples(self) -> int:
@@ -205,7 +275,10 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         if ti is None:
             ti = threads[t.tid] = len(thread_list)
             thread_list.append([t.pid, t.tid, s.threads.get(t.tid, "")])
-        (pre_traces if t.pre_trigger else traces).append([si, ti, t.on_cpu, t.off_cpu, t.off_cpu_ns])
+        row = [si, ti, t.on_cpu, t.off_cpu, t.off_cpu_ns]
+        if t.wait != WAIT_D:
+            row.append(t.wait)
+        (pre_traces if t.pre_trigger else traces).append(row)
 
     tr = s.trigger
     trigger: dict[str, Any] = {
@@ -250,6 +323,26 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         out["pre_trigger_ns"] = s.pre_trigger_ns
     if s.unwind.frames or s.unwind.walks:
         out["unwind"] = s.unwind.to_json()
+    if s.episode is not None:
+        out["episode"] = {
+            "victims": [
+                [
+                    v.pid,
+                    v.tid,
+                    v.comm,
+                    v.on_cpu_ns,
+                    v.runqueue_ns,
+                    v.blocked_d_ns,
+                    v.blocked_s_ns,
+                    v.reclaim_ns,
+                ]
+                for v in s.episode.victims
+            ],
+            "aggressors": [
+                [a.cgroup, a.cpu_ns, a.io_bytes, a.io_ops, a.memory_bytes, a.reclaim_bytes]
+                for a in s.episode.aggressors
+            ],
+        }
     return out
 
 
@@ -504,8 +597,11 @@ def session_from_wire(m: Any) -> Session:
     for name, rows, pre in (("traces", post_rows, False), ("pre_traces", pre_rows, True)):
         for i, tr in enumerate(rows):
             at = f"{where}.{name}[{i}]"
-            if not (isinstance(tr, list) and len(tr) == 5):
-                raise WireError("malformed", f"{at} must be [stack, thread, on, off, off_ns]")
+            if not (isinstance(tr, list) and (len(tr) == 5 or (v >= 3 and len(tr) == 6))):
+                raise WireError("malformed", f"{at} must be [stack, thread, on, off, off_ns(, wait)]")
+            wait = tr[5] if len(tr) == 6 else WAIT_D
+            if wait not in WAIT_STATES or isinstance(wait, bool):
+                raise WireError("malformed", f"{at}.wait {wait!r} is not one of {WAIT_STATES}")
             kst, ust = stacks[_index(tr[0], len(stacks), f"{at}.stack")]
             pid, tid = thread_rows[_index(tr[1], len(thread_rows), f"{at}.thread")]
             traces.append(
@@ -518,6 +614,7 @@ def session_from_wire(m: Any) -> Session:
                     off_cpu=_u64(tr[3], f"{at}.off_cpu"),
                     off_cpu_ns=_u64(tr[4], f"{at}.off_cpu_ns"),
                     pre_trigger=pre,
+                    wait=wait,
                 )
             )
     return Session(
@@ -536,6 +633,7 @@ def session_from_wire(m: Any) -> Session:
         traces=traces,
         pre_trigger_ns=_u64(m.get("pre_trigger_ns", 0), where + ".pre_trigger_ns"),
         unwind=_unwind_summary(m.get("unwind"), where + ".unwind"),
+        episode=_episode(m["episode"], where + ".episode") if v >= 3 and "episode" in m else None,
     )
 
 
@@ -558,6 +656,35 @@ def _unwind_summary(v: Any, where: str) -> UnwindSummary:
                 raise WireError("malformed", f"{where}.{name} must map short names to counts")
             target[key] = _u64(n, f"{where}.{name}.{key}")
     return out
+
+
+def _episode(m: Any, where: str) -> Episode:
+    if not isinstance(m, dict):
+        raise WireError("malformed", f"{where} must be a map with victims and aggressors")
+    rows_v, rows_a = m.get("victims", []), m.get("aggressors", [])
+    if not isinstance(rows_v, list) or len(rows_v) > MAX_VICTIMS:
+        raise WireError("malformed", f"{where}.victims must be a list of at most {MAX_VICTIMS} rows")
+    if not isinstance(rows_a, list) or len(rows_a) > MAX_AGGRESSORS:
+        raise WireError("malformed", f"{where}.aggressors must be a list of at most {MAX_AGGRESSORS} rows")
+    victims = []
+    for i, r in enumerate(rows_v):
+        at = f"{where}.victims[{i}]"
+        if not (isinstance(r, list) and len(r) == 8 and isinstance(r[2], str)):
+            raise WireError("malformed", f"{at} must be [pid, tid, comm, on_cpu, runqueue, D, S, reclaim] ns")
+        _comm(r[2], at + ".comm")
+        pid, tid, *ns = (_u64(x, at) for x in (r[0], r[1], *r[3:]))
+        victims.append(Victim(pid, tid, r[2], *ns))
+    aggressors = []
+    for i, r in enumerate(rows_a):
+        at = f"{where}.aggressors[{i}]"
+        if not (
+            isinstance(r, list) and len(r) == 6 and isinstance(r[0], str) and len(r[0]) <= MAX_CGROUP_CHARS
+        ):
+            raise WireError(
+                "malformed", f"{at} must be [cgroup, cpu_ns, io_bytes, io_ops, memory_bytes, reclaim_bytes]"
+            )
+        aggressors.append(Aggressor(r[0], *(_u64(x, at) for x in r[1:])))
+    return Episode(tuple(victims), tuple(aggressors))
 
 
 def _str(m: Mapping[str, Any], key: str, where: str, limit: int = MAX_NAME_CHARS) -> str:

@@ -884,4 +884,339 @@ int BPF_PROG(handle_exec, struct task_struct *p, pid_t old_pid, struct linux_bin
 	return 0;
 }
 
+/*
+ * ---- Episode report (issue 12): victims' time by state. ----
+ * Separate programs on the scheduler tracepoints, so the sampling code above
+ * stays as it is. Every hook looks up the tgid in pid_filter first and returns
+ * unless BISTOURI_EPISODE_FILTER_ON is set: an unwatched thread costs one hash lookup (none for the idle task).
+ * State machine per thread, timed at each transition:
+ *   switch-out: RUNNING -> RUNNABLE (preempted or still TASK_RUNNING), D or S
+ *   wakeup:     D/S -> RUNNABLE (the wait ends: blocked time by state)
+ *   switch-in:  RUNNABLE -> RUNNING (run-queue delay, as schedstat's run_delay)
+ * Reclaim and compaction are timed begin -> end on the thread itself.
+ */
+#define TASK_INTERRUPTIBLE 0x1
+#define TASK_DEAD 0x80
+
+enum bistouri_episode_kind abi_anchor_episode_kind SEC(".bss");
+enum bistouri_thread_state abi_anchor_thread_state SEC(".bss");
+enum bistouri_episode_counter abi_anchor_episode_counter SEC(".bss");
+enum bistouri_episode_filter abi_anchor_episode_filter SEC(".bss");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, __u32);                   /* tid */
+	__type(value, struct bistouri_thread_times);
+} thread_times SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, BISTOURI_EPC_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} episode_counters SEC(".maps");
+
+/* tid -> stack taken when a sleep (S) or a reclaim began, sent when it ends. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct bistouri_stack_event);
+} sleep_pending SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct bistouri_stack_event);
+} reclaim_pending SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct bistouri_stack_event);
+} episode_scratch SEC(".maps");
+
+static __always_inline void episode_count(__u32 which)
+{
+	__u64 *val = bpf_map_lookup_elem(&episode_counters, &which);
+
+	if (val)
+		*val += 1;
+}
+
+static __always_inline bool episode_watched(__u32 tgid)
+{
+	__u32 *flags;
+
+	if (!tgid) /* the idle task: half of all switches on a quiet CPU */
+		return false;
+	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
+
+	return flags && (*flags & BISTOURI_EPISODE_FILTER_ON);
+}
+
+/* The thread's times, created (state unknown) on first sight; NULL if the map refuses. */
+static __always_inline struct bistouri_thread_times *thread_entry(__u32 tgid, __u32 tid,
+								  struct task_struct *task)
+{
+	struct bistouri_thread_times *t = bpf_map_lookup_elem(&thread_times, &tid);
+	struct bistouri_thread_times fresh = { .pid = tgid, .tid = tid };
+
+	if (t && t->pid == tgid)
+		return t;
+	/* New, or its tid now belongs to another process: start over. */
+	BPF_CORE_READ_STR_INTO(&fresh.comm, task, comm);
+	if (bpf_map_update_elem(&thread_times, &tid, &fresh, BPF_ANY)) {
+		episode_count(BISTOURI_EPC_THREADS_FULL);
+		return NULL;
+	}
+	return bpf_map_lookup_elem(&thread_times, &tid);
+}
+
+/* Close the state the thread was in at `now`: add its time where it belongs. */
+static __always_inline void close_state(struct bistouri_thread_times *t, __u64 now)
+{
+	__u64 d = t->since_ns && now > t->since_ns ? now - t->since_ns : 0;
+
+	switch (t->state) {
+	case BISTOURI_STATE_RUNNING:
+		t->on_cpu_ns += d;
+		break;
+	case BISTOURI_STATE_RUNNABLE:
+		t->runqueue_ns += d;
+		t->runqueue_waits += 1;
+		break;
+	case BISTOURI_STATE_BLOCKED_D:
+		t->blocked_d_ns += d;
+		t->d_waits += 1;
+		break;
+	case BISTOURI_STATE_BLOCKED_S:
+		t->blocked_s_ns += d;
+		t->s_waits += 1;
+		break;
+	}
+}
+
+/* A pending stack (sleep or reclaim) of `tid` ends now: send it with its duration. */
+static __always_inline void send_pending(void *map, __u32 tid, __u64 now)
+{
+	struct bistouri_stack_event *pending = bpf_map_lookup_elem(map, &tid);
+
+	if (!pending)
+		return;
+	pending->blocked_ns = now > pending->timestamp_ns ? now - pending->timestamp_ns : 0;
+	if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags()))
+		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, pending->pid, 0);
+	bpf_map_delete_elem(map, &tid);
+}
+
+/*
+ * Take the current thread's stack into `map` for an event of `kind`, at most
+ * once per offcpu_interval_ns per thread; the one taken stands for the skipped.
+ */
+static __always_inline void take_stack(void *ctx, void *map, __u32 kind,
+				       struct bistouri_thread_times *t, __u64 now)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pid_tgid, zero = 0;
+	struct bistouri_stack_event *ev;
+	__u32 waits;
+
+	if (t->stack_ns && now - t->stack_ns < cfg.offcpu_interval_ns) {
+		t->skipped += 1;
+		episode_count(BISTOURI_EPC_STACKS_LIMITED);
+		return;
+	}
+	waits = 1 + t->skipped;
+	t->skipped = 0;
+	t->stack_ns = now;
+	ev = bpf_map_lookup_elem(&episode_scratch, &zero);
+	if (!ev)
+		return;
+	fill_header(ev, kind, pid_tgid, now);
+	ev->waits = waits;
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL);
+	ev->timestamp_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
+		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	struct bistouri_thread_times *t;
+	__u64 now = 0;
+	__u32 tgid, tid;
+	long state;
+
+	/* prev is current: account its CPU time and the state it leaves in. */
+	tgid = BPF_CORE_READ(prev, tgid);
+	if (episode_watched(tgid)) {
+		now = bpf_ktime_get_ns(); /* only for watched threads: the rest pay two lookups */
+		tid = BPF_CORE_READ(prev, pid);
+		t = thread_entry(tgid, tid, prev);
+		if (t) {
+			episode_count(BISTOURI_EPC_SWITCHES);
+			close_state(t, now);
+			state = get_task_state(prev);
+			if (state & TASK_DEAD) {
+				/* Its last switch: nothing more to time (the entry stays for the final read). */
+				t->state = BISTOURI_STATE_UNKNOWN;
+			} else if (preempt || state == 0) {
+				t->state = BISTOURI_STATE_RUNNABLE;
+			} else if ((state & TASK_UNINTERRUPTIBLE) && !(state & TASK_NOLOAD)) {
+				t->state = BISTOURI_STATE_BLOCKED_D;
+			} else {
+				/* TASK_INTERRUPTIBLE, or an idle (NOLOAD) wait: not a D stall. */
+				t->state = BISTOURI_STATE_BLOCKED_S;
+				if (state & TASK_INTERRUPTIBLE)
+					take_stack(ctx, &sleep_pending, BISTOURI_EVENT_SLEEP, t, now);
+			}
+			t->since_ns = now;
+		}
+	}
+
+	tgid = BPF_CORE_READ(next, tgid);
+	if (!episode_watched(tgid))
+		return 0;
+	if (!now)
+		now = bpf_ktime_get_ns();
+	tid = BPF_CORE_READ(next, pid);
+	t = thread_entry(tgid, tid, next);
+	if (!t)
+		return 0;
+	if (t->state == BISTOURI_STATE_BLOCKED_S)
+		send_pending(&sleep_pending, tid, now); /* woken without a wakeup we saw */
+	if (t->state != BISTOURI_STATE_UNKNOWN)
+		close_state(t, now);
+	t->state = BISTOURI_STATE_RUNNING;
+	t->since_ns = now;
+	return 0;
+}
+
+static __always_inline void episode_wakeup(struct task_struct *p, bool new_task)
+{
+	__u32 tgid = BPF_CORE_READ(p, tgid), tid;
+	struct bistouri_thread_times *t;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	now = bpf_ktime_get_ns();
+	tid = BPF_CORE_READ(p, pid);
+	t = thread_entry(tgid, tid, p);
+	if (!t)
+		return;
+	if (t->state == BISTOURI_STATE_RUNNING || t->state == BISTOURI_STATE_RUNNABLE)
+		return; /* already counted as wanting a CPU */
+	episode_count(BISTOURI_EPC_WAKEUPS);
+	if (t->state == BISTOURI_STATE_BLOCKED_S)
+		send_pending(&sleep_pending, tid, now);
+	if (t->state != BISTOURI_STATE_UNKNOWN && !new_task)
+		close_state(t, now);
+	t->state = BISTOURI_STATE_RUNNABLE;
+	t->since_ns = now;
+}
+
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(handle_episode_wakeup, struct task_struct *p)
+{
+	episode_wakeup(p, false);
+	return 0;
+}
+
+SEC("tp_btf/sched_wakeup_new")
+int BPF_PROG(handle_episode_wakeup_new, struct task_struct *p)
+{
+	episode_wakeup(p, true);
+	return 0;
+}
+
+/* Reclaim and compaction run on the stalled thread itself: current. */
+static __always_inline void reclaim_begin(void *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct bistouri_thread_times *t;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	t = thread_entry(tgid, tid, (struct task_struct *)bpf_get_current_task());
+	if (!t || t->reclaim_start_ns)
+		return; /* nested (compaction inside reclaim): the outer one is timed */
+	now = bpf_ktime_get_ns();
+	t->reclaim_start_ns = now;
+	take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, t, now);
+}
+
+static __always_inline void reclaim_end(void)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct bistouri_thread_times *t;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	t = bpf_map_lookup_elem(&thread_times, &tid);
+	if (!t || !t->reclaim_start_ns)
+		return;
+	now = bpf_ktime_get_ns();
+	t->reclaim_ns += now - t->reclaim_start_ns;
+	t->reclaims += 1;
+	t->reclaim_start_ns = 0;
+	episode_count(BISTOURI_EPC_RECLAIMS);
+	send_pending(&reclaim_pending, tid, now);
+}
+
+SEC("tp_btf/mm_vmscan_direct_reclaim_begin")
+int BPF_PROG(handle_direct_reclaim_begin)
+{
+	reclaim_begin(ctx);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_direct_reclaim_end")
+int BPF_PROG(handle_direct_reclaim_end)
+{
+	reclaim_end();
+	return 0;
+}
+
+/* memory.high and memory.max make the allocating thread reclaim its own cgroup. */
+SEC("tp_btf/mm_vmscan_memcg_reclaim_begin")
+int BPF_PROG(handle_memcg_reclaim_begin)
+{
+	reclaim_begin(ctx);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_memcg_reclaim_end")
+int BPF_PROG(handle_memcg_reclaim_end)
+{
+	reclaim_end();
+	return 0;
+}
+
+SEC("tp_btf/mm_compaction_begin")
+int BPF_PROG(handle_compaction_begin)
+{
+	reclaim_begin(ctx);
+	return 0;
+}
+
+SEC("tp_btf/mm_compaction_end")
+int BPF_PROG(handle_compaction_end)
+{
+	reclaim_end();
+	return 0;
+}
+
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -192,4 +192,60 @@ struct bistouri_config {
 	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
 };
 
+/*
+ * ---- Episode report (issue 12): the watched threads' time by state. ----
+ * Kept apart from the sampling structs above. A tgid whose pid_filter value has
+ * BISTOURI_EPISODE_FILTER_ON gets its threads' time accounted in `thread_times`
+ * (on-CPU, run-queue, blocked D/S, reclaim) and stacks of its interruptible
+ * sleeps and reclaim stalls sent as stack events of the kinds below.
+ */
+enum bistouri_episode_filter {
+	BISTOURI_EPISODE_FILTER_ON = 4, /* a pid_filter bit, beside enum bistouri_filter_flags */
+};
+
+enum bistouri_episode_kind {
+	BISTOURI_EVENT_SLEEP = 16,    /* interruptible (S) wait, timed at wakeup/switch-in */
+	BISTOURI_EVENT_RECLAIM = 17,  /* direct reclaim or compaction, timed begin -> end */
+};
+
+/* What a watched thread is doing since thread_times.since_ns. */
+enum bistouri_thread_state {
+	BISTOURI_STATE_UNKNOWN = 0,  /* not seen switching yet */
+	BISTOURI_STATE_RUNNING = 1,
+	BISTOURI_STATE_RUNNABLE = 2, /* woken or preempted, waiting for a CPU */
+	BISTOURI_STATE_BLOCKED_D = 3,
+	BISTOURI_STATE_BLOCKED_S = 4,
+};
+
+/* Counters of the episode hooks; indexes of the per-CPU `episode_counters` map. */
+enum bistouri_episode_counter {
+	BISTOURI_EPC_SWITCHES = 0,      /* switches of watched threads accounted */
+	BISTOURI_EPC_WAKEUPS = 1,       /* wakeups of watched threads accounted */
+	BISTOURI_EPC_THREADS_FULL = 2,  /* thread_times full: a new thread not accounted */
+	BISTOURI_EPC_STACKS_LIMITED = 3,/* sleep/reclaim stack skipped by the per-thread rate limit */
+	BISTOURI_EPC_RECLAIMS = 4,      /* reclaim/compaction stalls accounted */
+	BISTOURI_EPC_MAX = 5,
+};
+
+/* Cumulative times of one watched thread (user space diffs two reads). */
+struct bistouri_thread_times {
+	__u32 pid;             /* tgid */
+	__u32 tid;
+	__u64 on_cpu_ns;
+	__u64 runqueue_ns;
+	__u64 blocked_d_ns;
+	__u64 blocked_s_ns;
+	__u64 reclaim_ns;
+	__u64 runqueue_waits;
+	__u64 d_waits;
+	__u64 s_waits;
+	__u64 reclaims;
+	__u64 since_ns;        /* when `state` began (bpf_ktime_get_ns) */
+	__u64 reclaim_start_ns; /* 0: not in reclaim */
+	__u64 stack_ns;        /* last sleep stack taken (rate limit) */
+	__u32 state;           /* enum bistouri_thread_state */
+	__u32 skipped;         /* sleeps since the last sleep stack: the next one stands for them */
+	__u8 comm[BISTOURI_COMM_LEN];
+};
+
 #endif /* BISTOURI_H */

@@ -203,7 +203,7 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     frames: list[Frame] = []
     # Keyed by a plain tuple: hashing and comparing the dataclass itself costs several times more.
     frame_ids: dict[tuple[str, str, str, int, str, bool], int] = {}
-    acc: dict[tuple[tuple[int, ...], bool], list[int]] = {}
+    acc: dict[tuple[tuple[int, ...], bool, int], list[int]] = {}
     first: SessionMeta | None = None
     start = end = 0
     for p in profiles:
@@ -222,8 +222,8 @@ def merge(profiles: Iterable[Profile]) -> Profile:
                 frames.append(f)
             remap.append(i)
         for s in p.samples:
-            # Keyed by the before-trigger flag too: the merge keeps the onset apart.
-            key = (tuple(remap[i] for i in s.stack), s.pre_trigger)
+            # Keyed by the before-trigger flag and the wait state too: the merge keeps them apart.
+            key = (tuple(remap[i] for i in s.stack), s.pre_trigger, s.wait)
             c = acc.get(key)
             if c is None:
                 c = acc[key] = [0, 0, 0]
@@ -231,8 +231,8 @@ def merge(profiles: Iterable[Profile]) -> Profile:
             c[1] += s.off_cpu
             c[2] += s.off_cpu_ns
     samples = [
-        Sample(stack=k, on_cpu=c[0], off_cpu=c[1], off_cpu_ns=c[2], pre_trigger=pre)
-        for (k, pre), c in acc.items()
+        Sample(stack=k, on_cpu=c[0], off_cpu=c[1], off_cpu_ns=c[2], pre_trigger=pre, wait=wait)
+        for (k, pre, wait), c in acc.items()
     ]
     meta = (
         replace(first, labels=dict(first.labels), processes=dict(first.processes))

@@ -7,7 +7,7 @@ down to the leaf. That is the order of folded stacks and flamegraphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import wire
@@ -40,7 +40,13 @@ class Sample:
     off_cpu: int = 0  # off-CPU wait count
     off_cpu_ns: int = 0  # off-CPU blocked time
     pre_trigger: bool = False  # sampled by the flight recorder before the trigger (the onset)
+    wait: int = wire.WAIT_D  # what its off-CPU counts waited in (wire.WAIT_*)
 
+
+# The states a profile can be read in (`state=` of the read API): every sample, the on-CPU
+# ones, or the waits in one state (the episode page's flamegraph per state).
+STATES = ("all", "on_cpu", *wire.WAIT_NAMES.values())
+_WAIT_BY_NAME = {name: wait for wait, name in wire.WAIT_NAMES.items()}
 
 # What a profile read keeps of a session (`part=` of the read API): all of it, or the samples
 # taken before or after the trigger.
@@ -81,6 +87,9 @@ class SessionMeta:
     # How the user stacks were walked (wire.UnwindSummary.to_json()): frames by table or
     # frame pointer, samples by why their walk ended. Empty for agents before it.
     unwind: dict[str, dict[str, int]] = field(default_factory=dict)
+    # (v3) The episode report as GET /v1/sessions/{id} shows it (rows of episode.py, ranked).
+    victims: list[dict[str, Any]] = field(default_factory=list)
+    aggressors: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, s: wire.Session) -> SessionMeta:
@@ -117,6 +126,8 @@ class SessionMeta:
             pre_off_cpu=sum(x.off_cpu for x in pre),
             pre_off_cpu_ns=sum(x.off_cpu_ns for x in pre),
             unwind=s.unwind.to_json() if s.unwind.frames or s.unwind.walks else {},
+            victims=[victim_json(v) for v in s.episode.victims] if s.episode else [],
+            aggressors=[aggressor_json(a) for a in s.episode.aggressors] if s.episode else [],
         )
 
     @property
@@ -127,8 +138,10 @@ class SessionMeta:
     def pid(self) -> int:
         return next(iter(self.processes), 0)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, episode_rows: bool = True) -> dict[str, Any]:
+        """The session as the read API shows it; without `episode_rows` (session lists), the
+        episode's victims and aggressors are left out."""
+        out: dict[str, Any] = {
             "id": self.session_id,
             "tenant": self.tenant,
             "service": self.service,
@@ -172,6 +185,34 @@ class SessionMeta:
                 },
             },
         }
+        if episode_rows:
+            out["episode"]["victims"] = self.victims
+            out["episode"]["aggressors"] = self.aggressors
+        return out
+
+
+def victim_json(v: wire.Victim) -> dict[str, Any]:
+    return {
+        "pid": v.pid,
+        "tid": v.tid,
+        "comm": v.comm,
+        "on_cpu_ns": v.on_cpu_ns,
+        "runqueue_ns": v.runqueue_ns,
+        "blocked_ns": {"D": v.blocked_d_ns, "S": v.blocked_s_ns},
+        "reclaim_ns": v.reclaim_ns,
+        "stall_ns": v.stall_ns,
+    }
+
+
+def aggressor_json(a: wire.Aggressor) -> dict[str, Any]:
+    return {
+        "cgroup": a.cgroup,
+        "cpu_ns": a.cpu_ns,
+        "io_bytes": a.io_bytes,
+        "io_ops": a.io_ops,
+        "memory_bytes": a.memory_bytes,
+        "reclaim_bytes": a.reclaim_bytes,
+    }
 
 
 @dataclass(slots=True)
@@ -198,3 +239,17 @@ class Profile:
             raise ValueError(f"part {part!r} is not one of {', '.join(PARTS)}")
         before = part == "before"
         return Profile(self.meta, self.frames, [s for s in self.samples if s.pre_trigger == before])
+
+    def in_state(self, state: str) -> Profile:
+        """The profile of the on-CPU samples (`on_cpu`), of the waits in one state (`D`, `S`,
+        `reclaim`), or all (see STATES)."""
+        if state == "all":
+            return self
+        if state not in STATES:
+            raise ValueError(f"state {state!r} is not one of {', '.join(STATES)}")
+        if state == "on_cpu":
+            kept = [replace(s, off_cpu=0, off_cpu_ns=0) for s in self.samples if s.on_cpu]
+        else:
+            wait = _WAIT_BY_NAME[state]
+            kept = [replace(s, on_cpu=0) for s in self.samples if s.off_cpu and s.wait == wait]
+        return Profile(self.meta, self.frames, kept)

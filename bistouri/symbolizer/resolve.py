@@ -628,6 +628,7 @@ class Resolver:
                     t.off_cpu,
                     t.off_cpu_ns,
                     t.pre_trigger,
+                    t.wait,
                 )
             )
 

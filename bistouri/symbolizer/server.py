@@ -38,7 +38,7 @@ from ..errors import WireError
 from . import formats
 from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
 from .metrics import Metrics
-from .model import PARTS, Profile
+from .model import PARTS, STATES, Profile
 from .store import Filter, Store, StoredSession, StoreError, meta_from_session
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,13 @@ def _part(args: Any, name: str = "part") -> str:
     if p not in PARTS:
         raise ApiError(400, "bad_parameter", f"{name}={p!r} is not one of {', '.join(PARTS)}")
     return str(p)
+
+
+def _state(args: Any) -> str:
+    state = args.get("state", "all")
+    if state not in STATES:
+        raise ApiError(400, "bad_parameter", f"state={state!r} is not one of {', '.join(STATES)}")
+    return str(state)
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -700,7 +707,7 @@ class SymbolizerApp:
         limit = _int_arg(request.args, "limit", 100, 1, MAX_LIST_LIMIT)
         offset = _int_arg(request.args, "offset", 0, 0, 1 << 31)
         metas, total = self.store.query(flt, limit, offset)
-        return _json({"sessions": [m.to_json() for m in metas], "total": total})
+        return _json({"sessions": [m.to_json(episode_rows=False) for m in metas], "total": total})
 
     def _profile(self, sid: str) -> Profile:
         profile = self.store.get_profile(_check_id(sid))
@@ -723,7 +730,7 @@ class SymbolizerApp:
         self._authorize(request, write=False)
         render = self._renderer(fmt)
         part = _part(request.args)
-        return render(request, self._profile(sid).part(part), sid)
+        return render(request, self._profile(sid).part(part).in_state(_state(request.args)), sid)
 
     def on_merged_profile(self, request: Request, fmt: str) -> Response:
         self._authorize(request, write=False)

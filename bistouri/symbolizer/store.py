@@ -145,9 +145,10 @@ def meta_from_text(text: str) -> SessionMeta:
 def profile_to_blob(p: Profile) -> bytes:
     body = {
         "f": [[f.name, f.module, f.file, f.line, f.kind, f.inlined] for f in p.frames],
-        # The before-trigger flag is an 8th value, absent from blobs stored before it existed.
+        # The before-trigger flag is an 8th value and the wait state a 9th, absent from blobs
+        # stored before they existed.
         "s": [
-            [list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger]
+            [list(s.stack), s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait]
             for s in p.samples
         ],
     }
@@ -167,6 +168,7 @@ def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
             off_cpu=s[5],
             off_cpu_ns=s[6],
             pre_trigger=len(s) > 7 and bool(s[7]),
+            wait=s[8] if len(s) > 8 else wire.WAIT_D,
         )
         for s in body["s"]
     ]

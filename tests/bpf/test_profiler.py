@@ -15,7 +15,7 @@ import pytest
 from bistouri import abi
 from bistouri.events import ExecMatch, SentSamples, StackSample, split_stacks
 from bistouri.procmaps import FrameStatus
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.profiler import EPISODE_PROGRAMS, ProfilerAgent, ProfilerOptions
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf
@@ -216,7 +216,8 @@ def test_twenty_load_attach_destroy_cycles_leak_nothing():
         agent.open()
         agent.start()
         loaded = own_prog_ids()
-        assert len(loaded) == 3 and loaded <= bistouri_prog_ids(), loaded
+        # perf_event, sched_switch, exec and the episode hooks
+        assert len(loaded) == 3 + len(EPISODE_PROGRAMS) and loaded <= bistouri_prog_ids(), loaded
         ours |= loaded
         agent.close()
         agent.close()  # idempotent

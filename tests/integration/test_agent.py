@@ -63,9 +63,17 @@ def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: flo
     assert sum(s.unwind.frames.values()) >= walks and set(s.unwind.frames) <= {"table", "frame_pointer"}
     assert by_fn["hot_spin"] >= 0.8 * sum(by_fn.values()), by_fn
     assert set(s.threads.values()) == {"burner"}
+    # The episode report: the three burners timed by state over the session, their cgroup named.
+    assert s.episode is not None
+    timed = [v for v in s.episode.victims if v.pid in s.processes]
+    assert {v.pid for v in timed} == set(s.processes) and all(v.on_cpu_ns > 0 for v in timed), s.episode
+    assert cg.rel in [a.cgroup for a in s.episode.aggressors], s.episode.aggressors
     m = agent.metrics()
     assert m['bistouri_sessions_started_total{resource="cpu"}'] >= 1
     assert m['bistouri_psi_events_total{resource="cpu"}'] >= 1
+    assert m['bistouri_episode_hook_events_total{kind="switch"}'] > 0, (
+        m
+    )  # the episode hooks timed the burners
     # User IPs mapped from the targets' maps, every frame a file frame (none unmapped).
     assert m["bistouri_proc_maps_tables"] >= 3 and m['bistouri_proc_maps_reads_total{file="maps"}'] >= 3, m
     assert m['bistouri_user_frames_total{kind="resolved"}'] > 0, m
@@ -86,7 +94,7 @@ def test_io_pressure_yields_off_cpu_samples_with_blocked_time(tmp_path, workload
         cg.spawn([str(workloads / "fsyncer"), str(tmp_path / "fsync.dat"), "25"])
         s = agent.wait_session(lambda s: s.trigger.resource == "io" and any(t.off_cpu for t in s.traces), 20)
         assert s is not None, f"no io session with off-CPU samples\n{agent.log()[-3000:]}"
-        off = [t for t in s.traces if t.off_cpu]
+        off = [t for t in s.traces if t.off_cpu and t.wait == wire.WAIT_D]
         # fsyncer (one thread) is blocked ~55 % of the time here (schedstat). Rate-limited
         # captures are weighed by the waits they stand for, so the estimate lands near that:
         # unweighted it was ~1 %; with the stack walk counted as waiting, over 100 %.

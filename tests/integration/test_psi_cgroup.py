@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import procfs, psi
+from bistouri.config import ResourceTrigger
 from bistouri.psi import PsiEvent, PsiLoop
 
 pytestmark = [pytest.mark.requires_root]
@@ -114,10 +115,10 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
         psi._fallback_logged = psi._two_second_windows = False  # the once-per-process log must show here
         with caplog.at_level(logging.WARNING, logger="bistouri.psi"):
             w = loop.add_watcher(
-                "busy", os.path.join(busy, "cpu.pressure"), "cpu", "some", 10.0, 1000, cooldown_s=60
+                "busy", os.path.join(busy, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=60
             )
             quiet = loop.add_watcher(
-                "idle", os.path.join(idle, "cpu.pressure"), "cpu", "some", 10.0, 1000, cooldown_s=0
+                "idle", os.path.join(idle, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=0
             )
         if privileged:
             assert (w.window_us, w.stall_us, w.fallback) == (1_000_000, 100_000, False)
@@ -158,7 +159,10 @@ def test_removed_cgroup_reports_dead_watchers():
     with PsiLoop(registry=reg) as loop, _child_cgroup(root) as cg:
         for resource in ("cpu", "memory", "io"):
             loop.add_watcher(
-                (cg, resource), os.path.join(cg, f"{resource}.pressure"), resource, "some", 50, 2000, 0
+                (cg, resource),
+                os.path.join(cg, f"{resource}.pressure"),
+                ResourceTrigger(resource, 50, window_ms=2000),
+                0,
             )
         assert loop.poll(0) == []
         os.rmdir(cg)
@@ -173,7 +177,9 @@ def test_removed_cgroup_reports_dead_watchers():
 def test_system_wide_trigger_registers():
     _cgroup_root()
     with PsiLoop(registry=None) as loop:
-        w = loop.add_watcher("system", "/proc/pressure/memory", "memory", "full", 50, 2000, 0)
+        w = loop.add_watcher(
+            "system", "/proc/pressure/memory", ResourceTrigger("memory", 50, "full", 2000), 0
+        )
         assert w.window_us == 2_000_000 and not w.closed
         p = w.read_pressure()  # read back through the trigger fd itself
         assert p is not None and p.full is not None
@@ -182,7 +188,9 @@ def test_system_wide_trigger_registers():
 def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
     root = _cgroup_root()
     with _child_cgroup(root) as cg:
-        w = psi.PsiWatcher("k", os.path.join(cg, "cpu.pressure"), "cpu", "some", 10, 2000, 0)
+        w = psi.PsiWatcher(
+            "k", os.path.join(cg, "cpu.pressure"), ResourceTrigger("cpu", 10, window_ms=2000), 0
+        )
         try:
             with pytest.raises(OSError):
                 os.write(w.fileno(), b"some 100000 2000000")  # one trigger per open file
@@ -194,6 +202,9 @@ def test_missing_cgroup_raises_with_hint():
     root = _cgroup_root()
     with pytest.raises(OSError) as ei:
         psi.PsiWatcher(
-            "k", os.path.join(root, "bistouri-absent-cgroup", "cpu.pressure"), "cpu", "some", 10, 2000, 0
+            "k",
+            os.path.join(root, "bistouri-absent-cgroup", "cpu.pressure"),
+            ResourceTrigger("cpu", 10, window_ms=2000),
+            0,
         )
     assert "no such cgroup" in str(ei.value)

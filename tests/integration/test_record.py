@@ -96,6 +96,12 @@ def test_on_pressure_waits_for_psi_in_the_cgroup(tmp_path, workloads):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Pressure: cpu" in r.stderr
     assert shares(r.stdout).get("hot_spin", 0) > 80, r.stdout
+    # The episode summary: the three burners by state, their cgroup among the aggressors by CPU.
+    episode = r.stdout[r.stdout.index("Episode (") :]
+    victims = [line for line in episode.splitlines() if "burner (pid" in line]
+    assert len(victims) == 3, episode
+    assert all(float(line.split()[0]) > 0 and float(line.split()[1]) > 0 for line in victims), episode
+    assert f"  {cg.rel}\n" in episode, episode
 
 
 def test_bad_target_is_a_clear_error():

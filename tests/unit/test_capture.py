@@ -411,7 +411,7 @@ def test_the_recorder_samples_at_its_own_rate_and_sessions_at_full_rate(tmp_path
         period_ns=10_000_000,  # 100 Hz
         proc_root=str(tmp_path),
     )
-    full = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU
+    full = orch.filter_flags  # what to capture: unchanged by the rate
     orch.watch(7, 5.0, recorder_hz=20)
     assert flt.pids == {7: abi.filter_value(full, 5)}
     orch.add_samples([decode(record(7, 7, [], [0x400100]), maps)])  # before the trigger: weighs 5

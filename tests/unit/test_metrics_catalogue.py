@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import abi
 from bistouri.exporter import Exporter
-from bistouri.metrics import AgentMetrics, BpfCountersCollector
+from bistouri.metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector
 from bistouri.procmaps import ProcMapsStats
 from bistouri.psi import PsiLoop
 from bistouri.settings import AgentSettings
@@ -23,6 +23,7 @@ def _exposed_agent_metrics() -> dict[str, str]:
     r = CollectorRegistry()
     AgentMetrics(r)
     r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: (ProcMapsStats(), 0)))
+    r.register(EpisodeCountersCollector(lambda: dict.fromkeys(abi.EpisodeCounter, 0)))
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
     Exporter(spool, AgentSettings(symbolizer_endpoint="http://127.0.0.1:1"), registry=r)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
+import pathlib
 import select
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import psi
+from bistouri import config, psi, wire
+from bistouri.config import ResourceTrigger
 from bistouri.psi import Pressure, PressureLine, PsiLoop, allowed_window_us, parse_pressure, read_pressure
 
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
@@ -87,7 +90,7 @@ def test_watcher_writes_one_trigger_line(tmp_path):
     # A regular file accepts the write: it shows exactly what the kernel would receive.
     f = tmp_path / "cpu.pressure"
     f.write_bytes(b"")
-    with psi.PsiWatcher("k", str(f), "cpu", "full", 12.5, 1000, 5.0) as w:
+    with psi.PsiWatcher("k", str(f), ResourceTrigger("cpu", 12.5, "full", 1000), 5.0) as w:
         assert (w.stall_us, w.window_us, w.fallback) == (125_000, 1_000_000, False)
     assert f.read_bytes() == b"full 125000 1000000\0"  # NUL-terminated, as /proc/pressure needs
     assert w.closed
@@ -97,7 +100,7 @@ def test_watcher_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatc
     monkeypatch.setattr(psi, "_two_second_windows", True)
     f = tmp_path / "io.pressure"
     f.write_bytes(b"")
-    with psi.PsiWatcher("k", str(f), "io", "some", 10, 1000, 0) as w:
+    with psi.PsiWatcher("k", str(f), ResourceTrigger("io", 10, "some", 1000), 0) as w:
         assert (w.requested_window_us, w.window_us, w.stall_us, w.fallback) == (
             1_000_000,
             2_000_000,
@@ -112,12 +115,12 @@ def test_watcher_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatc
 )
 def test_watcher_rejects_bad_arguments(tmp_path, stall, threshold):
     with pytest.raises(ValueError):
-        psi.PsiWatcher("k", str(tmp_path / "x"), "cpu", stall, threshold, 1000, 0)
+        psi.PsiWatcher("k", str(tmp_path / "x"), ResourceTrigger("cpu", threshold, stall, 1000), 0)
 
 
 def test_watcher_missing_file_has_a_hint(tmp_path):
     with pytest.raises(OSError) as ei:
-        psi.PsiWatcher("k", str(tmp_path / "nope" / "cpu.pressure"), "cpu", "some", 10, 1000, 0)
+        psi.PsiWatcher("k", str(tmp_path / "nope" / "cpu.pressure"), ResourceTrigger("cpu", 10), 0)
     assert ei.value.errno == errno.ENOENT
     assert "cannot register PSI trigger 'some 100000 1000000'" in str(ei.value)
     assert "no such cgroup" in str(ei.value)
@@ -149,13 +152,13 @@ def test_loop_watchers_bookkeeping(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).write_bytes(b"")
     loop = PsiLoop(registry=reg)
-    wa = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 10, 1000, 3)
-    assert loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 10, 1000, 3) is wa
-    wb = loop.add_watcher(("cg", "io"), str(tmp_path / "b"), "io", "some", 10, 1000, 3)
+    wa = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 10), 3)
+    assert loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 10), 3) is wa
+    wb = loop.add_watcher(("cg", "io"), str(tmp_path / "b"), ResourceTrigger("io", 10), 3)
     assert sorted(loop.keys()) == [("cg", "cpu"), ("cg", "io")]
     assert sample(reg, "bistouri_psi_watchers") == 2
     # New parameters for an existing key replace the watcher.
-    wa2 = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), "cpu", "some", 20, 1000, 3)
+    wa2 = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 20), 3)
     assert wa2 is not wa and wa.closed and not wa2.closed
     with pytest.raises(ValueError):
         loop.add_fd(wa2.fileno(), lambda fd, ev: None)
@@ -171,7 +174,9 @@ def test_loop_reports_a_dead_watcher_once(tmp_path):
     reg = CollectorRegistry()
     (tmp_path / "memory.pressure").write_bytes(b"")
     loop = PsiLoop(registry=reg, wall_clock_ns=lambda: 123)
-    w = loop.add_watcher("k", str(tmp_path / "memory.pressure"), "memory", "some", 5, 2000, 0)
+    w = loop.add_watcher(
+        "k", str(tmp_path / "memory.pressure"), ResourceTrigger("memory", 5, window_ms=2000), 0
+    )
     os.close(w.fileno())  # the poll set now holds an invalid fd: POLLNVAL, like a vanished cgroup's POLLERR
     [ev] = loop.poll(0)
     assert ev.dead and ev.key == "k" and ev.resource == "memory" and ev.time_ns == 123
@@ -183,7 +188,7 @@ def test_loop_reports_a_dead_watcher_once(tmp_path):
 
 def test_event_to_trigger():
     ev = psi.PsiEvent("k", "io", "full", 200_000, 2_000_000, "/x/io.pressure", 5, 1.5, 2.5, 3.5, 99)
-    t = ev.to_trigger("/x")
+    t = wire.Trigger.from_psi(ev, "/x")
     assert (t.resource, t.stall, t.threshold_us, t.window_us, t.cgroup) == (
         "io",
         "full",
@@ -192,3 +197,26 @@ def test_event_to_trigger():
         "/x",
     )
     assert (t.time_ns, t.avg10, t.avg60, t.avg300, t.total_us) == (5, 1.5, 2.5, 3.5, 99)
+
+
+def test_psi_does_not_import_the_wire_format():
+    # The trigger vocabulary lives in config.py; the session format stays wire.py's (issue 12).
+    tree = ast.parse(pathlib.Path(psi.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "wire" not in imported and wire.RESOURCES is config.RESOURCES and wire.STALLS is config.STALLS
+
+
+@pytest.mark.parametrize(
+    ("threshold", "window_us", "stall_us"), [(12.5, 1_000_000, 125_000), (1e-5, 2_000_000, 1)]
+)
+def test_one_stall_formula_for_config_and_kernel_fallback(
+    tmp_path, monkeypatch, threshold, window_us, stall_us
+):
+    assert config.stall_threshold_us(threshold, window_us) == stall_us
+    # A window the kernel forces on us keeps the ratio through the same formula.
+    monkeypatch.setattr(psi, "_two_second_windows", True)
+    f = tmp_path / "cpu.pressure"
+    f.write_bytes(b"")
+    t = ResourceTrigger("cpu", threshold, window_ms=1000)
+    with psi.PsiWatcher("k", str(f), t, 0) as w:
+        assert w.stall_us == config.stall_threshold_us(threshold, w.window_us) and w.trigger is t

@@ -12,12 +12,13 @@ import pytest
 from bistouri import wire
 from bistouri.errors import WireError
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v2.msgpack"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
+GOLDEN_V2 = GOLDEN.with_name("session-v2.msgpack")  # written by VERSION 2: no episode, no wait states
 GOLDEN_V1 = GOLDEN.with_name("session-v1.msgpack")  # written by VERSION 1: old spool files must still decode
 
 
-def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False) -> wire.Session:
-    """v1: what version 1 could say (no file names, no JIT frames)."""
+def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False, v2: bool = False) -> wire.Session:
+    """v1: what version 1 could say (no file names, no JIT frames); v2: no episode, no wait states."""
     bid = bytes(range(20))
     libc = bytes(range(20, 40))
     app, libc_name = ("", "") if v1 else ("burner", "libc.so.6")
@@ -41,7 +42,17 @@ def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False) -> wire
                 on_cpu=10 * repeat,
                 off_cpu=i,
                 off_cpu_ns=1_500_000 * i,
+                wait=wire.WAIT_D if v1 or v2 else wire.WAIT_STATES[i % 3],
             )
+        )
+    episode = None
+    if not (v1 or v2):
+        episode = wire.Episode(
+            victims=(wire.Victim(100, 101, "burner", 900_000_000, 700_000_000, 5, 40_000_000, 1_000),),
+            aggressors=(
+                wire.Aggressor("/hogs", 3_900_000_000, 4096, 1, 0, 0),
+                wire.Aggressor("/svc", 900_000_000, 0, 0, 1 << 20, 8192),
+            ),
         )
     return wire.Session(
         session_id="6f1c2a8e-6b55-4a3e-9b9b-2a1f0d6c0001",
@@ -59,6 +70,7 @@ def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False) -> wire
         processes={100: "burner"},
         threads={101: "burner", 102: "worker"},
         traces=traces,
+        episode=episode,
     )
 
 
@@ -87,9 +99,42 @@ def test_version_1_sessions_still_decode():
     assert wire.decode_session(GOLDEN_V1.read_bytes()) == sample_session(v1=True)
 
 
+def test_version_2_sessions_still_decode():
+    """Spool files written before VERSION 3 (no episode, every off-CPU wait a D wait) still decode."""
+    assert wire.decode_session(GOLDEN_V2.read_bytes()) == sample_session(v2=True)
+
+
+def test_episode_and_wait_states_travel_in_v3():
+    m = wire.session_to_wire(sample_session())
+    assert m["episode"]["victims"] == [[100, 101, "burner", 900_000_000, 700_000_000, 5, 40_000_000, 1_000]]
+    assert m["episode"]["aggressors"][0] == ["/hogs", 3_900_000_000, 4096, 1, 0, 0]
+    # A D wait keeps the 5-element row of v2; S and reclaim carry their state.
+    assert [len(r) for r in m["traces"]] == [5, 6, 6] and [r[5] for r in m["traces"][1:]] == [1, 2]
+    # Without an episode, nothing is added: the session is as small as in v2.
+    assert "episode" not in wire.session_to_wire(sample_session(v2=True))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: m["traces"][0].append(7), "wait 7 is not one of"),
+        (lambda m: m.update(episode=[]), "episode must be a map"),
+        (lambda m: m["episode"]["victims"][0].pop(), "victims[0] must be"),
+        (lambda m: m["episode"]["aggressors"][0].__setitem__(1, -1), "unsigned 64-bit"),
+        (lambda m: m["episode"].update(victims=[[1, 1, "x", 0, 0, 0, 0, 0]] * 1025), "at most 1024 rows"),
+    ],
+)
+def test_bad_episode_is_refused_with_its_place(mutate, message):
+    m = wire.session_to_wire(sample_session())
+    mutate(m)
+    with pytest.raises(WireError) as ei:
+        wire.session_from_wire(m)
+    assert message in str(ei.value)
+
+
 def test_file_names_and_jit_names_travel_in_tables():
     m = wire.session_to_wire(sample_session())
-    assert m["v"] == 2
+    assert m["v"] == 3
     assert m["mapping_names"] == ["burner", "libplain.so", "libc.so.6"] and m["mappings"][1] == b""
     assert m["jit_names"] == ["JS:*hotLoop /app/x.js:2:17"]
     assert m["uframes"][0] == [wire.FRAME_JIT, 0, 0x7F0000001234]
@@ -115,7 +160,7 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda m: m.update(v=3), "unsupported_version"),
+        (lambda m: m.update(v=4), "unsupported_version"),
         (lambda m: m["uframes"].append([wire.FRAME_JIT, 5, 1]), "malformed"),
         (lambda m: m.update(v=1), "malformed"),  # v1 knows no JIT frame (nor an empty build id)
         (lambda m: m["mapping_names"].pop(), "malformed"),

@@ -13,6 +13,9 @@
   // What the flamegraph and the downloads show: all samples, or those before or after the trigger.
   let part = ["before", "after"].includes(q.get("part")) ? q.get("part") : "all";
   let view = "on_cpu";
+  // The state whose samples the flamegraph shows (the episode report's buttons; ?state= of the API).
+  const reportBox = document.getElementById("episode-report");
+  let state = B.FLAME_STATES.some(([k]) => k === q.get("state")) ? q.get("state") : "all";
 
   function downloads(view) {
     const base = "/v1/sessions/" + encodeURIComponent(id);
@@ -97,7 +100,26 @@
 
   function flameLoader(p) {
     return (v) => B.getJson("/v1/sessions/" + encodeURIComponent(id) + "/flamegraph",
-      { value: v, part: p === "all" ? "" : p });
+      { value: v, part: p === "all" ? "" : p, state: state === "all" ? "" : state });
+  }
+
+  // Totals of the shown part in the shown state: the session's own, or the roots of that state's trees.
+  async function shownTotals(m) {
+    const t = partTotals(m, part);
+    if (state === "all") return t;
+    const load = flameLoader(part);
+    const out = {};
+    for (const v of B.VIEW_ORDER) out[v] = t[v] ? ((await load(v)) || {}).value || 0 : 0;
+    return out;
+  }
+
+  async function setState(m, flame, st) {
+    if (st === state) return;
+    state = st;
+    B.markEpisodeState(reportBox, st);
+    await flame.reload(flameLoader(part), await shownTotals(m));
+    view = flame.state.view;
+    saveState(flame.state);
   }
 
   async function setPart(m, flame, p) {
@@ -108,13 +130,14 @@
       b.setAttribute("aria-selected", b.dataset.part === p ? "true" : "false");
     }
     flame.root.dataset.part = p;
-    await flame.reload(flameLoader(p), partTotals(m, p));
+    await flame.reload(flameLoader(p), await shownTotals(m));
     view = flame.state.view;
     saveState(flame.state);
   }
 
   function saveState(st) {
-    history.replaceState(null, "", B.qs({ id: id, view: st.view, q: st.search, part: part === "all" ? "" : part }));
+    history.replaceState(null, "", B.qs({ id: id, view: st.view, q: st.search, part: part === "all" ? "" : part,
+      state: state === "all" ? "" : state }));
     document.getElementById("downloads").replaceWith(downloads(st.view));
   }
 
@@ -160,7 +183,7 @@
       return;
     }
     document.title = (m.comm || "session") + " on " + (m.host || "?") + " · bistouri";
-    const totals = partTotals(m, part);
+    const totals = await shownTotals(m);
     view = q.get("view") || (totals.on_cpu ? "on_cpu" : totals.off_cpu ? "off_cpu" : "on_cpu");
     renderMeta(m, view);
     linkPrevious(m);
@@ -176,6 +199,7 @@
     });
     flame.root = flameBox;
     renderTimeline(m, flame);
+    B.renderEpisodeReport(reportBox, m, state, (st) => setState(m, flame, st));
   }
   main();
 })();
