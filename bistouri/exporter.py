@@ -38,6 +38,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from . import __version__, threads
 from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
+from .uploader import Locate, Uploader
 from .wire import encode_batch
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class Exporter:
         settings: AgentSettings,
         registry: CollectorRegistry | None = REGISTRY,
         kallsyms_provider: KallsymsProvider | None = None,
+        file_locator: Locate | None = None,
         *,
         backoff_initial_s: float | None = None,
         backoff_max_s: float | None = None,
@@ -186,6 +188,12 @@ class Exporter:
         self._known_kernels: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
         self._rng = random.Random()
+        # Files the symbolizer asks for, uploaded from their own thread and HTTP session.
+        self.uploader: Uploader | None = None
+        if file_locator is not None and self.endpoint is not None and settings.upload_max_bytes:
+            self._upload_http = requests.Session()
+            self._upload_http.headers["User-Agent"] = self._http.headers["User-Agent"]
+            self.uploader = Uploader(settings, self._upload_send, file_locator, registry)
 
     # -- lifecycle
 
@@ -196,6 +204,8 @@ class Exporter:
         if self._thread is not None:
             return
         self._thread = threads.start("exporter", self._run)
+        if self.uploader is not None:
+            self.uploader.start()
 
     def notify(self) -> None:
         """A session was spooled: wake the thread. Cheap, never blocks."""
@@ -206,6 +216,9 @@ class Exporter:
         self._stop.set()
         self._interrupt.set()
         self._wake.set()
+        if self.uploader is not None:
+            self.uploader.stop(timeout)
+            self._upload_http.close()
         t = self._thread
         if t is not None:
             t.join(timeout)
@@ -330,10 +343,17 @@ class Exporter:
             self._token_stat = None
         return self._token
 
-    def _request(self, method: str, path: str, **kw: Any) -> _Reply | _Outcome:
+    def _upload_send(self, method: str, path: str, **kw: Any) -> _Reply | None:
+        """A request of the uploader (uploader.Send), on its own connection."""
+        reply = self._request(method, path, http=self._upload_http, **kw)
+        return reply if isinstance(reply, _Reply) else None
+
+    def _request(
+        self, method: str, path: str, *, http: requests.Session | None = None, **kw: Any
+    ) -> _Reply | _Outcome:
         """One request; a transport failure or an oversized answer becomes a failed _Outcome."""
         try:
-            with self._http.request(
+            with (http or self._http).request(
                 method,
                 f"{self.endpoint}{path}",
                 timeout=self._timeout,
@@ -532,6 +552,8 @@ class Exporter:
             elif rej is not None and rej.session_id not in done:
                 self._reject(rej, f"{r.get('reason', 'rejected')}: {r.get('detail', '')}".rstrip(": "))
                 done.add(rej.session_id)
+        if self.uploader is not None:
+            self.uploader.want(result.get("missing_builds"))
         for hexid in result.get("missing_kernels") or []:
             try:
                 self._known_kernels.discard(bytes.fromhex(hexid))

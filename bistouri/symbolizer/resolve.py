@@ -178,12 +178,14 @@ class Resolver:
         *,
         registry: CollectorRegistry | None = REGISTRY,
         cache_dir: str | os.PathLike[str] | None = None,
+        kernels: KallsymsStore | None = None,
         **kwargs: Any,
     ) -> Resolver:
         """The service's resolver: kallsyms snapshots live under `state_dir`, debuginfod downloads
         in `cache_dir` (default `state_dir`/debuginfod).
 
-        `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. Other keyword arguments go to `Resolver`.
+        `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. `kernels` is the process's KallsymsStore (default:
+        a new one under `state_dir`). Other keyword arguments go to `Resolver`.
         """
         state = os.fspath(state_dir)
         sources = DebugSources(
@@ -193,7 +195,7 @@ class Resolver:
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else os.path.join(state, "debuginfod"),
             registry=registry,
         )
-        return cls(sources, KallsymsStore(state), registry=registry, **kwargs)
+        return cls(sources, kernels or KallsymsStore(state), registry=registry, **kwargs)
 
     def close(self) -> None:
         if self.llvm is not None:
@@ -244,6 +246,13 @@ class Resolver:
                     self._module_time.pop(old, None)
                     self._load_locks.pop(old, None)
             return mod
+
+    def forget(self, build_id: bytes) -> None:
+        """Look for this build id's files again at its next use (one was uploaded meanwhile)."""
+        hexid = build_id.hex()
+        with self._lock:
+            self._modules.pop(hexid, None)
+            self._module_time.pop(hexid, None)
 
     def _open_module(self, build_id: bytes, hexid: str) -> _Module | None:
         try:

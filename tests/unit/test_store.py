@@ -228,7 +228,9 @@ def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -
             raise AssertionError("not reached: the database fails first")
 
     (tmp_path / "db-is-a-dir").mkdir()
-    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, db=str(tmp_path / "db-is-a-dir")), NoResolver)
+    app = SymbolizerApp(
+        ServerConfig(state_dir=tmp_path, db=str(tmp_path / "db-is-a-dir")), lambda kernels: NoResolver()
+    )
     r = Client(app).get("/v1/sessions")
     assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
     assert r.json is not None and r.json["error"] == "unavailable"
