@@ -249,7 +249,11 @@ class Agent:
             return gzip.compress(read_kallsyms(self.s.proc_path), 6)
 
         assert self.spool is not None
-        exp = Exporter(self.spool, self.s, registry=self.registry, kallsyms_provider=kallsyms)
+        # Files the symbolizer asks for are read where the sampled processes mapped them.
+        locate = self.profiler.maps.locate if self.profiler is not None else None
+        exp = Exporter(
+            self.spool, self.s, registry=self.registry, kallsyms_provider=kallsyms, file_locator=locate
+        )
         exp.start()
         return exp
 

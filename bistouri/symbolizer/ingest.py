@@ -241,15 +241,23 @@ class Ingest:
         out = {}
         for bid in user_build_ids(session)[:MAX_MISSING_BUILDS]:
             hexid = bid.hex()
-            have = self.uploads.have(hexid)
-            if have and (hexid, have) not in self._refreshed:
-                # Uploaded since this worker's resolver looked (maybe through another worker).
-                getattr(self.resolver, "forget", lambda b: None)(bid)
-                self._refreshed.add((hexid, have))
+            have = self._refresh(bid)
             mod = module(bid)
             if mod is None or (mod.dwarf_path is None and not have & _HAVE_DEBUGINFO):
                 out[hexid] = have
         return out
+
+    def _refresh(self, bid: bytes) -> int:
+        """The uploads of a build id (Uploads.have); the resolver forgets what it knew of the build id
+        when one arrived since it looked (maybe through another worker)."""
+        if self.uploads is None:
+            return 0
+        hexid = bid.hex()
+        have = self.uploads.have(hexid)
+        if have and (hexid, have) not in self._refreshed:
+            getattr(self.resolver, "forget", lambda b: None)(bid)
+            self._refreshed.add((hexid, have))
+        return have
 
     def _waits_for(self, session: wire.Session) -> dict[str, int]:
         try:
@@ -315,6 +323,9 @@ class Ingest:
 
     def symbolize(self, session: wire.Session) -> Profile:
         """The session's profile; its meta is the resolver's, built once from the wire session."""
+        if self.uploads is not None:
+            for bid in user_build_ids(session):
+                self._refresh(bid)  # an upload another worker took is seen here too
         t0 = time.perf_counter()
         profile = self.resolver.symbolize(session)
         self.metrics.latency.observe(time.perf_counter() - t0)

@@ -283,3 +283,54 @@ def test_forged_uploads_are_refused_and_nothing_is_stored(
     assert metric_value(text, "bistouri_symbolizer_uploads_refused_total", {"reason": reason}) == 1
     log = Path(url.log_path).read_text()
     assert json.dumps(reason).strip('"') in log
+
+
+def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_path: Path) -> None:
+    """Two workers of one service: A stores the session (the build id missing, remembered as such by
+    its resolver), B receives the upload; a read through A must not store A's stale answer again."""
+    from werkzeug.test import Client
+
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+
+    prog = build(tmp_path, "upload-workers", "symtab")
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def worker() -> SymbolizerApp:
+        def factory(kernels: KallsymsStore) -> Resolver:
+            return Resolver.from_options(
+                state,
+                [state / "uploads"],
+                kernels=kernels,
+                debuginfod_urls=[],
+                registry=CollectorRegistry(),
+                use_llvm=False,
+            )
+
+        app = SymbolizerApp(ServerConfig(state_dir=state), factory)
+        app.store.migrate()
+        return app
+
+    a, b = worker(), worker()
+    try:
+        body = wire.encode_batch([wire.encode_session(session("w-1", prog))])
+        r = Client(a).post("/v1/sessions", data=body, content_type="application/x-msgpack")
+        assert r.json is not None and r.json["missing_builds"] == [prog.build_id.hex()]
+
+        def read_names() -> set[str]:
+            doc = Client(a).get("/v1/sessions/w-1/speedscope").json
+            assert doc is not None
+            return {f["name"] for f in doc["shared"]["frames"]}
+
+        assert "upload_leaf" not in read_names()
+        # B has the file in place and has not yet re-symbolized the session when A is read.
+        with open(prog.path, "rb") as f:
+            b.uploads.receive(prog.build_id.hex(), "executable", f.read, gzipped=False)
+        assert "upload_leaf" in read_names()
+        b.ingest.received(prog.build_id.hex())
+        assert "upload_leaf" in read_names()  # and stored so
+    finally:
+        a.close()
+        b.close()
