@@ -116,7 +116,7 @@ def _tail(path: Path) -> str:
 def fresh_db(postgres: PgServer) -> str:
     """The shared database emptied of bistouri's tables."""
     with psycopg.connect(postgres.url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS sessions, kernels, schema_version")
+        conn.execute("DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, schema_version")
     return postgres.url
 
 
