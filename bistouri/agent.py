@@ -32,7 +32,7 @@ from .confwatch import ConfigWatcher
 from .discovery import Walker
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
-from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
+from .kernel import KernelMeta, loaded_code_digest, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector, MetricsServer
 from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
@@ -252,7 +252,13 @@ class Agent:
         # Files the symbolizer asks for are read where the sampled processes mapped them.
         locate = self.profiler.maps.locate if self.profiler is not None else None
         exp = Exporter(
-            self.spool, self.s, registry=self.registry, kallsyms_provider=kallsyms, file_locator=locate
+            self.spool,
+            self.s,
+            registry=self.registry,
+            kallsyms_provider=kallsyms,
+            file_locator=locate,
+            kernel_boot=kernel.boot_id if kernel is not None else b"",
+            loaded_code_digest=lambda: loaded_code_digest(read_kallsyms(self.s.proc_path)),
         )
         exp.start()
         return exp

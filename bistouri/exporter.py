@@ -148,6 +148,8 @@ class Exporter:
         registry: CollectorRegistry | None = REGISTRY,
         kallsyms_provider: KallsymsProvider | None = None,
         file_locator: Locate | None = None,
+        kernel_boot: bytes = b"",
+        loaded_code_digest: Callable[[], str] | None = None,
         *,
         backoff_initial_s: float | None = None,
         backoff_max_s: float | None = None,
@@ -186,6 +188,12 @@ class Exporter:
         self._backoff_until = 0.0  # monotonic; our own exponential backoff
         self._disabled_until = 0.0  # monotonic; the server's Retry-After, never cut short
         self._known_kernels: set[bytes] = set()
+        # kallsyms are per boot; the digest of the modules and BPF programs in them changes when one is
+        # loaded or unloaded, and the snapshot is then uploaded again before the next sessions.
+        self._boot = kernel_boot
+        self._digest = loaded_code_digest
+        self._digest_sent: str | None = None
+        self._kernel_stale: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
         self._rng = random.Random()
         # Files the symbolizer asks for, uploaded from their own thread and HTTP session.
@@ -313,6 +321,10 @@ class Exporter:
         batch = self._next_batch()
         if not batch.entries:
             return _Outcome()
+        stale = self._digest is not None and batch.kernels and self._digest_sent is not None
+        if stale and self._digest is not None and self._digest() != self._digest_sent:
+            self._kernel_stale |= self._known_kernels
+            self._known_kernels -= self._kernel_stale
         for bid in sorted(batch.kernels):
             outcome = self._ensure_kernel(bid)
             if outcome is not None:
@@ -433,15 +445,18 @@ class Exporter:
         refused = self._kernel_refused.get(bid)
         if refused is not None and time.monotonic() - refused < self.KERNEL_RETRY_S:
             return None
-        path = f"/v1/kernels/{bid.hex()}"
-        resp = self._request("GET", path)
-        if isinstance(resp, _Outcome):
-            return resp
-        if resp.status_code == 200:
-            self._known_kernels.add(bid)
-            return None
-        if resp.status_code != 404:
-            return self._http_failure(resp, "GET kernel")
+        path = f"/v1/kernels/{bid.hex()}" + (f"?boot={self._boot.hex()}" if self._boot else "")
+        digest = self._digest() if self._digest is not None else None
+        if bid not in self._kernel_stale:  # a stale snapshot is replaced without asking
+            resp = self._request("GET", path)
+            if isinstance(resp, _Outcome):
+                return resp
+            if resp.status_code == 200:
+                self._known_kernels.add(bid)
+                self._digest_sent = digest
+                return None
+            if resp.status_code != 404:
+                return self._http_failure(resp, "GET kernel")
         text = self._kallsyms(bid) if self._kallsyms is not None else None
         if not text:
             # Without kallsyms the symbolizer still stores the sessions; kernel frames stay raw.
@@ -457,6 +472,8 @@ class Exporter:
             return resp
         if resp.status_code in (200, 201, 204):
             self._known_kernels.add(bid)
+            self._kernel_stale.discard(bid)
+            self._digest_sent = digest
             self._m.kernel_uploads.inc()
             log.info("kernel symbols uploaded build_id=%s bytes=%d", bid.hex(), len(body))
             return None
@@ -554,7 +571,11 @@ class Exporter:
                 done.add(rej.session_id)
         if self.uploader is not None:
             self.uploader.want(result.get("missing_builds"))
-        for hexid in result.get("missing_kernels") or []:
+        for key in result.get("missing_kernels") or []:
+            # "<build id>" or "<build id>-<boot id>": another boot's snapshot is not ours to send.
+            hexid, _, boot = str(key).partition("-")
+            if boot and boot != self._boot.hex():
+                continue
             try:
                 self._known_kernels.discard(bytes.fromhex(hexid))
             except (TypeError, ValueError):

@@ -20,7 +20,7 @@ import msgpack
 
 from .. import wire
 from ..errors import WireError
-from .kallsyms import KallsymsError, KallsymsIndex, KallsymsStore
+from .kallsyms import KallsymsError, KallsymsIndex, KallsymsStore, kernel_key
 from .metrics import Metrics
 from .model import Profile
 from .store import Store, StoredSession, StoreError
@@ -285,7 +285,7 @@ class Ingest:
                 detail = "the batch is over the work of one request; this session is taken in a next one"
                 return {"id": sid, "reason": "deferred", "detail": detail}
             stage = "symbolize_failed"
-            kernel_hex = session.kernel.build_id.hex()
+            kernel_hex = kernel_key(session.kernel.build_id, session.kernel.boot_id)
             pending = (
                 bool(kernel_hex)
                 and any(t.kernel for t in session.traces)
@@ -357,7 +357,7 @@ class Ingest:
         return profile
 
     def _kernel_pending(self, session: wire.Session) -> bool:
-        hexid = session.kernel.build_id.hex()
+        hexid = kernel_key(session.kernel.build_id, session.kernel.boot_id)
         return bool(hexid) and any(t.kernel for t in session.traces) and not self.kernel_known(hexid)
 
     def profile(self, sid: str) -> Profile | None:
@@ -391,7 +391,8 @@ class Ingest:
     # -- kernels ------------------------------------------------------------
 
     def kernel_known(self, build_id_hex: str) -> bool:
-        """Whether this kernel's kallsyms are here (or in the database, from another instance)."""
+        """Whether these kallsyms (a kernel_key(): of a kernel, or of one boot of it) are here (or in the
+        database, from another instance)."""
         if build_id_hex in self._known_kernels:
             return True
         if not self.kallsyms.has(build_id_hex):

@@ -34,7 +34,7 @@ from .. import wire
 from ..errors import WireError
 from . import formats
 from .ingest import Ingest, ResolverFactory, echo, log_failure
-from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
+from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge, kernel_key
 from .metrics import Metrics
 from .model import PARTS, Profile
 from .store import Filter, Store, StoreError
@@ -409,6 +409,11 @@ class SymbolizerApp:
         build_id = build_id.lower()
         if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
             raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
+        boot = str(request.args.get("boot", "")).lower().replace("-", "")
+        if boot:
+            if not re.fullmatch(r"[0-9a-f]{32}", boot):
+                raise ApiError(400, "bad_parameter", f"boot={echo(boot)!r} is not a boot id (32 hex digits)")
+            build_id = kernel_key(build_id, bytes.fromhex(boot))  # this boot's snapshot
         if request.method == "GET":
             self._authorize(request, write=False)
             if self.ingest.kernel_known(build_id):

@@ -122,7 +122,7 @@ def run_program() -> Any:
         procs.append(p)
         exe = str(path or argv[0])
         # Mapped once the loader is done: its maps name the program.
-        wait_until(lambda: exe in Path(f"/proc/{p.pid}/maps").read_text(), DEADLINE_S)
+        assert wait_until(lambda: exe in Path(f"/proc/{p.pid}/maps").read_text(), DEADLINE_S)
         return p.pid
 
     yield start
@@ -151,7 +151,7 @@ def test_symtab_binary_uploaded_from_the_agent_host_names_the_stored_session(
     agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]))
     try:
         agent.send(session("up-1", prog))
-        wait_until(lambda: "upload_leaf" in names(url, "up-1"), DEADLINE_S)
+        assert wait_until(lambda: "upload_leaf" in names(url, "up-1"), DEADLINE_S)
         assert {"upload_leaf", "upload_middle", "main"} <= names(url, "up-1")
         assert agent.metric("bistouri_upload_files_total", kind="executable") == 1
         sent = agent.metric("bistouri_upload_bytes_total")
@@ -172,7 +172,7 @@ def test_dwarf_only_in_the_agent_hosts_build_id_tree_gives_file_and_line(
         def leaf() -> dict[str, Any] | None:
             return next((f for f in speedscope_frames(url, "dw-1") if f["name"] == "upload_leaf"), None)
 
-        wait_until(lambda: (leaf() or {}).get("line"), DEADLINE_S)
+        assert wait_until(lambda: (leaf() or {}).get("line"), DEADLINE_S)
         frame = leaf()
         assert frame is not None and frame["file"].endswith("upload-dwarf.c") and frame["line"] == 3
         assert agent.metric("bistouri_upload_files_total", kind="debuginfo") == 1
@@ -195,7 +195,7 @@ def test_binary_visible_only_in_a_private_mount_namespace(
     agent = Agent(tmp_path, url, "a", pid)
     try:
         agent.send(session("ns-1", prog))
-        wait_until(lambda: "upload_leaf" in names(url, "ns-1"), DEADLINE_S)
+        assert wait_until(lambda: "upload_leaf" in names(url, "ns-1"), DEADLINE_S)
     finally:
         agent.stop()
 
@@ -209,12 +209,12 @@ def test_two_agents_upload_once(symbolizer_server: Any, tmp_path: Path, run_prog
         for i, a in enumerate(agents):
             a.send(session(f"two-{i}", prog))
         for i in range(2):
-            wait_until(lambda i=i: "upload_leaf" in names(url, f"two-{i}"), DEADLINE_S)
+            assert wait_until(lambda i=i: "upload_leaf" in names(url, f"two-{i}"), DEADLINE_S)
 
         def uploads() -> float:
             return sum(a.metric("bistouri_upload_files_total", kind="executable") for a in agents)
 
-        wait_until(lambda: uploads() == 1, DEADLINE_S)  # counted once its answer is read
+        assert wait_until(lambda: uploads() == 1, DEADLINE_S)  # counted once its answer is read
         text = requests.get(url + "/metrics", timeout=10).text
         assert metric_value(text, "bistouri_symbolizer_uploads_total", {"kind": "executable"}) == 1
     finally:
