@@ -109,6 +109,7 @@ class Agent:
         if fails:
             raise StartupError("preflight", "; ".join(fails) + ". Run `bistouri check` for details")
         self.kernel = read_kernel_meta(proc_root=self.s.proc_path)
+        self.metrics.info.labels(__version__, self.kernel.release, str(self.s.freq)).set(1)
         if not self.kernel.text_addr:
             log.warning(
                 "Kernel addresses are hidden (kptr_restrict or no CAP_SYSLOG): kernel frames stay unnamed"
