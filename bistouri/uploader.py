@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 import zlib
@@ -109,6 +110,7 @@ class Uploader:
         self._m = _Metrics(registry)
         self._queue: queue.Queue[_Want] = queue.Queue(self.QUEUE_MAX)
         self._seen: set[bytes] = set()
+        self._claimant = secrets.token_hex(8)  # this agent, so that its retry keeps its own claim
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -239,7 +241,7 @@ class Uploader:
                 self.max_bytes,
             )
             return None
-        claim = self._send("POST", url)
+        claim = self._send("POST", f"{url}?claimant={self._claimant}")
         if claim is None or claim.status_code >= 500:
             self._m.failures.labels("network" if claim is None else "server_error").inc()
             return self._backoff(0)

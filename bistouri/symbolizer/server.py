@@ -455,7 +455,9 @@ class SymbolizerApp:
             return _json({"error": "not_found", "detail": f"no {kind} uploaded for {build_id}"}, 404)
         self._authorize(request, write=True)
         if request.method == "POST":
-            return _json({"build_id": build_id, "kind": kind, "state": self.uploads.claim(build_id, kind)})
+            claimant = str(request.args.get("claimant", ""))  # an agent's own id: it may claim again
+            state = self.uploads.claim(build_id, kind, claimant)
+            return _json({"build_id": build_id, "kind": kind, "state": state})
         return self._receive_upload(request, build_id, kind)
 
     def _receive_upload(self, request: Request, build_id: str, kind: str) -> Response:

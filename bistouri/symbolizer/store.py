@@ -95,6 +95,7 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
                 build_id TEXT NOT NULL,
                 kind TEXT NOT NULL,
                 state TEXT NOT NULL,
+                claimant TEXT NOT NULL,
                 changed_ns {bigint} NOT NULL,
                 size_bytes {bigint} NOT NULL,
                 PRIMARY KEY (build_id, kind)
@@ -571,29 +572,30 @@ class Store:
 
     # -- uploads (uploads.py owns the files; this, their shared state) -------
 
-    def claim_upload(self, build_id: str, kind: str, lease_ns: int) -> str:
-        """Claim the upload of a file: "claimed" (go ahead), "in_progress" (someone else's claim is
-        younger than `lease_ns`) or "done". Atomic: of concurrent claimants one wins."""
+    def claim_upload(self, build_id: str, kind: str, lease_ns: int, claimant: str = "") -> str:
+        """Claim the upload of a file: "claimed" (go ahead), "in_progress" (another claimant's claim is
+        younger than `lease_ns`) or "done". Atomic: of concurrent claimants one wins; a claimant that
+        claims again (retrying after a failure) keeps its claim."""
         now = time.time_ns()
         if self._exec(
-            """INSERT INTO uploads (build_id, kind, state, changed_ns, size_bytes)
-               VALUES (?, ?, 'claimed', ?, 0) ON CONFLICT (build_id, kind) DO NOTHING""",
-            (build_id, kind, now),
+            """INSERT INTO uploads (build_id, kind, state, claimant, changed_ns, size_bytes)
+               VALUES (?, ?, 'claimed', ?, ?, 0) ON CONFLICT (build_id, kind) DO NOTHING""",
+            (build_id, kind, claimant, now),
         ):
             return "claimed"
         if self._exec(
-            """UPDATE uploads SET changed_ns = ? WHERE build_id = ? AND kind = ? AND state = 'claimed'
-               AND changed_ns < ?""",
-            (now, build_id, kind, now - lease_ns),
+            """UPDATE uploads SET changed_ns = ?, claimant = ? WHERE build_id = ? AND kind = ?
+               AND state = 'claimed' AND (changed_ns < ? OR (claimant = ? AND claimant != ''))""",
+            (now, claimant, build_id, kind, now - lease_ns, claimant),
         ):
-            return "claimed"  # the last claimant gave up (or died) without finishing
+            return "claimed"  # ours again, or the last claimant gave up (or died) without finishing
         rows = self._fetch("SELECT state FROM uploads WHERE build_id = ? AND kind = ?", (build_id, kind))
         return "done" if rows and rows[0][0] == "done" else "in_progress"
 
     def finish_upload(self, build_id: str, kind: str, size: int) -> None:
         self._exec(
-            """INSERT INTO uploads (build_id, kind, state, changed_ns, size_bytes)
-               VALUES (?, ?, 'done', ?, ?)
+            """INSERT INTO uploads (build_id, kind, state, claimant, changed_ns, size_bytes)
+               VALUES (?, ?, 'done', '', ?, ?)
                ON CONFLICT (build_id, kind) DO UPDATE SET state = 'done', changed_ns = excluded.changed_ns,
                  size_bytes = excluded.size_bytes""",
             (build_id, kind, time.time_ns(), size),

@@ -76,11 +76,12 @@ class Uploads:
         """The kinds present as a bit mask: 1 the executable, 2 the debug file."""
         return sum(1 << i for i, k in enumerate(KINDS[::-1]) if self.has(build_id, k))
 
-    def claim(self, build_id: str, kind: str) -> str:
-        """ "claimed", "in_progress" or "done" (see Store.claim_upload)."""
+    def claim(self, build_id: str, kind: str, claimant: str = "") -> str:
+        """The claim's state: claimed, in_progress or done (see Store.claim_upload)."""
         if self.has(build_id, kind):
             return "done"
-        state = self.store.claim_upload(check_build_id(build_id), check_kind(kind), CLAIM_LEASE_S * 10**9)
+        lease = CLAIM_LEASE_S * 10**9
+        state = self.store.claim_upload(check_build_id(build_id), check_kind(kind), lease, claimant[:64])
         # "done" elsewhere (another instance) but not here: this instance takes it too.
         return "claimed" if state == "done" else state
 

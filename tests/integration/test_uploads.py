@@ -109,6 +109,13 @@ class Agent:
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
 
+    def uploaded(self, kind: str) -> bool:
+        """One file of this kind uploaded: counted once the agent read the answer, which comes after
+        the symbolizer named the session again."""
+        return bool(
+            wait_until(lambda: self.metric("bistouri_upload_files_total", kind=kind) == 1, DEADLINE_S)
+        )
+
     def stop(self) -> None:
         self.exporter.stop()
 
@@ -153,7 +160,9 @@ def test_symtab_binary_uploaded_from_the_agent_host_names_the_stored_session(
         agent.send(session("up-1", prog))
         assert wait_until(lambda: "upload_leaf" in names(url, "up-1"), DEADLINE_S)
         assert {"upload_leaf", "upload_middle", "main"} <= names(url, "up-1")
-        assert agent.metric("bistouri_upload_files_total", kind="executable") == 1
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="executable") == 1, DEADLINE_S
+        )
         sent = agent.metric("bistouri_upload_bytes_total")
         assert 0 < sent < prog.path.stat().st_size  # compressed on the wire
     finally:
@@ -175,7 +184,9 @@ def test_dwarf_only_in_the_agent_hosts_build_id_tree_gives_file_and_line(
         assert wait_until(lambda: (leaf() or {}).get("line"), DEADLINE_S)
         frame = leaf()
         assert frame is not None and frame["file"].endswith("upload-dwarf.c") and frame["line"] == 3
-        assert agent.metric("bistouri_upload_files_total", kind="debuginfo") == 1
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="debuginfo") == 1, DEADLINE_S
+        )
     finally:
         agent.stop()
 
@@ -334,3 +345,34 @@ def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_p
     finally:
         a.close()
         b.close()
+
+
+def test_an_upload_that_failed_is_retried(symbolizer_server: Any, tmp_path: Path, run_program: Any) -> None:
+    """The first PUT never reaches the symbolizer (as if the network dropped it): retried after a backoff."""
+    prog = build(tmp_path, "upload-retry", "symtab")
+    url = symbolizer_server(tmp_path)
+    agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]))
+    uploader = agent.exporter.uploader
+    assert uploader is not None
+    uploader._retry_initial = 0.1  # seconds, not the production 30
+    real_send = uploader._send
+    dropped: list[str] = []
+
+    def flaky(method: str, path: str, **kw: Any) -> Any:
+        if method == "PUT" and not dropped:
+            dropped.append(path)
+            for _ in kw.get("data", ()):  # the body is read, then the connection "fails"
+                pass
+            return None
+        return real_send(method, path, **kw)
+
+    uploader._send = flaky
+    try:
+        agent.send(session("retry-1", prog))
+        assert wait_until(lambda: "upload_leaf" in names(url, "retry-1"), DEADLINE_S)
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="executable") == 1, DEADLINE_S
+        )
+        assert dropped and agent.metric("bistouri_upload_failures_total", reason="network") == 1
+    finally:
+        agent.stop()
