@@ -140,6 +140,9 @@ class Exporter:
     IDLE_RESCAN_S = 30.0  # look at the spool even without notify()
     REGROW_AFTER_POSTS = 16  # successful posts before a lowered batch limit doubles again
     KERNEL_RETRY_S = 600.0  # how long a refused kallsyms upload is not retried
+    # How often the loaded modules and BPF programs are compared with the uploaded snapshot (reading
+    # /proc/kallsyms takes ~0.1 s; hosts load BPF programs often): at most one new upload per period.
+    KERNEL_RECHECK_S = 60.0
 
     def __init__(
         self,
@@ -154,6 +157,7 @@ class Exporter:
         backoff_initial_s: float | None = None,
         backoff_max_s: float | None = None,
         read_timeout_s: float | None = None,
+        kernel_recheck_s: float | None = None,
     ) -> None:
         self.spool = spool
         self.endpoint = settings.symbolizer_endpoint
@@ -193,6 +197,8 @@ class Exporter:
         self._boot = kernel_boot
         self._digest = loaded_code_digest
         self._digest_sent: str | None = None
+        self._recheck_s = self.KERNEL_RECHECK_S if kernel_recheck_s is None else kernel_recheck_s
+        self._digest_checked = 0.0  # monotonic
         self._kernel_stale: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
         self._rng = random.Random()
@@ -321,13 +327,21 @@ class Exporter:
         batch = self._next_batch()
         if not batch.entries:
             return _Outcome()
-        stale = self._digest is not None and batch.kernels and self._digest_sent is not None
-        if stale and self._digest is not None and self._digest() != self._digest_sent:
-            self._kernel_stale |= self._known_kernels
-            self._known_kernels -= self._kernel_stale
+        now = time.monotonic()
+        due = now - self._digest_checked >= self._recheck_s
+        if due and batch.kernels and self._digest is not None and self._digest_sent is not None:
+            self._digest_checked = now
+            if self._digest() != self._digest_sent:
+                self._kernel_stale |= self._known_kernels
+                self._known_kernels -= self._kernel_stale
         for bid in sorted(batch.kernels):
+            stale = bid in self._kernel_stale
             outcome = self._ensure_kernel(bid)
-            if outcome is not None:
+            if outcome is not None and stale:
+                # The symbolizer has an older snapshot of this boot: the sessions go now, the new one
+                # is tried again after KERNEL_RETRY_S (still stale: sent without asking).
+                self._kernel_refused[bid] = time.monotonic()
+            elif outcome is not None:
                 return outcome
         return self._post(batch)
 
