@@ -20,7 +20,9 @@ APT_SYMBOLIZER := llvm-19 postgresql libc6-dbg
 APT_UI := chromium
 APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-client \
 	dpkg-dev lintian rpm rpmlint fakeroot
-APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY)
+# promtool checks the shipped alert rules (tests/unit/test_monitoring.py).
+APT_MONITORING := prometheus
+APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING)
 APT_DEMO := $(APT_BUILD) llvm-19
 # What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`).
 APT_BENCH := bpftrace linux-perf nodejs openjdk-17-jdk-headless

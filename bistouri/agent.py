@@ -33,7 +33,7 @@ from .discovery import Walker
 from .episode import EpisodeProbe
 from .errors import BistouriError, ConfigError
 from .events import BpfErrorEvent, ExecMatch, StackSample
-from .kernel import KernelMeta, read_kallsyms, read_kernel_meta
+from .kernel import KernelMeta, loaded_code_digest, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
 from .procmaps import ProcMapsStats
 from .profiler import ProfilerAgent, ProfilerOptions
@@ -111,6 +111,7 @@ class Agent:
         if fails:
             raise StartupError("preflight", "; ".join(fails) + ". Run `bistouri check` for details")
         self.kernel = read_kernel_meta(proc_root=self.s.proc_path)
+        self.metrics.info.labels(__version__, self.kernel.release, str(self.s.freq)).set(1)
         if not self.kernel.text_addr:
             log.warning(
                 "Kernel addresses are hidden (kptr_restrict or no CAP_SYSLOG): kernel frames stay unnamed"
@@ -269,7 +270,17 @@ class Agent:
             return gzip.compress(read_kallsyms(self.s.proc_path), 6)
 
         assert self.spool is not None
-        exp = Exporter(self.spool, self.s, registry=self.registry, kallsyms_provider=kallsyms)
+        # Files the symbolizer asks for are read where the sampled processes mapped them.
+        locate = self.profiler.maps.locate if self.profiler is not None else None
+        exp = Exporter(
+            self.spool,
+            self.s,
+            registry=self.registry,
+            kallsyms_provider=kallsyms,
+            file_locator=locate,
+            kernel_boot=kernel.boot_id if kernel is not None else b"",
+            loaded_code_digest=lambda: loaded_code_digest(read_kallsyms(self.s.proc_path)),
+        )
         exp.start()
         return exp
 

@@ -530,7 +530,9 @@ class CaptureOrchestrator:
         return wire.Session(
             session_id=s.session_id,
             trigger=s.trigger,
-            kernel=wire.KernelInfo(self.kernel.release, self.kernel.build_id, self.kernel.text_addr),
+            kernel=wire.KernelInfo(
+                self.kernel.release, self.kernel.build_id, self.kernel.text_addr, self.kernel.boot_id
+            ),
             start_ns=s.start_ns,
             duration_ns=int((now - s.start_mono) * 1e9) + s.pre_trigger_ns,
             period_ns=self.period_ns,

@@ -38,6 +38,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from . import __version__, threads
 from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
+from .uploader import Locate, Uploader
 from .wire import encode_batch
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class Exporter:
     IDLE_RESCAN_S = 30.0  # look at the spool even without notify()
     REGROW_AFTER_POSTS = 16  # successful posts before a lowered batch limit doubles again
     KERNEL_RETRY_S = 600.0  # how long a refused kallsyms upload is not retried
+    # How often the loaded modules and BPF programs are compared with the uploaded snapshot (reading
+    # /proc/kallsyms takes ~0.1 s; hosts load BPF programs often): at most one new upload per period.
+    KERNEL_RECHECK_S = 60.0
 
     def __init__(
         self,
@@ -146,10 +150,14 @@ class Exporter:
         settings: AgentSettings,
         registry: CollectorRegistry | None = REGISTRY,
         kallsyms_provider: KallsymsProvider | None = None,
+        file_locator: Locate | None = None,
+        kernel_boot: bytes = b"",
+        loaded_code_digest: Callable[[], str] | None = None,
         *,
         backoff_initial_s: float | None = None,
         backoff_max_s: float | None = None,
         read_timeout_s: float | None = None,
+        kernel_recheck_s: float | None = None,
     ) -> None:
         self.spool = spool
         self.endpoint = settings.symbolizer_endpoint
@@ -184,8 +192,22 @@ class Exporter:
         self._backoff_until = 0.0  # monotonic; our own exponential backoff
         self._disabled_until = 0.0  # monotonic; the server's Retry-After, never cut short
         self._known_kernels: set[bytes] = set()
+        # kallsyms are per boot; the digest of the modules and BPF programs in them changes when one is
+        # loaded or unloaded, and the snapshot is then uploaded again before the next sessions.
+        self._boot = kernel_boot
+        self._digest = loaded_code_digest
+        self._digest_sent: str | None = None
+        self._recheck_s = self.KERNEL_RECHECK_S if kernel_recheck_s is None else kernel_recheck_s
+        self._digest_checked = 0.0  # monotonic
+        self._kernel_stale: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
         self._rng = random.Random()
+        # Files the symbolizer asks for, uploaded from their own thread and HTTP session.
+        self.uploader: Uploader | None = None
+        if file_locator is not None and self.endpoint is not None and settings.upload_max_bytes:
+            self._upload_http = requests.Session()
+            self._upload_http.headers["User-Agent"] = self._http.headers["User-Agent"]
+            self.uploader = Uploader(settings, self._upload_send, file_locator, registry)
 
     # -- lifecycle
 
@@ -196,6 +218,8 @@ class Exporter:
         if self._thread is not None:
             return
         self._thread = threads.start("exporter", self._run)
+        if self.uploader is not None:
+            self.uploader.start()
 
     def notify(self) -> None:
         """A session was spooled: wake the thread. Cheap, never blocks."""
@@ -206,6 +230,9 @@ class Exporter:
         self._stop.set()
         self._interrupt.set()
         self._wake.set()
+        if self.uploader is not None:
+            self.uploader.stop(timeout)
+            self._upload_http.close()
         t = self._thread
         if t is not None:
             t.join(timeout)
@@ -300,9 +327,21 @@ class Exporter:
         batch = self._next_batch()
         if not batch.entries:
             return _Outcome()
+        now = time.monotonic()
+        due = now - self._digest_checked >= self._recheck_s
+        if due and batch.kernels and self._digest is not None and self._digest_sent is not None:
+            self._digest_checked = now
+            if self._digest() != self._digest_sent:
+                self._kernel_stale |= self._known_kernels
+                self._known_kernels -= self._kernel_stale
         for bid in sorted(batch.kernels):
+            stale = bid in self._kernel_stale
             outcome = self._ensure_kernel(bid)
-            if outcome is not None:
+            if outcome is not None and stale:
+                # The symbolizer has an older snapshot of this boot: the sessions go now, the new one
+                # is tried again after KERNEL_RETRY_S (still stale: sent without asking).
+                self._kernel_refused[bid] = time.monotonic()
+            elif outcome is not None:
                 return outcome
         return self._post(batch)
 
@@ -330,10 +369,17 @@ class Exporter:
             self._token_stat = None
         return self._token
 
-    def _request(self, method: str, path: str, **kw: Any) -> _Reply | _Outcome:
+    def _upload_send(self, method: str, path: str, **kw: Any) -> _Reply | None:
+        """A request of the uploader (uploader.Send), on its own connection."""
+        reply = self._request(method, path, http=self._upload_http, **kw)
+        return reply if isinstance(reply, _Reply) else None
+
+    def _request(
+        self, method: str, path: str, *, http: requests.Session | None = None, **kw: Any
+    ) -> _Reply | _Outcome:
         """One request; a transport failure or an oversized answer becomes a failed _Outcome."""
         try:
-            with self._http.request(
+            with (http or self._http).request(
                 method,
                 f"{self.endpoint}{path}",
                 timeout=self._timeout,
@@ -413,15 +459,18 @@ class Exporter:
         refused = self._kernel_refused.get(bid)
         if refused is not None and time.monotonic() - refused < self.KERNEL_RETRY_S:
             return None
-        path = f"/v1/kernels/{bid.hex()}"
-        resp = self._request("GET", path)
-        if isinstance(resp, _Outcome):
-            return resp
-        if resp.status_code == 200:
-            self._known_kernels.add(bid)
-            return None
-        if resp.status_code != 404:
-            return self._http_failure(resp, "GET kernel")
+        path = f"/v1/kernels/{bid.hex()}" + (f"?boot={self._boot.hex()}" if self._boot else "")
+        digest = self._digest() if self._digest is not None else None
+        if bid not in self._kernel_stale:  # a stale snapshot is replaced without asking
+            resp = self._request("GET", path)
+            if isinstance(resp, _Outcome):
+                return resp
+            if resp.status_code == 200:
+                self._known_kernels.add(bid)
+                self._digest_sent = digest
+                return None
+            if resp.status_code != 404:
+                return self._http_failure(resp, "GET kernel")
         text = self._kallsyms(bid) if self._kallsyms is not None else None
         if not text:
             # Without kallsyms the symbolizer still stores the sessions; kernel frames stay raw.
@@ -437,6 +486,8 @@ class Exporter:
             return resp
         if resp.status_code in (200, 201, 204):
             self._known_kernels.add(bid)
+            self._kernel_stale.discard(bid)
+            self._digest_sent = digest
             self._m.kernel_uploads.inc()
             log.info("kernel symbols uploaded build_id=%s bytes=%d", bid.hex(), len(body))
             return None
@@ -532,7 +583,13 @@ class Exporter:
             elif rej is not None and rej.session_id not in done:
                 self._reject(rej, f"{r.get('reason', 'rejected')}: {r.get('detail', '')}".rstrip(": "))
                 done.add(rej.session_id)
-        for hexid in result.get("missing_kernels") or []:
+        if self.uploader is not None:
+            self.uploader.want(result.get("missing_builds"))
+        for key in result.get("missing_kernels") or []:
+            # "<build id>" or "<build id>-<boot id>": another boot's snapshot is not ours to send.
+            hexid, _, boot = str(key).partition("-")
+            if boot and boot != self._boot.hex():
+                continue
             try:
                 self._known_kernels.discard(bytes.fromhex(hexid))
             except (TypeError, ValueError):

@@ -6,6 +6,7 @@ fixtures; the readers default to the live system.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class KernelMeta:
     release: str
     build_id: bytes  # empty when /sys/kernel/notes has none
     text_addr: int  # 0 when hidden
+    boot_id: bytes = b""  # /proc/sys/kernel/random/boot_id, 16 bytes; empty when unreadable
 
     @property
     def build_id_hex(self) -> str:
@@ -67,7 +69,26 @@ def read_kernel_meta(sys_root: str = "/sys", proc_root: str = "/proc") -> Kernel
         text = parse_text_address(Path(proc_root, "kallsyms").read_bytes()) or 0
     except OSError:
         text = 0
-    return KernelMeta(release=os.uname().release, build_id=build_id, text_addr=text)
+    try:
+        boot_id = bytes.fromhex(
+            Path(proc_root, "sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+        )
+    except (OSError, ValueError):
+        boot_id = b""
+    return KernelMeta(
+        release=os.uname().release,
+        build_id=build_id,
+        text_addr=text,
+        boot_id=boot_id if len(boot_id) == 16 else b"",
+    )
+
+
+def loaded_code_digest(kallsyms: bytes) -> str:
+    """A digest of the kallsyms lines of modules and BPF programs (those tagged `[name]`, listed after the
+    kernel's own): it changes when one is loaded or unloaded, and the agent then uploads again."""
+    i = kallsyms.find(b"\t[")
+    tail = kallsyms[kallsyms.rfind(b"\n", 0, i) + 1 :] if i >= 0 else b""
+    return hashlib.sha256(tail).hexdigest()[:16]
 
 
 def read_kallsyms(proc_root: str = "/proc") -> bytes:

@@ -57,6 +57,13 @@ class AgentMetrics:
             registry=r,
         )
         self.sessions_active = Gauge("bistouri_sessions_active", "Capture sessions running now", registry=r)
+        # Build info, Prometheus' way: 1, with what a fleet view groups by in labels.
+        self.info = Gauge(
+            "bistouri_agent_info",
+            "The agent's version, kernel release and sampling frequency (always 1)",
+            ["version", "kernel_release", "frequency_hz"],
+            registry=r,
+        )
         self.samples = Counter(
             "bistouri_samples_total", "Stack samples aggregated into sessions, by kind", ["kind"], registry=r
         )

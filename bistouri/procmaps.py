@@ -150,6 +150,8 @@ class ProcMaps:
         self._bytes = 0
         self._files: list[MappedFile] = []
         self._file_ids: dict[tuple[int, int, int, str], int] = {}  # (dev, inode, mtime_ns, name) -> id
+        # Where a build id's file was last seen mapped: what uploader.py reads when it is asked for.
+        self._where: dict[bytes, tuple[str, str]] = {}  # build id -> (map_files path, root path)
         self._over_bound = -1  # id of the file entry shared past max_files
         self._names: dict[str, str] = {}  # interned JIT names
         self.stats = ProcMapsStats()
@@ -321,6 +323,9 @@ class ProcMaps:
         key = (int(major, 16) << 20 | int(minor or b"0", 16), inode, mtime, name)
         fid = self._file_ids.get(key)
         if fid is not None:
+            bid = self._files[fid].build_id
+            if bid:
+                self._where[bid] = (via_map_files, f"{base}/root{name}")
             return fid
         if len(self._files) >= self.max_files:
             # Bounded: past this many distinct files (a host replacing binaries for days), new
@@ -331,6 +336,8 @@ class ProcMaps:
         fid = len(self._files)
         self._files.append(MappedFile(build_id, os.path.basename(name)))
         self._file_ids[key] = fid
+        if build_id:
+            self._where[build_id] = (via_map_files, f"{base}/root{name}")
         return fid
 
     def _over_bound_file(self) -> int:
@@ -346,6 +353,12 @@ class ProcMaps:
             self.stats.evicted += 1
         self.stats.tables = len(self._tables)
         self.stats.bytes = self._bytes
+
+    def locate(self, build_id: bytes) -> tuple[str, ...]:
+        """Paths that may open the file of this build id, the process's own view first (a deleted
+        file, another mount namespace); the caller checks the build id of what it opens."""
+        with self._lock:
+            return self._where.get(build_id, ())
 
     def file(self, file_id: int) -> MappedFile:
         """The file behind a `FrameStatus.FILE` frame's id."""

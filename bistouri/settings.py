@@ -30,6 +30,10 @@ class AgentSettings:
     symbolizer_ca_file: str | None = None
     symbolizer_client_cert: str | None = None
     symbolizer_client_key: str | None = None
+    # Files the symbolizer asks for (uploader.py): largest one, 0 turns uploads off; bytes a second.
+    upload_max_bytes: int = 512 * 1024 * 1024
+    upload_rate_bytes: int = 16 * 1024 * 1024
+    upload_debug_dir: str = "/usr/lib/debug"  # its .build-id tree holds separate debug files
     capture_duration_secs: float = 10.0
     freq: int = 19
     metrics_port: int = 9464  # 0 disables the metrics endpoint
@@ -63,6 +67,9 @@ _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--symbolizer-ca-file", "BISTOURI_SYMBOLIZER_CA_FILE", "PATH", "CA bundle to verify the symbolizer"),
     ("--symbolizer-client-cert", "BISTOURI_SYMBOLIZER_CLIENT_CERT", "PATH", "TLS client certificate (PEM)"),
     ("--symbolizer-client-key", "BISTOURI_SYMBOLIZER_CLIENT_KEY", "PATH", "TLS client key (PEM)"),
+    ("--upload-max-bytes", "BISTOURI_UPLOAD_MAX_BYTES", "SIZE", "largest upload on demand, 0 off (512MiB)"),
+    ("--upload-rate-bytes", "BISTOURI_UPLOAD_RATE_BYTES", "SIZE", "upload bytes per second (default 16MiB)"),
+    ("--upload-debug-dir", "BISTOURI_UPLOAD_DEBUG_DIR", "PATH", "debug files' root (default /usr/lib/debug)"),
     ("--capture-duration-secs", "BISTOURI_CAPTURE_DURATION", "SECS", "capture session length (default 10)"),
     ("--freq", "BISTOURI_FREQ", "HZ", "on-CPU sampling frequency, 1..1000 (default 19; prefer a prime)"),
     ("--metrics-port", "BISTOURI_METRICS_PORT", "PORT", "Prometheus port, 0 disables (default 9464)"),
@@ -232,6 +239,10 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         warnings.append("symbolizer TLS/token options are set but no --symbolizer-endpoint: they are unused")
     if endpoint and endpoint.startswith("http://") and s["symbolizer_token_file"]:
         warnings.append("the bearer token is sent over plain http: use https:// outside a trusted network")
+
+    s["upload_max_bytes"] = size("upload_max_bytes", 512 << 20, zero_turns_off=True)
+    s["upload_rate_bytes"] = size("upload_rate_bytes", 16 << 20)
+    s["upload_debug_dir"] = text("upload_debug_dir", "/usr/lib/debug") or "/usr/lib/debug"
 
     s["capture_duration_secs"] = number("capture_duration_secs", 10.0, 0.1, CAPTURE_SECS_MAX, integer=False)
     freq = int(number("freq", 19, 1, 1000, integer=True))

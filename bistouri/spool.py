@@ -87,6 +87,9 @@ class _Metrics:
             "bistouri_spool_bytes", "Bytes of sessions waiting in the spool", registry=registry
         )
         self.sessions = Gauge("bistouri_spool_sessions", "Sessions waiting in the spool", registry=registry)
+        self.capacity = Gauge(
+            "bistouri_spool_capacity_bytes", "The spool's bound (--spool-max-bytes)", registry=registry
+        )
         self.rejected = Counter(
             "bistouri_spool_rejected",
             "Sessions moved aside into rejected/ (refused by the symbolizer or corrupt)",
@@ -124,6 +127,7 @@ class Spool:
         self._rejected: dict[str, int] = {}
         self._rejected_bytes = 0
         self._m = _Metrics(registry)
+        self._m.capacity.set(max_bytes)  # the "spool near full" alert divides by it
         self._last_log: dict[str, float] = {}
         try:
             for d in (directory, self._tmp, self.rejected_dir):

@@ -199,6 +199,7 @@ class KernelInfo:
     release: str = ""
     build_id: bytes = b""
     text_addr: int = 0  # runtime address of _text (KASLR-corrected base)
+    boot_id: bytes = b""  # /proc/sys/kernel/random/boot_id (16 bytes): its kallsyms snapshot is this boot's
 
 
 @dataclass(slots=True)
@@ -295,6 +296,13 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     # and a session without them encodes byte for byte as before.
     if tr.kind != TRIGGER_PSI:
         trigger["kind"] = tr.kind
+    kernel: dict[str, Any] = {
+        "release": s.kernel.release,
+        "build_id": s.kernel.build_id,
+        "text": s.kernel.text_addr,
+    }
+    if s.kernel.boot_id:  # absent when unknown, as from agents before it existed
+        kernel["boot"] = s.kernel.boot_id
     out: dict[str, Any] = {
         "v": VERSION,
         "id": s.session_id,
@@ -304,7 +312,7 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "labels": dict(s.labels),
         "processes": [[pid, comm] for pid, comm in sorted(s.processes.items())],
         "trigger": trigger,
-        "kernel": {"release": s.kernel.release, "build_id": s.kernel.build_id, "text": s.kernel.text_addr},
+        "kernel": kernel,
         "start_ns": s.start_ns,
         "duration_ns": s.duration_ns,
         "period_ns": s.period_ns,
@@ -501,7 +509,12 @@ def session_from_wire(m: Any) -> Session:
     if not isinstance(kbid, bytes) or len(kbid) > 64:
         raise WireError("malformed", f"{where}.kernel.build_id must be a build id (bin, 0-64 bytes)")
     krel = _str(k, "release", where + ".kernel", MAX_RELEASE_CHARS)
-    kernel = KernelInfo(release=krel, build_id=kbid, text_addr=_u64(k.get("text", 0), where + ".kernel.text"))
+    boot = k.get("boot", b"")
+    if not isinstance(boot, bytes) or len(boot) not in (0, 16):
+        raise WireError("malformed", f"{where}.kernel.boot must be a boot id (bin, 16 bytes)")
+    kernel = KernelInfo(
+        release=krel, build_id=kbid, text_addr=_u64(k.get("text", 0), where + ".kernel.text"), boot_id=boot
+    )
 
     labels = m.get("labels", {})
     if not isinstance(labels, dict) or not all(

@@ -136,9 +136,18 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--max-request-bytes", type=_size, metavar="BYTES", help="largest request body accepted (default 16M)"
     )
+    p.add_argument(
+        "--max-upload-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="largest ELF file an agent may upload, uncompressed (default 1G)",
+    )
     p.add_argument("--retention-days", type=_days, metavar="DAYS", help="delete sessions older than this")
     p.add_argument(
-        "--max-db-bytes", type=_size, metavar="BYTES", help="delete the oldest sessions above this"
+        "--max-db-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="delete the oldest sessions (then uploads) above this; kallsyms and uploads count",
     )
     p.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)"
@@ -196,6 +205,7 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "cache_dir": (str, None),
         "token_file": (str, None),
         "max_request_bytes": (_size, None),
+        "max_upload_bytes": (_size, None),
         "retention_days": (_days, None),
         "max_db_bytes": (_size, None),
         "log_level": (str, "info"),
@@ -322,18 +332,21 @@ def _error(cmd: str, e: Exception) -> int:
 # Resolver
 
 
-def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[], Any]:
-    """A callable building the shared Resolver from the source flags (called in each worker)."""
-    debug_dirs = [Path(d) for d in args.debug_dir]
+def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[Any], Any]:
+    """A callable building the shared Resolver from the source flags (called in each worker, with
+    the worker's one KallsymsStore)."""
+    # Files agents uploaded (uploads.py) are a .build-id tree like a --debug-dir, looked at last.
+    debug_dirs = [Path(d) for d in args.debug_dir] + [state_dir / "uploads"]
     binary_dirs = [Path(d) for d in args.binary_dir]
     urls = list(args.debuginfod_url)
     cache_dir = getattr(args, "cache_dir", None)
 
-    def make() -> Any:
+    def make(kernels: Any) -> Any:
         from .resolve import Resolver
 
         return Resolver.from_options(
             state_dir=state_dir,
+            kernels=kernels,
             debug_dirs=debug_dirs,
             binary_dirs=binary_dirs,
             debuginfod_urls=urls,
@@ -362,7 +375,7 @@ def _worker_exit(server: Any, worker: Any) -> None:
 
 def serve(
     config: Any,
-    resolver_factory: Callable[[], Any],
+    resolver_factory: Callable[[Any], Any],
     binds: list[str],
     workers: int,
     log_level: str = "info",
@@ -419,6 +432,7 @@ def serve(
 def run_symbolizer(args: argparse.Namespace) -> int:
     from .server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
     from .store import Store, StoreError
+    from .uploads import DEFAULT_MAX_UPLOAD_BYTES
 
     try:
         apply_env(args, args._env_parser)
@@ -451,6 +465,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
             token=token,
             read_token=args.read_token,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+            max_upload_bytes=args.max_upload_bytes or DEFAULT_MAX_UPLOAD_BYTES,
             retention_days=args.retention_days,
             max_db_bytes=args.max_db_bytes,
             metrics_port=args.metrics_port,
@@ -491,8 +506,8 @@ def run_symbolizer(args: argparse.Namespace) -> int:
 def run_symbolize(args: argparse.Namespace) -> int:
     from ..errors import WireError
     from . import formats
+    from .kallsyms import KallsymsStore
     from .resolve import read_session_file
-    from .store import meta_from_session
 
     _apply_source_env(args)
     _configure_logging("warning")
@@ -514,13 +529,11 @@ def run_symbolize(args: argparse.Namespace) -> int:
                 raise UsageError(f"{name}: not a bistouri session file: {e}")
         if args.kallsyms:
             _install_kallsyms(Path(args.kallsyms), state_dir, sessions)
-        resolver = resolver_factory(args, state_dir)()
+        resolver = resolver_factory(args, state_dir)(KallsymsStore(str(state_dir)))
         profiles = []
         try:
             for s in sessions:
-                p = resolver.symbolize(s)
-                p.meta = meta_from_session(s, p)
-                profiles.append(p)
+                profiles.append(resolver.symbolize(s))  # its meta is built from the session
         finally:
             resolver.close()
         profile = profiles[0] if len(profiles) == 1 else formats.merge(profiles)

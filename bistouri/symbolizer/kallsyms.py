@@ -47,6 +47,24 @@ MAX_SYMBOL_SPAN = 1 << 20  # no kernel function is this long: past it the addres
 _CORE_LABELS = frozenset(("_text", "_stext", "_etext", "_sinittext", "_einittext"))
 
 
+_KEY_RE = re.compile(r"[0-9a-f]{2,128}(-[0-9a-f]{32})?")
+
+
+def kernel_key(build_id: bytes | str, boot_id: bytes = b"") -> str:
+    """The name of a kallsyms snapshot: the kernel's build id in hex, and `-<boot id>` when the session
+    says which boot it comes from (module and BPF program addresses are per boot)."""
+    hexid = check_build_id(build_id) if build_id else ""
+    return f"{hexid}-{boot_id.hex()}" if hexid and len(boot_id) == 16 else hexid
+
+
+def check_kernel_key(key: bytes | str) -> str:
+    """A kernel_key() (or a bare build id); ValueError for anything that could escape a path."""
+    k = key.hex() if isinstance(key, bytes) else key.lower()
+    if not _KEY_RE.fullmatch(k) or len(k.partition("-")[0]) % 2:
+        raise ValueError(f"invalid build id {k[:140]!r} (of a kernel: hex, then -<32 hex> of a boot)")
+    return k
+
+
 class KallsymsError(BistouriError, ValueError):
     """A kallsyms snapshot cannot be used."""
 
@@ -236,18 +254,21 @@ class KallsymsStore:
         self.max_loaded = max(1, max_loaded)
         self.max_bytes = max_bytes
         self._loaded: OrderedDict[str, KallsymsIndex] = OrderedDict()
+        # (inode, mtime) of each loaded snapshot's file: another worker may have replaced it since.
+        self._mtimes: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
 
     def path(self, build_id: bytes | str) -> str:
-        return os.path.join(self.dir, check_build_id(build_id) + ".kallsyms.gz")
+        return os.path.join(self.dir, check_kernel_key(build_id) + ".kallsyms.gz")
 
     def has(self, build_id: bytes | str) -> bool:
         return os.path.isfile(self.path(build_id))
 
     def put(self, build_id: bytes | str, data: bytes) -> KallsymsIndex:
-        """Validate and store a snapshot (plain text or gzip). Raises KallsymsError if unusable."""
-        hexid = check_build_id(build_id)
+        """Validate and store a snapshot (plain text or gzip) under a kernel_key(). Raises KallsymsError if
+        unusable. A later one of the same key replaces it (the agent's modules changed)."""
+        hexid = check_kernel_key(build_id)
         if len(data) > MAX_UPLOAD_BYTES:
             raise KallsymsTooLarge(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
         index = parse_kallsyms(data, self.max_bytes)
@@ -263,22 +284,23 @@ class KallsymsStore:
             except OSError:
                 pass
             raise
-        self._remember(hexid, index)
+        self._remember(hexid, index, self._mtime(hexid))
         log.info("Stored a kallsyms snapshot. build_id=%s symbols=%d", hexid, len(index))
         return index
 
     def get(self, build_id: bytes | str) -> KallsymsIndex | None:
         """The parsed snapshot of this kernel, or None if none was uploaded (or it is unreadable)."""
-        hexid = check_build_id(build_id)
+        hexid = check_kernel_key(build_id)
+        mtime = self._mtime(hexid)
         with self._lock:
             index = self._loaded.get(hexid)
-            if index is not None:
+            if index is not None and self._mtimes.get(hexid) == mtime:
                 self._loaded.move_to_end(hexid)
                 return index
         with self._load_lock:
             with self._lock:
                 index = self._loaded.get(hexid)
-            if index is not None:
+            if index is not None and self._mtimes.get(hexid) == mtime:
                 return index
             path = self.path(hexid)
             try:
@@ -292,14 +314,22 @@ class KallsymsStore:
                     "Unreadable kallsyms snapshot; kernel frames stay unnamed. path=%s error=%s", path, e
                 )
                 return None
-            self._remember(hexid, index)
+            self._remember(hexid, index, mtime)
             return index
+
+    def _mtime(self, hexid: str) -> tuple[int, int]:
+        try:
+            st = os.stat(self.path(hexid))
+        except OSError:
+            return (0, 0)
+        return (st.st_ino, st.st_mtime_ns)
 
     def remove(self, build_id: bytes | str) -> None:
         """Forget a snapshot (its kernel expired from the database)."""
-        hexid = check_build_id(build_id)
+        hexid = check_kernel_key(build_id)
         with self._lock:
             self._loaded.pop(hexid, None)
+            self._mtimes.pop(hexid, None)
         try:
             os.unlink(self.path(hexid))
         except FileNotFoundError:
@@ -310,13 +340,16 @@ class KallsymsStore:
         suffix = ".kallsyms.gz"
         return [n[: -len(suffix)] for n in os.listdir(self.dir) if n.endswith(suffix)]
 
-    def _remember(self, hexid: str, index: KallsymsIndex) -> None:
+    def _remember(self, hexid: str, index: KallsymsIndex, mtime: tuple[int, int]) -> None:
         with self._lock:
             self._loaded[hexid] = index
+            self._mtimes[hexid] = mtime
             self._loaded.move_to_end(hexid)
             # Bounded in bytes too: a few large snapshots weigh as much as many small ones.
             loaded = sum(i.nbytes for i in self._loaded.values())
             while len(self._loaded) > 1 and (
                 len(self._loaded) > self.max_loaded or loaded > MAX_LOADED_BYTES
             ):
-                loaded -= self._loaded.popitem(last=False)[1].nbytes
+                old, dropped = self._loaded.popitem(last=False)
+                self._mtimes.pop(old, None)
+                loaded -= dropped.nbytes

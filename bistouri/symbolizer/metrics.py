@@ -48,6 +48,11 @@ class Metrics:
         )
         self.expired = counter("sessions_expired_total", "Sessions deleted by retention, by reason", "reason")
         self.kernel_uploads = counter("kernel_uploads_total", "kallsyms snapshots uploaded")
+        self.uploads = counter("uploads_total", "ELF files agents uploaded and kept, by kind", "kind")
+        self.uploaded_bytes = counter("uploaded_bytes_total", "Uncompressed bytes of the ELF files kept")
+        self.uploads_refused = counter(
+            "uploads_refused_total", "ELF uploads refused (nothing kept), by reason", "reason"
+        )
         self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
         self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
         self.latency = Histogram(

@@ -39,7 +39,7 @@ from ..errors import WireError
 from . import model
 from .demangle import demangle
 from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
-from .kallsyms import KallsymsIndex, KallsymsStore
+from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
 
@@ -161,7 +161,7 @@ class Resolver:
         self._cache_lock = threading.Lock()
         self._modules: OrderedDict[str, _Module | None] = OrderedDict()
         self._module_time: dict[str, float] = {}
-        self._kernels: OrderedDict[tuple[str, int], _Kernel] = OrderedDict()
+        self._kernels: OrderedDict[tuple[str, bytes, int], _Kernel] = OrderedDict()
         self._lock = threading.Lock()
         self._load_locks: dict[str, threading.Lock] = {}
         self._gen = itertools.count(1)
@@ -178,12 +178,14 @@ class Resolver:
         *,
         registry: CollectorRegistry | None = REGISTRY,
         cache_dir: str | os.PathLike[str] | None = None,
+        kernels: KallsymsStore | None = None,
         **kwargs: Any,
     ) -> Resolver:
         """The service's resolver: kallsyms snapshots live under `state_dir`, debuginfod downloads
         in `cache_dir` (default `state_dir`/debuginfod).
 
-        `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. Other keyword arguments go to `Resolver`.
+        `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. `kernels` is the process's KallsymsStore (default:
+        a new one under `state_dir`). Other keyword arguments go to `Resolver`.
         """
         state = os.fspath(state_dir)
         sources = DebugSources(
@@ -193,7 +195,7 @@ class Resolver:
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else os.path.join(state, "debuginfod"),
             registry=registry,
         )
-        return cls(sources, KallsymsStore(state), registry=registry, **kwargs)
+        return cls(sources, kernels or KallsymsStore(state), registry=registry, **kwargs)
 
     def close(self) -> None:
         if self.llvm is not None:
@@ -245,6 +247,13 @@ class Resolver:
                     self._load_locks.pop(old, None)
             return mod
 
+    def forget(self, build_id: bytes) -> None:
+        """Look for this build id's files again at its next use (one was uploaded meanwhile)."""
+        hexid = build_id.hex()
+        with self._lock:
+            self._modules.pop(hexid, None)
+            self._module_time.pop(hexid, None)
+
     def _open_module(self, build_id: bytes, hexid: str) -> _Module | None:
         try:
             dbg = self.sources.find(build_id, DEBUGINFO)
@@ -288,20 +297,17 @@ class Resolver:
         complete = dwarf is not None and bool(with_offsets)
         return _Module(next(self._gen), hexid, name, segments, symbols, dwarf, complete, time.monotonic())
 
-    def _kernel(self, build_id: bytes, text_addr: int) -> _Kernel:
+    def _kernel(self, build_id: bytes, text_addr: int, boot_id: bytes = b"") -> _Kernel:
         hexid = build_id.hex() if build_id else ""
-        key = (hexid, text_addr)
+        key = (hexid, boot_id, text_addr)
         now = time.monotonic()
+        kallsyms = self._snapshot(hexid, boot_id)
         with self._lock:
             k = self._kernels.get(key)
-        if k is not None:
-            fresh = k.complete or now - k.loaded_at < self.retry_s
-            # A snapshot uploaded since the last look is picked up at once (the server re-symbolizes).
-            if fresh and (
-                k.kallsyms is not None or self.kernels is None or not hexid or not self.kernels.has(hexid)
-            ):
-                return k
-        kallsyms = self.kernels.get(hexid) if (self.kernels is not None and hexid) else None
+        # A snapshot uploaded since the last look (or replaced: the agent's modules changed) is picked
+        # up at once: the store hands out one object per snapshot file.
+        if k is not None and k.kallsyms is kallsyms and (k.complete or now - k.loaded_at < self.retry_s):
+            return k
         vmlinux = self.module(build_id) if hexid else None
         link_text = link_etext = 0
         if vmlinux is not None and vmlinux.dwarf_path:
@@ -325,6 +331,16 @@ class Resolver:
             while len(self._kernels) > self.max_modules:
                 self._kernels.popitem(last=False)
         return k
+
+    def _snapshot(self, hexid: str, boot_id: bytes) -> KallsymsIndex | None:
+        """The kallsyms of this boot of the kernel, else of the kernel (agents that send no boot id)."""
+        if self.kernels is None or not hexid:
+            return None
+        if len(boot_id) == 16:
+            index = self.kernels.get(kernel_key(hexid, boot_id))
+            if index is not None:
+                return index
+        return self.kernels.get(hexid)
 
     def has_kallsyms(self, build_id: bytes) -> bool:
         return self.kernels is not None and self.kernels.has(build_id)
@@ -558,7 +574,9 @@ class Resolver:
             kern = t.kernel
             if kern:
                 if k is None:
-                    k = self._kernel(session.kernel.build_id, session.kernel.text_addr)
+                    k = self._kernel(
+                        session.kernel.build_id, session.kernel.text_addr, session.kernel.boot_id
+                    )
                 if kern[0] not in kleaf_memo:
                     visit_kernel(kern[0], True)
                 for ip in kern[1:]:

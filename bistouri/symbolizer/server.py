@@ -18,16 +18,13 @@ import logging
 import mimetypes
 import os
 import re
-import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import msgpack
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
 from werkzeug.security import safe_join
@@ -36,10 +33,12 @@ from werkzeug.wrappers import Request, Response
 from .. import wire
 from ..errors import WireError
 from . import formats
-from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge
+from .ingest import Ingest, ResolverFactory, echo, log_failure
+from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge, kernel_key
 from .metrics import Metrics
 from .model import PARTS, STATES, Profile
-from .store import Filter, Store, StoredSession, StoreError, meta_from_session
+from .store import Filter, Store, StoreError
+from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadRefused, Uploads, check_kind
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +50,10 @@ DECOMPRESSION_RATIO = 4
 MAX_SESSIONS_PER_BATCH = wire.MAX_SESSIONS_PER_BATCH
 MAX_LIST_LIMIT = 1000
 DEFAULT_MERGE_LIMIT = 500
-RETENTION_INTERVAL_S = 60.0
-RESYMBOLIZE_PER_UPLOAD = 2000
 # Seconds an agent waits after a failure on our side (database, disk): long enough for an
 # operator or a restart to clear it, short enough that spools do not pile up.
 RETRY_AFTER_S = 15
-# Work bounded per request: at these bounds a worker spends at most ~2 s and ~150 MB on the
-# symbolization of one request (measured on a loaded 2-CPU machine). A session over them is
-# refused (413), and sessions of a batch past them are put off to a next request.
-MAX_FRAMES_PER_REQUEST = wire.MAX_FRAMES_PER_REQUEST
-MAX_STACKS_PER_REQUEST = wire.MAX_STACKS_PER_REQUEST
-MAX_STACK_ENTRIES_PER_REQUEST = wire.MAX_STACK_ENTRIES_PER_REQUEST
-# Text from a request echoed in an answer (ids, details) is cut here: never a megabyte back.
-MAX_ECHO_CHARS = 200
 _BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
-
-
-class ResolverLike(Protocol):
-    def symbolize(self, session: wire.Session) -> Profile: ...
 
 
 @dataclass
@@ -82,24 +67,12 @@ class ServerConfig:
     max_db_bytes: int | None = None
     metrics_port: int | None = None  # a listener that serves only /metrics
     merge_limit: int = DEFAULT_MERGE_LIMIT
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # an uploaded ELF file, uncompressed
     ui_dir: Path = field(default_factory=lambda: Path(__file__).with_name("ui"))
 
     @property
     def max_decompressed_bytes(self) -> int:
         return self.max_request_bytes * DECOMPRESSION_RATIO
-
-
-def echo(text: object) -> str:
-    """Text that came from a request, cut to MAX_ECHO_CHARS for answers and logs."""
-    t = str(text)
-    return t if len(t) <= MAX_ECHO_CHARS else t[:MAX_ECHO_CHARS] + f"... ({len(t)} chars)"
-
-
-def _log_failure(what: str, e: BaseException, **fields: object) -> None:
-    """One line per failure with the exception's type and message; the traceback only at debug."""
-    extra = "".join(f" {k}={echo(v)}" for k, v in fields.items())
-    log.error("%s.%s error=%s: %s", what, extra, type(e).__name__, echo(e))
-    log.debug("traceback of: %s", what, exc_info=e)
 
 
 class ApiError(Exception):
@@ -170,49 +143,6 @@ def _filter(args: Any, prefix: str = "") -> Filter:
     )
 
 
-def _nul_problem(s: wire.Session) -> str:
-    """Why a session's text cannot be stored (PostgreSQL text refuses NUL), or ""."""
-    texts = [s.session_id, s.tenant, s.service, s.host, s.trigger.cgroup, s.kernel.release]
-    texts += s.processes.values()
-    texts += s.threads.values()
-    for k, v in s.labels.items():
-        texts += (k, v)
-    if any("\x00" in t for t in texts):
-        return f"session[{s.session_id!r}]: a text field contains a NUL character"
-    return ""
-
-
-@dataclass(slots=True)
-class _Work:
-    """What symbolizing costs: distinct frames, stacks and the frames in them (of a session, or
-    left to a request)."""
-
-    frames: int
-    stacks: int
-    entries: int
-
-    def fits(self, budget: _Work) -> bool:
-        return (
-            self.frames <= budget.frames and self.stacks <= budget.stacks and self.entries <= budget.entries
-        )
-
-    def take(self, work: _Work) -> bool:
-        if not work.fits(self):
-            return False
-        self.frames -= work.frames
-        self.stacks -= work.stacks
-        self.entries -= work.entries
-        return True
-
-
-def _work(item: Any) -> _Work:
-    """The work of an undecoded session map (what is malformed counts 0: decoding refuses it)."""
-    return _Work(*wire.work_of(item))
-
-
-_REQUEST_WORK = _Work(MAX_FRAMES_PER_REQUEST, MAX_STACKS_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST)
-
-
 def _check_id(sid: str) -> str:
     if not 0 < len(sid) <= 64 or "\x00" in sid:
         raise ApiError(404, "not_found", f"no session {sid[:80]!r}")
@@ -269,14 +199,8 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
 class SymbolizerApp:
     """The WSGI application. One instance per worker process, built after the fork."""
 
-    def __init__(self, config: ServerConfig, resolver_factory: Callable[[], ResolverLike]) -> None:
+    def __init__(self, config: ServerConfig, resolver_factory: ResolverFactory) -> None:
         self.config = config
-        self._resolver_factory = resolver_factory
-        self._resolver: ResolverLike | None = None
-        self._resolver_lock = threading.Lock()
-        # One batch symbolized at a time per worker: its memory is bounded per request
-        # (MAX_FRAMES_PER_REQUEST), and the worker's by this; reads and /healthz go on meanwhile.
-        self._ingest_slot = threading.Lock()
         self.store = Store.for_state_dir(
             config.db,
             config.state_dir,
@@ -284,9 +208,17 @@ class SymbolizerApp:
             max_db_bytes=config.max_db_bytes,
         )
         self.metrics = Metrics(lambda: self.store)
+        # The one kallsyms store of this process: the resolver reads what ingest puts in it.
         self.kallsyms = KallsymsStore(str(config.state_dir))
-        self._known_kernels: set[str] = set()
-        self._last_retention = 0.0
+        self.uploads = Uploads(config.state_dir, self.store, config.max_upload_bytes)
+        self.ingest = Ingest(
+            self.store,
+            self.kallsyms,
+            resolver_factory,
+            self.metrics,
+            retention=config.retention_days is not None or config.max_db_bytes is not None,
+            uploads=self.uploads,
+        )
         self.url_map = Map(
             [
                 Rule("/", endpoint="root", methods=["GET"]),
@@ -298,6 +230,7 @@ class SymbolizerApp:
                 Rule("/v1/profile/<fmt>", endpoint="merged_profile", methods=["GET"]),
                 Rule("/v1/diff/flamegraph", endpoint="diff", methods=["GET"]),
                 Rule("/v1/kernels/<build_id>", endpoint="kernel", methods=["GET", "PUT"]),
+                Rule("/v1/uploads/<build_id>/<kind>", endpoint="upload", methods=["GET", "POST", "PUT"]),
                 Rule("/ui", endpoint="ui_root", methods=["GET"]),
                 Rule("/ui/", endpoint="ui", defaults={"path": "index.html"}, methods=["GET"]),
                 Rule("/ui/<path:path>", endpoint="ui", methods=["GET"]),
@@ -307,18 +240,11 @@ class SymbolizerApp:
 
     def close(self) -> None:
         """Release the resolver (its llvm-symbolizer processes) and the database connection."""
-        close = getattr(self._resolver, "close", None)
-        if callable(close):
-            close()
-        self._resolver = None
+        self.ingest.close()
         self.store.close()
 
-    @property
-    def resolver(self) -> ResolverLike:
-        with self._resolver_lock:
-            if self._resolver is None:
-                self._resolver = self._resolver_factory()
-            return self._resolver
+    def run_retention(self) -> dict[str, int]:
+        return self.ingest.run_retention()
 
     # -- WSGI ---------------------------------------------------------------
 
@@ -350,7 +276,7 @@ class SymbolizerApp:
             )
         except OSError as e:
             # The machine's fault (a full disk, too many open files): not the client's, worth a retry.
-            _log_failure("request failed on the server's side", e, method=request.method, path=request.path)
+            log_failure("request failed on the server's side", e, method=request.method, path=request.path)
             response = _json(
                 {
                     "error": "unavailable",
@@ -374,7 +300,7 @@ class SymbolizerApp:
         except HTTPException as e:
             response = e.get_response(environ)
         except Exception as e:
-            _log_failure("request failed", e, method=request.method, path=request.path)
+            log_failure("request failed", e, method=request.method, path=request.path)
             response = _json({"error": "internal", "detail": "internal error, see the service log"}, 500)
         self.metrics.http_requests.labels(route, str(response.status_code)).inc()
         return response(environ, start_response)
@@ -465,13 +391,12 @@ class SymbolizerApp:
             raise ApiError(413 if e.reason == "too_large" else 400, e.reason, str(e))
         except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
             raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
-        with self._ingest_slot:
-            result = self._ingest(items)
+        result = self.ingest.ingest(items)
         self.metrics.received_bytes.inc(received)
         failed = result.get("failed")
         if failed:
             # Our fault, not the sessions': the agent keeps them and sends them again (docs/api.md).
-            self._maybe_retention()
+            self.ingest.maybe_retention()
             only_put_off = all(f["reason"] == "deferred" for f in failed)
             return _json(result, 503, {"Retry-After": "1" if only_put_off else str(RETRY_AFTER_S)})
         if items and not result["accepted"] and not result["duplicates"]:
@@ -482,178 +407,23 @@ class SymbolizerApp:
                 f"all {len(items)} sessions of the batch were rejected",
                 **result,
             )
-        self._maybe_retention()
+        self.ingest.maybe_retention()
         return _json(result)
 
-    def _ingest(self, items: list[Any]) -> dict[str, Any]:
-        """Store each session: accepted, duplicate, rejected (its own fault) or failed (ours)."""
-        accepted: list[str] = []
-        duplicates: list[str] = []
-        rejected: list[dict[str, Any]] = []
-        failed: list[dict[str, Any]] = []
-        missing: list[str] = []
-        budget = replace(_REQUEST_WORK)  # what is left of this request
-        for item in items:
-            sid = item.get("id") if isinstance(item, dict) else None
-            sid = echo(sid) if isinstance(sid, str) else None
-            work = _work(item)
-            if not work.fits(_REQUEST_WORK):
-                detail = (
-                    f"{work.frames} distinct frames, {work.stacks} stacks of {work.entries} frames in one "
-                    f"session; at most {MAX_FRAMES_PER_REQUEST}, {MAX_STACKS_PER_REQUEST} and "
-                    f"{MAX_STACK_ENTRIES_PER_REQUEST} are symbolized per request: capture shorter sessions "
-                    "or at a lower frequency"
-                )
-                rejected.append({"id": sid, "reason": "too_large", "detail": detail})
-                continue
-            try:
-                session = wire.session_from_wire(item)
-            except WireError as e:
-                rejected.append({"id": sid, "reason": e.reason, "detail": echo(e)})
-                continue
-            except Exception as e:
-                rejected.append(
-                    {"id": sid, "reason": "malformed", "detail": echo(f"{type(e).__name__}: {e}")}
-                )
-                continue
-            problem = _nul_problem(session)
-            if problem:
-                rejected.append({"id": sid, "reason": "malformed", "detail": echo(problem)})
-                continue
-            outcome = self._store_one(session, item, work, budget)
-            if isinstance(outcome, dict):
-                failed.append(outcome)
-            elif outcome == "duplicate":
-                duplicates.append(session.session_id)
-            else:
-                accepted.append(session.session_id)
-                kernel_hex = outcome
-                if kernel_hex and kernel_hex not in missing:
-                    missing.append(kernel_hex)
-        self.metrics.ingested.inc(len(accepted))
-        self.metrics.duplicates.inc(len(duplicates))
-        for r in rejected:
-            self.metrics.sessions_rejected.labels(r["reason"]).inc()
-        for f in failed:
-            self.metrics.sessions_failed.labels(f["reason"]).inc()
-        result: dict[str, Any] = {
-            "accepted": accepted,
-            "duplicates": duplicates,
-            "rejected": rejected,
-            "missing_kernels": missing,
-        }
-        if failed:
-            result["failed"] = failed
-        return result
-
-    def _store_one(
-        self, session: wire.Session, item: Any, work: _Work, budget: _Work
-    ) -> str | dict[str, Any]:
-        """Symbolize and store one valid session, if `budget` (left of this request) covers its `work`.
-
-        Returns "duplicate", the hex build id of a kernel whose symbols are missing ("" if none), or
-        the failure entry ({"id", "reason", "detail"}) when something on our side broke or the
-        session is put off to a next request.
-        """
-        sid = session.session_id
-        stage = "store_failed"
-        try:
-            if self.store.exists(sid):
-                return "duplicate"
-            if not budget.take(work):
-                detail = "the batch is over the work of one request; this session is taken in a next one"
-                return {"id": sid, "reason": "deferred", "detail": detail}
-            stage = "symbolize_failed"
-            kernel_hex = session.kernel.build_id.hex()
-            pending = (
-                bool(kernel_hex)
-                and any(t.kernel for t in session.traces)
-                and not self.kernel_known(kernel_hex)
-            )
-            profile = self._symbolize(session)
-            stage = "store_failed"
-            stored = self.store.insert(
-                StoredSession(
-                    meta=profile.meta,
-                    profile=profile,
-                    # The map as received, packed again in C: cheaper than re-encoding the Session.
-                    raw=msgpack.packb(item, use_bin_type=True),
-                    kernel_build_id=kernel_hex,
-                    kernel_pending=pending,
-                )
-            )
-        except Exception as e:
-            _log_failure("session not stored", e, session=sid, reason=stage)
-            # The database's path or URL stays in the log.
-            detail = (
-                "the database is unavailable" if isinstance(e, StoreError) else f"{type(e).__name__}: {e}"
-            )
-            return {"id": sid, "reason": stage, "detail": echo(detail)}
-        if not stored:
-            return "duplicate"
-        self.metrics.stored_bytes.inc(stored)
-        return kernel_hex if pending else ""
-
-    def _symbolize(self, session: wire.Session) -> Profile:
-        t0 = time.perf_counter()
-        profile = self.resolver.symbolize(session)
-        self.metrics.latency.observe(time.perf_counter() - t0)
-        # The metadata comes from the wire session, whatever the resolver filled in.
-        profile.meta = meta_from_session(session, profile)
-        kinds: dict[str, int] = {}
-        for f in profile.frames:
-            kinds[f.kind] = kinds.get(f.kind, 0) + 1
-        for kind, n in kinds.items():
-            self.metrics.frames.labels(kind).inc(n)
-        return profile
-
-    def _maybe_retention(self) -> None:
-        if self.config.retention_days is None and self.config.max_db_bytes is None:
-            return
-        now = time.monotonic()
-        if now - self._last_retention < RETENTION_INTERVAL_S:
-            return
-        self._last_retention = now
-        self.run_retention()
-
-    def run_retention(self) -> dict[str, int]:
-        # Kernels no session needs go first: under size pressure, before any session.
-        for build_id in self.store.expire_kernels():
-            self.kallsyms.remove(build_id)
-            self._known_kernels.discard(build_id)
-            log.info("retention deleted a kernel's symbols. build_id=%s", build_id)
-        deleted = self.store.enforce_retention()
-        for reason, n in deleted.items():
-            if n:
-                self.metrics.expired.labels(reason).inc(n)
-                log.info("retention deleted sessions. reason=%s count=%d", reason, n)
-        return deleted
-
     # -- kernels ------------------------------------------------------------
-
-    def kernel_known(self, build_id_hex: str) -> bool:
-        """Whether this kernel's kallsyms are here (or in the database, from another instance)."""
-        if build_id_hex in self._known_kernels:
-            return True
-        if not self.kallsyms.has(build_id_hex):
-            data = self.store.get_kernel(build_id_hex)
-            if data is None:
-                return False
-            try:
-                self.kallsyms.put(build_id_hex, data)
-            except (KallsymsError, ValueError) as e:
-                log.warning("unusable kallsyms in the database. build_id=%s error=%s", build_id_hex, e)
-                return False
-        self._known_kernels.add(build_id_hex)
-        return True
 
     def on_kernel(self, request: Request, build_id: str) -> Response:
         build_id = build_id.lower()
         if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
             raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
+        boot = str(request.args.get("boot", "")).lower().replace("-", "")
+        if boot:
+            if not re.fullmatch(r"[0-9a-f]{32}", boot):
+                raise ApiError(400, "bad_parameter", f"boot={echo(boot)!r} is not a boot id (32 hex digits)")
+            build_id = kernel_key(build_id, bytes.fromhex(boot))  # this boot's snapshot
         if request.method == "GET":
             self._authorize(request, write=False)
-            if self.kernel_known(build_id):
+            if self.ingest.kernel_known(build_id):
                 return _json({"build_id": build_id, "present": True})
             return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
         self._authorize(request, write=True)
@@ -661,15 +431,11 @@ class SymbolizerApp:
         if body[:2] != b"\x1f\x8b":
             raise ApiError(400, "bad_encoding", "body must be gzip-compressed /proc/kallsyms text")
         try:
-            index = self.kallsyms.put(build_id, body)  # decompressed and parsed in bounded slices
+            index, n = self.ingest.put_kernel(build_id, body)
         except KallsymsTooLarge as e:
             raise ApiError(413, "too_large", f"kallsyms over the limits: {e}")
         except KallsymsError as e:
             raise ApiError(400, "malformed", f"unusable kallsyms: {e}")
-        self.store.put_kernel(build_id, body)
-        self._known_kernels.add(build_id)
-        self.metrics.kernel_uploads.inc()
-        n = self._resymbolize(build_id, RESYMBOLIZE_PER_UPLOAD)
         log.info(
             "kernel symbols uploaded. build_id=%s bytes=%d symbols=%d resymbolized=%d",
             build_id,
@@ -679,25 +445,62 @@ class SymbolizerApp:
         )
         return Response(status=204)
 
-    def _resymbolize(self, build_id: str, limit: int) -> int:
-        done = 0
-        for sid in self.store.pending_for_kernel(build_id)[:limit]:
-            if self._resymbolize_one(sid):
-                done += 1
-        return done
+    # -- uploads --------------------------------------------------------------
 
-    def _resymbolize_one(self, sid: str) -> Profile | None:
-        raw = self.store.get_raw(sid)
-        if raw is None:
-            return None
+    def on_upload(self, request: Request, build_id: str, kind: str) -> Response:
+        build_id = build_id.lower()
+        if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
+            raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
         try:
-            profile = self._symbolize(wire.decode_session(raw))
-        except Exception as e:
-            _log_failure("re-symbolization failed", e, session=sid)
-            return None
-        self.store.update_profile(sid, profile, kernel_pending=False)
-        self.metrics.resymbolized.inc()
-        return profile
+            check_kind(kind)
+        except UploadRefused as e:
+            raise ApiError(e.status, e.reason, str(e))
+        if request.method == "GET":
+            self._authorize(request, write=False)
+            if self.uploads.has(build_id, kind):
+                return _json({"build_id": build_id, "kind": kind, "state": "done"})
+            return _json({"error": "not_found", "detail": f"no {kind} uploaded for {build_id}"}, 404)
+        self._authorize(request, write=True)
+        if request.method == "POST":
+            claimant = str(request.args.get("claimant", ""))  # an agent's own id: it may claim again
+            state = self.uploads.claim(build_id, kind, claimant)
+            return _json({"build_id": build_id, "kind": kind, "state": state})
+        return self._receive_upload(request, build_id, kind)
+
+    def _receive_upload(self, request: Request, build_id: str, kind: str) -> Response:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("gzip", "identity"):
+            raise ApiError(415, "unsupported_encoding", f"Content-Encoding {encoding!r}: send gzip")
+        length = request.content_length
+        limit = self.config.max_upload_bytes
+        if length is not None and length > limit + (limit >> 6) + 1024:  # gzip never grows it more
+            self.metrics.uploads_refused.labels("too_large").inc()
+            log.warning("upload refused. build_id=%s kind=%s reason=too_large", build_id, kind)
+            raise ApiError(413, "too_large", f"body of {length} bytes, over --max-upload-bytes {limit}")
+        stream = request.environ["wsgi.input"]
+        left = [length if length is not None else -1]
+
+        def read(n: int) -> bytes:
+            if left[0] == 0:
+                return b""
+            chunk: bytes = stream.read(n if left[0] < 0 else min(n, left[0]))
+            if left[0] > 0:
+                left[0] -= len(chunk)
+            return chunk
+
+        try:
+            size = self.uploads.receive(build_id, kind, read, encoding == "gzip")
+        except UploadRefused as e:
+            self.metrics.uploads_refused.labels(e.reason).inc()
+            log.warning(
+                "upload refused. build_id=%s kind=%s reason=%s detail=%s", build_id, kind, e.reason, e
+            )
+            raise ApiError(e.status, e.reason, str(e))
+        self.metrics.uploads.labels(kind).inc()
+        self.metrics.uploaded_bytes.inc(size)
+        n = self.ingest.received(build_id)
+        log.info("file uploaded. build_id=%s kind=%s bytes=%d resymbolized=%d", build_id, kind, size, n)
+        return _json({"build_id": build_id, "kind": kind, "state": "done", "bytes": size, "resymbolized": n})
 
     # -- read API -----------------------------------------------------------
 
@@ -710,13 +513,9 @@ class SymbolizerApp:
         return _json({"sessions": [m.to_json(episode_rows=False) for m in metas], "total": total})
 
     def _profile(self, sid: str) -> Profile:
-        profile = self.store.get_profile(_check_id(sid))
+        profile = self.ingest.profile(_check_id(sid))
         if profile is None:
             raise ApiError(404, "not_found", f"no session {sid!r}")
-        kernel = self.store.pending_kernel(sid)
-        if kernel and self.kernel_known(kernel):
-            # Its kernel's symbols came after it did (maybe through another worker or instance).
-            profile = self._resymbolize_one(sid) or profile
         return profile
 
     def on_session(self, request: Request, sid: str) -> Response:

@@ -34,7 +34,7 @@ from .model import Frame, Profile, Sample, SessionMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -84,6 +84,29 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
             # (meta_to_text), so the session's own key is followed by trigger_time_ns.
             """UPDATE sessions SET trigger_kind = 'manual'
                WHERE meta LIKE '%"trigger_kind":"manual","trigger_time_ns":%'""",
+        ],
+    ),
+    # Files agents uploaded (uploads.py): claims shared by every worker and instance, the sizes
+    # retention counts, and the sessions waiting for a build id.
+    (
+        4,
+        [
+            """CREATE TABLE uploads (
+                build_id TEXT NOT NULL,
+                kind TEXT NOT NULL,
+                state TEXT NOT NULL,
+                claimant TEXT NOT NULL,
+                changed_ns {bigint} NOT NULL,
+                size_bytes {bigint} NOT NULL,
+                PRIMARY KEY (build_id, kind)
+            )""",
+            """CREATE TABLE pending_builds (
+                session_id TEXT NOT NULL,
+                build_id TEXT NOT NULL,
+                have INTEGER NOT NULL,
+                PRIMARY KEY (session_id, build_id)
+            )""",
+            "CREATE INDEX pending_builds_build ON pending_builds (build_id)",
         ],
     ),
 ]
@@ -492,7 +515,7 @@ class Store:
             cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
             deleted["age"] = self._exec("DELETE FROM sessions WHERE ingested_ns < ?", (cutoff,))
         if self.max_db_bytes is not None:
-            used = self.stats()[1] + self.kernel_bytes()
+            used = self._used_bytes()
             while used > self.max_db_bytes:
                 rows = self._fetch(
                     "SELECT id, size_bytes FROM sessions ORDER BY ingested_ns, id LIMIT ?",
@@ -508,10 +531,19 @@ class Store:
                     used -= int(size)
                 marks = ", ".join("?" * len(ids))
                 deleted["size"] += self._exec(f"DELETE FROM sessions WHERE id IN ({marks})", ids)
+        if deleted["age"] or deleted["size"]:
+            self._exec(
+                "DELETE FROM pending_builds WHERE NOT EXISTS "
+                "(SELECT 1 FROM sessions WHERE sessions.id = pending_builds.session_id)"
+            )
         if (deleted["age"] or deleted["size"]) and not self.postgres:
             # Give freed pages back to the file system (auto_vacuum = INCREMENTAL).
             self._fetch("PRAGMA incremental_vacuum")
         return deleted
+
+    def _used_bytes(self) -> int:
+        """What counts in max_db_bytes: sessions, kallsyms and uploaded files."""
+        return self.stats()[1] + self.kernel_bytes() + self.upload_bytes()
 
     def kernel_bytes(self) -> int:
         """Bytes of the uploaded kallsyms: they count in max_db_bytes."""
@@ -530,7 +562,7 @@ class Store:
             for build_id in expired:
                 self._exec("DELETE FROM kernels WHERE build_id = ?", (build_id,))
         if self.max_db_bytes is not None:
-            used = self.stats()[1] + self.kernel_bytes()
+            used = self._used_bytes()
             query = f"SELECT build_id, LENGTH(kallsyms) FROM kernels WHERE {unused} ORDER BY uploaded_ns"
             for build_id, size in self._fetch(query) if used > self.max_db_bytes else []:
                 if used <= self.max_db_bytes:
@@ -538,6 +570,103 @@ class Store:
                 self._exec("DELETE FROM kernels WHERE build_id = ?", (build_id,))
                 expired.append(str(build_id))
                 used -= int(size)
+        return expired
+
+    # -- uploads (uploads.py owns the files; this, their shared state) -------
+
+    def claim_upload(self, build_id: str, kind: str, lease_ns: int, claimant: str = "") -> str:
+        """Claim the upload of a file: "claimed" (go ahead), "in_progress" (another claimant's claim is
+        younger than `lease_ns`) or "done". Atomic: of concurrent claimants one wins; a claimant that
+        claims again (retrying after a failure) keeps its claim."""
+        now = time.time_ns()
+        if self._exec(
+            """INSERT INTO uploads (build_id, kind, state, claimant, changed_ns, size_bytes)
+               VALUES (?, ?, 'claimed', ?, ?, 0) ON CONFLICT (build_id, kind) DO NOTHING""",
+            (build_id, kind, claimant, now),
+        ):
+            return "claimed"
+        if self._exec(
+            """UPDATE uploads SET changed_ns = ?, claimant = ? WHERE build_id = ? AND kind = ?
+               AND state = 'claimed' AND (changed_ns < ? OR (claimant = ? AND claimant != ''))""",
+            (now, claimant, build_id, kind, now - lease_ns, claimant),
+        ):
+            return "claimed"  # ours again, or the last claimant gave up (or died) without finishing
+        rows = self._fetch("SELECT state FROM uploads WHERE build_id = ? AND kind = ?", (build_id, kind))
+        return "done" if rows and rows[0][0] == "done" else "in_progress"
+
+    def finish_upload(self, build_id: str, kind: str, size: int) -> None:
+        self._exec(
+            """INSERT INTO uploads (build_id, kind, state, claimant, changed_ns, size_bytes)
+               VALUES (?, ?, 'done', '', ?, ?)
+               ON CONFLICT (build_id, kind) DO UPDATE SET state = 'done', changed_ns = excluded.changed_ns,
+                 size_bytes = excluded.size_bytes""",
+            (build_id, kind, time.time_ns(), size),
+        )
+
+    def release_upload(self, build_id: str, kind: str) -> None:
+        """Drop an unfinished claim (the upload was refused): another agent may try at once."""
+        self._exec(
+            "DELETE FROM uploads WHERE build_id = ? AND kind = ? AND state = 'claimed'", (build_id, kind)
+        )
+
+    def upload_done(self, build_id: str, kind: str) -> bool:
+        rows = self._fetch(
+            "SELECT 1 FROM uploads WHERE build_id = ? AND kind = ? AND state = 'done'", (build_id, kind)
+        )
+        return bool(rows)
+
+    def upload_bytes(self) -> int:
+        """Bytes of the uploaded files: they count in max_db_bytes."""
+        return int(self._fetch("SELECT COALESCE(SUM(size_bytes), 0) FROM uploads")[0][0])
+
+    def add_pending_builds(self, session_id: str, waits: dict[str, int]) -> None:
+        """Note the build ids a session waits for, each with the kinds of upload present when it was
+        symbolized (a bit mask: uploads.py)."""
+        for build_id, have in waits.items():
+            self._exec(
+                """INSERT INTO pending_builds (session_id, build_id, have) VALUES (?, ?, ?)
+                   ON CONFLICT (session_id, build_id) DO UPDATE SET have = excluded.have""",
+                (session_id, build_id, have),
+            )
+
+    def pending_builds(self, session_id: str) -> dict[str, int]:
+        rows = self._fetch("SELECT build_id, have FROM pending_builds WHERE session_id = ?", (session_id,))
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def pending_for_build(self, build_id: str, have: int, limit: int) -> list[str]:
+        """Sessions waiting for this build id that were symbolized without some of the `have` kinds."""
+        rows = self._fetch(
+            "SELECT session_id, have FROM pending_builds WHERE build_id = ? ORDER BY session_id",
+            (build_id,),
+        )
+        return [str(sid) for sid, h in rows if have & ~int(h)][:limit]
+
+    def clear_pending_build(self, session_id: str, build_id: str) -> None:
+        self._exec("DELETE FROM pending_builds WHERE session_id = ? AND build_id = ?", (session_id, build_id))
+
+    def expire_uploads(self, now_ns: int | None = None) -> list[tuple[str, str]]:
+        """Delete uploads done before the retention cutoff, then the oldest while the database is
+        still over max_db_bytes once sessions went (enforce_retention first). Returns (build id, kind)
+        of each: uploads.py removes the files; an agent uploads one again when asked."""
+        expired: list[tuple[str, str]] = []
+        if self.retention_days is not None:
+            now_ns = time.time_ns() if now_ns is None else now_ns
+            cutoff = now_ns - int(self.retention_days * 86400 * 1e9)
+            rows = self._fetch(
+                "SELECT build_id, kind FROM uploads WHERE state = 'done' AND changed_ns < ?", (cutoff,)
+            )
+            expired += [(str(b), str(k)) for b, k in rows]
+        if self.max_db_bytes is not None:
+            used = self._used_bytes()
+            query = "SELECT build_id, kind, size_bytes FROM uploads WHERE state = 'done' ORDER BY changed_ns"
+            for build_id, kind, size in self._fetch(query) if used > self.max_db_bytes else []:
+                if used <= self.max_db_bytes:
+                    break
+                if (str(build_id), str(kind)) not in expired:
+                    expired.append((str(build_id), str(kind)))
+                    used -= int(size)
+        for build_id, kind in expired:
+            self._exec("DELETE FROM uploads WHERE build_id = ? AND kind = ?", (build_id, kind))
         return expired
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -173,6 +174,9 @@ def test_reload_changes_watches_and_keeps_the_config_when_invalid(tmp_path, work
         cg.spawn([str(workloads / "burner"), "60"])
         time.sleep(3)
         assert agent.metrics()["bistouri_psi_watchers"] == 0
+        info = [k for k in agent.metrics() if k.startswith("bistouri_agent_info{")]
+        assert len(info) == 1 and f'kernel_release="{os.uname().release}"' in info[0], info
+        assert 'frequency_hz="' in info[0] and 'version="' in info[0]
         # An atomic rename, as config management does it.
         new = tmp_path / "trigger.yaml.new"
         new.write_text(burner_config())

@@ -68,14 +68,16 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     assert kernel, fs_folded[:2000]
     assert not any(re.search(r"\[kernel\]\+0x", line) for line in kernel), kernel[:5]
     assert any(re.search(r"(fsync|sys_fsync)_\[k\]", line) for line in kernel), kernel[:5]
-    info = requests.get(f"{url}/v1/kernels/{_kernel_build_id()}", timeout=5)
+    # The agent uploaded this boot's snapshot (kallsyms are per boot: docs/api.md).
+    info = requests.get(f"{url}/v1/kernels/{_kernel_snapshot()}", timeout=5)
     assert info.status_code == 200
 
 
-def _kernel_build_id() -> str:
+def _kernel_snapshot() -> str:
     from bistouri.kernel import read_kernel_meta
 
-    return read_kernel_meta().build_id_hex
+    kernel = read_kernel_meta()
+    return f"{kernel.build_id_hex}?boot={kernel.boot_id.hex()}"
 
 
 def test_nothing_is_lost_while_the_symbolizer_is_down(tmp_path, workloads, symbolizer_server):

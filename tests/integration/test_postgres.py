@@ -116,7 +116,7 @@ def _tail(path: Path) -> str:
 def fresh_db(postgres: PgServer) -> str:
     """The shared database emptied of bistouri's tables."""
     with psycopg.connect(postgres.url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS sessions, kernels, schema_version")
+        conn.execute("DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, schema_version")
     return postgres.url
 
 
@@ -247,3 +247,30 @@ def test_fuzzed_payloads_on_postgres(symbolizer_server: Any, tmp_path: Path, fre
     text = requests.get(url + "/metrics", timeout=10).text
     assert metric_value(text, "bistouri_symbolizer_requests_rejected_total") == sent
     assert "Traceback" not in url.log_path.read_text()
+
+
+def test_upload_claims_are_shared_by_instances_on_one_database(
+    symbolizer_server: Any, tmp_path: Path, fresh_db: str, demo_binary: DemoBinary
+) -> None:
+    """Agents behind a balancer reach either instance: of their concurrent claims exactly one wins."""
+    a = symbolizer_server(tmp_path, db=fresh_db, workers=2)
+    b = symbolizer_server(tmp_path, db=fresh_db, workers=1)
+    path = f"/v1/uploads/{demo_binary.build_id.hex()}/executable"
+    states: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def claim(url: str, agent: int) -> None:
+        barrier.wait()
+        states.append(requests.post(f"{url}{path}?claimant=agent-{agent}", timeout=10).json()["state"])
+
+    threads = [threading.Thread(target=claim, args=((a, b)[i % 2], i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(states) == ["claimed"] + ["in_progress"] * 7
+    r = requests.put(a + path, data=demo_binary.path.read_bytes(), timeout=30)
+    assert r.status_code == 200, r.text
+    with psycopg.connect(fresh_db) as conn:
+        row = conn.execute("SELECT state, size_bytes FROM uploads").fetchone()
+    assert row == ("done", demo_binary.path.stat().st_size)  # counted for --max-db-bytes on every instance

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from bistouri import wire
-from bistouri.symbolizer.server import MAX_FRAMES_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST
+from bistouri.symbolizer.ingest import MAX_FRAMES_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST
 from bistouri.symbolizer.worker import HEADER_TIMEOUT_S
 
 SLOW_CLIENTS = 50

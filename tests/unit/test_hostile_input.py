@@ -431,7 +431,7 @@ def test_expired_kernel_leaves_the_state_dir_and_is_asked_for_again(tmp_path: Pa
 
     from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
 
-    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, max_db_bytes=10), lambda: None)  # type: ignore[arg-type,return-value]
+    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, max_db_bytes=10), lambda kernels: None)  # type: ignore[arg-type,return-value]
     app.store.migrate()
     client = Client(app)
     snapshot = gzip.compress(b"ffffffff81000000 T _text\nffffffff81000100 T schedule\n")

@@ -26,7 +26,8 @@ def _exposed_agent_metrics() -> dict[str, str]:
     r.register(EpisodeCountersCollector(lambda: dict.fromkeys(abi.EpisodeCounter, 0)))
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
-    Exporter(spool, AgentSettings(symbolizer_endpoint="http://127.0.0.1:1"), registry=r)
+    s = AgentSettings(symbolizer_endpoint="http://127.0.0.1:1")
+    Exporter(spool, s, registry=r, file_locator=lambda build_id: ())  # as the agent builds it
     out = {}
     for m in r.collect():
         name = m.name + "_total" if m.type == "counter" else m.name

@@ -228,9 +228,28 @@ def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -
             raise AssertionError("not reached: the database fails first")
 
     (tmp_path / "db-is-a-dir").mkdir()
-    app = SymbolizerApp(ServerConfig(state_dir=tmp_path, db=str(tmp_path / "db-is-a-dir")), NoResolver)
+    app = SymbolizerApp(
+        ServerConfig(state_dir=tmp_path, db=str(tmp_path / "db-is-a-dir")), lambda kernels: NoResolver()
+    )
     r = Client(app).get("/v1/sessions")
     assert r.status_code == 503 and int(r.headers["Retry-After"]) > 0
     assert r.json is not None and r.json["error"] == "unavailable"
     assert "db-is-a-dir" not in r.text, "the database's path is for the log only"
     assert Client(app).get("/healthz").status_code == 200
+
+
+def test_uploaded_files_count_in_max_db_bytes(tmp_path: Path) -> None:
+    s = Store(str(tmp_path / "u.db"))
+    s.migrate()
+    for i in range(4):
+        s.insert(record(f"u{i}", T0 + i), received_ns=T0 + i)
+    sessions = s.stats()[1]
+    assert s.claim_upload("ab" * 20, "executable", 10**9, "agent-1") == "claimed"
+    s.finish_upload("ab" * 20, "executable", 10 * sessions)
+    s.max_db_bytes = 10 * sessions + sessions // 2  # the upload and two sessions fit
+    assert s.enforce_retention(T0)["size"] == 2  # sessions go first: the upload pushed them out
+    assert s.expire_uploads(T0) == []  # under the bound now
+    s.max_db_bytes = sessions  # the upload alone is over it: it goes too, once sessions went
+    s.enforce_retention(T0)
+    assert s.expire_uploads(T0) == [("ab" * 20, "executable")]
+    assert s.upload_bytes() == 0

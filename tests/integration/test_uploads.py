@@ -1,0 +1,378 @@
+"""Upload on demand (issue 11): a symbolizer with no sources gets the files from the agents' hosts.
+
+Real symbolizer processes over HTTP, real exporters and ProcMaps reading real running programs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from prometheus_client import CollectorRegistry
+
+from bistouri import wire
+from bistouri.exporter import Exporter
+from bistouri.procmaps import ProcMaps
+from bistouri.settings import AgentSettings
+from bistouri.spool import Spool
+from bistouri.symbolizer.elf import ElfFile
+from tests.helpers import wait_until
+from tests.integration.conftest import metric_value
+
+DEADLINE_S = 60.0
+UPLOAD_C = r"""
+#include <unistd.h>
+__attribute__((noinline)) void upload_leaf(void) { for (;;) pause(); }
+__attribute__((noinline)) void upload_middle(void) { upload_leaf(); }
+int main(void) { upload_middle(); return 0; }
+"""
+FUNCTIONS = ("upload_leaf", "upload_middle", "main")  # leaf first, as the wire has it
+
+
+class Program:
+    def __init__(self, path: Path, build_id: bytes, offsets: dict[str, int]) -> None:
+        self.path, self.build_id, self.offsets = path, build_id, offsets
+
+
+def build(tmp_path: Path, name: str, variant: str, marker: str = "") -> Program:
+    """The upload program: `symtab` keeps .symtab without DWARF; `stripped` has neither, its DWARF and
+    symbols in `<tmp>/debug/.build-id/xx/rest.debug` (the agent host's debug tree)."""
+    src = tmp_path / f"{name}.c"
+    src.write_text(UPLOAD_C + f'const char *marker = "{marker or name}";\n')  # a build id per program
+    out = tmp_path / name
+    subprocess.run(
+        ["gcc", "-g", "-O0", "-fno-omit-frame-pointer", "-Wl,--build-id", "-o", str(out), str(src)],
+        check=True,
+    )
+    offsets = {}
+    with ElfFile(out) as elf:
+        build_id = elf.build_id
+        for fn in FUNCTIONS:
+            vaddr = elf.find_symbol(fn)
+            assert vaddr is not None, fn
+            seg = next(s for s in elf.segments if s.vaddr <= vaddr < s.vaddr + s.filesz)
+            offsets[fn] = vaddr - seg.vaddr + seg.offset + 4
+    assert build_id
+    if variant == "symtab":
+        subprocess.run(["objcopy", "--strip-debug", str(out)], check=True)
+    elif variant == "stripped":
+        hexid = build_id.hex()
+        debug = tmp_path / "debug" / ".build-id" / hexid[:2] / (hexid[2:] + ".debug")
+        debug.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["objcopy", "--only-keep-debug", str(out), str(debug)], check=True)
+        subprocess.run(["strip", "--strip-all", str(out)], check=True)
+    return Program(out, build_id, offsets)
+
+
+def session(sid: str, prog: Program) -> wire.Session:
+    user = tuple(wire.UserFrame(wire.FRAME_RESOLVED, prog.build_id, prog.offsets[f]) for f in FUNCTIONS)
+    return wire.Session(
+        session_id=sid,
+        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/t.slice", 10**18, 1.0, 1.0, 1.0, 1),
+        kernel=wire.KernelInfo("6.18.0-test", b"", 0),
+        start_ns=10**18,
+        duration_ns=10**9,
+        period_ns=10**7,
+        service="svc",
+        host="h",
+        labels={},
+        processes={1: "upload"},
+        threads={1: "upload"},
+        traces=[wire.Trace((), user, 1, 1, on_cpu=5)],
+    )
+
+
+class Agent:
+    """The agent's export side: a spool, ProcMaps reading the running program, the exporter."""
+
+    def __init__(self, tmp_path: Path, url: str, name: str, pid: int, **settings: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.maps = ProcMaps()
+        self.maps.track(pid)
+        self.spool = Spool(str(tmp_path / f"spool-{name}"), 16 << 20, registry=self.registry)
+        s = AgentSettings(symbolizer_endpoint=url, **settings)
+        self.exporter = Exporter(self.spool, s, registry=self.registry, file_locator=self.maps.locate)
+
+    def send(self, *sessions: wire.Session) -> None:
+        for s in sessions:
+            assert self.spool.put(s.session_id, wire.encode_session(s))
+        self.exporter.start()
+        self.exporter.notify()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def uploaded(self, kind: str) -> bool:
+        """One file of this kind uploaded: counted once the agent read the answer, which comes after
+        the symbolizer named the session again."""
+        return bool(
+            wait_until(lambda: self.metric("bistouri_upload_files_total", kind=kind) == 1, DEADLINE_S)
+        )
+
+    def stop(self) -> None:
+        self.exporter.stop()
+
+
+@pytest.fixture
+def run_program() -> Any:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], path: Path | None = None) -> int:
+        p = subprocess.Popen(argv)
+        procs.append(p)
+        exe = str(path or argv[0])
+        # Mapped once the loader is done: its maps name the program.
+        assert wait_until(lambda: exe in Path(f"/proc/{p.pid}/maps").read_text(), DEADLINE_S)
+        return p.pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def speedscope_frames(url: str, sid: str) -> list[dict[str, Any]]:
+    r = requests.get(f"{url}/v1/sessions/{sid}/speedscope", timeout=10)
+    if r.status_code == 404:
+        return []  # not stored yet: the exporter sends it in its own time
+    r.raise_for_status()
+    return list(r.json()["shared"]["frames"])
+
+
+def names(url: str, sid: str) -> set[str]:
+    return {f["name"] for f in speedscope_frames(url, sid)}
+
+
+def test_symtab_binary_uploaded_from_the_agent_host_names_the_stored_session(
+    symbolizer_server: Any, tmp_path: Path, run_program: Any
+) -> None:
+    prog = build(tmp_path, "upload-symtab", "symtab")
+    url = symbolizer_server(tmp_path)  # no --debug-dir, --binary-dir or debuginfod
+    agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]))
+    try:
+        agent.send(session("up-1", prog))
+        assert wait_until(lambda: "upload_leaf" in names(url, "up-1"), DEADLINE_S)
+        assert {"upload_leaf", "upload_middle", "main"} <= names(url, "up-1")
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="executable") == 1, DEADLINE_S
+        )
+        sent = agent.metric("bistouri_upload_bytes_total")
+        assert 0 < sent < prog.path.stat().st_size  # compressed on the wire
+    finally:
+        agent.stop()
+
+
+def test_dwarf_only_in_the_agent_hosts_build_id_tree_gives_file_and_line(
+    symbolizer_server: Any, tmp_path: Path, run_program: Any
+) -> None:
+    prog = build(tmp_path, "upload-dwarf", "stripped")
+    url = symbolizer_server(tmp_path)
+    agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]), upload_debug_dir=str(tmp_path / "debug"))
+    try:
+        agent.send(session("dw-1", prog))
+
+        def leaf() -> dict[str, Any] | None:
+            return next((f for f in speedscope_frames(url, "dw-1") if f["name"] == "upload_leaf"), None)
+
+        assert wait_until(lambda: (leaf() or {}).get("line"), DEADLINE_S)
+        frame = leaf()
+        assert frame is not None and frame["file"].endswith("upload-dwarf.c") and frame["line"] == 3
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="debuginfo") == 1, DEADLINE_S
+        )
+    finally:
+        agent.stop()
+
+
+def test_binary_visible_only_in_a_private_mount_namespace(
+    symbolizer_server: Any, tmp_path: Path, run_program: Any
+) -> None:
+    prog = build(tmp_path, "upload-ns", "symtab")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    inside = hidden / "prog"
+    script = f"mount -t tmpfs tmpfs {hidden} && cp {prog.path} {inside} && exec {inside}"
+    pid = run_program(["unshare", "-m", "--propagation", "private", "sh", "-c", script], inside)
+    prog.path.unlink()  # nowhere on the host's file system now
+    assert not inside.exists()
+    url = symbolizer_server(tmp_path)
+    agent = Agent(tmp_path, url, "a", pid)
+    try:
+        agent.send(session("ns-1", prog))
+        assert wait_until(lambda: "upload_leaf" in names(url, "ns-1"), DEADLINE_S)
+    finally:
+        agent.stop()
+
+
+def test_two_agents_upload_once(symbolizer_server: Any, tmp_path: Path, run_program: Any) -> None:
+    prog = build(tmp_path, "upload-two", "symtab")
+    url = symbolizer_server(tmp_path)
+    pid = run_program([str(prog.path)])
+    agents = [Agent(tmp_path, url, name, pid) for name in ("a", "b")]
+    try:
+        for i, a in enumerate(agents):
+            a.send(session(f"two-{i}", prog))
+        for i in range(2):
+            assert wait_until(lambda i=i: "upload_leaf" in names(url, f"two-{i}"), DEADLINE_S)
+
+        def uploads() -> float:
+            return sum(a.metric("bistouri_upload_files_total", kind="executable") for a in agents)
+
+        assert wait_until(lambda: uploads() == 1, DEADLINE_S)  # counted once its answer is read
+        text = requests.get(url + "/metrics", timeout=10).text
+        assert metric_value(text, "bistouri_symbolizer_uploads_total", {"kind": "executable"}) == 1
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def test_concurrent_claims_one_wins_then_done(symbolizer_server: Any, tmp_path: Path) -> None:
+    prog = build(tmp_path, "upload-claim", "symtab")
+    url = symbolizer_server(tmp_path)
+    claim = f"{url}/v1/uploads/{prog.build_id.hex()}/executable"
+    states: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def claimer() -> None:
+        barrier.wait()
+        states.append(requests.post(claim, timeout=10).json()["state"])
+
+    threads = [threading.Thread(target=claimer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(states) == ["claimed"] + ["in_progress"] * 7
+    body = gzip.compress(prog.path.read_bytes())
+    r = requests.put(claim, data=body, headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert requests.post(claim, timeout=10).json()["state"] == "done"
+
+
+def _stored_files(url: Any) -> list[str]:
+    root = Path(url.state_dir) / "uploads"
+    return [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "reason"),
+    [
+        ("wrong_build_id", 400, "build_id_mismatch"),
+        ("not_elf", 400, "not_elf"),
+        ("oversized", 413, "too_large"),
+        ("gzip_bomb", 413, "too_large"),
+    ],
+)
+def test_forged_uploads_are_refused_and_nothing_is_stored(
+    symbolizer_server: Any, tmp_path: Path, case: str, status: int, reason: str
+) -> None:
+    prog = build(tmp_path, "upload-forged", "symtab")
+    other = build(tmp_path, "upload-other", "symtab")
+    url = symbolizer_server(tmp_path, max_upload_bytes="1M")
+    target = f"{url}/v1/uploads/{prog.build_id.hex()}/executable"
+    body = {
+        "wrong_build_id": gzip.compress(other.path.read_bytes()),
+        "not_elf": gzip.compress(b"#!/bin/sh\necho not an ELF file\n" * 100),
+        "oversized": gzip.compress(prog.path.read_bytes() + os.urandom(2 << 20)),
+        "gzip_bomb": gzip.compress(b"\0" * (64 << 20)),
+    }[case]
+    r = requests.put(target, data=body, headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"] == reason
+    assert _stored_files(url) == []
+    assert requests.get(target, timeout=10).status_code == 404
+    # The claim was released: an honest upload is taken at once.
+    assert requests.post(target, timeout=10).json()["state"] == "claimed"
+    text = requests.get(url + "/metrics", timeout=10).text
+    assert metric_value(text, "bistouri_symbolizer_uploads_refused_total", {"reason": reason}) == 1
+    log = Path(url.log_path).read_text()
+    assert json.dumps(reason).strip('"') in log
+
+
+def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_path: Path) -> None:
+    """Two workers of one service: A stores the session (the build id missing, remembered as such by
+    its resolver), B receives the upload; a read through A must not store A's stale answer again."""
+    from werkzeug.test import Client
+
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+
+    prog = build(tmp_path, "upload-workers", "symtab")
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def worker() -> SymbolizerApp:
+        def factory(kernels: KallsymsStore) -> Resolver:
+            return Resolver.from_options(
+                state,
+                [state / "uploads"],
+                kernels=kernels,
+                debuginfod_urls=[],
+                registry=CollectorRegistry(),
+                use_llvm=False,
+            )
+
+        app = SymbolizerApp(ServerConfig(state_dir=state), factory)
+        app.store.migrate()
+        return app
+
+    a, b = worker(), worker()
+    try:
+        body = wire.encode_batch([wire.encode_session(session("w-1", prog))])
+        r = Client(a).post("/v1/sessions", data=body, content_type="application/x-msgpack")
+        assert r.json is not None and r.json["missing_builds"] == [prog.build_id.hex()]
+
+        def read_names() -> set[str]:
+            doc = Client(a).get("/v1/sessions/w-1/speedscope").json
+            assert doc is not None
+            return {f["name"] for f in doc["shared"]["frames"]}
+
+        assert "upload_leaf" not in read_names()
+        # B has the file in place and has not yet re-symbolized the session when A is read.
+        with open(prog.path, "rb") as f:
+            b.uploads.receive(prog.build_id.hex(), "executable", f.read, gzipped=False)
+        assert "upload_leaf" in read_names()
+        b.ingest.received(prog.build_id.hex())
+        assert "upload_leaf" in read_names()  # and stored so
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_upload_that_failed_is_retried(symbolizer_server: Any, tmp_path: Path, run_program: Any) -> None:
+    """The first PUT never reaches the symbolizer (as if the network dropped it): retried after a backoff."""
+    prog = build(tmp_path, "upload-retry", "symtab")
+    url = symbolizer_server(tmp_path)
+    agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]))
+    uploader = agent.exporter.uploader
+    assert uploader is not None
+    uploader._retry_initial = 0.1  # seconds, not the production 30
+    real_send = uploader._send
+    dropped: list[str] = []
+
+    def flaky(method: str, path: str, **kw: Any) -> Any:
+        if method == "PUT" and not dropped:
+            dropped.append(path)
+            for _ in kw.get("data", ()):  # the body is read, then the connection "fails"
+                pass
+            return None
+        return real_send(method, path, **kw)
+
+    uploader._send = flaky
+    try:
+        agent.send(session("retry-1", prog))
+        assert wait_until(lambda: "upload_leaf" in names(url, "retry-1"), DEADLINE_S)
+        assert wait_until(
+            lambda: agent.metric("bistouri_upload_files_total", kind="executable") == 1, DEADLINE_S
+        )
+        assert dropped and agent.metric("bistouri_upload_failures_total", reason="network") == 1
+    finally:
+        agent.stop()
