@@ -34,7 +34,7 @@ from .model import Frame, Profile, Sample, SessionMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -107,6 +107,20 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
                 PRIMARY KEY (session_id, build_id)
             )""",
             "CREATE INDEX pending_builds_build ON pending_builds (build_id)",
+        ],
+    ),
+    # On PostgreSQL, the uploaded files themselves (in chunks): every instance behind a balancer
+    # names frames from an upload that reached another one. SQLite keeps them in the state dir only.
+    (
+        5,
+        [
+            """CREATE TABLE upload_chunks (
+                build_id TEXT NOT NULL,
+                kind TEXT NOT NULL,
+                seq INTEGER NOT NULL,
+                data {blob} NOT NULL,
+                PRIMARY KEY (build_id, kind, seq)
+            )""",
         ],
     ),
 ]
@@ -644,6 +658,27 @@ class Store:
     def clear_pending_build(self, session_id: str, build_id: str) -> None:
         self._exec("DELETE FROM pending_builds WHERE session_id = ? AND build_id = ?", (session_id, build_id))
 
+    def put_upload_chunk(self, build_id: str, kind: str, seq: int, data: bytes) -> None:
+        """One chunk of an uploaded file (PostgreSQL: shared by the instances)."""
+        self._exec(
+            "INSERT INTO upload_chunks (build_id, kind, seq, data) VALUES (?, ?, ?, ?)",
+            (build_id, kind, seq, data),
+        )
+
+    def upload_chunks(self, build_id: str, kind: str) -> int:
+        query = "SELECT COUNT(*) FROM upload_chunks WHERE build_id = ? AND kind = ?"
+        rows = self._fetch(query, (build_id, kind))
+        return int(rows[0][0])
+
+    def upload_chunk(self, build_id: str, kind: str, seq: int) -> bytes | None:
+        """One chunk at a time: a file of hundreds of MB is never in memory whole."""
+        query = "SELECT data FROM upload_chunks WHERE build_id = ? AND kind = ? AND seq = ?"
+        rows = self._fetch(query, (build_id, kind, seq))
+        return bytes(rows[0][0]) if rows else None
+
+    def delete_upload_chunks(self, build_id: str, kind: str) -> None:
+        self._exec("DELETE FROM upload_chunks WHERE build_id = ? AND kind = ?", (build_id, kind))
+
     def expire_uploads(self, now_ns: int | None = None) -> list[tuple[str, str]]:
         """Delete uploads done before the retention cutoff, then the oldest while the database is
         still over max_db_bytes once sessions went (enforce_retention first). Returns (build id, kind)
@@ -667,6 +702,7 @@ class Store:
                     used -= int(size)
         for build_id, kind in expired:
             self._exec("DELETE FROM uploads WHERE build_id = ? AND kind = ?", (build_id, kind))
+            self.delete_upload_chunks(build_id, kind)
         return expired
 
 

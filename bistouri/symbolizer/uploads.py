@@ -11,8 +11,9 @@ content-addressed under `<state>/uploads/.build-id/xx/rest` (executable) and
 `xx/rest.debug` (debug info): the layout of a `--debug-dir`, which is how the
 resolver finds them. Their sizes count in `--max-db-bytes`.
 
-With PostgreSQL, claims and sizes are shared, the files are not: each instance keeps
-the files it received (see docs/api.md).
+With PostgreSQL, claims, sizes and the files themselves are shared (in 1 MiB rows of
+`upload_chunks`, written before the upload is marked done): an instance asked about a
+file another one received copies it into its own state dir first (see docs/api.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_UPLOAD_BYTES = 1 << 30  # an uncompressed ELF file; node's binary is ~98 MB
 CLAIM_LEASE_S = 600  # a claim not finished by then may be taken by another agent
 _CHUNK = 1 << 16
+_SHARED_CHUNK = 1 << 20  # rows of upload_chunks (PostgreSQL): 1 MiB each
 
 
 class UploadRefused(BistouriError):
@@ -67,7 +69,39 @@ class Uploads:
         return self.tree / hexid[:2] / name
 
     def has(self, build_id: str, kind: str) -> bool:
-        return self.path(build_id, kind).is_file()
+        """Whether the file is here; on PostgreSQL, one another instance received is copied here first."""
+        if self.path(build_id, kind).is_file():
+            return True
+        return self.store.postgres and self._fetch_shared(check_build_id(build_id), kind)
+
+    def _fetch_shared(self, hexid: str, kind: str) -> bool:
+        """Copy a file stored in the shared database into the state dir, chunk by chunk."""
+        if not self.store.upload_done(hexid, kind):
+            return False
+        chunks = self.store.upload_chunks(hexid, kind)
+        if not chunks:
+            return False
+        fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for seq in range(chunks):
+                    data = self.store.upload_chunk(hexid, kind, seq)
+                    if data is None:
+                        raise FileNotFoundError(f"chunk {seq} of {hexid} ({kind}) is gone")
+                    f.write(data)
+            if read_build_id(tmp) != bytes.fromhex(hexid):
+                raise ValueError(f"the stored {kind} of {hexid} is not that build id's")
+            dest = self.path(hexid, kind)
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(tmp, dest)
+            return True
+        except (OSError, ValueError) as e:  # expired meanwhile, or damaged: an agent uploads it again
+            log.warning("Cannot copy an upload from the database. build_id=%s kind=%s: %s", hexid, kind, e)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            return False
 
     def has_any(self, build_id: str) -> bool:
         return any(self.has(build_id, k) for k in KINDS)
@@ -111,6 +145,8 @@ class Uploads:
                     "build_id_mismatch",
                     f"the ELF file's build id is {got.hex()}, not {hexid} as claimed",
                 )
+            if self.store.postgres:  # before "done": another instance may fetch it at once
+                self._share(tmp, hexid, kind)
             dest = self.path(hexid, kind)
             dest.parent.mkdir(exist_ok=True)
             os.replace(tmp, dest)
@@ -119,10 +155,21 @@ class Uploads:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+            if self.store.postgres:
+                self.store.delete_upload_chunks(hexid, kind)
             self.store.release_upload(hexid, kind)
             raise
         self.store.finish_upload(hexid, kind, size)
         return size
+
+    def _share(self, path: str, hexid: str, kind: str) -> None:
+        """The verified file into the shared database, in chunks (a retry replaces a partial one)."""
+        self.store.delete_upload_chunks(hexid, kind)
+        with open(path, "rb") as f:
+            seq = 0
+            while chunk := f.read(_SHARED_CHUNK):
+                self.store.put_upload_chunk(hexid, kind, seq, chunk)
+                seq += 1
 
     def _copy(self, read: Callable[[int], bytes], write: Callable[[bytes], object], gzipped: bool) -> int:
         """Copy the body, inflated if gzip'd; at most max_bytes of file, whatever the compression."""
@@ -162,7 +209,7 @@ class Uploads:
             )
 
     def remove(self, build_id: str, kind: str) -> None:
-        """Forget a file (retention)."""
+        """Forget a file (retention; the database's copy went with its row)."""
         try:
             self.path(build_id, kind).unlink()
         except FileNotFoundError:

@@ -116,7 +116,9 @@ def _tail(path: Path) -> str:
 def fresh_db(postgres: PgServer) -> str:
     """The shared database emptied of bistouri's tables."""
     with psycopg.connect(postgres.url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, schema_version")
+        conn.execute(
+            "DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, upload_chunks, schema_version"
+        )
     return postgres.url
 
 
@@ -274,3 +276,14 @@ def test_upload_claims_are_shared_by_instances_on_one_database(
     with psycopg.connect(fresh_db) as conn:
         row = conn.execute("SELECT state, size_bytes FROM uploads").fetchone()
     assert row == ("done", demo_binary.path.stat().st_size)  # counted for --max-db-bytes on every instance
+
+    # The file itself is in the database: B, which never received it, names a session's frames with it.
+    hexid = demo_binary.build_id.hex()
+    assert not (b.state_dir / "uploads" / ".build-id" / hexid[:2] / hexid[2:]).exists()
+    r = post_sessions(b, [make_session("shared-upload", demo_binary)])
+    assert r.json()["accepted"] == ["shared-upload"] and "missing_builds" not in r.json(), r.json()
+    folded = requests.get(b + "/v1/sessions/shared-upload/folded?value=off_cpu", timeout=10).text
+    assert folded.startswith("main;"), folded
+    copied = b.state_dir / "uploads" / ".build-id" / hexid[:2] / hexid[2:]
+    assert copied.read_bytes() == demo_binary.path.read_bytes()
+    assert requests.post(f"{b}{path}?claimant=agent-9", timeout=10).json()["state"] == "done"
