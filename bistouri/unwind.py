@@ -244,7 +244,10 @@ class UnwindTables:
                 elif what == "forget":
                     self._drop_proc(pid)
             except Exception:
-                log.exception("unwind tables of pid %d", pid)
+                if self._stop.is_set():  # the profiler closed its maps under a long build: expected
+                    log.debug("unwind tables of pid %d abandoned at close", pid)
+                else:
+                    log.exception("unwind tables of pid %d", pid)
             if self._queue.empty():
                 self._idle.set()
 

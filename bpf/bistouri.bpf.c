@@ -565,15 +565,14 @@ static __always_inline void count_add(__u32 which, __u64 n)
  * The user stack as raw IPs, from .eh_frame tables where the process has them
  * and the frame pointer elsewhere. Returns the size in bytes, like bpf_get_stack.
  */
-/* Global: verified once on its own, not again in every program that samples stacks. */
-__noinline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
+/* Inlined, not a global function: Debian's 6.1 verifier refuses the global version (EACCES). */
+static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
 {
-	struct walk w = { .ev = ev, .exact = true, .last_mapping = ~0U };
+	struct walk w = { .regs = *start, .ev = ev, .exact = true, .last_mapping = ~0U };
 	struct bistouri_unwind_proc *proc;
 
-	if (!ev || !start || !start->ip || start->ip > USER_TOP)
+	if (!start->ip || start->ip > USER_TOP)
 		return 0;
-	w.regs = *start;
 	proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
 	if (proc) {
 		w.proc_slot = proc->slot;

@@ -197,7 +197,9 @@ class _Worker:
 
     def exchange(self, payload: bytes, n_lines: int, timeout_s: float) -> list[bytes]:
         """Write `payload` (n_lines requests), return the n_lines answers. Raises LlvmError."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self._fail("crash")  # died between requests (killed, OOM): a crash all the same
+        if self.proc is None:
             try:
                 self.proc = self._spawn()
             except OSError as e:

@@ -117,6 +117,7 @@
     if (st === state) return;
     state = st;
     B.markEpisodeState(reportBox, st);
+    saveState(flame.state);  // the URL says what was asked at once, not once the data arrived
     await flame.reload(flameLoader(part), await shownTotals(m));
     view = flame.state.view;
     saveState(flame.state);
@@ -130,6 +131,7 @@
       b.setAttribute("aria-selected", b.dataset.part === p ? "true" : "false");
     }
     flame.root.dataset.part = p;
+    saveState(flame.state);
     await flame.reload(flameLoader(p), await shownTotals(m));
     view = flame.state.view;
     saveState(flame.state);
