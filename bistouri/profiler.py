@@ -253,7 +253,7 @@ class ProfilerAgent:
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread, free the ring buffer, detach, close the object. Idempotent."""
         if self.unwind is not None:
-            self.unwind.close(timeout)
+            self.unwind.close(min(timeout, 0.5))
             self.unwind = None
         if self._thread is not None:
             os.eventfd_write(self._stop_fd, 1)

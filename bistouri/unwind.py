@@ -175,7 +175,8 @@ class UnwindTables:
         self._thread: threading.Thread | None = None
         self._idle = threading.Event()
         self._idle.set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for every write to the BPF maps
+        self._closed = False  # the maps may be closed: no more writes
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
         self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
@@ -216,11 +217,16 @@ class UnwindTables:
     def start(self) -> None:
         self._thread = threads.start("unwind", self._run)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 0.5) -> None:
+        """Stop the builder. It may be in the middle of compiling a large table (seconds at nice
+        19 on a busy host): it is not waited for, only kept off the BPF maps, which every write
+        checks under the lock, so the profiler can close them at once (a quick SIGTERM exit)."""
         self._stop.set()
         self._put(("stop", 0))
+        with self._lock:
+            self._closed = True
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout)  # a daemon thread: it ends at its next check otherwise
             self._thread = None
 
     def _run(self) -> None:
@@ -402,7 +408,10 @@ class UnwindTables:
         for b in range(bucket_count + 1):
             at = max(bisect.bisect_right(pcs, (bucket_base + b) << shift) - 1, 0)
             index += ROW.pack(first + at, 0, 0, 0, 0)
-        self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
+        with self._lock:
+            if self._closed:
+                return None
+            self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
         loaded = self._loaded[key] = _Loaded(first, total, n, bucket_base, bucket_count, shift, t.segments)
         self.stats.loaded_rows += total
         return loaded
@@ -419,12 +428,14 @@ class UnwindTables:
     def _evict_oldest(self, keep: set[bytes]) -> bool:
         """Drop the least recently wanted file; first unpublish it, before its rows are reused."""
         key = next((k for k in self._loaded if k not in keep), None)
-        if key is None:
+        if key is None or self._closed:
             return False
         old = self._loaded.pop(key)
         self.stats.evicted += 1
         self.stats.loaded_rows -= old.count
         with self._lock:
+            if self._closed:
+                return False
             for pid, proc in self._procs.items():
                 if any(e[-1] == key for e in proc.entries):
                     proc.entries = [e for e in proc.entries if e[-1] != key]
@@ -461,6 +472,8 @@ class UnwindTables:
         # A file loaded for this process may have evicted one of its earlier files: keep only live rows.
         entries = sorted(e for e in entries if self._loaded.get(e[-1]) is not None)
         with self._lock:
+            if self._closed:
+                return
             proc = self._procs.get(pid)
             if proc is None:
                 if not self._free_slots:
@@ -477,6 +490,8 @@ class UnwindTables:
             self._drop_proc_locked(pid)
 
     def _drop_proc_locked(self, pid: int) -> None:
+        if self._closed:
+            return
         proc = self._procs.pop(pid, None)
         if proc is None:
             return
