@@ -83,7 +83,10 @@ class ProfilerOptions:
     unwind_rows: int = 1 << 20  # 0: frame pointers only
     unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
     unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
-    unwind_nice: int = 19  # of the thread building them: it yields to the workload
+    # Of the thread building them. Not 19: the thread shares the GIL with the ring-buffer and main
+    # threads, and starved at nice 19 under CPU pressure it held them up for a second (priority
+    # inversion through the GIL). The CPU share above is what keeps it off the workload.
+    unwind_nice: int = 0
     episode: bool = True  # account watched threads' time by state (episode.py)
 
 

@@ -348,7 +348,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             exec_discovery=False,
             drain_interval_s=0.1,
             # Someone is waiting for this profile: unwind tables are built at full speed
-            # (not at nice 19 under a CPU share, as the agent does) and kept between runs.
+            # (not under a CPU share, as the agent does) and kept between runs.
             unwind_cache_dir=os.path.join(cache_dir, "unwind") if args.cache else None,
             unwind_cpu_share=1.0,
             unwind_nice=0,

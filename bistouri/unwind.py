@@ -5,7 +5,7 @@ executable file the process maps (`ehframe.py` compiles them) and the
 process's mappings of those files (`unwind_procs` + `unwind_mappings`). This
 module owns that:
 
-- `want(pid)` queues a process; the builder thread (`bistouri-unwind`, nice 19)
+- `want(pid)` queues a process; the builder thread (`bistouri-unwind`)
   reads its executable file mappings, builds the tables it lacks under a CPU
   budget (it sleeps in proportion to the CPU it used: at most `cpu_share` of a
   core), loads them and publishes the process's mappings. Until then its frames
