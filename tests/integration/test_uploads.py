@@ -376,3 +376,23 @@ def test_an_upload_that_failed_is_retried(symbolizer_server: Any, tmp_path: Path
         assert dropped and agent.metric("bistouri_upload_failures_total", reason="network") == 1
     finally:
         agent.stop()
+
+
+def test_uploads_need_the_write_token(symbolizer_server: Any, tmp_path: Path) -> None:
+    """Claims and uploads are writes: with --token-file set, no token or a wrong one is 401 and
+    nothing is claimed or kept; the agent's token (Authorization: Bearer) is accepted."""
+    url = symbolizer_server(tmp_path, token="s3cret-upload-token")
+    binary = Path("/usr/bin/xz")
+    with ElfFile(str(binary)) as elf:
+        hexid = (elf.build_id or b"").hex()
+    assert hexid
+    path = f"{url}/v1/uploads/{hexid}/executable"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert requests.post(path + "?claimant=a", headers=headers, timeout=10).status_code == 401
+        assert requests.put(path, data=binary.read_bytes(), headers=headers, timeout=30).status_code == 401
+    good = {"Authorization": "Bearer s3cret-upload-token"}
+    assert requests.get(path, headers=good, timeout=10).status_code == 404  # nothing was kept
+    r = requests.post(path + "?claimant=a", headers=good, timeout=10)
+    assert r.status_code == 200 and r.json()["state"] == "claimed"
+    assert requests.put(path, data=binary.read_bytes(), headers=good, timeout=30).status_code == 200
+    assert requests.get(path, headers=good, timeout=10).json()["state"] == "done"
