@@ -465,11 +465,18 @@ class Exporter:
             resp = self._request("GET", path)
             if isinstance(resp, _Outcome):
                 return resp
-            if resp.status_code == 200:
+            held = (_json_body(resp) or {}).get("loaded_code") if resp.status_code == 200 else None
+            if resp.status_code == 200 and not (digest and isinstance(held, str) and held and held != digest):
                 self._known_kernels.add(bid)
                 self._digest_sent = digest
                 return None
-            if resp.status_code != 404:
+            if resp.status_code == 200:
+                # Its snapshot of this boot predates modules or BPF programs loaded since (say while this
+                # agent was down): replace it.
+                log.info(
+                    "the symbolizer's kernel symbols are older than ours: uploading build_id=%s", bid.hex()
+                )
+            elif resp.status_code != 404:
                 return self._http_failure(resp, "GET kernel")
         text = self._kallsyms(bid) if self._kallsyms is not None else None
         if not text:

@@ -407,6 +407,11 @@ class Ingest:
         self._known_kernels.add(build_id_hex)
         return True
 
+    def kernel_loaded_code(self, build_id_hex: str) -> str:
+        """The LoadedCodeDigest of the snapshot held for this kernel_key(), "" if unknown."""
+        index = self.kallsyms.get(build_id_hex) if self.kernel_known(build_id_hex) else None
+        return index.loaded_code if index is not None else ""
+
     def put_kernel(self, build_id: str, body: bytes) -> tuple[KallsymsIndex, int]:
         """Store an uploaded kallsyms snapshot (gzip) and re-symbolize the sessions that waited for it.
 

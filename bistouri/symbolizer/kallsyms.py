@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from ..errors import BistouriError
+from ..kernel import LoadedCodeDigest
 from .sources import check_build_id
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,22 @@ def _is_end_label(name: str) -> bool:
 class KallsymsIndex:
     """Text symbols of one boot, sorted by address."""
 
-    __slots__ = ("_addrs", "_ends", "_modules", "_names", "nbytes", "text_addr")
+    __slots__ = ("_addrs", "_ends", "_modules", "_names", "loaded_code", "nbytes", "text_addr")
 
-    def __init__(self, addrs: Sequence[int], names: list[str], modules: list[str], text_addr: int) -> None:
+    def __init__(
+        self,
+        addrs: Sequence[int],
+        names: list[str],
+        modules: list[str],
+        text_addr: int,
+        loaded_code: str = "",
+    ) -> None:
         self._addrs = array("Q", addrs)  # 8 bytes an address, not 40 as a list of ints
         self._names = names
         self._modules = modules
         self.text_addr = text_addr  # runtime _text of the boot that wrote the snapshot
+        # The modules and BPF programs it lists (kernel.LoadedCodeDigest): an agent with others uploads.
+        self.loaded_code = loaded_code
         # Where each symbol stops: the next symbol, a span limit, or at once for end labels.
         n = len(addrs)
         ends = array("Q", (min(addrs[i + 1], addrs[i] + MAX_SYMBOL_SPAN) for i in range(n - 1)))
@@ -172,7 +182,9 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
     module_names: dict[bytes, str] = {b"": ""}  # a few hundred distinct: stored once each
     text_addr = 0
     zero_addresses = False
+    loaded_code = LoadedCodeDigest()
     for piece in _lines(slices):
+        loaded_code.feed(piece)
         for a, typ, n, m in _LINE.findall(piece):
             addr = int(a, 16)
             if not addr:
@@ -213,7 +225,7 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
             addrs.append(addr)
             out_names.append(names[i])
             out_modules.append(modules[i])
-    return KallsymsIndex(addrs, out_names, out_modules, text_addr)
+    return KallsymsIndex(addrs, out_names, out_modules, text_addr, loaded_code.hexdigest())
 
 
 def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:

@@ -424,7 +424,8 @@ class SymbolizerApp:
         if request.method == "GET":
             self._authorize(request, write=False)
             if self.ingest.kernel_known(build_id):
-                return _json({"build_id": build_id, "present": True})
+                loaded_code = self.ingest.kernel_loaded_code(build_id)
+                return _json({"build_id": build_id, "present": True, "loaded_code": loaded_code})
             return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
         self._authorize(request, write=True)
         body = self._read_body(request, min(self.config.max_request_bytes, MAX_UPLOAD_BYTES))

@@ -140,49 +140,100 @@ def bpf_programs() -> Iterator[list[int]]:
         os.close(fd)
 
 
-def test_a_bpf_program_loaded_after_the_first_upload_gets_its_name(
-    symbolizer_server: Any, tmp_path: Path, bpf_programs: list[int]
-) -> None:
+class _Agent:
+    """An agent's exporter and spool, as the agent wires them (its kallsyms, boot and loaded-code digest)."""
+
+    def __init__(self, url: str, directory: Path, kernel: Any) -> None:
+        self.kernel = kernel
+        self.registry = CollectorRegistry()
+        self.spool = Spool(str(directory), 16 << 20, registry=self.registry, kernel_build_id=kernel.build_id)
+
+        def kallsyms(build_id: bytes) -> bytes | None:
+            return gzip.compress(read_kallsyms(), 6) if build_id == kernel.build_id else None
+
+        self.exporter = Exporter(
+            self.spool,
+            AgentSettings(symbolizer_endpoint=url),
+            registry=self.registry,
+            kallsyms_provider=kallsyms,
+            kernel_boot=kernel.boot_id,
+            loaded_code_digest=lambda: loaded_code_digest(read_kallsyms()),
+            kernel_recheck_s=0,  # every batch: the tests load a program between two
+        )
+
+    def send(self, sid: str, ip: int) -> None:
+        k = self.kernel
+        assert self.spool.put(
+            sid, wire.encode_session(kernel_session(sid, k.build_id, k.boot_id, k.text_addr, ip))
+        )
+        self.exporter.notify()
+
+    def uploads(self) -> float:
+        return self.registry.get_sample_value("bistouri_export_kernel_uploads_total") or 0.0
+
+
+def _live_kernel() -> Any:
     kernel = read_kernel_meta()
     if not kernel.build_id or not kernel.text_addr or len(kernel.boot_id) != 16:
         pytest.skip("needs the kernel's build id, readable kallsyms and a boot id")
+    return kernel
+
+
+def _load_late_program(bpf_programs: list[int], name: str) -> int:
+    bpf_programs.append(load_bpf_program(name))
+    late = kallsyms_address(f"_{name}", suffix=True)
+    assert late is not None, "the kernel lists no JIT'd BPF programs in kallsyms (bpf_jit_kallsyms off)"
+    return late
+
+
+def test_a_bpf_program_loaded_after_the_first_upload_gets_its_name(
+    symbolizer_server: Any, tmp_path: Path, bpf_programs: list[int]
+) -> None:
     url = symbolizer_server(tmp_path)
-    registry = CollectorRegistry()
-    spool = Spool(str(tmp_path / "spool"), 16 << 20, registry=registry, kernel_build_id=kernel.build_id)
-
-    def kallsyms(build_id: bytes) -> bytes | None:  # as the agent provides them
-        return gzip.compress(read_kallsyms(), 6) if build_id == kernel.build_id else None
-
-    exporter = Exporter(
-        spool,
-        AgentSettings(symbolizer_endpoint=url),
-        registry=registry,
-        kallsyms_provider=kallsyms,
-        kernel_boot=kernel.boot_id,
-        loaded_code_digest=lambda: loaded_code_digest(read_kallsyms()),
-        kernel_recheck_s=0,  # every batch: the test loads its program between two
-    )
-
-    def send(sid: str, ip: int) -> None:
-        s = kernel_session(sid, kernel.build_id, kernel.boot_id, kernel.text_addr, ip)
-        assert spool.put(sid, wire.encode_session(s))
-        exporter.notify()
-
-    def uploads() -> float:
-        return registry.get_sample_value("bistouri_export_kernel_uploads_total") or 0.0
-
+    agent = _Agent(url, tmp_path / "spool", _live_kernel())
     try:
-        exporter.start()
+        agent.exporter.start()
         schedule = kallsyms_address("schedule")
         assert schedule is not None
-        send("before-1", schedule + 4)
+        agent.send("before-1", schedule + 4)
         assert wait_until(lambda: "schedule_[k]" in kernel_names(url, "before-1"), DEADLINE_S)
-        assert uploads() == 1
-        bpf_programs.append(load_bpf_program("i11_late"))
-        late = kallsyms_address("_i11_late", suffix=True)
-        assert late is not None, "the kernel lists no JIT'd BPF programs in kallsyms (bpf_jit_kallsyms off)"
-        send("after-1", late + 4)
+        assert agent.uploads() == 1
+        late = _load_late_program(bpf_programs, "i11_late")
+        agent.send("after-1", late + 4)
         assert wait_until(lambda: any("i11_late" in n for n in kernel_names(url, "after-1")), DEADLINE_S)
-        assert uploads() == 2  # uploaded again: the loaded code changed
+        assert agent.uploads() == 2  # uploaded again: the loaded code changed
     finally:
-        exporter.stop()
+        agent.exporter.stop()
+
+
+def test_an_agent_restarted_on_the_same_boot_replaces_an_older_snapshot(
+    symbolizer_server: Any, tmp_path: Path, bpf_programs: list[int]
+) -> None:
+    """A program loaded while the agent was down: the symbolizer already has this boot's snapshot, but an
+    older one. The new agent sees that from the digest the symbolizer reports, and uploads."""
+    url = symbolizer_server(tmp_path)
+    kernel = _live_kernel()
+    first = _Agent(url, tmp_path / "spool", kernel)
+    try:
+        first.exporter.start()
+        schedule = kallsyms_address("schedule")
+        assert schedule is not None
+        first.send("first-run", schedule + 4)
+        assert wait_until(lambda: "schedule_[k]" in kernel_names(url, "first-run"), DEADLINE_S)
+        assert first.uploads() == 1
+    finally:
+        first.exporter.stop()
+    late = _load_late_program(bpf_programs, "i11_restart")  # while no agent runs
+    held = requests.get(f"{url}/v1/kernels/{kernel.build_id.hex()}?boot={kernel.boot_id.hex()}", timeout=10)
+    assert held.status_code == 200
+    assert held.json()["loaded_code"] not in ("", loaded_code_digest(read_kallsyms()))
+    second = _Agent(url, tmp_path / "spool", kernel)
+    try:
+        second.exporter.start()
+        second.send("second-run", late + 4)
+        assert wait_until(
+            lambda: any("i11_restart" in n for n in kernel_names(url, "second-run")), DEADLINE_S
+        )
+        assert second.uploads() == 1
+    finally:
+        second.exporter.stop()

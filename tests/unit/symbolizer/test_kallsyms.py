@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bistouri.kernel import loaded_code_digest
 from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsStore, parse_kallsyms
 
 from .helpers import FIXTURE_SRC
@@ -109,3 +110,19 @@ def test_store_concurrent_get(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert len({id(x) for x in got}) == 1 and got[0] is not None  # parsed once, shared
+
+
+def test_the_snapshot_reports_the_agents_loaded_code_digest() -> None:
+    """The symbolizer's digest of a snapshot, parsed in slices, is the agent's of the same text: an agent
+    compares the two to know whether the snapshot it finds lists the modules and programs it has now."""
+    text = b"".join(
+        [b"ffffffff81000000 T _text\n", b"ffffffff81000100 T schedule\n"]
+        + [b"ffffffffc%07x t f%d\t[mod%d]\n" % (i * 64, i, i % 7) for i in range(200_000)]
+    )
+    agent_view = loaded_code_digest(text)
+    assert parse_kallsyms(gzip.compress(text)).loaded_code == agent_view
+    assert parse_kallsyms(text).loaded_code == agent_view
+    one_less = text[: text.rfind(b"\n", 0, len(text) - 1) + 1]
+    assert loaded_code_digest(one_less) != agent_view
+    # Only the modules' and programs' lines count: the kernel's own do not move it.
+    assert loaded_code_digest(text.replace(b" schedule\n", b" schedule2\n")) == agent_view
