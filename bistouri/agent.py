@@ -32,7 +32,7 @@ from .confwatch import ConfigWatcher
 from .discovery import Walker
 from .episode import EpisodeProbe
 from .errors import BistouriError, ConfigError
-from .events import BpfErrorEvent, ExecMatch, StackSample
+from .events import BpfErrorEvent, Event, ExecMatch, StackSample
 from .kernel import KernelMeta, loaded_code_digest, read_kallsyms, read_kernel_meta
 from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
 from .procmaps import ProcMapsStats
@@ -81,6 +81,7 @@ class Agent:
         # Capture-now requests (service id, session id) from the metrics thread to the main loop.
         self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
         self._event_fd = -1
+        self._held_events: list[Event] = []  # drained by _catch_up(), handled by the next _on_bpf_events()
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
         self._metrics_server: MetricsServer | None = None
@@ -229,6 +230,7 @@ class Agent:
             period_ns=self.s.period_ns,
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
+            catch_up=self._catch_up,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
             episode=EpisodeProbe(
@@ -368,6 +370,8 @@ class Agent:
                 self.profiler.check_thread()
             now = time.monotonic()
             self.orch.tick(now)
+            if self.profiler:
+                self.profiler.set_slow_drain(not self.orch.sessions)  # the recorder alone: no hurry
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload("SIGHUP")
@@ -377,7 +381,8 @@ class Agent:
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
         assert self.profiler is not None and self.orch is not None and self.trigger is not None
-        events = self.profiler.take()
+        events = self._held_events + self.profiler.take()
+        self._held_events = []
         self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
         for ev in events:
             if type(ev) is StackSample:
@@ -393,6 +398,18 @@ class Agent:
         if dropped:
             self.profiler.dropped = 0
             self.metrics.ringbuf_queue_dropped.inc(dropped)
+
+    def _catch_up(self) -> None:
+        """Before a session starts: the samples still in the kernel into the flight recorder. Other
+        events wait for the main loop (handling an exec here could start a session within this one)."""
+        assert self.profiler is not None and self.orch is not None
+        self.profiler.catch_up()
+        events = self.profiler.take()
+        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        others = [ev for ev in events if type(ev) is not StackSample]
+        if others:
+            self._held_events.extend(others)
+            os.eventfd_write(self._event_fd, 1)
 
     def _on_walk_results(self) -> None:
         self._drain_fd(self._walk_fd)

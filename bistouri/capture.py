@@ -139,8 +139,11 @@ class CaptureOrchestrator:
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
         episode: EpisodeProbe | None = None,
+        catch_up: Callable[[], None] | None = None,
     ) -> None:
         self._filter = pid_filter
+        # Delivers the samples still in the kernel (add_samples) before a session takes the recorder's.
+        self._catch_up = catch_up
         self._sink = sink
         self.metrics = metrics
         self.kernel = kernel
@@ -217,6 +220,8 @@ class CaptureOrchestrator:
         if not processes:
             self.metrics.sessions_dropped.labels("no_process").inc()
             return None
+        if recorder_secs > 0 and self._catch_up is not None:
+            self._catch_up()  # before this session counts any sample as after its trigger
         if len(self.sessions) >= self.MAX_SESSIONS:
             self.metrics.sessions_dropped.labels("too_many_sessions").inc()
             log.warning(

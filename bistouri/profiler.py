@@ -73,6 +73,10 @@ class ProfilerOptions:
     aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
     drain_interval_s: float = 0.2
+    # After set_slow_drain(True): the agent while no session runs, when only its flight recorder
+    # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
+    # session drains the ring as it starts (catch_up).
+    slow_drain_interval_s: float = 1.0
     batch_budget: int = 2048
     queue_size: int = 256  # batches (each at most batch_budget events)
     object_path: Path | None = None
@@ -148,6 +152,7 @@ class ProfilerAgent:
         self.sent = SentSamples(forget=self._forgetter("known_samples"))
         self._pending_counts: dict[bytes, int] = {}
         self.orphaned = 0  # samples counted in the kernel whose stack never arrived
+        self.drains = 0  # times the ring was read: the agent's wakeups while it samples
         self._notify = notify
         self._obj: BpfObject | None = None
         self._links: list[Link] = []
@@ -157,6 +162,9 @@ class ProfilerAgent:
         self._thread_error: BaseException | None = None
         self._filter_lock = threading.Lock()
         self._filtered: set[int] = set()
+        self._slow_drain = False
+        self._drain_lock = threading.Lock()  # the ring thread's timer, or catch_up() from another
+        self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
         self.unwind: UnwindTables | None = None
         self._episode_programs: tuple[str, ...] = ()  # the episode hooks this kernel can run
@@ -302,7 +310,7 @@ class ProfilerAgent:
         m = self._require().maps["pid_filter"]
         key = struct.pack("<I", pid)
         with self._filter_lock:
-            was_idle = not self._filtered
+            before = self._poll_ms
             if flags:
                 if pid not in self._filtered:
                     # Waits skipped in an earlier capture must not be weighed into this one.
@@ -318,8 +326,33 @@ class ProfilerAgent:
                 if self.unwind is not None:
                     self.unwind.forget(pid)
                 self._forget_thread_times(pid)
-            if was_idle and self._filtered and self._kick_fd >= 0:
-                os.eventfd_write(self._kick_fd, 1)  # leave the idle wait: samples are coming
+            self._set_poll_ms(before)
+
+    def set_slow_drain(self, slow: bool) -> None:
+        """Drain at the slow interval (no session runs) or the usual one."""
+        if slow == self._slow_drain:
+            return
+        with self._filter_lock:
+            before = self._poll_ms
+            self._slow_drain = slow
+            self._set_poll_ms(before)
+
+    def _set_poll_ms(self, before: int | None) -> None:
+        """The ring thread's wait between drains, from what is sampled; None: until an event wakes it."""
+        interval = None
+        if self._filtered:
+            o = self.options
+            interval = int((o.slow_drain_interval_s if self._slow_drain else o.drain_interval_s) * 1000)
+        self._poll_ms = interval
+        sooner = interval is not None and (before is None or interval < before)
+        if sooner and self._kick_fd >= 0:
+            os.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
+
+    def catch_up(self) -> None:
+        """Drain the ring now, from the calling thread: a session about to start gets the samples
+        its processes' flight recorder still had in the kernel (up to a slow drain interval old)."""
+        if self._rb is not None and self._thread is not None:
+            self.drain()
 
     def _maps_reread(self, pid: int) -> None:
         """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
@@ -442,6 +475,11 @@ class ProfilerAgent:
         rb = self._rb
         if rb is None:
             return 0
+        with self._drain_lock:
+            self.drains += 1
+            return self._drain(rb)
+
+    def _drain(self, rb: RingBuffer) -> int:
         total = 0
         try:
             while True:
@@ -488,13 +526,12 @@ class ProfilerAgent:
         poller.register(self._rb.epoll_fd(), select.POLLIN)
         poller.register(self._stop_fd, select.POLLIN)
         poller.register(self._kick_fd, select.POLLIN)
-        interval_ms = int(self.options.drain_interval_s * 1000)
         try:
             while True:
                 # Stack events are submitted without wakeup and drained on a timer while a
                 # process is sampled; when none is, only exec/error events (which do wake
                 # the epoll fd) can arrive: block until then, at no cost.
-                ready = poller.poll(interval_ms if self._filtered else None)
+                ready = poller.poll(self._poll_ms)
                 if any(fd == self._kick_fd for fd, _ in ready):
                     try:
                         os.eventfd_read(self._kick_fd)

@@ -12,7 +12,8 @@ a session starts it takes the samples of its processes from the last
 Samples are timed at arrival (monotonic), not by their kernel timestamp: a
 repeat counted in the kernel arrives as its first sample with a weight, so its
 own timestamp is that of the first sample. Arrival is at most one drain
-interval (~200 ms) after the sample.
+interval after the sample: 1 s while only the recorder samples a process, and a
+session drains the ring as it starts (ProfilerAgent.catch_up).
 """
 
 from __future__ import annotations

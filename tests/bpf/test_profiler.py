@@ -339,3 +339,39 @@ def test_a_divisor_in_the_filter_keeps_one_sample_in_n(workloads):
     total = sum(e.weight for e in events if isinstance(e, StackSample) and e.pid == proc.pid)
     expected = 99 * on_cpu / 4
     assert on_cpu > 1.0 and 0.8 * expected <= total <= 1.15 * expected + 2, (total, on_cpu)
+
+
+def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(workloads):
+    """While only the flight recorder samples (no session: the agent sets the slow drain), the ring
+    is read once a second, not five times; catch_up() (a session starting) then hands over every
+    sample the kernel kept, at once; a session brings back the 200 ms drain."""
+    proc = subprocess.Popen([str(workloads / "burner"), "60"])
+    try:
+        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
+            agent.start()
+            agent.set_slow_drain(True)
+            agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 10))
+            drains, t0 = agent.drains, time.monotonic()
+            events = _collect(agent, 3.0)
+            recorder_drains, recorder_s = agent.drains - drains, time.monotonic() - t0
+            proc.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: _state(proc.pid) == "T", 10)
+            kept = agent.counters()[abi.Counter.ON_CPU_SAMPLES]
+            agent.catch_up()
+            events.extend(agent.take())
+            assert agent.counters()[abi.Counter.STACK_RESERVE_FAILED] == 0
+
+            agent.set_slow_drain(False)
+            agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 1))
+            proc.send_signal(signal.SIGCONT)
+            drains, t0 = agent.drains, time.monotonic()
+            _collect(agent, 2.0)
+            full_drains, full_s = agent.drains - drains, time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.wait()
+    # One timer drain a second, plus the one set_pid_filter's kick may cause.
+    assert recorder_drains <= recorder_s / 1.0 + 2, (recorder_drains, recorder_s)
+    delivered = sum(e.weight for e in events if isinstance(e, StackSample) and e.pid == proc.pid)
+    assert kept > 0 and delivered == kept, (delivered, kept)
+    assert full_drains >= full_s / 0.2 / 2, (full_drains, full_s)
