@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -36,6 +37,8 @@ _libc.vsnprintf.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, c
 # libbpf_print_level -> logging level
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 
+VERIFIER_LOG_BYTES = 1 << 20  # per program, written only when its load fails
+
 BTF_KIND_STRUCT = 4
 BTF_KIND_ENUM = 6
 BTF_KIND_TYPEDEF = 8
@@ -44,6 +47,9 @@ BTF_KIND_DATASEC = 15
 
 def _on_libbpf_print(level: int, fmt: bytes, va: int) -> int:
     try:
+        # A load prints ~700 debug lines: not formatted unless someone reads them.
+        if not libbpf_log.isEnabledFor(_LEVELS.get(level, logging.DEBUG)):
+            return 0
         buf = ctypes.create_string_buffer(4096)
         _libc.vsnprintf(buf, len(buf), fmt, va)
         text = buf.value.decode(errors="replace").rstrip()
@@ -343,18 +349,29 @@ class Program:
         self._obj = obj
         self._ptr = ptr
         self.name = library().bpf_program__name(ptr).decode()
-        # The verifier log of this program lands here if its load fails.
-        self._log_buf = ctypes.create_string_buffer(1 << 20)
-        library().bpf_program__set_log_buf(ptr, self._log_buf, len(self._log_buf))
+        # The verifier log of this program lands here if its load fails. Anonymous memory, not a
+        # ctypes buffer: its pages cost nothing until the verifier writes (a failed load only), where
+        # zeroing 1 MiB per program delayed every start.
+        self._log_map: mmap.mmap | None = mmap.mmap(-1, VERIFIER_LOG_BYTES)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._log_map))
+        library().bpf_program__set_log_buf(ptr, ctypes.c_char_p(address), VERIFIER_LOG_BYTES)
 
     @property
     def verifier_log(self) -> str:
-        return self._log_buf.value.decode(errors="replace")
+        if self._log_map is None:
+            return ""
+        end = self._log_map.find(b"\0")
+        return self._log_map[: end if end >= 0 else VERIFIER_LOG_BYTES].decode(errors="replace")
 
     def release_log(self) -> None:
-        """Free the verifier log buffer once the object is loaded (1 MiB per program)."""
+        """Free the verifier log buffer once the object is loaded."""
         library().bpf_program__set_log_buf(self._ptr, None, 0)
-        self._log_buf = ctypes.create_string_buffer(1)
+        if self._log_map is not None:
+            try:
+                self._log_map.close()
+            except BufferError:  # a ctypes view still exports it: freed with this Program
+                pass
+            self._log_map = None
 
     def set_autoload(self, autoload: bool) -> None:
         check_int(library().bpf_program__set_autoload(self._ptr, autoload), f"set_autoload {self.name}")

@@ -25,12 +25,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 from . import abi, perf, threads
-from .bpf import BpfObject, BtfFile, Link, RingBuffer
+from .bpf import BpfObject, Link, RingBuffer
 from .errors import BistouriError, BpfError
 from .events import (
     Event,
@@ -41,105 +38,33 @@ from .events import (
     decode_exec,
     decode_stack,
 )
+from .loader import (
+    EPISODE_PROGRAMS,
+    ObjectLoad,
+    ProfilerOptions,
+    default_object_path,
+    kernel_tracepoints,
+    load_object,
+    ring_size,
+)
 from .procmaps import ProcMaps
 from .unwind import UnwindTables
 
 log = logging.getLogger(__name__)
 
-OBJECT_ENV = "BISTOURI_BPF_OBJECT"
-_INSTALLED_OBJECT = "/usr/lib/bistouri/bistouri.bpf.o"
-
-
-def default_object_path() -> Path:
-    """The precompiled object: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
-    env = os.environ.get(OBJECT_ENV)
-    if env:
-        return Path(env)
-    packaged = Path(str(resources.files("bistouri"))) / "_bpfobj" / "bistouri.bpf.o"
-    if packaged.exists() or not Path(_INSTALLED_OBJECT).exists():
-        return packaged
-    return Path(_INSTALLED_OBJECT)
-
-
-@dataclass(frozen=True, slots=True)
-class ProfilerOptions:
-    freq_hz: int = 19
-    offcpu: bool = True
-    # Every real wait counts: on a fast disk an fsync storm blocks for tens of µs at a
-    # time (CI saw all of them under 100 µs, so a 100 µs floor showed nothing while PSI
-    # io said 50 %). The per-process rate limit below bounds the cost, not this floor.
-    offcpu_min_ns: int = 1_000
-    offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
-    aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
-    wakeup_bytes: int = 0  # 0: a quarter of the ring
-    drain_interval_s: float = 0.2
-    # After set_slow_drain(True): the agent while no session runs, when only its flight recorder
-    # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
-    # session drains the ring as it starts (catch_up).
-    slow_drain_interval_s: float = 1.0
-    batch_budget: int = 2048
-    queue_size: int = 256  # batches (each at most batch_budget events)
-    object_path: Path | None = None
-    exec_discovery: bool = True
-    ring_bytes: int = 0  # 0: sized from CPUs x frequency
-    proc_root: str = "/proc"
-    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
-    unwind_rows: int = 1 << 20  # 0: frame pointers only
-    unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
-    unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
-    # Of the thread building them. Not 19: the thread shares the GIL with the ring-buffer and main
-    # threads, and starved at nice 19 under CPU pressure it held them up for a second (priority
-    # inversion through the GIL). The CPU share above is what keeps it off the workload.
-    unwind_nice: int = 0
-    episode: bool = True  # account watched threads' time by state (episode.py)
-
-
-# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
-# ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
-# then left out (their time stays 0) rather than failing the load.
-EPISODE_TRACEPOINTS = {
-    "handle_episode_switch": "sched_switch",
-    "handle_episode_wakeup": "sched_wakeup",
-    "handle_episode_wakeup_new": "sched_wakeup_new",
-    "handle_direct_reclaim_begin": "mm_vmscan_direct_reclaim_begin",
-    "handle_direct_reclaim_end": "mm_vmscan_direct_reclaim_end",
-    "handle_memcg_reclaim_begin": "mm_vmscan_memcg_reclaim_begin",
-    "handle_memcg_reclaim_end": "mm_vmscan_memcg_reclaim_end",
-    "handle_compaction_begin": "mm_compaction_begin",
-    "handle_compaction_end": "mm_compaction_end",
-}
-EPISODE_PROGRAMS = tuple(EPISODE_TRACEPOINTS)
-KERNEL_BTF = "/sys/kernel/btf/vmlinux"
-
-
-def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
-    """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
-    try:
-        with BtfFile(btf_path) as f:
-            return {n for n in names if f.btf.has_typedef("btf_trace_" + n)}
-    except BpfError:
-        return set(names)  # unreadable here: let the load say what is missing
-
-
-def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
-    """A power of two between 512 KiB and 64 MiB holding 1.5 drain intervals of samples.
-
-    The kernel maps the whole ring into the agent (data pages twice), so it counts in
-    the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
-    forced wakeup at a quarter of the ring, well before it fills.
-    """
-    want = int(ncpus * freq_hz * abi.STACK_EVENT_SIZE * drain_interval_s * 1.5)
-    size = 512 << 10
-    while size < want and size < (64 << 20):
-        size <<= 1
-    return size
-
 
 class ProfilerAgent:
     """Owns the BPF object, every link, the ring buffers and the drain thread."""
 
-    def __init__(self, options: ProfilerOptions, notify: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        options: ProfilerOptions,
+        notify: Callable[[], None] | None = None,
+        loading: ObjectLoad | None = None,
+    ) -> None:
+        """`loading`: the object already being loaded on a thread (ObjectLoad of the same options)."""
         self.options = options
+        self._loading = loading
         # Batches, not single events: one queue operation per consume() instead of per sample.
         self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
         self._batch: list[Event] = []
@@ -180,40 +105,10 @@ class ProfilerAgent:
 
     def _open(self) -> None:
         o = self.options
-        path = o.object_path or default_object_path()
-        obj = self._obj = BpfObject(path)
-        problems = abi.abi_mismatches(obj.btf)
-        if problems:
-            raise BistouriError(
-                f"the BPF object {path} does not match this agent's structures: "
-                + "; ".join(problems)
-                + ". Rebuild it (`make bpf`) or reinstall the package"
-            )
-        cpus = perf.online_cpus()
-        ring = o.ring_bytes or ring_size(len(cpus), o.freq_hz, o.drain_interval_s)
-        cfg = abi.Config(
-            offcpu_min_ns=o.offcpu_min_ns,
-            offcpu_interval_ns=o.offcpu_interval_ns,
-            wakeup_bytes=o.wakeup_bytes or ring // 4,
-            tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
-            aggregate=1 if o.aggregate else 0,
-        )
-        obj.write_rodata("cfg", bytes(cfg))
-        obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
-        obj.programs["handle_exec"].set_autoload(o.exec_discovery)
-        if o.episode:
-            present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
-            self._episode_programs = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
-            missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
-            if missing:
-                log.info(
-                    "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
-                )
-        for name in EPISODE_PROGRAMS:
-            obj.programs[name].set_autoload(name in self._episode_programs)
-        obj.maps["stack_events"].set_max_entries(ring)
-        obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
-        obj.load()
+        loading, self._loading = self._loading, None
+        loaded = loading.result() if loading is not None else load_object(o)
+        obj = self._obj = loaded.obj
+        self._episode_programs = loaded.episode_programs
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps["unwind_rows"],
@@ -226,7 +121,7 @@ class ProfilerAgent:
             )
             self.maps.on_reread = self._maps_reread
 
-        for cpu in cpus:
+        for cpu in loaded.cpus:
             fd = perf.open_cpu_clock(cpu, o.freq_hz)
             self._links.append(obj.programs["handle_perf"].attach_perf_event(fd))
         if o.offcpu:
@@ -245,10 +140,10 @@ class ProfilerAgent:
         )
         log.info(
             "BPF programs loaded and attached. object=%s freq_hz=%d offcpu=%s cpus=%d",
-            path,
+            loaded.path,
             o.freq_hz,
             o.offcpu,
-            len(cpus),
+            len(loaded.cpus),
         )
 
     def start(self) -> None:
@@ -285,6 +180,9 @@ class ProfilerAgent:
         if self._obj is not None:
             self._obj.close()
             self._obj = None
+        if self._loading is not None:  # never opened: the object loaded for it goes too
+            self._loading.close()
+            self._loading = None
 
     def __enter__(self) -> ProfilerAgent:
         self.open()
@@ -561,9 +459,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.05) 
 
 
 __all__ = [
+    "EPISODE_PROGRAMS",
     "BpfError",
+    "ObjectLoad",
     "ProfilerAgent",
     "ProfilerOptions",
     "default_object_path",
+    "kernel_tracepoints",
     "ring_size",
 ]

@@ -9,10 +9,12 @@ and the binaries of this host (through the persistent symbol cache,
 profile.pb.gz (pprof), profile.folded (+ profile.offcpu.folded),
 profile.speedscope.json, summary.json.
 
-Start-up is on the critical path (someone looks at a process *now*): only what
-sampling needs is imported before the programs are attached and the targets
-armed. The capture code, the metrics and the symbolizer are imported after, while
-the ring buffer already holds samples.
+Start-up is on the critical path (someone looks at a process *now*): the BPF
+object starts loading on a thread (`loader.ObjectLoad`) before the profiler's
+other modules are imported, which happens while libbpf and the verifier work;
+only what sampling needs is imported before the programs are attached and the
+targets armed. The capture code, the metrics and the symbolizer are imported
+after, while the ring buffer already holds samples.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import procfs
 from .errors import BistouriError
-from .events import StackSample
-from .profiler import ProfilerAgent, ProfilerOptions
+from .loader import ObjectLoad, ProfilerOptions
 from .recordfiles import BuildIdTree, OutputDir, default_cache_dir
 
 if TYPE_CHECKING:
     from . import wire
+    from .events import StackSample
     from .kernel import KernelMeta
+    from .profiler import ProfilerAgent
     from .symbolizer.model import Profile
 
 log = logging.getLogger(__name__)
@@ -338,24 +341,30 @@ def cmd_record(args: argparse.Namespace) -> int:
     if not command and not targets.current():
         print("error: no process matches the target", file=sys.stderr)
         return 2
-    out = OutputDir.open(args.output)
-    tree = BuildIdTree(args.proc_path)
     cache_dir = args.cache_dir or default_cache_dir()
-    agent = ProfilerAgent(
-        ProfilerOptions(
-            freq_hz=args.freq,
-            offcpu=args.offcpu,
-            exec_discovery=False,
-            drain_interval_s=0.1,
-            # Someone is waiting for this profile: unwind tables are built at full speed
-            # (not under a CPU share, as the agent does) and kept between runs.
-            unwind_cache_dir=os.path.join(cache_dir, "unwind") if args.cache else None,
-            unwind_cpu_share=1.0,
-            unwind_nice=0,
-            # The episode hooks only for --on-pressure's report: each costs load time.
-            episode=bool(args.on_pressure),
-        )
+    options = ProfilerOptions(
+        freq_hz=args.freq,
+        offcpu=args.offcpu,
+        exec_discovery=False,
+        drain_interval_s=0.1,
+        # Someone is waiting for this profile: unwind tables are built at full speed
+        # (not under a CPU share, as the agent does) and kept between runs.
+        unwind_cache_dir=os.path.join(cache_dir, "unwind") if args.cache else None,
+        unwind_cpu_share=1.0,
+        unwind_nice=0,
+        # The episode hooks only for --on-pressure's report: each costs load time.
+        episode=bool(args.on_pressure),
     )
+    loading = ObjectLoad(options)  # libbpf and the verifier run while the rest is imported and set up
+    try:
+        from .profiler import ProfilerAgent
+
+        out = OutputDir.open(args.output)
+        tree = BuildIdTree(args.proc_path)
+    except BaseException:
+        loading.close()
+        raise
+    agent = ProfilerAgent(options, loading=loading)
     stop: list[bool] = []
     old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
@@ -421,6 +430,7 @@ def _capture(
     """Arm the targets at once, then set up the capture code while the ring fills, and sample
     until the duration is over, the command exits or Ctrl-C."""
     from . import abi
+    from .events import StackSample
 
     procs = targets.current()
     flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)

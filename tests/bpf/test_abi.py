@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from bistouri import abi
-from bistouri.bpf import BtfFile
+from bistouri.bpf import BpfObject, BtfFile
+from bistouri.errors import BpfError
 from tests.conftest import BPF_OBJECT, ROOT
 
 pytestmark = pytest.mark.requires_bpf
@@ -110,3 +111,44 @@ def test_an_enum_value_changed_in_c_only_is_detected(tmp_path: Path):
     with BtfFile(obj) as f:
         problems = abi.abi_mismatches(f.btf)
     assert any("enum bistouri_counter" in p for p in problems), problems
+
+
+_REFUSED_PROGRAM = r"""
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} counts SEC(".maps");
+
+SEC("socket")
+int unchecked(void *ctx)
+{
+	__u32 key = 0;
+	__u64 *value = bpf_map_lookup_elem(&counts, &key);
+
+	return *value; /* no NULL check: the verifier refuses it */
+}
+
+char LICENSE[] SEC("license") = "GPL";
+"""
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is needed to build the object")
+def test_a_refused_program_reports_the_verifiers_reason(tmp_path):
+    """The verifier log reaches the error (it is written only on failure, into lazily mapped pages)."""
+    source = tmp_path / "refused.bpf.c"
+    source.write_text(_REFUSED_PROGRAM)
+    obj = tmp_path / "refused.bpf.o"
+    include = f"-I{ROOT / 'bpf' / 'vmlinux' / 'x86'}"
+    subprocess.run(
+        ["clang", "-target", "bpf", "-O2", "-g", include, "-c", str(source), "-o", str(obj)], check=True
+    )
+    with BpfObject(obj) as o, pytest.raises(BpfError) as err:
+        o.load()
+    assert "[unchecked]" in err.value.log
+    assert "invalid mem access 'map_value_or_null'" in err.value.log, err.value.log
+    assert "invalid mem access" in str(err.value)

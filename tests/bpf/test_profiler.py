@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from bistouri import abi
+from bistouri.errors import BpfError
 from bistouri.events import ExecMatch, SentSamples, StackSample, split_stacks
 from bistouri.procmaps import FrameStatus
-from bistouri.profiler import EPISODE_PROGRAMS, ProfilerAgent, ProfilerOptions
+from bistouri.profiler import EPISODE_PROGRAMS, ObjectLoad, ProfilerAgent, ProfilerOptions
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf
@@ -225,6 +227,34 @@ def test_twenty_load_attach_destroy_cycles_leak_nothing():
     assert _fd_count() == before_fds
     # Programs are freed asynchronously (RCU): allow them a few seconds to go.
     assert wait_until(lambda: not (bistouri_prog_ids() & ours), 10), bistouri_prog_ids() & ours
+
+
+def test_an_object_loaded_on_a_thread_is_handed_over_or_released(workloads):
+    """`record` loads the object on a thread (ObjectLoad) while it imports the rest: the profiler then
+    samples with it; an agent closed before open() releases it; a failed load raises on open()."""
+    before_fds = _fd_count()
+    options = ProfilerOptions(freq_hz=99, offcpu=False, exec_discovery=False, episode=False, unwind_rows=0)
+    proc = subprocess.Popen([str(workloads / "burner"), "30"])
+    try:
+        with ProfilerAgent(options, loading=ObjectLoad(options)) as agent:
+            assert len(own_prog_ids()) == 1  # handle_perf: the options were applied
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] > 0, 10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not own_prog_ids()
+
+    never_opened = ProfilerAgent(options, loading=ObjectLoad(options))
+    never_opened.close()
+    assert not own_prog_ids()
+    assert _fd_count() == before_fds
+
+    missing = dataclasses.replace(options, object_path=Path("/nonexistent/bistouri.bpf.o"))
+    with pytest.raises(BpfError, match="opening BPF object"):
+        ProfilerAgent(missing, loading=ObjectLoad(missing)).open()
+    assert _fd_count() == before_fds
 
 
 def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
