@@ -244,13 +244,14 @@ struct user_regs {
  * a helper call, user-access barriers), a chunk of 1 KiB costs about as much as
  * one. Chunks are aligned so that none crosses a page: a chunk that cannot be
  * read (a page not present, the end of the stack's mapping) closes the copy and
- * the walk reads word by word from there, as it does beyond STACK_WINDOW.
+ * the walk reads word by word from there. A word far above the copy, or past
+ * STACK_WINDOW, starts a new copy at that word.
  */
 #define STACK_CHUNK 1024
 #define STACK_WINDOW (16 << 10)
 
 struct stack_copy {
-	__u8 bytes[STACK_WINDOW + 16]; /* + 16: a read at any offset below STACK_WINDOW stays inside */
+	__u8 bytes[STACK_WINDOW + 8]; /* + 8: a word read at any offset below STACK_WINDOW stays inside */
 };
 
 /* Slot 0 for the perf_event program, 1 for the tracepoints (which it may interrupt). */
@@ -478,8 +479,18 @@ __noinline int stack_word(struct stack_copy *copy, struct stack_window *win)
 	if (!copy || !win)
 		return -1;
 	addr = win->addr;
-	if (addr >= win->base && !(addr & 7)) {
-		/* Copy up to two more chunks if the word is just past the copy (a frame is rarely larger). */
+	if (!(addr & 7)) {
+		/*
+		 * Far from the copy (a frame larger than two chunks, the interrupted
+		 * stack of a signal handler on its own stack), or no room left for two
+		 * chunks: start a new copy at the word.
+		 */
+		if (addr < win->base || addr >= win->end + 2 * STACK_CHUNK ||
+		    (addr + 8 > win->end && win->end - win->base > STACK_WINDOW - 2 * STACK_CHUNK)) {
+			win->base = win->end = addr;
+			win->closed = 0;
+		}
+		/* Copy up to two more chunks if the word is just past the copy. */
 		for (int i = 0; i < 2 && addr + 8 > win->end; i++) {
 			off = win->end - win->base;
 			if (win->closed || off > STACK_WINDOW - STACK_CHUNK || addr >= win->end + 2 * STACK_CHUNK)
@@ -660,12 +671,18 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct us
 	return (long)w.n * sizeof(__u64);
 }
 
+/* Whether a perf sample interrupted user mode (pt_regs.cs); false without one. */
+static __always_inline bool in_user_mode(struct bpf_perf_event_data *ctx)
+{
+	return ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3;
+}
+
 /* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
 static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct user_regs *out)
 {
 	struct pt_regs *regs;
 
-	if (ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3) { /* pt_regs.cs: user mode */
+	if (in_user_mode(ctx)) {
 		out->ip = ctx->regs.ip;
 		out->sp = ctx->regs.sp;
 		out->bp = ctx->regs.bp;
@@ -688,7 +705,11 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	struct mm_struct *mm;
 	long n;
 
-	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
+	/* A sample that hit user mode has no kernel stack: the helper would only say so. */
+	if (in_user_mode(perf_ctx))
+		n = 0;
+	else
+		n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
 	ev->kernel_stack_size = n;
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
