@@ -3,8 +3,10 @@
 Usage: _sampler.py PID SECONDS FREQ [OBJECT] [FUNCTION]. Samples PID on-CPU with a
 ProfilerAgent of whatever `bistouri` is first on sys.path, drains for SECONDS and prints
 one JSON line: BPF run time per sample of its perf_event program (its own fdinfo; stats
-must be enabled), samples received, this process's CPU per sample and share of one core,
-and, given FUNCTION, how many samples have a JIT frame the perf map names so.
+must be enabled), also net of the runs for other processes (their early-return cost is
+measured for 1 s before the target is filtered in), samples received, this process's CPU
+per sample and share of one core, and, given FUNCTION, how many samples have a JIT frame
+the perf map names so.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def main() -> int:
     samples = named = frames = 0
     with ProfilerAgent(opts) as agent:
         agent.start()
+        # Runs for other processes return after the pid filter: their cost, measured alone,
+        # is subtracted below to give the BPF time of the target's samples themselves.
+        e0 = prog_stats()
+        time.sleep(1.0)
+        e1 = prog_stats()
+        early_ns = (e1[0] - e0[0]) / max(1, e1[1] - e0[1])
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
         unwind = getattr(agent, "unwind", None)  # None in code older than the .eh_frame walk
         if unwind is not None:
@@ -86,6 +94,10 @@ def main() -> int:
                 "bpf_ns_per_run": (ns1 - ns0) / max(1, cnt1 - cnt0),
                 # All of it charged to the target's samples: an upper bound per sample.
                 "bpf_ns_per_sample": (ns1 - ns0) / max(1, samples),
+                # Less the runs that were not the target's, at the early-return cost measured alone.
+                "bpf_ns_per_sample_net": (ns1 - ns0 - early_ns * max(0, cnt1 - cnt0 - samples))
+                / max(1, samples),
+                "early_ns_per_run": early_ns,
                 "runs": cnt1 - cnt0,
                 "samples": samples,
                 "named": named,

@@ -128,6 +128,8 @@ def build_frameless(tmp: Path) -> Path:
     return out
 
 
+WORKLOADS = ("probe", "repeated", "frameless", "python", "node", "java")
+
 PYTHON_BUSY = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\nwhile True:\n    fib(20)\n"
 
 
@@ -323,6 +325,11 @@ def main() -> int:
     ap.add_argument(
         "--baseline-ref", default="", help="git ref to measure side by side (its code and object)"
     )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/sampling.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -332,47 +339,55 @@ def main() -> int:
     if stats_fd < 0:
         print("bpf_enable_stats is unavailable: no BPF run times", file=sys.stderr)
         return 2
+    chosen = [w for w in args.workloads.split(",") if w]
+    unknown = sorted(set(chosen) - set(WORKLOADS))
+    if unknown:
+        print(f"unknown workloads: {', '.join(unknown)}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         tree, obj = baseline_tree(args.baseline_ref, tmp) if args.baseline_ref else (None, None)
-        probe = build_probe(tmp)
+        argvs = {
+            "probe": lambda: [str(build_probe(tmp))],
+            "repeated": lambda: [str(BURNER)],
+            # Debian-like binaries without frame pointers: unwound from .eh_frame in BPF.
+            "frameless": lambda: [str(build_frameless(tmp))],
+            "python": lambda: ["/usr/bin/python3.11", "-c", PYTHON_BUSY],
+        }
         results = {
             "freq_hz": args.freq,
             "baseline_ref": args.baseline_ref,
             "workloads": [
-                bench_workload("probe", [str(probe)], args.seconds, args.freq, tree, obj),
-                bench_workload("repeated", [str(BURNER)], args.seconds, args.freq, tree, obj),
-                # Debian-like binaries without frame pointers: unwound from .eh_frame in BPF.
-                bench_workload("frameless", [str(build_frameless(tmp))], args.seconds, args.freq, tree, obj),
-                bench_workload(
-                    "python", ["/usr/bin/python3.11", "-c", PYTHON_BUSY], args.seconds, args.freq, tree, obj
-                ),
+                bench_workload(name, argvs[name](), args.seconds, args.freq, tree, obj)
+                for name in WORKLOADS
+                if name in chosen and name in argvs
             ],
-            "jit": {
-                "node": bench_jit(
-                    "node",
-                    ["node", "--perf-basic-prof", str(WORKLOADS_SRC / "hot.js"), "120"],
-                    "JS:*hotLoop",
-                    "hotLoop",
-                    args.seconds,
-                    tmp,
-                ),
-                "java": bench_jit(
-                    "java",
-                    ["java", "-XX:+PreserveFramePointer", str(WORKLOADS_SRC / "Hot.java"), "120"],
-                    "Hot.hotLoop",
-                    "hotLoop",
-                    args.seconds,
-                    tmp,
-                ),
-            },
+            "jit": {},
         }
+        if "node" in chosen:
+            results["jit"]["node"] = bench_jit(
+                "node",
+                ["node", "--perf-basic-prof", str(WORKLOADS_SRC / "hot.js"), "120"],
+                "JS:*hotLoop",
+                "hotLoop",
+                args.seconds,
+                tmp,
+            )
+        if "java" in chosen:
+            results["jit"]["java"] = bench_jit(
+                "java",
+                ["java", "-XX:+PreserveFramePointer", str(WORKLOADS_SRC / "Hot.java"), "120"],
+                "Hot.hotLoop",
+                "hotLoop",
+                args.seconds,
+                tmp,
+            )
     os.close(stats_fd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(
-        f"{'workload':>9} {'who':>9} {'BPF us/run':>11} {'BPF us/sample':>14} {'reader us/sample':>17} "
-        f"{'reader %core':>13} {'user frames':>12}"
+        f"{'workload':>9} {'who':>9} {'BPF us/run':>11} {'BPF us/sample':>14} {'net us/sample':>14} "
+        f"{'reader us/sample':>17} {'reader %core':>13} {'user frames':>12}"
     )
     for w in results["workloads"]:
         for who in ("bistouri", "baseline", "bpftrace"):
@@ -381,9 +396,11 @@ def main() -> int:
                 continue
             reader = r.get("reader_ns_per_sample")
             share = r.get("reader_share_of_one_core")
+            net = r.get("bpf_ns_per_sample_net")
             print(
                 f"{w['workload']:>9} {who:>9} {r['bpf_ns_per_run'] / 1000:>11.2f} "
                 f"{r['bpf_ns_per_sample'] / 1000:>14.2f} "
+                f"{'' if net is None else f'{net / 1000:.2f}':>14} "
                 f"{'' if reader is None else f'{reader / 1000:.2f}':>17} "
                 f"{'' if share is None else f'{share:.2%}':>13} {r.get('user_frames', 0):>12.1f}"
             )

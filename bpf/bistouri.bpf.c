@@ -237,10 +237,52 @@ struct user_regs {
 	__u64 bp;
 };
 
+/*
+ * The user stack is copied into a per-CPU buffer a chunk at a time as the walk
+ * climbs it, and return addresses and saved RBPs are read from the copy: one
+ * bpf_probe_read_user per frame was half of the walk's time (~90 ns each here:
+ * a helper call, user-access barriers), a chunk of 1 KiB costs about as much as
+ * one. Chunks are aligned so that none crosses a page: a chunk that cannot be
+ * read (a page not present, the end of the stack's mapping) closes the copy and
+ * the walk reads word by word from there. A word far above the copy, or past
+ * STACK_WINDOW, starts a new copy at that word.
+ */
+#define STACK_CHUNK 1024
+#define STACK_WINDOW (16 << 10)
+
+struct stack_copy {
+	__u8 bytes[STACK_WINDOW + 8]; /* + 8: a word read at any offset below STACK_WINDOW stays inside */
+};
+
+/* Slot 0 for the perf_event program, 1 for the tracepoints (which it may interrupt). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, struct stack_copy);
+} stack_copies SEC(".maps");
+
+/*
+ * Where the walk is in the copy of the user stack, and one word to read from
+ * it: stack_word() is a global function (verified once, on its own: inlined at
+ * each read of walk_frame its branches multiplied the verifier's states past
+ * its limit).
+ */
+struct stack_window {
+	__u64 base;          /* user address of copy->bytes[0] */
+	__u64 end;           /* bytes are copied up to this address */
+	__u64 addr;          /* in: the word's address */
+	__u64 word;          /* out */
+	__u32 closed;        /* a chunk could not be read: no more copying */
+	__u32 reserved;
+};
+
 /* State of one user walk, carried from frame to frame by bpf_loop. */
 struct walk {
 	struct user_regs regs;
 	struct bistouri_stack_event *ev;
+	struct stack_copy *copy;           /* the copy of the user stack that win describes */
+	struct stack_window win;
 	__u32 proc_slot;                   /* the process's slot of unwind_mappings */
 	__u32 proc_count;                  /* its mappings with tables; 0: frame pointers only */
 	__u32 last_mapping;                /* index in unwind_mappings of the previous frame's, or ~0 */
@@ -430,6 +472,54 @@ __noinline int frame_rule(struct frame_rule *r)
 	return 1;
 }
 
+__noinline int stack_word(struct stack_copy *copy, struct stack_window *win)
+{
+	__u64 addr, off, size;
+
+	if (!copy || !win)
+		return -1;
+	addr = win->addr;
+	if (!(addr & 7)) {
+		/*
+		 * Far from the copy (a frame larger than two chunks, the interrupted
+		 * stack of a signal handler on its own stack), or no room left for two
+		 * chunks: start a new copy at the word.
+		 */
+		if (addr < win->base || addr >= win->end + 2 * STACK_CHUNK ||
+		    (addr + 8 > win->end && win->end - win->base > STACK_WINDOW - 2 * STACK_CHUNK)) {
+			win->base = win->end = addr;
+			win->closed = 0;
+		}
+		/* Copy up to two more chunks if the word is just past the copy. */
+		for (int i = 0; i < 2 && addr + 8 > win->end; i++) {
+			off = win->end - win->base;
+			if (win->closed || off > STACK_WINDOW - STACK_CHUNK || addr >= win->end + 2 * STACK_CHUNK)
+				break;
+			size = STACK_CHUNK - (win->end & (STACK_CHUNK - 1));
+			if (bpf_probe_read_user(&copy->bytes[off], size, (void *)win->end)) {
+				win->closed = 1;
+				break;
+			}
+			win->end += size;
+		}
+		if (addr + 8 <= win->end) {
+			win->word = *(__u64 *)&copy->bytes[(addr - win->base) & (STACK_WINDOW - 1)];
+			return 0;
+		}
+	}
+	return bpf_probe_read_user(&win->word, sizeof(win->word), (void *)addr);
+}
+
+/* One word of the user stack: from the copy when it holds it, else read on its own. */
+static __always_inline long read_stack(struct walk *w, __u64 addr, __u64 *out)
+{
+	w->win.addr = addr;
+	if (stack_word(w->copy, &w->win))
+		return -1;
+	*out = w->win.word;
+	return 0;
+}
+
 /* One frame: record ip, then find the caller's ip, sp and bp. 1 ends the loop. */
 static long walk_frame(__u32 index, void *data)
 {
@@ -483,9 +573,8 @@ static long walk_frame(__u32 index, void *data)
 	}
 	case BISTOURI_CFA_SIGNAL:
 		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
-		if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(sp + 168)) ||
-		    bpf_probe_read_user(&w->regs.sp, sizeof(w->regs.sp), (void *)(sp + 160)) ||
-		    bpf_probe_read_user(&w->regs.bp, sizeof(w->regs.bp), (void *)(sp + 120))) {
+		if (read_stack(w, sp + 168, &ra) || read_stack(w, sp + 160, &w->regs.sp) ||
+		    read_stack(w, sp + 120, &w->regs.bp)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
@@ -517,28 +606,16 @@ static long walk_frame(__u32 index, void *data)
 		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
 		return 1;
 	}
-	if (rbp_kind == BISTOURI_RBP_AT_CFA && rbp_off == -16) {
-		/* The usual prologue (push %rbp right after the call): both words in one read. */
-		__u64 pair[2];
-
-		if (bpf_probe_read_user(pair, sizeof(pair), (void *)(cfa - 16))) {
+	if (read_stack(w, cfa - 8, &ra)) {
+		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+		return 1;
+	}
+	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
+		if (read_stack(w, cfa + rbp_off, &saved_bp)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
-		w->regs.bp = pair[0];
-		ra = pair[1];
-	} else {
-		if (bpf_probe_read_user(&ra, sizeof(ra), (void *)(cfa - 8))) {
-			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
-			return 1;
-		}
-		if (rbp_kind == BISTOURI_RBP_AT_CFA) {
-			if (bpf_probe_read_user(&saved_bp, sizeof(saved_bp), (void *)(cfa + rbp_off))) {
-				w->stop = BISTOURI_CNT_WALK_READ_FAILED;
-				return 1;
-			}
-			w->regs.bp = saved_bp;
-		}
+		w->regs.bp = saved_bp;
 	}
 	if (kind == BISTOURI_CFA_NONE)
 		w->by_fp++;
@@ -566,13 +643,17 @@ static __always_inline void count_add(__u32 which, __u64 n)
  * and the frame pointer elsewhere. Returns the size in bytes, like bpf_get_stack.
  */
 /* Inlined, not a global function: Debian's 6.1 verifier refuses the global version (EACCES). */
-static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start)
+static __always_inline long walk_user(struct bistouri_stack_event *ev, struct user_regs *start, __u32 copy_slot)
 {
 	struct walk w = { .regs = *start, .ev = ev, .exact = true, .last_mapping = ~0U };
 	struct bistouri_unwind_proc *proc;
 
 	if (!start->ip || start->ip > USER_TOP)
 		return 0;
+	w.copy = bpf_map_lookup_elem(&stack_copies, &copy_slot);
+	if (!w.copy)
+		return 0;
+	w.win.base = w.win.end = start->sp;
 	proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
 	if (proc) {
 		w.proc_slot = proc->slot;
@@ -590,12 +671,18 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct us
 	return (long)w.n * sizeof(__u64);
 }
 
+/* Whether a perf sample interrupted user mode (pt_regs.cs); false without one. */
+static __always_inline bool in_user_mode(struct bpf_perf_event_data *ctx)
+{
+	return ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3;
+}
+
 /* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
 static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct user_regs *out)
 {
 	struct pt_regs *regs;
 
-	if (ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3) { /* pt_regs.cs: user mode */
+	if (in_user_mode(ctx)) {
 		out->ip = ctx->regs.ip;
 		out->sp = ctx->regs.sp;
 		out->bp = ctx->regs.bp;
@@ -618,7 +705,11 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	struct mm_struct *mm;
 	long n;
 
-	n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
+	/* A sample that hit user mode has no kernel stack: the helper would only say so. */
+	if (in_user_mode(perf_ctx))
+		n = 0;
+	else
+		n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
 	ev->kernel_stack_size = n;
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
@@ -639,7 +730,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->user_by_fp = 0;
 	ev->user_walk_end = 0;
 	/* Kernel threads have no user stack: not an error. */
-	n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs) : 0;
+	n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1) : 0;
 	ev->user_stack_size = n;
 	if (n <= 0)
 		return;
