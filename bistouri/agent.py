@@ -459,7 +459,9 @@ class Agent:
         if self.walker is not None:
             self.walker.stop(0.5)
         if self.profiler is not None:
-            self.profiler.close(timeout=0.5)  # drains what is already in the rings
+            # Drains what is already in the rings; the maps stay open until the sessions are flushed,
+            # so their episodes still read the threads' times.
+            self.profiler.stop(timeout=0.5)
             if self.orch is not None and self.trigger is not None:
                 self._on_bpf_events()
         if self.orch is not None:
@@ -476,7 +478,7 @@ class Agent:
             self.exporter.stop(timeout=0.3)  # type: ignore[attr-defined]
             self.exporter = None
         if self.profiler is not None:
-            self.profiler.close(timeout=0.5)
+            self.profiler.stop(timeout=0.5)
             self.profiler = None
         if self.confwatch is not None:
             self.confwatch.close()

@@ -290,7 +290,7 @@ class EpisodeProbe:
         try:
             raw = self._thread_times(pids)
         except (BistouriError, OSError) as e:
-            # At shutdown the sessions are flushed after the BPF object is closed: no victims then.
+            # The BPF object is gone (it failed, or closed early): no victims then.
             log.debug("Episode thread times unreadable: no victims. error=%s", e)
             return {}
         now = self._clock_ns()

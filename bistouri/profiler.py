@@ -156,8 +156,9 @@ class ProfilerAgent:
         if self.unwind is not None:
             self.unwind.start()
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread, free the ring buffer, detach, close the object. Idempotent."""
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the table builder and the drain thread, which drains the rings a last time. The maps
+        stay readable (thread_times: the episodes of sessions flushed at shutdown). Idempotent."""
         if self.unwind is not None:
             self.unwind.close(min(timeout, 0.5))
             self.unwind = None
@@ -167,6 +168,10 @@ class ProfilerAgent:
             if self._thread.is_alive():
                 log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
             self._thread = None
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop, free the ring buffer, detach, close the object. Idempotent."""
+        self.stop(timeout)
         for fd in (self._stop_fd, self._kick_fd):
             if fd >= 0:
                 os.close(fd)

@@ -217,4 +217,8 @@ def test_sigterm_during_capture_flushes_and_detaches(tmp_path, workloads):
         sessions = agent.sessions()
         assert sessions and sessions[0].total_samples > 0, agent.log()[-2000:]
         assert sessions[0].duration_ns < 30e9
+        # The episode is read before the BPF object is closed: the burners' threads are its victims.
+        episode = sessions[0].episode
+        assert episode is not None and episode.victims, agent.log()[-2000:]
+        assert sum(v.on_cpu_ns for v in episode.victims) > 0
     assert wait_until(lambda: bistouri_prog_ids() <= before, 10), "BPF programs left in the kernel"
