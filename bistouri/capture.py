@@ -18,7 +18,6 @@ Everything runs on the main thread; nothing here blocks on the network.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -376,7 +375,7 @@ class CaptureOrchestrator:
             recorder.add(
                 s
                 if s.pid in by_pid or divisors.get(s.pid, 1) == 1
-                else dataclasses.replace(s, weight=s.weight * divisors[s.pid])
+                else s.weighed(s.weight * divisors[s.pid])
                 for s in samples
             )
             self.metrics.recorder_bytes.set(recorder.nbytes)

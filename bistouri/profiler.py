@@ -16,7 +16,6 @@ events to a bounded queue. A full queue drops the event and counts it: the kerne
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import queue
@@ -414,7 +413,7 @@ class ProfilerAgent:
             sample = self.sent.get(key)
             if sample is not None:
                 if n:
-                    self._batch.append(dataclasses.replace(sample, weight=n))
+                    self._batch.append(sample.weighed(n))
                     handled += 1
             elif key in late:
                 self.orphaned += n
