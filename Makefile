@@ -24,8 +24,9 @@ APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-c
 APT_MONITORING := prometheus
 APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING)
 APT_DEMO := $(APT_BUILD) llvm-19
-# What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`).
-APT_BENCH := bpftrace linux-perf nodejs openjdk-17-jdk-headless
+# What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`),
+# BCC's CO-RE runqlat and offcputime (libbpf-tools: the episode hooks' cost, bench_episode).
+APT_BENCH := bpftrace linux-perf nodejs openjdk-17-jdk-headless libbpf-tools
 
 export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export PYTHONDONTWRITEBYTECODE := 1

@@ -178,6 +178,7 @@ class EpisodeKind(IntEnum):
 
     SLEEP = 16  # interruptible (S) wait
     RECLAIM = 17  # direct reclaim or compaction
+    RUNQUEUE = 18  # waiting for a CPU: blocked_ns is the mean delay of the `waits` it stands for
 
 
 class ThreadState(IntEnum):
@@ -196,9 +197,10 @@ class EpisodeCounter(IntEnum):
     THREADS_FULL = 2
     STACKS_LIMITED = 3
     RECLAIMS = 4
+    RUNQUEUE_STACKS = 5
 
 
-EPISODE_COUNTER_MAX = 5
+EPISODE_COUNTER_MAX = 6
 
 
 class ThreadTimes(Structure):
@@ -220,6 +222,9 @@ class ThreadTimes(Structure):
         ("state", c_uint32),
         ("skipped", c_uint32),
         ("comm", c_uint8 * COMM_LEN),
+        ("runqueue_unsent_ns", c_uint64),
+        ("runqueue_unsent", c_uint32),
+        ("reserved", c_uint32),
     ]
 
 

@@ -27,6 +27,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import __version__, preflight, threads
 from .capture import CaptureOrchestrator
+from .cgroupfs import find_mounts
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
@@ -237,6 +238,7 @@ class Agent:
                 self.profiler.thread_times,
                 self.s.cgroup_path,
                 on_dropped=lambda reason, n: self.metrics.episode_dropped.labels(reason).inc(n),
+                mounts=find_mounts(self.s.proc_path),
             ),
         )
         self.trigger = TriggerAgent(

@@ -43,6 +43,7 @@ _WAIT_OF_KIND = {
     int(abi.EventKind.OFF_CPU): wire.WAIT_D,
     int(abi.EpisodeKind.SLEEP): wire.WAIT_S,
     int(abi.EpisodeKind.RECLAIM): wire.WAIT_RECLAIM,
+    int(abi.EpisodeKind.RUNQUEUE): wire.WAIT_RUNQUEUE,
 }
 
 

@@ -10,7 +10,9 @@ A session's episode has two halves, both measured over the session's own window
 - aggressors: the leaf cgroups of the cgroup2 tree, and "/" for the root's own
   processes (system-wide: what no child cgroup holds), ranked by what they used of
   the trigger's resource: CPU (cpu.stat usage_usec), I/O (io.stat bytes, then
-  ios) or memory (memory.current growth plus memory.stat pgsteal, in bytes).
+  ios) or memory (memory.current growth plus memory.stat pgsteal, in bytes); on a
+  hybrid host the v1 hierarchies' files stand in for missing ones (cgroupfs.py,
+  the one reader of cgroup files).
 
 Bounded: at most MAX_CGROUPS cgroup directories are read per snapshot and
 MAX_VICTIMS / MAX_AGGRESSORS rows kept; what is left out is counted.
@@ -26,6 +28,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from . import abi, wire
+from .cgroupfs import CgroupMounts, CgroupReader, CgroupUsage, find_mounts
 from .errors import BistouriError
 
 log = logging.getLogger(__name__)
@@ -107,116 +110,6 @@ def victims(
 # -- aggressors --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class CgroupUsage:
-    """Cumulative counters of one cgroup (memory_bytes is a level, not a counter)."""
-
-    cpu_usec: int = 0
-    io_bytes: int = 0
-    io_ops: int = 0
-    memory_bytes: int = 0
-    reclaimed_pages: int = 0
-
-
-def _keyed(data: bytes) -> dict[bytes, int]:
-    out = {}
-    for line in data.splitlines():
-        key, _, value = line.partition(b" ")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            continue
-    return out
-
-
-def parse_cpu_stat(data: bytes) -> int:
-    """usage_usec of a cpu.stat file."""
-    return _keyed(data).get(b"usage_usec", 0)
-
-
-def parse_io_stat(data: bytes) -> tuple[int, int]:
-    """(rbytes + wbytes, rios + wios) summed over the devices of an io.stat file."""
-    nbytes = ops = 0
-    for line in data.splitlines():
-        for field in line.split()[1:]:
-            key, sep, value = field.partition(b"=")
-            if not sep or not value.isdigit():
-                continue
-            if key in (b"rbytes", b"wbytes"):
-                nbytes += int(value)
-            elif key in (b"rios", b"wios"):
-                ops += int(value)
-    return nbytes, ops
-
-
-def parse_memory_stat(data: bytes) -> int:
-    """Pages reclaimed from the cgroup (pgsteal) of a memory.stat file."""
-    return _keyed(data).get(b"pgsteal", 0)
-
-
-def _read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb", buffering=0) as f:
-            return f.read(65536)
-    except OSError:
-        return None  # the cgroup went away, or the controller is not enabled there
-
-
-def read_usage(cgroup_dir: str) -> CgroupUsage:
-    cpu = _read(os.path.join(cgroup_dir, "cpu.stat"))
-    io = _read(os.path.join(cgroup_dir, "io.stat"))
-    current = _read(os.path.join(cgroup_dir, "memory.current"))
-    mstat = _read(os.path.join(cgroup_dir, "memory.stat"))
-    io_bytes, io_ops = parse_io_stat(io) if io else (0, 0)
-    try:
-        memory = int(current) if current else 0
-    except ValueError:
-        memory = 0
-    return CgroupUsage(
-        cpu_usec=parse_cpu_stat(cpu) if cpu else 0,
-        io_bytes=io_bytes,
-        io_ops=io_ops,
-        memory_bytes=memory,
-        reclaimed_pages=parse_memory_stat(mstat) if mstat else 0,
-    )
-
-
-def scan_cgroups(cgroup_root: str, max_cgroups: int = MAX_CGROUPS) -> tuple[dict[str, CgroupUsage], int]:
-    """Usage of the leaf cgroups under `cgroup_root` (paths relative to it, "/a/b"), breadth
-    first, and as "/" what the root's own processes (and kernel threads) used: the root's
-    hierarchical counters minus its children's. Returns them and how many directories were left
-    unread past `max_cgroups` (then "/" is left out too: it would hold their usage)."""
-    out: dict[str, CgroupUsage] = {}
-    todo = [cgroup_root]
-    top: list[str] = []
-    seen = dropped = 0
-    while todo:
-        d = todo.pop(0)
-        try:
-            children = [e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue  # removed meanwhile
-        if d == cgroup_root:
-            top = children
-        for c in children:
-            if seen >= max_cgroups:
-                dropped += 1
-                continue
-            seen += 1
-            todo.append(c)
-        if not children and d != cgroup_root:
-            out["/" + os.path.relpath(d, cgroup_root)] = read_usage(d)
-    if not dropped:
-        root = read_usage(cgroup_root)
-        kids = [read_usage(c) for c in top]
-        out["/"] = CgroupUsage(
-            cpu_usec=max(0, root.cpu_usec - sum(k.cpu_usec for k in kids)),
-            io_bytes=max(0, root.io_bytes - sum(k.io_bytes for k in kids)),
-            io_ops=max(0, root.io_ops - sum(k.io_ops for k in kids)),
-        )
-    return out, dropped
-
-
 def _rank_key(resource: str) -> Callable[[wire.Aggressor], tuple[int, ...]]:
     if resource == "io":
         return lambda a: (a.io_bytes, a.io_ops, a.cpu_ns)
@@ -267,7 +160,9 @@ class EpisodeProbe:
     """Takes an episode's start snapshot and turns the end one into a `wire.Episode`.
 
     `thread_times` is the profiler's reader of the BPF map (None: no victims, e.g. without
-    the episode hooks); `cgroup_root` the cgroup2 mount (None: no aggressors).
+    the episode hooks); `cgroup_root` the cgroup2 directory whose leaves are ranked (the
+    mount; None: no aggressors); `mounts` the cgroup hierarchies (default: this host's, from
+    /proc/self/mountinfo), for the v1 files that stand in for missing cgroup2 ones.
     """
 
     def __init__(
@@ -277,9 +172,11 @@ class EpisodeProbe:
         on_dropped: Callable[[str, int], None] = lambda reason, n: None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         max_cgroups: int = MAX_CGROUPS,
+        mounts: CgroupMounts | None = None,
     ) -> None:
         self._thread_times = thread_times
         self.cgroup_root = cgroup_root
+        self._cgroups_reader = CgroupReader(mounts if mounts is not None else find_mounts())
         self._on_dropped = on_dropped
         self._clock_ns = clock_ns
         self.max_cgroups = max_cgroups
@@ -299,7 +196,7 @@ class EpisodeProbe:
     def _cgroups(self) -> dict[str, CgroupUsage]:
         if self.cgroup_root is None:
             return {}
-        usage, dropped = scan_cgroups(self.cgroup_root, self.max_cgroups)
+        usage, dropped = self._cgroups_reader.scan(self.cgroup_root, self.max_cgroups)
         if dropped:
             self._on_dropped(DROP_CGROUPS, dropped)
         return usage

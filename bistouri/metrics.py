@@ -517,6 +517,7 @@ class EpisodeCountersCollector(Collector):
         events.add_metric(["switch"], c[abi.EpisodeCounter.SWITCHES])
         events.add_metric(["wakeup"], c[abi.EpisodeCounter.WAKEUPS])
         events.add_metric(["reclaim"], c[abi.EpisodeCounter.RECLAIMS])
+        events.add_metric(["runqueue_stack"], c[abi.EpisodeCounter.RUNQUEUE_STACKS])
         yield events
         lost = CounterMetricFamily(
             "bistouri_episode_hook_dropped",

@@ -290,17 +290,22 @@ class ProfilerAgent:
     def _forget_thread_times(self, pid: int) -> None:
         """Drop the episode times of a process no longer watched: the state each thread was last
         seen in goes stale while unwatched, and would be timed as lasting until its next switch
-        once watched again. Threads already gone keep no state (their last switch cleared it)."""
+        once watched again. Threads already gone keep no state (their last switch cleared it).
+        Their pending wait stacks go too (a run-queue one would carry the gap), and the process's
+        run-queue rate limit."""
         if not self.options.episode:
             return
-        m = self._require().maps["thread_times"]
+        maps = self._require().maps
+        maps["runqueue_last"].delete(struct.pack("<I", pid))
         try:
             tids = os.listdir(os.path.join(self.options.proc_root, str(pid), "task"))
         except OSError:
             return  # the process is gone: its threads' entries age out of the LRU map
         for tid in tids:
             if tid.isdigit():
-                m.delete(struct.pack("<I", int(tid)))
+                key = struct.pack("<I", int(tid))
+                maps["thread_times"].delete(key)
+                maps["wait_pending"].delete(key)
 
     def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
         """Episode-hook counters summed over CPUs (zero without the hooks)."""

@@ -445,6 +445,7 @@ def _capture(
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from . import wire
     from .capture import CaptureOrchestrator
+    from .cgroupfs import find_mounts
     from .episode import EpisodeProbe
     from .metrics import AgentMetrics
 
@@ -461,7 +462,9 @@ def _capture(
         period_ns=1_000_000_000 // args.freq,
         filter_flags=flags,
         proc_root=args.proc_path,
-        episode=EpisodeProbe(agent.thread_times, procfs.find_cgroup2_mount(args.proc_path))
+        episode=EpisodeProbe(
+            agent.thread_times, procfs.find_cgroup2_mount(args.proc_path), mounts=find_mounts(args.proc_path)
+        )
         if trigger is not None
         else None,
     )

@@ -44,12 +44,14 @@ TRIGGER_KINDS = (TRIGGER_PSI, TRIGGER_MANUAL)
 
 MAX_U64 = (1 << 64) - 1
 
-# (v3) What an off-CPU trace waited in: the 6th element of a trace row, absent for D.
+# (v3) What an off-CPU trace waited in: the 6th element of a trace row, absent for D. The one
+# vocabulary of wait states: the API's and the UI's state names are WAIT_NAMES' values.
 WAIT_D = 0  # uninterruptible (D) wait, the only kind before v3
 WAIT_S = 1  # interruptible sleep (S): futex, locks, poll, sleeps
 WAIT_RECLAIM = 2  # direct reclaim or compaction
-WAIT_STATES = (WAIT_D, WAIT_S, WAIT_RECLAIM)
-WAIT_NAMES = {WAIT_D: "D", WAIT_S: "S", WAIT_RECLAIM: "reclaim"}
+WAIT_RUNQUEUE = 3  # runnable, waiting for a CPU (preempted, or woken and not yet running)
+WAIT_STATES = (WAIT_D, WAIT_S, WAIT_RECLAIM, WAIT_RUNQUEUE)
+WAIT_NAMES = {WAIT_D: "D", WAIT_S: "S", WAIT_RECLAIM: "reclaim", WAIT_RUNQUEUE: "runqueue"}
 MAX_VICTIMS = 1024  # episode rows the decoder accepts (the agent keeps 256 / 20)
 MAX_AGGRESSORS = 256
 

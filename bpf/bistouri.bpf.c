@@ -984,6 +984,16 @@ int BPF_PROG(handle_exec, struct task_struct *p, pid_t old_pid, struct linux_bin
  *   wakeup:     D/S -> RUNNABLE (the wait ends: blocked time by state)
  *   switch-in:  RUNNABLE -> RUNNING (run-queue delay, as schedstat's run_delay)
  * Reclaim and compaction are timed begin -> end on the thread itself.
+ *
+ * Stacks of the waits, in wait_pending (tid -> stack), sent when the wait ends:
+ *   S: taken at switch-out (per-thread rate limit), sent at wakeup as a SLEEP
+ *      event; the same stack then waits for the CPU as a RUNQUEUE one.
+ *   preempted: taken at switch-out (per-process rate limit) as a RUNQUEUE one.
+ *   switch-in: a RUNQUEUE stack is sent weighted by the run-queue delay the
+ *      thread accumulated since its last run-queue stack was sent (waits whose
+ *      stack was rate limited, D wakeups, this one): the weights of a thread's
+ *      run-queue stacks add up to its run-queue time, less what the last sent
+ *      stack has not carried yet (runqueue_unsent_ns).
  */
 #define TASK_INTERRUPTIBLE 0x1
 #define TASK_DEAD 0x80
@@ -1007,14 +1017,25 @@ struct {
 	__type(value, __u64);
 } episode_counters SEC(".maps");
 
-/* tid -> stack taken when a sleep (S) or a reclaim began, sent when it ends. */
+/*
+ * tid -> stack taken when a sleep (S) began or the thread was preempted, sent
+ * when the wait ends: a thread is either asleep or runnable, never both.
+ */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, __u32);
 	__type(value, struct bistouri_stack_event);
-} sleep_pending SEC(".maps");
+} wait_pending SEC(".maps");
+
+/* tgid -> when its last run-queue stack was taken (the per-process rate limit). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, __u64);
+} runqueue_last SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -1068,6 +1089,38 @@ static __always_inline struct bistouri_thread_times *thread_entry(__u32 tgid, __
 	return bpf_map_lookup_elem(&thread_times, &tid);
 }
 
+/*
+ * A run-queue wait of `delay` ns ends: add it to what the thread's run-queue
+ * stacks have not carried yet and, if it has one pending, send it carrying all
+ * of that (blocked_ns the mean of those waits, `waits` their number). A stack
+ * that cannot be sent leaves its time to the next one. Called wherever
+ * runqueue_ns grows, so sent + unsent is the thread's run-queue time.
+ */
+static __always_inline void runqueue_done(struct bistouri_thread_times *t, __u64 delay)
+{
+	struct bistouri_stack_event *pending;
+	__u32 tid = t->tid, waits;
+
+	t->runqueue_unsent_ns += delay;
+	t->runqueue_unsent += 1;
+	pending = bpf_map_lookup_elem(&wait_pending, &tid);
+	if (!pending)
+		return;
+	if (pending->kind == BISTOURI_EVENT_RUNQUEUE) {
+		waits = t->runqueue_unsent;
+		pending->waits = waits;
+		pending->blocked_ns = t->runqueue_unsent_ns / (waits ? waits : 1);
+		if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags())) {
+			report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, pending->pid, 0);
+		} else {
+			t->runqueue_unsent_ns -= pending->blocked_ns * waits;
+			t->runqueue_unsent = 0;
+			episode_count(BISTOURI_EPC_RUNQUEUE_STACKS);
+		}
+	}
+	bpf_map_delete_elem(&wait_pending, &tid);
+}
+
 /* Close the state the thread was in at `now`: add its time where it belongs. */
 static __always_inline void close_state(struct bistouri_thread_times *t, __u64 now)
 {
@@ -1080,6 +1133,7 @@ static __always_inline void close_state(struct bistouri_thread_times *t, __u64 n
 	case BISTOURI_STATE_RUNNABLE:
 		t->runqueue_ns += d;
 		t->runqueue_waits += 1;
+		runqueue_done(t, d);
 		break;
 	case BISTOURI_STATE_BLOCKED_D:
 		t->blocked_d_ns += d;
@@ -1106,34 +1160,76 @@ static __always_inline void send_pending(void *map, __u32 tid, __u64 now)
 }
 
 /*
- * Take the current thread's stack into `map` for an event of `kind`, at most
- * once per offcpu_interval_ns per thread; the one taken stands for the skipped.
+ * The waits a sleep or reclaim stack taken now stands for (1 + the ones the
+ * per-thread rate limit skipped since the last), or 0: at most one stack per
+ * offcpu_interval_ns per thread.
  */
-static __always_inline void take_stack(void *ctx, void *map, __u32 kind,
-				       struct bistouri_thread_times *t, __u64 now)
+static __always_inline __u32 stack_due(struct bistouri_thread_times *t, __u64 now)
 {
-	__u64 pid_tgid = bpf_get_current_pid_tgid();
-	__u32 tid = (__u32)pid_tgid, zero = 0;
-	struct bistouri_stack_event *ev;
 	__u32 waits;
 
 	if (t->stack_ns && now - t->stack_ns < cfg.offcpu_interval_ns) {
 		t->skipped += 1;
 		episode_count(BISTOURI_EPC_STACKS_LIMITED);
-		return;
+		return 0;
 	}
 	waits = 1 + t->skipped;
 	t->skipped = 0;
 	t->stack_ns = now;
+	return waits;
+}
+
+/*
+ * Whether a run-queue stack of `tgid` is due: at most one per
+ * offcpu_interval_ns per process, as the D-state capture. A thread preempted
+ * in between has no stack of its own: its delay goes to its next one.
+ */
+static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
+{
+	__u64 *last = bpf_map_lookup_elem(&runqueue_last, &tgid);
+
+	if (last && now - *last < cfg.offcpu_interval_ns) {
+		episode_count(BISTOURI_EPC_STACKS_LIMITED);
+		return false;
+	}
+	if (last)
+		*last = now;
+	else
+		bpf_map_update_elem(&runqueue_last, &tgid, &now, BPF_ANY);
+	return true;
+}
+
+/* Take the current thread's stack into `map` (tid -> stack) for a wait of `kind` starting now. */
+static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pid_tgid, zero = 0;
+	struct bistouri_stack_event *ev;
+
 	ev = bpf_map_lookup_elem(&episode_scratch, &zero);
 	if (!ev)
 		return;
 	fill_header(ev, kind, pid_tgid, now);
 	ev->waits = waits;
 	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL);
-	ev->timestamp_ns = bpf_ktime_get_ns();
+	ev->timestamp_ns = bpf_ktime_get_ns(); /* the wait starts now: the walk above is ours */
 	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
+}
+
+/* A sleep of `tid` ends (woken at `now`): send its stack, which then waits for a CPU. */
+static __always_inline void sleep_woken(__u32 tid, __u64 now)
+{
+	struct bistouri_stack_event *pending = bpf_map_lookup_elem(&wait_pending, &tid);
+
+	if (!pending || pending->kind != BISTOURI_EVENT_SLEEP)
+		return;
+	pending->blocked_ns = now > pending->timestamp_ns ? now - pending->timestamp_ns : 0;
+	if (bpf_ringbuf_output(&stack_events, pending, sizeof(*pending), wakeup_flags()))
+		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, pending->pid, 0);
+	pending->kind = BISTOURI_EVENT_RUNQUEUE;
+	pending->timestamp_ns = now;
+	pending->waits = 1;
 }
 
 SEC("tp_btf/sched_switch")
@@ -1141,8 +1237,8 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 	     struct task_struct *next)
 {
 	struct bistouri_thread_times *t;
+	__u32 tgid, tid, take = 0, waits = 1;
 	__u64 now = 0;
-	__u32 tgid, tid;
 	long state;
 
 	/* prev is current: account its CPU time and the state it leaves in. */
@@ -1160,15 +1256,23 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 				t->state = BISTOURI_STATE_UNKNOWN;
 			} else if (preempt || state == 0) {
 				t->state = BISTOURI_STATE_RUNNABLE;
+				if (runqueue_stack_due(tgid, now))
+					take = BISTOURI_EVENT_RUNQUEUE;
 			} else if ((state & TASK_UNINTERRUPTIBLE) && !(state & TASK_NOLOAD)) {
 				t->state = BISTOURI_STATE_BLOCKED_D;
 			} else {
 				/* TASK_INTERRUPTIBLE, or an idle (NOLOAD) wait: not a D stall. */
 				t->state = BISTOURI_STATE_BLOCKED_S;
-				if (state & TASK_INTERRUPTIBLE)
-					take_stack(ctx, &sleep_pending, BISTOURI_EVENT_SLEEP, t, now);
+				if (state & TASK_INTERRUPTIBLE) {
+					waits = stack_due(t, now);
+					if (waits)
+						take = BISTOURI_EVENT_SLEEP;
+				}
 			}
 			t->since_ns = now;
+			/* One call site: the stack walk is inlined once in this program. */
+			if (take)
+				take_stack(ctx, &wait_pending, take, waits, now);
 		}
 	}
 
@@ -1182,7 +1286,7 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 	if (!t)
 		return 0;
 	if (t->state == BISTOURI_STATE_BLOCKED_S)
-		send_pending(&sleep_pending, tid, now); /* woken without a wakeup we saw */
+		send_pending(&wait_pending, tid, now); /* woken without a wakeup we saw */
 	if (t->state != BISTOURI_STATE_UNKNOWN)
 		close_state(t, now);
 	t->state = BISTOURI_STATE_RUNNING;
@@ -1207,7 +1311,7 @@ static __always_inline void episode_wakeup(struct task_struct *p, bool new_task)
 		return; /* already counted as wanting a CPU */
 	episode_count(BISTOURI_EPC_WAKEUPS);
 	if (t->state == BISTOURI_STATE_BLOCKED_S)
-		send_pending(&sleep_pending, tid, now);
+		sleep_woken(tid, now);
 	if (t->state != BISTOURI_STATE_UNKNOWN && !new_task)
 		close_state(t, now);
 	t->state = BISTOURI_STATE_RUNNABLE;
@@ -1234,6 +1338,7 @@ static __always_inline void reclaim_begin(void *ctx)
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
 	struct bistouri_thread_times *t;
+	__u32 waits;
 	__u64 now;
 
 	if (!episode_watched(tgid))
@@ -1243,7 +1348,9 @@ static __always_inline void reclaim_begin(void *ctx)
 		return; /* nested (compaction inside reclaim): the outer one is timed */
 	now = bpf_ktime_get_ns();
 	t->reclaim_start_ns = now;
-	take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, t, now);
+	waits = stack_due(t, now);
+	if (waits)
+		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now);
 }
 
 static __always_inline void reclaim_end(void)

@@ -206,6 +206,8 @@ enum bistouri_episode_filter {
 enum bistouri_episode_kind {
 	BISTOURI_EVENT_SLEEP = 16,    /* interruptible (S) wait, timed at wakeup/switch-in */
 	BISTOURI_EVENT_RECLAIM = 17,  /* direct reclaim or compaction, timed begin -> end */
+	BISTOURI_EVENT_RUNQUEUE = 18, /* waiting for a CPU, timed to switch-in: blocked_ns is the mean
+				       * delay of the `waits` it stands for (see bistouri.bpf.c) */
 };
 
 /* What a watched thread is doing since thread_times.since_ns. */
@@ -222,9 +224,11 @@ enum bistouri_episode_counter {
 	BISTOURI_EPC_SWITCHES = 0,      /* switches of watched threads accounted */
 	BISTOURI_EPC_WAKEUPS = 1,       /* wakeups of watched threads accounted */
 	BISTOURI_EPC_THREADS_FULL = 2,  /* thread_times full: a new thread not accounted */
-	BISTOURI_EPC_STACKS_LIMITED = 3,/* sleep/reclaim stack skipped by the per-thread rate limit */
+	BISTOURI_EPC_STACKS_LIMITED = 3,/* sleep/reclaim stack skipped by the per-thread rate limit,
+					 * run-queue stack by the per-process one */
 	BISTOURI_EPC_RECLAIMS = 4,      /* reclaim/compaction stalls accounted */
-	BISTOURI_EPC_MAX = 5,
+	BISTOURI_EPC_RUNQUEUE_STACKS = 5, /* run-queue stacks sent */
+	BISTOURI_EPC_MAX = 6,
 };
 
 /* Cumulative times of one watched thread (user space diffs two reads). */
@@ -246,6 +250,9 @@ struct bistouri_thread_times {
 	__u32 state;           /* enum bistouri_thread_state */
 	__u32 skipped;         /* sleeps since the last sleep stack: the next one stands for them */
 	__u8 comm[BISTOURI_COMM_LEN];
+	__u64 runqueue_unsent_ns; /* run-queue delay not yet carried by a run-queue stack */
+	__u32 runqueue_unsent;    /* run-queue waits not yet carried by a run-queue stack */
+	__u32 reserved;
 };
 
 #endif /* BISTOURI_H */

@@ -242,7 +242,7 @@ class Profile:
 
     def in_state(self, state: str) -> Profile:
         """The profile of the on-CPU samples (`on_cpu`), of the waits in one state (`D`, `S`,
-        `reclaim`), or all (see STATES)."""
+        `reclaim`, `runqueue`), or all (see STATES)."""
         if state == "all":
             return self
         if state not in STATES:

@@ -24,12 +24,14 @@ AGGRESSORS = (
 
 
 def episode_session(sid: str, binary: DemoBinary) -> wire.Session:
-    """make_session with an episode, and its off-CPU trace also seen as an S and a reclaim wait."""
+    """make_session with an episode, and its off-CPU trace also seen as an S, a reclaim and a
+    run-queue wait."""
     s = make_session(sid, binary)
     [off] = [t for t in s.traces if t.off_cpu]
     s.traces += [
         dataclasses.replace(off, off_cpu=7, off_cpu_ns=70_000_000, wait=wire.WAIT_S),
         dataclasses.replace(off, off_cpu=2, off_cpu_ns=20_000_000, wait=wire.WAIT_RECLAIM),
+        dataclasses.replace(off, off_cpu=3, off_cpu_ns=30_000_000, wait=wire.WAIT_RUNQUEUE),
     ]
     s.episode = wire.Episode(VICTIMS, AGGRESSORS)
     return s
@@ -78,10 +80,13 @@ def test_episode_in_the_session_and_a_profile_per_state(
 
     # One profile per state: the same stack's waits are kept apart by what they waited in.
     by_state = {
-        st: folded(url, "/v1/sessions/ep-1/folded", state=st, value="off_cpu") for st in ("D", "S", "reclaim")
+        st: folded(url, "/v1/sessions/ep-1/folded", state=st, value="off_cpu")
+        for st in ("D", "S", "reclaim", "runqueue")
     }
-    assert [sum(f.values()) for f in by_state.values()] == [5, 7, 2]
-    assert by_state["D"].keys() == by_state["S"].keys() == by_state["reclaim"].keys()
+    assert [sum(f.values()) for f in by_state.values()] == [5, 7, 2, 3]
+    assert all(f.keys() == by_state["D"].keys() for f in by_state.values())
+    rq_ns = folded(url, "/v1/sessions/ep-1/folded", state="runqueue", value="off_cpu_ns")
+    assert sum(rq_ns.values()) == 30_000_000
     on = folded(url, "/v1/sessions/ep-1/folded", state="on_cpu")
     assert sum(on.values()) == 53 and not any("io_schedule" in k for k in on)
     bad = requests.get(f"{url}/v1/sessions/ep-1/folded", params={"state": "R"}, timeout=10)

@@ -29,12 +29,14 @@ AGGRESSORS = (
 
 @pytest.fixture(scope="module")
 def episode_sid(symbolizer_url: str) -> str:
-    """fsyncer's I/O session with an episode, and its journal waits also seen as S sleeps."""
+    """fsyncer's I/O session with an episode, and its journal waits also seen as S sleeps and as
+    run-queue waits (woken, then waiting for a CPU)."""
     tag = f"{os.getpid():x}{time.time_ns() & 0xFFFFFF:06x}"
     s = data.fsyncer_session(f"ui-report-{tag}", time.time_ns() - 600_000_000_000)
     s.service = "storage_report"  # the list tests of the same symbolizer count `storage`'s sessions
     journal = s.traces[0]
     s.traces.append(dataclasses.replace(journal, off_cpu=40, off_cpu_ns=2_000_000_000, wait=wire.WAIT_S))
+    s.traces.append(dataclasses.replace(journal, off_cpu=12, off_cpu_ns=500_000_000, wait=wire.WAIT_RUNQUEUE))
     s.episode = wire.Episode(VICTIMS, AGGRESSORS)
     return _ingest(symbolizer_url, {"report": s})["report"]
 
@@ -73,6 +75,10 @@ def test_victims_by_state_aggressors_and_a_flamegraph_per_state(
     assert page.locator('#flame .seg-btn[data-view="on_cpu"]').is_disabled()
     assert "state=S" in page.url
     page.locator('#flame g.frame[name="jbd2_log_wait_commit"]').first.wait_for()
+    # The run-queue wait: where the threads waited for a CPU, 12 waits.
+    page.click("#state-runqueue")
+    page.wait_for_function(OFF_CPU_COUNT, arg="12")
+    assert "state=runqueue" in page.url
     # D: the 240 uninterruptible waits of the session; the URL alone restores the state.
     page.goto(f"{symbolizer_url}/ui/session.html?id={episode_sid}&state=D")
     page.wait_for_function(OFF_CPU_COUNT, arg="240")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bistouri import abi, wire
+from bistouri.cgroupfs import CgroupMounts, CgroupReader, parse_cpu_stat, parse_io_stat, parse_memory_stat
 from bistouri.episode import (
     DROP_AGGRESSORS,
     DROP_CGROUPS,
@@ -13,15 +14,16 @@ from bistouri.episode import (
     EpisodeProbe,
     StateTimes,
     aggressors,
-    parse_cpu_stat,
-    parse_io_stat,
-    parse_memory_stat,
-    scan_cgroups,
     state_times,
     summary_lines,
     victims,
 )
 from bistouri.errors import BistouriError
+
+
+def scan_cgroups(root: str, max_cgroups: int = 2048):
+    """A fixture tree alone: no v1 hierarchy stands in for its missing files."""
+    return CgroupReader(CgroupMounts()).scan(root, max_cgroups)
 
 
 def test_parsers_read_by_key():
@@ -75,7 +77,9 @@ def test_cgroup_scan_is_bounded_and_counted(tmp_path):
     usage, dropped = scan_cgroups(str(tmp_path), max_cgroups=4)
     assert len(usage) == 4 and dropped == 6
     counted: list[tuple[str, int]] = []
-    probe = EpisodeProbe(None, str(tmp_path), on_dropped=lambda r, n: counted.append((r, n)), max_cgroups=4)
+    probe = EpisodeProbe(
+        None, str(tmp_path), lambda r, n: counted.append((r, n)), max_cgroups=4, mounts=CgroupMounts()
+    )
     ep = probe.finish(probe.start([1]), [1], "cpu")
     assert counted == [(DROP_CGROUPS, 6), (DROP_CGROUPS, 6)] and ep.victims == ()
 
@@ -138,5 +142,5 @@ def test_closed_bpf_object_gives_no_victims_not_an_error(tmp_path):
     def closed(pids):
         raise BistouriError("the BPF object is not loaded")
 
-    probe = EpisodeProbe(closed, str(tmp_path))
+    probe = EpisodeProbe(closed, str(tmp_path), mounts=CgroupMounts())
     assert probe.finish(probe.start([1]), [1], "cpu").victims == ()

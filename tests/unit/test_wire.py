@@ -114,6 +114,14 @@ def test_episode_and_wait_states_travel_in_v3():
     assert "episode" not in wire.session_to_wire(sample_session(v2=True))
 
 
+def test_every_wait_state_round_trips_and_is_named():
+    s = sample_session(n_stacks=len(wire.WAIT_STATES))
+    waits = zip(s.traces, wire.WAIT_STATES, strict=True)
+    s = dataclasses.replace(s, traces=tuple(dataclasses.replace(t, wait=w) for t, w in waits))
+    assert [t.wait for t in wire.decode_session(wire.encode_session(s)).traces] == list(wire.WAIT_STATES)
+    assert wire.WAIT_NAMES[wire.WAIT_RUNQUEUE] == "runqueue" and set(wire.WAIT_NAMES) == set(wire.WAIT_STATES)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [

@@ -13,9 +13,10 @@
     { key: "D", label: "Blocked D", get: (v) => (v.blocked_ns || {}).D || 0 },
     { key: "S", label: "Blocked S", get: (v) => (v.blocked_ns || {}).S || 0 },
   ];
-  // Flamegraph states (the API's state=): the run-queue wait is timed, not sampled with stacks.
+  // Flamegraph states: the API's state= values (wire.WAIT_NAMES, plus "all" and "on_cpu").
   B.FLAME_STATES = [
-    ["all", "All"], ["on_cpu", "On-CPU"], ["D", "Blocked D"], ["S", "Blocked S"], ["reclaim", "Reclaim"],
+    ["all", "All"], ["on_cpu", "On-CPU"], ["runqueue", "Run-queue wait"], ["D", "Blocked D"],
+    ["S", "Blocked S"], ["reclaim", "Reclaim"],
   ];
 
   function victimRow(v, widest) {
