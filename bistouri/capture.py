@@ -374,9 +374,7 @@ class CaptureOrchestrator:
             divisors = self._divisors
             # Sampled at the recorder's lower rate: each stands for `divisor` samples.
             recorder.add(
-                s
-                if s.pid in by_pid or divisors.get(s.pid, 1) == 1
-                else s.weighed(s.weight * divisors[s.pid])
+                s if s.pid in by_pid or divisors.get(s.pid, 1) == 1 else s.weighed(s.weight * divisors[s.pid])
                 for s in samples
             )
             self.metrics.recorder_bytes.set(recorder.nbytes)
