@@ -10,7 +10,6 @@ checks the table against the library.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from ctypes import (
     CFUNCTYPE,
     POINTER,
@@ -183,7 +182,9 @@ def open_library(names: tuple[str, ...] = LIBRARY_NAMES) -> Library:
             return Library(ctypes.CDLL(name, use_errno=True), name)
         except OSError as e:
             last = e
-    found = ctypes.util.find_library("bpf")
+    from ctypes.util import find_library  # the fallback only: it imports subprocess, shutil (~5 ms)
+
+    found = find_library("bpf")
     if found:
         return Library(ctypes.CDLL(found, use_errno=True), found)
     raise OSError(f"cannot load libbpf ({', '.join(names)}): {last}")

@@ -12,7 +12,6 @@ import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from . import abi, perf, threads
@@ -30,7 +29,9 @@ def default_object_path() -> Path:
     env = os.environ.get(OBJECT_ENV)
     if env:
         return Path(env)
-    packaged = Path(str(resources.files("bistouri"))) / "_bpfobj" / "bistouri.bpf.o"
+    # The package's own directory: importlib.resources would say the same, for ~8 ms of imports
+    # on record's start-up path (libbpf needs a real file anyway, never one inside a zip).
+    packaged = Path(__file__).parent / "_bpfobj" / "bistouri.bpf.o"
     if packaged.exists() or not Path(_INSTALLED_OBJECT).exists():
         return packaged
     return Path(_INSTALLED_OBJECT)

@@ -23,7 +23,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -36,6 +35,8 @@ from .loader import ObjectLoad, ProfilerOptions
 from .recordfiles import BuildIdTree, OutputDir, default_cache_dir
 
 if TYPE_CHECKING:
+    import subprocess
+
     from . import wire
     from .events import StackSample
     from .kernel import KernelMeta
@@ -404,6 +405,8 @@ def cmd_record(args: argparse.Namespace) -> int:
         if child is not None and child.poll() is None and args.duration is not None:
             child.terminate()
         if child is not None:
+            import subprocess  # imported already: the child was started with it
+
             try:
                 child.wait(5)
             except subprocess.TimeoutExpired:
@@ -412,6 +415,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def _start(command: list[str]) -> subprocess.Popen:
+    import subprocess  # only for a command target: not on the start-up path of the others
+
     try:
         return subprocess.Popen(command)
     except OSError as e:
