@@ -110,7 +110,10 @@ def config(capture_s: float) -> str:
         "    service_id: bench\n"
         "    resources: [{resource: cpu, threshold: 1}]\n"
         f"    capture_duration_secs: {capture_s}\n"
-        f"    cooldown_secs: 0.5\n"
+        # One session for the whole workload: with a short cooldown PSI (which fires every window
+        # while the stall lasts) started a new session every 2 s, and each sample was counted into
+        # all of them, so the figure grew with the workload's length.
+        f"    cooldown_secs: {capture_s}\n"
     )
 
 

@@ -132,6 +132,7 @@ class Config(Structure):
     _fields_ = [
         ("offcpu_min_ns", c_uint64),
         ("offcpu_interval_ns", c_uint64),
+        ("runqueue_interval_ns", c_uint64),
         ("wakeup_bytes", c_uint64),
         ("tp_btf_skip", c_uint32),
         ("aggregate", c_uint32),

@@ -46,6 +46,9 @@ class ProfilerOptions:
     # io said 50 %). The per-process rate limit below bounds the cost, not this floor.
     offcpu_min_ns: int = 1_000
     offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
+    # Run-queue wait stacks (episode report): at most 20/s per process. Each carries the delays of
+    # the preemptions skipped before it; at every tick they cost the agent as much as its samples.
+    runqueue_interval_ns: int = 50_000_000
     aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
     drain_interval_s: float = 0.2
@@ -155,6 +158,7 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
         cfg = abi.Config(
             offcpu_min_ns=o.offcpu_min_ns,
             offcpu_interval_ns=o.offcpu_interval_ns,
+            runqueue_interval_ns=o.runqueue_interval_ns,
             wakeup_bytes=o.wakeup_bytes or ring // 4,
             tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
             aggregate=1 if o.aggregate else 0,

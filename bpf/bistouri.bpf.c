@@ -19,6 +19,7 @@
 const volatile struct bistouri_config cfg = {
 	.offcpu_min_ns = 1000,
 	.offcpu_interval_ns = 10000000,
+	.runqueue_interval_ns = 50000000,
 	.wakeup_bytes = 128 << 10,
 	.tp_btf_skip = 2,
 	.aggregate = 1,
@@ -1181,14 +1182,16 @@ static __always_inline __u32 stack_due(struct bistouri_thread_times *t, __u64 no
 
 /*
  * Whether a run-queue stack of `tgid` is due: at most one per
- * offcpu_interval_ns per process, as the D-state capture. A thread preempted
- * in between has no stack of its own: its delay goes to its next one.
+ * runqueue_interval_ns per process. A CPU-bound process on a crowded machine
+ * is preempted at every tick: each stack sent costs user space a decoded
+ * record, and a thread preempted in between has no stack of its own, its delay
+ * goes to its next one (the totals stay exact; only the stacks are fewer).
  */
 static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
 {
 	__u64 *last = bpf_map_lookup_elem(&runqueue_last, &tgid);
 
-	if (last && now - *last < cfg.offcpu_interval_ns) {
+	if (last && now - *last < cfg.runqueue_interval_ns) {
 		episode_count(BISTOURI_EPC_STACKS_LIMITED);
 		return false;
 	}

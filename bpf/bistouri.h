@@ -187,6 +187,7 @@ struct bistouri_comm_key {
 struct bistouri_config {
 	__u64 offcpu_min_ns;      /* waits shorter than this are not reported */
 	__u64 offcpu_interval_ns; /* per-process minimum gap between off-CPU captures */
+	__u64 runqueue_interval_ns; /* per-process minimum gap between run-queue wait stacks */
 	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
 	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
 	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
