@@ -142,7 +142,8 @@ class CaptureOrchestrator:
         catch_up: Callable[[], None] | None = None,
     ) -> None:
         self._filter = pid_filter
-        # Delivers the samples still in the kernel (add_samples) before a session takes the recorder's.
+        # Delivers the samples still in the kernel (add_samples): before a session takes the
+        # recorder's, and before sessions end.
         self._catch_up = catch_up
         self._sink = sink
         self.metrics = metrics
@@ -447,6 +448,8 @@ class CaptureOrchestrator:
             self.recorder.expire()  # samples age out even when none arrive
             self.metrics.recorder_bytes.set(self.recorder.nbytes)
         done = [s for s in self.sessions.values() if s.deadline <= now]
+        if done and self._catch_up is not None:
+            self._catch_up()  # the samples and counts still in the kernel belong to these sessions
         for s in done:
             self._finish(s, now)
         return [s.session_id for s in done]

@@ -51,7 +51,10 @@ class ProfilerOptions:
     runqueue_interval_ns: int = 50_000_000
     aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
-    drain_interval_s: float = 0.2
+    # While a session runs. Longer means fewer drains and fewer weighted samples (a repeated stack
+    # is one event per drain); sessions drain the ring as they start and end (catch_up), so none
+    # loses what the kernel still holds. `record` uses 0.1 s, for its progress.
+    drain_interval_s: float = 0.5
     # After set_slow_drain(True): the agent while no session runs, when only its flight recorder
     # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
     # session drains the ring as it starts (catch_up).

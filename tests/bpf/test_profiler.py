@@ -377,7 +377,8 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
     sample the kernel kept, at once; a session brings back the 200 ms drain."""
     proc = subprocess.Popen([str(workloads / "burner"), "60"])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
+        options = ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0, drain_interval_s=0.2)
+        with ProfilerAgent(options) as agent:
             agent.start()
             agent.set_slow_drain(True)
             agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 10))

@@ -1,0 +1,77 @@
+"""A session ends with everything the kernel sampled for it, however long the drain interval:
+the agent drains the ring as sessions start and end (CaptureOrchestrator's catch_up)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from bistouri import abi, wire
+from bistouri.capture import CaptureOrchestrator
+from bistouri.events import StackSample
+from bistouri.kernel import read_kernel_meta
+from bistouri.metrics import AgentMetrics
+from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from tests.helpers import wait_until
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.sessions: list[wire.Session] = []
+
+    def put(self, session_id: str, data: bytes) -> str:
+        self.sessions.append(wire.decode_session(data))
+        return session_id
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_session_ends_with_the_samples_still_in_the_kernel(workloads):
+    burner = subprocess.Popen(
+        [str(workloads / "burner"), "60"], env={**os.environ, "BURNER_READY": "1"}, stdout=subprocess.PIPE
+    )
+    sink = _Sink()
+    # The drain timer never fires within the test: only wakeups and catch_up read the ring.
+    options = ProfilerOptions(freq_hz=99, offcpu=False, episode=False, unwind_rows=0, drain_interval_s=600)
+    try:
+        assert burner.stdout is not None and burner.stdout.readline() == b"ready\n"
+        with ProfilerAgent(options) as agent:
+            agent.start()
+
+            def catch_up() -> None:
+                agent.catch_up()
+                orch.add_samples([e for e in agent.take() if type(e) is StackSample])
+
+            orch = CaptureOrchestrator(
+                agent,
+                sink,
+                AgentMetrics(CollectorRegistry()),
+                read_kernel_meta(),
+                tenant="t",
+                host="h",
+                labels={},
+                period_ns=1_000_000_000 // 99,
+                filter_flags=abi.FilterFlags.ON_CPU,
+                catch_up=catch_up,
+            )
+            sid = orch.start_session(
+                wire.Trigger("cpu", time_ns=time.time_ns()), "s", {}, {burner.pid: "b"}, 60
+            )
+            assert sid is not None
+            assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] >= 100, 30)
+            burner.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: _state(burner.pid) == "T", 10)
+            kept = agent.counters()[abi.Counter.ON_CPU_SAMPLES]
+            assert orch.tick(time.monotonic() + 120) == [sid]
+    finally:
+        burner.kill()
+        burner.wait()
+    [session] = sink.sessions
+    assert sum(t.on_cpu for t in session.traces) == kept
