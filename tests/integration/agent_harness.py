@@ -9,8 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from bistouri import wire
+from bistouri.capture import CaptureOrchestrator
+from bistouri.kernel import read_kernel_meta
+from bistouri.metrics import AgentMetrics
 from bistouri.spool import read_waiting
 from tests.helpers import wait_until
 
@@ -116,6 +122,34 @@ class AgentProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SessionSink:
+    """A CaptureOrchestrator's sink that keeps the sessions, decoded, in order."""
+
+    def __init__(self) -> None:
+        self.sessions: list[wire.Session] = []
+
+    def put(self, session_id: str, data: bytes) -> str:
+        self.sessions.append(wire.decode_session(data))
+        return session_id
+
+
+def capture_in_process(
+    pid_filter: Any, sink: SessionSink, freq_hz: int, **options: Any
+) -> CaptureOrchestrator:
+    """The agent's capture path over a ProfilerAgent in this process (no trigger, no spool)."""
+    return CaptureOrchestrator(
+        pid_filter,
+        sink,
+        AgentMetrics(CollectorRegistry()),
+        read_kernel_meta(),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000_000 // freq_hz,
+        **options,
+    )
 
 
 def burner_config(

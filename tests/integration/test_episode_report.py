@@ -20,50 +20,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
 from bistouri.capture import CaptureOrchestrator
 from bistouri.cgroupfs import find_mounts
 from bistouri.episode import PAGE_SIZE, EpisodeProbe
 from bistouri.events import StackSample
-from bistouri.kernel import read_kernel_meta
-from bistouri.metrics import AgentMetrics
 from bistouri.profiler import ProfilerAgent, ProfilerOptions, kernel_tracepoints
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from tests.helpers import Cgroup, build_id, symbols, wait_until
+from tests.integration.agent_harness import SessionSink, capture_in_process
 
 pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.sessions: list[wire.Session] = []
-
-    def put(self, session_id: str, data: bytes) -> str:
-        self.sessions.append(wire.decode_session(data))
-        return session_id
-
-
 @contextmanager
-def _capture(cgroup_root: str) -> Iterator[tuple[ProfilerAgent, CaptureOrchestrator, _Sink]]:
+def _capture(cgroup_root: str) -> Iterator[tuple[ProfilerAgent, CaptureOrchestrator, SessionSink]]:
     """The agent's capture path with episode hooks on; aggressors ranked under `cgroup_root`."""
     agent = ProfilerAgent(ProfilerOptions(freq_hz=49, drain_interval_s=0.1))
-    sink = _Sink()
+    sink = SessionSink()
     with agent:
         agent.start()
-        orch = CaptureOrchestrator(
-            agent,
-            sink,
-            AgentMetrics(CollectorRegistry()),
-            read_kernel_meta(),
-            tenant="t",
-            host="h",
-            labels={},
-            period_ns=1_000_000_000 // 49,
-            episode=EpisodeProbe(agent.thread_times, cgroup_root),
-        )
-        yield agent, orch, sink
+        episode = EpisodeProbe(agent.thread_times, cgroup_root)
+        yield agent, capture_in_process(agent, sink, 49, episode=episode), sink
 
 
 def _drain(agent: ProfilerAgent, orch: CaptureOrchestrator) -> None:

@@ -9,24 +9,15 @@ import subprocess
 import time
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+import pytest
 
 from bistouri import abi, wire
-from bistouri.capture import CaptureOrchestrator
 from bistouri.events import StackSample
-from bistouri.kernel import read_kernel_meta
-from bistouri.metrics import AgentMetrics
 from bistouri.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import wait_until
+from tests.integration.agent_harness import SessionSink, capture_in_process
 
-
-class _Sink:
-    def __init__(self) -> None:
-        self.sessions: list[wire.Session] = []
-
-    def put(self, session_id: str, data: bytes) -> str:
-        self.sessions.append(wire.decode_session(data))
-        return session_id
+pytestmark = pytest.mark.requires_bpf
 
 
 def _state(pid: int) -> str:
@@ -37,7 +28,7 @@ def test_a_session_ends_with_the_samples_still_in_the_kernel(workloads):
     burner = subprocess.Popen(
         [str(workloads / "burner"), "60"], env={**os.environ, "BURNER_READY": "1"}, stdout=subprocess.PIPE
     )
-    sink = _Sink()
+    sink = SessionSink()
     # The drain timer never fires within the test: only wakeups and catch_up read the ring.
     options = ProfilerOptions(freq_hz=99, offcpu=False, episode=False, unwind_rows=0, drain_interval_s=600)
     try:
@@ -49,18 +40,7 @@ def test_a_session_ends_with_the_samples_still_in_the_kernel(workloads):
                 agent.catch_up()
                 orch.add_samples([e for e in agent.take() if type(e) is StackSample])
 
-            orch = CaptureOrchestrator(
-                agent,
-                sink,
-                AgentMetrics(CollectorRegistry()),
-                read_kernel_meta(),
-                tenant="t",
-                host="h",
-                labels={},
-                period_ns=1_000_000_000 // 99,
-                filter_flags=abi.FilterFlags.ON_CPU,
-                catch_up=catch_up,
-            )
+            orch = capture_in_process(agent, sink, 99, filter_flags=abi.FilterFlags.ON_CPU, catch_up=catch_up)
             sid = orch.start_session(
                 wire.Trigger("cpu", time_ns=time.time_ns()), "s", {}, {burner.pid: "b"}, 60
             )
