@@ -16,6 +16,8 @@ BENCHES = (
     "bench.bench_service_limits",
     "bench.bench_record",
     "bench.bench_episode",
+    "bench.bench_recorder_designs",
+    "bench.bench_verifier",
 )
 
 
