@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_agent import proc_cpu_ns  # noqa: E402
+
 PROG_TYPE_TRACING = 26
 PROG_TYPE_PERF_EVENT = 7
 ROUND_TRIPS = 200_000
@@ -79,16 +81,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
-
-
-def own_cpu_ns() -> int:
-    total = 0
-    for f in Path("/proc/self/task").glob("*/schedstat"):
-        try:
-            total += int(f.read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 def prog_stats(prog_type: int | None, pid: int | str = "self") -> tuple[int, int]:
@@ -138,12 +130,12 @@ def run_config(name: str, binary: Path, round_trips: int) -> dict:
                 flags |= abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU
             agent.set_pid_filter(p.pid, flags)
         tr0, pe0 = prog_stats(PROG_TYPE_TRACING), prog_stats(PROG_TYPE_PERF_EVENT)
-        cpu0, t0 = own_cpu_ns(), time.monotonic()
+        cpu0, t0 = proc_cpu_ns(os.getpid()), time.monotonic()
         p.stdin.write("go\n")
         p.stdin.flush()
         elapsed_ns = int(p.stdout.readline())
         p.wait()
-        cpu1, t1 = own_cpu_ns(), time.monotonic()
+        cpu1, t1 = proc_cpu_ns(os.getpid()), time.monotonic()
         tr1, pe1 = prog_stats(PROG_TYPE_TRACING), prog_stats(PROG_TYPE_PERF_EVENT)
         times = agent.thread_times({p.pid}) if name.startswith("watched") else {}
         agent.set_pid_filter(p.pid, 0)
@@ -159,17 +151,6 @@ def run_config(name: str, binary: Path, round_trips: int) -> dict:
         "threads_timed": len(times),
         "switches_timed": sum(t.runqueue_waits + t.s_waits + t.d_waits for t in times.values()),
     }
-
-
-def task_cpu_ns(pid: int) -> int:
-    """CPU time of every thread of `pid` (schedstat, ns)."""
-    total = 0
-    for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        try:
-            total += int(f.read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 # libbpf-tools (BCC's CO-RE tools, Debian package libbpf-tools) and the arguments to run them
@@ -195,12 +176,12 @@ def run_tool(name: str, binary: Path, round_trips: int) -> dict | None:
             [str(binary), str(round_trips)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert p.stdin is not None and p.stdout is not None
-        st0, cpu0, t0 = prog_stats(None, tool.pid), task_cpu_ns(tool.pid), time.monotonic()
+        st0, cpu0, t0 = prog_stats(None, tool.pid), proc_cpu_ns(tool.pid), time.monotonic()
         p.stdin.write("go\n")
         p.stdin.flush()
         elapsed_ns = int(p.stdout.readline())
         p.wait()
-        st1, cpu1, t1 = prog_stats(None, tool.pid), task_cpu_ns(tool.pid), time.monotonic()
+        st1, cpu1, t1 = prog_stats(None, tool.pid), proc_cpu_ns(tool.pid), time.monotonic()
     finally:
         tool.send_signal(signal.SIGINT)
         try:
