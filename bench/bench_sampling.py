@@ -364,24 +364,22 @@ def main() -> int:
             ],
             "jit": {},
         }
-        if "node" in chosen:
-            results["jit"]["node"] = bench_jit(
-                "node",
+        # runtime -> (argv, what its perf map names once the hot function is compiled, that function)
+        jit_runtimes = {
+            "node": (
                 ["node", "--perf-basic-prof", str(WORKLOADS_SRC / "hot.js"), "120"],
                 "JS:*hotLoop",
                 "hotLoop",
-                args.seconds,
-                tmp,
-            )
-        if "java" in chosen:
-            results["jit"]["java"] = bench_jit(
-                "java",
+            ),
+            "java": (
                 ["java", "-XX:+PreserveFramePointer", str(WORKLOADS_SRC / "Hot.java"), "120"],
                 "Hot.hotLoop",
                 "hotLoop",
-                args.seconds,
-                tmp,
-            )
+            ),
+        }
+        for name, (argv, ready, function) in jit_runtimes.items():
+            if name in chosen:
+                results["jit"][name] = bench_jit(name, argv, ready, function, args.seconds, tmp)
     os.close(stats_fd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
