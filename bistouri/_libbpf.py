@@ -23,7 +23,10 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from typing import Any
+
+TYPE_CHECKING = False  # not typing itself: ~2 ms of imports before `record`'s first sample
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class bpf_object(Structure):
@@ -62,6 +65,21 @@ class btf_var_secinfo(Structure):
     _fields_ = [("type", c_uint32), ("offset", c_uint32), ("size", c_uint32)]
 
 
+class bpf_object_open_opts(Structure):
+    """libbpf.h's struct bpf_object_open_opts up to btf_custom_path (libbpf >= 0.5): `sz` says
+    how much of it is given, so the fields after it keep their defaults."""
+
+    _fields_ = [
+        ("sz", c_size_t),
+        ("object_name", c_char_p),
+        ("relaxed_maps", c_bool),
+        ("pin_root_path", c_char_p),
+        ("_removed_attach_prog_fd", c_uint32),
+        ("kconfig", c_char_p),
+        ("btf_custom_path", c_char_p),
+    ]
+
+
 obj_p = POINTER(bpf_object)
 prog_p = POINTER(bpf_program)
 map_p = POINTER(bpf_map)
@@ -83,7 +101,7 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("libbpf_strerror", c_int, [c_int, POINTER(c_char), c_size_t]),
     ("libbpf_set_print", c_void_p, [PRINT_FN]),
     ("libbpf_num_possible_cpus", c_int, []),
-    ("bpf_object__open_file", obj_p, [c_char_p, c_void_p]),
+    ("bpf_object__open_file", obj_p, [c_char_p, POINTER(bpf_object_open_opts)]),
     ("bpf_object__load", c_int, [obj_p]),
     ("bpf_object__close", None, [obj_p]),
     ("bpf_object__btf", btf_p, [obj_p]),
@@ -103,6 +121,7 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map__key_size", c_uint32, [map_p]),
     ("bpf_map__value_size", c_uint32, [map_p]),
     ("bpf_map__set_max_entries", c_int, [map_p, c_uint32]),
+    ("bpf_map__reuse_fd", c_int, [map_p, c_int]),
     ("bpf_map__initial_value", c_void_p, [map_p, POINTER(c_size_t)]),
     ("bpf_map__update_elem", c_int, [map_p, c_void_p, c_size_t, c_void_p, c_size_t, c_uint64]),
     ("bpf_map__lookup_elem", c_int, [map_p, c_void_p, c_size_t, c_void_p, c_size_t, c_uint64]),

@@ -14,7 +14,30 @@ from ctypes import Structure, c_int16, c_int32, c_int64, c_uint8, c_uint32, c_ui
 from enum import IntEnum
 
 from .bpf import Btf
-from .ehframe import CfaKind, RbpKind
+
+
+# How an unwind row (struct bistouri_unwind_row, built by ehframe.py) finds the CFA and the saved RBP.
+class CfaKind(IntEnum):
+    """How the CFA of a row is found (`cfa_kind` of a row)."""
+
+    NONE = 0  # no CFI covers the PC: the walk uses the frame pointer
+    RSP = 1  # CFA = RSP + cfa_off
+    RBP = 2  # CFA = RBP + cfa_off
+    PLT = 3  # .plt entry: CFA = RSP + 8, + 8 more when (RIP & 15) >= cfa_off
+    SIGNAL = 4  # signal trampoline (__restore_rt): registers come from the ucontext at RSP
+    OTHER = 5  # an expression or register the walk cannot evaluate: frame pointer
+    END = 6  # the outermost frame (_start, clone3): return address undefined
+    # Copies of one fixed-size trampoline from the region's start (CPython's perf trampolines,
+    # which carry no CFI and keep no frame pointer): in each cfa_off-byte copy, CFA = RSP + 16
+    # from offset rbp_off & 0xff up to offset rbp_off >> 8, RSP + 8 elsewhere.
+    TRAMPOLINE = 7
+
+
+class RbpKind(IntEnum):
+    UNCHANGED = 0  # the caller's RBP is the callee's
+    AT_CFA = 1  # saved at CFA + rbp_off
+    OTHER = 2  # in another register or an expression: unknown to the walk
+
 
 COMM_LEN = 16
 MAX_DEPTH = 127

@@ -17,11 +17,16 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from . import _libbpf
 from .errors import BpfError
+
+# Not `from typing import ...` nor pathlib: ~4 ms of imports before `record`'s first sample,
+# and type checkers read a module-level TYPE_CHECKING as theirs.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
 
 log = logging.getLogger(__name__)
 libbpf_log = logging.getLogger("bistouri.libbpf")
@@ -81,6 +86,25 @@ def library() -> _libbpf.Library:
         return _lib
 
 
+class LibbpfSilenced:
+    """Within it libbpf prints nothing, unless `bistouri.libbpf` logs at debug level.
+
+    libbpf calls its print function ~700 times a load, and each call into Python waits for
+    the GIL: a load on one thread while another imports modules was a third slower. The
+    print function is libbpf's, process-wide: only for a load no other thread overlaps.
+    """
+
+    def __enter__(self) -> LibbpfSilenced:
+        self.silenced = not libbpf_log.isEnabledFor(logging.DEBUG)
+        if self.silenced:
+            library().libbpf_set_print(_libbpf.PRINT_FN())  # NULL: libbpf skips printing
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.silenced:
+            library().libbpf_set_print(_print_cb)
+
+
 def check_int(ret: int, op: str, log_text: str = "") -> int:
     """libbpf >= 1.0 int APIs return -errno on failure."""
     if ret < 0:
@@ -138,6 +162,13 @@ class Map:
     @property
     def fd(self) -> int:
         return check_int(library().bpf_map__fd(self._check()), f"fd of map {self.name}")
+
+    def reuse(self, other: Map) -> None:
+        """Before load: use `other`'s kernel map (of another object opened from the same file)
+        instead of creating one, so that programs of both objects share it."""
+        check_int(
+            library().bpf_map__reuse_fd(self._check(), other.fd), f"sharing map {self.name} with its twin"
+        )
 
     def set_max_entries(self, n: int) -> None:
         """Resize before load (for a ring buffer: its size in bytes, a power of 2)."""
@@ -398,7 +429,9 @@ class Program:
 class BpfObject(_Handle):
     """A BPF ELF object: open → configure (rodata, autoload) → load → attach."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, btf_custom_path: str | None = None) -> None:
+        """`btf_custom_path`: kernel types for the CO-RE relocations, instead of the running
+        kernel's whole BTF (which libbpf takes ~10 ms to parse): see loader.MinimalBtf."""
         self.path = str(path)
         lib = library()
         if not os.path.exists(self.path):
@@ -407,8 +440,13 @@ class BpfObject(_Handle):
                 errno.ENOENT,
                 hint="run `make bpf` in a source tree, or reinstall the package that ships it",
             )
+        opts = None
+        if btf_custom_path is not None:
+            opts = _libbpf.bpf_object_open_opts(btf_custom_path=btf_custom_path.encode())
+            opts.sz = _libbpf.bpf_object_open_opts.btf_custom_path.offset + ctypes.sizeof(ctypes.c_char_p)
         ptr = check_ptr(
-            lib.bpf_object__open_file(self.path.encode(), None), f"opening BPF object {self.path}"
+            lib.bpf_object__open_file(self.path.encode(), None if opts is None else ctypes.byref(opts)),
+            f"opening BPF object {self.path}",
         )
         self._ptr = ptr
         self._closed = False

@@ -19,8 +19,8 @@ from __future__ import annotations
 import bisect
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 
+from .abi import CfaKind, RbpKind
 from .errors import BistouriError
 from .symbolizer.elf import ElfFile, ElfFormatError
 
@@ -28,28 +28,6 @@ from .symbolizer.elf import ElfFile, ElfFormatError
 REG_RBP = 6
 REG_RSP = 7
 REG_RA = 16
-
-
-class CfaKind(IntEnum):
-    """How the CFA of a row is found (`cfa_kind` of a row)."""
-
-    NONE = 0  # no CFI covers the PC: the walk uses the frame pointer
-    RSP = 1  # CFA = RSP + cfa_off
-    RBP = 2  # CFA = RBP + cfa_off
-    PLT = 3  # .plt entry: CFA = RSP + 8, + 8 more when (RIP & 15) >= cfa_off
-    SIGNAL = 4  # signal trampoline (__restore_rt): registers come from the ucontext at RSP
-    OTHER = 5  # an expression or register the walk cannot evaluate: frame pointer
-    END = 6  # the outermost frame (_start, clone3): return address undefined
-    # Copies of one fixed-size trampoline from the region's start (CPython's perf trampolines,
-    # which carry no CFI and keep no frame pointer): in each cfa_off-byte copy, CFA = RSP + 16
-    # from offset rbp_off & 0xff up to offset rbp_off >> 8, RSP + 8 elsewhere.
-    TRAMPOLINE = 7
-
-
-class RbpKind(IntEnum):
-    UNCHANGED = 0  # the caller's RBP is the callee's
-    AT_CFA = 1  # saved at CFA + rbp_off
-    OTHER = 2  # in another register or an expression: unknown to the walk
 
 
 # One row as the BPF program reads it (struct bistouri_unwind_row).

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection
-from dataclasses import dataclass
-from pathlib import Path
+import struct
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
-from . import abi, perf, threads
-from .bpf import BpfObject, BtfFile
+from . import abi, corebtf, perf, threads
+from .bpf import BpfObject, BtfFile, LibbpfSilenced, Link
 from .errors import BistouriError, BpfError
 
 log = logging.getLogger(__name__)
@@ -24,17 +24,18 @@ OBJECT_ENV = "BISTOURI_BPF_OBJECT"
 _INSTALLED_OBJECT = "/usr/lib/bistouri/bistouri.bpf.o"
 
 
-def default_object_path() -> Path:
+def default_object_path() -> str:
     """The precompiled object: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
     env = os.environ.get(OBJECT_ENV)
     if env:
-        return Path(env)
+        return env
     # The package's own directory: importlib.resources would say the same, for ~8 ms of imports
     # on record's start-up path (libbpf needs a real file anyway, never one inside a zip).
-    packaged = Path(__file__).parent / "_bpfobj" / "bistouri.bpf.o"
-    if packaged.exists() or not Path(_INSTALLED_OBJECT).exists():
+    # Paths as strings: pathlib costs ~2 ms of imports before `record`'s first sample.
+    packaged = os.path.join(os.path.dirname(__file__), "_bpfobj", "bistouri.bpf.o")
+    if os.path.exists(packaged) or not os.path.exists(_INSTALLED_OBJECT):
         return packaged
-    return Path(_INSTALLED_OBJECT)
+    return _INSTALLED_OBJECT
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class ProfilerOptions:
     slow_drain_interval_s: float = 1.0
     batch_budget: int = 2048
     queue_size: int = 256  # batches (each at most batch_budget events)
-    object_path: Path | None = None
+    object_path: str | os.PathLike[str] | None = None
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
@@ -74,6 +75,11 @@ class ProfilerOptions:
     # inversion through the GIL). The CPU share above is what keeps it off the workload.
     unwind_nice: int = 0
     episode: bool = True  # account watched threads' time by state (episode.py)
+    # `record`: load the on-CPU sampler alone (SAMPLER_PROGRAMS) and attach it first; the other
+    # programs load in a second object sharing its maps (load_companion) while it samples.
+    sampler_first: bool = False
+    # Where corebtf.py caches the kernel types of the object's relocations; None: the kernel's BTF.
+    btf_cache_dir: str | None = None
 
 
 # The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
@@ -133,21 +139,79 @@ def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
     return size
 
 
+# The on-CPU sampler: what `record` attaches before anything else (ProfilerOptions.sampler_first).
+SAMPLER_PROGRAMS = ("handle_perf",)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedObject:
-    """The loaded object, with what was decided while configuring it."""
+    """A loaded object, with what was decided while configuring it."""
 
     obj: BpfObject
-    path: Path
+    path: str
     cpus: tuple[int, ...]  # online CPUs: one perf event each
     ring_bytes: int
-    episode_programs: tuple[str, ...]  # the episode hooks this kernel can run, loaded
+    programs: tuple[str, ...]  # loaded in this object, to attach (episode hooks: those this kernel has)
+    pending: tuple[str, ...] = ()  # left for load_companion()
+    sampler_links: tuple[Link, ...] = ()  # handle_perf's, when attach_sampler() attached it already
+
+
+def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
+    """Every program the options ask for (of the episode hooks, those this kernel can run)."""
+    episode: tuple[str, ...] = ()
+    if o.episode:
+        present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
+        episode = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
+        missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
+        if missing:
+            log.info(
+                "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
+            )
+    programs = ["handle_perf"]
+    programs += ["handle_sched_switch"] if o.offcpu else []
+    programs += ["handle_exec"] if o.exec_discovery else []
+    return (*programs, *episode)
+
+
+def _configure(obj: BpfObject, o: ProfilerOptions, ring: int, ncpus: int, programs: tuple[str, ...]) -> None:
+    cfg = abi.Config(
+        offcpu_min_ns=o.offcpu_min_ns,
+        offcpu_interval_ns=o.offcpu_interval_ns,
+        runqueue_interval_ns=o.runqueue_interval_ns,
+        wakeup_bytes=o.wakeup_bytes or ring // 4,
+        tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
+        aggregate=1 if o.aggregate else 0,
+    )
+    obj.write_rodata("cfg", bytes(cfg))
+    for name, prog in obj.programs.items():
+        prog.set_autoload(name in programs)
+    obj.maps["stack_events"].set_max_entries(ring)
+    obj.maps["on_cpu_counts"].set_max_entries(counts_size(ncpus, o.freq_hz, o.drain_interval_s))
+    obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
 
 
 def load_object(o: ProfilerOptions) -> LoadedObject:
-    """Open, check, configure and load the object. On failure nothing is left behind."""
-    path = o.object_path or default_object_path()
-    obj = BpfObject(path)
+    """Open, check, configure and load the object (with sampler_first, its sampler only). On
+    failure nothing is left behind."""
+    path = os.fspath(o.object_path) if o.object_path else default_object_path()
+    programs = SAMPLER_PROGRAMS if o.sampler_first else wanted_programs(o)
+    # Only programs that need no kernel BTF of their own can take the cut-down types.
+    btf = corebtf.cached(o.btf_cache_dir, path) if o.btf_cache_dir and o.sampler_first else None
+    if not o.sampler_first:
+        return _load(o, path, programs, btf)
+    try:
+        # record's first sample waits for this load alone: libbpf's log only if it fails.
+        with LibbpfSilenced():
+            return _load(o, path, programs, btf)
+    except BpfError as e:
+        if btf is not None:
+            log.info("The cached kernel types did not fit; using the kernel's BTF. file=%s error=%s", btf, e)
+            corebtf.discard(btf)
+        return _load(o, path, programs, None)  # again, with libbpf's log to explain a failure
+
+
+def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:
+    obj = BpfObject(path, btf_custom_path=btf)
     try:
         problems = abi.abi_mismatches(obj.btf)
         if problems:
@@ -158,50 +222,85 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
             )
         cpus = tuple(perf.online_cpus())
         ring = o.ring_bytes or ring_size(len(cpus), o.freq_hz, o.drain_interval_s)
-        cfg = abi.Config(
-            offcpu_min_ns=o.offcpu_min_ns,
-            offcpu_interval_ns=o.offcpu_interval_ns,
-            runqueue_interval_ns=o.runqueue_interval_ns,
-            wakeup_bytes=o.wakeup_bytes or ring // 4,
-            tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
-            aggregate=1 if o.aggregate else 0,
-        )
-        obj.write_rodata("cfg", bytes(cfg))
-        obj.programs["handle_sched_switch"].set_autoload(o.offcpu)
-        obj.programs["handle_exec"].set_autoload(o.exec_discovery)
-        episode: tuple[str, ...] = ()
-        if o.episode:
-            present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
-            episode = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
-            missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
-            if missing:
-                log.info(
-                    "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
-                )
-        for name in EPISODE_PROGRAMS:
-            obj.programs[name].set_autoload(name in episode)
-        obj.maps["stack_events"].set_max_entries(ring)
-        obj.maps["on_cpu_counts"].set_max_entries(counts_size(len(cpus), o.freq_hz, o.drain_interval_s))
-        obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
+        _configure(obj, o, ring, len(cpus), programs)
         obj.load()
     except BaseException:
         obj.close()
         raise
-    return LoadedObject(obj, Path(path), cpus, ring, episode)
+    pending = tuple(p for p in wanted_programs(o) if p not in programs) if o.sampler_first else ()
+    return LoadedObject(obj, path, cpus, ring, programs, pending)
+
+
+def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
+    """The programs `first` left pending, in a second object from the same file whose maps are
+    first's own (the kernel's, shared): they see the same filter, rings and counters."""
+    programs = tuple(p for p in wanted_programs(o) if p in first.pending)
+    obj = BpfObject(first.path)
+    try:
+        _configure(obj, o, first.ring_bytes, len(first.cpus), programs)
+        for name, m in obj.maps.items():
+            m.reuse(first.obj.maps[name])
+        obj.load()
+    except BaseException:
+        obj.close()
+        raise
+    return LoadedObject(obj, first.path, first.cpus, first.ring_bytes, programs)
+
+
+def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int]) -> LoadedObject:
+    """Attach the on-CPU sampler to every CPU and arm `armed` (pid -> filter flags) right away,
+    on the loading thread: `record`'s first sample does not wait for the rest of its set-up.
+    ProfilerAgent adopts the links, and set_pid_filter() later does its bookkeeping."""
+    links: list[Link] = []
+    try:
+        prog = loaded.obj.programs["handle_perf"]
+        for cpu in loaded.cpus:
+            links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, freq_hz)))
+        pid_filter = loaded.obj.maps["pid_filter"]
+        for pid, flags in armed.items():
+            pid_filter.update(struct.pack("<I", pid), struct.pack("<I", flags))
+    except BaseException:
+        for link in links:
+            link.close()
+        raise
+    return replace(loaded, sampler_links=tuple(links))
 
 
 class ObjectLoad:
-    """load_object() on its own thread; result() hands the object over, once."""
+    """load_object() (or, given `first`, load_companion()) on its own thread; result() hands
+    the object over, once."""
 
-    def __init__(self, options: ProfilerOptions) -> None:
+    def __init__(
+        self,
+        options: ProfilerOptions,
+        first: LoadedObject | None = None,
+        arm: Mapping[int, int] | None = None,
+    ) -> None:
+        """`arm` (pid -> filter flags): attach the sampler and arm these as soon as it is loaded."""
         self.options = options
+        self._first = first
+        self._arm = arm
         self._loaded: LoadedObject | None = None
         self._error: BaseException | None = None
         self._thread = threads.start("load", self._run)
 
+    def wait(self) -> None:
+        """Until the load (and the arming) is over, failed or not."""
+        self._thread.join()
+
     def _run(self) -> None:
         try:
-            self._loaded = load_object(self.options)
+            if self._first is not None:
+                self._loaded = load_companion(self._first, self.options)
+            else:
+                loaded = load_object(self.options)
+                if self._arm is not None:
+                    try:
+                        loaded = attach_sampler(loaded, self.options.freq_hz, self._arm)
+                    except BaseException:
+                        loaded.obj.close()
+                        raise
+                self._loaded = loaded
         except BaseException as e:  # raised again by result(), on the caller's thread
             self._error = e
 
@@ -218,5 +317,7 @@ class ObjectLoad:
         """Release the object if it was not handed over."""
         self._thread.join()
         if self._loaded is not None:
+            for link in self._loaded.sampler_links:
+                link.close()
             self._loaded.obj.close()
             self._loaded = None

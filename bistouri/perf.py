@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import os
 from ctypes import c_uint32, c_uint64
-from pathlib import Path
 
 from .errors import BpfError
 
@@ -57,7 +56,8 @@ assert ctypes.sizeof(PerfEventAttr) == 136
 
 def online_cpus(sysfs: str = "/sys") -> list[int]:
     """CPUs listed in /sys/devices/system/cpu/online ("0-3,5")."""
-    text = Path(sysfs, "devices/system/cpu/online").read_text().strip()
+    with open(os.path.join(sysfs, "devices/system/cpu/online")) as f:
+        text = f.read().strip()
     cpus: list[int] = []
     for part in text.split(","):
         if "-" in part:

@@ -39,6 +39,7 @@ from .events import (
 )
 from .loader import (
     EPISODE_PROGRAMS,
+    LoadedObject,
     ObjectLoad,
     ProfilerOptions,
     default_object_path,
@@ -79,6 +80,9 @@ class ProfilerAgent:
         self.drains = 0  # times the ring was read: the agent's wakeups while it samples
         self._notify = notify
         self._obj: BpfObject | None = None
+        self.object_path: str | None = None  # the object's file, once loaded
+        self._companion: ObjectLoad | None = None  # sampler_first: the other programs, loading
+        self._companion_obj: BpfObject | None = None  # ... and loaded (sharing _obj's maps)
         self._links: list[Link] = []
         self._rb: RingBuffer | None = None
         self._thread: threading.Thread | None = None
@@ -91,7 +95,6 @@ class ProfilerAgent:
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
         self.unwind: UnwindTables | None = None
-        self._episode_programs: tuple[str, ...] = ()  # the episode hooks this kernel can run
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -107,7 +110,7 @@ class ProfilerAgent:
         loading, self._loading = self._loading, None
         loaded = loading.result() if loading is not None else load_object(o)
         obj = self._obj = loaded.obj
-        self._episode_programs = loaded.episode_programs
+        self.object_path = loaded.path
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps["unwind_rows"],
@@ -120,15 +123,9 @@ class ProfilerAgent:
             )
             self.maps.on_reread = self._maps_reread
 
-        for cpu in loaded.cpus:
-            fd = perf.open_cpu_clock(cpu, o.freq_hz)
-            self._links.append(obj.programs["handle_perf"].attach_perf_event(fd))
-        if o.offcpu:
-            self._links.append(obj.programs["handle_sched_switch"].attach())
-        if o.exec_discovery:
-            self._links.append(obj.programs["handle_exec"].attach())
-        for name in self._episode_programs:
-            self._links.append(obj.programs[name].attach())
+        self._attach(loaded)
+        if loaded.pending:  # sampler_first: the rest loads while the sampler samples
+            self._companion = ObjectLoad(o, first=loaded)
 
         self._rb = RingBuffer(
             [
@@ -144,6 +141,28 @@ class ProfilerAgent:
             o.offcpu,
             len(loaded.cpus),
         )
+
+    def _attach(self, loaded: LoadedObject) -> None:
+        for name in loaded.programs:
+            prog = loaded.obj.programs[name]
+            if name == "handle_perf" and loaded.sampler_links:  # attached on the loading thread
+                self._links.extend(loaded.sampler_links)
+            elif name == "handle_perf":
+                for cpu in loaded.cpus:
+                    self._links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, self.options.freq_hz)))
+            else:
+                self._links.append(prog.attach())
+
+    def attach_rest(self) -> None:
+        """With sampler_first: wait for the other programs (off-CPU, discovery, episode hooks)
+        and attach them. Without it, or called again: nothing to do."""
+        companion, self._companion = self._companion, None
+        if companion is None:
+            return
+        loaded = companion.result()
+        self._companion_obj = loaded.obj
+        self._attach(loaded)
+        log.info("BPF programs attached. programs=%s", ",".join(loaded.programs))
 
     def start(self) -> None:
         """Start the drain thread."""
@@ -181,6 +200,12 @@ class ProfilerAgent:
         for link in reversed(self._links):
             link.close()
         self._links.clear()
+        if self._companion is not None:  # its programs never attached
+            self._companion.close()
+            self._companion = None
+        if self._companion_obj is not None:
+            self._companion_obj.close()
+            self._companion_obj = None
         if self._obj is not None:
             self._obj.close()
             self._obj = None

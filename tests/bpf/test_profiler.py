@@ -406,3 +406,90 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
     delivered = sum(e.weight for e in events if isinstance(e, StackSample) and e.pid == proc.pid)
     assert kept > 0 and delivered == kept, (delivered, kept)
     assert full_drains >= full_s / 0.2 / 2, (full_drains, full_s)
+
+
+def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads, tmp_path):
+    """`record`'s start-up: the sampler is loaded, attached and armed on the loading thread, the
+    off-CPU program loads after in a second object, and its waits come through the first's maps
+    (filter, ring): one capture, whatever loaded it."""
+    before_fds = _fd_count()
+    options = ProfilerOptions(
+        freq_hz=99, offcpu=True, exec_discovery=False, episode=False, unwind_rows=0, sampler_first=True
+    )
+    burner = subprocess.Popen([str(workloads / "burner"), "30"])
+    fsyncer = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "30"])
+    flags = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU
+    try:
+        loading = ObjectLoad(options, arm={burner.pid: flags, fsyncer.pid: flags})
+        loading.wait()
+        assert len(own_prog_ids()) == 1  # the sampler alone
+        with ProfilerAgent(options, loading=loading) as agent:
+            # Armed on the loading thread: sampling before anything else is set up.
+            assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] > 0, 10)
+            agent.start()
+            agent.attach_rest()
+            assert len(own_prog_ids()) == 2  # + handle_sched_switch, from the second object
+            agent.attach_rest()  # nothing left: a no-op
+            for pid in (burner.pid, fsyncer.pid):
+                agent.set_pid_filter(pid, flags)
+            seen: list = []
+
+            def off_cpu_wait_seen() -> bool:
+                seen.extend(e for e in agent.take(timeout=0.2) if isinstance(e, StackSample))
+                return any(e.kind == abi.EventKind.OFF_CPU and e.pid == fsyncer.pid for e in seen)
+
+            assert wait_until(off_cpu_wait_seen, 15), agent.counters()
+            assert any(e.kind == abi.EventKind.ON_CPU and e.pid == burner.pid for e in seen)
+    finally:
+        for p in (burner, fsyncer):
+            p.kill()
+            p.wait()
+    assert not own_prog_ids()
+    assert _fd_count() == before_fds
+
+    # Loaded but never opened: the sampler's links and both objects go with the agent.
+    never_opened = ProfilerAgent(options, loading=ObjectLoad(options, arm={}))
+    never_opened.close()
+    assert not own_prog_ids()
+    assert _fd_count() == before_fds
+
+
+def test_the_sampler_relocates_against_the_cached_kernel_types(workloads, tmp_path, caplog):
+    """corebtf.py: with `bpftool gen min_core_btf`'s file cached, libbpf never reads the kernel's
+    whole BTF for the sampler; a file that does not fit is discarded and the kernel's BTF used;
+    another user's file is never read."""
+    import logging
+
+    from bistouri import corebtf
+    from bistouri.loader import default_object_path, load_object
+
+    if corebtf.find_bpftool() is None:
+        pytest.skip("bpftool is not installed (make deps installs it)")
+    cache = str(tmp_path / "btf")
+    obj = default_object_path()
+    made = corebtf.build(cache, obj)
+    assert made is not None and made == corebtf.cached(cache, obj)
+    assert 0 < os.path.getsize(made) < 64 << 10  # the kernel's is megabytes
+    options = ProfilerOptions(
+        freq_hz=99, exec_discovery=False, episode=False, sampler_first=True, btf_cache_dir=cache
+    )
+
+    def load_reads_kernel_btf() -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="bistouri.libbpf"):
+            loaded = load_object(options)
+        loaded.obj.close()
+        return any("/sys/kernel/btf/vmlinux" in r.getMessage() for r in caplog.records)
+
+    assert not load_reads_kernel_btf()
+    assert made == corebtf.cached(cache, obj)  # kept: it fitted
+
+    Path(made).write_bytes(b"not BTF at all")
+    assert load_reads_kernel_btf()  # loaded all the same, from the kernel's BTF
+    assert corebtf.cached(cache, obj) is None  # and the bad file is gone
+
+    made = corebtf.build(cache, obj)
+    assert made is not None
+    os.chown(made, 65534, 65534)
+    assert corebtf.cached(cache, obj) is None
+    assert load_reads_kernel_btf()

@@ -157,8 +157,9 @@ def test_off_cpu_waits_are_written_as_their_own_outputs(tmp_path, workloads):
         "summary.json",
     ]
     waits = (out / "profile.offcpu.folded").read_text()
-    # (libc's fsync keeps no frame pointer: its caller write_and_sync is skipped, main is not.)
-    assert re.search(r"main;fsync;.*;schedule_\[k\].* \d+$", waits, re.M), waits[:1000]
+    # (libc's fsync keeps no frame pointer: until libc's unwind table is in the kernel, the
+    # frame-pointer walk skips its caller write_and_sync; main is there either way.)
+    assert re.search(r"main;(write_and_sync;)?fsync;.*;schedule_\[k\].* \d+$", waits, re.M), waits[:1000]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["samples"]["off_cpu"] > 0 and summary["samples"]["off_cpu_ns"] > 0, summary
     assert '"off_cpu_ns"' in (out / "flamegraph.html").read_text()
