@@ -21,6 +21,7 @@ import zlib
 log = logging.getLogger(__name__)
 
 KERNEL_BTF = "/sys/kernel/btf/vmlinux"
+KEEP_FILES = 8  # kernels x objects: the oldest files go past this (each is ~0.5 KB)
 # Where bpftool is installed: root's PATH has the sbin directories, a user's often not.
 _BPFTOOL_DIRS = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 
@@ -105,9 +106,21 @@ def build(cache_dir: str, object_path: str, timeout_s: float = 30.0) -> str | No
             )
             return None
         os.replace(tmp, final)
+        _prune(cache_dir, KEEP_FILES)
         return final
     except (OSError, subprocess.SubprocessError) as e:
         log.info("bpftool could not cut the kernel's BTF down to the object's types. error=%s", e)
         return None
     finally:
         discard(tmp)  # gone already when it was renamed
+
+
+def _prune(cache_dir: str, keep: int) -> None:
+    """Remove all but the `keep` most recently made files (older kernels, older objects)."""
+    try:
+        with os.scandir(cache_dir) as it:
+            files = [(e.stat().st_mtime_ns, e.path) for e in it if e.name.endswith(".btf") and e.is_file()]
+    except OSError:
+        return
+    for _, path in sorted(files, reverse=True)[keep:]:
+        discard(path)

@@ -263,6 +263,7 @@ def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int])
         for link in links:
             link.close()
         raise
+    log.debug("Sampler attached and armed. pids=%s", ",".join(map(str, armed)))
     return replace(loaded, sampler_links=tuple(links))
 
 
