@@ -431,7 +431,7 @@ class BpfObject(_Handle):
 
     def __init__(self, path: str | Path, btf_custom_path: str | None = None) -> None:
         """`btf_custom_path`: kernel types for the CO-RE relocations, instead of the running
-        kernel's whole BTF (which libbpf takes ~10 ms to parse): see loader.MinimalBtf."""
+        kernel's whole BTF (which libbpf takes ~10 ms to parse): see corebtf.py."""
         self.path = str(path)
         lib = library()
         if not os.path.exists(self.path):
