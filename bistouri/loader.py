@@ -194,20 +194,19 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
     """Open, check, configure and load the object (with sampler_first, its sampler only). On
     failure nothing is left behind."""
     path = os.fspath(o.object_path) if o.object_path else default_object_path()
-    programs = SAMPLER_PROGRAMS if o.sampler_first else wanted_programs(o)
-    # Only programs that need no kernel BTF of their own can take the cut-down types.
-    btf = corebtf.cached(o.btf_cache_dir, path) if o.btf_cache_dir and o.sampler_first else None
     if not o.sampler_first:
-        return _load(o, path, programs, btf)
+        return _load(o, path, wanted_programs(o), None)
+    # The sampler needs no kernel BTF of its own (no tp_btf): it can take the cut-down types.
+    btf = corebtf.cached(o.btf_cache_dir, path) if o.btf_cache_dir else None
     try:
         # record's first sample waits for this load alone: libbpf's log only if it fails.
         with LibbpfSilenced():
-            return _load(o, path, programs, btf)
+            return _load(o, path, SAMPLER_PROGRAMS, btf)
     except BpfError as e:
         if btf is not None:
             log.info("The cached kernel types did not fit; using the kernel's BTF. file=%s error=%s", btf, e)
             corebtf.discard(btf)
-        return _load(o, path, programs, None)  # again, with libbpf's log to explain a failure
+        return _load(o, path, SAMPLER_PROGRAMS, None)  # again, with libbpf's log to explain a failure
 
 
 def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:

@@ -334,6 +334,11 @@ class Capture:
     processes: int
 
 
+def _filter_flags(args: argparse.Namespace) -> int:
+    """What the targets are sampled for: on-CPU, and off-CPU unless --no-offcpu."""
+    return abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     command = [a for a in (args.command or []) if a != "--"] if args.command else []
     chosen = sum(bool(x) for x in (args.pid, args.cgroup, args.comm, command))
@@ -370,8 +375,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     # The sampler is loaded, attached and armed (with --on-pressure: only loaded, sampling
     # waits for the pressure) before the rest is imported: on a busy host, importing at the
     # same time took CPU from the load and delayed the first sample by ~10 ms.
-    flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
-    loading = ObjectLoad(options, arm=None if args.on_pressure else dict.fromkeys(procs, flags))
+    loading = ObjectLoad(options, arm=None if args.on_pressure else dict.fromkeys(procs, _filter_flags(args)))
     try:
         loading.wait()
         from .profiler import ProfilerAgent
@@ -458,7 +462,7 @@ def _capture(
     from .events import StackSample
 
     procs = targets.current()
-    flags = abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+    flags = _filter_flags(args)
     if trigger is not None:  # --on-pressure: the episode report (victims by state, aggressors)
         flags |= abi.EpisodeFilter.ON
     for pid in procs:
