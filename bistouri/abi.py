@@ -83,9 +83,10 @@ class Counter(IntEnum):
     WALK_READ_FAILED = 15
     WALK_DEPTH = 16
     WALK_BAD_FRAME = 17
+    RULE_CACHE_HITS = 18
 
 
-COUNTER_MAX = 18
+COUNTER_MAX = 19
 
 # Why a user walk ended (a stack event's user_walk_end, a WALK_* counter): the names that
 # metrics and sessions use.

@@ -203,6 +203,11 @@ class BpfCountersCollector(Collector):
         frames.add_metric(["table"], c[abi.Counter.FRAMES_BY_TABLE])
         frames.add_metric(["frame_pointer"], c[abi.Counter.FRAMES_BY_FP])
         yield frames
+        yield CounterMetricFamily(
+            "bistouri_unwind_rule_cache_hits",
+            "User frames whose unwind rule (or lack of one) came from the BPF per-CPU rule cache",
+            value=c[abi.Counter.RULE_CACHE_HITS],
+        )
         stops = CounterMetricFamily(
             "bistouri_user_walks_stopped", "User stack walks in BPF, by why they ended", labels=["reason"]
         )

@@ -113,9 +113,7 @@ class ProfilerAgent:
         self.object_path = loaded.path
         if o.unwind_rows:
             self.unwind = UnwindTables(
-                obj.maps["unwind_rows"],
-                obj.maps["unwind_procs"],
-                obj.maps["unwind_mappings"],
+                obj.maps,
                 proc_root=o.proc_root,
                 cache_dir=o.unwind_cache_dir,
                 cpu_share=o.unwind_cpu_share,

@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import abi, threads
@@ -46,6 +47,7 @@ _SEGMENT = struct.Struct("<QQQ")  # file offset, virtual address, size in the fi
 _MAPPING = struct.Struct("<QQQIIIIII")
 _PROC = struct.Struct("<II")
 _PID = struct.Struct("<I")
+_GENERATION = struct.Struct("<Q")
 _MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
 _ROWS_PER_BUCKET = 8  # the bucket index: about this many rows between two entries (BPF: 3 steps)
 _USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
@@ -147,9 +149,7 @@ class UnwindTables:
 
     def __init__(
         self,
-        rows: Map,
-        procs: Map,
-        mappings: Map,
+        maps: Mapping[str, Map],
         *,
         proc_root: str = "/proc",
         cache_dir: str | None = None,
@@ -157,10 +157,13 @@ class UnwindTables:
         cpu_share: float = 0.25,
         nice: int = 19,
     ) -> None:
-        self._rows_map = rows
-        self._procs_map = procs
-        self._mappings_map = mappings
-        self.capacity = rows.max_entries
+        self._rows_map = maps["unwind_rows"]
+        self._procs_map = maps["unwind_procs"]
+        self._mappings_map = maps["unwind_mappings"]
+        # BPF caches rules per CPU under this number: bumped after every write to the three above.
+        self._generation_map = maps["unwind_generation"]
+        self._generation = 0
+        self.capacity = self._rows_map.max_entries
         self.proc_root = proc_root
         self.cache_dir = cache_dir
         self.cache_max_bytes = cache_max_bytes
@@ -180,6 +183,8 @@ class UnwindTables:
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
         self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
+        with self._lock:
+            self._tables_changed()
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
@@ -412,6 +417,7 @@ class UnwindTables:
             if self._closed:
                 return None
             self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
+            self._tables_changed()
         loaded = self._loaded[key] = _Loaded(first, total, n, bucket_base, bucket_count, shift, t.segments)
         self.stats.loaded_rows += total
         return loaded
@@ -440,6 +446,7 @@ class UnwindTables:
                 if any(e[-1] == key for e in proc.entries):
                     proc.entries = [e for e in proc.entries if e[-1] != key]
                     proc.write(self._mappings_map, self._procs_map, pid)
+            self._tables_changed()
         return True
 
     def _publish(self, pid: int) -> None:
@@ -483,6 +490,7 @@ class UnwindTables:
             proc.entries = entries
             proc.source = [(m[0], m[3]) for m in mappings]
             proc.write(self._mappings_map, self._procs_map, pid)
+            self._tables_changed()
             self.stats.procs = len(self._procs)
 
     def _drop_proc(self, pid: int) -> None:
@@ -496,8 +504,16 @@ class UnwindTables:
         if proc is None:
             return
         self._procs_map.delete(_PID.pack(pid))
+        self._tables_changed()
         self._free_slots.append(proc.slot)
         self.stats.procs = len(self._procs)
+
+    def _tables_changed(self) -> None:
+        """After each write to the tables (lock held): retires every rule BPF cached from the old ones
+        (rule_cache in bistouri.bpf.c). A walk reads the generation before the tables, so a rule
+        found halfway through a write is cached under the old number."""
+        self._generation += 1
+        self._generation_map.update(_PID.pack(0), _GENERATION.pack(self._generation))
 
 
 def _bias(segments: tuple[tuple[int, int, int], ...], start: int, pgoff: int) -> int | None:

@@ -56,7 +56,8 @@ enum bistouri_counter {
 	BISTOURI_CNT_WALK_READ_FAILED = 15,    /* walks stopped: the stack could not be read (paged out, bad CFA) */
 	BISTOURI_CNT_WALK_DEPTH = 16,          /* walks stopped at BISTOURI_MAX_DEPTH frames */
 	BISTOURI_CNT_WALK_BAD_FRAME = 17,      /* walks stopped: the next frame is not above this one on the stack */
-	BISTOURI_CNT_MAX = 18,
+	BISTOURI_CNT_RULE_CACHE_HITS = 18,     /* user frames whose unwind rule came from the per-CPU rule cache */
+	BISTOURI_CNT_MAX = 19,
 };
 
 /* How a row finds the CFA (bistouri/ehframe.py CfaKind). */

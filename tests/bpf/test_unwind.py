@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from bistouri import abi
-from bistouri.ehframe import CfaKind, file_fdes
+from bistouri.ehframe import ROW, CfaKind, file_fdes
 from bistouri.events import StackSample, split_stacks
 from bistouri.procmaps import FrameStatus
 from bistouri.profiler import ProfilerAgent, ProfilerOptions
@@ -476,3 +476,49 @@ def test_each_sample_says_how_its_user_stack_was_walked() -> None:
     for s in entry:
         frames = len(split_stacks(s.stacks, s.kernel_len)[1])
         assert s.walk[0] + s.walk[1] == frames and s.walk[0] >= frames - 1, (s.walk, frames)
+
+
+def test_a_change_of_tables_retires_every_cached_rule() -> None:
+    """BPF caches the rules it found per CPU; user space bumps unwind_generation after changing the
+    tables. Here every row of xz's files is rewritten in the BPF array to "outermost frame" (END)
+    and the generation bumped: from then on no walk may go past its first frame by table, which a
+    rule cached from the true tables (a recursion's return addresses, a hot loop's PCs) would."""
+    opts = ProfilerOptions(
+        freq_hz=499, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with (
+        open("/dev/urandom", "rb") as endless,
+        _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
+        ProfilerAgent(opts) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+        tables = agent.unwind
+        assert tables is not None and tables.wait_idle(120), "tables loaded"
+        ready = time.monotonic_ns()
+
+        def samples_after(t: int, n: int) -> list[StackSample]:
+            got: list[StackSample] = []
+
+            def enough() -> bool:
+                ours = (e for e in agent.take() if isinstance(e, StackSample) and e.pid == proc.pid)
+                got.extend(e for e in ours if e.timestamp_ns > t)
+                return len(got) >= n
+
+            assert wait_until(enough, 120), f"{n} samples taken"
+            return got
+
+        hits = agent.counters()[abi.Counter.RULE_CACHE_HITS]
+        before = samples_after(ready, 200)
+        assert agent.counters()[abi.Counter.RULE_CACHE_HITS] > hits, "walks use the rule cache"
+        assert max(s.walk[0] for s in before) > 5, "whole walks by table before the change"
+
+        with tables._lock:
+            for loaded in tables._loaded.values():
+                # Each search ends on one of these rows, whatever the PC (their pc 0 is below any).
+                ends = ROW.pack(0, 0, 0, CfaKind.END, 0) * loaded.rows
+                tables._rows_map.update_array(loaded.first, ends, ROW.size)
+            tables._tables_changed()
+        changed = time.monotonic_ns()  # a sample stamped later read the new generation
+        after = samples_after(changed, 200)
+    assert all(s.walk[0] <= 1 for s in after), Counter(s.walk[0] for s in after)

@@ -61,26 +61,44 @@ def test_tables_are_cached_on_disk_per_build_id_and_read_back(tmp_path: Path) ->
 
 
 def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublishes_them() -> None:
+    """...and each change of the tables (a publication, an eviction, a process forgotten) bumps the
+    generation that retires the rules BPF cached from them."""
+
     def published(agent: ProfilerAgent, pid: int) -> int:
         raw = agent._require().maps["unwind_procs"].lookup(struct.pack("<I", pid))
         assert raw is not None
         return struct.unpack("<II", raw)[1]
 
+    def generation(agent: ProfilerAgent) -> int:
+        raw = agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0))
+        assert raw is not None
+        return int(struct.unpack("<Q", raw)[0])
+
     # xz, liblzma, libc and ld fit (~35 k rows); python3.11 (~70 k) needs xz's own files' room.
     with _spinning(XZ) as xz, _spinning(PY) as py, ProfilerAgent(_opts(unwind_rows=100_000)) as agent:
         agent.start()
+        initial = generation(agent)
+        assert initial >= 1
         agent.set_pid_filter(xz, abi.FilterFlags.ON_CPU)
         assert agent.unwind is not None and agent.unwind.wait_idle(120)
         xz_files = published(agent, xz)
         assert xz_files >= 4 and agent.unwind.stats.evicted == 0
+        xz_published = generation(agent)
+        assert xz_published > initial
         agent.set_pid_filter(py, abi.FilterFlags.ON_CPU)
         assert agent.unwind.wait_idle(120)
+        # Python's rows loaded, xz's evicted file unpublished, python's mappings: three changes at least.
+        assert generation(agent) >= xz_published + 3
         stats = agent.unwind.stats
         assert stats.evicted >= 1
         assert stats.loaded_rows <= 100_000
         assert published(agent, py) >= 3  # python3.11, libc, ld at least
         # The evicted files are no longer in xz's mappings: its frames there use frame pointers.
         assert published(agent, xz) < xz_files
+        before_forget = generation(agent)
+        agent.unwind.forget(xz)
+        assert agent.unwind.wait_idle(120)
+        assert generation(agent) == before_forget + 1
 
 
 def test_a_watched_process_is_prepared_once_not_at_every_walk(tmp_path: Path) -> None:
