@@ -404,6 +404,11 @@ class Program:
                 pass
             self._log_map = None
 
+    @property
+    def fd(self) -> int:
+        """The loaded program's fd (for a PROG_ARRAY slot)."""
+        return check_int(library().bpf_program__fd(self._ptr), f"fd of program {self.name}")
+
     def set_autoload(self, autoload: bool) -> None:
         check_int(library().bpf_program__set_autoload(self._ptr, autoload), f"set_autoload {self.name}")
 

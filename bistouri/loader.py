@@ -75,8 +75,9 @@ class ProfilerOptions:
     # inversion through the GIL). The CPU share above is what keeps it off the workload.
     unwind_nice: int = 0
     episode: bool = True  # account watched threads' time by state (episode.py)
-    # `record`: load the on-CPU sampler alone (SAMPLER_PROGRAMS) and attach it first; the other
-    # programs load in a second object sharing its maps (load_companion) while it samples.
+    # `record`: load a frame-pointer sampler alone (FIRST_SAMPLER) and attach it first; the other
+    # programs, the table-walking sampler among them, load in a second object sharing its maps
+    # (load_companion) while it samples, and the first hands over to it (hand_over).
     sampler_first: bool = False
     # Where corebtf.py caches the kernel types of the object's relocations; None: the kernel's BTF.
     btf_cache_dir: str | None = None
@@ -139,8 +140,11 @@ def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
     return size
 
 
-# The on-CPU sampler: what `record` attaches before anything else (ProfilerOptions.sampler_first).
-SAMPLER_PROGRAMS = ("handle_perf",)
+# The on-CPU sampler, which walks user stacks from the unwind tables; and `record`'s first one
+# (ProfilerOptions.sampler_first), frame pointers only, which the verifier passes ~5x sooner and
+# which then passes every sample on to the first (hand_over).
+SAMPLER = "handle_perf"
+FIRST_SAMPLER = "handle_perf_fp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +157,8 @@ class LoadedObject:
     ring_bytes: int
     programs: tuple[str, ...]  # loaded in this object, to attach (episode hooks: those this kernel has)
     pending: tuple[str, ...] = ()  # left for load_companion()
-    sampler_links: tuple[Link, ...] = ()  # handle_perf's, when attach_sampler() attached it already
+    sampler_links: tuple[Link, ...] = ()  # the sampler's, when attach_sampler() attached it already
+    handoff: str = ""  # loaded, not attached: the first sampler passes its samples on to it (hand_over)
 
 
 def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
@@ -167,7 +172,7 @@ def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
             log.info(
                 "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
             )
-    programs = ["handle_perf"]
+    programs = [SAMPLER]
     programs += ["handle_sched_switch"] if o.offcpu else []
     programs += ["handle_exec"] if o.exec_discovery else []
     return (*programs, *episode)
@@ -201,12 +206,12 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
     try:
         # record's first sample waits for this load alone: libbpf's log only if it fails.
         with LibbpfSilenced():
-            return _load(o, path, SAMPLER_PROGRAMS, btf)
+            return _load(o, path, (FIRST_SAMPLER,), btf)
     except BpfError as e:
         if btf is not None:
             log.info("The cached kernel types did not fit; using the kernel's BTF. file=%s error=%s", btf, e)
             corebtf.discard(btf)
-        return _load(o, path, SAMPLER_PROGRAMS, None)  # again, with libbpf's log to explain a failure
+        return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
 
 
 def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:
@@ -243,7 +248,22 @@ def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     except BaseException:
         obj.close()
         raise
-    return LoadedObject(obj, first.path, first.cpus, first.ring_bytes, programs)
+    attached = tuple(p for p in programs if p != SAMPLER)
+    handoff = SAMPLER if SAMPLER in programs else ""
+    return LoadedObject(obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff)
+
+
+def hand_over(first: BpfObject, companion: LoadedObject) -> None:
+    """From now on the first sampler passes every sample on to the companion's (a tail call through
+    sampler_handoff): no perf event is detached or opened again, no sample falls in between."""
+    if companion.handoff:
+        fd = companion.obj.programs[companion.handoff].fd
+        first.maps["sampler_handoff"].update(struct.pack("<I", 0), struct.pack("<I", fd))
+
+
+def sampler_of(loaded: LoadedObject) -> str:
+    """The perf_event program `loaded` attaches: the first sampler if it has it."""
+    return FIRST_SAMPLER if FIRST_SAMPLER in loaded.programs else SAMPLER
 
 
 def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int]) -> LoadedObject:
@@ -252,7 +272,7 @@ def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int])
     ProfilerAgent adopts the links, and set_pid_filter() later does its bookkeeping."""
     links: list[Link] = []
     try:
-        prog = loaded.obj.programs["handle_perf"]
+        prog = loaded.obj.programs[sampler_of(loaded)]
         for cpu in loaded.cpus:
             links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, freq_hz)))
         pid_filter = loaded.obj.maps["pid_filter"]

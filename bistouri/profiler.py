@@ -43,9 +43,11 @@ from .loader import (
     ObjectLoad,
     ProfilerOptions,
     default_object_path,
+    hand_over,
     kernel_tracepoints,
     load_object,
     ring_size,
+    sampler_of,
 )
 from .procmaps import ProcMaps
 from .unwind import UnwindTables
@@ -143,9 +145,9 @@ class ProfilerAgent:
     def _attach(self, loaded: LoadedObject) -> None:
         for name in loaded.programs:
             prog = loaded.obj.programs[name]
-            if name == "handle_perf" and loaded.sampler_links:  # attached on the loading thread
+            if name == sampler_of(loaded) and loaded.sampler_links:  # attached on the loading thread
                 self._links.extend(loaded.sampler_links)
-            elif name == "handle_perf":
+            elif name == sampler_of(loaded):
                 for cpu in loaded.cpus:
                     self._links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, self.options.freq_hz)))
             else:
@@ -160,7 +162,10 @@ class ProfilerAgent:
         loaded = companion.result()
         self._companion_obj = loaded.obj
         self._attach(loaded)
-        log.info("BPF programs attached. programs=%s", ",".join(loaded.programs))
+        hand_over(self._require(), loaded)
+        log.info(
+            "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
+        )
 
     def start(self) -> None:
         """Start the drain thread."""

@@ -409,9 +409,10 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
 
 
 def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads, tmp_path):
-    """`record`'s start-up: the sampler is loaded, attached and armed on the loading thread, the
-    off-CPU program loads after in a second object, and its waits come through the first's maps
-    (filter, ring): one capture, whatever loaded it."""
+    """`record`'s start-up: a frame-pointer sampler is loaded, attached and armed on the loading
+    thread; the table-walking sampler and the off-CPU program load after in a second object, whose
+    waits come through the first's maps (filter, ring), and from attach_rest() on every sample goes
+    through the table walk: one capture, whatever loaded it."""
     before_fds = _fd_count()
     options = ProfilerOptions(
         freq_hz=99, offcpu=True, exec_discovery=False, episode=False, unwind_rows=0, sampler_first=True
@@ -422,13 +423,16 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
     try:
         loading = ObjectLoad(options, arm={burner.pid: flags, fsyncer.pid: flags})
         loading.wait()
-        assert len(own_prog_ids()) == 1  # the sampler alone
+        assert len(own_prog_ids()) == 1  # the first sampler alone
         with ProfilerAgent(options, loading=loading) as agent:
             # Armed on the loading thread: sampling before anything else is set up.
             assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] > 0, 10)
+            handed = time.monotonic_ns()
             agent.start()
             agent.attach_rest()
-            assert len(own_prog_ids()) == 2  # + handle_sched_switch, from the second object
+            handed_over = time.monotonic_ns()
+            # + handle_perf (reached by the tail call) and handle_sched_switch, from the second object
+            assert len(own_prog_ids()) == 3
             agent.attach_rest()  # nothing left: a no-op
             for pid in (burner.pid, fsyncer.pid):
                 agent.set_pid_filter(pid, flags)
@@ -436,14 +440,23 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
 
             def off_cpu_wait_seen() -> bool:
                 seen.extend(e for e in agent.take(timeout=0.2) if isinstance(e, StackSample))
-                return any(e.kind == abi.EventKind.OFF_CPU and e.pid == fsyncer.pid for e in seen)
+                late = [e for e in seen if e.kind == abi.EventKind.ON_CPU and e.timestamp_ns > handed_over]
+                return len(late) >= 20 and any(
+                    e.kind == abi.EventKind.OFF_CPU and e.pid == fsyncer.pid for e in seen
+                )
 
             assert wait_until(off_cpu_wait_seen, 15), agent.counters()
-            assert any(e.kind == abi.EventKind.ON_CPU and e.pid == burner.pid for e in seen)
     finally:
         for p in (burner, fsyncer):
             p.kill()
             p.wait()
+    on_cpu = [e for e in seen if e.kind == abi.EventKind.ON_CPU and e.pid == burner.pid]
+    # The first sampler's walks say no reason they ended (the kernel's frame-pointer walk); the table
+    # walk always says one: every sample before the hand-over is the first's, every one after is not.
+    early = [e for e in on_cpu if e.timestamp_ns < handed]
+    assert early and all(e.walk[2] == 0 for e in early), [e.walk for e in early]
+    late = [e for e in on_cpu if e.timestamp_ns > handed_over]
+    assert late and all(e.walk[2] != 0 for e in late), [e.walk for e in late]
     assert not own_prog_ids()
     assert _fd_count() == before_fds
 
