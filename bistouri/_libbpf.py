@@ -122,6 +122,7 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map__value_size", c_uint32, [map_p]),
     ("bpf_map__set_max_entries", c_int, [map_p, c_uint32]),
     ("bpf_map__reuse_fd", c_int, [map_p, c_int]),
+    ("bpf_map__set_autocreate", c_int, [map_p, c_bool]),
     ("bpf_map__initial_value", c_void_p, [map_p, POINTER(c_size_t)]),
     ("bpf_map__update_elem", c_int, [map_p, c_void_p, c_size_t, c_void_p, c_size_t, c_uint64]),
     ("bpf_map__lookup_elem", c_int, [map_p, c_void_p, c_size_t, c_void_p, c_size_t, c_uint64]),

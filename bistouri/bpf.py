@@ -164,11 +164,16 @@ class Map:
         return check_int(library().bpf_map__fd(self._check()), f"fd of map {self.name}")
 
     def reuse(self, other: Map) -> None:
-        """Before load: use `other`'s kernel map (of another object opened from the same file)
-        instead of creating one, so that programs of both objects share it."""
+        """Use `other`'s kernel map (of another object opened from the same file): before load,
+        instead of creating one, so that programs of both objects share it; after, for a map
+        the load left to `other`'s object (set_autocreate)."""
         check_int(
             library().bpf_map__reuse_fd(self._check(), other.fd), f"sharing map {self.name} with its twin"
         )
+
+    def set_autocreate(self, create: bool) -> None:
+        """Before load: whether the load creates this map (no program of the object may use it)."""
+        check_int(library().bpf_map__set_autocreate(self._check(), create), f"autocreate of map {self.name}")
 
     def set_max_entries(self, n: int) -> None:
         """Resize before load (for a ring buffer: its size in bytes, a power of 2)."""

@@ -163,6 +163,8 @@ class ProfilerAgent:
         self._companion_obj = loaded.obj
         self._attach(loaded)
         hand_over(self._require(), loaded)
+        if self.unwind is not None and self._thread is not None:  # start() left it for now
+            self.unwind.start()
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
         )
@@ -174,7 +176,7 @@ class ProfilerAgent:
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
-        if self.unwind is not None:
+        if self.unwind is not None and self._companion is None:  # else its maps come with the companion
             self.unwind.start()
 
     def stop(self, timeout: float = 2.0) -> None:

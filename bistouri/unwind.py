@@ -161,6 +161,7 @@ class UnwindTables:
         self._procs_map = maps["unwind_procs"]
         self._mappings_map = maps["unwind_mappings"]
         # BPF caches rules per CPU under this number: bumped after every write to the three above.
+        # It starts at 0, like the cache's zeroed entries, whose PC 0 no walk looks up.
         self._generation_map = maps["unwind_generation"]
         self._generation = 0
         self.capacity = self._rows_map.max_entries
@@ -183,8 +184,6 @@ class UnwindTables:
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
         self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
-        with self._lock:
-            self._tables_changed()
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:

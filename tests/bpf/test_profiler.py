@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import struct
 import subprocess
 import time
 from collections import Counter
@@ -425,6 +426,9 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
         loading.wait()
         assert len(own_prog_ids()) == 1  # the first sampler alone
         with ProfilerAgent(options, loading=loading) as agent:
+            # The maps only the rest uses are not created yet (the unwind rows: 12 MiB to zero)...
+            with pytest.raises(BpfError):
+                agent._require().maps["unwind_generation"].fd  # noqa: B018 - the property is the check
             # Armed on the loading thread: sampling before anything else is set up.
             assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] > 0, 10)
             handed = time.monotonic_ns()
@@ -433,6 +437,8 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
             handed_over = time.monotonic_ns()
             # + handle_perf (reached by the tail call) and handle_sched_switch, from the second object
             assert len(own_prog_ids()) == 3
+            # ...and the second object's are the first's too.
+            assert agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0)) is not None
             agent.attach_rest()  # nothing left: a no-op
             for pid in (burner.pid, fsyncer.pid):
                 agent.set_pid_filter(pid, flags)

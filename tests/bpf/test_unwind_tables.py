@@ -78,7 +78,6 @@ def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublis
     with _spinning(XZ) as xz, _spinning(PY) as py, ProfilerAgent(_opts(unwind_rows=100_000)) as agent:
         agent.start()
         initial = generation(agent)
-        assert initial >= 1
         agent.set_pid_filter(xz, abi.FilterFlags.ON_CPU)
         assert agent.unwind is not None and agent.unwind.wait_idle(120)
         xz_files = published(agent, xz)
