@@ -351,6 +351,25 @@ class Btf:
         return None
 
 
+# A BTF blob with no type (btf_header, then an empty string section): kernel types for an object
+# whose loaded programs read no kernel struct, so that libbpf skips parsing the kernel's own.
+_EMPTY_BTF = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, 0, 0, 1) + b"\0"
+
+
+class NoKernelTypes:
+    """A path to give BpfObject as btf_custom_path when the programs to load have no CO-RE
+    relocation (libbpf then never reads /sys/kernel/btf/vmlinux: ~11 ms). An anonymous file
+    (memfd), nothing on disk; valid inside the `with`."""
+
+    def __enter__(self) -> str:
+        self._fd = os.memfd_create("bistouri-no-kernel-types", os.MFD_CLOEXEC)
+        os.write(self._fd, _EMPTY_BTF)
+        return f"/proc/self/fd/{self._fd}"
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+
 class BtfFile(_Handle):
     """BTF parsed from an ELF file without loading anything into the kernel."""
 
@@ -441,7 +460,7 @@ class BpfObject(_Handle):
 
     def __init__(self, path: str | Path, btf_custom_path: str | None = None) -> None:
         """`btf_custom_path`: kernel types for the CO-RE relocations, instead of the running
-        kernel's whole BTF (which libbpf takes ~10 ms to parse): see corebtf.py."""
+        kernel's whole BTF (which libbpf takes ~10 ms to parse): see NoKernelTypes."""
         self.path = str(path)
         lib = library()
         if not os.path.exists(self.path):

@@ -14,8 +14,8 @@ import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
-from . import abi, corebtf, perf, threads
-from .bpf import BpfObject, BtfFile, LibbpfSilenced, Link
+from . import abi, perf, threads
+from .bpf import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
 from .errors import BistouriError, BpfError
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,6 @@ class ProfilerOptions:
     # programs, the table-walking sampler among them, load in a second object sharing its maps
     # (load_companion) while it samples, and the first hands over to it (hand_over).
     sampler_first: bool = False
-    # Where corebtf.py caches the kernel types of the object's relocations; None: the kernel's BTF.
-    btf_cache_dir: str | None = None
 
 
 # The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
@@ -229,16 +227,14 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
     path = os.fspath(o.object_path) if o.object_path else default_object_path()
     if not o.sampler_first:
         return _load(o, path, wanted_programs(o), None)
-    # The sampler needs no kernel BTF of its own (no tp_btf): it can take the cut-down types.
-    btf = corebtf.cached(o.btf_cache_dir, path) if o.btf_cache_dir else None
     try:
-        # record's first sample waits for this load alone: libbpf's log only if it fails.
-        with LibbpfSilenced():
+        # The first sampler reads no kernel struct (no CO-RE relocation, no tp_btf): libbpf need
+        # not parse the kernel's BTF. record's first sample waits for this load alone: libbpf's
+        # log only if it fails.
+        with LibbpfSilenced(), NoKernelTypes() as btf:
             return _load(o, path, (FIRST_SAMPLER,), btf)
     except BpfError as e:
-        if btf is not None:
-            log.info("The cached kernel types did not fit; using the kernel's BTF. file=%s error=%s", btf, e)
-            corebtf.discard(btf)
+        log.info("The first sampler did not load without kernel types; loading it with them. error=%s", e)
         return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
 
 

@@ -12,10 +12,11 @@ profile.speedscope.json, summary.json.
 Start-up is on the critical path (someone looks at a process *now*). Only what
 loading needs is imported first; then the on-CPU sampler alone is loaded,
 attached and its targets armed (`loader.ObjectLoad` with `sampler_first` and
-`arm`), relocated against the few kernel types it uses (`corebtf.py`) rather
-than the kernel's whole BTF. The profiler, the capture code, the metrics and the
-symbolizer are imported after, while the ring buffer already holds samples, and
-the off-CPU program loads meanwhile into a second object sharing the maps
+`arm`): a frame-pointer sampler that reads no kernel struct, so libbpf loads it
+without parsing the kernel's BTF. The profiler, the capture code, the metrics and
+the symbolizer are imported after, while the ring buffer already holds samples;
+the table-walking sampler and the off-CPU program load meanwhile into a second
+object sharing the maps, and the first sampler hands over to the second
 (`ProfilerAgent.attach_rest`). A command target is started only once both are
 attached.
 """
@@ -363,7 +364,6 @@ def cmd_record(args: argparse.Namespace) -> int:
         # Someone waits for the first sample: the on-CPU sampler is attached first, alone, and
         # the off-CPU program after (with --on-pressure, sampling starts at the pressure instead).
         sampler_first=not args.on_pressure,
-        btf_cache_dir=os.path.join(cache_dir, "btf") if args.cache else None,
     )
     progress = Progress(show=args.progress)
     cgroup_root = procfs.find_cgroup2_mount(args.proc_path)
@@ -399,10 +399,6 @@ def cmd_record(args: argparse.Namespace) -> int:
             targets.child = _start(command)  # attached first: sampled from its first instruction
         capture = _capture(args, agent, targets, tree, trigger, progress, stop)
         usage = Usage(capture_rss_bytes=_peak_rss(reset=True))
-        if options.btf_cache_dir:  # the next runs start sooner (corebtf.py); once per kernel
-            from . import corebtf
-
-            corebtf.build(options.btf_cache_dir, agent.object_path or "")
         progress.done(
             f"Captured {capture.samples} samples of {capture.processes} processes in {capture.seconds:.1f} s"
         )

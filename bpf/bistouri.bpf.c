@@ -775,7 +775,8 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct us
 /* Whether a perf sample interrupted user mode (pt_regs.cs); false without one. */
 static __always_inline bool in_user_mode(struct bpf_perf_event_data *ctx)
 {
-	return ctx && (((__u64 *)&ctx->regs)[17] & 3) == 3;
+	/* regs is the UAPI pt_regs at the context's start: a plain offset, not a CO-RE relocation. */
+	return ctx && (((const __u64 *)ctx)[17] & 3) == 3;
 }
 
 /* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
@@ -828,18 +829,25 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	 */
 	key->pid = ev->pid;
 	key->reserved = 0;
-	mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
-	key->mm = (__u64)mm;
 	key->hash = 0;
-	ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
 	ev->user_by_table = 0;
 	ev->user_by_fp = 0;
 	ev->user_walk_end = 0;
-	/* Kernel threads have no user stack: not an error. */
 	if (walk) {
+		mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+		key->mm = (__u64)mm;
+		ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
+		/* Kernel threads have no user stack: not an error. */
 		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1) : 0;
 	} else {
-		n = mm ? bpf_get_stack(ctx, ev->user_stack, sizeof(ev->user_stack), BPF_F_USER_STACK) : 0;
+		/*
+		 * No kernel struct read, so no CO-RE relocation: record loads this program
+		 * without the kernel's BTF, which libbpf takes ~11 ms to parse. The address
+		 * space and its mapping count stay 0 (unknown to user space).
+		 */
+		key->mm = 0;
+		ev->map_count = 0;
+		n = bpf_get_stack(ctx, ev->user_stack, sizeof(ev->user_stack), BPF_F_USER_STACK);
 		if (n < 0) {
 			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
 			n = 0;
