@@ -18,7 +18,7 @@ interleaved rounds. Measured per run:
 bistouri runs twice per round: with an empty symbol cache (first run on these
 binaries) and with a cache that earlier runs filled ("seen before": an unmeasured
 2 s run first, then each warm run adds what it met). It is started as the
-package's /usr/bin/bistouri starts it (`python3 -I`, bytecode compiled first).
+package's /usr/bin/bistouri starts it (`python3 -I -S`, bytecode compiled first).
 Run as root: `python -m bench.bench_record`; the table goes into
 docs/benchmarks.md (between its bench_record markers) unless `--no-docs`.
 """
@@ -44,15 +44,18 @@ DOCS = ROOT / "docs/benchmarks.md"
 FUNCTIONS = ("work_seventy", "work_twenty", "work_ten")
 DOC_START = "<!-- bench_record: start -->"
 DOC_END = "<!-- bench_record: end -->"
-# As packaging/bin/bistouri starts it: the system interpreter in isolated mode, the package and its
-# dependencies first on sys.path (here the source tree and the virtualenv's site-packages, without
-# the editable install's import hook, which costs ~9 ms of start-up an installed package has not).
+# As packaging/bin/bistouri starts it: the system interpreter in isolated mode without the site
+# module's start-up (-I -S), the package and its dependencies first on sys.path (here the source
+# tree and the virtualenv's site-packages, without the editable install's import hook, which costs
+# ~9 ms of start-up an installed package has not), then the distribution's site directories.
 SITE_PACKAGES = next((ROOT / ".venv/lib").glob("python3*/site-packages"), ROOT)
 LAUNCHER = [
     "/usr/bin/python3",
     "-I",
+    "-S",
     "-c",
-    f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(SITE_PACKAGES)!r}]; "
+    f"import site, sys; sys.path[:0] = [{str(ROOT)!r}, {str(SITE_PACKAGES)!r}]; "
+    "sys.path.extend(p for p in site.getsitepackages() if p not in sys.path); "
     "from bistouri.cli import main; sys.exit(main())",
 ]
 
