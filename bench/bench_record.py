@@ -276,7 +276,7 @@ def write_docs(results: dict) -> None:
     text = DOCS.read_text()
     block = (
         f"{DOC_START}\n{table(results)}\n\n"
-        f"{results['rounds']} interleaved rounds of {results['seconds']:g} s at {results['freq_hz']} Hz "
+        f"{results['rounds']} interleaved rounds (order rotated) of {results['seconds']:g} s at {results['freq_hz']} Hz "
         f"(median, min-max), {time.strftime('%Y-%m-%d')}, load average "
         f"{results['load_average_1min']:.1f} at the end (2 vCPUs).\n"
         f"{DOC_END}"
@@ -323,6 +323,9 @@ def main() -> int:
                 steps = ["bistouri_cold", "bistouri_warm"]
                 steps += ["perf"] if have_perf else []
                 steps += ["bpftrace"] if have_bpftrace else []
+                # Rotated each round: a tool run right after another one's exit (bpftrace detaching
+                # and freeing its programs) starts on a busier host; each gets every place in turn.
+                steps = steps[rnd % len(steps) :] + steps[: rnd % len(steps)]
                 for name in steps:
                     if name.startswith("bistouri"):
                         cache = cold_cache if name == "bistouri_cold" else warm_cache
