@@ -276,7 +276,8 @@ def write_docs(results: dict) -> None:
     text = DOCS.read_text()
     block = (
         f"{DOC_START}\n{table(results)}\n\n"
-        f"{results['rounds']} interleaved rounds (order rotated) of {results['seconds']:g} s at {results['freq_hz']} Hz "
+        f"{results['rounds']} interleaved rounds (order rotated) of {results['seconds']:g} s "
+        f"at {results['freq_hz']} Hz "
         f"(median, min-max), {time.strftime('%Y-%m-%d')}, load average "
         f"{results['load_average_1min']:.1f} at the end (2 vCPUs).\n"
         f"{DOC_END}"

@@ -444,12 +444,16 @@ def _perf_map(pid: int) -> str:
         return ""
 
 
-def test_each_sample_says_how_its_user_stack_was_walked() -> None:
-    """The per-sample walk bytes (frames by table, by frame pointer, why the walk ended) that
-    sessions sum into their data-quality note: xz's files all have tables, so its walks reach
-    the entry by table alone, and such a walk counts each of its frames once."""
+@contextmanager
+def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], ProfilerAgent]]:
+    """Debian's xz compressing forever, sampled by an agent that has loaded its unwind tables."""
     opts = ProfilerOptions(
-        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+        freq_hz=freq_hz,
+        offcpu=False,
+        exec_discovery=False,
+        aggregate=False,
+        unwind_cpu_share=1.0,
+        unwind_nice=0,
     )
     with (
         open("/dev/urandom", "rb") as endless,
@@ -459,18 +463,28 @@ def test_each_sample_says_how_its_user_stack_was_walked() -> None:
         agent.start()
         agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
         assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
-        ready = time.monotonic_ns()
-        samples: list[StackSample] = []
+        yield proc, agent
 
-        def enough() -> bool:
-            samples.extend(
-                e
-                for e in agent.take()
-                if isinstance(e, StackSample) and e.pid == proc.pid and e.timestamp_ns > ready
-            )
-            return len(samples) >= 200
 
-        assert wait_until(enough, 120), "samples taken"
+def _samples_after(agent: ProfilerAgent, pid: int, after_ns: int, n: int) -> list[StackSample]:
+    """The next `n` samples of `pid` stamped after `after_ns` (CLOCK_MONOTONIC)."""
+    got: list[StackSample] = []
+
+    def enough() -> bool:
+        ours = (e for e in agent.take() if isinstance(e, StackSample) and e.pid == pid)
+        got.extend(e for e in ours if e.timestamp_ns > after_ns)
+        return len(got) >= n
+
+    assert wait_until(enough, 120), f"{n} samples taken"
+    return got
+
+
+def test_each_sample_says_how_its_user_stack_was_walked() -> None:
+    """The per-sample walk bytes (frames by table, by frame pointer, why the walk ended) that
+    sessions sum into their data-quality note: xz's files all have tables, so its walks reach
+    the entry by table alone, and such a walk counts each of its frames once."""
+    with _xz_with_tables(199) as (proc, agent):
+        samples = _samples_after(agent, proc.pid, time.monotonic_ns(), 200)
     entry = [s for s in samples if abi.WALK_ENDS.get(s.walk[2]) == "entry"]
     assert len(entry) >= REACH_ENTRY * len(samples), Counter(abi.WALK_ENDS.get(s.walk[2]) for s in samples)
     for s in entry:
@@ -483,33 +497,11 @@ def test_a_change_of_tables_retires_every_cached_rule() -> None:
     tables. Here every row of xz's files is rewritten in the BPF array to "outermost frame" (END)
     and the generation bumped: from then on no walk may go past its first frame by table, which a
     rule cached from the true tables (a recursion's return addresses, a hot loop's PCs) would."""
-    opts = ProfilerOptions(
-        freq_hz=499, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
-    )
-    with (
-        open("/dev/urandom", "rb") as endless,
-        _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
-        ProfilerAgent(opts) as agent,
-    ):
-        agent.start()
-        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+    with _xz_with_tables(499) as (proc, agent):
         tables = agent.unwind
-        assert tables is not None and tables.wait_idle(120), "tables loaded"
-        ready = time.monotonic_ns()
-
-        def samples_after(t: int, n: int) -> list[StackSample]:
-            got: list[StackSample] = []
-
-            def enough() -> bool:
-                ours = (e for e in agent.take() if isinstance(e, StackSample) and e.pid == proc.pid)
-                got.extend(e for e in ours if e.timestamp_ns > t)
-                return len(got) >= n
-
-            assert wait_until(enough, 120), f"{n} samples taken"
-            return got
-
+        assert tables is not None
         hits = agent.counters()[abi.Counter.RULE_CACHE_HITS]
-        before = samples_after(ready, 200)
+        before = _samples_after(agent, proc.pid, time.monotonic_ns(), 200)
         assert agent.counters()[abi.Counter.RULE_CACHE_HITS] > hits, "walks use the rule cache"
         assert max(s.walk[0] for s in before) > 5, "whole walks by table before the change"
 
@@ -520,5 +512,5 @@ def test_a_change_of_tables_retires_every_cached_rule() -> None:
                 tables._rows_map.update_array(loaded.first, ends, ROW.size)
             tables._tables_changed()
         changed = time.monotonic_ns()  # a sample stamped later read the new generation
-        after = samples_after(changed, 200)
+        after = _samples_after(agent, proc.pid, changed, 200)
     assert all(s.walk[0] <= 1 for s in after), Counter(s.walk[0] for s in after)
