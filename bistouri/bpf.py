@@ -362,9 +362,14 @@ class NoKernelTypes:
     (memfd), nothing on disk; valid inside the `with`."""
 
     def __enter__(self) -> str:
-        self._fd = os.memfd_create("bistouri-no-kernel-types", os.MFD_CLOEXEC)
-        os.write(self._fd, _EMPTY_BTF)
-        return f"/proc/self/fd/{self._fd}"
+        fd = os.memfd_create("bistouri-no-kernel-types", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, _EMPTY_BTF)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return f"/proc/self/fd/{fd}"
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)

@@ -139,8 +139,9 @@ def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
 
 
 # The on-CPU sampler, which walks user stacks from the unwind tables; and `record`'s first one
-# (ProfilerOptions.sampler_first), frame pointers only, which the verifier passes ~5x sooner and
-# which then passes every sample on to the first (hand_over).
+# (ProfilerOptions.sampler_first): frame pointers only and no kernel struct read, so the verifier
+# passes it ~5x sooner and libbpf needs no kernel BTF; it passes every sample on to SAMPLER once
+# the companion has loaded that (hand_over).
 SAMPLER = "handle_perf"
 FIRST_SAMPLER = "handle_perf_fp"
 # Maps only the companion's programs use, and ProfilerAgent only once they are attached: with
@@ -233,7 +234,7 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
         # log only if it fails.
         with LibbpfSilenced(), NoKernelTypes() as btf:
             return _load(o, path, (FIRST_SAMPLER,), btf)
-    except BpfError as e:
+    except (BpfError, OSError) as e:  # OSError: no memfd here (a seccomp filter, say)
         log.info("The first sampler did not load without kernel types; loading it with them. error=%s", e)
         return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
 

@@ -47,7 +47,8 @@ _SEGMENT = struct.Struct("<QQQ")  # file offset, virtual address, size in the fi
 _MAPPING = struct.Struct("<QQQIIIIII")
 _PROC = struct.Struct("<II")
 _PID = struct.Struct("<I")
-_GENERATION = struct.Struct("<Q")
+_GENERATION = struct.Struct("<Q")  # unwind_generation's one value, at key 0
+_GENERATION_KEY = struct.pack("<I", 0)
 _MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
 _ROWS_PER_BUCKET = 8  # the bucket index: about this many rows between two entries (BPF: 3 steps)
 _USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
@@ -512,7 +513,7 @@ class UnwindTables:
         (rule_cache in bistouri.bpf.c). A walk reads the generation before the tables, so a rule
         found halfway through a write is cached under the old number."""
         self._generation += 1
-        self._generation_map.update(_PID.pack(0), _GENERATION.pack(self._generation))
+        self._generation_map.update(_GENERATION_KEY, _GENERATION.pack(self._generation))
 
 
 def _bias(segments: tuple[tuple[int, int, int], ...], start: int, pgoff: int) -> int | None:
