@@ -9,10 +9,12 @@ build id:
   `/proc/PID/map_files/<range>` (deleted files, other mount namespaces), else
   `/proc/PID/root/<path>` (procmaps.ProcMaps.locate), and the separate debug file at
   `<upload-debug-dir>/.build-id/xx/rest.debug`; each is checked to carry the build id;
-- claims each file (`POST /v1/uploads/<id>/<kind>`): of several agents one gets
-  "claimed", the others "in_progress" (asked again after a while) or "done";
-- sends it gzip-compressed as it reads it (`PUT`, chunked: never whole in memory), at
-  most `upload_max_bytes` of file and `upload_rate_bytes` a second.
+- claims each file (`POST /v1/uploads/<id>/<kind>?claimant=<this agent>&tenant=<its tenant>`):
+  of several agents one gets "claimed", the others "in_progress" (asked again after a while)
+  or "done"; uploads are kept per tenant, and serve that tenant's sessions only;
+- sends it gzip-compressed as it reads it (`PUT`, same query: the symbolizer takes a PUT only
+  from the claim's holder; chunked: never whole in memory), at most `upload_max_bytes` of file
+  and `upload_rate_bytes` a second.
 
 A transport failure or a 5xx is retried with backoff, a few times; a 4xx is final. Every
 outcome is counted in `bistouri_upload_*`.
@@ -111,6 +113,7 @@ class Uploader:
         self._queue: queue.Queue[_Want] = queue.Queue(self.QUEUE_MAX)
         self._seen: set[bytes] = set()
         self._claimant = secrets.token_hex(8)  # this agent, so that its retry keeps its own claim
+        self._tenant = settings.tenant_id  # whose sessions the upload serves (with a shared token)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._idle = threading.Event()
@@ -241,8 +244,9 @@ class Uploader:
                 self.max_bytes,
             )
             return None
-        claim = self._send("POST", f"{url}?claimant={self._claimant}")
-        if claim is None or claim.status_code >= 500:
+        url += f"?claimant={self._claimant}&tenant={self._tenant}"
+        claim = self._send("POST", url)
+        if claim is None or claim.status_code >= 500 or claim.status_code == 429:
             self._m.failures.labels("network" if claim is None else "server_error").inc()
             return self._backoff(0)
         state = _state(claim)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import BistouriError
+from . import tokens
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +130,27 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="where debuginfod downloads are kept (default STATE_DIR/debuginfod; the unit gives /var/cache)",
     )
-    p.add_argument("--token-file", metavar="PATH", help="file holding the bearer token required on writes")
     p.add_argument(
-        "--read-token", action="store_true", default=None, help="require the token on read endpoints too"
+        "--token-file",
+        metavar="PATH",
+        help="file holding a shared write token (any tenant), also good for reads (see --write-tokens-file)",
+    )
+    p.add_argument(
+        "--read-token", action="store_true", default=None, help="require a token on read endpoints too"
+    )
+    p.add_argument(
+        "--write-tokens-file",
+        metavar="PATH",
+        help="agents' write tokens, one 'TENANT TOKEN' a line ('*': any tenant); a tenant's token stores "
+        "and uploads for that tenant only",
+    )
+    p.add_argument(
+        "--read-token-file", metavar="PATH", help="read tokens, one a line; reads then need a token"
+    )
+    p.add_argument(
+        "--admin-token-file",
+        metavar="PATH",
+        help="admin tokens, one a line: everything, and DELETE of uploads",
     )
     p.add_argument(
         "--max-request-bytes", type=_size, metavar="BYTES", help="largest request body accepted (default 16M)"
@@ -142,12 +161,42 @@ def register(subparsers: Any) -> None:
         metavar="BYTES",
         help="largest ELF file an agent may upload, uncompressed (default 1G)",
     )
+    p.add_argument(
+        "--upload-quota-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="uploads kept in all, uncompressed; the least recently used make room (default 10G)",
+    )
+    p.add_argument(
+        "--upload-quota-files",
+        type=_positive_int,
+        metavar="N",
+        help="uploaded files kept in all (default 10000)",
+    )
+    p.add_argument(
+        "--tenant-upload-quota-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="uploads kept per tenant (default: --upload-quota-bytes)",
+    )
+    p.add_argument(
+        "--tenant-upload-quota-files",
+        type=_positive_int,
+        metavar="N",
+        help="uploaded files kept per tenant (default: --upload-quota-files)",
+    )
+    p.add_argument(
+        "--upload-claim-seconds",
+        type=_positive_int,
+        metavar="S",
+        help="how long an agent's claim of an upload holds before another may take it (default 600)",
+    )
     p.add_argument("--retention-days", type=_days, metavar="DAYS", help="delete sessions older than this")
     p.add_argument(
         "--max-db-bytes",
         type=_size,
         metavar="BYTES",
-        help="delete the oldest sessions (then uploads) above this; kallsyms and uploads count",
+        help="above this, delete unused kallsyms, then uploads (least recently used), then old sessions",
     )
     p.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)"
@@ -204,18 +253,27 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "state_dir": (str, DEFAULT_STATE_DIR),
         "cache_dir": (str, None),
         "token_file": (str, None),
+        "write_tokens_file": (str, None),
+        "read_token_file": (str, None),
+        "admin_token_file": (str, None),
+        "upload_quota_bytes": (_size, None),
+        "upload_quota_files": (_positive_int, None),
+        "tenant_upload_quota_bytes": (_size, None),
+        "tenant_upload_quota_files": (_positive_int, None),
+        "upload_claim_seconds": (_positive_int, None),
         "max_request_bytes": (_size, None),
         "max_upload_bytes": (_size, None),
         "retention_days": (_days, None),
         "max_db_bytes": (_size, None),
         "log_level": (str, "info"),
     }
-    if args.token_file is None and os.environ.get(ENV_PREFIX + "TOKEN_FILE") == "":
-        # Set but empty is a mistake (a template without its value), not a wish to run open.
-        raise UsageError(
-            f"{ENV_PREFIX}TOKEN_FILE is set but empty: give the path of the token file, "
-            "or remove the variable to run without a token"
-        )
+    for name in ("TOKEN_FILE", "WRITE_TOKENS_FILE", "READ_TOKEN_FILE", "ADMIN_TOKEN_FILE"):
+        if getattr(args, name.lower()) is None and os.environ.get(ENV_PREFIX + name) == "":
+            # Set but empty is a mistake (a template without its value), not a wish to run open.
+            raise UsageError(
+                f"{ENV_PREFIX}{name} is set but empty: give the path of the token file, "
+                "or remove the variable to run without a token"
+            )
     for dest, (conv, default) in scalars.items():
         if getattr(args, dest, None) is None:
             text = _env(dest.upper())
@@ -281,16 +339,28 @@ def _is_loopback(host: str) -> bool:
 
 def read_token(path: str) -> str:
     try:
-        token = Path(path).read_text().strip()
-    except OSError as e:
-        raise UsageError(f"--token-file {path}: cannot read it: {e.strerror}")
-    except UnicodeDecodeError:
-        raise UsageError(f"--token-file {path}: not text")
-    if not token:
-        raise UsageError(f"--token-file {path}: the file is empty; write the token in it")
-    if any(c.isspace() for c in token):
-        raise UsageError(f"--token-file {path}: must hold one token without spaces")
-    return token
+        return tokens.read_single(path, "--token-file")
+    except tokens.TokenFileError as e:
+        raise UsageError(str(e))
+
+
+def read_tokens(args: argparse.Namespace) -> tokens.Tokens:
+    """Every kind of token the flags give (tokens.py); UsageError for a file that cannot be used."""
+    for flag in ("token_file", "write_tokens_file", "read_token_file", "admin_token_file"):
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag.replace('_', '-')} is empty: give the path of the token file")
+    try:
+        legacy = tokens.read_single(args.token_file, "--token-file") if args.token_file else None
+        write = tokens.read_write_tokens(args.write_tokens_file) if args.write_tokens_file else {}
+        read = tokens.read_list(args.read_token_file, "--read-token-file") if args.read_token_file else ()
+        admin = tokens.read_list(args.admin_token_file, "--admin-token-file") if args.admin_token_file else ()
+        found = tokens.Tokens(legacy, write, read, admin, reads_need_token=bool(args.read_token or read))
+        tokens.check_distinct(found)
+    except tokens.TokenFileError as e:
+        raise UsageError(str(e))
+    if args.read_token and not (legacy or read or admin):
+        raise UsageError("--read-token needs --token-file or --read-token-file: no token exists for reads")
+    return found
 
 
 def _prepare_state_dir(path: Path, flag: str = "--state-dir") -> None:
@@ -335,8 +405,7 @@ def _error(cmd: str, e: Exception) -> int:
 def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[Any], Any]:
     """A callable building the shared Resolver from the source flags (called in each worker, with
     the worker's one KallsymsStore)."""
-    # Files agents uploaded (uploads.py) are a .build-id tree like a --debug-dir, looked at last.
-    debug_dirs = [Path(d) for d in args.debug_dir] + [state_dir / "uploads"]
+    debug_dirs = [Path(d) for d in args.debug_dir]
     binary_dirs = [Path(d) for d in args.binary_dir]
     urls = list(args.debuginfod_url)
     cache_dir = getattr(args, "cache_dir", None)
@@ -351,6 +420,8 @@ def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[Any
             binary_dirs=binary_dirs,
             debuginfod_urls=urls,
             cache_dir=cache_dir,
+            # Files agents uploaded (uploads.py): per tenant, after every operator source.
+            uploads_dir=state_dir / "uploads",
         )
 
     return make
@@ -432,7 +503,13 @@ def serve(
 def run_symbolizer(args: argparse.Namespace) -> int:
     from .server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
     from .store import Store, StoreError
-    from .uploads import DEFAULT_MAX_UPLOAD_BYTES
+    from .uploads import (
+        CLAIM_LEASE_S,
+        DEFAULT_MAX_UPLOAD_BYTES,
+        DEFAULT_QUOTA_BYTES,
+        DEFAULT_QUOTA_FILES,
+        Quota,
+    )
 
     try:
         apply_env(args, args._env_parser)
@@ -441,13 +518,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         _prepare_state_dir(state_dir)
         if args.cache_dir:
             _prepare_state_dir(Path(args.cache_dir), "--cache-dir")
-        if args.token_file == "":
-            raise UsageError("--token-file is empty: give the path of the token file")
-        token = read_token(args.token_file) if args.token_file is not None else None
-        if args.read_token and token is None:
-            raise UsageError(
-                "--read-token needs --token-file: reads would require a token that does not exist"
-            )
+        access = read_tokens(args)
         host, port = parse_listen(args.listen_addr)
         check_bind(host, port, "--listen-addr")
         binds = [args.listen_addr]
@@ -462,10 +533,16 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         config = ServerConfig(
             state_dir=state_dir,
             db=args.db,
-            token=token,
-            read_token=args.read_token,
+            tokens=access,
             max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
             max_upload_bytes=args.max_upload_bytes or DEFAULT_MAX_UPLOAD_BYTES,
+            upload_quota=Quota(
+                total_bytes=args.upload_quota_bytes or DEFAULT_QUOTA_BYTES,
+                total_files=args.upload_quota_files or DEFAULT_QUOTA_FILES,
+                tenant_bytes=args.tenant_upload_quota_bytes,
+                tenant_files=args.tenant_upload_quota_files,
+            ),
+            claim_lease_s=args.upload_claim_seconds or CLAIM_LEASE_S,
             retention_days=args.retention_days,
             max_db_bytes=args.max_db_bytes,
             metrics_port=args.metrics_port,
@@ -479,20 +556,24 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         return _error("symbolizer", e)
     log.info(
         "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s cache_dir=%s schema_from=%d token=%s "
-        "read_token=%s debug_dirs=%s binary_dirs=%s debuginfod=%s",
+        "read_token=%s write_tokens=%d read_tokens=%d admin_tokens=%d debug_dirs=%s binary_dirs=%s "
+        "debuginfod=%s",
         ",".join(binds),
         args.workers,
         store.display,
         state_dir,
         args.cache_dir or state_dir / "debuginfod",
         before,
-        "yes" if token else "no",
-        args.read_token,
+        "yes" if access.legacy else "no",
+        access.reads_need_token,
+        len(access.write),
+        len(access.read),
+        len(access.admin),
         args.debug_dir,
         args.binary_dir,
         args.debuginfod_url,
     )
-    if token is None and not _is_loopback(host):
+    if not access.writes_need_token and not _is_loopback(host):
         log.warning(
             "NO TOKEN on a listener reachable from the network: anyone who reaches %s can store "
             "sessions and read every profile. Set --token-file (BISTOURI_SYMBOLIZER_TOKEN_FILE), "

@@ -24,6 +24,7 @@ from .kallsyms import KallsymsError, KallsymsIndex, KallsymsStore, kernel_key
 from .metrics import Metrics
 from .model import Profile
 from .store import Store, StoredSession, StoreError
+from .tokens import upload_scope
 from .uploads import Uploads
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,9 @@ class Ingest:
         self._slot = threading.Lock()
         self._known_kernels: set[str] = set()
         self._retention = retention
-        self._last_retention = 0.0
-        # Uploads this worker's resolver has looked at since they arrived: (build id, kinds present).
-        self._refreshed: set[tuple[str, int]] = set()
+        self._last_retention = float("-inf")  # the first request runs it
+        # Uploads this worker's resolver has looked at since they arrived: (tenant, build id, kinds present).
+        self._refreshed: set[tuple[str, str, int]] = set()
 
     @property
     def resolver(self) -> ResolverLike:
@@ -162,8 +163,12 @@ class Ingest:
 
     # -- sessions -----------------------------------------------------------
 
-    def ingest(self, items: list[Any]) -> dict[str, Any]:
-        """Store each session: accepted, duplicate, rejected (its own fault) or failed (ours)."""
+    def ingest(self, items: list[Any], tenant: str | None = None) -> dict[str, Any]:
+        """Store each session: accepted, duplicate, rejected (its own fault) or failed (ours).
+
+        `tenant`: the one tenant the request's token may write for (tokens.py); a session of another
+        is rejected ("wrong_tenant"). None: any.
+        """
         accepted: list[str] = []
         duplicates: list[str] = []
         rejected: list[dict[str, Any]] = []
@@ -196,6 +201,15 @@ class Ingest:
                     )
                     continue
                 problem = _nul_problem(session)
+                if not problem and tenant is not None and upload_scope(session.tenant) != tenant:
+                    rejected.append(
+                        {
+                            "id": sid,
+                            "reason": "wrong_tenant",
+                            "detail": f"this token writes for tenant {tenant} only",
+                        }
+                    )
+                    continue
                 if problem:
                     rejected.append({"id": sid, "reason": "malformed", "detail": echo(problem)})
                     continue
@@ -241,22 +255,25 @@ class Ingest:
         out = {}
         for bid in user_build_ids(session)[:MAX_MISSING_BUILDS]:
             hexid = bid.hex()
-            have = self._refresh(bid)
-            mod = module(bid)
+            have = self._refresh(bid, session.tenant)
+            mod = module(bid, session.tenant)
             if mod is None or (mod.dwarf_path is None and not have & _HAVE_DEBUGINFO):
                 out[hexid] = have
         return out
 
-    def _refresh(self, bid: bytes) -> int:
-        """The uploads of a build id (Uploads.have); the resolver forgets what it knew of the build id
-        when one arrived since it looked (maybe through another worker)."""
+    def _refresh(self, bid: bytes, tenant: str) -> int:
+        """The uploads of a build id by this tenant (Uploads.have), noted as used; the resolver forgets
+        what it knew of the build id when one arrived since it looked (maybe through another worker)."""
         if self.uploads is None:
             return 0
         hexid = bid.hex()
-        have = self.uploads.have(hexid)
-        if have and (hexid, have) not in self._refreshed:
-            getattr(self.resolver, "forget", lambda b: None)(bid)
-            self._refreshed.add((hexid, have))
+        scope = upload_scope(tenant)
+        have = self.uploads.have(scope, hexid)
+        if have:
+            self.uploads.touch(scope, hexid)
+            if (scope, hexid, have) not in self._refreshed:
+                getattr(self.resolver, "forget", lambda b: None)(bid)
+                self._refreshed.add((scope, hexid, have))
         return have
 
     def _waits_for(self, session: wire.Session) -> dict[str, int]:
@@ -325,7 +342,7 @@ class Ingest:
         """The session's profile; its meta is the resolver's, built once from the wire session."""
         if self.uploads is not None:
             for bid in user_build_ids(session):
-                self._refresh(bid)  # an upload another worker took is seen here too
+                self._refresh(bid, session.tenant)  # an upload another worker took is seen here too
         t0 = time.perf_counter()
         profile = self.resolver.symbolize(session)
         self.metrics.latency.observe(time.perf_counter() - t0)
@@ -368,22 +385,27 @@ class Ingest:
             return None
         kernel = self.store.pending_kernel(sid)
         uploads = self.uploads
+        scope = upload_scope(profile.meta.tenant)
         uploaded = uploads is not None and any(
-            uploads.have(b) & ~have for b, have in self.store.pending_builds(sid).items()
+            uploads.have(scope, b) & ~have for b, have in self.store.pending_builds(sid).items()
         )
         if uploaded or (kernel and self.kernel_known(kernel)):
             profile = self.resymbolize_one(sid) or profile
         return profile
 
-    def received(self, build_id: str) -> int:
-        """A file of this build id was uploaded: re-symbolize the sessions that waited for it (up to
-        RESYMBOLIZE_PER_UPLOAD now, the rest when read). Returns how many."""
+    def received(self, scope: str, build_id: str) -> int:
+        """A tenant uploaded a file of this build id: re-symbolize its sessions that waited for it (up
+        to RESYMBOLIZE_PER_UPLOAD now, the rest when read). Returns how many."""
         forget = getattr(self.resolver, "forget", None)
         if forget is not None:
             forget(bytes.fromhex(build_id))
-        have = self.uploads.have(build_id) if self.uploads is not None else 0
+        have = self.uploads.have(scope, build_id) if self.uploads is not None else 0
         done = 0
-        for sid in self.store.pending_for_build(build_id, have, RESYMBOLIZE_PER_UPLOAD):
+
+        def in_scope(tenant: str) -> bool:
+            return upload_scope(tenant) == scope
+
+        for sid in self.store.pending_for_build(build_id, have, RESYMBOLIZE_PER_UPLOAD, in_scope):
             if self.resymbolize_one(sid):
                 done += 1
         return done
@@ -416,8 +438,10 @@ class Ingest:
         """Store an uploaded kallsyms snapshot (gzip) and re-symbolize the sessions that waited for it.
 
         Returns the parsed snapshot and how many sessions were re-symbolized; KallsymsError when the
-        snapshot is unusable (KallsymsTooLarge over the limits).
+        snapshot is unusable (KallsymsTooLarge over the limits, KallsymsConflict when another kernel's
+        snapshot is held under this key: KallsymsStore.put).
         """
+        self.kernel_known(build_id)  # one another instance received is here first: put() compares with it
         index = self.kallsyms.put(build_id, body)  # decompressed and parsed in bounded slices
         self.store.put_kernel(build_id, body)
         self._known_kernels.add(build_id)
@@ -431,25 +455,41 @@ class Ingest:
     # -- retention ----------------------------------------------------------
 
     def maybe_retention(self) -> None:
-        if not self._retention:
-            return
         now = time.monotonic()
         if now - self._last_retention < RETENTION_INTERVAL_S:
             return
         self._last_retention = now
-        self.run_retention()
+        # Partial files of workers killed while writing: swept whether retention is configured or not.
+        if self.uploads is not None:
+            self.uploads.sweep()
+        self.kallsyms.sweep()
+        if self._retention:
+            self.run_retention()
+
+    def retention_now(self) -> None:
+        """Retention at once, if configured (after an upload: it may put the database over its bound)."""
+        if self._retention:
+            self.run_retention()
 
     def run_retention(self) -> dict[str, int]:
-        # Kernels no session needs go first: under size pressure, before any session.
+        # What agents can send again goes first, under size pressure before any session: kernels no
+        # session needs, then uploads, least recently used first.
         for build_id in self.store.expire_kernels():
             self.kallsyms.remove(build_id)
             self._known_kernels.discard(build_id)
             log.info("retention deleted a kernel's symbols. build_id=%s", build_id)
-        deleted = self.store.enforce_retention()
-        for build_id, kind in self.store.expire_uploads():
+        for tenant, build_id, kind, why in self.store.expire_uploads():
             if self.uploads is not None:
-                self.uploads.remove(build_id, kind)
-            log.info("retention deleted an uploaded file. build_id=%s kind=%s", build_id, kind)
+                self.uploads.remove(tenant, build_id, kind)
+            self.metrics.uploads_evicted.labels(why).inc()
+            log.info(
+                "retention deleted an uploaded file. tenant=%s build_id=%s kind=%s reason=%s",
+                tenant,
+                build_id,
+                kind,
+                why,
+            )
+        deleted = self.store.enforce_retention()
         for reason, n in deleted.items():
             if n:
                 self.metrics.expired.labels(reason).inc(n)

@@ -23,7 +23,6 @@ import gzip
 import logging
 import os
 import re
-import tempfile
 import threading
 import zlib
 from array import array
@@ -32,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 from ..errors import BistouriError
 from ..kernel import LoadedCodeDigest
+from . import tempfiles
 from .sources import check_build_id
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ class KallsymsError(BistouriError, ValueError):
 
 class KallsymsTooLarge(KallsymsError):
     """A kallsyms snapshot is over one of the limits."""
+
+
+class KallsymsConflict(KallsymsError):
+    """A snapshot whose kernel (not its modules) differs from the one already held under its key."""
 
 
 def _is_label(name: str) -> bool:
@@ -270,6 +274,8 @@ class KallsymsStore:
         self._mtimes: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
+        self._put_lock = threading.Lock()
+        self.sweep()
 
     def path(self, build_id: bytes | str) -> str:
         return os.path.join(self.dir, check_kernel_key(build_id) + ".kallsyms.gz")
@@ -277,18 +283,54 @@ class KallsymsStore:
     def has(self, build_id: bytes | str) -> bool:
         return os.path.isfile(self.path(build_id))
 
+    def sweep(self) -> int:
+        """Remove temporary files of workers that died while writing a snapshot."""
+        return tempfiles.sweep(self.dir)
+
     def put(self, build_id: bytes | str, data: bytes) -> KallsymsIndex:
         """Validate and store a snapshot (plain text or gzip) under a kernel_key(). Raises KallsymsError if
-        unusable. A later one of the same key replaces it (the agent's modules changed)."""
+        unusable.
+
+        Write-once for the kernel itself: a later snapshot of the same key replaces the held one only when
+        their kernel's own symbols (no module, no BPF program) are the same, i.e. when only the loaded
+        modules and programs changed (an agent restarted on the same boot); else KallsymsConflict. The same
+        bytes again change nothing.
+        """
         hexid = check_kernel_key(build_id)
         if len(data) > MAX_UPLOAD_BYTES:
             raise KallsymsTooLarge(f"the upload is larger than {MAX_UPLOAD_BYTES} bytes")
         index = parse_kallsyms(data, self.max_bytes)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=self.dir)
+        stored = data if data[:2] == b"\x1f\x8b" else gzip.compress(data, 6, mtime=0)
+        with self._put_lock:
+            held = self._held_bytes(hexid)
+            if held is not None:
+                if held == stored:
+                    return index
+                try:
+                    old = parse_kallsyms(held, self.max_bytes)
+                except KallsymsError:
+                    old = None  # unreadable: replaced by a good one
+                if old is not None and _core(old) != _core(index):
+                    raise KallsymsConflict(
+                        f"a snapshot of another kernel is held for {hexid}: only its modules may change"
+                    )
+            self._write(hexid, stored)
+        self._remember(hexid, index, self._mtime(hexid))
+        log.info("Stored a kallsyms snapshot. build_id=%s symbols=%d", hexid, len(index))
+        return index
+
+    def _held_bytes(self, hexid: str) -> bytes | None:
+        try:
+            with open(self.path(hexid), "rb") as f:
+                return f.read(MAX_UPLOAD_BYTES + 1)
+        except FileNotFoundError:
+            return None
+
+    def _write(self, hexid: str, stored: bytes) -> None:
+        fd, tmp = tempfiles.create(self.dir)
         try:
             with os.fdopen(fd, "wb") as f:
-                # A gzip upload was checked whole by the parser: kept as it came.
-                f.write(data if data[:2] == b"\x1f\x8b" else gzip.compress(data, 6, mtime=0))
+                f.write(stored)  # a gzip upload was checked whole by the parser: kept as it came
             os.replace(tmp, self.path(hexid))
         except BaseException:
             try:
@@ -296,9 +338,6 @@ class KallsymsStore:
             except OSError:
                 pass
             raise
-        self._remember(hexid, index, self._mtime(hexid))
-        log.info("Stored a kallsyms snapshot. build_id=%s symbols=%d", hexid, len(index))
-        return index
 
     def get(self, build_id: bytes | str) -> KallsymsIndex | None:
         """The parsed snapshot of this kernel, or None if none was uploaded (or it is unreadable)."""
@@ -365,3 +404,15 @@ class KallsymsStore:
                 old, dropped = self._loaded.popitem(last=False)
                 self._mtimes.pop(old, None)
                 loaded -= dropped.nbytes
+
+
+def _core(index: KallsymsIndex) -> tuple[int, int]:
+    """What names the kernel itself in a snapshot (its symbols outside modules and BPF programs), as a
+    digest: the same for two snapshots of one boot whatever was loaded between them."""
+    h = zlib.crc32(b"")
+    n = 0
+    for addr, name, module in zip(index._addrs, index._names, index._modules, strict=True):
+        if not module:
+            h = zlib.crc32(b"%x %s\n" % (addr, name.encode("utf-8", "replace")), h)
+            n += 1
+    return h, n

@@ -53,6 +53,16 @@ class Metrics:
         self.uploads_refused = counter(
             "uploads_refused_total", "ELF uploads refused (nothing kept), by reason", "reason"
         )
+        self.uploads_evicted = counter(
+            "uploads_evicted_total",
+            "Uploaded files deleted, by reason (quota: room for a new one; age, size: retention)",
+            "reason",
+        )
+        self.kernel_uploads_refused = counter(
+            "kernel_uploads_refused_total",
+            "kallsyms snapshots refused (nothing kept), by reason (conflict: another kernel under its key)",
+            "reason",
+        )
         self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
         self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
         self.latency = Histogram(

@@ -42,6 +42,7 @@ from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
+from .tokens import upload_scope
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +180,15 @@ class Resolver:
         registry: CollectorRegistry | None = REGISTRY,
         cache_dir: str | os.PathLike[str] | None = None,
         kernels: KallsymsStore | None = None,
+        uploads_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> Resolver:
         """The service's resolver: kallsyms snapshots live under `state_dir`, debuginfod downloads
         in `cache_dir` (default `state_dir`/debuginfod).
 
         `debuginfod_urls=None` reads `DEBUGINFOD_URLS`. `kernels` is the process's KallsymsStore (default:
-        a new one under `state_dir`). Other keyword arguments go to `Resolver`.
+        a new one under `state_dir`). `uploads_dir` holds the agents' uploads, per tenant (uploads.py), looked
+        at after every other source. Other keyword arguments go to `Resolver`.
         """
         state = os.fspath(state_dir)
         sources = DebugSources(
@@ -194,6 +197,7 @@ class Resolver:
             debuginfod_urls,
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else os.path.join(state, "debuginfod"),
             registry=registry,
+            uploads_dir=os.fspath(uploads_dir) if uploads_dir is not None else None,
         )
         return cls(sources, kernels or KallsymsStore(state), registry=registry, **kwargs)
 
@@ -222,25 +226,33 @@ class Resolver:
                 lock = self._load_locks[key] = threading.Lock()
             return lock
 
-    def module(self, build_id: bytes) -> _Module | None:
-        """The cached module of a build id, (re)loading it when absent or incomplete and stale."""
+    def module(self, build_id: bytes, tenant: str | None = None) -> _Module | None:
+        """The cached module of a build id, (re)loading it when absent or incomplete and stale.
+
+        With a `tenant`, that tenant's uploads complete the operator's sources (sources.py); a module built
+        with them is cached apart, so that no other tenant's session ever sees it (docs/api.md).
+        """
         hexid = build_id.hex()
+        scope = upload_scope(tenant) if tenant is not None else None
+        if scope is not None and not self.sources.has_upload(hexid, scope):
+            scope = None  # nothing of this tenant's: the module every tenant shares
+        key = hexid if scope is None else f"{hexid}/{scope}"
         now = time.monotonic()
         with self._lock:
-            if hexid in self._modules:
-                mod = self._modules[hexid]
-                self._modules.move_to_end(hexid)
-                if (mod is not None and mod.complete) or now - self._module_time[hexid] < self.retry_s:
+            if key in self._modules:
+                mod = self._modules[key]
+                self._modules.move_to_end(key)
+                if (mod is not None and mod.complete) or now - self._module_time[key] < self.retry_s:
                     return mod
-        with self._load_lock(hexid):
+        with self._load_lock(key):
             with self._lock:  # another thread may have loaded it meanwhile
-                if hexid in self._modules and now - self._module_time[hexid] < self.retry_s:
-                    return self._modules[hexid]
-            mod = self._open_module(build_id, hexid)
+                if key in self._modules and now - self._module_time[key] < self.retry_s:
+                    return self._modules[key]
+            mod = self._open_module(build_id, hexid, scope)
             with self._lock:
-                self._modules[hexid] = mod
-                self._module_time[hexid] = time.monotonic()
-                self._modules.move_to_end(hexid)
+                self._modules[key] = mod
+                self._module_time[key] = time.monotonic()
+                self._modules.move_to_end(key)
                 while len(self._modules) > self.max_modules:
                     old, _ = self._modules.popitem(last=False)
                     self._module_time.pop(old, None)
@@ -251,12 +263,13 @@ class Resolver:
         """Look for this build id's files again at its next use (one was uploaded meanwhile)."""
         hexid = build_id.hex()
         with self._lock:
-            self._modules.pop(hexid, None)
-            self._module_time.pop(hexid, None)
+            for key in [k for k in self._modules if k == hexid or k.startswith(hexid + "/")]:
+                self._modules.pop(key, None)
+                self._module_time.pop(key, None)
 
-    def _open_module(self, build_id: bytes, hexid: str) -> _Module | None:
+    def _open_module(self, build_id: bytes, hexid: str, scope: str | None = None) -> _Module | None:
         try:
-            dbg = self.sources.find(build_id, DEBUGINFO)
+            dbg = self.sources.find(build_id, DEBUGINFO, scope)
             dbg_elf = ElfFile(dbg.path) if dbg else None
         except (ElfFormatError, ValueError) as e:
             log.warning("Cannot open the debug file of a build id. build_id=%s error=%s", hexid, e)
@@ -265,7 +278,7 @@ class Resolver:
         exe_elf = None
         try:
             if dbg_elf is None or not dbg_elf.loads_have_offsets or not dbg_elf.has_dwarf:
-                exe = self.sources.find(build_id, EXECUTABLE)
+                exe = self.sources.find(build_id, EXECUTABLE, scope)
                 if exe is not None and (dbg is None or exe.path != dbg.path):
                     exe_elf = ElfFile(exe.path)
             if dbg_elf is None and exe_elf is None:
@@ -524,7 +537,7 @@ class Resolver:
                 if bid in modules:
                     mod = modules[bid]
                 else:
-                    mod = modules[bid] = self.module(bid)
+                    mod = modules[bid] = self.module(bid, session.tenant)
                 got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
                 if got is None:
                     user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))

@@ -12,7 +12,6 @@ its data and sends it again. docs/api.md is the reference of the endpoints.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import mimetypes
@@ -34,11 +33,27 @@ from .. import wire
 from ..errors import WireError
 from . import formats
 from .ingest import Ingest, ResolverFactory, echo, log_failure
-from .kallsyms import MAX_UPLOAD_BYTES, KallsymsError, KallsymsStore, KallsymsTooLarge, kernel_key
+from .kallsyms import (
+    MAX_UPLOAD_BYTES,
+    KallsymsConflict,
+    KallsymsError,
+    KallsymsStore,
+    KallsymsTooLarge,
+    kernel_key,
+)
 from .metrics import Metrics
 from .model import PARTS, STATES, Profile
 from .store import Filter, Store, StoreError
-from .uploads import DEFAULT_MAX_UPLOAD_BYTES, UploadRefused, Uploads, check_kind
+from .tokens import ADMIN, READ, STATE, WRITE, Grant, Tokens
+from .uploads import (
+    CLAIM_LEASE_S,
+    DEFAULT_MAX_UPLOAD_BYTES,
+    LEGACY_SCOPE,
+    Quota,
+    UploadRefused,
+    Uploads,
+    check_kind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +68,35 @@ DEFAULT_MERGE_LIMIT = 500
 # Seconds an agent waits after a failure on our side (database, disk): long enough for an
 # operator or a restart to clear it, short enough that spools do not pile up.
 RETRY_AFTER_S = 15
-_BUILD_ID_RE = re.compile(r"^[0-9a-f]{2,128}$")
+_BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")  # fullmatch: "$" would let a trailing newline through
 
 
 @dataclass
 class ServerConfig:
     state_dir: Path
     db: str = ""  # empty: SQLite in the state dir
-    token: str | None = None  # required on writes when set
-    read_token: bool = False  # require the token on reads too
+    token: str | None = None  # --token-file: a shared write token, accepted on reads too
+    read_token: bool = False  # require a token on reads
+    tokens: Tokens | None = None  # every kind of token (tokens.py); None: `token` and `read_token` alone
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retention_days: float | None = None
     max_db_bytes: int | None = None
     metrics_port: int | None = None  # a listener that serves only /metrics
     merge_limit: int = DEFAULT_MERGE_LIMIT
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # an uploaded ELF file, uncompressed
+    upload_quota: Quota = field(default_factory=Quota)
+    claim_lease_s: float = CLAIM_LEASE_S
     ui_dir: Path = field(default_factory=lambda: Path(__file__).with_name("ui"))
 
     @property
     def max_decompressed_bytes(self) -> int:
         return self.max_request_bytes * DECOMPRESSION_RATIO
+
+    @property
+    def access(self) -> Tokens:
+        if self.tokens is not None:
+            return self.tokens
+        return Tokens(legacy=self.token, reads_need_token=self.read_token)
 
 
 class ApiError(Exception):
@@ -210,7 +234,15 @@ class SymbolizerApp:
         self.metrics = Metrics(lambda: self.store)
         # The one kallsyms store of this process: the resolver reads what ingest puts in it.
         self.kallsyms = KallsymsStore(str(config.state_dir))
-        self.uploads = Uploads(config.state_dir, self.store, config.max_upload_bytes)
+        self.access = config.access
+        self.uploads = Uploads(
+            config.state_dir,
+            self.store,
+            config.max_upload_bytes,
+            quota=config.upload_quota,
+            claim_lease_s=config.claim_lease_s,
+            on_evict=lambda reason, n: self.metrics.uploads_evicted.labels(reason).inc(n),
+        )
         self.ingest = Ingest(
             self.store,
             self.kallsyms,
@@ -230,7 +262,11 @@ class SymbolizerApp:
                 Rule("/v1/profile/<fmt>", endpoint="merged_profile", methods=["GET"]),
                 Rule("/v1/diff/flamegraph", endpoint="diff", methods=["GET"]),
                 Rule("/v1/kernels/<build_id>", endpoint="kernel", methods=["GET", "PUT"]),
-                Rule("/v1/uploads/<build_id>/<kind>", endpoint="upload", methods=["GET", "POST", "PUT"]),
+                Rule(
+                    "/v1/uploads/<build_id>/<kind>",
+                    endpoint="upload",
+                    methods=["GET", "POST", "PUT", "DELETE"],
+                ),
                 Rule("/ui", endpoint="ui_root", methods=["GET"]),
                 Rule("/ui/", endpoint="ui", defaults={"path": "index.html"}, methods=["GET"]),
                 Rule("/ui/<path:path>", endpoint="ui", methods=["GET"]),
@@ -260,7 +296,7 @@ class SymbolizerApp:
                 raise NotFound()
             response = getattr(self, "on_" + endpoint)(request, **args)
         except ApiError as e:
-            if e.status in (400, 401, 413, 415):
+            if e.status in (400, 401, 403, 409, 413, 415, 429):
                 self.metrics.rejected.labels(e.reason).inc()
             body = {"error": e.reason, "detail": e.detail, **e.extra}
             headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
@@ -307,16 +343,24 @@ class SymbolizerApp:
 
     # -- auth and bodies ----------------------------------------------------
 
-    def _authorize(self, request: Request, write: bool) -> None:
-        token = self.config.token
-        if token is None or not (write or self.config.read_token):
-            return
+    def _authorize(self, request: Request, need: str) -> Grant:
+        """The grant of the request's token for `need` (tokens.READ, WRITE, STATE, ADMIN): 401 without a
+        token that is ours, 403 with one of another kind (docs/api.md, "Tokens")."""
+        access = self.access
+        if not access.required(need):
+            return Grant("none")
         got = request.headers.get("Authorization", "")
         scheme, _, value = got.partition(" ")
         if scheme.lower() != "bearer" or not value:
+            if need == ADMIN and not access.admin:
+                raise ApiError(403, "forbidden", "no admin token is configured (--admin-token-file)")
             raise ApiError(401, "unauthorized", "missing bearer token: send 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(value.strip().encode(), token.encode()):
+        grant = access.match(value.strip())
+        if grant is None:
             raise ApiError(401, "unauthorized", "bad bearer token")
+        if not access.allows(grant, need):
+            raise ApiError(403, "forbidden", f"this token may not be used for {need} requests")
+        return grant
 
     def _read_body(self, request: Request, limit: int | None = None) -> bytes:
         limit = self.config.max_request_bytes if limit is None else limit
@@ -377,7 +421,7 @@ class SymbolizerApp:
     def on_sessions(self, request: Request) -> Response:
         if request.method == "GET":
             return self._list_sessions(request)
-        self._authorize(request, write=True)
+        grant = self._authorize(request, WRITE)
         if request.mimetype not in MSGPACK_TYPES:
             raise ApiError(
                 415,
@@ -391,7 +435,7 @@ class SymbolizerApp:
             raise ApiError(413 if e.reason == "too_large" else 400, e.reason, str(e))
         except Exception as e:  # the decoder is the last line: nothing in a body may become a 500
             raise ApiError(400, "malformed", f"undecodable batch: {type(e).__name__}: {e}")
-        result = self.ingest.ingest(items)
+        result = self.ingest.ingest(items, grant.tenant)
         self.metrics.received_bytes.inc(received)
         failed = result.get("failed")
         if failed:
@@ -412,27 +456,36 @@ class SymbolizerApp:
 
     # -- kernels ------------------------------------------------------------
 
-    def on_kernel(self, request: Request, build_id: str) -> Response:
+    @staticmethod
+    def _build_id(build_id: str) -> str:
         build_id = build_id.lower()
-        if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
+        if not _BUILD_ID_RE.fullmatch(build_id) or len(build_id) % 2:
             raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
+        return build_id
+
+    def on_kernel(self, request: Request, build_id: str) -> Response:
+        build_id = self._build_id(build_id)
         boot = str(request.args.get("boot", "")).lower().replace("-", "")
         if boot:
             if not re.fullmatch(r"[0-9a-f]{32}", boot):
                 raise ApiError(400, "bad_parameter", f"boot={echo(boot)!r} is not a boot id (32 hex digits)")
             build_id = kernel_key(build_id, bytes.fromhex(boot))  # this boot's snapshot
         if request.method == "GET":
-            self._authorize(request, write=False)
+            self._authorize(request, STATE)
             if self.ingest.kernel_known(build_id):
                 loaded_code = self.ingest.kernel_loaded_code(build_id)
                 return _json({"build_id": build_id, "present": True, "loaded_code": loaded_code})
             return _json({"error": "not_found", "detail": f"no kallsyms for kernel {build_id}"}, 404)
-        self._authorize(request, write=True)
+        self._authorize(request, WRITE)
         body = self._read_body(request, min(self.config.max_request_bytes, MAX_UPLOAD_BYTES))
         if body[:2] != b"\x1f\x8b":
             raise ApiError(400, "bad_encoding", "body must be gzip-compressed /proc/kallsyms text")
         try:
             index, n = self.ingest.put_kernel(build_id, body)
+        except KallsymsConflict as e:
+            self.metrics.kernel_uploads_refused.labels("conflict").inc()
+            log.warning("kernel symbols refused. build_id=%s reason=conflict", build_id)
+            raise ApiError(409, "conflict", str(e))
         except KallsymsTooLarge as e:
             raise ApiError(413, "too_large", f"kallsyms over the limits: {e}")
         except KallsymsError as e:
@@ -448,36 +501,63 @@ class SymbolizerApp:
 
     # -- uploads --------------------------------------------------------------
 
+    def _scope(self, request: Request, grant: Grant) -> str:
+        """The tenant an upload request is for: its bound token's, else the one the agent names
+        (`tenant=`, the agent's --tenant-id), else the agents' default."""
+        named = str(request.args.get("tenant", ""))
+        if grant.tenant is not None:
+            if named and named != grant.tenant:
+                raise ApiError(403, "wrong_tenant", f"this token uploads for tenant {grant.tenant} only")
+            return grant.tenant
+        return named or LEGACY_SCOPE
+
     def on_upload(self, request: Request, build_id: str, kind: str) -> Response:
-        build_id = build_id.lower()
-        if not _BUILD_ID_RE.match(build_id) or len(build_id) % 2:
-            raise ApiError(400, "bad_parameter", f"build id {build_id!r} is not 1 to 64 bytes of hex")
+        build_id = self._build_id(build_id)
         try:
             check_kind(kind)
         except UploadRefused as e:
             raise ApiError(e.status, e.reason, str(e))
-        if request.method == "GET":
-            self._authorize(request, write=False)
-            if self.uploads.has(build_id, kind):
-                return _json({"build_id": build_id, "kind": kind, "state": "done"})
-            return _json({"error": "not_found", "detail": f"no {kind} uploaded for {build_id}"}, 404)
-        self._authorize(request, write=True)
-        if request.method == "POST":
-            claimant = str(request.args.get("claimant", ""))  # an agent's own id: it may claim again
-            state = self.uploads.claim(build_id, kind, claimant)
-            return _json({"build_id": build_id, "kind": kind, "state": state})
-        return self._receive_upload(request, build_id, kind)
+        need = {"GET": STATE, "DELETE": ADMIN}.get(request.method, WRITE)
+        scope = self._scope(request, self._authorize(request, need))
+        claimant = str(request.args.get("claimant", ""))  # an agent's own id: its claim, then its PUT
+        try:
+            if request.method == "GET":
+                if self.uploads.has(scope, build_id, kind):
+                    return _json({"build_id": build_id, "kind": kind, "tenant": scope, "state": "done"})
+                return _json({"error": "not_found", "detail": f"no {kind} uploaded for {build_id}"}, 404)
+            if request.method == "DELETE":
+                found = self.uploads.delete(scope, build_id, kind)
+                log.warning(
+                    "upload deleted by an admin. tenant=%s build_id=%s kind=%s", scope, build_id, kind
+                )
+                return Response(status=204 if found else 404)
+            if request.method == "POST":
+                state = self.uploads.claim(scope, build_id, kind, claimant)
+                return _json({"build_id": build_id, "kind": kind, "tenant": scope, "state": state})
+            return self._receive_upload(request, scope, build_id, kind, claimant)
+        except UploadRefused as e:
+            self.metrics.uploads_refused.labels(e.reason).inc()
+            log.warning(
+                "upload refused. tenant=%s build_id=%s kind=%s reason=%s detail=%s",
+                scope,
+                build_id,
+                kind,
+                e.reason,
+                e,
+            )
+            raise ApiError(e.status, e.reason, str(e))
 
-    def _receive_upload(self, request: Request, build_id: str, kind: str) -> Response:
+    def _receive_upload(
+        self, request: Request, scope: str, build_id: str, kind: str, claimant: str
+    ) -> Response:
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("gzip", "identity"):
             raise ApiError(415, "unsupported_encoding", f"Content-Encoding {encoding!r}: send gzip")
         length = request.content_length
         limit = self.config.max_upload_bytes
         if length is not None and length > limit + (limit >> 6) + 1024:  # gzip never grows it more
-            self.metrics.uploads_refused.labels("too_large").inc()
-            log.warning("upload refused. build_id=%s kind=%s reason=too_large", build_id, kind)
-            raise ApiError(413, "too_large", f"body of {length} bytes, over --max-upload-bytes {limit}")
+            self.uploads.release(scope, build_id, kind, claimant)  # another agent may try at once
+            raise UploadRefused(413, "too_large", f"body of {length} bytes, over --max-upload-bytes {limit}")
         stream = request.environ["wsgi.input"]
         left = [length if length is not None else -1]
 
@@ -489,24 +569,34 @@ class SymbolizerApp:
                 left[0] -= len(chunk)
             return chunk
 
-        try:
-            size = self.uploads.receive(build_id, kind, read, encoding == "gzip")
-        except UploadRefused as e:
-            self.metrics.uploads_refused.labels(e.reason).inc()
-            log.warning(
-                "upload refused. build_id=%s kind=%s reason=%s detail=%s", build_id, kind, e.reason, e
-            )
-            raise ApiError(e.status, e.reason, str(e))
+        size = self.uploads.receive(scope, build_id, kind, claimant, read, encoding == "gzip")
         self.metrics.uploads.labels(kind).inc()
         self.metrics.uploaded_bytes.inc(size)
-        n = self.ingest.received(build_id)
-        log.info("file uploaded. build_id=%s kind=%s bytes=%d resymbolized=%d", build_id, kind, size, n)
-        return _json({"build_id": build_id, "kind": kind, "state": "done", "bytes": size, "resymbolized": n})
+        n = self.ingest.received(scope, build_id)
+        log.info(
+            "file uploaded. tenant=%s build_id=%s kind=%s bytes=%d resymbolized=%d",
+            scope,
+            build_id,
+            kind,
+            size,
+            n,
+        )
+        self.ingest.retention_now()  # an upload may put the database over --max-db-bytes: uploads go first
+        return _json(
+            {
+                "build_id": build_id,
+                "kind": kind,
+                "tenant": scope,
+                "state": "done",
+                "bytes": size,
+                "resymbolized": n,
+            }
+        )
 
     # -- read API -----------------------------------------------------------
 
     def _list_sessions(self, request: Request) -> Response:
-        self._authorize(request, write=False)
+        self._authorize(request, READ)
         flt = _filter(request.args)
         limit = _int_arg(request.args, "limit", 100, 1, MAX_LIST_LIMIT)
         offset = _int_arg(request.args, "offset", 0, 0, 1 << 31)
@@ -520,20 +610,20 @@ class SymbolizerApp:
         return profile
 
     def on_session(self, request: Request, sid: str) -> Response:
-        self._authorize(request, write=False)
+        self._authorize(request, READ)
         meta = self.store.get_meta(_check_id(sid))
         if meta is None:
             raise ApiError(404, "not_found", f"no session {sid!r}")
         return _json(meta.to_json())
 
     def on_session_profile(self, request: Request, sid: str, fmt: str) -> Response:
-        self._authorize(request, write=False)
+        self._authorize(request, READ)
         render = self._renderer(fmt)
         part = _part(request.args)
         return render(request, self._profile(sid).part(part).in_state(_state(request.args)), sid)
 
     def on_merged_profile(self, request: Request, fmt: str) -> Response:
-        self._authorize(request, write=False)
+        self._authorize(request, READ)
         render = self._renderer(fmt)
         part = _part(request.args)
         profile, n = self._merged(request.args, "")
@@ -556,7 +646,7 @@ class SymbolizerApp:
         return merged, count
 
     def on_diff(self, request: Request) -> Response:
-        self._authorize(request, write=False)
+        self._authorize(request, READ)
         value = _value(request.args)
         sides = []
         for side in ("a", "b"):

@@ -10,7 +10,9 @@
    the layout of the elfutils client);
 4. debuginfod servers (`DEBUGINFOD_URLS` semantics: several URLs separated by
    spaces, tried in order), with a negative cache so a missing build id is not
-   asked for again before its TTL.
+   asked for again before its TTL;
+5. last, the files agents uploaded (uploads.py), of the tenant asked for only
+   (`scope`): the operator's sources always win over an agent's upload.
 
 Every file found is checked to carry the build id asked for. Lookups are
 thread-safe and single-flight: concurrent requests for one build id wait for
@@ -34,6 +36,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter
 
 from .elf import ELF_MAGIC, read_build_id
+from .tokens import TENANT_RE
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ _BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 @dataclass(frozen=True, slots=True)
 class Found:
     path: str
-    source: str  # debug-dir | binary-dir | cache | debuginfod
+    source: str  # debug-dir | binary-dir | cache | debuginfod | upload
 
 
 def check_build_id(build_id: bytes | str) -> str:
@@ -199,7 +202,7 @@ class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.found = Counter(
             "bistouri_symbolizer_sources_found_total",
-            "ELF files found by build id, by source (debug_dir, binary_dir, cache, debuginfod)",
+            "ELF files found by build id, by source (debug_dir, binary_dir, cache, debuginfod, upload)",
             ["source"],
             registry=registry,
         )
@@ -240,8 +243,11 @@ class DebugSources:
         rescan_s: float = DEFAULT_RESCAN_S,
         registry: CollectorRegistry | None = None,
         session: requests.Session | None = None,
+        uploads_dir: str | None = None,
     ) -> None:
         self.debug_dirs = [self._build_id_root(d) for d in debug_dirs]
+        # <uploads_dir>/<tenant>/.build-id: each tenant's uploads (uploads.py), looked at last.
+        self.uploads_dir = uploads_dir
         self.binaries = BinaryDirIndex(binary_dirs, rescan_s) if binary_dirs else None
         self.urls = list(
             urls_from_env() if debuginfod_urls is None else [u.rstrip("/") for u in debuginfod_urls]
@@ -274,14 +280,19 @@ class DebugSources:
 
     # --- lookup --------------------------------------------------------------
 
-    def find(self, build_id: bytes | str, kind: str = DEBUGINFO) -> Found | None:
-        """A file with this build id: debug info (`debuginfo`) or the binary itself (`executable`)."""
+    def find(self, build_id: bytes | str, kind: str = DEBUGINFO, scope: str | None = None) -> Found | None:
+        """A file with this build id: debug info (`debuginfo`) or the binary itself (`executable`).
+
+        `scope` (a tenant's, tokens.upload_scope) adds that tenant's uploads, after every operator source.
+        """
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         hexid = check_build_id(build_id)
         found = self._find_local(hexid, kind)
         if found is None and self.urls:
             found = self._find_remote(hexid, kind)
+        if found is None and scope is not None:
+            found = self._find_upload(hexid, kind, scope)
         if found is None:
             self.metrics.missing.inc()
         else:
@@ -309,6 +320,24 @@ class DebugSources:
             except OSError:
                 pass
             return Found(cached, "cache")
+        return None
+
+    def upload_path(self, hexid: str, kind: str, scope: str) -> str | None:
+        """Where a tenant's upload of this build id would be (uploads.Uploads.path), None without uploads."""
+        if self.uploads_dir is None or not TENANT_RE.fullmatch(scope):
+            return None
+        base = os.path.join(self.uploads_dir, scope, ".build-id", hexid[:2], hexid[2:])
+        return base + ".debug" if kind == DEBUGINFO else base
+
+    def has_upload(self, build_id: bytes | str, scope: str) -> bool:
+        """Whether this tenant uploaded a file of this build id (a stat or two, no parsing)."""
+        hexid = check_build_id(build_id)
+        return any(os.path.isfile(p) for k in KINDS if (p := self.upload_path(hexid, k, scope)) is not None)
+
+    def _find_upload(self, hexid: str, kind: str, scope: str) -> Found | None:
+        path = self.upload_path(hexid, kind, scope)
+        if path is not None and os.path.isfile(path) and self._valid(path, hexid):
+            return Found(path, "upload")
         return None
 
     def _cache_path(self, hexid: str, kind: str) -> str | None:

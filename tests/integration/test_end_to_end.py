@@ -69,7 +69,9 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
     assert not any(re.search(r"\[kernel\]\+0x", line) for line in kernel), kernel[:5]
     assert any(re.search(r"(fsync|sys_fsync)_\[k\]", line) for line in kernel), kernel[:5]
     # The agent uploaded this boot's snapshot (kallsyms are per boot: docs/api.md).
-    info = requests.get(f"{url}/v1/kernels/{_kernel_snapshot()}", timeout=5)
+    info = requests.get(
+        f"{url}/v1/kernels/{_kernel_snapshot()}", headers={"Authorization": "Bearer s3cret"}, timeout=5
+    )
     assert info.status_code == 200
 
 

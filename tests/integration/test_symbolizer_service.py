@@ -77,7 +77,10 @@ def test_ingest_symbolize_and_read_back(
     s2 = make_session("sess-2", demo_binary, service="db", start_ns=t0 + 3600 * 10**9, scale=3)
 
     # The agent checks the kernel first: unknown here.
-    assert requests.get(f"{url}/v1/kernels/{KERNEL_HEX}", timeout=10).status_code == 404
+    # Kernel state is for token holders when tokens are configured (issue 26).
+    assert requests.get(f"{url}/v1/kernels/{KERNEL_HEX}", timeout=10).status_code == 401
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert requests.get(f"{url}/v1/kernels/{KERNEL_HEX}", headers=auth, timeout=10).status_code == 404
     r = post_sessions(url, [s1, s2], TOKEN)
     assert r.status_code == 200, r.text
     assert r.json() == {
@@ -101,7 +104,7 @@ def test_ingest_symbolize_and_read_back(
     # Kernel symbols arrive: the stored sessions are symbolized again.
     assert put_kernel(url).status_code == 401
     assert put_kernel(url, TOKEN).status_code == 204
-    assert requests.get(f"{url}/v1/kernels/{KERNEL_HEX}", timeout=10).status_code == 200
+    assert requests.get(f"{url}/v1/kernels/{KERNEL_HEX}", headers=auth, timeout=10).status_code == 200
     off = folded(url, "sess-1", "off_cpu")
     assert off == {"main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k]": 5}
     assert folded(url, "sess-2", "off_cpu_ns") == {
@@ -212,7 +215,7 @@ def test_writes_need_the_token_and_reads_can(
         r = requests.put(kernel, data=body, headers=auth, timeout=60)
         assert (r.status_code, r.json()["error"]) == (status, reason), r.text
     assert requests.put(f"{url}/v1/kernels/xyz", data=b"", headers=auth, timeout=10).status_code == 400
-    assert requests.get(kernel, timeout=10).status_code == 404
+    assert requests.get(kernel, headers=auth, timeout=10).status_code == 404
 
     locked = symbolizer_server(tmp_path, token=TOKEN, workers=1, read_token=True)
     assert requests.get(locked + "/v1/sessions", timeout=10).status_code == 401

@@ -240,25 +240,29 @@ def test_concurrent_claims_one_wins_then_done(symbolizer_server: Any, tmp_path: 
     states: list[str] = []
     barrier = threading.Barrier(8)
 
-    def claimer() -> None:
+    def claimer(i: int) -> None:
         barrier.wait()
-        states.append(requests.post(claim, timeout=10).json()["state"])
+        state = requests.post(f"{claim}?claimant=agent-{i}", timeout=10).json()["state"]
+        states.append((state, i))
 
-    threads = [threading.Thread(target=claimer) for _ in range(8)]
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(states) == ["claimed"] + ["in_progress"] * 7
+    assert sorted(s for s, _ in states) == ["claimed"] + ["in_progress"] * 7
+    winner = next(i for s, i in states if s == "claimed")
     body = gzip.compress(prog.path.read_bytes())
-    r = requests.put(claim, data=body, headers={"Content-Encoding": "gzip"}, timeout=30)
+    r = requests.put(
+        f"{claim}?claimant=agent-{winner}", data=body, headers={"Content-Encoding": "gzip"}, timeout=30
+    )
     assert r.status_code == 200, r.text
-    assert requests.post(claim, timeout=10).json()["state"] == "done"
+    assert requests.post(f"{claim}?claimant=late", timeout=10).json()["state"] == "done"
 
 
 def _stored_files(url: Any) -> list[str]:
     root = Path(url.state_dir) / "uploads"
-    return [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+    return [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".tmp" not in p.parts]
 
 
 @pytest.mark.parametrize(
@@ -283,13 +287,14 @@ def test_forged_uploads_are_refused_and_nothing_is_stored(
         "oversized": gzip.compress(prog.path.read_bytes() + os.urandom(2 << 20)),
         "gzip_bomb": gzip.compress(b"\0" * (64 << 20)),
     }[case]
-    r = requests.put(target, data=body, headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert requests.post(target + "?claimant=forger", timeout=10).json()["state"] == "claimed"
+    r = requests.put(target + "?claimant=forger", data=body, headers={"Content-Encoding": "gzip"}, timeout=30)
     assert r.status_code == status, r.text
     assert r.json()["error"] == reason
     assert _stored_files(url) == []
     assert requests.get(target, timeout=10).status_code == 404
     # The claim was released: an honest upload is taken at once.
-    assert requests.post(target, timeout=10).json()["state"] == "claimed"
+    assert requests.post(target + "?claimant=honest", timeout=10).json()["state"] == "claimed"
     text = requests.get(url + "/metrics", timeout=10).text
     assert metric_value(text, "bistouri_symbolizer_uploads_refused_total", {"reason": reason}) == 1
     log = Path(url.log_path).read_text()
@@ -313,7 +318,7 @@ def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_p
         def factory(kernels: KallsymsStore) -> Resolver:
             return Resolver.from_options(
                 state,
-                [state / "uploads"],
+                uploads_dir=state / "uploads",
                 kernels=kernels,
                 debuginfod_urls=[],
                 registry=CollectorRegistry(),
@@ -337,10 +342,12 @@ def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_p
 
         assert "upload_leaf" not in read_names()
         # B has the file in place and has not yet re-symbolized the session when A is read.
+        hexid = prog.build_id.hex()
+        assert b.uploads.claim("default", hexid, "executable", "b") == "claimed"
         with open(prog.path, "rb") as f:
-            b.uploads.receive(prog.build_id.hex(), "executable", f.read, gzipped=False)
+            b.uploads.receive("default", hexid, "executable", "b", f.read, gzipped=False)
         assert "upload_leaf" in read_names()
-        b.ingest.received(prog.build_id.hex())
+        b.ingest.received("default", hexid)
         assert "upload_leaf" in read_names()  # and stored so
     finally:
         a.close()
@@ -389,10 +396,13 @@ def test_uploads_need_the_write_token(symbolizer_server: Any, tmp_path: Path) ->
     path = f"{url}/v1/uploads/{hexid}/executable"
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         assert requests.post(path + "?claimant=a", headers=headers, timeout=10).status_code == 401
-        assert requests.put(path, data=binary.read_bytes(), headers=headers, timeout=30).status_code == 401
+        put = requests.put(path + "?claimant=a", data=binary.read_bytes(), headers=headers, timeout=30)
+        assert put.status_code == 401
+        assert requests.get(path, headers=headers, timeout=10).status_code == 401  # upload state too
     good = {"Authorization": "Bearer s3cret-upload-token"}
     assert requests.get(path, headers=good, timeout=10).status_code == 404  # nothing was kept
     r = requests.post(path + "?claimant=a", headers=good, timeout=10)
     assert r.status_code == 200 and r.json()["state"] == "claimed"
-    assert requests.put(path, data=binary.read_bytes(), headers=good, timeout=30).status_code == 200
+    put = requests.put(path + "?claimant=a", data=binary.read_bytes(), headers=good, timeout=30)
+    assert put.status_code == 200
     assert requests.get(path, headers=good, timeout=10).json()["state"] == "done"

@@ -238,18 +238,20 @@ def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -
     assert Client(app).get("/healthz").status_code == 200
 
 
-def test_uploaded_files_count_in_max_db_bytes(tmp_path: Path) -> None:
+def test_uploaded_files_count_in_max_db_bytes_and_go_before_sessions(tmp_path: Path) -> None:
+    """Issue 26 N4: an upload that puts the database over its bound is evicted, not the sessions."""
     s = Store(str(tmp_path / "u.db"))
     s.migrate()
     for i in range(4):
         s.insert(record(f"u{i}", T0 + i), received_ns=T0 + i)
     sessions = s.stats()[1]
-    assert s.claim_upload("ab" * 20, "executable", 10**9, "agent-1") == "claimed"
-    s.finish_upload("ab" * 20, "executable", 10 * sessions)
-    s.max_db_bytes = 10 * sessions + sessions // 2  # the upload and two sessions fit
-    assert s.enforce_retention(T0)["size"] == 2  # sessions go first: the upload pushed them out
-    assert s.expire_uploads(T0) == []  # under the bound now
-    s.max_db_bytes = sessions  # the upload alone is over it: it goes too, once sessions went
-    s.enforce_retention(T0)
-    assert s.expire_uploads(T0) == [("ab" * 20, "executable")]
+    assert s.claim_upload("t", "ab" * 20, "executable", 10**12, "agent-1") == "claimed"
+    assert s.finish_upload("t", "ab" * 20, "executable", "agent-1", 10 * sessions)
+    s.max_db_bytes = 10 * sessions + sessions  # all fit
+    assert s.expire_uploads(T0) == []
+    assert s.enforce_retention(T0)["size"] == 0
+    s.max_db_bytes = 10 * sessions  # over: the upload goes, every session stays
+    assert s.expire_uploads(T0) == [("t", "ab" * 20, "executable", "size")]
+    assert s.enforce_retention(T0)["size"] == 0
+    assert s.stats()[0] == 4
     assert s.upload_bytes() == 0
