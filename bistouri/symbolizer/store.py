@@ -629,8 +629,9 @@ class Store:
     def claim_upload(self, tenant: str, build_id: str, kind: str, lease_ns: int, claimant: str) -> str:
         """Claim the upload of a file: "claimed" (go ahead), "in_progress" (another claimant holds an
         unexpired claim) or "done". Atomic: of concurrent claimants one wins. A claim expires `lease_ns`
-        after it was taken, whoever asks again meanwhile (its own claimant included): a claimant cannot
-        hold it forever; an expired one may be taken by anyone."""
+        after it was taken, whoever asks again meanwhile (its own claimant included): an expired claim may
+        be taken by any other claimant at once, by its last holder only one lease later, so that a
+        claimant that never finishes cannot hold it forever."""
         now = time.time_ns()
         key = (tenant, build_id, kind)
         if self._exec(
@@ -642,19 +643,23 @@ class Store:
             return "claimed"
         if self._exec(
             """UPDATE upload_files SET claimant = ?, changed_ns = ?, expires_ns = ?
-               WHERE tenant = ? AND build_id = ? AND kind = ? AND state = 'claimed' AND expires_ns < ?""",
-            (claimant, now, now + lease_ns, *key, now),
+               WHERE tenant = ? AND build_id = ? AND kind = ? AND state = 'claimed' AND expires_ns < ?
+               AND (claimant != ? OR expires_ns < ?)""",
+            (claimant, now, now + lease_ns, *key, now, claimant, now - lease_ns),
         ):
             return "claimed"  # the last claimant gave up (or died) without finishing
         rows = self._fetch(
-            "SELECT state, claimant FROM upload_files WHERE tenant = ? AND build_id = ? AND kind = ?", key
+            """SELECT state, claimant, expires_ns FROM upload_files
+               WHERE tenant = ? AND build_id = ? AND kind = ?""",
+            key,
         )
         if not rows:
             return "in_progress"  # released between the two statements: asked again later
-        state, holder = rows[0]
+        state, holder, expires_ns = rows[0]
         if state == "done":
             return "done"
-        return "claimed" if claimant and holder == claimant else "in_progress"
+        mine = claimant and holder == claimant and int(expires_ns) >= now
+        return "claimed" if mine else "in_progress"
 
     def holds_claim(self, tenant: str, build_id: str, kind: str, claimant: str) -> bool:
         """Whether `claimant` holds the (unexpired) claim of this file."""
