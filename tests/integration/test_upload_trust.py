@@ -41,9 +41,18 @@ def forge(tmp_path: Path, real: Program) -> Path:
     return out
 
 
-def upload(url: str, path: Path, build_id: bytes, *, tenant: str, claimant: str, headers: Any = None) -> Any:
+def upload(
+    url: str,
+    path: Path,
+    build_id: bytes,
+    *,
+    tenant: str,
+    claimant: str,
+    headers: Any = None,
+    kind: str = "executable",
+) -> Any:
     """What an agent does: claim, then PUT the gzip'd file under the same claimant."""
-    target = f"{url}/v1/uploads/{build_id.hex()}/executable?claimant={claimant}&tenant={tenant}"
+    target = f"{url}/v1/uploads/{build_id.hex()}/{kind}?claimant={claimant}&tenant={tenant}"
     headers = AUTH if headers is None else headers
     claim = requests.post(target, headers=headers, timeout=10)
     body = gzip.compress(path.read_bytes())
@@ -143,15 +152,15 @@ def test_a_claim_expires_and_another_agent_takes_it(symbolizer_server: Any, tmp_
 
 
 def test_operator_sources_win_over_uploads(symbolizer_server: Any, tmp_path: Path) -> None:
-    """An upload is looked at after --binary-dir: a forged file uploaded first never shadows the
-    operator's binary."""
+    """An upload is looked at after --binary-dir: a forged file uploaded first (as the debug file, which
+    the resolver takes its names from) never shadows the operator's binary."""
     real = build(tmp_path, "operator", "symtab")
     fake = forge(tmp_path, real)
     binaries = tmp_path / "bin"
     binaries.mkdir()
     real.path.rename(binaries / "operator")
     url = symbolizer_server(tmp_path, token=TOKEN, workers=1, binary_dir=binaries)
-    _, put = upload(url, fake, real.build_id, tenant="default", claimant="early")
+    _, put = upload(url, fake, real.build_id, tenant="default", claimant="early", kind="debuginfo")
     assert put.status_code == 200, put.text
     post_sessions(url, [session("op-1", real)], TOKEN)
     assert "upload_leaf" in names(url, "op-1") and PWNED not in names(url, "op-1")
@@ -162,7 +171,7 @@ def test_a_build_id_with_a_trailing_newline_is_a_bad_parameter(
 ) -> None:
     """`re.match` with `$` let "ab\\n" through to a ValueError: a 500 on all four endpoints."""
     url = symbolizer_server(tmp_path, workers=1)
-    bad = "abcd%0A"
+    bad = "abc%0A"  # four characters: even, as a build id's hex must be
     answers = [
         requests.get(f"{url}/v1/uploads/{bad}/executable", timeout=10),
         requests.post(f"{url}/v1/uploads/{bad}/executable?claimant=x", timeout=10),
