@@ -117,7 +117,8 @@ def fresh_db(postgres: PgServer) -> str:
     """The shared database emptied of bistouri's tables."""
     with psycopg.connect(postgres.url, autocommit=True) as conn:
         conn.execute(
-            "DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, upload_chunks, schema_version"
+            "DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, upload_chunks, upload_files, "
+            "upload_parts, schema_version"
         )
     return postgres.url
 
@@ -261,9 +262,14 @@ def test_upload_claims_are_shared_by_instances_on_one_database(
     states: list[str] = []
     barrier = threading.Barrier(8)
 
+    winner: list[int] = []
+
     def claim(url: str, agent: int) -> None:
         barrier.wait()
-        states.append(requests.post(f"{url}{path}?claimant=agent-{agent}", timeout=10).json()["state"])
+        state = requests.post(f"{url}{path}?claimant=agent-{agent}", timeout=10).json()["state"]
+        states.append(state)
+        if state == "claimed":
+            winner.append(agent)
 
     threads = [threading.Thread(target=claim, args=((a, b)[i % 2], i)) for i in range(8)]
     for t in threads:
@@ -271,19 +277,19 @@ def test_upload_claims_are_shared_by_instances_on_one_database(
     for t in threads:
         t.join()
     assert sorted(states) == ["claimed"] + ["in_progress"] * 7
-    r = requests.put(a + path, data=demo_binary.path.read_bytes(), timeout=30)
+    r = requests.put(f"{a}{path}?claimant=agent-{winner[0]}", data=demo_binary.path.read_bytes(), timeout=30)
     assert r.status_code == 200, r.text
     with psycopg.connect(fresh_db) as conn:
-        row = conn.execute("SELECT state, size_bytes FROM uploads").fetchone()
+        row = conn.execute("SELECT state, size_bytes FROM upload_files").fetchone()
     assert row == ("done", demo_binary.path.stat().st_size)  # counted for --max-db-bytes on every instance
 
     # The file itself is in the database: B, which never received it, names a session's frames with it.
     hexid = demo_binary.build_id.hex()
-    assert not (b.state_dir / "uploads" / ".build-id" / hexid[:2] / hexid[2:]).exists()
+    assert not (b.state_dir / "uploads" / "default" / ".build-id" / hexid[:2] / hexid[2:]).exists()
     r = post_sessions(b, [make_session("shared-upload", demo_binary)])
     assert r.json()["accepted"] == ["shared-upload"] and "missing_builds" not in r.json(), r.json()
     folded = requests.get(b + "/v1/sessions/shared-upload/folded?value=off_cpu", timeout=10).text
     assert folded.startswith("main;"), folded
-    copied = b.state_dir / "uploads" / ".build-id" / hexid[:2] / hexid[2:]
+    copied = b.state_dir / "uploads" / "default" / ".build-id" / hexid[:2] / hexid[2:]
     assert copied.read_bytes() == demo_binary.path.read_bytes()
     assert requests.post(f"{b}{path}?claimant=agent-9", timeout=10).json()["state"] == "done"
