@@ -462,6 +462,7 @@ class Ingest:
         # Partial files of workers killed while writing: swept whether retention is configured or not.
         if self.uploads is not None:
             self.uploads.sweep()
+            self.store.drop_expired_claims()  # claim rows never outlive two leases, retention or not
         self.kallsyms.sweep()
         if self._retention:
             self.run_retention()

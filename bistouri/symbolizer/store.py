@@ -670,6 +670,15 @@ class Store:
         )
         return bool(rows)
 
+    def drop_expired_claims(self, now_ns: int | None = None) -> int:
+        """Delete claims expired a lease ago or more (the holder may not take them back before: claim_upload)
+        that nobody took: a claimant that gave up leaves no row behind. Returns how many."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        return self._exec(
+            "DELETE FROM upload_files WHERE state = 'claimed' AND expires_ns < ? - (expires_ns - changed_ns)",
+            (now_ns,),
+        )
+
     def live_claims(self, tenant: str) -> int:
         rows = self._fetch(
             "SELECT COUNT(*) FROM upload_files WHERE tenant = ? AND state = 'claimed' AND expires_ns >= ?",
@@ -808,7 +817,7 @@ class Store:
         max_db_bytes, before any session (an agent uploads a file again when asked; a session is
         gone for good). Returns (tenant, build id, kind, reason) of each file: uploads.py removes it."""
         now_ns = time.time_ns() if now_ns is None else now_ns
-        self._exec("DELETE FROM upload_files WHERE state = 'claimed' AND expires_ns < ?", (now_ns,))
+        self.drop_expired_claims(now_ns)
         expired: list[tuple[str, str, str, str]] = []
         gone: set[tuple[str, str, str]] = set()
         if self.retention_days is not None:
