@@ -264,6 +264,8 @@ class Uploads:
         claimant = claimant[:64]
         tenant_bytes, _ = self.quota.per_tenant
         limit = min(self.max_bytes, tenant_bytes, self.quota.total_bytes)
+        if self.store.max_db_bytes is not None:  # a file alone over the database's bound would go at once
+            limit = min(limit, self.store.max_db_bytes)
         fd, tmp = tempfiles.create(self.tmp)
         shared = False
         try:
@@ -380,7 +382,8 @@ def _check_size(size: int, limit: int) -> None:
         raise UploadRefused(
             413,
             "too_large",
-            f"the file is over {limit} bytes (--max-upload-bytes, or the upload quota); it is not kept",
+            f"the file is over {limit} bytes (--max-upload-bytes, an upload quota or --max-db-bytes); "
+            "it is not kept",
         )
 
 

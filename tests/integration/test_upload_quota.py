@@ -25,7 +25,7 @@ PAD = 64 << 20  # zeros after the ELF file: 64 MiB inflated from ~64 KB of gzip
 
 def padded(prog: Program, tmp_path: Path, pad: int = PAD) -> Path:
     """The program with `pad` zero bytes after it: still ELF with its build id, large once inflated."""
-    out = tmp_path / f"{prog.path.name}.padded"
+    out = tmp_path / f"{prog.path.name}.padded-{pad}"
     with open(out, "wb") as f:
         f.write(prog.path.read_bytes())
         f.truncate(f.tell() + pad)
@@ -48,24 +48,28 @@ def stored(url: str) -> int:
     return int(requests.get(f"{url}/v1/sessions?limit=1", timeout=10).json()["total"])
 
 
-def test_an_upload_over_the_database_bound_goes_before_any_session(
+def test_uploads_over_the_database_bound_go_before_any_session(
     symbolizer_server: Any, tmp_path: Path
 ) -> None:
-    """The N4 scenario: 21 sessions stored, then one small body inflating to more than --max-db-bytes.
-    Retention (right after the upload, and at the next ingest of a restarted service) evicts the upload;
+    """The N4 scenario: 21 sessions stored, then uploads from small bodies that inflate past --max-db-bytes.
+    A file alone over it is refused while inflating; two that fit alone but not together: the least
+    recently used is evicted (right after the upload, and by the next retention of a restarted service);
     every session stays."""
-    prog = build(tmp_path, "bloat", "symtab")
+    progs = [build(tmp_path, f"bloat-{i}", "symtab") for i in range(2)]
     state = tmp_path / "state"
     url = symbolizer_server(tmp_path, workers=1, state_dir=state, max_db_bytes="50M")
-    r = post_sessions(url, [session(f"keep-{i}", prog) for i in range(21)])
+    r = post_sessions(url, [session(f"keep-{i}", progs[0]) for i in range(21)])
     assert len(r.json()["accepted"]) == 21
-    assert upload(url, padded(prog, tmp_path), prog.build_id).status_code == 200
+    for prog in progs:
+        assert upload(url, padded(prog, tmp_path, 30 << 20), prog.build_id).status_code == 200
     stop(url)
     url = symbolizer_server(tmp_path, workers=1, state_dir=state, max_db_bytes="50M")
-    assert post_sessions(url, [session("after", prog)]).json()["accepted"] == ["after"]  # retention runs
+    assert post_sessions(url, [session("after", progs[0])]).json()["accepted"] == ["after"]  # retention runs
     assert stored(url) == 22
-    assert not uploaded(url, prog)
-    assert not any(p.is_file() for p in (state / "uploads").rglob("*") if ".tmp" not in p.parts)
+    assert [uploaded(url, p) for p in progs] == [False, True]
+    # A file alone over the bound would go at once: refused while inflating.
+    r = upload(url, padded(progs[0], tmp_path, 64 << 20), progs[0].build_id, claimant="huge")
+    assert r.status_code == 413 and r.json()["error"] == "too_large", r.text
 
 
 def test_the_quota_evicts_the_least_recently_used_upload_of_the_tenant(
