@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from . import abi
+from . import abi, safeopen
 from .procmaps import ProcMapsStats
 from .unwind import UnwindStats
 
@@ -270,6 +270,19 @@ class BpfCountersCollector(Collector):
             "Perf maps that reached their byte bound: JIT code generated after that stays unnamed",
             value=maps.perf_map_truncated,
         )
+        yield CounterMetricFamily(
+            "bistouri_proc_maps_mappings_over_bound",
+            "Executable mappings past the per-process bound (16 384) in one read of its maps: not kept",
+            value=maps.mappings_over_bound,
+        )
+        refused = CounterMetricFamily(
+            "bistouri_files_refused",
+            "Files of watched processes not read (perf maps, mapped files, uploads), by reason",
+            labels=["reason"],
+        )
+        for reason in safeopen.REASONS:
+            refused.add_metric([reason], safeopen.REFUSED[reason])
+        yield refused
         yield CounterMetricFamily(
             "bistouri_samples_orphaned",
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",

@@ -44,6 +44,7 @@ class _OpenHow(ctypes.Structure):
 # Files refused, by reason (metric bistouri_files_refused_total): symlink, not_regular,
 # owner, too_large. Updated from several threads: a Counter's += under the GIL is enough
 # for a count read at scrape time.
+REASONS = ("symlink", "not_regular", "owner", "too_large")
 REFUSED: Counter[str] = Counter()
 _openat2_works = True  # cleared at the first ENOSYS (or a seccomp EPERM): the walk then
 

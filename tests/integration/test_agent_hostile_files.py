@@ -1,0 +1,99 @@
+"""Files a watched process controls, as the real agent reads them (issue 26, N5).
+
+The attacker is a real `nobody` process that runs JIT-like code (a loop in anonymous
+executable memory, so the agent names its frames from its perf map) and puts at its
+`/tmp/perf-PID.map` a FIFO (the agent froze for good on it) or a symlink to a root-only
+file (whose content went into the profile).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Cgroup, wait_until
+from tests.integration.agent_harness import AgentProcess, burner_config
+
+pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+
+SECRET = "ROOT_ONLY_SECRET"
+
+# Stdlib only, passed with -c: `nobody` may not traverse the checkout. Spins in `jmp .`
+# copied to anonymous executable memory; prints that address once its perf map is placed.
+SPINNER = r"""
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None)
+libc.prctl(15, b"jitspin")
+flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # shared anonymous memory is /dev/zero's
+mem = mmap.mmap(-1, 4096, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+mem.write(b"\xeb\xfe")
+addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+mode, target = sys.argv[1], sys.argv[2]
+if mode == "private":
+    libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
+path = f"/tmp/perf-{os.getpid()}.map"
+if mode == "fifo":
+    os.mkfifo(path)
+else:
+    os.symlink(target, path)
+print(hex(addr), flush=True)
+ctypes.CFUNCTYPE(None)(addr)()
+"""
+
+
+def _spawn(cg: Cgroup, mode: str, target: str) -> tuple[subprocess.Popen, int]:
+    argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    if mode == "private":  # its own mount namespace, where it is root over its own /tmp
+        argv += ["unshare", "--user", "--map-root-user", "--mount"]
+    p = cg.spawn([*argv, "/usr/bin/python3", "-c", SPINNER, mode, target], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    return p, int(p.stdout.readline(), 16)
+
+
+@pytest.mark.parametrize("mode", ["fifo", "symlink", "private"])
+def test_a_hostile_perf_map_neither_freezes_the_agent_nor_leaks_a_root_file(tmp_path, mode):
+    secret_dir = tmp_path / "root-only"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "secret.map"
+    cfg = burner_config(comm="jitspin")
+    with Cgroup.create() as cg:
+        # Three spinners on two CPUs: CPU pressure in their cgroup starts a session.
+        spinners = [_spawn(cg, mode, str(secret)) for _ in range(3)]
+        lines = "".join(f"{addr:x} 1000 {SECRET}\n" for _, addr in spinners)
+        secret.write_text(lines)
+        secret.chmod(0o600)
+        pids = {p.pid for p, _ in spinners}
+        try:
+            with AgentProcess(tmp_path, cfg, walk_interval=2) as agent:
+                s = agent.wait_session(
+                    lambda s: s.service == "jitspin_svc" and bool(pids & set(s.processes)), 25
+                )
+                assert s is not None, f"no session: the agent froze?\n{agent.log()[-3000:]}"
+                # The loop in anonymous memory was sampled (its perf map consulted), and left unnamed.
+                addrs = {addr for _, addr in spinners}
+                leaves = [t.user[0] for t in s.traces if t.pid in pids and t.user]
+                assert any(f.address in addrs for f in leaves), leaves[:5]
+                assert all(SECRET not in f.name for t in s.traces for f in t.user)
+                assert SECRET not in agent.log()
+                reason = "not_regular" if mode == "fifo" else "symlink"
+                assert wait_until(
+                    lambda: agent.metrics().get(f'bistouri_files_refused_total{{reason="{reason}"}}', 0) >= 1,
+                    10,
+                ), agent.metrics()
+                t0 = time.monotonic()
+                assert agent.proc is not None
+                agent.signal(signal.SIGTERM)
+                agent.proc.wait(10)
+                assert time.monotonic() - t0 < 10
+        finally:
+            for p, _ in spinners:
+                p.kill()
+                p.wait()
+            for pid in pids:
+                Path(f"/tmp/perf-{pid}.map").unlink(missing_ok=True)
+        assert not os.path.exists(f"/tmp/perf-{min(pids)}.map")
