@@ -1,23 +1,28 @@
-"""Files a watched process controls, as the real agent reads them (issue 26, N5).
+"""Files a watched process controls, as the real agent and `record` read them (issue 26, N5).
 
 The attacker is a real `nobody` process that runs JIT-like code (a loop in anonymous
 executable memory, so the agent names its frames from its perf map) and puts at its
 `/tmp/perf-PID.map` a FIFO (the agent froze for good on it) or a symlink to a root-only
-file (whose content went into the profile).
+file (whose content went into the profile); for `record`, it also replaces a file it
+maps with a FIFO (record's build-id tree opened that path).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import Cgroup, wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
+from tests.integration.test_record import record
 
 pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
 
@@ -39,11 +44,27 @@ if mode == "private":
 path = f"/tmp/perf-{os.getpid()}.map"
 if mode == "fifo":
     os.mkfifo(path)
+    mapped = f"{target}/mapped-{os.getpid()}"
+    with open(mapped, "wb") as f:
+        f.write(bytes(4096))
+    with open(mapped, "rb") as f:
+        keep = mmap.mmap(f.fileno(), 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
+    os.unlink(mapped)
+    os.mkfifo(mapped)
 else:
     os.symlink(target, path)
 print(hex(addr), flush=True)
 ctypes.CFUNCTYPE(None)(addr)()
 """
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[str]:
+    """A directory `nobody` may write in, outside the checkout (it may not traverse it)."""
+    d = tempfile.mkdtemp(prefix="bistouri-hostile-")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d)
 
 
 def _spawn(cg: Cgroup, mode: str, target: str) -> tuple[subprocess.Popen, int]:
@@ -56,14 +77,14 @@ def _spawn(cg: Cgroup, mode: str, target: str) -> tuple[subprocess.Popen, int]:
 
 
 @pytest.mark.parametrize("mode", ["fifo", "symlink", "private"])
-def test_a_hostile_perf_map_neither_freezes_the_agent_nor_leaks_a_root_file(tmp_path, mode):
+def test_a_hostile_perf_map_neither_freezes_the_agent_nor_leaks_a_root_file(tmp_path, nobody_dir, mode):
     secret_dir = tmp_path / "root-only"
     secret_dir.mkdir(mode=0o700)
     secret = secret_dir / "secret.map"
     cfg = burner_config(comm="jitspin")
     with Cgroup.create() as cg:
         # Three spinners on two CPUs: CPU pressure in their cgroup starts a session.
-        spinners = [_spawn(cg, mode, str(secret)) for _ in range(3)]
+        spinners = [_spawn(cg, mode, nobody_dir if mode == "fifo" else str(secret)) for _ in range(3)]
         lines = "".join(f"{addr:x} 1000 {SECRET}\n" for _, addr in spinners)
         secret.write_text(lines)
         secret.chmod(0o600)
@@ -97,3 +118,18 @@ def test_a_hostile_perf_map_neither_freezes_the_agent_nor_leaks_a_root_file(tmp_
             for pid in pids:
                 Path(f"/tmp/perf-{pid}.map").unlink(missing_ok=True)
         assert not os.path.exists(f"/tmp/perf-{min(pids)}.map")
+
+
+def test_record_does_not_hang_on_a_target_s_fifos(tmp_path, nobody_dir):
+    """`record --pid` of a `nobody` process with a FIFO as its perf map and a FIFO where a file it
+    maps was: it samples, writes its outputs and exits."""
+    with Cgroup.create() as cg:
+        p, _addr = _spawn(cg, "fifo", nobody_dir)
+        try:
+            r = record("--pid", str(p.pid), "-d", "2", "--no-cache", "-o", str(tmp_path / "o"), timeout=60)
+        finally:
+            p.kill()
+            p.wait()
+            Path(f"/tmp/perf-{p.pid}.map").unlink(missing_ok=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "o" / "profile.folded").exists()
