@@ -26,6 +26,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from . import abi, safeopen
+from .ehframe import BOUND_REASONS
 from .procmaps import ProcMapsStats
 from .unwind import UnwindStats
 
@@ -227,6 +228,14 @@ class BpfCountersCollector(Collector):
         built.add_metric(["disk_cache"], u.cache_hits)
         built.add_metric(["failed"], u.failed)
         yield built
+        refused = CounterMetricFamily(
+            "bistouri_unwind_tables_refused",
+            "Files without an unwind table, by reason: malformed, unreadable, or a bound of the CFI parser",
+            labels=["reason"],
+        )
+        for reason in ("malformed", "unreadable", *BOUND_REASONS):
+            refused.add_metric([reason], u.refused.get(reason, 0))
+        yield refused
         yield CounterMetricFamily(
             "bistouri_unwind_build_cpu_seconds", "CPU time spent building unwind tables", value=u.build_cpu_s
         )

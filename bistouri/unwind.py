@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from . import abi, safeopen, threads
 from .bpf import Map
-from .ehframe import ROW, CfaKind, RbpKind, UnwindTableError, build_table
+from .ehframe import ROW, CfaKind, CfiLimits, RbpKind, UnwindTableError, build_table
 from .procmaps import MappedPath
 from .symbolizer.elf import ElfFile, ElfFormatError
 
@@ -80,6 +80,7 @@ class UnwindStats:
     build_cpu_s: float = 0.0
     cache_hits: int = 0  # tables read from the disk cache
     failed: int = 0  # files whose CFI could not be read
+    refused: dict[str, int] = field(default_factory=dict)  # of those, by UnwindTableError.reason
     loaded_rows: int = 0  # rows in the BPF array now
     evicted: int = 0  # files evicted from the BPF array
     too_large: int = 0  # files whose table exceeds the BPF array
@@ -136,21 +137,21 @@ def read_cached(path: str) -> Table | None:
     return Table(segs, data[rows_at:])
 
 
-def compile_file(path: str) -> Table:
+def compile_file(path: str, limits: CfiLimits | None = None) -> Table:
     """The table of the ELF file at `path` (UnwindTableError if it cannot be read)."""
     try:
         with ElfFile(path) as elf:
             segs = tuple((s.offset, s.vaddr, s.filesz) for s in elf.segments if s.flags & 1)
     except ElfFormatError as e:
         raise UnwindTableError(path, str(e)) from e
-    return Table(segs, build_table(path))
+    return Table(segs, build_table(path, limits))
 
 
-def compile_mapped(where: MappedPath) -> Table:
+def compile_mapped(where: MappedPath, limits: CfiLimits | None = None) -> Table:
     """The table of a file a process maps, read from one descriptor (see safeopen)."""
     fd = where.open()
     try:
-        return compile_file(safeopen.fd_path(fd))
+        return compile_file(safeopen.fd_path(fd), limits)
     finally:
         os.close(fd)
 
@@ -176,6 +177,8 @@ class UnwindTables:
         self._generation_map = maps["unwind_generation"]
         self._generation = 0
         self.capacity = self._rows_map.max_entries
+        # A file with more rows than the array holds could not be loaded: parsing stops there.
+        self._limits = CfiLimits(max_rows=min(self.capacity, CfiLimits().max_rows))
         self.proc_root = proc_root
         self.cache_dir = cache_dir
         self.cache_max_bytes = cache_max_bytes
@@ -345,9 +348,11 @@ class UnwindTables:
             return None
         cpu = time.thread_time()
         try:
-            t = compile_mapped(where)
+            t = compile_mapped(where, self._limits)
         except (UnwindTableError, OSError) as e:
             self.stats.failed += 1
+            reason = e.reason if isinstance(e, UnwindTableError) else "unreadable"
+            self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
             log.info("No unwind table for %s: %s", where.name, e)
             return None
         used = time.thread_time() - cpu

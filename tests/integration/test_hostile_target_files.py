@@ -1,10 +1,11 @@
-"""Files a watched process controls, as the real agent and `record` read them (issue 26, N5).
+"""Files a watched process controls, as the real agent and `record` read them (issue 26, N5, N6).
 
 The attacker is a real `nobody` process that runs JIT-like code (a loop in anonymous
 executable memory, so the agent names its frames from its perf map) and puts at its
 `/tmp/perf-PID.map` a FIFO (the agent froze for good on it) or a symlink to a root-only
 file (whose content went into the profile); for `record`, it also replaces a file it
-maps with a FIFO (record's build-id tree opened that path).
+maps with a FIFO (record's build-id tree opened that path). Last, it maps a file with a
+crafted `.eh_frame` (the agent parsed it whole before bounding it, and was OOM-killed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import Cgroup, wait_until
+from tests.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb
 from tests.integration.agent_harness import AgentProcess, burner_config
 from tests.integration.test_record import record
 
@@ -133,3 +135,68 @@ def test_record_does_not_hang_on_a_target_s_fifos(tmp_path, nobody_dir):
             Path(f"/tmp/perf-{p.pid}.map").unlink(missing_ok=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "o" / "profile.folded").exists()
+
+
+# Maps the file given executable and sleeps: its unwind table is prepared as soon as the walk
+# finds it (no pressure needed).
+MAPPER = r"""
+import ctypes, mmap, sys, time
+ctypes.CDLL(None).prctl(15, b"cfibomb")
+with open(sys.argv[1], "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A v1 memory cgroup of 512 MiB, as the agent's unit ships (MemoryMax=512M)."""
+    path = Path("/sys/fs/cgroup/memory") / f"bistouri-test-{os.getpid()}-{time.monotonic_ns()}"
+    path.mkdir()
+    (path / "memory.limit_in_bytes").write_text(str(512 << 20))
+    yield path
+    for pid in (path / "cgroup.procs").read_text().split():
+        os.kill(int(pid), signal.SIGKILL)
+    wait_until(lambda: not (path / "cgroup.procs").read_text().strip(), 10)
+    path.rmdir()
+
+
+def test_a_hostile_eh_frame_costs_the_agent_bounded_memory(tmp_path, nobody_dir, memory_cgroup):
+    """A `nobody` process maps a file with 10 MB of crafted .eh_frame (a row every 3 bytes): the
+    agent, in 512 MiB, refuses it while parsing (it reached 477 MiB, then the OOM killer)."""
+    bomb = Path(nobody_dir) / "cfibomb.so"
+    bomb.write_bytes(elf_with_eh_frame(row_bomb(10 << 20, address=EH_FRAME_ADDR), os.urandom(20)))
+    bomb.chmod(0o644)
+    mapper = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-c", MAPPER]
+        + [str(bomb)],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert mapper.stdout is not None and mapper.stdout.readline() == b"ready\n"
+        agent = AgentProcess(tmp_path, burner_config(comm="cfibomb"), walk_interval=2)
+        join = f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"'
+        agent.argv = ["sh", "-c", join, "sh", *agent.argv]
+        with agent:
+            assert agent.proc is not None
+
+            def done() -> bool:
+                return (
+                    agent.proc.poll() is not None
+                    or agent.metrics()['bistouri_unwind_tables_total{source="failed"}'] >= 1
+                )
+
+            assert wait_until(done, 90), agent.log()[-3000:]
+            assert agent.proc.poll() is None, f"the agent died\n{agent.log()[-3000:]}"
+            assert agent.metrics()['bistouri_unwind_tables_refused_total{reason="too_many_rows"}'] == 1
+            status = Path(f"/proc/{agent.proc.pid}/status").read_text()
+            hwm = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+            peak = int((memory_cgroup / "memory.max_usage_in_bytes").read_text())
+            assert int((memory_cgroup / "memory.failcnt").read_text()) == 0
+            # The agent's own peak (about 60 MiB measured), far from its unit's 512 MiB.
+            print(f"agent VmHWM {hwm >> 10} MiB, cgroup peak {peak >> 20} MiB")
+            assert hwm < 150 << 10 and peak < 256 << 20, (hwm, peak)
+    finally:
+        mapper.kill()
+        mapper.wait()
