@@ -22,7 +22,9 @@ space from `/proc/PID/maps`:
   never through a symlink, and outside the lock (the ring thread never waits on it).
 
 Used by the ring-buffer thread (`generation`, `resolve`) and the main thread (`track`,
-`file`, `jit_name`): one lock guards everything. A re-read costs tokens in proportion to
+`file`, `jit_name`): one lock guards everything, and is released while a maps file is
+read and new files are opened (a process controls those: a stuck FUSE mount in its
+namespace must stall only the thread that opens it). A re-read costs tokens in proportion to
 the lines read (a process with 60 000 churning mappings is read a few times a second, not
 twenty), and at most `max_mappings` executable mappings of a process are kept.
 """
@@ -35,7 +37,8 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -264,56 +267,52 @@ class ProcMaps:
         return t
 
     def _read(self, pid: int, t: _Table) -> None:
+        """Read the maps of `pid` into `t`. Called with the lock held: reading the maps and opening
+        the files not seen before is done with it released (the other thread never waits on a
+        file a process controls), the table is installed under it."""
         base = f"{self.proc_root}/{pid}"
         t.read_at = self._clock()
         t.stale = False
         self.stats.reads += 1
-        try:
-            with open(f"{base}/maps", "rb") as f:
-                data = f.read()
-        except PermissionError:
-            # Another user's process without CAP_SYS_PTRACE: nothing to map with, counted apart.
-            t.denied = True
-            data = b""
-        except OSError:
-            data = b""
+        with _released(self._lock):
+            data, denied = _read_maps(base)
+            lines = data.splitlines()
+            rows, over = _parse_maps(lines, self.max_mappings)
         if not data:
             # Gone (or a zombie without mm): keep what was read before, for late samples.
+            t.denied = denied  # another user's process without CAP_SYS_PTRACE: counted apart
             t.gone = True
             return
-        t.denied = False
-        before = t.nbytes
-        starts: list[int] = []
-        ends: list[int] = []
-        pgoffs: list[int] = []
-        files: list[int] = []
-        lines = data.splitlines()
+        self.stats.mappings_over_bound += over
         # One line per VMA, plus the gate area that is not one.
         t.map_count = len(lines) - (b"[vsyscall]" in data)
         # A big table costs more of the re-read budget (the one read here was already paid).
         t.tokens -= len(lines) // _LINES_PER_TOKEN
-        for line in lines:
-            parts = line.split(None, 5)
-            if len(parts) < 5 or b"x" not in parts[1]:
-                continue
-            if len(starts) >= self.max_mappings:
-                self.stats.mappings_over_bound += 1
-                continue
-            lo, _, hi = parts[0].partition(b"-")
-            start, end = int(lo, 16), int(hi, 16)
-            path = parts[5].decode(errors="replace") if len(parts) > 5 else ""
-            if path.startswith("/") and parts[4] != b"0":
-                fid = self._file_id(base, parts[0].decode(), parts[3], parts[4], path)
-            elif path == "[vdso]":
-                fid = -1 - FrameStatus.VDSO
-            elif path.startswith("[") and not path.startswith("[anon"):
-                continue  # [vsyscall] and the like: not user code a stack can name
+        new = {
+            (r[3], r[4], r[5]): MappedPath(base, r[6], r[5])
+            for r in rows
+            if r[2] == _FILE and (r[3], r[4], r[5]) not in self._file_ids
+        }
+        if new:
+            with _released(self._lock):
+                build_ids = {key: where.build_id() for key, where in new.items()}
+            for key, bid in build_ids.items():
+                self._add_file(key, bid)
+        starts, ends, pgoffs, files = [], [], [], []
+        for start, end, kind, dev, inode, name, rng, pgoff in rows:
+            if kind == _FILE:
+                fid = self._file_ids[(dev, inode, name)]
+                bid = self._files[fid].build_id
+                if bid:
+                    self._where[bid] = MappedPath(base, rng, name)
             else:
-                fid = -1 - FrameStatus.ANON  # anonymous executable memory: JIT code
+                fid = -1 - kind
             starts.append(start)
             ends.append(end)
-            pgoffs.append(int(parts[2], 16))
+            pgoffs.append(pgoff)
             files.append(fid)
+        before = t.nbytes
+        t.denied = False
         t.starts, t.ends, t.pgoffs, t.files = starts, ends, pgoffs, files
         if t.perf is None and -1 - FrameStatus.ANON in files:
             # Where its perf map is, found while the process lives: a short-lived JIT process
@@ -322,33 +321,23 @@ class ProcMaps:
         t.known = {}
         t.gone = False
         t.generation += 1
-        self._bytes += t.nbytes - before
-        self._evict()
+        if self._tables.get(pid) is t:  # not evicted while the lock was released
+            self._bytes += t.nbytes - before
+            self._evict()
         if self.on_reread is not None:
             self.on_reread(pid)
 
-    def _file_id(self, base: str, rng: str, dev: bytes, inode: bytes, path: str) -> int:
-        name = path.removesuffix(" (deleted)")
-        where = MappedPath(base, rng, name)
-        key = (dev, inode, name)
-        fid = self._file_ids.get(key)
-        if fid is not None:
-            bid = self._files[fid].build_id
-            if bid:
-                self._where[bid] = where
-            return fid
+    def _add_file(self, key: tuple[bytes, bytes, str], build_id: bytes) -> None:
+        if key in self._file_ids:  # the other thread added it meanwhile
+            return
         if len(self._files) >= self.max_files:
             # Bounded: past this many distinct files (a host replacing binaries for days), new
             # ones share one entry, counted, and their frames keep only an offset.
             self.stats.files_over_bound += 1
-            return self._over_bound_file()
-        build_id = where.build_id()
-        fid = len(self._files)
-        self._files.append(MappedFile(build_id, os.path.basename(name)))
-        self._file_ids[key] = fid
-        if build_id:
-            self._where[build_id] = where
-        return fid
+            self._file_ids[key] = self._over_bound_file()
+            return
+        self._file_ids[key] = len(self._files)
+        self._files.append(MappedFile(build_id, os.path.basename(key[2])))
 
     def _over_bound_file(self) -> int:
         if self._over_bound < 0:
@@ -486,6 +475,62 @@ class ProcMaps:
         pm.starts = [e[0] for e in ordered]
         pm.ends = [e[1] for e in ordered]
         pm.names = [e[2] for e in ordered]
+
+
+_FILE = -1  # a row of _parse_maps that is a file mapping (else its FrameStatus)
+
+
+def _read_maps(base: str) -> tuple[bytes, bool]:
+    """The content of `base`/maps, and whether it was denied (b"" when unreadable)."""
+    try:
+        with open(f"{base}/maps", "rb") as f:
+            return f.read(), False
+    except PermissionError:
+        return b"", True
+    except OSError:
+        return b"", False
+
+
+# start, end, _FILE or a FrameStatus, device, inode, path, range, pgoff
+_Row = tuple[int, int, int, bytes, bytes, str, str, int]
+
+
+def _parse_maps(lines: list[bytes], max_mappings: int) -> tuple[list[_Row], int]:
+    """The executable mappings of a maps file (at most `max_mappings`), and how many were past it."""
+    rows: list[_Row] = []
+    over = 0
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 5 or b"x" not in parts[1]:
+            continue
+        if len(rows) >= max_mappings:
+            over += 1
+            continue
+        lo, _, hi = parts[0].partition(b"-")
+        path = parts[5].decode(errors="replace") if len(parts) > 5 else ""
+        if path.startswith("/") and parts[4] != b"0":
+            kind = _FILE
+            path = path.removesuffix(" (deleted)")
+        elif path == "[vdso]":
+            kind = FrameStatus.VDSO
+        elif path.startswith("[") and not path.startswith("[anon"):
+            continue  # [vsyscall] and the like: not user code a stack can name
+        else:
+            kind = FrameStatus.ANON  # anonymous executable memory: JIT code
+        rows.append(
+            (int(lo, 16), int(hi, 16), kind, parts[3], parts[4], path, parts[0].decode(), int(parts[2], 16))
+        )
+    return rows, over
+
+
+@contextmanager
+def _released(lock: threading.Lock) -> Iterator[None]:
+    """The lock held by the caller, released for some I/O."""
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
 
 
 def _perf_name(pm: _PerfMap, ip: int) -> str | None:
