@@ -73,7 +73,7 @@ class CfiLimits:
     """What parsing one file may cost. The defaults hold every file of a Debian system (libc has
     28 000 rows, python3.11 65 000) and keep the worst case to tens of MiB."""
 
-    max_rows: int = 1 << 19  # the whole file's rows: what the BPF array holds (unwind_rows)
+    max_rows: int = 1 << 20  # the whole file's rows: what the BPF array holds (unwind_rows)
     max_entries: int = 1 << 17  # CIEs and FDEs
     max_ops: int = 1 << 16  # instructions of one CIE's or FDE's program
     max_states: int = 64  # remember_state depth

@@ -178,7 +178,7 @@ class UnwindTables:
         self._generation = 0
         self.capacity = self._rows_map.max_entries
         # A file with more rows than the array holds could not be loaded: parsing stops there.
-        self._limits = CfiLimits(max_rows=min(self.capacity, CfiLimits().max_rows))
+        self._limits = CfiLimits(max_rows=self.capacity)
         self.proc_root = proc_root
         self.cache_dir = cache_dir
         self.cache_max_bytes = cache_max_bytes

@@ -73,7 +73,7 @@ def test_a_10_mb_row_bomb_costs_little_memory_and_is_refused(tmp_path):
     finally:
         tracemalloc.stop()
     assert e.value.reason == "too_many_rows"
-    # The section (10 MiB, read once) and 512 Ki rows of 12 bytes; it was 477 MiB of Row objects.
+    # The section (10 MiB, read once) and 1 Mi rows of 12 bytes; it was 477 MiB of Row objects.
     assert peak < 40 << 20, peak >> 20
 
 
