@@ -13,6 +13,7 @@ BENCHES = (
     "bench.bench_ingest",
     "bench.bench_upload",
     "bench.bench_attacks",
+    "bench.bench_agent_attacks",
     "bench.bench_service_limits",
     "bench.bench_record",
     "bench.bench_episode",

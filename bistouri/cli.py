@@ -36,7 +36,12 @@ def _setup_logging(level: str) -> None:
     fmt = "%(levelname)s %(name)s: %(message)s"
     if not os.environ.get("JOURNAL_STREAM"):
         fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt)
+    from .logtext import OneLineFormatter
+
+    handler = logging.StreamHandler()
+    # Comms, cgroups and paths in messages come from watched processes: one line each, escaped.
+    handler.setFormatter(OneLineFormatter(fmt))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -56,12 +56,15 @@ class WalkJob:
 
 
 def find_unit_cgroup(cgroup_root: str, unit: str, max_depth: int = UNIT_SEARCH_DEPTH) -> str | None:
-    """The path (relative to the mount) of the shallowest cgroup directory named `unit`.
+    """The path (relative to the mount) of the system unit `unit`: the shallowest cgroup directory
+    of that name reached through slices only.
 
-    systemd places a unit at `<slice>/<unit>` (system.slice/nginx.service, or
-    user.slice/user-1000.slice/user@1000.service/...): searching by name finds it
-    wherever its slice is, breadth first so the unit's own cgroup wins over a
-    same-named child.
+    The system manager places a unit in its slice (system.slice/nginx.service,
+    user.slice/user-1000.slice/user@1000.service, a-b.slice/x.service): searching by name finds it
+    wherever its slice is. Below a service or a scope the cgroups are no longer the system
+    manager's: a unit with `Delegate=` (user@UID.service, a container) hands its subtree to its
+    processes, which may name a directory after any unit there. So the search never enters a
+    cgroup that is not a `.slice`.
     """
     level = [cgroup_root]
     for _ in range(max_depth):
@@ -75,7 +78,8 @@ def find_unit_cgroup(cgroup_root: str, unit: str, max_depth: int = UNIT_SEARCH_D
             for e in entries:
                 if e.name == unit:
                     return "/" + os.path.relpath(e.path, cgroup_root)
-                below.append(e.path)
+                if e.name.endswith(".slice"):
+                    below.append(e.path)
         if not below:
             return None
         level = below

@@ -12,6 +12,13 @@ Stdlib only (the agent's core has no compiled dependency); the ELF sections
 come from `symbolizer.elf`, which is pure Python too.
 
 Row kinds (`CfaKind`) mirror `enum bistouri_cfa_kind` in bpf/bistouri.h.
+
+The CFI comes from files the watched processes map, so it may be hostile: a 10 MB
+crafted `.eh_frame` once took the agent to 477 MiB and the OOM killer, because rows
+were bounded only once the whole table was built. Parsing is bounded as it goes
+(`CfiLimits`: rows, entries, instructions, saved states, section bytes) and rows are
+kept packed (`ROW`, 12 bytes each) from the start; a file past a bound is refused
+with a reason (`UnwindTableError.reason`, counted by the unwind builder).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 from .abi import CfaKind, RbpKind
 from .errors import BistouriError
-from .symbolizer.elf import ElfFile, ElfFormatError
+from .symbolizer.elf import ElfFile, ElfFormatError, Section
 
 # x86-64 DWARF register numbers.
 REG_RBP = 6
@@ -40,13 +47,96 @@ _DW_OP_LIT0 = 0x30
 
 _MAX_OFFSET = (1 << 31) - 1
 
+Buffer = bytes | memoryview  # programs and expressions: slices of the section, not copies
+
 
 class UnwindTableError(BistouriError):
-    """A file's call frame information is malformed beyond what can be skipped."""
+    """A file's call frame information is malformed beyond what can be skipped, or past a bound
+    of `CfiLimits` (`reason` names which: the metric label)."""
 
-    def __init__(self, path: str, why: str) -> None:
+    def __init__(self, path: str, why: str, reason: str = "malformed") -> None:
         self.path = path
+        self.reason = reason
         super().__init__(f"cannot build an unwind table for {path}: {why}")
+
+
+class CfiBoundError(ValueError):
+    """Parsing stopped at a bound of `CfiLimits`."""
+
+    def __init__(self, reason: str, bound: int) -> None:
+        super().__init__(f"{reason.replace('_', ' ')} (bound {bound})")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class CfiLimits:
+    """What parsing one file may cost. The defaults hold every file of a Debian system (libc has
+    28 000 rows, python3.11 65 000) and keep the worst case to tens of MiB."""
+
+    max_rows: int = 1 << 20  # the whole file's rows: what the BPF array holds (unwind_rows)
+    max_entries: int = 1 << 17  # CIEs and FDEs
+    max_ops: int = 1 << 16  # instructions of one CIE's or FDE's program
+    max_states: int = 64  # remember_state depth
+    max_section_bytes: int = 64 << 20  # .eh_frame or .debug_frame
+
+
+# Why a file's table was refused beyond "malformed" (UnwindTableError.reason).
+BOUND_REASONS = (
+    "too_many_rows",
+    "too_many_entries",
+    "program_too_long",
+    "too_many_states",
+    "section_too_large",
+)
+
+
+class _Budget:
+    """What is left of a file's `CfiLimits` as parsing goes."""
+
+    __slots__ = ("entries", "limits", "ops", "rows")
+
+    def __init__(self, limits: CfiLimits) -> None:
+        self.limits = limits
+        self.rows = limits.max_rows
+        self.entries = limits.max_entries
+        self.ops = 0  # instructions left for the section being parsed (see _parse)
+
+    def entry(self) -> None:
+        self.entries -= 1
+        if self.entries < 0:
+            raise CfiBoundError("too_many_entries", self.limits.max_entries)
+
+
+class _Rows:
+    """One FDE's rows as the program runs, packed (`ROW`): the last one of a PC kept, runs of one
+    rule merged, nothing at or past the FDE's end; each row kept is taken from the budget."""
+
+    __slots__ = ("budget", "buf", "end", "last_pc", "last_rule")
+
+    def __init__(self, budget: _Budget, end: int) -> None:
+        self.budget = budget
+        self.end = end
+        self.buf = bytearray()
+        self.last_pc = -1
+        self.last_rule: Rule | None = None
+
+    def add(self, pc: int, rule: Rule) -> None:
+        if pc >= self.end:
+            return
+        if pc == self.last_pc:
+            del self.buf[-ROW.size :]
+            self.budget.rows += 1
+            self.last_pc = -1
+            self.last_rule = ROW.unpack_from(self.buf, len(self.buf) - ROW.size)[1:] if self.buf else None
+        if rule == self.last_rule:
+            return
+        if not 0 <= pc <= 0xFFFF_FFFF:
+            raise ValueError(f"PC 0x{pc:x} does not fit the 32-bit rows")
+        self.budget.rows -= 1
+        if self.budget.rows < 0:
+            raise CfiBoundError("too_many_rows", self.budget.limits.max_rows)
+        self.buf += ROW.pack(pc, *rule)
+        self.last_pc, self.last_rule = pc, rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +155,15 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Fde:
-    """One FDE evaluated: its PC range and its rows (the first at `start`)."""
+    """One FDE evaluated: its PC range and its rows (the first at `start`), packed."""
 
     start: int
     end: int
-    rows: list[Row]
+    packed: bytes  # ROW each, in PC order, runs merged
+
+    @property
+    def rows(self) -> list[Row]:
+        return unpack_rows(self.packed)
 
 
 @dataclass(slots=True)
@@ -81,7 +175,7 @@ class _Cie:
     lsda_encoding: int
     signal: bool
     has_z: bool
-    instructions: bytes
+    instructions: Buffer
     address_size: int
 
 
@@ -91,7 +185,7 @@ class _State:
 
     cfa_reg: int = REG_RSP
     cfa_off: int = 8
-    cfa_expr: bytes | None = None
+    cfa_expr: Buffer | None = None
     rbp: tuple[str, int] = ("same", 0)  # ("same"|"offset"|"other", n)
     ra: tuple[str, int] = ("offset", -8)
 
@@ -102,7 +196,7 @@ class _State:
 class _Reader:
     __slots__ = ("base", "data", "pos")
 
-    def __init__(self, data: bytes, pos: int = 0, base: int = 0) -> None:
+    def __init__(self, data: Buffer, pos: int = 0, base: int = 0) -> None:
         self.data = data
         self.pos = pos
         self.base = base  # address of data[0] when loaded (for pcrel)
@@ -140,9 +234,10 @@ class _Reader:
                 return result
 
     def cstr(self) -> bytes:
-        end = self.data.index(b"\0", self.pos)
-        s = self.data[self.pos : end]
-        self.pos = end + 1
+        """A NUL-terminated string of at most 255 bytes (an augmentation)."""
+        head = bytes(self.data[self.pos : self.pos + 256])
+        s = head[: head.index(b"\0")]
+        self.pos += len(s) + 1
         return s
 
     def encoded(self, enc: int, data_base: int = 0) -> int:
@@ -185,7 +280,7 @@ def _encoded_size(enc: int) -> int:
     return {0x00: 8, 0x02: 2, 0x03: 4, 0x04: 8, 0x0A: 2, 0x0B: 4, 0x0C: 8}.get(enc & 0x0F, 8)
 
 
-def _plt_threshold(expr: bytes) -> int | None:
+def _plt_threshold(expr: Buffer) -> int | None:
     """N of the .plt CFA expression RSP + 8 + (((RIP & 15) >= N) << 3), or None."""
     if len(expr) == 11 and expr[:6] == _PLT_EXPR_HEAD and expr[7:] == _PLT_EXPR_TAIL:
         lit = expr[6] - _DW_OP_LIT0
@@ -194,13 +289,20 @@ def _plt_threshold(expr: bytes) -> int | None:
     return None
 
 
-def _row(pc: int, st: _State, signal: bool) -> Row:
+# A rule as ROW packs it after the PC: CFA offset, RBP offset, CFA kind, RBP kind.
+Rule = tuple[int, int, int, int]
+_SIGNAL: Rule = (0, 0, CfaKind.SIGNAL, RbpKind.OTHER)
+_END: Rule = (0, 0, CfaKind.END, RbpKind.UNCHANGED)
+_OTHER: Rule = (0, 0, CfaKind.OTHER, RbpKind.OTHER)
+
+
+def _rule(st: _State, signal: bool) -> Rule:
     if signal:
-        return Row(pc, CfaKind.SIGNAL, 0, RbpKind.OTHER, 0)
+        return _SIGNAL
     if st.ra[0] == "undefined":
-        return Row(pc, CfaKind.END, 0, RbpKind.UNCHANGED, 0)
+        return _END
     if st.ra != ("offset", -8):
-        return Row(pc, CfaKind.OTHER, 0, RbpKind.OTHER, 0)
+        return _OTHER
     if st.cfa_expr is not None:
         n = _plt_threshold(st.cfa_expr)
         kind, off = (CfaKind.PLT, n) if n is not None else (CfaKind.OTHER, 0)
@@ -212,20 +314,24 @@ def _row(pc: int, st: _State, signal: bool) -> Row:
         kind, off = CfaKind.OTHER, 0
     rule, n = st.rbp
     if rule == "same":
-        return Row(pc, kind, off, RbpKind.UNCHANGED, 0)
+        return (off, 0, kind, RbpKind.UNCHANGED)
     if rule == "offset" and -32768 <= n <= 32767:
-        return Row(pc, kind, off, RbpKind.AT_CFA, n)
-    return Row(pc, kind, off, RbpKind.OTHER, 0)
+        return (off, n, kind, RbpKind.AT_CFA)
+    return (off, 0, kind, RbpKind.OTHER)
 
 
-def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: list[Row] | None) -> _State:
-    """Run a CFA program from `start`; append a row at each advance to `rows` (None: CIE initial rules)."""
+def _run(
+    cie: _Cie, program: Buffer, start: int, initial: _State | None, rows: _Rows | None, budget: _Budget
+) -> _State:
+    """Run a CFA program from `start`; add a row at each advance to `rows` (None: CIE initial rules)."""
     st = initial.copy() if initial is not None else _State()
     init = initial if initial is not None else st
     stack: list[_State] = []
     r = _Reader(program)
     loc = start
     n = len(program)
+    limits = budget.limits
+    ops = min(limits.max_ops, budget.ops)
 
     def set_reg(reg: int, rule: tuple[str, int]) -> None:
         if reg == REG_RBP:
@@ -242,10 +348,14 @@ def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: li
     def advance(delta: int) -> None:
         nonlocal loc
         if rows is not None:
-            rows.append(_row(loc, st, cie.signal))
+            rows.add(loc, _rule(st, cie.signal))
         loc += delta * cie.code_align
 
     while r.pos < n:
+        ops -= 1
+        if ops < 0:
+            raise CfiBoundError("program_too_long", limits.max_ops)
+        budget.ops -= 1
         op = r.u8()
         hi, low = op & 0xC0, op & 0x3F
         if hi == 0x40:
@@ -259,7 +369,7 @@ def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: li
         elif op == 0x01:  # set_loc
             new = r.encoded(cie.fde_encoding & 0x0F) if cie.has_z else r.unpack("<Q", 8)
             if rows is not None:
-                rows.append(_row(loc, st, cie.signal))
+                rows.add(loc, _rule(st, cie.signal))
             loc = new
         elif op == 0x02:
             advance(r.u8())
@@ -281,6 +391,8 @@ def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: li
             r.uleb()
             set_reg(reg, ("other", 0))
         elif op == 0x0A:
+            if len(stack) >= limits.max_states:
+                raise CfiBoundError("too_many_states", limits.max_states)
             stack.append(st.copy())
         elif op == 0x0B:
             if stack:
@@ -332,11 +444,11 @@ def _run(cie: _Cie, program: bytes, start: int, initial: _State | None, rows: li
         else:
             raise ValueError(f"unknown DW_CFA opcode 0x{op:02x}")
     if rows is not None:
-        rows.append(_row(loc, st, cie.signal))
+        rows.add(loc, _rule(st, cie.signal))
     return st
 
 
-def _parse_cie(r: _Reader, end: int, debug_frame: bool) -> _Cie:
+def _parse_cie(r: _Reader, view: memoryview, end: int, debug_frame: bool) -> _Cie:
     version = r.u8()
     aug = r.cstr()
     address_size = 8
@@ -373,17 +485,30 @@ def _parse_cie(r: _Reader, end: int, debug_frame: bool) -> _Cie:
     elif aug not in (b"", b"eh"):
         raise ValueError(f"CIE augmentation {aug!r} without 'z'")
     return _Cie(
-        code_align, data_align, ra_reg, fde_enc, lsda_enc, signal, has_z, r.data[r.pos : end], address_size
+        code_align, data_align, ra_reg, fde_enc, lsda_enc, signal, has_z, view[r.pos : end], address_size
     )
 
 
-def parse_fdes(data: bytes, address: int, *, debug_frame: bool = False) -> list[Fde]:
+def parse_fdes(
+    data: bytes, address: int, *, debug_frame: bool = False, limits: CfiLimits | None = None
+) -> list[Fde]:
     """Every FDE of one `.eh_frame` (loaded at `address`) or `.debug_frame` section, evaluated."""
+    return _parse(data, address, debug_frame, _Budget(limits or CfiLimits()))
+
+
+def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> list[Fde]:
+    limits = budget.limits
+    if len(data) > limits.max_section_bytes:
+        raise CfiBoundError("section_too_large", limits.max_section_bytes)
+    # An honest section runs at most one instruction per byte (entries do not overlap); a CIE
+    # "parsed where it lies" lets a hostile one run the same bytes again and again.
+    budget.ops = len(data) + limits.max_ops
     cies: dict[int, _Cie] = {}
     initial: dict[int, _State] = {}
     out: list[Fde] = []
     pos = 0
     size = len(data)
+    view = memoryview(data)  # programs are run from slices of it: no copies
     while pos + 4 <= size:
         length = struct.unpack_from("<I", data, pos)[0]
         hdr = 4
@@ -400,25 +525,27 @@ def parse_fdes(data: bytes, address: int, *, debug_frame: bool = False) -> list[
         end = body + length
         if end > size:
             raise ValueError(f"entry at 0x{pos:x} runs past the section end")
+        budget.entry()
         wide = hdr == 12
         cie_id = struct.unpack_from("<Q" if wide else "<I", data, body)[0]
         idsize = 8 if wide else 4
         r = _Reader(data, body + idsize, address)
         is_cie = (cie_id == (0xFFFF_FFFF_FFFF_FFFF if wide else 0xFFFF_FFFF)) if debug_frame else cie_id == 0
         if is_cie:
-            cie = _parse_cie(r, end, debug_frame)
+            cie = _parse_cie(r, view, end, debug_frame)
             cies[start] = cie
-            initial[start] = _run(cie, cie.instructions, 0, None, None)
+            initial[start] = _run(cie, cie.instructions, 0, None, None, budget)
         else:
             cie_at = cie_id if debug_frame else body - cie_id
             cie_or_none = cies.get(cie_at)
             if cie_or_none is None:
                 # A CIE after its FDE is legal though rare: parse it where it lies.
+                budget.entry()
                 cr_len = struct.unpack_from("<I", data, cie_at)[0]
                 cr = _Reader(data, cie_at + 4 + idsize, address)
-                cie_or_none = _parse_cie(cr, cie_at + 4 + cr_len, debug_frame)
+                cie_or_none = _parse_cie(cr, view, cie_at + 4 + cr_len, debug_frame)
                 cies[cie_at] = cie_or_none
-                initial[cie_at] = _run(cie_or_none, cie_or_none.instructions, 0, None, None)
+                initial[cie_at] = _run(cie_or_none, cie_or_none.instructions, 0, None, None, budget)
             cie = cie_or_none
             if debug_frame:
                 pc_begin = r.unpack("<Q", 8)
@@ -428,78 +555,83 @@ def parse_fdes(data: bytes, address: int, *, debug_frame: bool = False) -> list[
                 pc_range = r.encoded(cie.fde_encoding & 0x0F)
             if cie.has_z:
                 r.pos += r.uleb()  # augmentation data (LSDA pointer)
-            rows: list[Row] = []
-            _run(cie, data[r.pos : end], pc_begin, initial[cie_at], rows)
             if pc_range:
-                out.append(Fde(pc_begin, pc_begin + pc_range, _dedupe(rows, pc_begin + pc_range)))
+                rows = _Rows(budget, pc_begin + pc_range)
+                _run(cie, view[r.pos : end], pc_begin, initial[cie_at], rows, budget)
+                out.append(Fde(pc_begin, pc_begin + pc_range, bytes(rows.buf)))
         pos = end
     return out
 
 
-def _dedupe(rows: list[Row], end: int) -> list[Row]:
-    """Rows in PC order, the last one of a PC kept, runs of one rule merged, nothing at or past `end`."""
-    out: list[Row] = []
-    for row in rows:
-        if row.pc >= end:
-            continue
-        if out and out[-1].pc == row.pc:
-            out.pop()
-        if out and out[-1].rule() == row.rule():
-            continue
-        out.append(row)
-    return out
-
-
-def file_fdes(elf: ElfFile) -> list[Fde]:
-    """FDEs of `.eh_frame`, plus those of `.debug_frame` covering PCs `.eh_frame` leaves out."""
+def file_fdes(elf: ElfFile, limits: CfiLimits | None = None) -> list[Fde]:
+    """FDEs of `.eh_frame`, plus those of `.debug_frame` covering PCs `.eh_frame` leaves out.
+    Both sections share one budget of `limits`."""
+    budget = _Budget(limits or CfiLimits())
     fdes: list[Fde] = []
     sec = elf.section(".eh_frame")
     try:
         if sec is not None and sec.size:
-            fdes = parse_fdes(elf.section_data(sec), sec.addr)
+            fdes = _parse(_section(elf, sec, budget.limits), sec.addr, False, budget)
         dbg = elf.section(".debug_frame")
         if dbg is not None and dbg.size and dbg.type != 8:
             covered = sorted((f.start, f.end) for f in fdes)
             starts = [s for s, _ in covered]
-            for f in parse_fdes(elf.section_data(dbg), 0, debug_frame=True):
+            for f in _parse(_section(elf, dbg, budget.limits), 0, True, budget):
                 i = bisect.bisect_right(starts, f.start) - 1
                 if i >= 0 and covered[i][1] > f.start:
                     continue
                 fdes.append(f)
+    except CfiBoundError as e:
+        raise UnwindTableError(elf.path, str(e), e.reason) from e
     except (ValueError, IndexError, struct.error) as e:
         raise UnwindTableError(elf.path, f"malformed call frame information ({e})") from e
     return fdes
 
 
-def compile_rows(fdes: list[Fde]) -> list[Row]:
-    """One table sorted by PC: each FDE's rows, a NONE row where no FDE covers, runs merged."""
-    out: list[Row] = []
+def _section(elf: ElfFile, sec: Section, limits: CfiLimits) -> bytes:
+    # Checked before reading: a compressed .debug_frame inflates to what its header says.
+    if sec.size > limits.max_section_bytes:
+        raise CfiBoundError("section_too_large", limits.max_section_bytes)
+    return elf.section_data(sec)
+
+
+def _compile(fdes: list[Fde]) -> bytearray:
+    """One table sorted by PC, packed: each FDE's rows, a NONE row where no FDE covers, runs merged."""
+    out = bytearray()
+    last: tuple[int, int, int, int, int] | None = None  # pc, cfa_off, rbp_off, kind, rbp_kind
+    size = ROW.size
     for f in sorted(fdes, key=lambda f: f.start):
-        if out and out[-1].pc >= f.start and out[-1].cfa_kind == CfaKind.NONE:
-            out.pop()  # the previous FDE's end marker: this one starts there
-        for row in f.rows:
-            if out and out[-1].pc == row.pc:
-                out.pop()
-            if out and out[-1].rule() == row.rule():
+        if last is not None and last[0] >= f.start and last[3] == CfaKind.NONE:
+            del out[-size:]  # the previous FDE's end marker: this one starts there
+            last = ROW.unpack_from(out, len(out) - size) if out else None
+        for row in (*ROW.iter_unpack(f.packed), (f.end, 0, 0, CfaKind.NONE, RbpKind.UNCHANGED)):
+            if last is not None and last[0] == row[0]:
+                del out[-size:]
+                last = ROW.unpack_from(out, len(out) - size) if out else None
+            if last is not None and last[1:] == row[1:]:
                 continue
-            out.append(row)
-        out.append(Row(f.end, CfaKind.NONE, 0, RbpKind.UNCHANGED, 0))
+            if row[0] > 0xFFFF_FFFF:
+                raise ValueError(f"PC 0x{row[0]:x} does not fit the 32-bit rows")
+            out += ROW.pack(*row)
+            last = row
     return out
 
 
-def build_table(path: str) -> bytes:
+def compile_rows(fdes: list[Fde]) -> list[Row]:
+    """One table sorted by PC: each FDE's rows, a NONE row where no FDE covers, runs merged."""
+    return unpack_rows(bytes(_compile(fdes)))
+
+
+def build_table(path: str, limits: CfiLimits | None = None) -> bytes:
     """The packed rows (`ROW` each) of the file at `path`; b"" when it has no call frame information."""
     try:
         with ElfFile(path) as elf:
-            rows = compile_rows(file_fdes(elf))
+            fdes = file_fdes(elf, limits)
+        return bytes(_compile(fdes))
     except ElfFormatError as e:
         raise UnwindTableError(path, str(e)) from e
-    buf = bytearray(ROW.size * len(rows))
-    for i, row in enumerate(rows):
-        if row.pc > 0xFFFF_FFFF:
-            raise UnwindTableError(path, f"PC 0x{row.pc:x} does not fit the 32-bit rows")
-        ROW.pack_into(buf, i * ROW.size, row.pc, row.cfa_off, row.rbp_off, row.cfa_kind, row.rbp_kind)
-    return bytes(buf)
+    except ValueError as e:
+        raise UnwindTableError(path, str(e)) from e
 
 
 def unpack_rows(table: bytes) -> list[Row]:

@@ -25,7 +25,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from . import abi
+from . import abi, safeopen
+from .ehframe import BOUND_REASONS
 from .procmaps import ProcMapsStats
 from .unwind import UnwindStats
 
@@ -227,6 +228,14 @@ class BpfCountersCollector(Collector):
         built.add_metric(["disk_cache"], u.cache_hits)
         built.add_metric(["failed"], u.failed)
         yield built
+        refused = CounterMetricFamily(
+            "bistouri_unwind_tables_refused",
+            "Files without an unwind table, by reason: malformed, unreadable, or a bound of the CFI parser",
+            labels=["reason"],
+        )
+        for reason in ("malformed", "unreadable", *BOUND_REASONS):
+            refused.add_metric([reason], u.refused.get(reason, 0))
+        yield refused
         yield CounterMetricFamily(
             "bistouri_unwind_build_cpu_seconds", "CPU time spent building unwind tables", value=u.build_cpu_s
         )
@@ -270,6 +279,19 @@ class BpfCountersCollector(Collector):
             "Perf maps that reached their byte bound: JIT code generated after that stays unnamed",
             value=maps.perf_map_truncated,
         )
+        yield CounterMetricFamily(
+            "bistouri_proc_maps_mappings_over_bound",
+            "Executable mappings past the per-process bound (16 384) in one read of its maps: not kept",
+            value=maps.mappings_over_bound,
+        )
+        refused = CounterMetricFamily(
+            "bistouri_files_refused",
+            "Files of watched processes not read (perf maps, mapped files, uploads), by reason",
+            labels=["reason"],
+        )
+        for reason in safeopen.REASONS:
+            refused.add_metric([reason], safeopen.REFUSED[reason])
+        yield refused
         yield CounterMetricFamily(
             "bistouri_samples_orphaned",
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",

@@ -5,8 +5,10 @@ gave up whenever the mmap lock was busy). This module does that mapping in user
 space from `/proc/PID/maps`:
 
 - each executable file is opened through `/proc/PID/map_files/<range>` (the very
-  file mapped, even deleted or in another mount namespace), else
-  `/proc/PID/root/<path>`; its build id is read once per (device, inode, mtime);
+  file mapped, even deleted or in another mount namespace), else `<path>` resolved
+  inside `/proc/PID/root` (safeopen: no symlink, no FIFO); its build id is read once
+  per (device, inode) as the maps line names them: a re-read of 60 000 mappings opens
+  only the files not seen before;
 - an IP becomes (build id, `ip - start + pgoff`), what the kernel's walk gave;
 - a table is read when a process becomes a capture target, when a sample says its
   VMA count changed (BPF sends such a sample at once and wakes the reader: a dlopen
@@ -14,11 +16,17 @@ space from `/proc/PID/maps`:
   (rate-limited); it outlives its process, so late samples still map; all tables
   together are bounded in bytes, least recently used out first;
 - anonymous executable memory is JIT code: its names come from the process's perf
-  map (`/tmp/perf-PID.map` seen through `/proc/PID/root`, PID as in its own
-  namespace), re-read when it grows, bounded in bytes.
+  map (`/tmp/perf-PID.map` resolved inside `/proc/PID/root`, PID as in its own
+  namespace), re-read when it grows, bounded in bytes. The process writes that file:
+  it is read only if it is a regular file owned by the process's user (or root),
+  never through a symlink, and outside the lock (the ring thread never waits on it).
 
 Used by the ring-buffer thread (`generation`, `resolve`) and the main thread (`track`,
-`file`, `jit_name`): one lock guards everything.
+`file`, `jit_name`): one lock guards everything, and is released while a maps file is
+read and new files are opened (a process controls those: a stuck FUSE mount in its
+namespace must stall only the thread that opens it). A re-read costs tokens in proportion to
+the lines read (a process with 60 000 churning mappings is read a few times a second, not
+twenty), and at most `max_mappings` executable mappings of a process are kept.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from . import safeopen
 from .symbolizer.elf import read_build_id
 
 
@@ -64,6 +74,7 @@ _PERF_ENTRY_BYTES = 100  # + the name
 _KNOWN_BYTES = 150  # one remembered address: dict slot, int key, 16-byte bytes
 _KNOWN_MAX = 16384  # remembered addresses per table, then forgotten all at once
 _NAMES_MAX = 1 << 17  # interned JIT names, then forgotten all at once
+_LINES_PER_TOKEN = 4096  # a re-read of the maps costs one token per this many lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +108,9 @@ class _Table:
 
 @dataclass(slots=True)
 class _PerfMap:
-    path: str
+    root: str  # the directory it is resolved in: `/`, or the process's `/proc/PID/root`
+    path: str  # inside that root
+    owners: frozenset[int]  # who may own it: the process's user, root
     read_bytes: int = 0  # of the file, parsed so far
     checked_at: float = -1e9
     starts: list[int] = field(default_factory=list)
@@ -116,6 +129,7 @@ class ProcMapsStats:
     perf_map_reads: int = 0
     perf_map_truncated: int = 0  # perf maps that hit their byte bound
     files_over_bound: int = 0  # mappings of files past max_files: named by offset only
+    mappings_over_bound: int = 0  # executable mappings past max_mappings in one read: not kept
 
 
 class ProcMaps:
@@ -127,6 +141,7 @@ class ProcMaps:
         *,
         max_bytes: int = 16 << 20,
         max_files: int = 1 << 16,
+        max_mappings: int = 1 << 14,
         perf_map_max_bytes: int = 8 << 20,
         miss_interval_s: float = 1.0,
         change_reads_burst: int = 5,
@@ -137,6 +152,7 @@ class ProcMaps:
         self.proc_root = proc_root
         self.max_bytes = max_bytes
         self.max_files = max_files
+        self.max_mappings = max_mappings
         self.perf_map_max_bytes = perf_map_max_bytes
         self.miss_interval_s = miss_interval_s
         self.change_reads_burst = change_reads_burst
@@ -149,9 +165,9 @@ class ProcMaps:
         self._tables: OrderedDict[int, _Table] = OrderedDict()
         self._bytes = 0
         self._files: list[MappedFile] = []
-        self._file_ids: dict[tuple[int, int, int, str], int] = {}  # (dev, inode, mtime_ns, name) -> id
+        self._file_ids: dict[tuple[bytes, bytes, str], int] = {}  # (dev, inode, name) of the maps line -> id
         # Where a build id's file was last seen mapped: what uploader.py reads when it is asked for.
-        self._where: dict[bytes, tuple[str, str]] = {}  # build id -> (map_files path, root path)
+        self._where: dict[bytes, MappedPath] = {}
         self._over_bound = -1  # id of the file entry shared past max_files
         self._names: dict[str, str] = {}  # interned JIT names
         self.stats = ProcMapsStats()
@@ -251,94 +267,77 @@ class ProcMaps:
         return t
 
     def _read(self, pid: int, t: _Table) -> None:
+        """Read the maps of `pid` into `t`. Called with the lock held: reading the maps and opening
+        the files not seen before is done with it released (the other thread never waits on a
+        file a process controls), the table is installed under it."""
         base = f"{self.proc_root}/{pid}"
         t.read_at = self._clock()
         t.stale = False
         self.stats.reads += 1
-        try:
-            with open(f"{base}/maps", "rb") as f:
-                data = f.read()
-        except PermissionError:
-            # Another user's process without CAP_SYS_PTRACE: nothing to map with, counted apart.
-            t.denied = True
-            data = b""
-        except OSError:
-            data = b""
+        with _released(self._lock):
+            data, denied = _read_maps(base)
+            lines = data.splitlines()
+            rows, over = _parse_maps(lines, self.max_mappings)
         if not data:
             # Gone (or a zombie without mm): keep what was read before, for late samples.
+            t.denied = denied  # another user's process without CAP_SYS_PTRACE: counted apart
             t.gone = True
             return
-        t.denied = False
-        before = t.nbytes
-        starts, ends, pgoffs, files = [], [], [], []
-        lines = data.splitlines()
+        self.stats.mappings_over_bound += over
         # One line per VMA, plus the gate area that is not one.
         t.map_count = len(lines) - (b"[vsyscall]" in data)
-        for line in lines:
-            parts = line.split(None, 5)
-            if len(parts) < 5 or b"x" not in parts[1]:
-                continue
-            lo, _, hi = parts[0].partition(b"-")
-            start, end = int(lo, 16), int(hi, 16)
-            path = parts[5].decode(errors="replace") if len(parts) > 5 else ""
-            if path.startswith("/") and parts[4] != b"0":
-                fid = self._file_id(base, parts[0].decode(), parts[3], int(parts[4]), path)
-            elif path == "[vdso]":
-                fid = -1 - FrameStatus.VDSO
-            elif path.startswith("[") and not path.startswith("[anon"):
-                continue  # [vsyscall] and the like: not user code a stack can name
+        # A big table costs more of the re-read budget (the one read here was already paid).
+        t.tokens -= len(lines) // _LINES_PER_TOKEN
+        new = {
+            (r[3], r[4], r[5]): MappedPath(base, r[6], r[5])
+            for r in rows
+            if r[2] == _FILE and (r[3], r[4], r[5]) not in self._file_ids
+        }
+        if new:
+            with _released(self._lock):
+                build_ids = {key: where.build_id() for key, where in new.items()}
+            for key, bid in build_ids.items():
+                self._add_file(key, bid)
+        starts, ends, pgoffs, files = [], [], [], []
+        for start, end, kind, dev, inode, name, rng, pgoff in rows:
+            if kind == _FILE:
+                fid = self._file_ids[(dev, inode, name)]
+                bid = self._files[fid].build_id
+                if bid:
+                    self._where[bid] = MappedPath(base, rng, name)
             else:
-                fid = -1 - FrameStatus.ANON  # anonymous executable memory: JIT code
+                fid = -1 - kind
             starts.append(start)
             ends.append(end)
-            pgoffs.append(int(parts[2], 16))
+            pgoffs.append(pgoff)
             files.append(fid)
+        before = t.nbytes
+        t.denied = False
         t.starts, t.ends, t.pgoffs, t.files = starts, ends, pgoffs, files
         if t.perf is None and -1 - FrameStatus.ANON in files:
             # Where its perf map is, found while the process lives: a short-lived JIT process
             # (`record -- node …`) is often gone when its frames are named.
-            t.perf = _PerfMap(self._perf_map_path(pid))
+            t.perf = self._perf_map(pid)
         t.known = {}
         t.gone = False
         t.generation += 1
-        self._bytes += t.nbytes - before
-        self._evict()
+        if self._tables.get(pid) is t:  # not evicted while the lock was released
+            self._bytes += t.nbytes - before
+            self._evict()
         if self.on_reread is not None:
             self.on_reread(pid)
 
-    def _file_id(self, base: str, rng: str, dev: bytes, inode: int, path: str) -> int:
-        name = path.removesuffix(" (deleted)")
-        via_map_files = f"{base}/map_files/{rng}"
-        opened = via_map_files
-        try:
-            st = os.stat(via_map_files)
-        except OSError:
-            opened = f"{base}/root{name}"
-            try:
-                st = os.stat(opened)
-            except OSError:
-                st = None
-        mtime = st.st_mtime_ns if st is not None else 0
-        major, _, minor = dev.partition(b":")
-        key = (int(major, 16) << 20 | int(minor or b"0", 16), inode, mtime, name)
-        fid = self._file_ids.get(key)
-        if fid is not None:
-            bid = self._files[fid].build_id
-            if bid:
-                self._where[bid] = (via_map_files, f"{base}/root{name}")
-            return fid
+    def _add_file(self, key: tuple[bytes, bytes, str], build_id: bytes) -> None:
+        if key in self._file_ids:  # the other thread added it meanwhile
+            return
         if len(self._files) >= self.max_files:
             # Bounded: past this many distinct files (a host replacing binaries for days), new
             # ones share one entry, counted, and their frames keep only an offset.
             self.stats.files_over_bound += 1
-            return self._over_bound_file()
-        build_id = (read_build_id(opened) if st is not None else None) or b""
-        fid = len(self._files)
-        self._files.append(MappedFile(build_id, os.path.basename(name)))
-        self._file_ids[key] = fid
-        if build_id:
-            self._where[build_id] = (via_map_files, f"{base}/root{name}")
-        return fid
+            self._file_ids[key] = self._over_bound_file()
+            return
+        self._file_ids[key] = len(self._files)
+        self._files.append(MappedFile(build_id, os.path.basename(key[2])))
 
     def _over_bound_file(self) -> int:
         if self._over_bound < 0:
@@ -354,11 +353,11 @@ class ProcMaps:
         self.stats.tables = len(self._tables)
         self.stats.bytes = self._bytes
 
-    def locate(self, build_id: bytes) -> tuple[str, ...]:
-        """Paths that may open the file of this build id, the process's own view first (a deleted
-        file, another mount namespace); the caller checks the build id of what it opens."""
+    def locate(self, build_id: bytes) -> MappedPath | None:
+        """Where the file of this build id was last seen mapped; the caller checks the build id
+        of what it opens."""
         with self._lock:
-            return self._where.get(build_id, ())
+            return self._where.get(build_id)
 
     def file(self, file_id: int) -> MappedFile:
         """The file behind a `FrameStatus.FILE` frame's id."""
@@ -372,26 +371,34 @@ class ProcMaps:
             t = self._tables.get(pid)
             if t is None:
                 return None
-            if t.perf is None:
-                t.perf = _PerfMap(self._perf_map_path(pid))
             pm = t.perf
-            k = bisect.bisect_right(pm.starts, ip) - 1
-            if (k < 0 or ip >= pm.ends[k]) and self._clock() - pm.checked_at >= self.perf_map_interval_s:
+            if pm is None:
+                pm = t.perf = self._perf_map(pid)
+            name = _perf_name(pm, ip)
+            if name is not None or self._clock() - pm.checked_at < self.perf_map_interval_s:
+                return name
+            pm.checked_at = self._clock()
+            if pm.truncated:
+                return None
+            offset = pm.read_bytes
+        # The process writes that file: read outside the lock (see safeopen), parsed under it.
+        got = self._read_perf_file(pm, offset)
+        with self._lock:
+            if got is not None and pm.read_bytes == offset:
                 before = pm.nbytes
-                self._read_perf_map(pm)
+                self._parse_perf_map(pm, *got)
                 self._bytes += pm.nbytes - before
                 self._evict()
-                k = bisect.bisect_right(pm.starts, ip) - 1
-            if k >= 0 and ip < pm.ends[k]:
-                return pm.names[k]
-            return None
+            return _perf_name(pm, ip)
 
-    def _perf_map_path(self, pid: int) -> str:
-        """Named with its pid in its own namespace (NSpid); through the process's root, or
-        directly when it shares our mount namespace (that path outlives the process)."""
+    def _perf_map(self, pid: int) -> _PerfMap:
+        """Named with its pid in its own namespace (NSpid); resolved in the process's root, or in
+        ours when it shares our mount namespace (that path outlives the process). The owners are
+        found while the process lives: root, and the user of /proc/PID."""
         nspid = pid
+        base = f"{self.proc_root}/{pid}"
         try:
-            with open(f"{self.proc_root}/{pid}/status", "rb") as f:
+            with open(f"{base}/status", "rb") as f:
                 for line in f:
                     if line.startswith(b"NSpid:"):
                         nspid = int(line.split()[-1])
@@ -399,27 +406,43 @@ class ProcMaps:
         except (OSError, ValueError):
             pass
         try:
-            if os.readlink(f"{self.proc_root}/{pid}/ns/mnt") == os.readlink(f"{self.proc_root}/self/ns/mnt"):
-                return f"/tmp/perf-{nspid}.map"
+            owners = frozenset((0, os.stat(base).st_uid))
+        except OSError:
+            owners = frozenset((0,))
+        root = f"{base}/root"
+        try:
+            if os.readlink(f"{base}/ns/mnt") == os.readlink(f"{self.proc_root}/self/ns/mnt"):
+                root = "/"
         except OSError:
             pass
-        return f"{self.proc_root}/{pid}/root/tmp/perf-{nspid}.map"
+        return _PerfMap(root, f"tmp/perf-{nspid}.map", owners)
 
-    def _read_perf_map(self, pm: _PerfMap) -> None:
-        """Parse what was appended since the last read (the file only grows)."""
-        pm.checked_at = self._clock()
-        if pm.truncated:
-            return
+    def _read_perf_file(self, pm: _PerfMap, offset: int) -> tuple[int, bytes] | None:
+        """(size of the file, its bytes from `offset` up to the bound), None if it cannot be read."""
         try:
-            with open(pm.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < pm.read_bytes:  # rewritten (a new process with the same pid): start over
-                    pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
-                if size == pm.read_bytes:
-                    return
-                f.seek(pm.read_bytes)
-                data = f.read(min(size, self.perf_map_max_bytes) - pm.read_bytes)
+            root = safeopen.open_root(pm.root)
+            try:
+                fd = safeopen.open_in_root(root, pm.path, owners=pm.owners)
+            finally:
+                os.close(root)
+        except OSError:  # absent, gone with its process, or refused (counted by safeopen)
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size <= offset:
+                return size, b""
+            return size, os.pread(fd, min(size, self.perf_map_max_bytes) - offset, offset)
         except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _parse_perf_map(self, pm: _PerfMap, size: int, data: bytes) -> None:
+        """Parse what was appended since the last read (the file only grows)."""
+        if size < pm.read_bytes:  # rewritten (a new process with the same pid): start over
+            pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
+            return  # read from its start next time
+        if not data:
             return
         self.stats.perf_map_reads += 1
         # A partial last line waits for the next read.
@@ -454,4 +477,99 @@ class ProcMaps:
         pm.names = [e[2] for e in ordered]
 
 
-__all__ = ["USER_FRAME", "FrameStatus", "MappedFile", "ProcMaps", "ProcMapsStats", "Unmapped"]
+_FILE = -1  # a row of _parse_maps that is a file mapping (else its FrameStatus)
+
+
+def _read_maps(base: str) -> tuple[bytes, bool]:
+    """The content of `base`/maps, and whether it was denied (b"" when unreadable)."""
+    try:
+        with open(f"{base}/maps", "rb") as f:
+            return f.read(), False
+    except PermissionError:
+        return b"", True
+    except OSError:
+        return b"", False
+
+
+# start, end, _FILE or a FrameStatus, device, inode, path, range, pgoff
+_Row = tuple[int, int, int, bytes, bytes, str, str, int]
+
+
+def _parse_maps(lines: list[bytes], max_mappings: int) -> tuple[list[_Row], int]:
+    """The executable mappings of a maps file (at most `max_mappings`), and how many were past it."""
+    rows: list[_Row] = []
+    over = 0
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 5 or b"x" not in parts[1]:
+            continue
+        if len(rows) >= max_mappings:
+            over += 1
+            continue
+        lo, _, hi = parts[0].partition(b"-")
+        path = parts[5].decode(errors="replace") if len(parts) > 5 else ""
+        if path.startswith("/") and parts[4] != b"0":
+            kind = _FILE
+            path = path.removesuffix(" (deleted)")
+        elif path == "[vdso]":
+            kind = FrameStatus.VDSO
+        elif path.startswith("[") and not path.startswith("[anon"):
+            continue  # [vsyscall] and the like: not user code a stack can name
+        else:
+            kind = FrameStatus.ANON  # anonymous executable memory: JIT code
+        rows.append(
+            (int(lo, 16), int(hi, 16), kind, parts[3], parts[4], path, parts[0].decode(), int(parts[2], 16))
+        )
+    return rows, over
+
+
+@contextmanager
+def _released(lock: threading.Lock) -> Iterator[None]:
+    """The lock held by the caller, released for some I/O."""
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
+
+
+def _perf_name(pm: _PerfMap, ip: int) -> str | None:
+    k = bisect.bisect_right(pm.starts, ip) - 1
+    return pm.names[k] if k >= 0 and ip < pm.ends[k] else None
+
+
+@dataclass(frozen=True, slots=True)
+class MappedPath:
+    """A file a process maps, as a line of its maps names it."""
+
+    proc: str  # /proc/PID
+    range: str  # the line's first field, `start-end` in hex
+    name: str  # its path in the process's root
+
+    def open(self) -> int:
+        """A descriptor of the file (see safeopen): the very file through map_files, else `name`
+        inside the process's root (no symlink, a regular file only). OSError if neither."""
+        try:
+            return safeopen.open_mapped(f"{self.proc}/map_files/{self.range}")
+        except safeopen.Refused:
+            raise
+        except OSError:
+            root = safeopen.open_root(f"{self.proc}/root")
+            try:
+                return safeopen.open_in_root(root, self.name)
+            finally:
+                os.close(root)
+
+    def build_id(self) -> bytes:
+        """Its build id, b"" when it has none or cannot be read."""
+        try:
+            fd = self.open()
+        except OSError:
+            return b""
+        try:
+            return read_build_id(safeopen.fd_path(fd)) or b""
+        finally:
+            os.close(fd)
+
+
+__all__ = ["USER_FRAME", "FrameStatus", "MappedFile", "MappedPath", "ProcMaps", "ProcMapsStats", "Unmapped"]

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 from .errors import BistouriError
+
+if TYPE_CHECKING:
+    from .procmaps import MappedPath
 
 
 class OutputDir:
@@ -103,7 +107,7 @@ class BuildIdTree:
 
     def add(self, pids: list[int]) -> int:
         """Link the files mapped by `pids` not linked yet; returns how many were added."""
-        from .symbolizer.elf import read_build_id
+        from .procmaps import MappedPath
 
         if not self.root:
             import tempfile
@@ -123,28 +127,41 @@ class BuildIdTree:
                 parts = line.split(maxsplit=5)
                 if len(parts) < 6 or b"x" not in parts[1] or not parts[5].startswith(b"/"):
                     continue
-                path = os.fsdecode(parts[5]).removesuffix(" (deleted)")
-                real = f"{self.proc_root}/{pid}/root{path}"
-                try:
-                    st = os.stat(real)
-                except OSError:
-                    continue
-                if (st.st_dev, st.st_ino) in self._seen:
-                    continue
-                self._seen.add((st.st_dev, st.st_ino))
-                try:
-                    bid = read_build_id(real)
-                except (OSError, ValueError):
-                    continue
-                if not bid:
-                    continue
-                hexid = bid.hex()
-                link = os.path.join(self.root, ".build-id", hexid[:2], hexid[2:])
-                os.makedirs(os.path.dirname(link), exist_ok=True)
-                if not os.path.lexists(link):
-                    os.symlink(os.path.realpath(real), link)
+                name = os.fsdecode(parts[5]).removesuffix(" (deleted)")
+                if self._link(MappedPath(f"{self.proc_root}/{pid}", parts[0].decode(), name)):
                     n += 1
         return n
+
+    def _link(self, where: MappedPath) -> bool:
+        """Link one mapped file, opened safely (the process may have put a FIFO or a symlink
+        at its path): the link names the file the descriptor has open."""
+        from . import safeopen
+        from .symbolizer.elf import read_build_id
+
+        try:
+            fd = where.open()
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in self._seen:
+                return False
+            self._seen.add((st.st_dev, st.st_ino))
+            bid = read_build_id(safeopen.fd_path(fd))
+            target = os.readlink(safeopen.fd_path(fd))  # its path in our view, no link in it
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if not bid or not target.startswith("/") or target.endswith(" (deleted)"):
+            return False
+        hexid = bid.hex()
+        link = os.path.join(self.root, ".build-id", hexid[:2], hexid[2:])
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        if os.path.lexists(link):
+            return False
+        os.symlink(target, link)
+        return True
 
     def remove(self) -> None:
         if self.root:

@@ -24,6 +24,7 @@ from .capture import CaptureOrchestrator
 from .config import ResourceTrigger, Target, TriggerConfig
 from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .events import ExecMatch
+from .logtext import RateLimited
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
 from .psi import PsiEvent, PsiLoop
@@ -83,6 +84,8 @@ class TriggerAgent:
         self.groups: dict[WatchKey, WatchGroup] = {}
         self.target_cgroups: dict[int, str] = {}  # rule_id -> cgroup of a cgroup/unit target, from the walk
         self.watch_failures = 0
+        # One line per matched process, up to a burst: an exec storm is counted, then summarised.
+        self._matched_log = RateLimited(log, "Processes matched")
 
     # -- configuration ------------------------------------------------------------
     def apply_config(self, cfg: TriggerConfig) -> None:
@@ -150,6 +153,7 @@ class TriggerAgent:
         for pid, t in list(self.processes.items()):
             if pid not in seen and t.added < result.started:
                 self._untrack(pid)
+        self._matched_log.flush()  # an exec storm that stopped is told here
         log.debug("Process walk done. matched=%d duration=%.3fs", len(result.found), result.duration_s)
 
     def _track(self, p: FoundProcess) -> None:
@@ -191,7 +195,7 @@ class TriggerAgent:
         if recorder_s > 0:
             self.orch.watch(p.pid, recorder_s, recorder_hz)
         self.metrics.processes.set(len(self.processes))
-        log.info(
+        self._matched_log.log(
             "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)
         )
 

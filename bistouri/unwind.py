@@ -33,10 +33,11 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import abi, threads
+from . import abi, safeopen, threads
 from .bpf import Map
-from .ehframe import ROW, CfaKind, RbpKind, UnwindTableError, build_table
-from .symbolizer.elf import ElfFile, ElfFormatError, read_build_id
+from .ehframe import ROW, CfaKind, CfiLimits, RbpKind, UnwindTableError, build_table
+from .procmaps import MappedPath
+from .symbolizer.elf import ElfFile, ElfFormatError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class UnwindStats:
     build_cpu_s: float = 0.0
     cache_hits: int = 0  # tables read from the disk cache
     failed: int = 0  # files whose CFI could not be read
+    refused: dict[str, int] = field(default_factory=dict)  # of those, by UnwindTableError.reason
     loaded_rows: int = 0  # rows in the BPF array now
     evicted: int = 0  # files evicted from the BPF array
     too_large: int = 0  # files whose table exceeds the BPF array
@@ -135,14 +137,23 @@ def read_cached(path: str) -> Table | None:
     return Table(segs, data[rows_at:])
 
 
-def compile_file(path: str) -> Table:
+def compile_file(path: str, limits: CfiLimits | None = None) -> Table:
     """The table of the ELF file at `path` (UnwindTableError if it cannot be read)."""
     try:
         with ElfFile(path) as elf:
             segs = tuple((s.offset, s.vaddr, s.filesz) for s in elf.segments if s.flags & 1)
     except ElfFormatError as e:
         raise UnwindTableError(path, str(e)) from e
-    return Table(segs, build_table(path))
+    return Table(segs, build_table(path, limits))
+
+
+def compile_mapped(where: MappedPath, limits: CfiLimits | None = None) -> Table:
+    """The table of a file a process maps, read from one descriptor (see safeopen)."""
+    fd = where.open()
+    try:
+        return compile_file(safeopen.fd_path(fd), limits)
+    finally:
+        os.close(fd)
 
 
 class UnwindTables:
@@ -166,6 +177,8 @@ class UnwindTables:
         self._generation_map = maps["unwind_generation"]
         self._generation = 0
         self.capacity = self._rows_map.max_entries
+        # A file with more rows than the array holds could not be loaded: parsing stops there.
+        self._limits = CfiLimits(max_rows=self.capacity)
         self.proc_root = proc_root
         self.cache_dir = cache_dir
         self.cache_max_bytes = cache_max_bytes
@@ -247,11 +260,11 @@ class UnwindTables:
                     self._publish(pid)
                 elif what == "prepare":
                     self.stats.prepared += 1
-                    for _rng, _pgoff, path, key in self._file_mappings(pid):
+                    for _rng, _pgoff, where, key in self._file_mappings(pid):
                         if self._stop.is_set():
                             break
                         if key not in self._loaded and key not in self._on_disk:
-                            self._table(path, key)
+                            self._table(where, key)
                 elif what == "forget":
                     self._drop_proc(pid)
             except Exception:
@@ -263,7 +276,7 @@ class UnwindTables:
                 self._idle.set()
 
     # -- files -------------------------------------------------------------------------
-    def _file_mappings(self, pid: int) -> list[tuple[tuple[int, int], int, str, bytes]]:
+    def _file_mappings(self, pid: int) -> list[tuple[tuple[int, int], int, MappedPath | None, bytes]]:
         """((start, end), pgoff, path to open, build id) of each executable file mapping."""
         base = f"{self.proc_root}/{pid}"
         try:
@@ -271,7 +284,7 @@ class UnwindTables:
                 data = f.read()
         except OSError:
             return []
-        out = []
+        out: list[tuple[tuple[int, int], int, MappedPath | None, bytes]] = []
         ids = self._build_ids
         if len(ids) > 8192:
             ids.clear()
@@ -287,20 +300,15 @@ class UnwindTables:
                 continue
             lo, _, hi = parts[0].partition(b"-")
             # The mapped file itself, even deleted or in another mount namespace.
-            path = f"{base}/map_files/{parts[0].decode()}"
-            if not os.path.exists(path):
-                path = f"{base}/root{parts[5].decode(errors='replace').removesuffix(' (deleted)')}"
+            name = parts[5].decode(errors="replace").removesuffix(" (deleted)")
+            where = MappedPath(base, parts[0].decode(), name)
             # Read once per (device, inode); a replaced file has a new inode.
             key = ids.get((parts[3], parts[4]))
             if key is None:
-                try:
-                    key = read_build_id(path) or b""
-                except (OSError, ElfFormatError):
-                    key = b""
-                ids[(parts[3], parts[4])] = key
+                key = ids[(parts[3], parts[4])] = where.build_id()
             if key:
-                out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), path, key))
-        out.extend((rng, 0, "", _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))
+                out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), where, key))
+        out.extend((rng, 0, None, _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))
         return out
 
     def _py_trampolines(self, pid: int, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -326,7 +334,7 @@ class UnwindTables:
     def _cache_path(self, key: bytes) -> str | None:
         return os.path.join(self.cache_dir, key.hex() + ".unw") if self.cache_dir else None
 
-    def _table(self, path: str, key: bytes) -> Table | None:
+    def _table(self, where: MappedPath | None, key: bytes) -> Table | None:
         if key == _PY_TRAMPOLINE_KEY:
             return _PY_TRAMPOLINE_TABLE
         cached = self._cache_path(key)
@@ -336,12 +344,16 @@ class UnwindTables:
                 self.stats.cache_hits += 1
                 self._on_disk.add(key)
                 return t
+        if where is None:
+            return None
         cpu = time.thread_time()
         try:
-            t = compile_file(path)
+            t = compile_mapped(where, self._limits)
         except (UnwindTableError, OSError) as e:
             self.stats.failed += 1
-            log.info("No unwind table for %s: %s", path, e)
+            reason = e.reason if isinstance(e, UnwindTableError) else "unreadable"
+            self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+            log.info("No unwind table for %s: %s", where.name, e)
             return None
         used = time.thread_time() - cpu
         self.stats.built += 1
@@ -460,10 +472,10 @@ class UnwindTables:
             return  # the same files, still loaded (the maps changed elsewhere: heap, JIT)
         entries = []
         keep = {m[3] for m in mappings}
-        for (start, end), pgoff, path, key in mappings:
+        for (start, end), pgoff, where, key in mappings:
             if self._stop.is_set():
                 return
-            t = None if key in self._loaded else self._table(path, key)
+            t = None if key in self._loaded else self._table(where, key)
             loaded = self._loaded.get(key) if t is None else self._load(key, t, keep)
             if loaded is None:
                 continue

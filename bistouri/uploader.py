@@ -5,10 +5,12 @@ them to `Uploader.want()`, which queues each build id once for this agent (a bou
 queue: past it, asks are dropped and counted). The `bistouri-uploader` thread then, per
 build id:
 
-- finds the executable through the sampled process's own view,
-  `/proc/PID/map_files/<range>` (deleted files, other mount namespaces), else
-  `/proc/PID/root/<path>` (procmaps.ProcMaps.locate), and the separate debug file at
-  `<upload-debug-dir>/.build-id/xx/rest.debug`; each is checked to carry the build id;
+- opens the executable through the sampled process's own view,
+  `/proc/PID/map_files/<range>` (deleted files, other mount namespaces), else its path
+  inside `/proc/PID/root` (procmaps.MappedPath: no symlink, regular files only), and the
+  separate debug file at `<upload-debug-dir>/.build-id/xx/rest.debug`; each is checked to
+  carry the build id, and what is sent is read from that same descriptor (never the path
+  again: the process may replace it meanwhile);
 - claims each file (`POST /v1/uploads/<id>/<kind>?claimant=<this agent>&tenant=<its tenant>`):
   of several agents one gets "claimed", the others "in_progress" (asked again after a while)
   or "done"; uploads are kept per tenant, and serve that tenant's sessions only;
@@ -35,7 +37,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from . import threads
+from . import safeopen, threads
+from .procmaps import MappedPath
 from .settings import AgentSettings
 from .symbolizer.elf import read_build_id
 
@@ -47,7 +50,7 @@ DEBUGINFO = "debuginfo"
 # Sends one request: (method, path, keyword arguments of requests) -> an answer with
 # `status_code` and `body`, or None when the symbolizer could not be reached.
 Send = Callable[..., Any]
-Locate = Callable[[bytes], "tuple[str, ...] | list[str]"]
+Locate = Callable[[bytes], "MappedPath | None"]
 
 
 @dataclass(slots=True)
@@ -199,17 +202,24 @@ class Uploader:
     def _backoff(self, tries: int) -> float:
         return min(self.RETRY_MAX_S, self._retry_initial * 2**tries)
 
-    def _files(self, bid: bytes) -> list[tuple[str, str]]:
-        """(kind, path) of the files of this build id found on this host, each checked."""
-        out: list[tuple[str, str]] = []
-        for path in self._locate(bid):
-            if read_build_id(path) == bid:
-                out.append((EXECUTABLE, path))
-                break
+    def _files(self, bid: bytes) -> list[tuple[str, int]]:
+        """(kind, open descriptor) of the files of this build id found on this host, each checked
+        to carry it; the caller closes them."""
         hexid = bid.hex()
         debug = os.path.join(self.debug_root, hexid[:2], hexid[2:] + ".debug")
-        if os.path.isfile(debug) and read_build_id(debug) == bid:
-            out.append((DEBUGINFO, debug))
+        where = self._locate(bid)
+        out: list[tuple[str, int]] = []
+        for kind, opener in ((EXECUTABLE, where.open if where else None), (DEBUGINFO, _opener(debug))):
+            if opener is None:
+                continue
+            try:
+                fd = opener()
+            except OSError:  # absent, gone with its process, or refused (counted by safeopen)
+                continue
+            if read_build_id(safeopen.fd_path(fd)) == bid:
+                out.append((kind, fd))
+            else:
+                os.close(fd)
         return out
 
     def _upload(self, bid: bytes) -> float | None:
@@ -220,21 +230,20 @@ class Uploader:
             log.info("asked for a file this host does not have build_id=%s", bid.hex())
             return None
         retry: float | None = None
-        for kind, path in files:
-            wait = self._upload_one(bid, kind, path)
-            if wait is not None:
-                retry = wait if retry is None else min(retry, wait)
+        try:
+            for kind, fd in files:
+                wait = self._upload_one(bid, kind, fd)
+                if wait is not None:
+                    retry = wait if retry is None else min(retry, wait)
+        finally:
+            for _, fd in files:
+                os.close(fd)
         return retry
 
-    def _upload_one(self, bid: bytes, kind: str, path: str) -> float | None:
+    def _upload_one(self, bid: bytes, kind: str, fd: int) -> float | None:
         hexid = bid.hex()
         url = f"/v1/uploads/{hexid}/{kind}"
-        try:
-            size = os.stat(path).st_size
-        except OSError as e:
-            self._m.skipped.labels("not_found").inc()
-            log.info("cannot read a file to upload path=%s error=%s", path, e.strerror)
-            return None
+        size = os.fstat(fd).st_size
         if size > self.max_bytes:
             self._m.skipped.labels("too_large").inc()
             log.warning(
@@ -258,18 +267,12 @@ class Uploader:
             self._m.skipped.labels(state).inc()
             return self.IN_PROGRESS_RETRY_S if state == "in_progress" else None
         sent = [0]
-        try:
-            with open(path, "rb") as f:
-                resp = self._send(
-                    "PUT",
-                    url,
-                    data=self._gzip_stream(f, sent),
-                    headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
-                )
-        except OSError as e:  # opening it: the process and its map_files went meanwhile
-            self._m.skipped.labels("not_found").inc()
-            log.info("cannot open a file to upload path=%s error=%s", path, e.strerror)
-            return None
+        resp = self._send(
+            "PUT",
+            url,
+            data=self._gzip_stream(fd, sent),
+            headers={"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+        )
         if resp is None or resp.status_code >= 500 or resp.status_code == 429:
             self._m.failures.labels("network" if resp is None else "server_error").inc()
             return self._backoff(0)
@@ -288,12 +291,14 @@ class Uploader:
         log.info("file uploaded build_id=%s kind=%s bytes=%d sent=%d", hexid, kind, size, sent[0])
         return None
 
-    def _gzip_stream(self, f: Any, sent: list[int]) -> Iterator[bytes]:
-        """The file gzip'd chunk by chunk, at most `rate` bytes a second."""
+    def _gzip_stream(self, fd: int, sent: list[int]) -> Iterator[bytes]:
+        """The file gzip'd chunk by chunk from its start, at most `rate` bytes a second."""
         gz = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
         start = time.monotonic()
+        at = 0
         while True:
-            data = f.read(self.CHUNK)
+            data = os.pread(fd, self.CHUNK, at)
+            at += len(data)
             out = gz.compress(data) if data else gz.flush()
             if out:
                 sent[0] += len(out)
@@ -303,6 +308,10 @@ class Uploader:
                 yield out
             if not data:
                 return
+
+
+def _opener(path: str) -> Callable[[], int]:
+    return lambda: safeopen.open_regular(path)
 
 
 def _state(resp: Any) -> str:

@@ -85,3 +85,14 @@ def test_where_a_unit_was_found_is_checked_first_and_forgotten_when_gone(tmp_pat
         1: "/b.slice/nginx.service"
     }
     assert units == {"nginx.service": "/b.slice/nginx.service"}
+
+
+def test_a_unit_is_looked_for_through_slices_only(tmp_path):
+    """Below a service or a scope, cgroups belong to the unit's processes (Delegate=): a directory
+    named like a unit there is never the unit."""
+    _cgroup(tmp_path, "/user.slice/user-1000.slice/user@1000.service/app.slice/db.service", [])
+    _cgroup(tmp_path, "/system.slice/docker.service/nginx.service", [])
+    assert find_unit_cgroup(str(tmp_path), "db.service") is None
+    assert find_unit_cgroup(str(tmp_path), "nginx.service") is None
+    _cgroup(tmp_path, "/a.slice/a-b.slice/nginx.service", [])
+    assert find_unit_cgroup(str(tmp_path), "nginx.service") == "/a.slice/a-b.slice/nginx.service"

@@ -27,7 +27,7 @@ def _exposed_agent_metrics() -> dict[str, str]:
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
     s = AgentSettings(symbolizer_endpoint="http://127.0.0.1:1")
-    Exporter(spool, s, registry=r, file_locator=lambda build_id: ())  # as the agent builds it
+    Exporter(spool, s, registry=r, file_locator=lambda build_id: None)  # as the agent builds it
     out = {}
     for m in r.collect():
         name = m.name + "_total" if m.type == "counter" else m.name

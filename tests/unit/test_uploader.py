@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import zlib
 
@@ -23,15 +22,18 @@ class _Waits:
         return False
 
 
-def test_the_stream_is_gzip_of_the_file_and_paced_to_the_rate() -> None:
+def test_the_stream_is_gzip_of_the_file_and_paced_to_the_rate(tmp_path) -> None:
     rate = 1 << 20
     settings = AgentSettings(symbolizer_endpoint="http://127.0.0.1:1", upload_rate_bytes=rate)
-    uploader = Uploader(settings, lambda *a, **k: None, lambda b: (), CollectorRegistry())
+    uploader = Uploader(settings, lambda *a, **k: None, lambda b: None, CollectorRegistry())
     waits = _Waits()
     uploader._stop = waits  # type: ignore[assignment]
     data = os.urandom(4 << 20)  # incompressible: about 4 MiB go on the wire
     sent = [0]
-    body = b"".join(uploader._gzip_stream(io.BytesIO(data), sent))
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    body = b"".join(uploader._gzip_stream(fd, sent))
+    os.close(fd)
     assert zlib.decompress(body, 16 + zlib.MAX_WBITS) == data
     assert sent[0] == len(body)
     # Each pause is the stream's lead over the rate; nothing slept, so the lead only grew, to about the

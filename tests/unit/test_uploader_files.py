@@ -1,0 +1,47 @@
+"""The uploader sends the file it checked, read from the descriptor it checked (issue 26, N5): a
+process that swaps the path for a symlink during the claim's round trip gets nothing else sent."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from bistouri.procmaps import MappedPath
+from bistouri.settings import AgentSettings
+from bistouri.symbolizer.elf import read_build_id
+from bistouri.uploader import Uploader
+
+
+def test_the_path_swapped_after_the_check_is_not_what_is_sent(tmp_path: Path, workloads: Path) -> None:
+    lib = tmp_path / "lib.so"
+    shutil.copy(workloads / "burner", lib)
+    original = lib.read_bytes()
+    bid = read_build_id(lib)
+    assert bid
+    secret = tmp_path / "secret"
+    secret.write_text("ROOT ONLY\n")
+    # No map_files entry (the process unmapped it): the path inside its root is what is left.
+    where = MappedPath(f"/proc/{os.getpid()}", "0-0", str(lib))
+    sent: list[bytes] = []
+
+    def send(method: str, url: str, **kw: Any) -> Any:
+        if method == "POST":  # the claim: the process swaps the path meanwhile
+            lib.unlink()
+            lib.symlink_to(secret)
+            return SimpleNamespace(status_code=200, body=json.dumps({"state": "claimed"}).encode())
+        sent.append(gzip.decompress(b"".join(kw["data"])))
+        return SimpleNamespace(status_code=201, body=b"")
+
+    settings = AgentSettings(
+        symbolizer_endpoint="http://127.0.0.1:1", upload_debug_dir=str(tmp_path / "debug")
+    )
+    uploader = Uploader(settings, send, lambda b: where if b == bid else None, CollectorRegistry())
+    assert uploader._upload(bid) is None
+    assert sent == [original]
