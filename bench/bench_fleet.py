@@ -78,7 +78,7 @@ def main() -> int:
             for i in instances:
                 i.close()
         posts = lb.request_times("POST", "/v1/sessions")
-        ok = [t for status, t in posts if status == 200]
+        ok = [t for status, t, _ in posts if status == 200]
         results = {
             "agents": args.agents,
             "boots": args.boots,
@@ -92,7 +92,7 @@ def main() -> int:
             "sessions_per_cpu_s": total / cpu,
             "posts": len(posts),
             "posts_failed": len(posts) - len(ok),
-            "post_statuses": dict(Counter(status for status, _ in posts)),
+            "post_statuses": {f"{s} {v}": n for (s, v), n in Counter((s, v) for s, _, v in posts).items()},
             "post_p50_s": _quantile(ok, 0.50),
             "post_p99_s": _quantile(ok, 0.99),
             "memory_peak_bytes": units,

@@ -17,6 +17,10 @@ them. This worker keeps slow peers in its poller instead, where they cost no thr
   at most WRITE_TIMEOUT_S, then the response is abandoned. Beyond MAX_OUTBOX_BYTES of
   such responses in a worker, a thread writes itself, for WRITE_TIMEOUT_S at most.
 
+- `GET /healthz` is answered by the poller as soon as its headers are in: the process
+  lives and accepts connections. Behind the requests queued for threads, it took over 2 s
+  in a burst of ingest, and HAProxy took every instance of a fleet out at once.
+
 Counted: `bistouri_symbolizer_requests_rejected_total{reason="slow_body"}` and
 `bistouri_symbolizer_responses_abandoned_total{reason="slow_reader"}`.
 
@@ -59,6 +63,10 @@ _READ_BYTES = 64 << 10
 _TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\n"
     b"Content-Type: text/plain\r\nContent-Length: 38\r\n\r\nrequest headers over 65536 bytes: sent\n"
+)
+_HEALTHY = (
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 3\r\n\r\nok\n"
 )
 _TOO_SLOW = (
     b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
@@ -207,11 +215,22 @@ class HeaderGateWorker(ThreadWorker):
         lock = getattr(self, "_lock", None)
         return lock if lock is not None else contextlib.nullcontext()
 
-    def _metric(self, name: str, reason: str, n: int = 1) -> None:
+    def _metric(self, name: str, *labels: str) -> None:
         metrics = getattr(self.wsgi, "metrics", None)
         counter = getattr(metrics, name, None)
         if counter is not None:
-            counter.labels(reason).inc(n)
+            counter.labels(*labels).inc()
+
+    def _may_answer_health(self, sock: Any) -> bool:
+        """/healthz is answered by the poller, not behind the requests queued for threads: a
+        load balancer must not take out an instance that is busy, as every instance is in a
+        burst (seen: both instances of a fleet marked down, 2 s health checks). Not on the
+        listener that serves only /metrics."""
+        metrics_port = getattr(getattr(self.wsgi, "config", None), "metrics_port", None)
+        try:
+            return not metrics_port or sock.getsockname()[1] != metrics_port
+        except OSError:
+            return False
 
     def count_abandoned(self) -> None:
         self._metric("abandoned", "slow_reader")
@@ -265,6 +284,12 @@ class HeaderGateWorker(ThreadWorker):
                     with contextlib.suppress(OSError):
                         sock.send(_TOO_LARGE)
                     self._drop(conn)
+                return
+            if pending.buf.startswith(b"GET /healthz HTTP/1.") and self._may_answer_health(sock):
+                with contextlib.suppress(OSError):
+                    sock.send(_HEALTHY)
+                self._drop(conn)
+                self._metric("http_requests", "healthz", "200")
                 return
             pending.head = end
             pending.body_start = time.monotonic()

@@ -97,14 +97,14 @@ class HAProxy:
         servers = [r for r in rows if r[0] == "instances" and r[1] not in ("BACKEND", "FRONTEND")]
         return sum(1 for r in servers if r[17] == "UP")  # column 17: status
 
-    def request_times(self, method: str, path_prefix: str) -> list[tuple[int, float]]:
-        """(status, seconds from the request's first byte to the end of the answer) of every
-        `method` request under `path_prefix` so far, from HAProxy's log."""
+    def request_times(self, method: str, path_prefix: str) -> list[tuple[int, float, str]]:
+        """(status, seconds from the request's first byte to the end of the answer, the server
+        or <NOSRV>) of every `method` request under `path_prefix` so far, from HAProxy's log."""
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             parts = line.split(" ", 3)
             if len(parts) == 4 and parts[0].isdigit() and parts[3].startswith(f'"{method} {path_prefix}'):
-                out.append((int(parts[0]), int(parts[1]) / 1000))
+                out.append((int(parts[0]), int(parts[1]) / 1000, parts[2]))
         return out
 
     def close(self) -> None:
