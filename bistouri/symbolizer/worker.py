@@ -187,15 +187,18 @@ class _PeerSocket(socket.socket):
         if self.gate.reserve_outbox(len(view)):
             self.outbox += view
             return
+        # The worker holds enough unsent responses: this thread writes, for a while at most.
         self.settimeout(WRITE_TIMEOUT_S)  # sendall's timeout is for the whole call
         try:
             if self.outbox:
                 super().sendall(self.outbox, flags)
-                self.outbox.clear()
             super().sendall(view, flags)
         except TimeoutError:
             self.gate.count_abandoned()
             raise BrokenPipeError(errno.EPIPE, "the client did not read the response in time") from None
+        finally:
+            self.gate.release_outbox(len(self.outbox))
+            self.outbox.clear()
 
 
 class HeaderGateWorker(ThreadWorker):
@@ -242,7 +245,7 @@ class HeaderGateWorker(ThreadWorker):
             self._outboxed += n
             return True
 
-    def _release_outbox(self, n: int) -> None:
+    def release_outbox(self, n: int) -> None:
         with self._outbox_lock:
             self._outboxed -= n
 
@@ -362,7 +365,7 @@ class HeaderGateWorker(ThreadWorker):
             self._end_write(conn)  # the client went away
             return
         del sock.outbox[:n]
-        self._release_outbox(n)
+        self.release_outbox(n)
         if not sock.outbox:
             self._end_write(conn)
 
@@ -371,7 +374,7 @@ class HeaderGateWorker(ThreadWorker):
             self._writing.pop(conn, None)
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self.poller.unregister(conn.sock)
-        self._release_outbox(len(conn.sock.outbox))
+        self.release_outbox(len(conn.sock.outbox))
         conn.sock.outbox.clear()
         self.nr_conns -= 1
         with contextlib.suppress(OSError):
