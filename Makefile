@@ -22,7 +22,9 @@ APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-c
 	dpkg-dev lintian rpm rpmlint fakeroot
 # promtool checks the shipped alert rules (tests/unit/test_monitoring.py).
 APT_MONITORING := prometheus
-APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING)
+# The load balancer in front of two symbolizer instances (tests/integration/test_fleet_load.py).
+APT_FLEET := haproxy
+APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING) $(APT_FLEET)
 APT_DEMO := $(APT_BUILD) llvm-19
 # What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`),
 # BCC's CO-RE runqlat and offcputime (libbpf-tools: the episode hooks' cost, bench_episode).

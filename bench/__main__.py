@@ -11,6 +11,7 @@ BENCHES = (
     "bench.bench_unwind_tables",
     "bench.bench_symbolize",
     "bench.bench_ingest",
+    "bench.bench_fleet",
     "bench.bench_upload",
     "bench.bench_attacks",
     "bench.bench_agent_attacks",

@@ -7,8 +7,10 @@ gzip-compressed msgpack), and deletes a session only once the symbolizer has
 accepted it (or already had it). Before the first session of a kernel it makes
 sure the symbolizer has that kernel's kallsyms (`GET`, then `PUT` on 404).
 
-Failures back off exponentially with jitter; `Retry-After` is obeyed but never
-waits less than that backoff (`Retry-After: 0` must not become a tight loop); 413
+Failures back off exponentially with full jitter, capped at BACKOFF_MAX_S (`backoff_s`):
+once the symbolizer is back, every agent sends within that cap, at a time of its own,
+so that a fleet does not arrive at once. `Retry-After` is obeyed but never waits less
+than that backoff (`Retry-After: 0` must not become a tight loop); 413
 halves the batch; a 400 on a batch is bisected to find the one bad session.
 The answers follow the ingest contract (docs/configuration.md): a 503 listing `failed`
 sessions (the symbolizer broke on its own side) keeps those in the spool to be
@@ -111,6 +113,16 @@ class _Metrics:
         )
 
 
+def backoff_s(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """The wait after `failures` failures in a row: "full jitter", uniform between `initial_s`
+    and the exponential step (initial_s, twice that, ... capped at `max_s`).
+
+    Drawn from the whole range, not around the step: agents that failed together (an
+    outage) come back spread over the cap instead of at the same instant."""
+    step = min(max_s, initial_s * 2 ** min(max(failures - 1, 0), 30))
+    return rng.uniform(initial_s, max(initial_s, step))
+
+
 def _retry_after(value: str | None, default: float, now_wall: float) -> float:
     """Seconds to wait from a Retry-After header (delta seconds or an HTTP date)."""
     if not value:
@@ -132,9 +144,9 @@ class Exporter:
     CONNECT_TIMEOUT_S = 5.0
     READ_TIMEOUT_S = 30.0
     BACKOFF_INITIAL_S = 1.0
-    BACKOFF_MAX_S = 300.0
-    JITTER = 0.25  # each wait is scaled by a uniform factor in [1 - JITTER, 1 + JITTER]
-    RETRY_AFTER_DEFAULT_S = 60.0
+    # The longest wait between two tries: after an outage the spool starts draining at most
+    # this long after the symbolizer is back (it took minutes with a 300 s cap).
+    BACKOFF_MAX_S = 60.0
     RETRY_AFTER_MAX_S = 3600.0
     MAX_RESPONSE_BYTES = 1 << 20  # our answers are small JSON; more is a broken or hostile server
     IDLE_RESCAN_S = 30.0  # look at the spool even without notify()
@@ -302,8 +314,7 @@ class Exporter:
         log.info("exporter stopped pending=%d", len(self.spool))
 
     def _backoff(self) -> float:
-        base = min(self._backoff_max, self._backoff_initial * 2 ** min(self._failures - 1, 30))
-        return max(self._backoff_initial, base * self._rng.uniform(1 - self.JITTER, 1 + self.JITTER))
+        return backoff_s(self._failures, self._backoff_initial, self._backoff_max, self._rng)
 
     def _next_batch(self) -> _Batch:
         batch = _Batch()
@@ -426,10 +437,10 @@ class Exporter:
         status = resp.status_code
         detail = _error_detail(resp)
         if status in (429, 503):
-            wait = min(
-                self.RETRY_AFTER_MAX_S,
-                _retry_after(resp.headers.get("Retry-After"), self.RETRY_AFTER_DEFAULT_S, time.time()),
-            )
+            # Without a Retry-After (a load balancer with no server up answers so), our own
+            # backoff: a fixed default would bring a fleet back in step.
+            header = resp.headers.get("Retry-After")
+            wait = min(self.RETRY_AFTER_MAX_S, _retry_after(header, 0.0, time.time()))
             self._m.failures.labels("rate_limited" if status == 429 else "unavailable").inc()
             log.info("symbolizer asks to wait status=%d retry_after_s=%.1f", status, wait)
             # 0 (or a past date) still waits our own backoff: see _run.

@@ -145,3 +145,27 @@ def bistouri_prog_ids() -> set[int]:
     names = {"handle_perf", "handle_perf_fp", "handle_sched_switch", "handle_exec", "handle_sched_sw"}
     names |= {*EPISODE_PROGRAMS, *(n[:15] for n in EPISODE_PROGRAMS)}  # full (BTF) or truncated names
     return {p["id"] for p in json.loads(out or "[]") if p.get("name", "") in names}
+
+
+def run_python_as_nobody(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run `code` with the system python3 as `nobody`, with this checkout's package importable.
+
+    The checkout and its virtualenv may sit where only root can traverse (root's home, a
+    `mktemp -d`): nobody gets a copy of the package in a directory every user may read, and
+    the system interpreter, isolated (-I -S) so that nothing of root's environment is used.
+    Only the standard library is importable there."""
+    import shutil
+    import tempfile
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        import pytest
+
+        pytest.skip("needs root and setpriv to run as nobody")
+    with tempfile.TemporaryDirectory(prefix="bistouri-nobody-") as tmp:
+        os.chmod(tmp, 0o755)
+        package = Path(__file__).resolve().parents[1] / "bistouri"
+        shutil.copytree(package, Path(tmp) / "bistouri", ignore=shutil.ignore_patterns("__pycache__", "ui"))
+        argv = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+        argv += ["/usr/bin/python3", "-I", "-S", "-c", f"import sys; sys.path.insert(0, {tmp!r}); {code}"]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=tmp, timeout=timeout, check=True)

@@ -32,6 +32,9 @@ class Metrics:
             "http_requests_total", "HTTP requests by route and status", "route", "code"
         )
         self.rejected = counter("requests_rejected_total", "Requests refused with a 4xx, by reason", "reason")
+        self.abandoned = counter(
+            "responses_abandoned_total", "Responses the client did not read in time, by reason", "reason"
+        )
         self.received_bytes = counter("received_bytes_total", "Compressed bytes of accepted ingest bodies")
         self.ingested = counter("sessions_ingested_total", "Sessions symbolized and stored")
         self.duplicates = counter("sessions_duplicate_total", "Sessions received again, not stored twice")

@@ -200,6 +200,21 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     )
 
 
+def _timed_reader(request: Request) -> Callable[[int], bytes]:
+    """`read(n)` of the request body; a body that does not arrive in time (the worker's
+    socket keeps its deadline, worker.py) is a 408, and the connection is closed."""
+    stream = request.environ["wsgi.input"]
+
+    def read(n: int) -> bytes:
+        try:
+            chunk: bytes = stream.read(n)
+        except TimeoutError:
+            raise ApiError(408, "slow_body", "the request body did not arrive in time")
+        return chunk
+
+    return read
+
+
 def gunzip_limited(data: bytes, limit: int) -> bytes:
     """Decompress one gzip member, refusing output over `limit` bytes (gzip bombs)."""
     d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
@@ -296,10 +311,12 @@ class SymbolizerApp:
                 raise NotFound()
             response = getattr(self, "on_" + endpoint)(request, **args)
         except ApiError as e:
-            if e.status in (400, 401, 403, 409, 413, 415, 429):
+            if e.status in (400, 401, 403, 408, 409, 413, 415, 429):
                 self.metrics.rejected.labels(e.reason).inc()
             body = {"error": e.reason, "detail": e.detail, **e.extra}
             headers = {"WWW-Authenticate": 'Bearer realm="bistouri"'} if e.status == 401 else None
+            if e.status == 408:  # the rest of the body may still come: not a next request
+                headers = {"Connection": "close"}
             response = _json(body, e.status, headers)
         except StoreError as e:
             # The database is down or locked: not the client's fault, worth a retry later. Its path
@@ -367,16 +384,18 @@ class SymbolizerApp:
         length = request.content_length
         if length is not None and length > limit:
             raise ApiError(413, "too_large", f"body of {length} bytes, at most {limit} accepted")
-        stream = request.environ["wsgi.input"]
+        read = _timed_reader(request)
         want = length if length is not None else limit + 1
         chunks = []
         got = 0
         while got < want:
-            chunk = stream.read(min(65536, want - got))
+            chunk = read(min(65536, want - got))
             if not chunk:
                 break
             chunks.append(chunk)
             got += len(chunk)
+        if length is not None and got < length:
+            raise ApiError(400, "malformed", f"body of {got} bytes, {length} announced")
         if got > limit:
             raise ApiError(413, "too_large", f"body over {limit} bytes")
         return b"".join(chunks)
@@ -558,13 +577,13 @@ class SymbolizerApp:
         if length is not None and length > limit + (limit >> 6) + 1024:  # gzip never grows it more
             self.uploads.release(scope, build_id, kind, claimant)  # another agent may try at once
             raise UploadRefused(413, "too_large", f"body of {length} bytes, over --max-upload-bytes {limit}")
-        stream = request.environ["wsgi.input"]
+        stream_read = _timed_reader(request)
         left = [length if length is not None else -1]
 
         def read(n: int) -> bytes:
             if left[0] == 0:
                 return b""
-            chunk: bytes = stream.read(n if left[0] < 0 else min(n, left[0]))
+            chunk: bytes = stream_read(n if left[0] < 0 else min(n, left[0]))
             if left[0] > 0:
                 left[0] -= len(chunk)
             return chunk

@@ -7,12 +7,6 @@ user when the tests run as root.
 
 from __future__ import annotations
 
-import glob
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,88 +22,23 @@ from bistouri.symbolizer.store import SCHEMA_VERSION, Filter, Store, StoredSessi
 from .conftest import (
     KERNEL_BUILD_ID,
     DemoBinary,
-    free_port,
     make_session,
     metric_value,
     post_sessions,
     put_kernel,
 )
+from .pg import PgServer, PgUnavailable, running_postgres
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
 
 
-def _pg_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
-    return Path(found[-1]).parent if found else None
-
-
-class PgServer:
-    def __init__(self, bindir: Path, root: Path, port: int, run_as: list[str]) -> None:
-        self.bindir, self.root, self.port, self.run_as = bindir, root, port, run_as
-        self.data = root / "data"
-        self.url = f"postgresql://bistouri@127.0.0.1:{port}/bistouri"
-
-    def run(self, tool: str, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*self.run_as, str(self.bindir / tool), *args], capture_output=True, text=True, timeout=120
-        )
-
-
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PgServer]:
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip(
-            "PostgreSQL binaries not found in /usr/lib/postgresql/*/bin: apt-get install -y postgresql"
-        )
-    run_as: list[str] = []
-    owner = None
-    if os.geteuid() == 0:
-        # initdb and postgres refuse to run as root.
-        try:
-            owner = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no `postgres` user to run the server as")
-        run_as = ["runuser", "-u", "postgres", "--"]
-    # Not under pytest's tmp dir: its parents are private to root, and the server runs as postgres.
-    root = Path(tempfile.mkdtemp(prefix="bistouri-pg-"))
-    if owner is not None:
-        os.chown(root, owner.pw_uid, owner.pw_gid)
-    pg = PgServer(bindir, root, free_port(), run_as)
     try:
-        r = pg.run("initdb", "-D", str(pg.data), "-U", "bistouri", "--auth=trust", "-E", "UTF8", "--no-sync")
-        assert r.returncode == 0, f"initdb failed:\n{r.stdout}\n{r.stderr}"
-        opts = f"-p {pg.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
-        r = pg.run(
-            "pg_ctl",
-            "-D",
-            str(pg.data),
-            "-o",
-            opts,
-            "-l",
-            str(root / "server.log"),
-            "-w",
-            "-t",
-            "60",
-            "start",
-        )
-        assert r.returncode == 0, (
-            f"pg_ctl start failed:\n{r.stdout}\n{r.stderr}\n{_tail(root / 'server.log')}"
-        )
-        with psycopg.connect(f"postgresql://bistouri@127.0.0.1:{pg.port}/postgres", autocommit=True) as conn:
-            conn.execute("CREATE DATABASE bistouri")
-        yield pg
-    finally:
-        if (pg.data / "postmaster.pid").exists():
-            pg.run("pg_ctl", "-D", str(pg.data), "-m", "immediate", "-w", "stop")
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _tail(path: Path) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-30:])
-    except OSError:
-        return ""
+        with running_postgres() as pg:
+            yield pg
+    except PgUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture

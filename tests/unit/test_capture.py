@@ -4,13 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import abi, wire
@@ -19,7 +14,7 @@ from bistouri.events import ResolvedStacks, SentSamples, StackSample, decode_sta
 from bistouri.kernel import KernelMeta
 from bistouri.metrics import AgentMetrics
 from bistouri.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
-from tests.helpers import build_id
+from tests.helpers import build_id, run_python_as_nobody
 
 
 def fake_proc(root: Path, pid: int, maps: str) -> None:
@@ -378,20 +373,11 @@ def test_a_table_of_a_reused_pid_is_read_again_when_it_becomes_a_target(tmp_path
 def test_maps_the_agent_may_not_read_are_counted_apart():
     """As another user without CAP_SYS_PTRACE, a root process's maps are refused: its frames are
     counted as no_access, not mistaken for an exited process."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None or os.geteuid() != 0:
-        pytest.skip("needs root and setpriv to read as another user")
     code = (
         "from bistouri.procmaps import ProcMaps, USER_FRAME; m = ProcMaps(); m.track(1); "
         "print(USER_FRAME.unpack(m.resolve(1, (0x400100,)))[:2])"
     )
-    out = subprocess.run(
-        [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-        check=True,
-    )
+    out = run_python_as_nobody(code)
     assert out.stdout.strip() == str((int(FrameStatus.UNMAPPED), int(Unmapped.NO_ACCESS)))
 
 

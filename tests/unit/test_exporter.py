@@ -312,6 +312,18 @@ def test_retry_after_is_obeyed(server, make_env, status):
     assert env.metric("bistouri_export_failures_total", reason=reason) == 1
 
 
+def test_a_503_without_retry_after_waits_the_own_backoff(server, make_env):
+    """A load balancer with no server up answers 503 with no Retry-After: the exporter tries
+    again after its own (capped, jittered) backoff. It waited a fixed 60 s."""
+    server.script.append((503, {}, {"error": "unavailable", "detail": "no server is available"}))
+    env = make_env(server.url)
+    env.put(2)
+    env.exporter.start()
+    wait_for(lambda: len(env.spool) == 0, timeout=5)
+    (t1, first), (t2, second) = server.posts
+    assert first == second and t2 - t1 <= 0.3 + 0.1  # backoff_max_s of make_env, and some slack
+
+
 def test_retry_after_parsing():
     assert _retry_after("7", 60, 0) == 7
     assert _retry_after(None, 60, 0) == 60
