@@ -15,6 +15,7 @@ from typing import Any
 
 import requests
 
+from bistouri.symbolizer.worker import BODY_BUFFER_BYTES
 from tests.helpers import wait_until
 from tests.integration.conftest import metric_value, post_sessions, stop
 from tests.integration.test_uploads import Program, build, names, session
@@ -110,11 +111,12 @@ def test_a_worker_killed_mid_upload_leaves_no_temporary_file(symbolizer_server: 
     url = symbolizer_server(tmp_path, workers=1, state_dir=state)
     target = f"/v1/uploads/{prog.build_id.hex()}/executable?claimant=agent"
     assert requests.post(url + target, timeout=10).json()["state"] == "claimed"
-    body = prog.path.read_bytes()
+    # Past the worker's poller buffer, so that the body reaches the application (and its temp file).
+    body = padded(prog, tmp_path, 4 * BODY_BUFFER_BYTES).read_bytes()
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         head = f"PUT {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
-        conn.sendall(head.encode() + body[: len(body) // 2])  # the rest never comes
+        conn.sendall(head.encode() + body[: 2 * BODY_BUFFER_BYTES])  # the rest never comes
         assert wait_until(lambda: _temp_files(state), DEADLINE_S), "the upload never reached the worker"
         (worker,) = _worker_pids(url.proc.pid)
         os.kill(worker, signal.SIGKILL)
