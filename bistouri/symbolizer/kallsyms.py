@@ -150,12 +150,19 @@ class KallsymsIndex:
     build (other boots, other hosts); those of modules and BPF programs, whose addresses are per boot,
     are the index's own."""
 
-    __slots__ = ("__weakref__", "_core", "_modules", "_mods", "loaded_code", "text_addr")
+    __slots__ = ("__weakref__", "_base", "_core", "_modules", "_mods", "loaded_code", "text_addr")
 
     def __init__(
-        self, core: _Table, mods: _Table, modules: list[str], text_addr: int, loaded_code: str = ""
+        self,
+        core: _Table,
+        mods: _Table,
+        modules: list[str],
+        text_addr: int,
+        base: int,
+        loaded_code: str = "",
     ) -> None:
         self._core = _shared_core(core)
+        self._base = base  # what core addresses are relative to: text_addr when the snapshot has _text
         self._mods = mods
         self._modules = modules
         self.text_addr = text_addr  # runtime _text of the boot that wrote the snapshot
@@ -181,7 +188,7 @@ class KallsymsIndex:
 
     def lookup(self, ip: int) -> tuple[str, str, int] | None:
         """(name, module, offset) for a runtime address of this boot; module "" is vmlinux."""
-        core, mods, text = self._core, self._mods, self.text_addr
+        core, mods, text = self._core, self._mods, self._base
         i = bisect.bisect_right(core.addrs, ip - text) - 1
         j = bisect.bisect_right(mods.addrs, ip) - 1
         c_start = core.addrs[i] + text if i >= 0 else -1
@@ -203,7 +210,7 @@ class KallsymsIndex:
 
     def rows(self) -> Iterator[tuple[int, int, str, str]]:
         """(address, end, name, module) of every symbol, in address order."""
-        core, mods, text = self._core, self._mods, self.text_addr
+        core, mods, text = self._core, self._mods, self._base
         starts = sorted(
             [(core.addrs[i] + text, 0, i) for i in range(len(core.addrs))]
             + [(mods.addrs[j], 1, j) for j in range(len(mods.addrs))]
@@ -216,7 +223,7 @@ class KallsymsIndex:
 
     def address_of(self, name: str) -> int | None:
         want = name.encode()
-        for table, base in ((self._core, self.text_addr), (self._mods, 0)):
+        for table, base in ((self._core, self._base), (self._mods, 0)):
             names, offs = table.names, table.name_offs
             pos = names.find(want)
             while pos >= 0:
@@ -308,6 +315,7 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
     core = _Table(signed=True)
     mods = _Table(signed=False)
     mod_index: dict[str, int] = {}
+    base = text_addr  # core addresses are kept relative to _text (to the lowest without one)
     last = -1
     for key in keys:
         addr = key >> 22
@@ -318,11 +326,12 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
             if module:
                 mods.add(addr, names[i], mod_index.setdefault(module, len(mod_index)))
             else:
-                core.add(addr - text_addr, names[i], None)
+                base = base or addr
+                core.add(addr - base, names[i], None)
     del keys, names, modules
     core.freeze()
     mods.freeze()
-    return KallsymsIndex(core, mods, list(mod_index), text_addr, loaded_code.hexdigest())
+    return KallsymsIndex(core, mods, list(mod_index), text_addr, base, loaded_code.hexdigest())
 
 
 def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:

@@ -53,6 +53,11 @@ class Metrics:
         self.uploads_refused = counter(
             "uploads_refused_total", "ELF uploads refused (nothing kept), by reason", "reason"
         )
+        self.reads_truncated = counter(
+            "reads_truncated_total",
+            "Read answers cut at a bound (sessions left out of a merge, tree nodes), by reason",
+            "reason",
+        )
         self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
         self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
         self.latency = Histogram(
