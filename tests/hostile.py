@@ -171,7 +171,9 @@ def elf64(
         body.append(0)
     shoff = len(body)
     headers = [struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)]
-    notes = [struct.pack("<IIQQQQIIQQ", 0, _SHT_NOTE, 0, 0, off, size, 0, 0, 4, 0) for off, size in extra_headers]
+    notes = [
+        struct.pack("<IIQQQQIIQQ", 0, _SHT_NOTE, 0, 0, off, size, 0, 0, 4, 0) for off, size in extra_headers
+    ]
     if extra_first:
         headers += notes
     for s, off, n_off in zip(sections, placed, name_off, strict=False):
@@ -192,7 +194,9 @@ def elf64(
             )
         )
     shstrndx = len(headers)
-    headers.append(struct.pack("<IIQQQQIIQQ", name_off[-1], _SHT_STRTAB, 0, 0, shstr_off, len(names), 0, 0, 1, 0))
+    headers.append(
+        struct.pack("<IIQQQQIIQQ", name_off[-1], _SHT_STRTAB, 0, 0, shstr_off, len(names), 0, 0, 1, 0)
+    )
     if not extra_first:
         headers += notes
     body += b"".join(headers)
@@ -213,8 +217,20 @@ def build_id_note(build_id: bytes) -> dict[str, Any]:
 
 def _text(nobits: bool = False) -> dict[str, Any]:
     if nobits:
-        return {"name": ".text", "type": _SHT_NOBITS, "flags": _SHF_ALLOC_EXEC, "addr": _TEXT_ADDR, "size": 0x1000}
-    return {"name": ".text", "type": _SHT_PROGBITS, "flags": _SHF_ALLOC_EXEC, "addr": _TEXT_ADDR, "data": b"\xc3" * 0x1000}
+        return {
+            "name": ".text",
+            "type": _SHT_NOBITS,
+            "flags": _SHF_ALLOC_EXEC,
+            "addr": _TEXT_ADDR,
+            "size": 0x1000,
+        }
+    return {
+        "name": ".text",
+        "type": _SHT_PROGBITS,
+        "flags": _SHF_ALLOC_EXEC,
+        "addr": _TEXT_ADDR,
+        "data": b"\xc3" * 0x1000,
+    }
 
 
 def elf_note_bomb(copies: int, area_bytes: int, build_id: bytes | None = None) -> bytes:
@@ -269,4 +285,3 @@ def elf_debugdata_bomb(symbols: int, build_id: bytes) -> bytes:
             {"name": ".gnu_debugdata", "type": _SHT_PROGBITS, "data": mini},
         ]
     )
-

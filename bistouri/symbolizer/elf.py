@@ -513,7 +513,9 @@ class ElfFile:
         view = memoryview(buf)[sec.offset : sec.offset + n * 24]
         try:
             # Elf64_Sym: name u32, info u8, other u8, shndx u16, value u64, size u64.
-            for name_off, info, _other, shndx, value, size in struct.iter_unpack(self.endian + "IBBHQQ", view):
+            for name_off, info, _other, shndx, value, size in struct.iter_unpack(
+                self.endian + "IBBHQQ", view
+            ):
                 typ = info & 0xF
                 if typ != STT_FUNC and typ != STT_GNU_IFUNC and (typ != STT_NOTYPE or not size):
                     continue

@@ -156,7 +156,12 @@ def _fields(node: _Tree, frames: Sequence[Frame], diff_scale: float | None) -> d
         out.update(inlined=False, module="")
     else:
         f = frames[node[1]]
-        out = {"name": f.name or "[unknown]", "value": node[0], "kind": f.kind or KIND_UNKNOWN, "file": f.file}
+        out = {
+            "name": f.name or "[unknown]",
+            "value": node[0],
+            "kind": f.kind or KIND_UNKNOWN,
+            "file": f.file,
+        }
         out.update(line=f.line, inlined=f.inlined, module=f.module)
     if diff_scale is not None:
         out["base"] = node[3]
@@ -215,10 +220,11 @@ def _diff_tree(a: Profile, b: Profile, value: str, max_nodes: int) -> tuple[_Tre
         if v <= 0:
             continue
         total_a += v
-        node = tb
-        node[3] += v
+        node: _Tree | None = tb
+        tb[3] += v
         for i in s.stack:
-            node = node[2].get(key_of[i]) if node[2] else None
+            kids = node[2] if node is not None else None
+            node = kids.get(key_of[i]) if kids else None
             if node is None:
                 break
             node[3] += v

@@ -30,7 +30,7 @@ import weakref
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from ..errors import BistouriError
 from ..kernel import LoadedCodeDigest
@@ -150,7 +150,7 @@ class KallsymsIndex:
     build (other boots, other hosts); those of modules and BPF programs, whose addresses are per boot,
     are the index's own."""
 
-    __slots__ = ("__weakref__", "_base", "_core", "_modules", "_mods", "loaded_code", "text_addr")
+    __slots__ = ("__weakref__", "_base", "_core", "_mods", "_modules", "loaded_code", "text_addr")
 
     def __init__(
         self,

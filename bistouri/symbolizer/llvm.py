@@ -130,13 +130,15 @@ class _Metrics:
         )
         self.addresses = Counter(
             "bistouri_symbolizer_llvm_addresses_total",
-            "Addresses sent to llvm-symbolizer, by result (ok, failed, busy, paused, unavailable, quarantined)",
+            "Addresses sent to llvm-symbolizer, by result "
+            "(ok, failed, busy, paused, unavailable, quarantined)",
             ["result"],
             registry=registry,
         )
         self.quarantined = Counter(
             "bistouri_symbolizer_llvm_quarantined_total",
-            "Files no longer sent to llvm-symbolizer after a worker failed on them, by reason (crash, timeout)",
+            "Files no longer sent to llvm-symbolizer after a worker failed on them, "
+            "by reason (crash, timeout)",
             ["reason"],
             registry=registry,
         )

@@ -92,7 +92,12 @@ def service(tmp_path: Path) -> Iterator[Callable[..., Service]]:
         wrapper = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                wrapper, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=clean_env(), start_new_session=True
+                wrapper,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=clean_env(),
+                start_new_session=True,
             )
         url = SymbolizerURL(f"http://127.0.0.1:{port}")
         url.proc, url.state_dir, url.log_path, url.token = proc, state, log_path, None
@@ -155,7 +160,9 @@ def _upload(url: str, build_id: bytes, data: bytes) -> tuple[requests.Response, 
     return r, time.monotonic() - t0
 
 
-def _session(sid: str, build_id: bytes = b"", kernel: wire.KernelInfo | None = None, ips: tuple[int, ...] = ()) -> wire.Session:
+def _session(
+    sid: str, build_id: bytes = b"", kernel: wire.KernelInfo | None = None, ips: tuple[int, ...] = ()
+) -> wire.Session:
     s = hostile.deep_session(sid, 0, ips)
     user = (wire.UserFrame(wire.FRAME_RESOLVED, build_id, 0x1008),) if build_id else ()
     s = replace(s, traces=[wire.Trace(ips, user, 7, 7, on_cpu=5)], start_ns=1_763_000_000 * 10**9)
@@ -191,7 +198,9 @@ def test_mini_debuginfo_bomb_named_by_a_session(service: Callable[..., Service])
     frames = requests.get(svc.url + "/v1/sessions/mini-1/speedscope", timeout=10).json()["shared"]["frames"]
     # The bound left MiniDebugInfo out (too large): the frame is labelled, the session stored.
     assert [f["name"] for f in frames] == ["cdcdcdcd+0x1008"]
-    assert metric_value(svc.metrics(), "bistouri_symbolizer_file_bounds_total", {"reason": "gnu_debugdata"}) == 1
+    assert (
+        metric_value(svc.metrics(), "bistouri_symbolizer_file_bounds_total", {"reason": "gnu_debugdata"}) == 1
+    )
     _check_unit(svc, health, worker)
 
 
@@ -217,7 +226,9 @@ def test_a_fleet_of_boots_on_one_kernel_fits_the_unit(service: Callable[..., Ser
             slide = host << 21
             boot = bytes([host + 1]) * 16
             body = gzip.compress(_boot_kallsyms(lines, slide), 1)
-            r = requests.put(f"{svc.url}/v1/kernels/{kernel_bid.hex()}?boot={boot.hex()}", data=body, timeout=60)
+            r = requests.put(
+                f"{svc.url}/v1/kernels/{kernel_bid.hex()}?boot={boot.hex()}", data=body, timeout=60
+            )
             assert r.status_code == 204, r.text
             k = wire.KernelInfo("6.18", kernel_bid, text + slide, boot)
             t0 = time.monotonic()
@@ -232,12 +243,17 @@ def test_a_fleet_of_boots_on_one_kernel_fits_the_unit(service: Callable[..., Ser
 def _store_large_sessions(url: str, n: int) -> None:
     """n sessions at the ingest bounds: 10 000 distinct stacks 45 deep over 50 000 distinct frames."""
     for i in range(n):
-        pool = [wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x5555_0000_0000 + (i * 50_000 + f) * 16) for f in range(50_000)]
+        pool = [
+            wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x5555_0000_0000 + (i * 50_000 + f) * 16)
+            for f in range(50_000)
+        ]
         traces = [
             wire.Trace((), tuple(pool[(j * 45 + d) % 50_000] for d in range(45)), 7, 7, on_cpu=1)
             for j in range(10_000)
         ]
-        s = replace(hostile.deep_session(f"big-{i}", 0, ()), traces=traces, start_ns=(1_763_000_000 + i) * 10**9)
+        s = replace(
+            hostile.deep_session(f"big-{i}", 0, ()), traces=traces, start_ns=(1_763_000_000 + i) * 10**9
+        )
         r = post_sessions(url, [s])
         assert r.status_code == 200 and r.json()["accepted"], r.text
 
@@ -269,7 +285,9 @@ def test_merged_flamegraphs_are_bounded(service: Callable[..., Service]) -> None
         assert int(a.headers["X-Bistouri-Sessions"]) < 11
         tree = a.json()
         assert tree["name"] == "all" and tree["value"] > 0
-    assert metric_value(svc.metrics(), "bistouri_symbolizer_reads_truncated_total", {"reason": "sessions"}) == 2
+    assert (
+        metric_value(svc.metrics(), "bistouri_symbolizer_reads_truncated_total", {"reason": "sessions"}) == 2
+    )
     _check_unit(svc, health, worker)
 
 
@@ -277,11 +295,14 @@ def test_session_list_over_large_episodes_reads_summaries(service: Callable[...,
     """N7: the list parsed every whole metadata (episode rows up to ~1 MB a session)."""
     svc = service()
     rows = [
-        wire.Aggressor(cgroup="/big.slice/" + "x" * 3900 + str(i), cpu_ns=i) for i in range(wire.MAX_AGGRESSORS)
+        wire.Aggressor(cgroup="/big.slice/" + "x" * 3900 + str(i), cpu_ns=i)
+        for i in range(wire.MAX_AGGRESSORS)
     ]
     episode = wire.Episode(victims=(), aggressors=tuple(rows))
     for i in range(100):
-        s = replace(hostile.deep_session(f"ep-{i}", 0, ()), episode=episode, start_ns=(1_763_000_000 + i) * 10**9)
+        s = replace(
+            hostile.deep_session(f"ep-{i}", 0, ()), episode=episode, start_ns=(1_763_000_000 + i) * 10**9
+        )
         assert post_sessions(svc.url, [s]).status_code == 200
     worker = svc.worker()
     before = hostile.peak_rss_bytes(worker)

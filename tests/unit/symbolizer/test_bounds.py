@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.symbolizer import elf
 from bistouri.symbolizer.elf import ElfFile, read_build_id
-from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key, parse_kallsyms
+from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key
 from bistouri.symbolizer.llvm import LlvmPool
 from tests import hostile
 
@@ -129,19 +129,27 @@ def test_llvm_runs_under_an_address_space_limit(tmp_path: Path) -> None:
         pytest.skip("llvm-symbolizer-19 is not installed")
     libc = os.path.realpath("/lib/x86_64-linux-gnu/libc.so.6")
     reg = CollectorRegistry()
-    with LlvmPool(binary, workers=1, as_limit=48 << 20, quarantine_dir=str(tmp_path / "q"), registry=reg) as pool:
+    with LlvmPool(
+        binary, workers=1, as_limit=48 << 20, quarantine_dir=str(tmp_path / "q"), registry=reg
+    ) as pool:
         assert pool.symbolize(libc, [0x28000]) == [None]
         assert reg.get_sample_value("bistouri_symbolizer_llvm_quarantined_total", {"reason": "crash"}) == 1
         restarts = reg.get_sample_value("bistouri_symbolizer_llvm_restarts_total", {"reason": "crash"})
         assert pool.symbolize(libc, [0x28000]) == [None]
         # Quarantined: not sent again, no new crash.
-        assert reg.get_sample_value("bistouri_symbolizer_llvm_restarts_total", {"reason": "crash"}) == restarts
-        assert reg.get_sample_value("bistouri_symbolizer_llvm_addresses_total", {"result": "quarantined"}) == 1
+        assert (
+            reg.get_sample_value("bistouri_symbolizer_llvm_restarts_total", {"reason": "crash"}) == restarts
+        )
+        assert (
+            reg.get_sample_value("bistouri_symbolizer_llvm_addresses_total", {"result": "quarantined"}) == 1
+        )
     # Another process of the service reads the same quarantine; the default limit is enough for libc.
     reg2 = CollectorRegistry()
     with LlvmPool(binary, workers=1, quarantine_dir=str(tmp_path / "q"), registry=reg2) as pool:
         assert pool.symbolize(libc, [0x28000]) == [None]
-        assert reg2.get_sample_value("bistouri_symbolizer_llvm_addresses_total", {"result": "quarantined"}) == 1
+        assert (
+            reg2.get_sample_value("bistouri_symbolizer_llvm_addresses_total", {"result": "quarantined"}) == 1
+        )
         for entry in (tmp_path / "q").iterdir():  # an operator lifts it by deleting the entry
             assert libc in entry.read_text()
             entry.unlink()
