@@ -23,6 +23,7 @@ function names from the symbol table and lose only file:line and inlines.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -326,7 +327,8 @@ class Quarantine:
 
     One small file per entry in `directory` (shared by the service's processes, readable by an
     operator: the path, the reason and the file's identity); in memory when `directory` is None.
-    Deleting an entry's file lifts it."""
+    Deleting an entry's file lifts it. Work that could kill the process itself (the OOM killer)
+    runs inside `attempt()`: a marker it leaves behind quarantines the file for the next process."""
 
     def __init__(self, directory: str | None, ttl_s: float = QUARANTINE_TTL_S) -> None:
         self.dir = directory
@@ -347,6 +349,45 @@ class Quarantine:
         assert self.dir is not None
         return os.path.join(self.dir, hashlib.sha256(os.fsencode(path)).hexdigest()[:32])
 
+    @contextlib.contextmanager
+    def attempt(self, path: str) -> Iterator[None]:
+        """Mark `path` as being worked on by this process for the length of the block."""
+        marker = ""
+        if self.dir is not None:
+            marker = f"{self._entry(path)}.busy-{os.getpid()}"
+            try:
+                with open(marker, "w") as f:
+                    f.write(path + "\n")
+            except OSError:
+                marker = ""
+        try:
+            yield
+        finally:
+            if marker:
+                with contextlib.suppress(OSError):
+                    os.unlink(marker)
+
+    def _died_on(self, path: str) -> bool:
+        """True, and the file quarantined, when a process died inside attempt(path)."""
+        died = False
+        for marker in glob.glob(glob.escape(self._entry(path)) + ".busy-*"):
+            try:
+                pid = int(marker.rsplit("-", 1)[1])
+                if pid == os.getpid():
+                    continue  # another thread of ours, at work
+                os.kill(pid, 0)
+                continue  # alive
+            except ProcessLookupError:
+                died = True
+            except (ValueError, PermissionError):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+        if died:
+            self.add(path, "worker_died")
+            log.warning("A process died while it read a file; the file is quarantined. path=%s", path)
+        return died
+
     def holds(self, path: str) -> bool:
         if self.dir is None:
             got = self._memory.get(path)
@@ -363,7 +404,7 @@ class Quarantine:
                 identity = f.read(512).split(b"\n", 1)[0].decode("ascii", "replace")
                 since = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
-            return False
+            return self._died_on(path)
         except OSError:
             return False
         if time.time() - since < self.ttl_s and identity == self._identity(path):
@@ -458,7 +499,8 @@ class LlvmPool:
                 self.metrics.addresses.labels("paused").inc(len(addrs))
                 return [None] * len(addrs)
             worker.paused_until = 0.0
-            out, failed = worker.symbolize(path, addrs, self.chunk, self.timeout_s)
+            with self.quarantine.attempt(path):  # llvm's memory counts in our cgroup: it may kill us
+                out, failed = worker.symbolize(path, addrs, self.chunk, self.timeout_s)
         finally:
             worker.lock.release()
         if failed:

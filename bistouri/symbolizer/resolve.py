@@ -41,7 +41,7 @@ from . import model
 from .demangle import demangle
 from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
-from .llvm import LlvmPool, SourceFrame
+from .llvm import LlvmPool, Quarantine, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class _Metrics:
         )
         self.module_loads = Counter(
             "bistouri_symbolizer_module_loads_total",
-            "Build ids opened, by result (dwarf, symbols, missing, error)",
+            "Build ids opened, by result (dwarf, symbols, missing, error, quarantined)",
             ["result"],
             registry=registry,
         )
@@ -163,14 +163,14 @@ class Resolver:
         max_modules: int = DEFAULT_MAX_MODULES,
         max_module_bytes: int = DEFAULT_MAX_MODULE_BYTES,
         retry_s: float = DEFAULT_RETRY_S,
-        llvm_quarantine_dir: str | None = None,
+        quarantine_dir: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.sources = sources if sources is not None else DebugSources(debuginfod_urls=[])
         self.kernels = kernels
         if llvm is None and use_llvm:
             dirs = [os.path.dirname(d) for d in self.sources.debug_dirs]
-            llvm = LlvmPool(debug_dirs=dirs, quarantine_dir=llvm_quarantine_dir, registry=registry)
+            llvm = LlvmPool(debug_dirs=dirs, quarantine_dir=quarantine_dir, registry=registry)
         self.llvm = llvm
         self.cache_entries = max(1, cache_entries)
         self.max_modules = max(1, max_modules)
@@ -178,6 +178,8 @@ class Resolver:
         self._module_bytes = 0
         self.retry_s = retry_s
         self.metrics = _Metrics(registry)
+        # Files whose reading killed a worker (the same directory as llvm's: one place to look).
+        self.quarantine = Quarantine(quarantine_dir)
         self._cache: dict[tuple[int, int, bool], _Frames] = {}
         self._cache_lock = threading.Lock()
         self._modules: OrderedDict[str, _Module | None] = OrderedDict()
@@ -216,7 +218,7 @@ class Resolver:
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else os.path.join(state, "debuginfod"),
             registry=registry,
         )
-        kwargs.setdefault("llvm_quarantine_dir", os.path.join(state, "llvm-quarantine"))
+        kwargs.setdefault("quarantine_dir", os.path.join(state, "quarantine"))
         return cls(sources, kernels or KallsymsStore(state), registry=registry, **kwargs)
 
     def close(self) -> None:
@@ -286,6 +288,14 @@ class Resolver:
             self._forget_locked(hexid)
 
     def _open_module(self, build_id: bytes, hexid: str) -> _Module | None:
+        key = f"module:{hexid}"  # a name, not a file: kept until the TTL (or an operator deletes it)
+        if self.quarantine.holds(key):
+            self.metrics.module_loads.labels("quarantined").inc()
+            return None
+        with self.quarantine.attempt(key):
+            return self._read_module(build_id, hexid)
+
+    def _read_module(self, build_id: bytes, hexid: str) -> _Module | None:
         try:
             dbg = self.sources.find(build_id, DEBUGINFO)
             dbg_elf = ElfFile(dbg.path) if dbg else None

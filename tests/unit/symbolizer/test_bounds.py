@@ -253,3 +253,31 @@ def _many_symbols(build_id: bytes, n: int) -> bytes:
             {"name": ".strtab", "type": 3, "data": names},
         ]
     )
+
+
+def test_a_process_killed_while_reading_a_file_quarantines_it(tmp_path: Path) -> None:
+    """A worker OOM-killed inside attempt() leaves its marker: the next process skips the file."""
+    import signal
+    import subprocess
+    import sys
+
+    from bistouri.symbolizer.llvm import Quarantine
+
+    f = tmp_path / "x.debug"
+    f.write_bytes(b"dwarf")
+    q = str(tmp_path / "q")
+    script = (
+        "import os, signal, sys\n"
+        "from bistouri.symbolizer.llvm import Quarantine\n"
+        "with Quarantine(sys.argv[1]).attempt(sys.argv[2]):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, q, str(f)], check=False)
+    assert proc.returncode == -signal.SIGKILL
+    quarantine = Quarantine(q)
+    assert quarantine.holds(str(f))
+    (entry,) = (tmp_path / "q").iterdir()  # the marker became an entry an operator can read
+    assert "worker_died" in entry.read_text()
+    with quarantine.attempt(str(tmp_path / "other")):  # our own marker: work in progress, not a death
+        assert not Quarantine(q).holds(str(tmp_path / "other"))
+    assert not quarantine.holds(str(tmp_path / "other"))
