@@ -70,6 +70,8 @@ MAX_NOTES = 256  # notes walked per file
 MAX_SYMBOLS = 1_000_000  # function symbols kept per file (libxul has ~300 000)
 MAX_SYMBOL_ENTRIES = 4_000_000  # symbol table entries scanned per table
 MAX_NAME_BYTES = 1024  # a longer symbol name is cut: C++ templates can reach megabytes
+MAX_SECTION_NAMES = 1 << 20  # bytes of .shstrtab read (a large binary's is ~1 KB)
+MAX_SECTION_NAME = 256  # bytes of one section name
 SHF_COMPRESSED = 0x800
 ELFCOMPRESS_ZLIB = 1
 ELFCOMPRESS_ZSTD = 2
@@ -252,11 +254,11 @@ class ElfFile:
             self._buf = data
         self._closed = False
         self.size = len(self._buf)
+        # Which bounds this file hit (symbols, gnu_debugdata, dwarf, ...): the resolver counts them.
+        self.bounds_hit: set[str] = set()
         self._parse_headers()
         self._build_id: bytes | None = None
         self._build_id_read = False
-        # Which bounds this file hit (symbols, gnu_debugdata, dwarf): the resolver counts them.
-        self.bounds_hit: set[str] = set()
 
     def close(self) -> None:
         if self._closed:
@@ -325,10 +327,17 @@ class ElfFile:
             ]
             names = b""
             if 0 < shstrndx < shnum and raw[shstrndx][1] != SHT_NOBITS:
-                names = self._slice(raw[shstrndx][4], raw[shstrndx][5])
+                # Section names are short: a string table of a gigabyte without NULs, searched once per
+                # header, would cost 65 535 scans of it.
+                size = raw[shstrndx][5]
+                if size > MAX_SECTION_NAMES:
+                    size = MAX_SECTION_NAMES
+                    self.bounds_hit.add("section_names")
+                names = self._slice(raw[shstrndx][4], size)
             for sh_name, sh_type, sh_flags, sh_addr, sh_off, sh_size, sh_link, _info, sh_align, sh_ent in raw:
-                end = names.find(b"\0", sh_name)
-                name = names[sh_name : end if end >= 0 else None].decode("ascii", "replace")
+                end = names.find(b"\0", sh_name, sh_name + MAX_SECTION_NAME)
+                stop = end if end >= 0 else min(len(names), sh_name + MAX_SECTION_NAME)
+                name = names[sh_name:stop].decode("ascii", "replace")
                 self.sections.append(
                     Section(name, sh_type, sh_flags, sh_addr, sh_off, sh_size, sh_link, sh_align, sh_ent)
                 )
@@ -400,7 +409,7 @@ class ElfFile:
         sec = self.section(".gnu_debuglink")
         if sec is None or sec.type == SHT_NOBITS:
             return None
-        data = self.section_data(sec)
+        data = self._slice(sec.offset, min(sec.size, 4096))  # a file name and a CRC
         end = data.find(b"\0")
         return data[: end if end >= 0 else None].decode("utf-8", "replace") or None
 

@@ -281,3 +281,20 @@ def test_a_process_killed_while_reading_a_file_quarantines_it(tmp_path: Path) ->
     with quarantine.attempt(str(tmp_path / "other")):  # our own marker: work in progress, not a death
         assert not Quarantine(q).holds(str(tmp_path / "other"))
     assert not quarantine.holds(str(tmp_path / "other"))
+
+
+def test_section_names_are_read_within_bounds(tmp_path: Path) -> None:
+    """2 000 headers naming offset 0 of an 8 MiB .shstrtab without a NUL: 16 GB decoded unbounded."""
+    image = bytearray(hostile.elf_note_bomb(2000, 16))
+    shoff, shstrndx = struct.unpack_from("<Q", image, 40)[0], struct.unpack_from("<H", image, 62)[0]
+    # The string table becomes 8 MiB of "A" appended to the file.
+    struct.pack_into("<QQ", image, shoff + shstrndx * 64 + 24, len(image), 8 << 20)
+    path = tmp_path / "names.so"
+    path.write_bytes(bytes(image) + b"A" * (8 << 20))
+    started = time.process_time()
+    with ElfFile(path) as f:
+        took = time.process_time() - started
+        assert took < 1.0, f"{took:.1f} s of CPU for the section headers"
+        assert len(f.sections) == 2000 + 4
+        assert f.bounds_hit == {"section_names"}
+        assert all(len(s.name) <= elf.MAX_SECTION_NAME for s in f.sections)
