@@ -124,7 +124,8 @@ class _Metrics:
         )
         self.bounds = Counter(
             "bistouri_symbolizer_file_bounds_total",
-            "Files read only in part because they hit a bound, by reason (symbols, gnu_debugdata, dwarf, section_names)",
+            "Files read only in part because they hit a bound, "
+            "by reason (symbols, gnu_debugdata, dwarf, section_names)",
             ["reason"],
             registry=registry,
         )
