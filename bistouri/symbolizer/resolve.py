@@ -28,7 +28,7 @@ import time
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -83,7 +83,7 @@ class _Kernel:
     gen: int
     hexid: str
     # Weak: the KallsymsStore's LRU, bounded in bytes, is what keeps a parsed snapshot alive.
-    kallsyms: weakref.ref[KallsymsIndex] | None
+    kallsyms: Callable[[], KallsymsIndex | None] | None
     vmlinux: _Module | None
     link_text: int
     link_etext: int
@@ -373,7 +373,7 @@ class Resolver:
         k = _Kernel(
             next(self._gen),
             hexid,
-            weakref.ref(kallsyms) if kallsyms is not None else None,
+            _weak(kallsyms) if kallsyms is not None else None,
             vmlinux,
             link_text,
             link_etext,
@@ -722,6 +722,13 @@ class Resolver:
     def symbolize_file(self, path: str | os.PathLike[str]) -> model.Profile:
         """Symbolize a spooled session file (msgpack, optionally gzip'd) for `bistouri symbolize`."""
         return self.symbolize(read_session_file(path))
+
+
+def _weak(index: KallsymsIndex) -> Callable[[], KallsymsIndex | None]:
+    try:
+        return weakref.ref(index)
+    except TypeError:  # `bistouri record`'s CompactKallsyms: one per run, held
+        return lambda: index
 
 
 class _Uncached:

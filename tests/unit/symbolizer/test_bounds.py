@@ -298,3 +298,22 @@ def test_section_names_are_read_within_bounds(tmp_path: Path) -> None:
         assert len(f.sections) == 2000 + 4
         assert f.bounds_hit == {"section_names"}
         assert all(len(s.name) <= elf.MAX_SECTION_NAME for s in f.sections)
+
+
+def test_records_compact_kallsyms_still_names_kernel_frames() -> None:
+    """`bistouri record` hands the resolver its CompactKallsyms, which takes no weak reference."""
+    from typing import cast
+
+    from bistouri import wire
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symcache import CachedKallsyms, CompactKallsyms
+
+    kernels = CachedKallsyms(BID, "k-test", None, "/proc")
+    text = b"ffffffff81000000 T _text\nffffffff81000100 T foo\nffffffff81000200 T _etext\n"
+    kernels._index = CompactKallsyms.of(parse_kallsyms(text))
+    r = Resolver(kernels=cast(KallsymsStore, kernels), use_llvm=False, registry=None)
+    s = replace(
+        hostile.deep_session("rec", 0, (0xFFFFFFFF81000104,)),
+        kernel=wire.KernelInfo("6.18", BID, 0xFFFFFFFF81000000),
+    )
+    assert [f.name for f in r.symbolize(s).frames] == ["foo"]
