@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.symbolizer import elf
 from bistouri.symbolizer.elf import ElfFile, read_build_id
-from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key
+from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key, parse_kallsyms
 from bistouri.symbolizer.llvm import LlvmPool
 from tests import hostile
 
