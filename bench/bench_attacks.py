@@ -2,9 +2,9 @@
 
 Each attack gets a fresh `bistouri symbolizer` (one gunicorn worker, SQLite in a temp dir), so that the
 worker's VmHWM is that attack's. `--repo` runs the service from another checkout (e.g. the commit before
-the hardening) with the same attacks. The issue's targets: peak RSS <= 300 MB, <= 2 s per request.
+the hardening) with the same attacks. The issue's targets: peak RSS <= 400 MiB, <= 2 s per request.
 
-    .venv/bin/python -m bench.bench_attacks [--repo /tmp/old-checkout] [--rust-levels 21 25]
+    .venv/bin/python -m bench.bench_attacks [--repo /tmp/old-checkout] [--rust-levels 21 25] [--only NAME…]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ sys.path.insert(0, str(REPO))
 from bistouri import wire  # noqa: E402
 from tests.hostile import (  # noqa: E402
     deep_session,
+    elf_debugdata_bomb,
+    elf_note_bomb,
     gunicorn_workers,
     kallsyms_bomb,
     msgpack_budget_filler,
@@ -136,6 +138,104 @@ def attack_kallsyms_bomb(url: str) -> list[tuple[str, int, float]]:
     return [(f"PUT 16 MiB kallsyms ({len(body) >> 10} KiB gzip)", r.status_code, time.perf_counter() - t)]
 
 
+def _upload(url: str, build_id: bytes, data: bytes) -> requests.Response:
+    path = f"{url}/v1/uploads/{build_id.hex()}/executable"
+    requests.post(path + "?claimant=bench", timeout=30)
+    body = gzip.compress(data, 9)
+    return requests.put(path, data=body, headers={"Content-Encoding": "gzip"}, timeout=600)
+
+
+def attack_note_bomb(url: str) -> list[tuple[str, int, float]]:
+    """Issue 26 N1: 20 000 note section headers over one 32 KiB area."""
+    t = time.perf_counter()
+    r = _upload(url, bytes.fromhex("ab" * 20), elf_note_bomb(20_000, 32 << 10))
+    return [("PUT an ELF of 20 000 overlapping note areas", r.status_code, time.perf_counter() - t)]
+
+
+def attack_debugdata_bomb(url: str) -> list[tuple[str, int, float]]:
+    """Issue 26 N2: 8 M symbols in .gnu_debugdata, then a session with a frame in that file."""
+    bid = bytes.fromhex("cd" * 20)
+    t = time.perf_counter()
+    r = _upload(url, bid, elf_debugdata_bomb(8_000_000, bid))
+    out = [("PUT an ELF with 8 M MiniDebugInfo symbols", r.status_code, time.perf_counter() - t)]
+    s = deep_session("mini", 0, ())
+    s.traces = [wire.Trace((), (wire.UserFrame(wire.FRAME_RESOLVED, bid, 0x1008),), 7, 7, on_cpu=5)]
+    t = time.perf_counter()
+    try:
+        status = post(url, batch(s)).status_code
+    except requests.RequestException:
+        status = 0  # the worker died
+    out.append(("POST a session naming a frame in it", status, time.perf_counter() - t))
+    return out
+
+
+def attack_kernel_boots(url: str) -> list[tuple[str, int, float]]:
+    """Issue 26 N8: 40 boots (KASLR slides) of this machine's kernel, a session with kernel frames each."""
+    lines = []
+    for line in Path("/proc/kallsyms").read_bytes().splitlines():
+        addr, _, rest = line.partition(b" ")
+        if rest[:1] in b"tTwW" and int(addr, 16):
+            lines.append((int(addr, 16), rest))
+    text = next(a for a, rest in lines if rest == b"T _text")
+    probe = next(a for a, rest in lines if rest == b"T schedule") + 4 - text
+    bid = bytes.fromhex("4e38" * 10)
+    worst = [0.0, 0.0]
+    status = 0
+    for host in range(40):
+        slide, boot = host << 21, bytes([host + 1]) * 16
+        body = gzip.compress(b"".join(b"%016x %s\n" % (a + slide, rest) for a, rest in lines), 1)
+        t = time.perf_counter()
+        requests.put(f"{url}/v1/kernels/{bid.hex()}?boot={boot.hex()}", data=body, timeout=300)
+        worst[0] = max(worst[0], time.perf_counter() - t)
+        s = deep_session(f"boot-{host}", 0, (text + slide + probe,))
+        s.kernel = wire.KernelInfo("6.18", bid, text + slide, boot)
+        t = time.perf_counter()
+        try:
+            status = post(url, batch(s)).status_code
+        except requests.RequestException:
+            status = 0
+        worst[1] = max(worst[1], time.perf_counter() - t)
+    return [
+        ("PUT 40 boots' kallsyms (slowest)", 204, worst[0]),
+        ("POST a session per boot (slowest)", status, worst[1]),
+    ]
+
+
+def attack_large_merge(url: str) -> list[tuple[str, int, float]]:
+    """Issue 26 N7: a merged flamegraph over 11 sessions at the ingest bounds (~5 M frames in stacks)."""
+    for i in range(11):
+        pool = [
+            wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x5555_0000_0000 + (i * 50_000 + f) * 16)
+            for f in range(50_000)
+        ]
+        s = deep_session(f"big-{i}", 0, ())
+        s.traces = [
+            wire.Trace((), tuple(pool[(j * 45 + d) % 50_000] for d in range(45)), 7, 7, on_cpu=1)
+            for j in range(10_000)
+        ]
+        post(url, batch(s))
+    t = time.perf_counter()
+    try:
+        status = requests.get(url + "/v1/profile/flamegraph?service=deep", timeout=600).status_code
+    except requests.RequestException:
+        status = 0
+    return [("GET a merged flamegraph of 11 large sessions", status, time.perf_counter() - t)]
+
+
+def attack_list_episodes(url: str) -> list[tuple[str, int, float]]:
+    """Issue 26 N7: the session list over 100 sessions of 256 episode rows of ~4 KB."""
+    rows = tuple(
+        wire.Aggressor(cgroup="/big.slice/" + "x" * 3900 + str(i)) for i in range(wire.MAX_AGGRESSORS)
+    )
+    for i in range(100):
+        s = deep_session(f"ep-{i}", 0, ())
+        s.episode = wire.Episode(aggressors=rows)
+        post(url, batch(s))
+    t = time.perf_counter()
+    status = requests.get(url + "/v1/sessions?limit=1000", timeout=600).status_code
+    return [("GET /v1/sessions?limit=1000", status, time.perf_counter() - t)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", type=Path, default=REPO, help="checkout whose service is attacked")
@@ -143,6 +243,7 @@ def main() -> int:
         "--rust-levels", type=int, nargs="*", default=[21, 25], help="v0 bomb levels (21: 206 chars)"
     )
     p.add_argument("--out", type=Path, default=REPO / "bench/results/attacks.json", help="results as JSON")
+    p.add_argument("--only", nargs="*", default=[], help="attacks to run (by name), all by default")
     args = p.parse_args()
     attacks: list[tuple[str, Callable[[str], list[tuple[str, int, float]]]]] = [
         ("msgpack bomb", attack_msgpack_bomb),
@@ -151,6 +252,15 @@ def main() -> int:
         ("kallsyms bomb", attack_kallsyms_bomb),
     ]
     attacks += [(f"rust v0 bomb x{n}", attack_rust_symbol(n)) for n in args.rust_levels]
+    attacks += [
+        ("elf note bomb", attack_note_bomb),
+        ("debugdata bomb", attack_debugdata_bomb),
+        ("kernel boots", attack_kernel_boots),
+        ("large merge", attack_large_merge),
+        ("large episodes", attack_list_episodes),
+    ]
+    if args.only:
+        attacks = [a for a in attacks if a[0] in args.only]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-attacks-") as tmp:
         for name, attack in attacks:

@@ -112,14 +112,15 @@ class CompactKallsyms:
 
     @classmethod
     def of(cls, index: KallsymsIndex) -> CompactKallsyms:
-        # The parsed index keeps its rows private; they are read here once, not re-parsed.
-        addrs = array("Q", index._addrs)
-        ends = array("Q", index._ends)
+        addrs = array("Q")
+        ends = array("Q")
         blob = bytearray()
         offs = array("I", [0])
         modules: dict[str, int] = {"": 0}
         mods = array("H")
-        for name, module in zip(index._names, index._modules, strict=True):
+        for addr, end, name, module in index.rows():
+            addrs.append(addr)
+            ends.append(end)
             blob += name.encode()
             offs.append(len(blob))
             mods.append(modules.setdefault(module, len(modules)))

@@ -12,6 +12,7 @@ Packing and unpacking are pure functions: no I/O, no clocks.
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -465,7 +466,10 @@ def _index(v: Any, size: int, where: str) -> int:
 def _float(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise WireError("malformed", f"{where} must be a number")
-    return float(v)
+    f = float(v)
+    if not math.isfinite(f):  # JSON has no NaN: one stored session would break every session list
+        raise WireError("malformed", f"{where} must be a finite number")
+    return f
 
 
 def session_from_wire(m: Any) -> Session:

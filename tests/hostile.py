@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,154 @@ def msgpack_budget_filler(values: int) -> bytes:
     rows = (values - 100) // 6  # [[], []] counts 6: a table entry, the row (1 + 2), its two lists
     s["stacks"] = [[[], []]] * rows
     return gzip.compress(msgpack.packb({"v": wire.VERSION, "sessions": [s]}, use_bin_type=True), 1)
+
+
+# --- crafted ELF files ------------------------------------------------------------------------------
+
+_SHT_PROGBITS, _SHT_SYMTAB, _SHT_STRTAB, _SHT_NOTE, _SHT_NOBITS = 1, 2, 3, 7, 8
+_SHF_ALLOC_EXEC = 0x2 | 0x4
+_TEXT_ADDR = 0x1000
+
+
+def elf64(
+    sections: list[dict[str, Any]], extra_headers: Sequence[tuple[int, int]] = (), extra_first: bool = False
+) -> bytes:
+    """A little-endian ELF64 shared object, one PT_LOAD over the whole file at address 0.
+
+    `sections`: dicts of name, type, and optionally flags, addr, data (its bytes), size (NOBITS),
+    link, align, entsize. `extra_headers`: more SHT_NOTE headers as (offset, size), all pointing into
+    the file (a crafted file repeats one area), after the others or, with `extra_first`, before them."""
+    import struct
+
+    names = bytearray(b"\0")
+    name_off = []
+    for s in [*sections, {"name": ".shstrtab"}]:
+        name_off.append(len(names))
+        names += s["name"].encode() + b"\0"
+    body = bytearray(b"\0" * (64 + 56))
+    placed = []
+    for s in sections:
+        while len(body) % 8:
+            body.append(0)
+        placed.append(len(body))
+        body += s.get("data", b"")
+    shstr_off = len(body)
+    body += names
+    while len(body) % 8:
+        body.append(0)
+    shoff = len(body)
+    headers = [struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)]
+    notes = [
+        struct.pack("<IIQQQQIIQQ", 0, _SHT_NOTE, 0, 0, off, size, 0, 0, 4, 0) for off, size in extra_headers
+    ]
+    if extra_first:
+        headers += notes
+    for s, off, n_off in zip(sections, placed, name_off, strict=False):
+        size = s.get("size", len(s.get("data", b"")))
+        headers.append(
+            struct.pack(
+                "<IIQQQQIIQQ",
+                n_off,
+                s["type"],
+                s.get("flags", 0),
+                s.get("addr", 0),
+                off,
+                size,
+                s.get("link", 0),
+                0,
+                s.get("align", 1),
+                s.get("entsize", 0),
+            )
+        )
+    shstrndx = len(headers)
+    headers.append(
+        struct.pack("<IIQQQQIIQQ", name_off[-1], _SHT_STRTAB, 0, 0, shstr_off, len(names), 0, 0, 1, 0)
+    )
+    if not extra_first:
+        headers += notes
+    body += b"".join(headers)
+    shnum = len(headers)
+    ehdr = b"\x7fELF\x02\x01\x01" + b"\0" * 9
+    ehdr += struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 64, shoff, 0, 64, 56, 1, 64, shnum, shstrndx)
+    phdr = struct.pack("<IIQQQQQQ", 1, 5, 0, 0, 0, len(body), len(body), 0x1000)
+    body[0:120] = ehdr + phdr
+    return bytes(body)
+
+
+def build_id_note(build_id: bytes) -> dict[str, Any]:
+    import struct
+
+    data = struct.pack("<III", 4, len(build_id), 3) + b"GNU\0" + build_id
+    return {"name": ".note.gnu.build-id", "type": _SHT_NOTE, "flags": 0x2, "data": data, "align": 4}
+
+
+def _text(nobits: bool = False) -> dict[str, Any]:
+    if nobits:
+        return {
+            "name": ".text",
+            "type": _SHT_NOBITS,
+            "flags": _SHF_ALLOC_EXEC,
+            "addr": _TEXT_ADDR,
+            "size": 0x1000,
+        }
+    return {
+        "name": ".text",
+        "type": _SHT_PROGBITS,
+        "flags": _SHF_ALLOC_EXEC,
+        "addr": _TEXT_ADDR,
+        "data": b"\xc3" * 0x1000,
+    }
+
+
+def elf_note_bomb(copies: int, area_bytes: int, build_id: bytes | None = None) -> bytes:
+    """`copies` SHT_NOTE headers over one zero-filled area of `area_bytes`, then (if given) the build id.
+
+    A reader that walks every note section, 12 bytes a step, does copies * area_bytes / 12 steps: one
+    such upload of 5.7 KB gzip'd cost a worker 33 s of CPU (N1)."""
+    sections = [_text(), {"name": ".note.zero", "type": _SHT_NOTE, "data": b"\0" * area_bytes, "align": 4}]
+    image = elf64(sections)  # where the area lands, to point the copies at it
+    area = image.index(b"\0" * area_bytes, 0x1000 + 120)
+    if build_id is not None:
+        sections.append(build_id_note(build_id))
+    return elf64(sections, [(area, area_bytes)] * copies, extra_first=True)
+
+
+def elf_debugdata_bomb(symbols: int, build_id: bytes) -> bytes:
+    """A file whose `.gnu_debugdata` (xz) holds a `.symtab` of `symbols` identical function entries.
+
+    8 M entries are 192 MiB inflated from ~30 KB: one tuple each took a worker to 2.5 GB (N2)."""
+    import lzma
+    import struct
+
+    entry = struct.pack("<IBBHQQ", 1, 0x12, 0, 1, _TEXT_ADDR, 16)  # "f", GLOBAL FUNC in section 1
+    image = bytearray(
+        elf64(
+            [
+                _text(nobits=True),
+                {"name": ".symtab", "type": _SHT_SYMTAB, "link": 3, "align": 8, "entsize": 24},
+                {"name": ".strtab", "type": _SHT_STRTAB, "data": b"\0f\0"},
+            ]
+        )
+    )
+    while len(image) % 8:
+        image.append(0)
+    # The table goes after everything else: point its header (the third) there.
+    shoff = struct.unpack_from("<Q", image, 40)[0]
+    struct.pack_into("<QQ", image, shoff + 2 * 64 + 24, len(image), symbols * 24)
+    xz = lzma.LZMACompressor(lzma.FORMAT_XZ, preset=1)
+    parts = [xz.compress(bytes(image))]
+    chunk = entry * 65536
+    left = symbols
+    while left:
+        n = min(left, 65536)
+        parts.append(xz.compress(chunk[: n * 24]))
+        left -= n
+    parts.append(xz.flush())
+    mini = b"".join(parts)
+    return elf64(
+        [
+            _text(),
+            build_id_note(build_id),
+            {"name": ".gnu_debugdata", "type": _SHT_PROGBITS, "data": mini},
+        ]
+    )

@@ -2,8 +2,14 @@
 
 It reads the GNU build id, the PT_LOAD segments (to turn the file offsets the
 agent sends into virtual addresses) and an index of function symbols. Files are
-mmap'd, read and closed: a `SymbolIndex` copies the string table it needs, so
-it outlives the `ElfFile` it came from and holds no file descriptor.
+mmap'd, read and closed: a `SymbolIndex` copies the names it keeps, so it
+outlives the `ElfFile` it came from and holds no file descriptor.
+
+Files come from uploads and from any process the agent watches, so every read is
+bounded in work and memory whatever the headers say (docs/symbolization.md): each
+note byte is read at most once and the walk stops at the build id, the symbols
+kept per file are capped and stored in arrays (about 20 bytes and the name each),
+and MiniDebugInfo is decompressed up to a limit, checked while it inflates.
 
 DWARF is not parsed here; llvm-symbolizer does that (see llvm.py).
 """
@@ -15,6 +21,7 @@ import lzma
 import mmap
 import os
 import struct
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -57,7 +64,21 @@ DT_SONAME = 14
 # `__kprobes_text_start`, asm local labels) are left out: they would swallow
 # the padding that follows them.
 
-_MAX_GNU_DEBUGDATA = 256 << 20  # decompressed MiniDebugInfo, bytes
+MAX_GNU_DEBUGDATA = 32 << 20  # decompressed MiniDebugInfo; Fedora's largest are a few MB
+MAX_NOTE_BYTES = 1 << 20  # note bytes walked per file, all areas together; a build id is in the first few
+MAX_NOTES = 256  # notes walked per file
+MAX_SYMBOLS = 1_000_000  # function symbols kept per file (libxul has ~300 000)
+MAX_SYMBOL_ENTRIES = 4_000_000  # symbol table entries scanned per table
+MAX_NAME_BYTES = 1024  # a longer symbol name is cut: C++ templates can reach megabytes
+MAX_SECTION_NAMES = 1 << 20  # bytes of .shstrtab read (a large binary's is ~1 KB)
+MAX_SECTION_NAME = 256  # bytes of one section name
+SHF_COMPRESSED = 0x800
+ELFCOMPRESS_ZLIB = 1
+ELFCOMPRESS_ZSTD = 2
+# The most a compressed DWARF section may claim to inflate to, per compressed byte. zlib's deflate
+# cannot exceed 1032; zstd can, but real debug info compresses 3-10 times.
+MAX_COMPRESSION_RATIO = 1100
+MAX_DWARF_SECTION_BYTES = 2 << 30  # a vmlinux's .debug_info is ~700 MB
 
 
 class ElfFormatError(BistouriError):
@@ -98,32 +119,31 @@ class SymbolIndex:
 
     `lookup(vaddr)` returns `(name, offset_in_function)` or None when the
     address falls outside every function (alignment padding, PLT stubs, data).
-    Names are decoded on first use and memoized.
+    Kept in arrays and one name blob: about 20 bytes and the name per symbol.
     """
 
-    __slots__ = ("_ends", "_name_offs", "_names", "_starts", "_strtab", "source")
+    __slots__ = ("_ends", "_name_offs", "_names", "_starts", "source")
 
     def __init__(
-        self, starts: list[int], ends: list[int], name_offs: list[int], strtab: bytes, source: str
+        self, starts: array[int], ends: array[int], name_offs: array[int], names: bytes, source: str
     ) -> None:
         self._starts = starts
         self._ends = ends
-        self._name_offs = name_offs
-        self._strtab = strtab
-        self._names: dict[int, str] = {}
+        self._name_offs = name_offs  # len(starts) + 1 offsets into `names`: symbol i is [i, i + 1)
+        self._names = names
         self.source = source  # ".symtab", ".dynsym", ... for diagnostics
 
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds, about."""
+        arrays = (self._starts, self._ends, self._name_offs)
+        return sum(a.itemsize * len(a) for a in arrays) + len(self._names) + 200
+
     def _name(self, i: int) -> str:
-        name = self._names.get(i)
-        if name is None:
-            off = self._name_offs[i]
-            end = self._strtab.find(b"\0", off)
-            name = self._strtab[off : end if end >= 0 else len(self._strtab)].decode("utf-8", "replace")
-            self._names[i] = name
-        return name
+        return self._names[self._name_offs[i] : self._name_offs[i + 1]].decode("utf-8", "replace")
 
     def lookup(self, vaddr: int) -> tuple[str, int] | None:
         i = bisect.bisect_right(self._starts, vaddr) - 1
@@ -143,37 +163,72 @@ class SymbolIndex:
 
     @classmethod
     def empty(cls) -> SymbolIndex:
-        return cls([], [], [], b"", "none")
+        return cls(array("Q"), array("Q"), array("I", [0]), b"", "none")
 
 
-# A candidate symbol: (value, -preference, size, name offset in the merged string blob, section end).
-_RawSym = tuple[int, int, int, int, int]
+class _Candidates:
+    """Function symbols as read from one or more tables, before sorting: arrays, one name blob.
+
+    Row i sorts by one int key: address, then best alias first (sized, then global, weak, local)."""
+
+    __slots__ = ("keys", "name_offs", "names", "sec_ends", "sizes", "truncated")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.sizes = array("Q")
+        self.sec_ends = array("Q")
+        self.name_offs = array("I")
+        self.names = bytearray()
+        self.truncated = False  # a bound was hit: some symbols are missing
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, value: int, pref: int, size: int, sec_end: int, name: bytes) -> None:
+        # 3 bits of preference (0-6), then 20 bits of row number (MAX_SYMBOLS < 2**20).
+        self.keys.append((value << 3 | (7 - pref)) << 20 | len(self.keys))
+        self.sizes.append(size)
+        self.sec_ends.append(sec_end)
+        self.name_offs.append(len(self.names))
+        self.names += name
+
+
 _BIND_RANK = {STB_GLOBAL: 2, STB_WEAK: 1}
 
 
-def build_index(raws: list[_RawSym], strtab: bytes, source: str) -> SymbolIndex:
+def build_index(cands: _Candidates, source: str) -> SymbolIndex:
     """Sort, de-duplicate aliases and give size-0 functions the gap up to the next symbol."""
-    # Tuples sort by address, then best alias first (sized, then global, weak, local).
-    raws.sort()
-    starts: list[int] = []
-    ends: list[int] = []
-    offs: list[int] = []
+    cands.keys.sort()
+    starts = array("Q")
+    ends = array("Q")
+    offs = array("I")
+    names = bytearray()
+    unsized: list[tuple[int, int]] = []
     last = -1
-    for value, _pref, size, name_off, sec_end in raws:
+    row_mask = (1 << 20) - 1
+    n_names = len(cands.names)
+    for key in cands.keys:
+        value = key >> 23
         if value == last:
             continue
         last = value
+        row = key & row_mask
+        size = cands.sizes[row]
+        if not size:
+            unsized.append((len(starts), cands.sec_ends[row]))  # asm without .size: fixed up below
         starts.append(value)
-        # Size 0 (asm without .size) is fixed up below; -sec_end marks it.
-        ends.append(value + size if size else -sec_end)
-        offs.append(name_off)
+        ends.append(value + size)
+        begin = cands.name_offs[row]
+        stop = cands.name_offs[row + 1] if row + 1 < len(cands.name_offs) else n_names
+        offs.append(len(names))
+        names += cands.names[begin:stop]
+    offs.append(len(names))
+    cands.keys.clear()
     n = len(starts)
-    for i in range(n):
-        if ends[i] < 0:
-            sec_end = -ends[i]
-            nxt = starts[i + 1] if i + 1 < n else sec_end
-            ends[i] = min(nxt, sec_end) if sec_end > starts[i] else nxt
-    return SymbolIndex(starts, ends, offs, strtab, source)
+    for i, sec_end in unsized:
+        nxt = starts[i + 1] if i + 1 < n else sec_end
+        ends[i] = min(nxt, sec_end) if sec_end > starts[i] else nxt
+    return SymbolIndex(starts, ends, offs, bytes(names), source)
 
 
 class ElfFile:
@@ -199,6 +254,8 @@ class ElfFile:
             self._buf = data
         self._closed = False
         self.size = len(self._buf)
+        # Which bounds this file hit (symbols, gnu_debugdata, dwarf, ...): the resolver counts them.
+        self.bounds_hit: set[str] = set()
         self._parse_headers()
         self._build_id: bytes | None = None
         self._build_id_read = False
@@ -270,10 +327,17 @@ class ElfFile:
             ]
             names = b""
             if 0 < shstrndx < shnum and raw[shstrndx][1] != SHT_NOBITS:
-                names = self._slice(raw[shstrndx][4], raw[shstrndx][5])
+                # Section names are short: a string table of a gigabyte without NULs, searched once per
+                # header, would cost 65 535 scans of it.
+                size = raw[shstrndx][5]
+                if size > MAX_SECTION_NAMES:
+                    size = MAX_SECTION_NAMES
+                    self.bounds_hit.add("section_names")
+                names = self._slice(raw[shstrndx][4], size)
             for sh_name, sh_type, sh_flags, sh_addr, sh_off, sh_size, sh_link, _info, sh_align, sh_ent in raw:
-                end = names.find(b"\0", sh_name)
-                name = names[sh_name : end if end >= 0 else None].decode("ascii", "replace")
+                end = names.find(b"\0", sh_name, sh_name + MAX_SECTION_NAME)
+                stop = end if end >= 0 else min(len(names), sh_name + MAX_SECTION_NAME)
+                name = names[sh_name:stop].decode("ascii", "replace")
                 self.sections.append(
                     Section(name, sh_type, sh_flags, sh_addr, sh_off, sh_size, sh_link, sh_align, sh_ent)
                 )
@@ -292,19 +356,40 @@ class ElfFile:
     # --- identity ------------------------------------------------------------
 
     def _iter_notes(self) -> Iterator[tuple[bytes, int, bytes]]:
-        areas = [(s.offset, s.size, 8 if s.align == 8 else 4) for s in self.sections if s.type == SHT_NOTE]
+        """(name, type, desc) of the notes, each byte read at most once and within MAX_NOTE_* in all.
+
+        `.note.gnu.build-id` comes first; sections that overlap one already walked are skipped (a
+        crafted file repeated one area 65 535 times, 12 bytes a step, for 33 s of CPU)."""
+        areas = [
+            (s.name != ".note.gnu.build-id", s.offset, s.size, 8 if s.align == 8 else 4)
+            for s in self.sections
+            if s.type == SHT_NOTE
+        ]
         if not areas:
-            areas = [(off, size, 8 if align == 8 else 4) for off, size, align in self._notes_ph]
-        for off, size, align in areas:
+            areas = [(True, off, size, 8 if align == 8 else 4) for off, size, align in self._notes_ph]
+        areas.sort()
+        walked: list[tuple[int, int]] = []
+        budget = MAX_NOTE_BYTES
+        notes = 0
+        for _rank, off, size, align in areas:
+            size = min(size, budget)
+            if notes >= MAX_NOTES or size < 12:
+                continue
+            if any(off < w_end and w_off < off + size for w_off, w_end in walked):
+                continue
+            notes += 1  # an area counts as a note, so that many empty ones are bounded too
+            walked.append((off, off + size))
+            budget -= size
             data = self._slice(off, size)
             pos = 0
-            while pos + 12 <= len(data):
+            while pos + 12 <= len(data) and notes < MAX_NOTES:
                 namesz, descsz, ntype = struct.unpack_from(self.endian + "III", data, pos)
                 pos += 12
                 name = data[pos : pos + namesz]
                 pos += (namesz + align - 1) & ~(align - 1)
                 desc = data[pos : pos + descsz]
                 pos += (descsz + align - 1) & ~(align - 1)
+                notes += 1
                 yield name.rstrip(b"\0"), ntype, desc
 
     @property
@@ -324,7 +409,7 @@ class ElfFile:
         sec = self.section(".gnu_debuglink")
         if sec is None or sec.type == SHT_NOBITS:
             return None
-        data = self.section_data(sec)
+        data = self._slice(sec.offset, min(sec.size, 4096))  # a file name and a CRC
         end = data.find(b"\0")
         return data[: end if end >= 0 else None].decode("utf-8", "replace") or None
 
@@ -346,12 +431,40 @@ class ElfFile:
 
     @property
     def has_dwarf(self) -> bool:
-        """True when the file carries line tables (llvm-symbolizer can give file:line)."""
-        for name in (".debug_line", ".zdebug_line"):
-            sec = self.section(name)
-            if sec is not None and sec.type != SHT_NOBITS and sec.size > 0:
-                return True
-        return False
+        """True when the file carries line tables llvm-symbolizer may read (file:line).
+
+        False, with "dwarf" in `bounds_hit`, when a compressed debug section claims more than its
+        compressed size can hold or than any real file has: llvm-symbolizer would allocate it
+        (a 2.7 KB section took one to 5.5 GB)."""
+        if not any(
+            s.name in (".debug_line", ".zdebug_line") and s.type != SHT_NOBITS and s.size > 0
+            for s in self.sections
+        ):
+            return False
+        total = 0
+        for s in self.sections:
+            if not s.name.startswith((".debug_", ".zdebug_")) or s.type == SHT_NOBITS:
+                continue
+            claimed = self._inflated_size(s)
+            total += claimed
+            if claimed > max(s.size, 1024) * MAX_COMPRESSION_RATIO or total > MAX_DWARF_SECTION_BYTES:
+                self.bounds_hit.add("dwarf")
+                return False
+        return True
+
+    def _inflated_size(self, sec: Section) -> int:
+        """The size a debug section claims once decompressed (its own size when not compressed)."""
+        try:
+            if sec.flags & SHF_COMPRESSED:
+                # Elf64_Chdr: type u32, reserved u32, size u64, align u64.
+                ch_type, _res, ch_size = struct.unpack(self.endian + "IIQ", self._slice(sec.offset, 16))
+                return int(ch_size) if ch_type in (ELFCOMPRESS_ZLIB, ELFCOMPRESS_ZSTD) else 0
+            if sec.name.startswith(".zdebug_"):
+                head = self._slice(sec.offset, 12)  # "ZLIB" and a big-endian u64 size
+                return int.from_bytes(head[4:12], "big") if head[:4] == b"ZLIB" else 0
+        except ElfFormatError:
+            return 1 << 62  # a header past the end of the file: never handed to llvm
+        return sec.size
 
     # --- addresses -----------------------------------------------------------
 
@@ -385,56 +498,77 @@ class ElfFile:
 
     # --- symbols -------------------------------------------------------------
 
-    def _raw_symbols(self, sec: Section, name_base: int) -> list[_RawSym]:
+    def _add_symbols(self, sec: Section, strsec: Section, cands: _Candidates) -> None:
+        """Function symbols of one table into `cands`, read in place: no copy of the table or its strings."""
         exec_end: dict[int, int] = {}
         for i, s in enumerate(self.sections):
             if s.flags & SHF_EXECINSTR:
                 exec_end[i] = s.addr + s.size
-        data = self.section_data(sec)
-        n = len(data) // 24
-        out: list[_RawSym] = []
+        n = sec.size // 24
+        if n > MAX_SYMBOL_ENTRIES:
+            n = MAX_SYMBOL_ENTRIES
+            self.bounds_hit.add("symbols")
         if not n:
-            return out
-        append = out.append
+            return
+        if sec.offset + n * 24 > self.size:
+            raise self._fail(f"symbol table 0x{sec.offset:x}+0x{n * 24:x} is past the end of the file")
+        str_lo = strsec.offset
+        str_hi = min(strsec.offset + strsec.size, self.size)
+        buf = self._buf
+        find = buf.find
         get_end = exec_end.get
         rank = _BIND_RANK.get
-        # Elf64_Sym: name u32, info u8, other u8, shndx u16, value u64, size u64.
-        for name_off, info, _other, shndx, value, size in struct.iter_unpack(
-            self.endian + "IBBHQQ", data[: n * 24]
-        ):
-            typ = info & 0xF
-            if typ != STT_FUNC and typ != STT_GNU_IFUNC and (typ != STT_NOTYPE or not size):
-                continue
-            sec_end = get_end(shndx)
-            if sec_end is None or not value:
-                continue
-            pref = (4 if size else 0) + rank(info >> 4, 0)
-            append((value, -pref, size, name_base + name_off, sec_end))
-        return out
+        add = cands.add
+        view = memoryview(buf)[sec.offset : sec.offset + n * 24]
+        try:
+            # Elf64_Sym: name u32, info u8, other u8, shndx u16, value u64, size u64.
+            for name_off, info, _other, shndx, value, size in struct.iter_unpack(
+                self.endian + "IBBHQQ", view
+            ):
+                typ = info & 0xF
+                if typ != STT_FUNC and typ != STT_GNU_IFUNC and (typ != STT_NOTYPE or not size):
+                    continue
+                sec_end = get_end(shndx)
+                if sec_end is None or not value:
+                    continue
+                if len(cands) >= MAX_SYMBOLS:
+                    cands.truncated = True
+                    self.bounds_hit.add("symbols")
+                    break
+                start = str_lo + name_off
+                stop = min(str_hi, start + MAX_NAME_BYTES)
+                if start < stop:
+                    end = find(b"\0", start, stop)
+                    name = buf[start : end if end >= 0 else stop]
+                else:
+                    name = b""
+                add(value, (4 if size else 0) + rank(info >> 4, 0), size, sec_end, name)
+        finally:
+            view.release()
 
-    def _table(self, sec_type: int) -> tuple[Section, bytes] | None:
+    def _table(self, sec_type: int) -> tuple[Section, Section] | None:
+        """The first symbol table of this type with a string table, as (symbols, strings)."""
         for s in self.sections:
             if s.type == sec_type and s.size and 0 < s.link < len(self.sections):
                 strsec = self.sections[s.link]
                 if strsec.type == SHT_NOBITS:
                     continue
-                return s, self.section_data(strsec)
+                return s, strsec
         return None
 
     def symbol_index(self) -> SymbolIndex:
         """Function symbols: `.symtab` if present, else `.dynsym` merged with MiniDebugInfo."""
         tab = self._table(SHT_SYMTAB)
         if tab is not None:
-            raws = self._raw_symbols(tab[0], 0)
-            if raws:
-                return build_index(raws, tab[1], ".symtab")
-        raws = []
-        strtabs: list[bytes] = []
+            cands = _Candidates()
+            self._add_symbols(*tab, cands)
+            if len(cands):
+                return build_index(cands, ".symtab")
+        cands = _Candidates()
         sources = []
         dyn = self._table(SHT_DYNSYM)
         if dyn is not None:
-            raws.extend(self._raw_symbols(dyn[0], 0))
-            strtabs.append(dyn[1])
+            self._add_symbols(*dyn, cands)
             sources.append(".dynsym")
         mini = self._mini_debuginfo()
         if mini is not None:
@@ -442,21 +576,30 @@ class ElfFile:
                 tab = mini._table(SHT_SYMTAB)
                 if tab is not None:
                     # The mini file's section headers mirror ours (as NOBITS), so indexes match.
-                    raws.extend(mini._raw_symbols(tab[0], sum(map(len, strtabs))))
-                    strtabs.append(tab[1])
+                    mini._add_symbols(*tab, cands)
                     sources.append(".gnu_debugdata")
-        if not raws:
+                self.bounds_hit |= mini.bounds_hit
+        if not len(cands):
             return SymbolIndex.empty()
-        return build_index(raws, b"".join(strtabs), "+".join(sources))
+        return build_index(cands, "+".join(sources))
 
     def _mini_debuginfo(self) -> ElfFile | None:
-        """The xz-compressed ELF in `.gnu_debugdata` (Fedora's MiniDebugInfo), if any."""
+        """The xz-compressed ELF in `.gnu_debugdata` (Fedora's MiniDebugInfo), if any.
+
+        Inflated at most MAX_GNU_DEBUGDATA bytes, a bound the decompressor keeps as it goes: a
+        larger one is left out whole (a 4 MB upload once inflated to 256 MiB)."""
         sec = self.section(".gnu_debugdata")
         if sec is None or sec.type == SHT_NOBITS or not sec.size:
             return None
+        if sec.size > MAX_GNU_DEBUGDATA:
+            self.bounds_hit.add("gnu_debugdata")
+            return None
         try:
             dec = lzma.LZMADecompressor()
-            data = dec.decompress(self.section_data(sec), max_length=_MAX_GNU_DEBUGDATA)
+            data = dec.decompress(self.section_data(sec), max_length=MAX_GNU_DEBUGDATA)
+            if not dec.eof:
+                self.bounds_hit.add("gnu_debugdata")
+                return None
             return ElfFile(self.path + "!.gnu_debugdata", data=data)
         except (lzma.LZMAError, ElfFormatError):
             return None
@@ -468,7 +611,8 @@ class ElfFile:
             tab = self._table(sec_type)
             if tab is None:
                 continue
-            sec, strtab = tab
+            sec, strsec = tab
+            strtab = self.section_data(strsec)
             data = self.section_data(sec)
             n = len(data) // 24
             for name_off, _info, _o, shndx, value, _size in struct.iter_unpack(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -85,64 +85,172 @@ def folded(profile: Profile, value: str = "on_cpu") -> str:
 # d3-flame-graph JSON tree
 
 
-def _node(
-    name: str, kind: str, file: str = "", line: int = 0, inlined: bool = False, module: str = ""
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "value": 0,
-        "children": [],
-        "kind": kind,
-        "file": file,
-        "line": line,
-        "inlined": inlined,
-        "module": module,
-    }
+# A read renders at most this many tree nodes (about 40 MB of JSON): past it, a stack stops at its deepest
+# frame already in the tree, its value counted there, and the answer says it is truncated.
+MAX_TREE_NODES = 150_000  # ~24 MB of JSON, ~50 MB and ~1 s to build
+
+# A call tree while it is built: [value, frame index, children by frame key or None, base (diffs)].
+# About 150 bytes a node; a dict per node, as d3 wants them, was ~700 and kept a worker at 300 MB+
+# for one large session.
+_Tree = list[Any]
 
 
-def _tree(profile: Profile, value: str) -> dict[str, Any]:
-    """Build the call tree with children in dicts keyed by (name, kind, inlined)."""
-    root = _node("all", "root")
-    root["_kids"] = {}
+class _Keys:
+    """One small int per distinct (name, kind, inlined): the identity of a node among its siblings."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[str, str, bool], int] = {}
+        self.order: list[tuple[str, str, bool]] = []
+
+    def of(self, profile: Profile) -> list[int]:
+        out = []
+        for f in profile.frames:
+            key = (f.name, f.kind, f.inlined)
+            i = self.ids.get(key)
+            if i is None:
+                i = self.ids[key] = len(self.order)
+                self.order.append(key)
+            out.append(i)
+        return out
+
+
+def _build(profile: Profile, value: str, keys: _Keys, budget: list[int]) -> tuple[_Tree, bool]:
+    """The call tree of a profile; `budget` ([nodes left]) is shared by the trees of one answer."""
+    key_of = keys.of(profile)
+    root: _Tree = [0, -1, None, 0]
+    truncated = False
     for s in profile.samples:
         v = sample_value(s, value)
         if v <= 0:
             continue
         node = root
-        node["value"] += v
+        node[0] += v
         for i in s.stack:
-            f = profile.frames[i]
-            key = (f.name, f.kind, f.inlined)
-            kids = node["_kids"]
-            child = kids.get(key)
+            kids = node[2]
+            if kids is None:
+                kids = node[2] = {}
+            k = key_of[i]
+            child = kids.get(k)
             if child is None:
-                child = kids[key] = _node(
-                    f.name or "[unknown]", f.kind or KIND_UNKNOWN, f.file, f.line, f.inlined, f.module
-                )
-                child["_kids"] = {}
-            child["value"] += v
+                if budget[0] <= 0:
+                    truncated = True
+                    break
+                budget[0] -= 1
+                child = kids[k] = [0, i, None, 0]
+            child[0] += v
             node = child
-    return root
+    return root, truncated
 
 
-def _finish(root: dict[str, Any]) -> dict[str, Any]:
+def _sorted_kids(node: _Tree, keys: _Keys) -> list[_Tree]:
+    kids = node[2]
+    if not kids:
+        return []
+    order = keys.order
+    return [kids[k] for k in sorted(kids, key=order.__getitem__)]
+
+
+def _fields(node: _Tree, frames: Sequence[Frame], diff_scale: float | None) -> dict[str, Any]:
+    if node[1] < 0:
+        out: dict[str, Any] = {"name": "all", "value": node[0], "kind": "root", "file": "", "line": 0}
+        out.update(inlined=False, module="")
+    else:
+        f = frames[node[1]]
+        out = {
+            "name": f.name or "[unknown]",
+            "value": node[0],
+            "kind": f.kind or KIND_UNKNOWN,
+            "file": f.file,
+        }
+        out.update(line=f.line, inlined=f.inlined, module=f.module)
+    if diff_scale is not None:
+        out["base"] = node[3]
+        out["delta"] = round(node[0] - node[3] * diff_scale, 3)
+    return out
+
+
+def _to_dicts(root: _Tree, frames: Sequence[Frame], keys: _Keys, scale: float | None) -> dict[str, Any]:
     # Without recursion, here and in every walk of a tree: a tree is as deep as the longest stack.
-    todo = [root]
+    out = _fields(root, frames, scale)
+    todo = [(root, out)]
     while todo:
-        node = todo.pop()
-        kids = node.pop("_kids")
-        node["children"] = [kids[k] for k in sorted(kids)]
-        todo.extend(node["children"])
-    return root
+        node, d = todo.pop()
+        kids = _sorted_kids(node, keys)
+        d["children"] = [_fields(k, frames, scale) for k in kids]
+        todo.extend(zip(kids, d["children"], strict=True))
+    return out
 
 
-def flamegraph(profile: Profile, value: str = "on_cpu") -> dict[str, Any]:
+def _json_chunks(root: _Tree, frames: Sequence[Frame], keys: _Keys, scale: float | None) -> Iterator[str]:
+    """The tree as tree_json() writes it, in pieces of about 64 KB: never the whole text at once."""
+    out: list[str] = []
+    size = 0
+    todo: list[Any] = [root]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            piece = item
+        else:
+            head = json.dumps(_fields(item, frames, scale), separators=(",", ":"), allow_nan=False)[:-1]
+            piece = head + ',"children":['
+            todo.append("]}")
+            kids = _sorted_kids(item, keys)
+            for i in range(len(kids) - 1, -1, -1):
+                todo.append(kids[i])
+                if i:
+                    todo.append(",")
+        out.append(piece)
+        size += len(piece)
+        if size >= 1 << 16:
+            yield "".join(out)
+            out, size = [], 0
+    if out:
+        yield "".join(out)
+
+
+def _diff_tree(a: Profile, b: Profile, value: str, max_nodes: int) -> tuple[_Tree, _Keys, float, bool]:
+    keys = _Keys()
+    budget = [max_nodes]
+    tb, cut_b = _build(b, value, keys, budget)
+    # A's tree only where B's is: its values become the `base` of B's nodes.
+    key_of = keys.of(a)
+    total_a = 0
+    for s in a.samples:
+        v = sample_value(s, value)
+        if v <= 0:
+            continue
+        total_a += v
+        node: _Tree | None = tb
+        tb[3] += v
+        for i in s.stack:
+            kids = node[2] if node is not None else None
+            node = kids.get(key_of[i]) if kids else None
+            if node is None:
+                break
+            node[3] += v
+    scale = tb[0] / total_a if total_a else 0.0
+    return tb, keys, scale, cut_b
+
+
+def flamegraph(profile: Profile, value: str = "on_cpu", max_nodes: int = 1 << 62) -> dict[str, Any]:
     """The call tree as d3-flame-graph reads it; the root is named "all"."""
     check_value(value)
-    return _finish(_tree(profile, value))
+    keys = _Keys()
+    root, _ = _build(profile, value, keys, [max_nodes])
+    return _to_dicts(root, profile.frames, keys, None)
 
 
-def diff(a: Profile, b: Profile, value: str = "on_cpu") -> dict[str, Any]:
+def flamegraph_json(
+    profile: Profile, value: str = "on_cpu", max_nodes: int = MAX_TREE_NODES
+) -> tuple[Iterator[str], bool]:
+    """tree_json(flamegraph(profile)) in pieces, at most `max_nodes` nodes; True when cut there."""
+    check_value(value)
+    keys = _Keys()
+    root, truncated = _build(profile, value, keys, [max_nodes])
+    return _json_chunks(root, profile.frames, keys, None), truncated
+
+
+def diff(a: Profile, b: Profile, value: str = "on_cpu", max_nodes: int = 1 << 62) -> dict[str, Any]:
     """B's call tree, each node with `base` (A's value) and `delta` (B - A scaled to B's total).
 
     A is scaled by total(B)/total(A) before subtracting, so a 10 s session and a
@@ -150,19 +258,17 @@ def diff(a: Profile, b: Profile, value: str = "on_cpu") -> dict[str, Any]:
     A do not appear: the tree is B's.
     """
     check_value(value)
-    ta = _tree(a, value)
-    tb = _tree(b, value)
-    scale = tb["value"] / ta["value"] if ta["value"] else 0.0
+    tb, keys, scale, _ = _diff_tree(a, b, value, max_nodes)
+    return _to_dicts(tb, b.frames, keys, scale)
 
-    todo: list[tuple[dict[str, Any], dict[str, Any] | None]] = [(tb, ta)]
-    while todo:
-        nb, na = todo.pop()
-        base = na["value"] if na is not None else 0
-        nb["base"] = base
-        nb["delta"] = round(nb["value"] - base * scale, 3)
-        for key, child in nb["_kids"].items():
-            todo.append((child, na["_kids"].get(key) if na is not None else None))
-    return _finish(tb)
+
+def diff_json(
+    a: Profile, b: Profile, value: str = "on_cpu", max_nodes: int = MAX_TREE_NODES
+) -> tuple[Iterator[str], bool]:
+    """tree_json(diff(a, b)) in pieces, at most `max_nodes` nodes; True when cut there."""
+    check_value(value)
+    tb, keys, scale, truncated = _diff_tree(a, b, value, max_nodes)
+    return _json_chunks(tb, b.frames, keys, scale), truncated
 
 
 def tree_json(tree: dict[str, Any]) -> str:
@@ -179,7 +285,7 @@ def tree_json(tree: dict[str, Any]) -> str:
             out.append(item)
             continue
         fields = {k: v for k, v in item.items() if k != "children"}
-        head = json.dumps(fields, separators=(",", ":"))[:-1]
+        head = json.dumps(fields, separators=(",", ":"), allow_nan=False)[:-1]
         out.append(head + (',"children":[' if fields else '"children":['))
         todo.append("]}")
         kids = item["children"]
@@ -194,11 +300,17 @@ def tree_json(tree: dict[str, Any]) -> str:
 # Merge
 
 
-def merge(profiles: Iterable[Profile]) -> Profile:
+# A merge stops taking profiles past this many frames in its distinct stacks (~40 MB): two stored
+# sessions at the ingest limit (500 000 each) fit, a dashboard over many large ones does not.
+MAX_MERGE_ENTRIES = 1_000_000
+
+
+def merge(profiles: Iterable[Profile], max_entries: int = 1 << 62) -> Profile:
     """One profile summing several; identical stacks add up, per-thread identity is dropped.
 
     `meta` is the first profile's, with sample totals summed and the time span
-    widened to cover every input.
+    widened to cover every input. The first profile that would take the distinct stacks' frames
+    past `max_entries` is not merged, nor any after it: the result's `truncated` says so.
     """
     frames: list[Frame] = []
     # Keyed by a plain tuple: hashing and comparing the dataclass itself costs several times more.
@@ -206,7 +318,14 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     acc: dict[tuple[tuple[int, ...], bool, int], list[int]] = {}
     first: SessionMeta | None = None
     start = end = 0
+    entries = 0
+    truncated = False
     for p in profiles:
+        cost = sum(len(s.stack) for s in p.samples)
+        if first is not None and entries + cost > max_entries:
+            truncated = True
+            break
+        entries += cost
         if first is None:
             first = p.meta
             start, end = p.meta.start_ns, p.meta.start_ns + p.meta.duration_ns
@@ -247,7 +366,7 @@ def merge(profiles: Iterable[Profile]) -> Profile:
     meta.pre_on_cpu = sum(s.on_cpu for s in pre)
     meta.pre_off_cpu = sum(s.off_cpu for s in pre)
     meta.pre_off_cpu_ns = sum(s.off_cpu_ns for s in pre)
-    return Profile(meta=meta, frames=frames, samples=samples)
+    return Profile(meta=meta, frames=frames, samples=samples, truncated=truncated)
 
 
 # ---------------------------------------------------------------------------

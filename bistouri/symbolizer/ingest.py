@@ -77,6 +77,17 @@ def _nul_problem(s: wire.Session) -> str:
     return ""
 
 
+MAX_FUTURE_NS = 86_400 * 10**9  # a session may start this far in the future of our clock (skew)
+
+
+def _time_problem(s: wire.Session, now_ns: int) -> str:
+    """Why a session's start cannot be right, or "": one dated years ahead would head every list."""
+    if s.start_ns > now_ns + MAX_FUTURE_NS:
+        ahead = (s.start_ns - now_ns) // 10**9
+        return f"session[{s.session_id!r}]: start_ns is {ahead} s ahead of the server's clock"
+    return ""
+
+
 @dataclass(slots=True)
 class _Work:
     """What symbolizing costs: distinct frames, stacks and the frames in them (of a session, or
@@ -200,7 +211,7 @@ class Ingest:
                         {"id": sid, "reason": "malformed", "detail": echo(f"{type(e).__name__}: {e}")}
                     )
                     continue
-                problem = _nul_problem(session)
+                problem = _nul_problem(session) or _time_problem(session, time.time_ns())
                 if not problem and tenant is not None and upload_scope(session.tenant) != tenant:
                     rejected.append(
                         {

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import hashlib
 import logging
 import os
 import re
 import threading
+import weakref
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from ..errors import BistouriError
 from ..kernel import LoadedCodeDigest
@@ -40,8 +42,8 @@ MAX_UPLOAD_BYTES = 16 << 20  # gzip'd, as uploaded; a distro kernel's is ~2 MB
 MAX_SNAPSHOT_BYTES = 32 << 20  # uncompressed; a distro kernel with modules is ~15 MB
 MAX_SYMBOLS = 500_000  # text symbols (lines of type t, T, w, W); a distro kernel has ~150 000
 MAX_SYMBOL_NAME = 512  # the kernel's KSYM_NAME_LEN
-MAX_LOADED_BYTES = 96 << 20  # parsed snapshots kept in memory per process (a distro kernel's: ~20 MB)
-DEFAULT_LOADED = 8
+MAX_LOADED_BYTES = 64 << 20  # parsed snapshots kept in memory per process (a distro kernel's: ~6 MB)
+DEFAULT_LOADED = 64  # snapshots kept parsed: one per boot of a host, most share their kernel part
 _SLICE_BYTES = 1 << 20  # decompressed and parsed at a time
 _MAX_LINE = MAX_SYMBOL_NAME + 256  # address, type and module around a name
 MAX_SYMBOL_SPAN = 1 << 20  # no kernel function is this long: past it the address is unknown
@@ -91,52 +93,156 @@ def _is_end_label(name: str) -> bool:
     return name in ("_etext", "_einittext") or (name.startswith("__") and name.endswith("_end"))
 
 
-class KallsymsIndex:
-    """Text symbols of one boot, sorted by address."""
+class _Table:
+    """Symbols sorted by address, in arrays and one name blob: ~15 bytes and the name per symbol."""
 
-    __slots__ = ("_addrs", "_ends", "_modules", "_names", "loaded_code", "nbytes", "text_addr")
+    __slots__ = ("__weakref__", "addrs", "cut", "mods", "name_offs", "names")
+
+    def __init__(self, signed: bool) -> None:
+        self.addrs = array("q" if signed else "Q")
+        self.name_offs = array("I", [0])  # symbol i's name is names[name_offs[i]:name_offs[i + 1]]
+        self.names = bytearray()
+        self.cut = bytearray()  # 1 where the symbol is an end label: it covers no address
+        self.mods = array("H")  # index into the index's module names (left empty for the core)
+
+    def add(self, addr: int, name: str, mod: int | None) -> None:
+        self.addrs.append(addr)
+        self.names += name.encode()
+        self.name_offs.append(len(self.names))
+        self.cut.append(1 if name[0] == "_" and _is_end_label(name) else 0)
+        if mod is not None:
+            self.mods.append(mod)
+
+    def freeze(self) -> None:
+        self.names = bytes(self.names)  # type: ignore[assignment]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.addrs, self.name_offs, self.mods)
+        return sum(a.itemsize * len(a) for a in arrays) + len(self.names) + len(self.cut) + 200
+
+    def name(self, i: int) -> str:
+        return bytes(self.names[self.name_offs[i] : self.name_offs[i + 1]]).decode("utf-8", "replace")
+
+    def digest(self) -> bytes:
+        h = hashlib.sha256()
+        for part in (self.addrs.tobytes(), self.name_offs.tobytes(), bytes(self.names), bytes(self.cut)):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        return h.digest()
+
+
+# The kernel's own symbols relative to _text, one object per distinct content in the process: every boot
+# of one kernel build (KASLR moves _text, not the layout after it) shares them.
+_CORES: weakref.WeakValueDictionary[bytes, _Table] = weakref.WeakValueDictionary()
+_CORES_LOCK = threading.Lock()
+
+
+def _shared_core(table: _Table) -> _Table:
+    key = table.digest()
+    with _CORES_LOCK:
+        got = _CORES.get(key)
+        if got is None:
+            _CORES[key] = got = table
+        return got
+
+
+class KallsymsIndex:
+    """Text symbols of one boot, sorted by address.
+
+    The kernel's own symbols are kept relative to `_text` and shared by every snapshot of the same
+    build (other boots, other hosts); those of modules and BPF programs, whose addresses are per boot,
+    are the index's own."""
+
+    __slots__ = ("__weakref__", "_base", "_core", "_mods", "_modules", "loaded_code", "text_addr")
 
     def __init__(
         self,
-        addrs: Sequence[int],
-        names: list[str],
+        core: _Table,
+        mods: _Table,
         modules: list[str],
         text_addr: int,
+        base: int,
         loaded_code: str = "",
     ) -> None:
-        self._addrs = array("Q", addrs)  # 8 bytes an address, not 40 as a list of ints
-        self._names = names
+        self._core = _shared_core(core)
+        self._base = base  # what core addresses are relative to: text_addr when the snapshot has _text
+        self._mods = mods
         self._modules = modules
         self.text_addr = text_addr  # runtime _text of the boot that wrote the snapshot
         # The modules and BPF programs it lists (kernel.LoadedCodeDigest): an agent with others uploads.
         self.loaded_code = loaded_code
-        # Where each symbol stops: the next symbol, a span limit, or at once for end labels.
-        n = len(addrs)
-        ends = array("Q", (min(addrs[i + 1], addrs[i] + MAX_SYMBOL_SPAN) for i in range(n - 1)))
-        if n:
-            ends.append(min(addrs[-1] + MAX_SYMBOL_SPAN, (1 << 64) - 1))
-        for i, name in enumerate(names):
-            if name[0] in "_" and _is_end_label(name):
-                ends[i] = addrs[i]
-        self._ends = ends
-        # About what it holds in memory: two addresses, two pointers and a str object per symbol.
-        self.nbytes = sum(map(len, names)) + 90 * n
 
     def __len__(self) -> int:
-        return len(self._addrs)
+        return len(self._core.addrs) + len(self._mods.addrs)
+
+    @property
+    def core_nbytes(self) -> int:
+        """Memory of the part shared with other snapshots of the same kernel build, about."""
+        return self._core.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the part of its own, about."""
+        return self._mods.nbytes + 8 * len(self._modules) + 300
+
+    @property
+    def core_id(self) -> int:
+        return id(self._core)
+
+    @property
+    def core_key(self) -> tuple[int, int]:
+        """What names the kernel itself (its symbols outside modules and BPF programs, and where _text
+        is): the same for two snapshots of one boot whatever was loaded between them. Cores are
+        interned by content, so while both indexes live, equal cores are one object."""
+        return id(self._core), self._base
 
     def lookup(self, ip: int) -> tuple[str, str, int] | None:
         """(name, module, offset) for a runtime address of this boot; module "" is vmlinux."""
-        i = bisect.bisect_right(self._addrs, ip) - 1
-        if i < 0 or ip >= self._ends[i]:
+        core, mods, text = self._core, self._mods, self._base
+        i = bisect.bisect_right(core.addrs, ip - text) - 1
+        j = bisect.bisect_right(mods.addrs, ip) - 1
+        c_start = core.addrs[i] + text if i >= 0 else -1
+        m_start = mods.addrs[j] if j >= 0 else -1
+        if c_start < 0 and m_start < 0:
             return None
-        return self._names[i], self._modules[i], ip - self._addrs[i]
+        # The closest symbol below ip of either table; it ends at the next symbol of either.
+        c_next = core.addrs[i + 1] + text if i + 1 < len(core.addrs) else 1 << 64
+        m_next = mods.addrs[j + 1] if j + 1 < len(mods.addrs) else 1 << 64
+        if c_start >= m_start:
+            table, k, start = core, i, c_start
+        else:
+            table, k, start = mods, j, m_start
+        end = start if table.cut[k] else min(c_next, m_next, start + MAX_SYMBOL_SPAN)
+        if ip >= end:
+            return None
+        module = self._modules[mods.mods[k]] if table is mods else ""
+        return table.name(k), module, ip - start
+
+    def rows(self) -> Iterator[tuple[int, int, str, str]]:
+        """(address, end, name, module) of every symbol, in address order."""
+        core, mods, text = self._core, self._mods, self._base
+        starts = sorted(
+            [(core.addrs[i] + text, 0, i) for i in range(len(core.addrs))]
+            + [(mods.addrs[j], 1, j) for j in range(len(mods.addrs))]
+        )
+        for n, (start, which, k) in enumerate(starts):
+            table = mods if which else core
+            nxt = starts[n + 1][0] if n + 1 < len(starts) else (1 << 64) - 1
+            end = start if table.cut[k] else min(nxt, start + MAX_SYMBOL_SPAN, (1 << 64) - 1)
+            yield start, end, table.name(k), self._modules[mods.mods[k]] if which else ""
 
     def address_of(self, name: str) -> int | None:
-        try:
-            return self._addrs[self._names.index(name)]
-        except ValueError:
-            return None
+        want = name.encode()
+        for table, base in ((self._core, self._base), (self._mods, 0)):
+            names, offs = table.names, table.name_offs
+            pos = names.find(want)
+            while pos >= 0:
+                i = bisect.bisect_left(offs, pos)
+                if i < len(offs) - 1 and offs[i] == pos and offs[i + 1] == pos + len(want):
+                    return table.addrs[i] + base
+                pos = names.find(want, pos + 1)
+        return None
 
 
 _LINE = re.compile(rb"^([0-9a-fA-F]+) ([tTwW]) (\S+)(?:[ \t]+\[([^\]\n]+)\])?[ \t]*$", re.M)
@@ -217,19 +323,26 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
             )
         raise KallsymsError("the snapshot has no text symbols: it is not /proc/kallsyms output")
     keys.sort()
-    addrs = array("Q")
-    out_names: list[str] = []
-    out_modules: list[str] = []
+    core = _Table(signed=True)
+    mods = _Table(signed=False)
+    mod_index: dict[str, int] = {}
+    base = text_addr  # core addresses are kept relative to _text (to the lowest without one)
     last = -1
     for key in keys:
         addr = key >> 22
         if addr != last:  # later entries at one address are less preferred aliases
             last = addr
             i = key & ((1 << 20) - 1)
-            addrs.append(addr)
-            out_names.append(names[i])
-            out_modules.append(modules[i])
-    return KallsymsIndex(addrs, out_names, out_modules, text_addr, loaded_code.hexdigest())
+            module = modules[i]
+            if module:
+                mods.add(addr, names[i], mod_index.setdefault(module, len(mod_index)))
+            else:
+                base = base or addr
+                core.add(addr - base, names[i], None)
+    del keys, names, modules
+    core.freeze()
+    mods.freeze()
+    return KallsymsIndex(core, mods, list(mod_index), text_addr, base, loaded_code.hexdigest())
 
 
 def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:
@@ -310,7 +423,7 @@ class KallsymsStore:
                     old = parse_kallsyms(held, self.max_bytes)
                 except KallsymsError:
                     old = None  # unreadable: replaced by a good one
-                if old is not None and _core(old) != _core(index):
+                if old is not None and old.core_key != index.core_key:
                     raise KallsymsConflict(
                         f"a snapshot of another kernel is held for {hexid}: only its modules may change"
                     )
@@ -396,23 +509,15 @@ class KallsymsStore:
             self._loaded[hexid] = index
             self._mtimes[hexid] = mtime
             self._loaded.move_to_end(hexid)
-            # Bounded in bytes too: a few large snapshots weigh as much as many small ones.
-            loaded = sum(i.nbytes for i in self._loaded.values())
+            # Bounded in bytes too: a few large snapshots weigh as much as many small ones. This is the
+            # only strong reference to an index (the resolver keeps weak ones), so dropping one frees it.
             while len(self._loaded) > 1 and (
-                len(self._loaded) > self.max_loaded or loaded > MAX_LOADED_BYTES
+                len(self._loaded) > self.max_loaded or self.loaded_bytes() > MAX_LOADED_BYTES
             ):
-                old, dropped = self._loaded.popitem(last=False)
+                old, _ = self._loaded.popitem(last=False)
                 self._mtimes.pop(old, None)
-                loaded -= dropped.nbytes
 
-
-def _core(index: KallsymsIndex) -> tuple[int, int]:
-    """What names the kernel itself in a snapshot (its symbols outside modules and BPF programs), as a
-    digest: the same for two snapshots of one boot whatever was loaded between them."""
-    h = zlib.crc32(b"")
-    n = 0
-    for addr, name, module in zip(index._addrs, index._names, index._modules, strict=True):
-        if not module:
-            h = zlib.crc32(b"%x %s\n" % (addr, name.encode("utf-8", "replace")), h)
-            n += 1
-    return h, n
+    def loaded_bytes(self) -> int:
+        """Memory of the parsed snapshots kept, about: a kernel build's shared part counted once."""
+        cores = {i.core_id: i.core_nbytes for i in self._loaded.values()}
+        return sum(cores.values()) + sum(i.nbytes for i in self._loaded.values())

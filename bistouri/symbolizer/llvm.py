@@ -8,7 +8,13 @@ and reads at the same time; every exchange has a deadline.
 
 Workers start lazily, restart when they crash or time out, and are recycled
 when their resident memory passes a budget (DWARF of a big binary fully
-touched costs 6-14x its `.debug_info`). A request is sharded by file path, so
+touched costs 6-14x its `.debug_info`). Each runs under an address-space limit
+(RLIMIT_AS): crafted DWARF of a few KB once took one to 5.5 GB, and in the
+service's memory cgroup that kills a neighbour, not only llvm. A file whose
+request made a worker crash or time out twice is remembered (`Quarantine`, a
+directory shared by the service's processes) and not sent again until it
+changes or the entry expires, so one bad file does not pause file:line for
+every other. A request is sharded by file path, so
 each process parses each binary once. When no llvm-symbolizer is installed the
 pool reports `available = False` and every request returns None: callers keep
 function names from the symbol table and lose only file:line and inlines.
@@ -16,18 +22,23 @@ function names from the symbol table and lose only file:line and inlines.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
 import json
 import logging
 import os
 import re
+import resource
 import select
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -41,6 +52,10 @@ DEFAULT_WORKERS = 2
 DEFAULT_CHUNK = 1000  # addresses per exchange
 DEFAULT_TIMEOUT_S = 60.0  # per chunk: the first request on a vmlinux parses for seconds
 DEFAULT_RSS_LIMIT = 1 << 30
+# Address space of one worker: a libc lookup with full DWARF peaks at ~210 MB of it (VmPeak), a
+# few hundred MB of DWARF fits; a whole vmlinux's does not (names still come from its .symtab).
+DEFAULT_AS_LIMIT = 1 << 30
+QUARANTINE_TTL_S = 24 * 3600.0
 DEFAULT_WAIT_S = 30.0  # how long a caller waits for a busy worker
 _CRASH_WINDOW_S = 60.0
 _MAX_CRASHES = 5  # in the window, then the pool pauses
@@ -116,8 +131,16 @@ class _Metrics:
         )
         self.addresses = Counter(
             "bistouri_symbolizer_llvm_addresses_total",
-            "Addresses sent to llvm-symbolizer, by result (ok, failed, busy, paused, unavailable)",
+            "Addresses sent to llvm-symbolizer, by result "
+            "(ok, failed, busy, paused, unavailable, quarantined)",
             ["result"],
+            registry=registry,
+        )
+        self.quarantined = Counter(
+            "bistouri_symbolizer_llvm_quarantined_total",
+            "Files no longer sent to llvm-symbolizer after a worker failed on them, "
+            "by reason (crash, timeout)",
+            ["reason"],
             registry=registry,
         )
         self.available = Gauge(
@@ -130,9 +153,12 @@ class _Metrics:
 class _Worker:
     """One llvm-symbolizer process. Callers hold `lock` around `exchange`."""
 
-    def __init__(self, argv: list[str], rss_limit: int, metrics: _Metrics, name: str) -> None:
+    def __init__(
+        self, argv: list[str], rss_limit: int, metrics: _Metrics, name: str, as_limit: int = 0
+    ) -> None:
         self.argv = argv
         self.rss_limit = rss_limit
+        self.as_limit = as_limit
         self.metrics = metrics
         self.name = name
         self.lock = threading.Lock()
@@ -150,6 +176,15 @@ class _Worker:
             bufsize=0,
             env=env,
         )
+        if self.as_limit:
+            # Set from here rather than in a preexec_fn (not safe in a threaded parent): the worker has
+            # read nothing yet, it waits for its first request on stdin.
+            try:
+                resource.prlimit(proc.pid, resource.RLIMIT_AS, (self.as_limit, self.as_limit))
+            except OSError as e:
+                proc.kill()
+                proc.wait()
+                raise OSError(e.errno, f"cannot limit the address space of llvm-symbolizer: {e}") from e
         assert proc.stdin is not None
         os.set_blocking(proc.stdin.fileno(), False)
         return proc
@@ -245,11 +280,19 @@ class _Worker:
             raise LlvmError("crash", f"{seen} answer lines for {n_lines} requests")
         return lines[:-1]
 
-    def symbolize(self, path: str, addrs: Sequence[int], chunk: int, timeout_s: float) -> list:
+    def symbolize(
+        self, path: str, addrs: Sequence[int], chunk: int, timeout_s: float
+    ) -> tuple[list[list[SourceFrame] | None], str]:
+        """Frames per address, and "" or the reason ("crash", "timeout") a chunk failed for good."""
         quoted = b'"' + os.fsencode(path) + b'" '
         out: list[list[SourceFrame] | None] = []
+        failed = ""
         for i in range(0, len(addrs), chunk):
             part = addrs[i : i + chunk]
+            if failed:  # the file broke a worker: the rest would too
+                self.metrics.addresses.labels("failed").inc(len(part))
+                out.extend([None] * len(part))
+                continue
             payload = b"".join(quoted + b"0x%x\n" % a for a in part)
             for attempt in (0, 1):
                 try:
@@ -271,11 +314,119 @@ class _Worker:
                         )
                         self.metrics.addresses.labels("failed").inc(len(part))
                         out.extend([None] * len(part))
+                        failed = e.reason
                         break
         if self.rss_limit and self.rss() > self.rss_limit:
             self.metrics.restarts.labels("rss").inc()
             self.stop()
-        return out
+        return out, failed
+
+
+class Quarantine:
+    """Files llvm-symbolizer failed on, not sent again until they change or `ttl_s` passes.
+
+    One small file per entry in `directory` (shared by the service's processes, readable by an
+    operator: the path, the reason and the file's identity); in memory when `directory` is None.
+    Deleting an entry's file lifts it. Work that could kill the process itself (the OOM killer)
+    runs inside `attempt()`: a marker it leaves behind quarantines the file for the next process."""
+
+    def __init__(self, directory: str | None, ttl_s: float = QUARANTINE_TTL_S) -> None:
+        self.dir = directory
+        self.ttl_s = ttl_s
+        self._memory: dict[str, tuple[str, float]] = {}
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+
+    @staticmethod
+    def _identity(path: str) -> str:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return ""
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+    def _entry(self, path: str) -> str:
+        assert self.dir is not None
+        return os.path.join(self.dir, hashlib.sha256(os.fsencode(path)).hexdigest()[:32])
+
+    @contextlib.contextmanager
+    def attempt(self, path: str) -> Iterator[None]:
+        """Mark `path` as being worked on by this process for the length of the block."""
+        marker = ""
+        if self.dir is not None:
+            marker = f"{self._entry(path)}.busy-{os.getpid()}"
+            try:
+                with open(marker, "w") as f:
+                    f.write(path + "\n")
+            except OSError:
+                marker = ""
+        try:
+            yield
+        finally:
+            if marker:
+                with contextlib.suppress(OSError):
+                    os.unlink(marker)
+
+    def _died_on(self, path: str) -> bool:
+        """True, and the file quarantined, when a process died inside attempt(path)."""
+        died = False
+        for marker in glob.glob(glob.escape(self._entry(path)) + ".busy-*"):
+            try:
+                pid = int(marker.rsplit("-", 1)[1])
+                if pid == os.getpid():
+                    continue  # another thread of ours, at work
+                os.kill(pid, 0)
+                continue  # alive
+            except ProcessLookupError:
+                died = True
+            except (ValueError, PermissionError):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+        if died:
+            self.add(path, "worker_died")
+            log.warning("A process died while it read a file; the file is quarantined. path=%s", path)
+        return died
+
+    def holds(self, path: str) -> bool:
+        if self.dir is None:
+            got = self._memory.get(path)
+            if got is None:
+                return False
+            identity, since = got
+            if time.time() - since < self.ttl_s and identity == self._identity(path):
+                return True
+            del self._memory[path]
+            return False
+        entry = self._entry(path)
+        try:
+            with open(entry, "rb") as f:
+                identity = f.read(512).split(b"\n", 1)[0].decode("ascii", "replace")
+                since = os.fstat(f.fileno()).st_mtime
+        except FileNotFoundError:
+            return self._died_on(path)
+        except OSError:
+            return False
+        if time.time() - since < self.ttl_s and identity == self._identity(path):
+            return True
+        with contextlib.suppress(OSError):
+            os.unlink(entry)
+        return False
+
+    def add(self, path: str, reason: str) -> None:
+        identity = self._identity(path)
+        if self.dir is None:
+            self._memory[path] = (identity, time.time())
+            return
+        body = f"{identity}\n{reason}\n{path}\n".encode(errors="replace")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=self.dir)
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, self._entry(path))
+        except OSError as e:
+            log.warning("Cannot record a file llvm-symbolizer failed on. path=%s error=%s", path, e)
+            self._memory[path] = (identity, time.time())
 
 
 class LlvmPool:
@@ -290,10 +441,13 @@ class LlvmPool:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         wait_s: float = DEFAULT_WAIT_S,
         rss_limit: int = DEFAULT_RSS_LIMIT,
+        as_limit: int = DEFAULT_AS_LIMIT,
         debug_dirs: Sequence[str] = (),
+        quarantine_dir: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.metrics = _Metrics(registry)
+        self.quarantine = Quarantine(quarantine_dir)
         self.chunk = max(1, chunk)
         self.timeout_s = timeout_s
         self.wait_s = wait_s
@@ -314,7 +468,9 @@ class LlvmPool:
             argv.append(f"--cache-size={rss_limit // 2}")
         argv += [f"--debug-file-directory={d}" for d in debug_dirs]
         self.argv = argv
-        self._workers = [_Worker(argv, rss_limit, self.metrics, f"llvm-{i}") for i in range(max(1, workers))]
+        self._workers = [
+            _Worker(argv, rss_limit, self.metrics, f"llvm-{i}", as_limit) for i in range(max(1, workers))
+        ]
 
     def symbolize(self, path: str, addrs: Sequence[int]) -> list[list[SourceFrame] | None]:
         """Frames (innermost first) per address of the ELF at `path`; None where unknown or failed."""
@@ -324,6 +480,9 @@ class LlvmPool:
             self.metrics.addresses.labels("unavailable").inc(len(addrs))
             return [None] * len(addrs)
         if '"' in path or "\n" in path:
+            return [None] * len(addrs)
+        if self.quarantine.holds(path):
+            self.metrics.addresses.labels("quarantined").inc(len(addrs))
             return [None] * len(addrs)
         n = len(self._workers)
         first = zlib.crc32(os.fsencode(path)) % n
@@ -340,9 +499,21 @@ class LlvmPool:
                 self.metrics.addresses.labels("paused").inc(len(addrs))
                 return [None] * len(addrs)
             worker.paused_until = 0.0
-            return worker.symbolize(path, addrs, self.chunk, self.timeout_s)
+            with self.quarantine.attempt(path):  # llvm's memory counts in our cgroup: it may kill us
+                out, failed = worker.symbolize(path, addrs, self.chunk, self.timeout_s)
         finally:
             worker.lock.release()
+        if failed:
+            self.quarantine.add(path, failed)
+            self.metrics.quarantined.labels(failed).inc()
+            log.warning(
+                "A file made llvm-symbolizer fail; it is no longer sent (names only) until it changes. "
+                "path=%s reason=%s ttl_s=%d",
+                path,
+                failed,
+                self.quarantine.ttl_s,
+            )
+        return out
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None]

@@ -66,6 +66,11 @@ class Metrics:
             "kallsyms snapshots refused (nothing kept), by reason (conflict: another kernel under its key)",
             "reason",
         )
+        self.reads_truncated = counter(
+            "reads_truncated_total",
+            "Read answers cut at a bound (sessions left out of a merge, tree nodes), by reason",
+            "reason",
+        )
         self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
         self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
         self.latency = Histogram(

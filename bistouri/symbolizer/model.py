@@ -7,6 +7,7 @@ down to the leaf. That is the order of folded stacks and flamegraphs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -158,9 +159,9 @@ class SessionMeta:
                 "window_us": self.window_us,
                 "cgroup": self.cgroup,
                 "time_ns": self.trigger_time_ns,
-                "avg10": self.avg10,
-                "avg60": self.avg60,
-                "avg300": self.avg300,
+                "avg10": finite(self.avg10),
+                "avg60": finite(self.avg60),
+                "avg300": finite(self.avg300),
                 "total_us": self.psi_total_us,
             },
             "start_ns": self.start_ns,
@@ -189,6 +190,11 @@ class SessionMeta:
             out["episode"]["victims"] = self.victims
             out["episode"]["aggressors"] = self.aggressors
         return out
+
+
+def finite(x: float) -> float | None:
+    """x, or None (JSON null) for NaN and infinities: stored before ingest refused them."""
+    return x if math.isfinite(x) else None
 
 
 def victim_json(v: wire.Victim) -> dict[str, Any]:
@@ -222,6 +228,7 @@ class Profile:
     meta: SessionMeta
     frames: list[Frame] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    truncated: bool = False  # a merge that left sessions out (formats.merge's bound)
 
     def totals(self, part: str = "all") -> tuple[int, int, int]:
         """(on_cpu, off_cpu, off_cpu_ns) summed over the samples of `part` (see PARTS)."""
@@ -238,7 +245,8 @@ class Profile:
         if part not in PARTS:
             raise ValueError(f"part {part!r} is not one of {', '.join(PARTS)}")
         before = part == "before"
-        return Profile(self.meta, self.frames, [s for s in self.samples if s.pre_trigger == before])
+        kept = [s for s in self.samples if s.pre_trigger == before]
+        return Profile(self.meta, self.frames, kept, self.truncated)
 
     def in_state(self, state: str) -> Profile:
         """The profile of the on-CPU samples (`on_cpu`), of the waits in one state (`D`, `S`,
@@ -252,4 +260,4 @@ class Profile:
         else:
             wait = _WAIT_BY_NAME[state]
             kept = [replace(s, on_cpu=0) for s in self.samples if s.off_cpu and s.wait == wait]
-        return Profile(self.meta, self.frames, kept)
+        return Profile(self.meta, self.frames, kept, self.truncated)

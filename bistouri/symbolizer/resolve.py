@@ -25,9 +25,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -40,14 +41,19 @@ from . import model
 from .demangle import demangle
 from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
-from .llvm import LlvmPool, SourceFrame
+from .llvm import LlvmPool, Quarantine, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
 from .tokens import upload_scope
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_ENTRIES = 2_000_000
+DEFAULT_CACHE_ENTRIES = 400_000  # results (~150 bytes each) and as many interned frames
 DEFAULT_MAX_MODULES = 128
+# Parsed symbol tables kept per process (a module's `SymbolIndex`, ~20 bytes and the name per symbol;
+# libc's is ~0.3 MB). Past it the least recently used modules are dropped.
+DEFAULT_MAX_MODULE_BYTES = 96 << 20
+MAX_NAMED_PER_MODULE = 20_000  # names-only results memoized per module
+_MODULE_OVERHEAD = 2048
 DEFAULT_RETRY_S = 30.0  # how long a module without debug info (or absent) is kept before looking again
 _EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
 
@@ -68,12 +74,17 @@ class _Module:
     loaded_at: float
     named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
 
+    @property
+    def nbytes(self) -> int:
+        return self.symbols.nbytes + _MODULE_OVERHEAD
+
 
 @dataclass(slots=True)
 class _Kernel:
     gen: int
     hexid: str
-    kallsyms: KallsymsIndex | None
+    # Weak: the KallsymsStore's LRU, bounded in bytes, is what keeps a parsed snapshot alive.
+    kallsyms: Callable[[], KallsymsIndex | None] | None
     vmlinux: _Module | None
     link_text: int
     link_etext: int
@@ -112,9 +123,16 @@ class _Metrics:
             "Results dropped from the bounded result cache",
             registry=registry,
         )
+        self.bounds = Counter(
+            "bistouri_symbolizer_file_bounds_total",
+            "Files read only in part because they hit a bound, "
+            "by reason (symbols, gnu_debugdata, dwarf, section_names)",
+            ["reason"],
+            registry=registry,
+        )
         self.module_loads = Counter(
             "bistouri_symbolizer_module_loads_total",
-            "Build ids opened, by result (dwarf, symbols, missing, error)",
+            "Build ids opened, by result (dwarf, symbols, missing, error, quarantined)",
             ["result"],
             registry=registry,
         )
@@ -145,19 +163,25 @@ class Resolver:
         use_llvm: bool = True,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
         max_modules: int = DEFAULT_MAX_MODULES,
+        max_module_bytes: int = DEFAULT_MAX_MODULE_BYTES,
         retry_s: float = DEFAULT_RETRY_S,
+        quarantine_dir: str | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.sources = sources if sources is not None else DebugSources(debuginfod_urls=[])
         self.kernels = kernels
         if llvm is None and use_llvm:
             dirs = [os.path.dirname(d) for d in self.sources.debug_dirs]
-            llvm = LlvmPool(debug_dirs=dirs, registry=registry)
+            llvm = LlvmPool(debug_dirs=dirs, quarantine_dir=quarantine_dir, registry=registry)
         self.llvm = llvm
         self.cache_entries = max(1, cache_entries)
         self.max_modules = max(1, max_modules)
+        self.max_module_bytes = max_module_bytes
+        self._module_bytes = 0
         self.retry_s = retry_s
         self.metrics = _Metrics(registry)
+        # Files whose reading killed a worker (the same directory as llvm's: one place to look).
+        self.quarantine = Quarantine(quarantine_dir)
         self._cache: dict[tuple[int, int, bool], _Frames] = {}
         self._cache_lock = threading.Lock()
         self._modules: OrderedDict[str, _Module | None] = OrderedDict()
@@ -199,6 +223,7 @@ class Resolver:
             registry=registry,
             uploads_dir=os.fspath(uploads_dir) if uploads_dir is not None else None,
         )
+        kwargs.setdefault("quarantine_dir", os.path.join(state, "quarantine"))
         return cls(sources, kernels or KallsymsStore(state), registry=registry, **kwargs)
 
     def close(self) -> None:
@@ -250,24 +275,43 @@ class Resolver:
                     return self._modules[key]
             mod = self._open_module(build_id, hexid, scope)
             with self._lock:
+                self._forget_locked(key)
                 self._modules[key] = mod
+                self._module_bytes += mod.nbytes if mod is not None else 0
                 self._module_time[key] = time.monotonic()
-                self._modules.move_to_end(key)
-                while len(self._modules) > self.max_modules:
-                    old, _ = self._modules.popitem(last=False)
-                    self._module_time.pop(old, None)
+                # Bounded in count and in bytes; the module just loaded stays even when alone over.
+                while len(self._modules) > 1 and (
+                    len(self._modules) > self.max_modules or self._module_bytes > self.max_module_bytes
+                ):
+                    old = next(iter(self._modules))
+                    self._forget_locked(old)
                     self._load_locks.pop(old, None)
             return mod
+
+    def _forget_locked(self, key: str) -> None:
+        old = self._modules.pop(key, None)
+        if old is not None:
+            self._module_bytes -= old.nbytes
+        self._module_time.pop(key, None)
 
     def forget(self, build_id: bytes) -> None:
         """Look for this build id's files again at its next use (one was uploaded meanwhile)."""
         hexid = build_id.hex()
         with self._lock:
             for key in [k for k in self._modules if k == hexid or k.startswith(hexid + "/")]:
-                self._modules.pop(key, None)
-                self._module_time.pop(key, None)
+                self._forget_locked(key)
 
     def _open_module(self, build_id: bytes, hexid: str, scope: str | None = None) -> _Module | None:
+        key = f"module:{hexid}"  # a name, not a file: kept until the TTL (or an operator deletes it)
+        if scope is not None:
+            key += f"/{scope}"  # a tenant's upload that killed a worker blocks that tenant's module only
+        if self.quarantine.holds(key):
+            self.metrics.module_loads.labels("quarantined").inc()
+            return None
+        with self.quarantine.attempt(key):
+            return self._read_module(build_id, hexid, scope)
+
+    def _read_module(self, build_id: bytes, hexid: str, scope: str | None) -> _Module | None:
         try:
             dbg = self.sources.find(build_id, DEBUGINFO, scope)
             dbg_elf = ElfFile(dbg.path) if dbg else None
@@ -306,11 +350,22 @@ class Resolver:
             for opened in (dbg_elf, exe_elf):
                 if opened is not None:
                     opened.close()
+                    for reason in opened.bounds_hit:
+                        self.metrics.bounds.labels(reason).inc()
+                        log.warning(
+                            "A file was read only in part: it is over a bound. build_id=%s path=%s bound=%s",
+                            hexid,
+                            opened.path,
+                            reason,
+                        )
         self.metrics.module_loads.labels("dwarf" if dwarf else "symbols").inc()
         complete = dwarf is not None and bool(with_offsets)
         return _Module(next(self._gen), hexid, name, segments, symbols, dwarf, complete, time.monotonic())
 
-    def _kernel(self, build_id: bytes, text_addr: int, boot_id: bytes = b"") -> _Kernel:
+    def _kernel(
+        self, build_id: bytes, text_addr: int, boot_id: bytes = b""
+    ) -> tuple[_Kernel, KallsymsIndex | None]:
+        """The kernel of a session, and its kallsyms snapshot (held by the caller while it resolves)."""
         hexid = build_id.hex() if build_id else ""
         key = (hexid, boot_id, text_addr)
         now = time.monotonic()
@@ -319,8 +374,9 @@ class Resolver:
             k = self._kernels.get(key)
         # A snapshot uploaded since the last look (or replaced: the agent's modules changed) is picked
         # up at once: the store hands out one object per snapshot file.
-        if k is not None and k.kallsyms is kallsyms and (k.complete or now - k.loaded_at < self.retry_s):
-            return k
+        held = k.kallsyms() if k is not None and k.kallsyms is not None else None
+        if k is not None and held is kallsyms and (k.complete or now - k.loaded_at < self.retry_s):
+            return k, kallsyms
         vmlinux = self.module(build_id) if hexid else None
         link_text = link_etext = 0
         if vmlinux is not None and vmlinux.dwarf_path:
@@ -332,7 +388,7 @@ class Resolver:
         k = _Kernel(
             next(self._gen),
             hexid,
-            kallsyms,
+            _weak(kallsyms) if kallsyms is not None else None,
             vmlinux,
             link_text,
             link_etext,
@@ -343,7 +399,7 @@ class Resolver:
             self._kernels[key] = k
             while len(self._kernels) > self.max_modules:
                 self._kernels.popitem(last=False)
-        return k
+        return k, kallsyms
 
     def _snapshot(self, hexid: str, boot_id: bytes) -> KallsymsIndex | None:
         """The kallsyms of this boot of the kernel, else of the kernel (agents that send no boot id)."""
@@ -429,7 +485,9 @@ class Resolver:
                 return (self._intern(model.Frame(f"{mod.name}+0x{off:x}", mod.name)),)
             got = mod.named.get(sym[0])
             if got is None:
-                got = mod.named[sym[0]] = (self._intern(model.Frame(demangle(sym[0]), mod.name)),)
+                got = (self._intern(model.Frame(demangle(sym[0]), mod.name)),)
+                if len(mod.named) < MAX_NAMED_PER_MODULE:
+                    mod.named[sym[0]] = got
             return got
         frames = []
         last = len(src) - 1
@@ -447,11 +505,13 @@ class Resolver:
 
     # --- kernel frames ---------------------------------------------------------
 
-    def _resolve_kernel(self, k: _Kernel, text_addr: int, todo: Sequence[tuple[int, bool]]) -> list[_Frames]:
+    def _resolve_kernel(
+        self, k: _Kernel, idx: KallsymsIndex | None, text_addr: int, todo: Sequence[tuple[int, bool]]
+    ) -> list[_Frames]:
         out: list[_Frames] = [()] * len(todo)
         via_vmlinux: list[tuple[int, int]] = []  # (index, link-time address)
         vm = k.vmlinux
-        runtime_text = text_addr or (k.kallsyms.text_addr if k.kallsyms else 0)
+        runtime_text = text_addr or (idx.text_addr if idx else 0)
         for i, (ip, leaf) in enumerate(todo):
             look = ip if leaf else ip - 1
             if vm is not None and runtime_text:
@@ -459,7 +519,7 @@ class Resolver:
                 if k.link_text <= link < k.link_etext:
                     via_vmlinux.append((i, link))
                     continue
-            out[i] = self._kallsyms_frame(k, text_addr, ip, look)
+            out[i] = self._kallsyms_frame(idx, text_addr, ip, look)
         if via_vmlinux and vm is not None:
             links = [a for _, a in via_vmlinux]
             answers: list[list[SourceFrame] | None] = [None] * len(links)
@@ -468,15 +528,14 @@ class Resolver:
             for (i, link), src in zip(via_vmlinux, answers, strict=True):
                 frames = self._user_frames(vm, link, link, src)
                 if vm.symbols.lookup(link) is None and not src:
-                    frames = self._kallsyms_frame(k, text_addr, todo[i][0], todo[i][0] - (not todo[i][1]))
+                    frames = self._kallsyms_frame(idx, text_addr, todo[i][0], todo[i][0] - (not todo[i][1]))
                 out[i] = tuple(
                     model.Frame(f.name, "vmlinux", f.file, f.line, model.KIND_KERNEL, f.inlined)
                     for f in frames
                 )
         return out
 
-    def _kallsyms_frame(self, k: _Kernel, text_addr: int, ip: int, look: int) -> _Frames:
-        idx = k.kallsyms
+    def _kallsyms_frame(self, idx: KallsymsIndex | None, text_addr: int, ip: int, look: int) -> _Frames:
         if idx is not None:
             same_boot = not text_addr or text_addr == idx.text_addr
             hit = idx.lookup(look if same_boot else look - text_addr + idx.text_addr)
@@ -527,6 +586,7 @@ class Resolver:
         user_todo: dict[bytes, dict[tuple[int, bool], list[int]]] = {}
         kernel_todo: dict[tuple[int, bool], None] = {}
         k: _Kernel | None = None
+        kidx: KallsymsIndex | None = None
         hits = [0, 0]
         seen_stacks: set[tuple[int, int]] = set()
 
@@ -587,7 +647,7 @@ class Resolver:
             kern = t.kernel
             if kern:
                 if k is None:
-                    k = self._kernel(
+                    k, kidx = self._kernel(
                         session.kernel.build_id, session.kernel.text_addr, session.kernel.boot_id
                     )
                 if kern[0] not in kleaf_memo:
@@ -612,9 +672,9 @@ class Resolver:
         if kernel_todo:
             assert k is not None
             keys = list(kernel_todo)
-            cacheable = k.kallsyms is not None or k.vmlinux is not None
+            cacheable = kidx is not None or k.vmlinux is not None
             for (ip, leaf), frames in zip(
-                keys, self._resolve_kernel(k, session.kernel.text_addr, keys), strict=True
+                keys, self._resolve_kernel(k, kidx, session.kernel.text_addr, keys), strict=True
             ):
                 if cacheable:
                     self._store((-k.gen, ip, leaf), frames)
@@ -677,6 +737,13 @@ class Resolver:
     def symbolize_file(self, path: str | os.PathLike[str]) -> model.Profile:
         """Symbolize a spooled session file (msgpack, optionally gzip'd) for `bistouri symbolize`."""
         return self.symbolize(read_session_file(path))
+
+
+def _weak(index: KallsymsIndex) -> Callable[[], KallsymsIndex | None]:
+    try:
+        return weakref.ref(index)
+    except TypeError:  # `bistouri record`'s CompactKallsyms: one per run, held
+        return lambda: index
 
 
 class _Uncached:

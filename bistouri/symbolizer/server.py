@@ -196,7 +196,11 @@ def _state(args: Any) -> str:
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(
-        json.dumps(obj, separators=(",", ":")), status=status, mimetype="application/json", headers=headers
+        # Never a bare NaN: it is not JSON, and one would break the UI's session list for good.
+        json.dumps(obj, separators=(",", ":"), allow_nan=False),
+        status=status,
+        mimetype="application/json",
+        headers=headers,
     )
 
 
@@ -648,7 +652,16 @@ class SymbolizerApp:
         profile, n = self._merged(request.args, "")
         response = render(request, profile.part(part), "merged")
         response.headers["X-Bistouri-Sessions"] = str(n)
+        if profile.truncated:  # counted by _merged
+            got = response.headers.get("X-Bistouri-Truncated")
+            response.headers["X-Bistouri-Truncated"] = f"sessions,{got}" if got else "sessions"
         return response
+
+    def _truncated(self, response: Response, reason: str) -> None:
+        """Say in the answer and in a metric that a bound cut it (sessions, nodes)."""
+        got = response.headers.get("X-Bistouri-Truncated")
+        response.headers["X-Bistouri-Truncated"] = f"{got},{reason}" if got else reason
+        self.metrics.reads_truncated.labels(reason).inc()
 
     def _merged(self, args: Any, prefix: str) -> tuple[Profile, int]:
         flt = _filter(args, prefix)
@@ -660,8 +673,12 @@ class SymbolizerApp:
                 count += 1
                 yield p
 
-        # Merged as they stream from the database: one page of profiles in memory at a time.
-        merged = formats.merge(counted())
+        # Merged as they stream from the database: one page of profiles in memory at a time, and
+        # no more than formats.MAX_MERGE_ENTRIES frames in the merged stacks.
+        merged = formats.merge(counted(), formats.MAX_MERGE_ENTRIES)
+        if merged.truncated:
+            count -= 1  # the profile that did not fit was read, not merged
+            self.metrics.reads_truncated.labels("sessions").inc()
         return merged, count
 
     def on_diff(self, request: Request) -> Response:
@@ -681,9 +698,13 @@ class SymbolizerApp:
                     "bad_parameter",
                     f"give {side}=<session id> or {side}.<filter>=… (e.g. {side}.service=)",
                 )
-        return Response(
-            formats.tree_json(formats.diff(sides[0], sides[1], value)), mimetype="application/json"
-        )
+        chunks, cut = formats.diff_json(sides[0], sides[1], value)
+        response = Response(chunks, mimetype="application/json")
+        if any(side.truncated for side in sides):
+            response.headers["X-Bistouri-Truncated"] = "sessions"
+        if cut:
+            self._truncated(response, "nodes")
+        return response
 
     def _renderer(self, fmt: str) -> Callable[[Request, Profile, str], Response]:
         renderers: dict[str, Callable[[Request, Profile, str], Response]] = {
@@ -715,10 +736,13 @@ class SymbolizerApp:
             headers={"Content-Disposition": f'inline; filename="{_safe_name(name)}.speedscope.json"'},
         )
 
-    @staticmethod
-    def _render_flamegraph(request: Request, profile: Profile, name: str) -> Response:
-        tree = formats.flamegraph(profile, _value(request.args))
-        return Response(formats.tree_json(tree), mimetype="application/json")
+    def _render_flamegraph(self, request: Request, profile: Profile, name: str) -> Response:
+        # Written as it is sent, from a tree of at most formats.MAX_TREE_NODES nodes.
+        chunks, cut = formats.flamegraph_json(profile, _value(request.args))
+        response = Response(chunks, mimetype="application/json")
+        if cut:
+            self._truncated(response, "nodes")
+        return response
 
 
 def _safe_name(name: str) -> str:

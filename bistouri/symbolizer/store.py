@@ -22,7 +22,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from .store_uploads import UploadRows
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -161,6 +161,9 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
             "DROP TABLE upload_chunks",
         ],
     ),
+    # What a session list shows: the metadata without the episode's rows (up to ~1 MB a session),
+    # so that listing 1000 sessions parses kilobytes, not a gigabyte. '' for sessions stored before.
+    (7, ["ALTER TABLE sessions ADD COLUMN summary TEXT NOT NULL DEFAULT ''"]),
 ]
 
 
@@ -208,6 +211,11 @@ def meta_to_text(m: SessionMeta) -> str:
     d = {f.name: getattr(m, f.name) for f in fields(SessionMeta)}
     d["processes"] = [[p, c] for p, c in m.processes.items()]
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
+
+
+def summary_to_text(m: SessionMeta) -> str:
+    """The metadata a session list reads (SessionMeta.to_json(episode_rows=False)): no episode rows."""
+    return meta_to_text(replace(m, victims=[], aggressors=[]))
 
 
 def meta_from_text(text: str) -> SessionMeta:
@@ -412,8 +420,9 @@ class Store(UploadRows):
         size = len(profile) + len(raw)
         n = self._exec(
             """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
-                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind,
+                 summary)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (id) DO NOTHING""",
             (
                 m.session_id,
@@ -432,14 +441,21 @@ class Store(UploadRows):
                 raw,
                 size,
                 m.trigger_kind,
+                summary_to_text(m),
             ),
         )
         return size if n else 0
 
     def update_profile(self, session_id: str, profile: Profile, kernel_pending: bool) -> None:
         self._exec(
-            "UPDATE sessions SET profile = ?, meta = ?, kernel_pending = ? WHERE id = ?",
-            (profile_to_blob(profile), meta_to_text(profile.meta), int(kernel_pending), session_id),
+            "UPDATE sessions SET profile = ?, meta = ?, summary = ?, kernel_pending = ? WHERE id = ?",
+            (
+                profile_to_blob(profile),
+                meta_to_text(profile.meta),
+                summary_to_text(profile.meta),
+                int(kernel_pending),
+                session_id,
+            ),
         )
 
     def put_kernel(self, build_id: str, kallsyms_gz: bytes) -> None:
@@ -511,14 +527,24 @@ class Store(UploadRows):
         return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
 
     def query(self, f: Filter, limit: int = 100, offset: int = 0) -> tuple[list[SessionMeta], int]:
-        """Sessions matching `f`, newest first, and how many match in all."""
+        """Sessions matching `f`, newest first, and how many match in all: their summaries (no episode
+        rows, see summary_to_text)."""
         where, params = self._where(f)
         total = self._fetch("SELECT COUNT(*) FROM sessions" + where, params)[0][0]
         rows = self._fetch(
-            "SELECT meta FROM sessions" + where + " ORDER BY start_ns DESC, id DESC LIMIT ? OFFSET ?",
+            "SELECT summary, id FROM sessions" + where + " ORDER BY start_ns DESC, id DESC LIMIT ? OFFSET ?",
             [*params, limit, offset],
         )
-        return [meta_from_text(r[0]) for r in rows], int(total)
+        out = []
+        for summary, sid in rows:
+            if summary:
+                out.append(meta_from_text(summary))
+                continue
+            meta = self.get_meta(sid)  # stored before summaries: one whole metadata at a time
+            if meta is not None:
+                meta.victims, meta.aggressors = [], []
+                out.append(meta)
+        return out, int(total)
 
     def profiles(self, f: Filter, limit: int) -> Iterator[Profile]:
         """The profiles of the newest `limit` sessions matching `f`, fetched in small pages.

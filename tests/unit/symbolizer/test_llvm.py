@@ -94,10 +94,11 @@ def test_timeout_kills_the_worker(tmp_path: Path) -> None:
 def test_crash_loop_pauses_the_worker(tmp_path: Path) -> None:
     reg = CollectorRegistry()
     with LlvmPool(_fake(tmp_path, "read line; exit 3"), workers=1, registry=reg) as pool:
-        for _ in range(3):  # a crash and one retry each; the fifth crash in a minute pauses the worker
-            assert pool.symbolize("/bin/true", [0x10]) == [None]
+        # A crash and one retry each, on three files; the fifth crash in a minute pauses the worker.
+        for path in ("/bin/true", "/bin/false", "/bin/sh"):
+            assert pool.symbolize(path, [0x10]) == [None]
         assert _value(reg, "bistouri_symbolizer_llvm_addresses_total", result="paused") == 0
-        assert pool.symbolize("/bin/true", [0x10]) == [None]  # paused: not even started
+        assert pool.symbolize("/bin/ls", [0x10]) == [None]  # paused: not even started
         assert _value(reg, "bistouri_symbolizer_llvm_addresses_total", result="paused") == 1
     assert _value(reg, "bistouri_symbolizer_llvm_restarts_total", reason="crash") == 5
 
