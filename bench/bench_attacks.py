@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from bistouri import wire  # noqa: E402
 from tests.hostile import (  # noqa: E402
+    FleetKernel,
     deep_session,
     elf_debugdata_bomb,
     elf_note_bomb,
@@ -171,24 +172,18 @@ def attack_debugdata_bomb(url: str) -> list[tuple[str, int, float]]:
 
 def attack_kernel_boots(url: str) -> list[tuple[str, int, float]]:
     """Issue 26 N8: 40 boots (KASLR slides) of this machine's kernel, a session with kernel frames each."""
-    lines = []
-    for line in Path("/proc/kallsyms").read_bytes().splitlines():
-        addr, _, rest = line.partition(b" ")
-        if rest[:1] in b"tTwW" and int(addr, 16):
-            lines.append((int(addr, 16), rest))
-    text = next(a for a, rest in lines if rest == b"T _text")
-    probe = next(a for a, rest in lines if rest == b"T schedule") + 4 - text
-    bid = bytes.fromhex("4e38" * 10)
+    kernel = FleetKernel()
+    bid, probe = kernel.BUILD_ID, kernel.offset("schedule") + 4
     worst = [0.0, 0.0]
     status = 0
     for host in range(40):
-        slide, boot = host << 21, bytes([host + 1]) * 16
-        body = gzip.compress(b"".join(b"%016x %s\n" % (a + slide, rest) for a, rest in lines), 1)
+        slide, boot = kernel.boot(host)
+        body = kernel.snapshot(slide)
         t = time.perf_counter()
         requests.put(f"{url}/v1/kernels/{bid.hex()}?boot={boot.hex()}", data=body, timeout=300)
         worst[0] = max(worst[0], time.perf_counter() - t)
-        s = deep_session(f"boot-{host}", 0, (text + slide + probe,))
-        s.kernel = wire.KernelInfo("6.18", bid, text + slide, boot)
+        s = deep_session(f"boot-{host}", 0, (kernel.text + slide + probe,))
+        s.kernel = wire.KernelInfo("6.18", bid, kernel.text + slide, boot)
         t = time.perf_counter()
         try:
             status = post(url, batch(s)).status_code

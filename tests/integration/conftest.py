@@ -20,10 +20,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
+
+if TYPE_CHECKING:
+    from .pg import PgServer
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -107,6 +110,18 @@ def stop(url: SymbolizerURL, timeout_s: float = 20.0) -> int | None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
     return proc.returncode
+
+
+# One real PostgreSQL per module that asks for it (pg.py); skipped where none can be started.
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PgServer]:
+    from .pg import PgUnavailable, running_postgres  # pg.py imports this module
+
+    try:
+        with running_postgres() as pg:
+            yield pg
+    except PgUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ under the unit's limit. bench/bench_fleet.py measures the same setup's throughpu
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 from tests.helpers import wait_until
 from tests.integration.fleet import UNIT_MEMORY_BYTES, Fleet, Instance, code_offsets
 from tests.integration.loadbalancer import HAProxy
-from tests.integration.pg import PgServer, PgUnavailable, running_postgres
+from tests.integration.pg import PgServer
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
 
@@ -32,15 +31,6 @@ BOOTS = 50
 SESSIONS_PER_AGENT = 4  # 800 sessions
 LOAD_S = 20.0  # spooled evenly over this time: 40 sessions/s
 KILL_AT = 0.3  # of the sessions acknowledged
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as pg:
-            yield pg
-    except PgUnavailable as e:
-        pytest.skip(str(e))
 
 
 def _stored(db: str) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +26,9 @@ from .conftest import (
     post_sessions,
     put_kernel,
 )
-from .pg import PgServer, PgUnavailable, running_postgres
+from .pg import PgServer
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PgServer]:
-    try:
-        with running_postgres() as pg:
-            yield pg
-    except PgUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

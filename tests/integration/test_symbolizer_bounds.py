@@ -204,28 +204,18 @@ def test_mini_debuginfo_bomb_named_by_a_session(service: Callable[..., Service])
     _check_unit(svc, health, worker)
 
 
-def _boot_kallsyms(base: list[tuple[int, bytes]], slide: int) -> bytes:
-    return b"".join(b"%016x %s\n" % (addr + slide, rest) for addr, rest in base)
-
-
 def test_a_fleet_of_boots_on_one_kernel_fits_the_unit(service: Callable[..., Service]) -> None:
     """N8: 40 hosts on this machine's kernel, each its own KASLR slide, each a session with kernel
     frames: every snapshot's parse was kept (~14 MB each here, 61 MB on a distro kernel)."""
-    lines = []
-    for line in Path("/proc/kallsyms").read_bytes().splitlines():
-        addr, _, rest = line.partition(b" ")
-        if rest[:1] in b"tTwW" and int(addr, 16):
-            lines.append((int(addr, 16), rest))
-    text = next(a for a, rest in lines if rest == b"T _text")
-    kernel_bid = bytes.fromhex("4e38" * 10)
+    kernel = hostile.FleetKernel()
+    kernel_bid, text = kernel.BUILD_ID, kernel.text
     svc = service()
     worker = svc.worker()
-    probe = next(a for a, rest in lines if rest == b"T schedule") + 4 - text
+    probe = kernel.offset("schedule") + 4
     with Healthz(svc.url) as health:
         for host in range(40):
-            slide = host << 21
-            boot = bytes([host + 1]) * 16
-            body = gzip.compress(_boot_kallsyms(lines, slide), 1)
+            slide, boot = kernel.boot(host)
+            body = kernel.snapshot(slide)
             r = requests.put(
                 f"{svc.url}/v1/kernels/{kernel_bid.hex()}?boot={boot.hex()}", data=body, timeout=60
             )

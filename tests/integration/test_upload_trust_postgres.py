@@ -1,5 +1,5 @@
 """Issue 26, Low: on PostgreSQL a refused PUT deleted the shared copy of an upload already done, so
-that no other instance could name frames with it. A real PostgreSQL (test_postgres.py starts it)
+that no other instance could name frames with it. A real PostgreSQL (conftest.py starts it)
 and two real symbolizers on it."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import requests
 from . import test_postgres
 from .conftest import DemoBinary, make_session, post_sessions
 
-# The real PostgreSQL of test_postgres.py, started for this module too.
-postgres = test_postgres.postgres
+# The emptied database of test_postgres.py, on this module's real PostgreSQL (conftest.py).
 fresh_db = test_postgres.fresh_db
 
 
