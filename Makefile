@@ -8,7 +8,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 ARCH := x86
 CLANG ?= clang
-BPF_OBJ := bistouri/_bpfobj/bistouri.bpf.o
+BPF_OBJ := bistouri/bpf/_bpfobj/bistouri.bpf.o
 BPF_SRC := bpf/bistouri.bpf.c
 BPF_HDR := bpf/bistouri.h bpf/core_fixes.bpf.h
 BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -D__TARGET_ARCH_$(ARCH) \
@@ -122,7 +122,7 @@ bench: $(APT_BENCH_STAMP) bpf venv fixtures
 	$(VPY) -m bench $(BENCH_ARGS)
 
 demo: bpf venv-runtime fixtures
-	$(VPY) -m bistouri.demo $(DEMO_ARGS)
+	$(VPY) -m tests.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(BPF_OBJ) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

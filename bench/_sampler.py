@@ -46,9 +46,9 @@ def main() -> int:
     pid, seconds, freq = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
     obj = Path(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] else None
     function = sys.argv[5] if len(sys.argv) > 5 else ""
-    from bistouri import abi
-    from bistouri.events import StackSample, split_stacks
-    from bistouri.profiler import ProfilerAgent, ProfilerOptions
+    from bistouri.bpf import abi
+    from bistouri.capture.events import StackSample, split_stacks
+    from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 
     opts = ProfilerOptions(freq_hz=freq, offcpu=False, exec_discovery=False, object_path=obj)
     samples = named = frames = 0

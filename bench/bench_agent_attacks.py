@@ -29,7 +29,7 @@ from tests.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb  # noqa
 
 CASES = {
     "eh_frame": """
-from bistouri.ehframe import build_table
+from bistouri.unwind.ehframe import build_table
 try:
     out = f"{len(build_table(sys.argv[1])) // 12} rows"
 except Exception as e:
@@ -44,7 +44,7 @@ libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_lon
 fd = os.open(sys.argv[1], os.O_RDONLY)
 for _ in range(30000):
     libc.mmap(None, 4096, 5, 2, fd, 0)
-from bistouri.procmaps import ProcMaps
+from bistouri.host.procmaps import ProcMaps
 now = [0.0]
 maps = ProcMaps(clock=lambda: now[0])
 cpu = time.process_time()
@@ -56,7 +56,7 @@ out = f"{maps.stats.reads} reads in 10 s simulated"
 """,
     "fifo": """
 import mmap, threading
-from bistouri.procmaps import ProcMaps
+from bistouri.host.procmaps import ProcMaps
 mem = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=7)
 path = f"/tmp/perf-{os.getpid()}.map"
 os.mkfifo(path)

@@ -101,7 +101,7 @@ def prog_stats(prog_type: int | None, pid: int | str = "self") -> tuple[int, int
 
 
 def enable_bpf_stats() -> int:
-    from bistouri.bpf import library
+    from bistouri.bpf.object import library
 
     lib = library()
     if not lib.has("bpf_enable_stats"):
@@ -110,8 +110,8 @@ def enable_bpf_stats() -> int:
 
 
 def run_config(name: str, binary: Path, round_trips: int) -> dict:
-    from bistouri import abi
-    from bistouri.profiler import ProfilerAgent, ProfilerOptions
+    from bistouri.bpf import abi
+    from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 
     episode = name not in ("hooks_off", "d_sampler")
     sampling = name == "watched_999hz"

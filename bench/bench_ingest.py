@@ -45,7 +45,7 @@ def build_binary(d: Path, existing: str | None) -> tuple[Path, bytes, list[int]]
     """The demo binary built here, or a copy of an existing ELF file, and offsets in its code."""
     import shutil
 
-    from bistouri.symbolizer.elf import ElfFile
+    from bistouri.elf import ElfFile
 
     (d / "bin").mkdir()
     out = d / "bin" / "bench-demo"

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bistouri import abi
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.bpf import abi
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 BURNER = ROOT / "tests" / "fixtures" / "build" / "workloads" / "burner"

@@ -162,7 +162,7 @@ def baseline_tree(ref: str, tmp: Path) -> tuple[Path, Path]:
 
 
 def enable_bpf_stats() -> int:
-    from bistouri.bpf import library
+    from bistouri.bpf.object import library
 
     lib = library()
     if not lib.has("bpf_enable_stats"):

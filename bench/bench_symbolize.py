@@ -39,7 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.symbolizer.elf import PF_X, ElfFile
+from bistouri.elf import PF_X, ElfFile
 from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.sources import DEBUGINFO, DebugSources
 

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bistouri.ehframe import ROW, build_table  # noqa: E402
+from bistouri.unwind.ehframe import ROW, build_table  # noqa: E402
 
 DEFAULT = [
     "/lib/x86_64-linux-gnu/libc.so.6",

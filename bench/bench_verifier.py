@@ -20,10 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bistouri.bpf import BpfObject, library  # noqa: E402
+from bistouri.bpf.object import BpfObject, library  # noqa: E402
 
 STATS = re.compile(r"processed (\d+) insns.*?total_states (\d+) peak_states (\d+)")
-DEFAULT_OBJECT = ROOT / "bistouri/_bpfobj/bistouri.bpf.o"
+DEFAULT_OBJECT = ROOT / "bistouri/bpf/_bpfobj/bistouri.bpf.o"
 
 
 def verifier_stats(path: Path) -> dict[str, dict[str, int]]:

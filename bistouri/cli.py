@@ -45,7 +45,7 @@ def _setup_logging(level: str) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from . import preflight
+    from .agent import preflight
 
     results = preflight.run_checks(config=args.config, config_only=args.config_only)
     if args.json:
@@ -65,8 +65,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from .agent import run_agent
-    from .settings import settings_from_args
+    from .agent.agent import run_agent
+    from .agent.settings import settings_from_args
 
     settings = settings_from_args(args, os.environ)
     return run_agent(settings)
@@ -97,7 +97,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_agent(sub: argparse._SubParsersAction) -> None:
-    from .settings import add_agent_arguments
+    from .agent.settings import add_agent_arguments
 
     p = sub.add_parser(
         "agent",
@@ -112,7 +112,7 @@ def _add_agent(sub: argparse._SubParsersAction) -> None:
 
 def _add_symbolizer(sub: argparse._SubParsersAction) -> None:
     try:
-        from .symbolizer import cli as symbolizer_cli
+        from .symbolizer.service import cli as symbolizer_cli
     except ImportError as e:
         missing = str(e)
 
@@ -131,7 +131,7 @@ def _add_symbolizer(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_record(sub: argparse._SubParsersAction) -> None:
-    from .record import add_record_arguments, cmd_record
+    from .record.record import add_record_arguments, cmd_record
 
     p = sub.add_parser(
         "record",

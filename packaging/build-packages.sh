@@ -12,7 +12,7 @@ NFPM=${NFPM:-.venv/bin/nfpm}
 PYTHON=${PYTHON:-.venv/bin/python}
 DIST=${DIST:-dist}
 stage=build/package
-bpf_obj=bistouri/_bpfobj/bistouri.bpf.o
+bpf_obj=bistouri/bpf/_bpfobj/bistouri.bpf.o
 
 die() { echo "build-packages: $*" >&2; exit 1; }
 
@@ -37,7 +37,7 @@ rm -rf "$stage/python/bin"
 find "$stage/python" -name __pycache__ -type d -prune -exec rm -rf {} +
 # dist-info/RECORD and INSTALLER/direct_url.json describe a pip install; dpkg/rpm own these files.
 rm -f "$stage"/python/*.dist-info/{RECORD,INSTALLER,REQUESTED,direct_url.json}
-[ -f "$stage/python/bistouri/_bpfobj/bistouri.bpf.o" ] \
+[ -f "$stage/python/bistouri/bpf/_bpfobj/bistouri.bpf.o" ] \
     || die "the BPF object did not land in the package (pyproject.toml package-data)"
 
 gzip -9n <packaging/doc/bistouri.1 >"$stage/bistouri.1.gz"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BPF_OBJECT = ROOT / "bistouri" / "_bpfobj" / "bistouri.bpf.o"
+BPF_OBJECT = ROOT / "bistouri" / "bpf" / "_bpfobj" / "bistouri.bpf.o"
 WORKLOADS = ROOT / "tests" / "fixtures" / "build" / "workloads"
 
 

@@ -140,7 +140,7 @@ def bistouri_prog_ids() -> set[int]:
     import json
 
     out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
-    from bistouri.profiler import EPISODE_PROGRAMS
+    from bistouri.capture.profiler import EPISODE_PROGRAMS
 
     names = {"handle_perf", "handle_perf_fp", "handle_sched_switch", "handle_exec", "handle_sched_sw"}
     names |= {*EPISODE_PROGRAMS, *(n[:15] for n in EPISODE_PROGRAMS)}  # full (BTF) or truncated names

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from ..errors import BistouriError
-from ..kernel import LoadedCodeDigest
+from ..host.kernel import LoadedCodeDigest
 from . import tempfiles
 from .sources import check_build_id
 

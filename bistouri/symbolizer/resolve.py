@@ -36,14 +36,14 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from .. import wire
+from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import WireError
 from . import model
 from .demangle import demangle
-from .elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, Quarantine, SourceFrame
+from .service.tokens import upload_scope
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
-from .tokens import upload_scope
 
 log = logging.getLogger(__name__)
 

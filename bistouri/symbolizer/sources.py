@@ -35,8 +35,8 @@ from pathlib import Path
 import requests
 from prometheus_client import CollectorRegistry, Counter
 
-from .elf import ELF_MAGIC, read_build_id
-from .tokens import TENANT_RE
+from ..elf import ELF_MAGIC, read_build_id
+from .service.tokens import TENANT_RE
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi
-from bistouri.bpf import BpfObject, BtfFile
+from bistouri.bpf import abi
+from bistouri.bpf.object import BpfObject, BtfFile
 from bistouri.errors import BpfError
 from tests.conftest import BPF_OBJECT, ROOT
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi
-from bistouri.events import StackSample, split_stacks
-from bistouri.procmaps import FrameStatus
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.bpf import abi
+from bistouri.capture.events import StackSample, split_stacks
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.host.procmaps import FrameStatus
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.requires_bpf

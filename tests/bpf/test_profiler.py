@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi
+from bistouri.bpf import abi
+from bistouri.capture.events import ExecMatch, SentSamples, StackSample, split_stacks
+from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, ProfilerAgent, ProfilerOptions
 from bistouri.errors import BpfError
-from bistouri.events import ExecMatch, SentSamples, StackSample, split_stacks
-from bistouri.procmaps import FrameStatus
-from bistouri.profiler import EPISODE_PROGRAMS, ObjectLoad, ProfilerAgent, ProfilerOptions
+from bistouri.host.procmaps import FrameStatus
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.requires_bpf
@@ -194,7 +194,7 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
 
 
 def test_exec_of_a_matching_comm_is_reported_with_rule_id_and_cgroup(workloads):
-    from bistouri.matcher import lpm_key
+    from bistouri.agent.matcher import lpm_key
 
     with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=False)) as agent:
         agent.start()
@@ -259,7 +259,7 @@ def test_an_object_loaded_on_a_thread_is_handed_over_or_released(workloads):
 
 
 def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
-    from bistouri import perf
+    from bistouri.bpf import perf
 
     before_fds = _fd_count()
     before_progs = bistouri_prog_ids()
@@ -276,7 +276,7 @@ def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
 
 
 def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
-    from bistouri.bpf import RingBuffer
+    from bistouri.bpf.object import RingBuffer
 
     proc = subprocess.Popen([str(workloads / "burner"), "3"])
     try:
@@ -480,7 +480,7 @@ def test_the_first_sampler_loads_without_the_kernels_btf(caplog):
     the kernel's BTF, and the warning that says so."""
     import logging
 
-    from bistouri.loader import load_object
+    from bistouri.bpf.loader import load_object
 
     options = ProfilerOptions(freq_hz=99, exec_discovery=False, episode=False, sampler_first=True)
     caplog.clear()

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi
-from bistouri.ehframe import ROW, CfaKind, file_fdes
-from bistouri.events import StackSample, split_stacks
-from bistouri.procmaps import FrameStatus
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
-from bistouri.symbolizer.elf import ElfFile
+from bistouri.bpf import abi
+from bistouri.capture.events import StackSample, split_stacks
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.elf import ElfFile
+from bistouri.host.procmaps import FrameStatus
+from bistouri.unwind.ehframe import ROW, CfaKind, file_fdes
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.requires_bpf

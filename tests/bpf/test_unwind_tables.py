@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.bpf import abi
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import build_id, wait_until
 
 pytestmark = pytest.mark.requires_bpf

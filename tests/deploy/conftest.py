@@ -27,7 +27,7 @@ def need(*tools: str) -> None:
 @pytest.fixture(scope="session")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build all six packages into a fresh directory with packaging/build-packages.sh."""
-    if not (ROOT / "bistouri" / "_bpfobj" / "bistouri.bpf.o").exists():
+    if not (ROOT / "bistouri" / "bpf" / "_bpfobj" / "bistouri.bpf.o").exists():
         pytest.skip("the BPF object is not built: run `make bpf`")
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, DIST=str(out))

@@ -54,7 +54,7 @@ def test_lintian_and_rpmlint_are_clean(dist: Path) -> None:
 
 def test_deb_payload_and_conffiles(dist: Path) -> None:
     files = sh("dpkg-deb", "--contents", dist / DEBS[0])
-    assert "./usr/lib/bistouri/python/bistouri/_bpfobj/bistouri.bpf.o" in files
+    assert "./usr/lib/bistouri/python/bistouri/bpf/_bpfobj/bistouri.bpf.o" in files
     assert "./usr/bin/bistouri" in files
     assert "__pycache__" not in files  # compiled by postinst on the target's Python
     agent = dist / DEBS[1]

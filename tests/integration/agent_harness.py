@@ -14,10 +14,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.capture import CaptureOrchestrator
-from bistouri.kernel import read_kernel_meta
-from bistouri.metrics import AgentMetrics
-from bistouri.spool import read_waiting
+from bistouri.agent.metrics import AgentMetrics
+from bistouri.agent.spool import read_waiting
+from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.host.kernel import read_kernel_meta
 from tests.helpers import wait_until
 
 

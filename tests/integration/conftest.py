@@ -221,7 +221,7 @@ class DemoBinary:
 @pytest.fixture(scope="session")
 def demo_binary(tmp_path_factory: pytest.TempPathFactory) -> DemoBinary:
     """A small C program built here with -g and frame pointers; offsets of its functions."""
-    from bistouri.symbolizer.elf import ElfFile
+    from bistouri.elf import ElfFile
 
     cc = next((c for c in ("gcc", "cc", "clang") if shutil.which(c)), None)
     if cc is None:

@@ -26,9 +26,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.exporter import Exporter
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
+from bistouri.agent.exporter import Exporter
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
 from tests.integration.conftest import (
     KALLSYMS,
     KERNEL_BUILD_ID,
@@ -49,7 +49,7 @@ _FUNCTIONS_AT = 0xFFFFFFFF81010000  # after the test kernel's own symbols (conft
 
 def code_offsets(binary: Path, n: int = 5000) -> list[int]:
     """`n` file offsets spread over the code of `binary`: the distinct addresses a profile has."""
-    from bistouri.symbolizer.elf import ElfFile
+    from bistouri.elf import ElfFile
 
     with ElfFile(binary) as elf:
         text = next(s for s in elf.segments if s.flags & 1)

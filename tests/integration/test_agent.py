@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi, wire
+from bistouri import wire
+from bistouri.bpf import abi
 from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 

@@ -76,7 +76,7 @@ def test_a_pressure_session_is_stored_and_named(tmp_path, workloads, symbolizer_
 
 
 def _kernel_snapshot() -> str:
-    from bistouri.kernel import read_kernel_meta
+    from bistouri.host.kernel import read_kernel_meta
 
     kernel = read_kernel_meta()
     return f"{kernel.build_id_hex}?boot={kernel.boot_id.hex()}"

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi, wire
-from bistouri.capture import CaptureOrchestrator
-from bistouri.cgroupfs import find_mounts
-from bistouri.episode import PAGE_SIZE, EpisodeProbe
-from bistouri.events import StackSample
-from bistouri.profiler import ProfilerAgent, ProfilerOptions, kernel_tracepoints
+from bistouri import wire
+from bistouri.bpf import abi
+from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.capture.episode import PAGE_SIZE, EpisodeProbe
+from bistouri.capture.events import StackSample
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions, kernel_tracepoints
+from bistouri.host.cgroupfs import find_mounts
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from tests.helpers import Cgroup, build_id, symbols, wait_until
 from tests.integration.agent_harness import SessionSink, capture_in_process

@@ -20,13 +20,13 @@ from prometheus_client import CollectorRegistry
 from werkzeug.test import Client
 
 from bistouri import wire
-from bistouri.exporter import Exporter
-from bistouri.kernel import loaded_code_digest, read_kallsyms, read_kernel_meta
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
+from bistouri.agent.exporter import Exporter
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
+from bistouri.host.kernel import loaded_code_digest, read_kallsyms, read_kernel_meta
 from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
-from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 from tests.helpers import wait_until
 
 DEADLINE_S = 60.0

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from bistouri.symbolizer.store import SCHEMA_VERSION, Filter, Store, StoredSession
+from bistouri.symbolizer.service.store import SCHEMA_VERSION, Filter, Store, StoredSession
 
 from .conftest import (
     KERNEL_BUILD_ID,

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import procfs, psi
-from bistouri.config import ResourceTrigger
-from bistouri.psi import PsiEvent, PsiLoop
+from bistouri.agent.config import ResourceTrigger
+from bistouri.host import procfs, psi
+from bistouri.host.psi import PsiEvent, PsiLoop
 
 pytestmark = [pytest.mark.requires_root]
 
@@ -113,7 +113,7 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
     with _child_cgroup(root) as busy, _child_cgroup(root) as idle, PsiLoop(registry=reg) as loop:
         privileged = _has_cap_sys_resource()
         psi._fallback_logged = psi._two_second_windows = False  # the once-per-process log must show here
-        with caplog.at_level(logging.WARNING, logger="bistouri.psi"):
+        with caplog.at_level(logging.WARNING, logger="bistouri.host.psi"):
             w = loop.add_watcher(
                 "busy", os.path.join(busy, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=60
             )

@@ -233,21 +233,21 @@ def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, work
     imported = {
         line.split("|")[-1].strip() for line in before.splitlines() if line.startswith("import time:")
     }
-    assert "bistouri.profiler" in imported
+    assert "bistouri.capture.profiler" in imported
     # The sampler alone was loaded, attached and armed before the profiler was even imported;
     # the off-CPU program came after, from its own object.
     armed = before.find(f"Sampler attached and armed. pids={p.pid}")
-    assert 0 <= armed < before.find("bistouri.profiler\n"), before[-3000:]
+    assert 0 <= armed < before.find("bistouri.capture.profiler\n"), before[-3000:]
     assert "programs=handle_sched_switch" in r.stderr
-    heavy = {"msgpack", "requests", "prometheus_client", "yaml", "bistouri.capture"}
+    heavy = {"msgpack", "requests", "prometheus_client", "yaml", "bistouri.capture.capture"}
     assert not heavy & imported, heavy & imported
     # Of the symbolizer, only the ELF reader: user addresses are mapped to build ids while sampling.
     symbolizer = {m for m in imported if m.startswith("bistouri.symbolizer.")}
-    assert symbolizer <= {"bistouri.symbolizer.elf"}, symbolizer
+    assert symbolizer <= {"bistouri.elf"}, symbolizer
 
 
 def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
-    from bistouri import symcache
+    from bistouri.record import symcache
     from tests.helpers import build_id
 
     cache = tmp_path / "cache"

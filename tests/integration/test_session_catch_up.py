@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import abi, wire
-from bistouri.events import StackSample
-from bistouri.profiler import ProfilerAgent, ProfilerOptions
+from bistouri import wire
+from bistouri.bpf import abi
+from bistouri.capture.events import StackSample
+from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import wait_until
 from tests.integration.agent_harness import SessionSink, capture_in_process
 

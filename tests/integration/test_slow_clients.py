@@ -26,8 +26,8 @@ import pytest
 import requests
 
 from bistouri import wire
-from bistouri.symbolizer.ingest import MAX_FRAMES_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST
-from bistouri.symbolizer.worker import (
+from bistouri.symbolizer.service.ingest import MAX_FRAMES_PER_REQUEST, MAX_STACK_ENTRIES_PER_REQUEST
+from bistouri.symbolizer.service.worker import (
     BODY_BUFFER_BYTES,
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,

@@ -21,9 +21,9 @@ import requests
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.exporter import Exporter
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
+from bistouri.agent.exporter import Exporter
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
 from tests.helpers import wait_until
 from tests.integration.conftest import KALLSYMS, KERNEL_BUILD_ID, free_port, make_session
 from tests.integration.loadbalancer import HAProxy

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bistouri import wire
+from bistouri.agent.spool import Spool
 from bistouri.errors import WireError
-from bistouri.spool import Spool
 from bistouri.symbolizer.resolve import read_session_file
 from tests.helpers import Cgroup
 from tests.integration.agent_harness import AgentProcess, burner_config

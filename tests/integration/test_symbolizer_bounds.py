@@ -25,7 +25,7 @@ import requests
 
 from bistouri import wire
 from bistouri.symbolizer.model import SessionMeta
-from bistouri.symbolizer.store import Store, StoredSession
+from bistouri.symbolizer.service.store import Store, StoredSession
 from tests import hostile
 from tests.helpers import wait_until
 

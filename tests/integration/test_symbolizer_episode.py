@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from bistouri import wire
-from bistouri.symbolizer import store
 from bistouri.symbolizer.model import Frame, Profile, SessionMeta
+from bistouri.symbolizer.service import store
 from tests.pprof_proto import compile_profile_proto
 
 from .conftest import DemoBinary, make_session, post_sessions, put_kernel

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.config import parse_trigger_config
-from bistouri.discovery import WalkJob, walk_processes
-from bistouri.matcher import CommMatcher
+from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.discovery import WalkJob, walk_processes
+from bistouri.agent.matcher import CommMatcher
 from tests.helpers import Cgroup, cgroup2_mount
 
 NOBODY_UID = 65534

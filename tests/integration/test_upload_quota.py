@@ -15,7 +15,7 @@ from typing import Any
 
 import requests
 
-from bistouri.symbolizer.worker import BODY_BUFFER_BYTES
+from bistouri.symbolizer.service.worker import BODY_BUFFER_BYTES
 from tests.helpers import wait_until
 from tests.integration.conftest import metric_value, post_sessions, stop
 from tests.integration.test_uploads import Program, build, names, session

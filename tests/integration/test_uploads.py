@@ -18,11 +18,11 @@ import requests
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.exporter import Exporter
-from bistouri.procmaps import ProcMaps
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
-from bistouri.symbolizer.elf import ElfFile
+from bistouri.agent.exporter import Exporter
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
+from bistouri.elf import ElfFile
+from bistouri.host.procmaps import ProcMaps
 from tests.helpers import wait_until
 from tests.integration.conftest import metric_value
 
@@ -308,7 +308,7 @@ def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_p
 
     from bistouri.symbolizer.kallsyms import KallsymsStore
     from bistouri.symbolizer.resolve import Resolver
-    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+    from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 
     prog = build(tmp_path, "upload-workers", "symtab")
     state = tmp_path / "state"

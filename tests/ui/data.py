@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bistouri import wire
-from bistouri.symbolizer.elf import ElfFile
+from bistouri.elf import ElfFile
 
 KERNEL_BUILD_ID = bytes.fromhex("b15707e1" * 5)
 KERNEL_RELEASE = "6.1.0-ui-test"

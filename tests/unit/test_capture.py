@@ -8,12 +8,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from bistouri import abi, wire
-from bistouri.capture import CaptureOrchestrator
-from bistouri.events import ResolvedStacks, SentSamples, StackSample, decode_stack, split_stacks
-from bistouri.kernel import KernelMeta
-from bistouri.metrics import AgentMetrics
-from bistouri.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
+from bistouri import wire
+from bistouri.agent.metrics import AgentMetrics
+from bistouri.bpf import abi
+from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.capture.events import ResolvedStacks, SentSamples, StackSample, decode_stack, split_stacks
+from bistouri.host.kernel import KernelMeta
+from bistouri.host.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
 from tests.helpers import build_id, run_python_as_nobody
 
 
@@ -374,7 +375,7 @@ def test_maps_the_agent_may_not_read_are_counted_apart():
     """As another user without CAP_SYS_PTRACE, a root process's maps are refused: its frames are
     counted as no_access, not mistaken for an exited process."""
     code = (
-        "from bistouri.procmaps import ProcMaps, USER_FRAME; m = ProcMaps(); m.track(1); "
+        "from bistouri.host.procmaps import ProcMaps, USER_FRAME; m = ProcMaps(); m.track(1); "
         "print(USER_FRAME.unpack(m.resolve(1, (0x400100,)))[:2])"
     )
     out = run_python_as_nobody(code)

@@ -6,13 +6,14 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from bistouri import abi, wire
-from bistouri.capture import TRACE_OVERHEAD_BYTES, CaptureOrchestrator
-from bistouri.events import ResolvedStacks, decode_stack
-from bistouri.kernel import KernelMeta
-from bistouri.metrics import AgentMetrics
-from bistouri.procmaps import ProcMaps
-from bistouri.spool import Spool
+from bistouri import wire
+from bistouri.agent.metrics import AgentMetrics
+from bistouri.agent.spool import Spool
+from bistouri.bpf import abi
+from bistouri.capture.capture import TRACE_OVERHEAD_BYTES, CaptureOrchestrator
+from bistouri.capture.events import ResolvedStacks, decode_stack
+from bistouri.host.kernel import KernelMeta
+from bistouri.host.procmaps import ProcMaps
 
 from .test_capture import copy, record
 
@@ -97,7 +98,7 @@ def test_a_session_the_spool_drops_is_not_logged_as_spooled(tmp_path, caplog):
     orch = _orch(spool, reg, tmp_path, on_spooled=lambda: notified.append(True))
     sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
     orch.add_samples([_deep(1)])
-    with caplog.at_level(logging.INFO, logger="bistouri.capture"):
+    with caplog.at_level(logging.INFO, logger="bistouri.capture.capture"):
         orch.flush_all()
     assert len(spool) == 0
     assert reg.get_sample_value("bistouri_spool_dropped_total", {"reason": "too_large"}) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bistouri.cgroupfs import (
+from bistouri.host.cgroupfs import (
     CgroupMounts,
     CgroupReader,
     CgroupUsage,

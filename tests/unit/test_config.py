@@ -7,12 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bistouri import config
-from bistouri.config import (
-    ResourceTrigger,
-    load_trigger_config,
-    parse_trigger_config,
-)
+from bistouri.agent import config
+from bistouri.agent.config import ResourceTrigger, load_trigger_config, parse_trigger_config
 from bistouri.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -358,7 +354,7 @@ def test_cgroup_and_unit_problems_are_all_reported_at_once():
 
 
 def test_the_matcher_and_the_comm_trie_skip_cgroup_targets():
-    from bistouri.matcher import CommMatcher
+    from bistouri.agent.matcher import CommMatcher
 
     cfg = parse_trigger_config(
         "targets:\n"

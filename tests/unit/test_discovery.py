@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from bistouri.config import parse_trigger_config
-from bistouri.discovery import WalkJob, find_unit_cgroup, walk_processes
-from bistouri.matcher import CommMatcher
+from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.discovery import WalkJob, find_unit_cgroup, walk_processes
+from bistouri.agent.matcher import CommMatcher
 
 
 def _process(proc: Path, pid: int, comm: str, cgroup: str) -> None:

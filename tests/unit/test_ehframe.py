@@ -15,7 +15,8 @@ import subprocess
 
 import pytest
 
-from bistouri.ehframe import (
+from bistouri.elf import ElfFile
+from bistouri.unwind.ehframe import (
     ROW,
     CfaKind,
     RbpKind,
@@ -27,7 +28,6 @@ from bistouri.ehframe import (
     parse_fdes,
     unpack_rows,
 )
-from bistouri.symbolizer.elf import ElfFile
 
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
 BINARIES = [

@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from bistouri.ehframe import (
+from bistouri.unwind.ehframe import (
     BOUND_REASONS,
     CfiBoundError,
     CfiLimits,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bistouri import abi, wire
-from bistouri.cgroupfs import CgroupMounts, CgroupReader, parse_cpu_stat, parse_io_stat, parse_memory_stat
-from bistouri.episode import (
+from bistouri import wire
+from bistouri.bpf import abi
+from bistouri.capture.episode import (
     DROP_AGGRESSORS,
     DROP_CGROUPS,
     DROP_VICTIMS,
@@ -19,6 +19,13 @@ from bistouri.episode import (
     victims,
 )
 from bistouri.errors import BistouriError
+from bistouri.host.cgroupfs import (
+    CgroupMounts,
+    CgroupReader,
+    parse_cpu_stat,
+    parse_io_stat,
+    parse_memory_stat,
+)
 
 
 def scan_cgroups(root: str, max_cgroups: int = 2048):

@@ -1,10 +1,10 @@
-"""Ring records as samples (bistouri/events.py)."""
+"""Ring records as samples (bistouri/capture/events.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from bistouri.events import StackSample
+from bistouri.capture.events import StackSample
 
 
 def test_a_weighed_sample_keeps_every_other_field() -> None:

@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.exporter import Exporter, _retry_after
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
+from bistouri.agent.exporter import Exporter, _retry_after
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
 
 KERNEL = bytes(range(20))
 KALLSYMS = "ffffffff81000000 T _text\nffffffff81000100 T do_syscall_64\n"

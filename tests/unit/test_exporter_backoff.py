@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from bistouri.exporter import Exporter, backoff_s
+from bistouri.agent.exporter import Exporter, backoff_s
 
 INITIAL, CAP = Exporter.BACKOFF_INITIAL_S, Exporter.BACKOFF_MAX_S
 

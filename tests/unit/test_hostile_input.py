@@ -28,7 +28,7 @@ from bistouri.symbolizer import formats, kallsyms
 from bistouri.symbolizer.demangle import demangle
 from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsTooLarge, parse_kallsyms
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from bistouri.symbolizer.store import Store
+from bistouri.symbolizer.service.store import Store
 from tests.hostile import cxx_bomb, kallsyms_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -429,7 +429,7 @@ def test_uploaded_kernels_expire_and_count_in_the_size_limit(tmp_path: Path) -> 
 def test_expired_kernel_leaves_the_state_dir_and_is_asked_for_again(tmp_path: Path) -> None:
     from werkzeug.test import Client
 
-    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+    from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 
     app = SymbolizerApp(ServerConfig(state_dir=tmp_path, max_db_bytes=10), lambda kernels: None)  # type: ignore[arg-type,return-value]
     app.store.migrate()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import struct
 
-from bistouri import kernel
+from bistouri.host import kernel
 
 
 def _note(name: bytes, ntype: int, desc: bytes) -> bytes:

@@ -6,8 +6,8 @@ import struct
 
 import pytest
 
-from bistouri.config import ResourceTrigger, Rule, Target
-from bistouri.matcher import COMM_KEY, CommMatcher, lpm_key
+from bistouri.agent.config import ResourceTrigger, Rule, Target
+from bistouri.agent.matcher import COMM_KEY, CommMatcher, lpm_key
 
 
 def target(rule_id: int, kind: str, comm: str) -> Target:
@@ -139,7 +139,7 @@ def test_lpm_model_agrees_with_user_space(comm):
 @pytest.mark.requires_bpf
 def test_kernel_lpm_trie_agrees_with_user_space():
     """The real BPF comm trie, loaded from the shipped object (programs off: maps only)."""
-    from bistouri.bpf import BpfObject
+    from bistouri.bpf.object import BpfObject
     from tests.conftest import BPF_OBJECT
 
     m = matcher(

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from bistouri import abi
-from bistouri.exporter import Exporter
-from bistouri.metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector
-from bistouri.procmaps import ProcMapsStats
-from bistouri.psi import PsiLoop
-from bistouri.settings import AgentSettings
-from bistouri.spool import Spool
+from bistouri.agent.exporter import Exporter
+from bistouri.agent.metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.spool import Spool
+from bistouri.bpf import abi
+from bistouri.host.procmaps import ProcMapsStats
+from bistouri.host.psi import PsiLoop
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "docs" / "metrics.csv"
 
@@ -60,7 +60,8 @@ def test_naming_rules():
 
 
 def test_every_symbolizer_metric_is_catalogued():
-    from bistouri.symbolizer import llvm, metrics, resolve, sources
+    from bistouri.symbolizer import llvm, resolve, sources
+    from bistouri.symbolizer.service import metrics
 
     regs = [metrics.Metrics(lambda: None).registry]  # type: ignore[arg-type,return-value]
     r = CollectorRegistry()

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.metrics import AgentMetrics, MetricsServer
+from bistouri.agent.metrics import AgentMetrics, MetricsServer
 
 
 class Served:
@@ -173,7 +173,7 @@ def test_capture_now_without_a_handler_is_not_found(serve):
 
 
 def test_only_loopback_peers_may_capture():
-    from bistouri.metrics import _is_loopback
+    from bistouri.agent.metrics import _is_loopback
 
     assert _is_loopback(("127.0.0.1", 1)) and _is_loopback(("::1", 1, 0, 0))
     assert _is_loopback(("::ffff:127.0.0.1", 1, 0, 0))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bistouri import preflight
+from bistouri.agent import preflight
 
 
 def _host(tmp_path: Path, caps: int, pressure: bool = True, mounts: str = "") -> preflight.Host:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import procfs
+from bistouri.host import procfs
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 PROC = str(FIXTURES / "proc")

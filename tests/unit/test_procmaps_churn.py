@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bistouri.procmaps import ProcMaps
+from bistouri.host.procmaps import ProcMaps
 
 # 30 000 one-page executable mappings of one file, each at offset 0: never merged into one VMA.
 MAPPER = r"""

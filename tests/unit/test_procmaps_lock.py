@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from bistouri.procmaps import USER_FRAME, FrameStatus, MappedPath, ProcMaps
+from bistouri.host.procmaps import USER_FRAME, FrameStatus, MappedPath, ProcMaps
 from tests.unit.test_capture import burner_maps, fake_proc
 
 

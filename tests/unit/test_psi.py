@@ -12,9 +12,18 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import config, psi, wire
-from bistouri.config import ResourceTrigger
-from bistouri.psi import Pressure, PressureLine, PsiLoop, allowed_window_us, parse_pressure, read_pressure
+from bistouri import wire
+from bistouri.agent import config
+from bistouri.agent.config import ResourceTrigger
+from bistouri.host import psi
+from bistouri.host.psi import (
+    Pressure,
+    PressureLine,
+    PsiLoop,
+    allowed_window_us,
+    parse_pressure,
+    read_pressure,
+)
 
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
 

@@ -7,12 +7,12 @@ import tracemalloc
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.capture import CaptureOrchestrator
-from bistouri.events import ResolvedStacks, StackSample, decode_stack
-from bistouri.kernel import KernelMeta
-from bistouri.metrics import AgentMetrics
-from bistouri.procmaps import ProcMaps
-from bistouri.recorder import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from bistouri.agent.metrics import AgentMetrics
+from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.capture.events import ResolvedStacks, StackSample, decode_stack
+from bistouri.capture.recorder import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from bistouri.host.kernel import KernelMeta
+from bistouri.host.procmaps import ProcMaps
 from tests.unit.test_capture import _Filter, _Sink, copy, record
 
 
@@ -140,7 +140,7 @@ def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
 
 
 def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
-    from bistouri.capture import RECORDER_MAX_PROCESSES
+    from bistouri.capture.capture import RECORDER_MAX_PROCESSES
 
     reg = CollectorRegistry()
     filt, sink = _Filter(_NO_PROC), _Sink()
@@ -161,10 +161,10 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
 
     import pytest
 
-    from bistouri.config import parse_trigger_config
-    from bistouri.discovery import walk_processes
-    from bistouri.psi import PsiLoop
-    from bistouri.trigger import TriggerAgent
+    from bistouri.agent.config import parse_trigger_config
+    from bistouri.agent.discovery import walk_processes
+    from bistouri.agent.trigger import TriggerAgent
+    from bistouri.host.psi import PsiLoop
     from tests.unit.test_trigger_pid_reuse import _process
 
     if not os.path.exists("/proc/pressure/cpu"):

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bistouri import safeopen
+from bistouri.host import safeopen
 
 
 @pytest.fixture(params=["openat2", "walk"])

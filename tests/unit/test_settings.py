@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bistouri.agent.settings import AgentSettings, add_agent_arguments, parse_size, settings_from_args
 from bistouri.errors import ConfigError
-from bistouri.settings import AgentSettings, add_agent_arguments, parse_size, settings_from_args
 
 FIXTURE_PROC = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "proc"
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
-from bistouri.spool import Spool, read_waiting
+from bistouri.agent.spool import Spool, read_waiting
 
 HEADER = wire.FILE_HEADER.size  # with no kernel build id
 

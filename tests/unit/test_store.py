@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from bistouri import wire
-from bistouri.symbolizer import store as store_mod
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from bistouri.symbolizer.store import Filter, Store, StoredSession, StoreError
+from bistouri.symbolizer.service import store as store_mod
+from bistouri.symbolizer.service.store import Filter, Store, StoredSession, StoreError
 
 T0 = 1_700_000_000 * 10**9
 DAY = 86400 * 10**9
@@ -221,7 +221,7 @@ def test_meta_from_session() -> None:
 def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -> None:
     from werkzeug.test import Client
 
-    from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+    from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 
     class NoResolver:
         def symbolize(self, session: wire.Session) -> Profile:

@@ -6,7 +6,7 @@ import sqlite3
 from pathlib import Path
 
 from bistouri import wire
-from bistouri.symbolizer.store import Filter, Store
+from bistouri.symbolizer.service.store import Filter, Store
 from tests.unit.test_store import record
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bistouri.symbolizer.store import Store
+from bistouri.symbolizer.service.store import Store
 from tests.helpers import wait_until
 
 BID = "ab" * 20

@@ -1,4 +1,4 @@
-"""The persistent symbol cache of `bistouri record` (bistouri/symcache.py), on real files."""
+"""The persistent symbol cache of `bistouri record` (bistouri/record/symcache.py), on real files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri import symcache
+from bistouri.record import symcache
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from bistouri.symbolizer.model import Frame
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.capture import CaptureOrchestrator
-from bistouri.config import parse_trigger_config
-from bistouri.discovery import walk_processes
-from bistouri.kernel import KernelMeta
-from bistouri.metrics import AgentMetrics
-from bistouri.procfs import is_same_process
-from bistouri.psi import PsiEvent, PsiLoop
-from bistouri.trigger import TriggerAgent
+from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.discovery import walk_processes
+from bistouri.agent.metrics import AgentMetrics
+from bistouri.agent.trigger import TriggerAgent
+from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.host.kernel import KernelMeta
+from bistouri.host.procfs import is_same_process
+from bistouri.host.psi import PsiEvent, PsiLoop
 
 CONFIG = """
 targets:

@@ -7,8 +7,8 @@ import zlib
 
 from prometheus_client import CollectorRegistry
 
-from bistouri.settings import AgentSettings
-from bistouri.uploader import Uploader
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.uploader import Uploader
 
 
 class _Waits:

@@ -13,10 +13,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from bistouri.procmaps import MappedPath
-from bistouri.settings import AgentSettings
-from bistouri.symbolizer.elf import read_build_id
-from bistouri.uploader import Uploader
+from bistouri.agent.settings import AgentSettings
+from bistouri.agent.uploader import Uploader
+from bistouri.elf import read_build_id
+from bistouri.host.procmaps import MappedPath
 
 
 def test_the_path_swapped_after_the_check_is_not_what_is_sent(tmp_path: Path, workloads: Path) -> None:

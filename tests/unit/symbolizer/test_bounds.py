@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.symbolizer import elf
-from bistouri.symbolizer.elf import ElfFile, read_build_id
+from bistouri import elf
+from bistouri.elf import ElfFile, read_build_id
 from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key, parse_kallsyms
 from bistouri.symbolizer.llvm import LlvmPool
 from tests import hostile
@@ -305,8 +305,8 @@ def test_records_compact_kallsyms_still_names_kernel_frames() -> None:
     from typing import cast
 
     from bistouri import wire
+    from bistouri.record.symcache import CachedKallsyms, CompactKallsyms
     from bistouri.symbolizer.resolve import Resolver
-    from bistouri.symcache import CachedKallsyms, CompactKallsyms
 
     kernels = CachedKallsyms(BID, "k-test", None, "/proc")
     text = b"ffffffff81000000 T _text\nffffffff81000100 T foo\nffffffff81000200 T _etext\n"

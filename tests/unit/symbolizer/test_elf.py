@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.symbolizer.elf import ElfFile, ElfFormatError, read_build_id
+from bistouri.elf import ElfFile, ElfFormatError, read_build_id
 
 from .helpers import build_id_hex, load_segments, nm
 

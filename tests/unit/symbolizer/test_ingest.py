@@ -11,11 +11,11 @@ from werkzeug.test import Client
 
 from bistouri import wire
 from bistouri.symbolizer import model
-from bistouri.symbolizer.cli import resolver_factory
-from bistouri.symbolizer.ingest import ResolverFactory
 from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
-from bistouri.symbolizer.server import ServerConfig, SymbolizerApp
+from bistouri.symbolizer.service.cli import resolver_factory
+from bistouri.symbolizer.service.ingest import ResolverFactory
+from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 
 
 def _app(tmp_path: Path, factory: ResolverFactory | None = None) -> SymbolizerApp:

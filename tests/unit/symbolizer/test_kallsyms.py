@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.kernel import loaded_code_digest
+from bistouri.host.kernel import loaded_code_digest
 from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsStore, parse_kallsyms
 
 from .helpers import FIXTURE_SRC

@@ -3,7 +3,7 @@ is announced to be, when the poller has read enough of it, and its deadline."""
 
 from __future__ import annotations
 
-from bistouri.symbolizer.worker import (
+from bistouri.symbolizer.service.worker import (
     BODY_BUFFER_BYTES,
     BODY_TIMEOUT_S,
     MIN_BODY_RATE,

@@ -1,0 +1,373 @@
+"""The profiler's BPF object: found, checked against abi.py, configured and loaded.
+
+Apart from ProfilerAgent (profiler.py) so that loading needs only the light
+modules: `record` starts ObjectLoad on a thread first, and imports and sets up the
+rest while libbpf parses the kernel's BTF and the verifier checks the programs
+(both without the GIL). Its first sample comes that much sooner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
+
+from .. import threads
+from ..errors import BistouriError, BpfError
+from . import abi, perf
+from .object import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
+
+log = logging.getLogger(__name__)
+
+OBJECT_ENV = "BISTOURI_BPF_OBJECT"
+_INSTALLED_OBJECT = "/usr/lib/bistouri/bistouri.bpf.o"
+
+
+def default_object_path() -> str:
+    """The precompiled object: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
+    env = os.environ.get(OBJECT_ENV)
+    if env:
+        return env
+    # The package's own directory: importlib.resources would say the same, for ~8 ms of imports
+    # on record's start-up path (libbpf needs a real file anyway, never one inside a zip).
+    # Paths as strings: pathlib costs ~2 ms of imports before `record`'s first sample.
+    packaged = os.path.join(os.path.dirname(__file__), "_bpfobj", "bistouri.bpf.o")
+    if os.path.exists(packaged) or not os.path.exists(_INSTALLED_OBJECT):
+        return packaged
+    return _INSTALLED_OBJECT
+
+
+@dataclass(frozen=True, slots=True)
+class ProfilerOptions:
+    freq_hz: int = 19
+    offcpu: bool = True
+    # Every real wait counts: on a fast disk an fsync storm blocks for tens of µs at a
+    # time (CI saw all of them under 100 µs, so a 100 µs floor showed nothing while PSI
+    # io said 50 %). The per-process rate limit below bounds the cost, not this floor.
+    offcpu_min_ns: int = 1_000
+    offcpu_interval_ns: int = 10_000_000  # at most 100 off-CPU captures/s per process
+    # Run-queue wait stacks (episode report): at most 20/s per process. Each carries the delays of
+    # the preemptions skipped before it; at every tick they cost the agent as much as its samples.
+    runqueue_interval_ns: int = 50_000_000
+    aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
+    wakeup_bytes: int = 0  # 0: a quarter of the ring
+    # While a session runs. Longer means fewer drains and fewer weighted samples (a repeated stack
+    # is one event per drain); sessions drain the ring as they start and end (catch_up), so none
+    # loses what the kernel still holds. `record` uses 0.1 s, for its progress.
+    drain_interval_s: float = 0.5
+    # After set_slow_drain(True): the agent while no session runs, when only its flight recorder
+    # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
+    # session drains the ring as it starts (catch_up).
+    slow_drain_interval_s: float = 1.0
+    batch_budget: int = 2048
+    queue_size: int = 256  # batches (each at most batch_budget events)
+    object_path: str | os.PathLike[str] | None = None
+    exec_discovery: bool = True
+    ring_bytes: int = 0  # 0: sized from CPUs x frequency
+    proc_root: str = "/proc"
+    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
+    unwind_rows: int = 1 << 20  # 0: frame pointers only
+    unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
+    unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
+    # Of the thread building them. Not 19: the thread shares the GIL with the ring-buffer and main
+    # threads, and starved at nice 19 under CPU pressure it held them up for a second (priority
+    # inversion through the GIL). The CPU share above is what keeps it off the workload.
+    unwind_nice: int = 0
+    episode: bool = True  # account watched threads' time by state (episode.py)
+    # `record`: load a frame-pointer sampler alone (FIRST_SAMPLER) and attach it first; the other
+    # programs, the table-walking sampler among them, load in a second object sharing its maps
+    # (load_companion) while it samples, and the first hands over to it (hand_over).
+    sampler_first: bool = False
+
+
+# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
+# ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
+# then left out (their time stays 0) rather than failing the load.
+EPISODE_TRACEPOINTS = {
+    "handle_episode_switch": "sched_switch",
+    "handle_episode_wakeup": "sched_wakeup",
+    "handle_episode_wakeup_new": "sched_wakeup_new",
+    "handle_direct_reclaim_begin": "mm_vmscan_direct_reclaim_begin",
+    "handle_direct_reclaim_end": "mm_vmscan_direct_reclaim_end",
+    "handle_memcg_reclaim_begin": "mm_vmscan_memcg_reclaim_begin",
+    "handle_memcg_reclaim_end": "mm_vmscan_memcg_reclaim_end",
+    "handle_compaction_begin": "mm_compaction_begin",
+    "handle_compaction_end": "mm_compaction_end",
+}
+EPISODE_PROGRAMS = tuple(EPISODE_TRACEPOINTS)
+KERNEL_BTF = "/sys/kernel/btf/vmlinux"
+
+
+def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
+    """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
+    try:
+        with BtfFile(btf_path) as f:
+            return {n for n in names if f.btf.has_typedef("btf_trace_" + n)}
+    except BpfError:
+        return set(names)  # unreadable here: let the load say what is missing
+
+
+def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
+    """A power of two between 512 KiB and 64 MiB holding 1.5 drain intervals of samples.
+
+    The kernel maps the whole ring into the agent (data pages twice), so it counts in
+    the agent's RSS: keep it no bigger than needed. Overflow is prevented by the
+    forced wakeup at a quarter of the ring, well before it fills.
+    """
+    want = int(ncpus * freq_hz * abi.STACK_EVENT_SIZE * drain_interval_s * 1.5)
+    size = 512 << 10
+    while size < want and size < (64 << 20):
+        size <<= 1
+    return size
+
+
+def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
+    """Entries of `on_cpu_counts`, a power of two between 1 024 and 16 384.
+
+    Every drain reads and deletes the whole map in one batch, and the kernel walks each of its
+    buckets to do it (~15 ns a bucket: 16 384 of them were most of the ring thread's time at
+    999 Hz). One drain interval brings at most one new repeat key per sample, and a key not yet
+    drained waits one more interval: twice the samples of an interval is enough. Past that, the
+    kernel sends a repeat whole rather than counting it: nothing is lost.
+    """
+    want = 2 * ncpus * freq_hz * drain_interval_s
+    size = 1024
+    while size < want and size < 16384:
+        size <<= 1
+    return size
+
+
+# The on-CPU sampler, which walks user stacks from the unwind tables; and `record`'s first one
+# (ProfilerOptions.sampler_first): frame pointers only and no kernel struct read, so the verifier
+# passes it ~5x sooner and libbpf needs no kernel BTF; it passes every sample on to SAMPLER once
+# the companion has loaded that (hand_over).
+SAMPLER = "handle_perf"
+FIRST_SAMPLER = "handle_perf_fp"
+# Maps only the companion's programs use, and ProfilerAgent only once they are attached: with
+# sampler_first the first object leaves them to the companion, which lends them back (load_companion).
+# Creating them (the 12 MiB of unwind rows zeroed, among others) was 3.5 ms of the first's 9.
+COMPANION_MAPS = (
+    "unwind_rows",
+    "unwind_procs",
+    "unwind_mappings",
+    "unwind_generation",
+    "rule_cache",
+    "stack_copies",
+    "offcpu_pending",
+    "thread_times",
+    "episode_counters",
+    "wait_pending",
+    "runqueue_last",
+    "reclaim_pending",
+    "episode_scratch",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedObject:
+    """A loaded object, with what was decided while configuring it."""
+
+    obj: BpfObject
+    path: str
+    cpus: tuple[int, ...]  # online CPUs: one perf event each
+    ring_bytes: int
+    programs: tuple[str, ...]  # loaded in this object, to attach (episode hooks: those this kernel has)
+    pending: tuple[str, ...] = ()  # left for load_companion()
+    sampler_links: tuple[Link, ...] = ()  # the sampler's, when attach_sampler() attached it already
+    handoff: str = ""  # loaded, not attached: the first sampler passes its samples on to it (hand_over)
+
+
+def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
+    """Every program the options ask for (of the episode hooks, those this kernel can run)."""
+    episode: tuple[str, ...] = ()
+    if o.episode:
+        present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
+        episode = tuple(n for n, tp in EPISODE_TRACEPOINTS.items() if tp in present)
+        missing = sorted(set(EPISODE_TRACEPOINTS.values()) - present)
+        if missing:
+            log.info(
+                "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
+            )
+    programs = [SAMPLER]
+    programs += ["handle_sched_switch"] if o.offcpu else []
+    programs += ["handle_exec"] if o.exec_discovery else []
+    return (*programs, *episode)
+
+
+def _configure(
+    obj: BpfObject,
+    o: ProfilerOptions,
+    ring: int,
+    ncpus: int,
+    programs: tuple[str, ...],
+    deferred: tuple[str, ...] = (),
+) -> None:
+    """`deferred`: maps this load does not create (another object will)."""
+    cfg = abi.Config(
+        offcpu_min_ns=o.offcpu_min_ns,
+        offcpu_interval_ns=o.offcpu_interval_ns,
+        runqueue_interval_ns=o.runqueue_interval_ns,
+        wakeup_bytes=o.wakeup_bytes or ring // 4,
+        tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
+        aggregate=1 if o.aggregate else 0,
+    )
+    obj.write_rodata("cfg", bytes(cfg))
+    for name, prog in obj.programs.items():
+        prog.set_autoload(name in programs)
+    for name in deferred:
+        obj.maps[name].set_autocreate(False)
+    obj.maps["stack_events"].set_max_entries(ring)
+    obj.maps["on_cpu_counts"].set_max_entries(counts_size(ncpus, o.freq_hz, o.drain_interval_s))
+    obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
+
+
+def load_object(o: ProfilerOptions) -> LoadedObject:
+    """Open, check, configure and load the object (with sampler_first, its sampler only). On
+    failure nothing is left behind."""
+    path = os.fspath(o.object_path) if o.object_path else default_object_path()
+    if not o.sampler_first:
+        return _load(o, path, wanted_programs(o), None)
+    try:
+        # The first sampler reads no kernel struct (no CO-RE relocation, no tp_btf): libbpf need
+        # not parse the kernel's BTF. record's first sample waits for this load alone: libbpf's
+        # log only if it fails.
+        with LibbpfSilenced(), NoKernelTypes() as btf:
+            return _load(o, path, (FIRST_SAMPLER,), btf)
+    except (BpfError, OSError) as e:  # OSError: no memfd here (a seccomp filter, say)
+        log.info("The first sampler did not load without kernel types; loading it with them. error=%s", e)
+        return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
+
+
+def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:
+    obj = BpfObject(path, btf_custom_path=btf)
+    try:
+        problems = abi.abi_mismatches(obj.btf)
+        if problems:
+            raise BistouriError(
+                f"the BPF object {path} does not match this agent's structures: "
+                + "; ".join(problems)
+                + ". Rebuild it (`make bpf`) or reinstall the package"
+            )
+        cpus = tuple(perf.online_cpus())
+        ring = o.ring_bytes or ring_size(len(cpus), o.freq_hz, o.drain_interval_s)
+        _configure(obj, o, ring, len(cpus), programs, COMPANION_MAPS if o.sampler_first else ())
+        obj.load()
+    except BaseException:
+        obj.close()
+        raise
+    pending = tuple(p for p in wanted_programs(o) if p not in programs) if o.sampler_first else ()
+    return LoadedObject(obj, path, cpus, ring, programs, pending)
+
+
+def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
+    """The programs `first` left pending, in a second object from the same file whose maps are
+    first's own (the kernel's, shared): they see the same filter, rings and counters. The maps
+    first left to it (COMPANION_MAPS) it creates, and first's handles then share them too."""
+    programs = tuple(p for p in wanted_programs(o) if p in first.pending)
+    obj = BpfObject(first.path)
+    try:
+        _configure(obj, o, first.ring_bytes, len(first.cpus), programs)
+        for name, m in obj.maps.items():
+            if name not in COMPANION_MAPS:
+                m.reuse(first.obj.maps[name])
+        obj.load()
+        for name in COMPANION_MAPS:
+            first.obj.maps[name].reuse(obj.maps[name])
+    except BaseException:
+        obj.close()
+        raise
+    attached = tuple(p for p in programs if p != SAMPLER)
+    handoff = SAMPLER if SAMPLER in programs else ""
+    return LoadedObject(obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff)
+
+
+def hand_over(first: BpfObject, companion: LoadedObject) -> None:
+    """From now on the first sampler passes every sample on to the companion's (a tail call through
+    sampler_handoff): no perf event is detached or opened again, no sample falls in between."""
+    if companion.handoff:
+        fd = companion.obj.programs[companion.handoff].fd
+        first.maps["sampler_handoff"].update(struct.pack("<I", 0), struct.pack("<I", fd))
+
+
+def sampler_of(loaded: LoadedObject) -> str:
+    """The perf_event program `loaded` attaches: the first sampler if it has it."""
+    return FIRST_SAMPLER if FIRST_SAMPLER in loaded.programs else SAMPLER
+
+
+def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int]) -> LoadedObject:
+    """Attach the on-CPU sampler to every CPU and arm `armed` (pid -> filter flags) right away,
+    on the loading thread: `record`'s first sample does not wait for the rest of its set-up.
+    ProfilerAgent adopts the links, and set_pid_filter() later does its bookkeeping."""
+    links: list[Link] = []
+    try:
+        prog = loaded.obj.programs[sampler_of(loaded)]
+        for cpu in loaded.cpus:
+            links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, freq_hz)))
+        pid_filter = loaded.obj.maps["pid_filter"]
+        for pid, flags in armed.items():
+            pid_filter.update(struct.pack("<I", pid), struct.pack("<I", flags))
+    except BaseException:
+        for link in links:
+            link.close()
+        raise
+    log.debug("Sampler attached and armed. pids=%s", ",".join(map(str, armed)))
+    return replace(loaded, sampler_links=tuple(links))
+
+
+class ObjectLoad:
+    """load_object() (or, given `first`, load_companion()) on its own thread; result() hands
+    the object over, once."""
+
+    def __init__(
+        self,
+        options: ProfilerOptions,
+        first: LoadedObject | None = None,
+        arm: Mapping[int, int] | None = None,
+    ) -> None:
+        """`arm` (pid -> filter flags): attach the sampler and arm these as soon as it is loaded."""
+        self.options = options
+        self._first = first
+        self._arm = arm
+        self._loaded: LoadedObject | None = None
+        self._error: BaseException | None = None
+        self._thread = threads.start("load", self._run)
+
+    def wait(self) -> None:
+        """Until the load (and the arming) is over, failed or not."""
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            if self._first is not None:
+                self._loaded = load_companion(self._first, self.options)
+            else:
+                loaded = load_object(self.options)
+                if self._arm is not None:
+                    try:
+                        loaded = attach_sampler(loaded, self.options.freq_hz, self._arm)
+                    except BaseException:
+                        loaded.obj.close()
+                        raise
+                self._loaded = loaded
+        except BaseException as e:  # raised again by result(), on the caller's thread
+            self._error = e
+
+    def result(self) -> LoadedObject:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            raise BistouriError("the BPF object was already handed over")
+        return loaded
+
+    def close(self) -> None:
+        """Release the object if it was not handed over."""
+        self._thread.join()
+        if self._loaded is not None:
+            for link in self._loaded.sampler_links:
+                link.close()
+            self._loaded.obj.close()
+            self._loaded = None

@@ -1,0 +1,510 @@
+"""ProfilerAgent: loads the BPF object, attaches it, and drains its ring buffers on one thread.
+
+Lifecycle: open → configure (.rodata, autoload) → load → attach → run → close,
+always in that order; a failure at any step releases everything acquired so
+far. The programs are blind until user space fills `pid_filter` (what to
+sample) and `comm_rules` (which execs to report).
+
+The drain thread (`bistouri-ringbuf`) waits on libbpf's epoll fd plus a stop
+eventfd, with a bounded timeout, consumes in bounded batches, reads the on-CPU
+counts the kernel kept since the last drain (`events.py` says how records and
+counts become samples), maps user IPs to files (`procmaps.py`; a sample whose process's
+mappings changed wakes this thread at once, which re-reads them while the process
+lives), and hands decoded
+events to a bounded queue. A full queue drops the event and counts it: the kernel side is never blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable, Collection
+
+from .. import threads
+from ..bpf import abi, perf
+from ..bpf.loader import (
+    EPISODE_PROGRAMS,
+    LoadedObject,
+    ObjectLoad,
+    ProfilerOptions,
+    default_object_path,
+    hand_over,
+    kernel_tracepoints,
+    load_object,
+    ring_size,
+    sampler_of,
+)
+from ..bpf.object import BpfObject, Link, RingBuffer
+from ..errors import BistouriError, BpfError
+from ..host.procmaps import ProcMaps
+from ..unwind.tables import UnwindTables
+from .events import (
+    Event,
+    ResolvedStacks,
+    SentSamples,
+    counted_sample_key,
+    decode_error,
+    decode_exec,
+    decode_stack,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ProfilerAgent:
+    """Owns the BPF object, every link, the ring buffers and the drain thread."""
+
+    def __init__(
+        self,
+        options: ProfilerOptions,
+        notify: Callable[[], None] | None = None,
+        loading: ObjectLoad | None = None,
+    ) -> None:
+        """`loading`: the object already being loaded on a thread (ObjectLoad of the same options)."""
+        self.options = options
+        self._loading = loading
+        # Batches, not single events: one queue operation per consume() instead of per sample.
+        self.events: queue.Queue[list[Event]] = queue.Queue(maxsize=options.queue_size)
+        self._batch: list[Event] = []
+        self.dropped = 0  # events lost because the queue was full
+        # Ring-buffer thread (and the capture, for file names): user IPs mapped to files.
+        self.maps = ProcMaps(options.proc_root)
+        self.resolved = ResolvedStacks()
+        # Ring-buffer thread only: the samples the kernel counts repeats of, and counts whose
+        # sample is not here yet (sent after the ring was read).
+        self.sent = SentSamples(forget=self._forgetter("known_samples"))
+        self._pending_counts: dict[bytes, int] = {}
+        self.orphaned = 0  # samples counted in the kernel whose stack never arrived
+        self.drains = 0  # times the ring was read: the agent's wakeups while it samples
+        self._notify = notify
+        self._obj: BpfObject | None = None
+        self.object_path: str | None = None  # the object's file, once loaded
+        self._companion: ObjectLoad | None = None  # sampler_first: the other programs, loading
+        self._companion_obj: BpfObject | None = None  # ... and loaded (sharing _obj's maps)
+        self._links: list[Link] = []
+        self._rb: RingBuffer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_fd = -1
+        self._thread_error: BaseException | None = None
+        self._filter_lock = threading.Lock()
+        self._filtered: set[int] = set()
+        self._slow_drain = False
+        self._drain_lock = threading.Lock()  # the ring thread's timer, or catch_up() from another
+        self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
+        self._kick_fd = -1
+        self.unwind: UnwindTables | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+    def open(self) -> None:
+        """Open, configure, load and attach. On failure nothing is left behind."""
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        o = self.options
+        loading, self._loading = self._loading, None
+        loaded = loading.result() if loading is not None else load_object(o)
+        obj = self._obj = loaded.obj
+        self.object_path = loaded.path
+        if o.unwind_rows:
+            self.unwind = UnwindTables(
+                obj.maps,
+                proc_root=o.proc_root,
+                cache_dir=o.unwind_cache_dir,
+                cpu_share=o.unwind_cpu_share,
+                nice=o.unwind_nice,
+            )
+            self.maps.on_reread = self._maps_reread
+
+        self._attach(loaded)
+        if loaded.pending:  # sampler_first: the rest loads while the sampler samples
+            self._companion = ObjectLoad(o, first=loaded)
+
+        self._rb = RingBuffer(
+            [
+                (obj.maps["stack_events"], self._on_stack),
+                (obj.maps["exec_events"], self._on_exec),
+                (obj.maps["error_events"], self._on_error),
+            ]
+        )
+        log.info(
+            "BPF programs loaded and attached. object=%s freq_hz=%d offcpu=%s cpus=%d",
+            loaded.path,
+            o.freq_hz,
+            o.offcpu,
+            len(loaded.cpus),
+        )
+
+    def _attach(self, loaded: LoadedObject) -> None:
+        for name in loaded.programs:
+            prog = loaded.obj.programs[name]
+            if name == sampler_of(loaded) and loaded.sampler_links:  # attached on the loading thread
+                self._links.extend(loaded.sampler_links)
+            elif name == sampler_of(loaded):
+                for cpu in loaded.cpus:
+                    self._links.append(prog.attach_perf_event(perf.open_cpu_clock(cpu, self.options.freq_hz)))
+            else:
+                self._links.append(prog.attach())
+
+    def attach_rest(self) -> None:
+        """With sampler_first: wait for the other programs (off-CPU, discovery, episode hooks)
+        and attach them. Without it, or called again: nothing to do."""
+        companion, self._companion = self._companion, None
+        if companion is None:
+            return
+        loaded = companion.result()
+        self._companion_obj = loaded.obj
+        self._attach(loaded)
+        hand_over(self._require(), loaded)
+        if self.unwind is not None and self._thread is not None:  # start() left it for now
+            self.unwind.start()
+        log.info(
+            "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
+        )
+
+    def start(self) -> None:
+        """Start the drain thread."""
+        if self._rb is None:
+            raise BistouriError("ProfilerAgent.start() before open()")
+        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._thread = threads.start("ringbuf", self._drain_loop)
+        if self.unwind is not None and self._companion is None:  # else its maps come with the companion
+            self.unwind.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the table builder and the drain thread, which drains the rings a last time. The maps
+        stay readable (thread_times: the episodes of sessions flushed at shutdown). Idempotent."""
+        if self.unwind is not None:
+            self.unwind.close(min(timeout, 0.5))
+            self.unwind = None
+        if self._thread is not None:
+            os.eventfd_write(self._stop_fd, 1)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
+            self._thread = None
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop, free the ring buffer, detach, close the object. Idempotent."""
+        self.stop(timeout)
+        for fd in (self._stop_fd, self._kick_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._stop_fd = self._kick_fd = -1
+        if self._rb is not None:
+            self._rb.close()
+            self._rb = None
+        for link in reversed(self._links):
+            link.close()
+        self._links.clear()
+        if self._companion is not None:  # its programs never attached
+            self._companion.close()
+            self._companion = None
+        if self._companion_obj is not None:
+            self._companion_obj.close()
+            self._companion_obj = None
+        if self._obj is not None:
+            self._obj.close()
+            self._obj = None
+        if self._loading is not None:  # never opened: the object loaded for it goes too
+            self._loading.close()
+            self._loading = None
+
+    def __enter__(self) -> ProfilerAgent:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_thread(self) -> None:
+        """Re-raise on the owning thread an exception that killed the drain thread."""
+        if self._thread_error is not None:
+            err, self._thread_error = self._thread_error, None
+            raise err
+
+    # -- maps -----------------------------------------------------------------------
+    def _require(self) -> BpfObject:
+        if self._obj is None:
+            raise BistouriError("the BPF object is not loaded")
+        return self._obj
+
+    def set_pid_filter(self, pid: int, flags: int) -> None:
+        """Start (flags != 0) or stop (flags == 0) sampling a process."""
+        m = self._require().maps["pid_filter"]
+        key = struct.pack("<I", pid)
+        with self._filter_lock:
+            before = self._poll_ms
+            if flags:
+                if pid not in self._filtered:
+                    # Waits skipped in an earlier capture must not be weighed into this one.
+                    self._require().maps["offcpu_last"].delete(key)
+                m.update(key, struct.pack("<I", flags))
+                self._filtered.add(pid)
+                self.maps.track(pid)  # its mappings from now on, even if it exits early
+                if self.unwind is not None:
+                    self.unwind.want(pid)  # frame pointers until its tables are loaded
+            else:
+                m.delete(key)
+                self._filtered.discard(pid)
+                if self.unwind is not None:
+                    self.unwind.forget(pid)
+                self._forget_thread_times(pid)
+            self._set_poll_ms(before)
+
+    def set_slow_drain(self, slow: bool) -> None:
+        """Drain at the slow interval (no session runs) or the usual one."""
+        if slow == self._slow_drain:
+            return
+        with self._filter_lock:
+            before = self._poll_ms
+            self._slow_drain = slow
+            self._set_poll_ms(before)
+
+    def _set_poll_ms(self, before: int | None) -> None:
+        """The ring thread's wait between drains, from what is sampled; None: until an event wakes it."""
+        interval = None
+        if self._filtered:
+            o = self.options
+            interval = int((o.slow_drain_interval_s if self._slow_drain else o.drain_interval_s) * 1000)
+        self._poll_ms = interval
+        sooner = interval is not None and (before is None or interval < before)
+        if sooner and self._kick_fd >= 0:
+            os.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
+
+    def catch_up(self) -> None:
+        """Drain the ring now, from the calling thread: a session about to start gets the samples
+        its processes' flight recorder still had in the kernel (up to a slow drain interval old)."""
+        if self._rb is not None and self._thread is not None:
+            self.drain()
+
+    def _maps_reread(self, pid: int) -> None:
+        """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
+        unwind = self.unwind
+        if unwind is not None and pid in self._filtered:
+            unwind.want(pid)
+
+    def filtered_pids(self) -> dict[int, int]:
+        m = self._require().maps["pid_filter"]
+        out = {}
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
+            val = m.lookup(key)
+            if val is not None:
+                out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]
+        return out
+
+    def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
+        """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
+        hooks count them; empty without them."""
+        if not self.options.episode or not pids:
+            return {}
+        m = self._require().maps["thread_times"]
+        out = {}
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
+            val = m.lookup(key)
+            if val is None:
+                continue  # the thread's entry was evicted meanwhile
+            t = abi.ThreadTimes.from_buffer_copy(val)
+            if t.pid in pids:
+                out[t.tid] = t
+        return out
+
+    def _forget_thread_times(self, pid: int) -> None:
+        """Drop the episode times of a process no longer watched: the state each thread was last
+        seen in goes stale while unwatched, and would be timed as lasting until its next switch
+        once watched again. Threads already gone keep no state (their last switch cleared it).
+        Their pending wait stacks go too (a run-queue one would carry the gap), and the process's
+        run-queue rate limit."""
+        if not self.options.episode:
+            return
+        maps = self._require().maps
+        maps["runqueue_last"].delete(struct.pack("<I", pid))
+        try:
+            tids = os.listdir(os.path.join(self.options.proc_root, str(pid), "task"))
+        except OSError:
+            return  # the process is gone: its threads' entries age out of the LRU map
+        for tid in tids:
+            if tid.isdigit():
+                key = struct.pack("<I", int(tid))
+                maps["thread_times"].delete(key)
+                maps["wait_pending"].delete(key)
+
+    def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
+        """Episode-hook counters summed over CPUs (zero without the hooks)."""
+        if not self.options.episode:
+            return dict.fromkeys(abi.EpisodeCounter, 0)
+        m = self._require().maps["episode_counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.EpisodeCounter}
+
+    def set_comm_rules(self, entries: list[tuple[bytes, int]]) -> None:
+        """Make the LPM trie hold exactly `entries` (key bytes, rule id): add new, then drop stale."""
+        m = self._require().maps["comm_rules"]
+        wanted = dict(entries)
+        for key, rule_id in wanted.items():
+            m.update(key, struct.pack("<I", rule_id))
+        for key in list(m.keys()):
+            if key not in wanted:
+                m.delete(key)
+
+    def _forgetter(self, map_name: str) -> Callable[[bytes], None]:
+        """For a cache of the ring thread: a key it let go is deleted from `map_name`, so the
+        kernel sends that stack or sample whole again."""
+
+        def forget(key: bytes) -> None:
+            if self._obj is None:
+                return
+            try:
+                self._obj.maps[map_name].delete(key)
+            except BpfError as e:  # never fatal for the drain thread: at worst data stays raw
+                log.debug("Could not delete a key from %s: %s", map_name, e)
+
+        return forget
+
+    def counters(self) -> dict[abi.Counter, int]:
+        """BPF-side counters summed over CPUs."""
+        m = self._require().maps["counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.Counter}
+
+    # -- ring-buffer thread --------------------------------------------------------
+    def _on_stack(self, data: bytes) -> None:
+        sample = decode_stack(data, self.maps, self.resolved)
+        self._batch.append(sample)
+        if self.options.aggregate and (key := counted_sample_key(data, sample)) is not None:
+            # The kernel counts this sample's repeats under its key: keep it to weigh them on.
+            self.sent.remember(key, sample)
+
+    def _on_exec(self, data: bytes) -> None:
+        self._batch.append(decode_exec(data))
+
+    def _on_error(self, data: bytes) -> None:
+        self._batch.append(decode_error(data))
+
+    def _flush_batch(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        try:
+            self.events.put_nowait(batch)
+        except queue.Full:
+            self.dropped += len(batch)
+
+    def take(self, timeout: float | None = None) -> list[Event]:
+        """The decoded events waiting now (blocking up to `timeout` for the first batch)."""
+        out: list[Event] = []
+        try:
+            out.extend(self.events.get(timeout=timeout) if timeout else self.events.get_nowait())
+            while True:
+                out.extend(self.events.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def drain(self) -> int:
+        """Consume everything available now, in bounded batches. Returns records handled."""
+        rb = self._rb
+        if rb is None:
+            return 0
+        with self._drain_lock:
+            self.drains += 1
+            return self._drain(rb)
+
+    def _drain(self, rb: RingBuffer) -> int:
+        total = 0
+        try:
+            while True:
+                n = rb.consume(self.options.batch_budget)
+                total += n
+                self._flush_batch()
+                if n < self.options.batch_budget:
+                    break
+            if self.options.aggregate:
+                total += self._take_counts()
+            return total
+        finally:
+            self._flush_batch()
+
+    def _take_counts(self) -> int:
+        """Weigh the samples sent whole by the repeats the kernel counted since the last drain.
+
+        A count whose sample is not here yet (sent after the ring was read) waits one drain
+        for it; then it is dropped, counted (`orphaned`), and its key forgotten in the kernel.
+        """
+        assert self._obj is not None
+        counts: dict[bytes, int] = self._pending_counts
+        self._pending_counts = {}
+        late = set(counts)
+        for key, raw in self._obj.maps["on_cpu_counts"].take_all():
+            counts[key] = counts.get(key, 0) + int.from_bytes(raw, "little")
+        handled = 0
+        for key, n in counts.items():
+            sample = self.sent.get(key)
+            if sample is not None:
+                if n:
+                    self._batch.append(sample.weighed(n))
+                    handled += 1
+            elif key in late:
+                self.orphaned += n
+                self.sent.forget(key)
+            else:
+                self._pending_counts[key] = n
+        return handled
+
+    def _drain_loop(self) -> None:
+        assert self._rb is not None
+        poller = select.poll()
+        poller.register(self._rb.epoll_fd(), select.POLLIN)
+        poller.register(self._stop_fd, select.POLLIN)
+        poller.register(self._kick_fd, select.POLLIN)
+        try:
+            while True:
+                # Stack events are submitted without wakeup and drained on a timer while a
+                # process is sampled; when none is, only exec/error events (which do wake
+                # the epoll fd) can arrive: block until then, at no cost.
+                ready = poller.poll(self._poll_ms)
+                if any(fd == self._kick_fd for fd, _ in ready):
+                    try:
+                        os.eventfd_read(self._kick_fd)
+                    except BlockingIOError:
+                        pass
+                if any(fd == self._stop_fd for fd, _ in ready):
+                    self.drain()  # what is already in the ring is not lost at shutdown
+                    if self._notify:
+                        self._notify()
+                    return
+                if self.drain() and self._notify:
+                    self._notify()
+        except BaseException as e:  # surfaced to the main thread by check_thread()
+            log.error("the ring-buffer thread failed: %s", e)
+            self._thread_error = e
+            if self._notify:
+                self._notify()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+__all__ = [
+    "EPISODE_PROGRAMS",
+    "BpfError",
+    "ObjectLoad",
+    "ProfilerAgent",
+    "ProfilerOptions",
+    "default_object_path",
+    "kernel_tracepoints",
+    "ring_size",
+]

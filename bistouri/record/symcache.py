@@ -1,0 +1,682 @@
+"""What `bistouri record` has named before, kept on disk: a persistent, bounded symbol cache.
+
+Naming costs more than capturing: parsing /proc/kallsyms in Python takes ~0.7 s, and
+a binary with DWARF starts `llvm-symbolizer`. A rerun on the same binaries asks the
+same questions, so the answers are kept:
+
+- `<build id>.frames`: the frames of every (file offset, leaf?) of one binary resolved so
+  far (a binary is its build id: same id, same bytes);
+- `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
+  kernel's text symbols in a compact binary form. Kernel addresses hold for one boot (KASLR
+  slide, loaded modules), so the key hashes the kernel build id, the boot id and the modules.
+
+Only the misses go to the resolver (`symbolize`), one probe stack per distinct missing
+address, and their answers are added to the cache. A fully cached run imports no part of
+the resolver.
+
+Safety: the directory is created 0700 and refused when it is a symlink or not ours; files
+are opened with O_NOFOLLOW, written to a fresh temporary name (O_EXCL) and renamed into
+place, so readers see whole files; writers merge under an flock. Every file carries a
+CRC: a corrupt or truncated one is removed and rebuilt. The directory is bounded in bytes:
+the least recently used files go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import struct
+import zlib
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import BistouriError
+
+if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
+    from .. import wire
+    from ..symbolizer.kallsyms import KallsymsIndex
+    from ..symbolizer.model import Frame, Profile
+    from ..symbolizer.resolve import Resolver
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 64 << 20
+MAX_FILE_BYTES = 32 << 20  # one binary's frames or one kernel's symbols; larger files are not read
+MAX_FRAMES_PER_FILE = 200_000  # (address, leaf) entries kept per binary
+_MAGIC = b"BSYM"
+_VERSION = 1
+_KIND_FRAMES = 1
+_KIND_KALLSYMS = 2
+_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, payload bytes, crc32 of the payload
+_KALLSYMS_HEAD = struct.Struct("<QII")  # _text, symbols, modules
+
+# (file offset or kernel address, leaf?) -> frames, root first
+Frames = tuple["Frame", ...]
+FrameKey = tuple[int, bool]
+
+
+class CacheUnusable(BistouriError):
+    """The cache directory cannot be used safely."""
+
+
+def kernel_boot_key(build_id: bytes, proc_root: str = "/proc") -> str:
+    """What kernel addresses depend on: the kernel, the boot (KASLR) and the loaded modules."""
+    h = hashlib.sha256(build_id)
+    for rel in ("sys/kernel/random/boot_id", "modules"):
+        try:
+            data = Path(proc_root, rel).read_bytes()
+        except OSError:
+            data = b""
+        if rel == "modules":  # names and load addresses only: the use counts change all the time
+            data = b"\n".join(
+                b"%s %s" % (f[0], f[-1]) for f in (line.split() for line in data.splitlines()) if f
+            )
+        h.update(b"\0" + data)
+    return "k-" + h.hexdigest()[:32]
+
+
+class CompactKallsyms:
+    """A `KallsymsIndex` in arrays and one name blob: ~20 bytes a symbol instead of ~200, and
+    loaded from the cache in milliseconds. Lookups answer exactly as the index it was made of."""
+
+    __slots__ = ("_c_addrs", "_c_ends", "_c_mod", "_c_modules", "_c_names", "_c_offs", "text_addr")
+
+    def __init__(
+        self,
+        addrs: array[int],
+        ends: array[int],
+        name_offs: array[int],
+        names: bytes,
+        mod_index: array[int],
+        modules: list[str],
+        text_addr: int,
+    ) -> None:
+        self._c_addrs = addrs
+        self._c_ends = ends
+        self._c_offs = name_offs
+        self._c_names = names
+        self._c_mod = mod_index
+        self._c_modules = modules
+        self.text_addr = text_addr
+
+    @classmethod
+    def of(cls, index: KallsymsIndex) -> CompactKallsyms:
+        addrs = array("Q")
+        ends = array("Q")
+        blob = bytearray()
+        offs = array("I", [0])
+        modules: dict[str, int] = {"": 0}
+        mods = array("H")
+        for addr, end, name, module in index.rows():
+            addrs.append(addr)
+            ends.append(end)
+            blob += name.encode()
+            offs.append(len(blob))
+            mods.append(modules.setdefault(module, len(modules)))
+        return cls(addrs, ends, offs, bytes(blob), mods, list(modules), index.text_addr)
+
+    def __len__(self) -> int:
+        return len(self._c_addrs)
+
+    def _name(self, i: int) -> str:
+        return self._c_names[self._c_offs[i] : self._c_offs[i + 1]].decode("utf-8", "replace")
+
+    def lookup(self, ip: int) -> tuple[str, str, int] | None:
+        i = bisect_right(self._c_addrs, ip) - 1
+        if i < 0 or ip >= self._c_ends[i]:
+            return None
+        return self._name(i), self._c_modules[self._c_mod[i]], ip - self._c_addrs[i]
+
+    def address_of(self, name: str) -> int | None:
+        for i in range(len(self._c_addrs)):
+            if self._name(i) == name:
+                return int(self._c_addrs[i])
+        return None
+
+    def to_bytes(self) -> bytes:
+        mods = json.dumps(self._c_modules).encode()
+        return b"".join(
+            (
+                _KALLSYMS_HEAD.pack(self.text_addr, len(self._c_addrs), len(mods)),
+                self._c_addrs.tobytes(),
+                self._c_ends.tobytes(),
+                self._c_offs.tobytes(),
+                self._c_mod.tobytes(),
+                mods,
+                self._c_names,
+            )
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CompactKallsyms:
+        """Raises ValueError when `data` is not what `to_bytes` wrote. (Out-of-order rows, which the
+        CRC of the file makes unlikely, would give wrong names, never an exception.)"""
+        text_addr, n, mods_len = _KALLSYMS_HEAD.unpack_from(data)
+        pos = _KALLSYMS_HEAD.size
+
+        def take(code: str, count: int) -> array[int]:
+            nonlocal pos
+            a = array(code)
+            end = pos + a.itemsize * count
+            if end > len(data):
+                raise ValueError("truncated")
+            a.frombytes(data[pos:end])
+            pos = end
+            return a
+
+        addrs, ends, offs, mods = take("Q", n), take("Q", n), take("I", n + 1), take("H", n)
+        modules = json.loads(data[pos : pos + mods_len])
+        names = data[pos + mods_len :]
+        if not isinstance(modules, list) or len(names) != offs[-1] or (n and max(mods) >= len(modules)):
+            raise ValueError("inconsistent")
+        return cls(addrs, ends, offs, names, mods, [str(m) for m in modules], text_addr)
+
+
+@dataclass(slots=True)
+class FrameEntry:
+    """The cached frames of one binary (or kernel boot), and what they were made from."""
+
+    frames: dict[FrameKey, Frames]
+    # Made with DWARF (file:line, inlines)? If not, a debug file installed later makes it stale.
+    # Not the file's path: record links the binaries from a new temporary tree at each run.
+    file_lines: bool = False
+
+
+class SymbolCache:
+    """The cache directory. Not thread-safe (record uses it from one thread); safe across processes."""
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.hits = 0
+        self.misses = 0
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.lstat(self.root)
+        except OSError as e:
+            raise CacheUnusable(f"cannot create the symbol cache {self.root}: {e.strerror}") from e
+        if not os.path.isdir(self.root) or os.path.islink(self.root):
+            raise CacheUnusable(f"the symbol cache {self.root} is not a directory (a symlink?)")
+        if st.st_uid != os.geteuid():
+            raise CacheUnusable(f"the symbol cache {self.root} belongs to uid {st.st_uid}, not to us")
+        if st.st_mode & 0o022:
+            raise CacheUnusable(f"the symbol cache {self.root} is writable by others (mode {st.st_mode:o})")
+
+    # -- files ----------------------------------------------------------------------
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad cache file name {name!r}")
+        return self.root / name
+
+    def _read(self, name: str, kind: int) -> bytes | None:
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ELOOP):
+                log.warning("Cannot read a symbol cache file. path=%s error=%s", path, e.strerror)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            data = f.read(MAX_FILE_BYTES + 1) if size <= MAX_FILE_BYTES else b""
+        payload = _unframe(data, kind)
+        if payload is None:
+            log.warning("Corrupt symbol cache file removed. path=%s bytes=%d", path, len(data))
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: evicted last
+        return payload
+
+    def _write(self, name: str, kind: int, payload: bytes) -> None:
+        data = _frame(kind, payload)
+        if len(data) > MAX_FILE_BYTES:
+            log.info("Not caching an oversized symbol file. name=%s bytes=%d", name, len(data))
+            return
+        tmp = self.root / f".tmp-{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._path(name))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def evict(self) -> int:
+        """Remove the least recently used files until the directory fits `max_bytes`; returns how many."""
+        files = []
+        for entry in os.scandir(self.root):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if entry.name.startswith(".tmp-") or not entry.name.startswith("."):
+                files.append((st.st_mtime, st.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                total -= size
+                removed += 1
+        return removed
+
+    # -- frames -----------------------------------------------------------------------
+    def frames(self, key: str) -> FrameEntry | None:
+        payload = self._read(key + ".frames", _KIND_FRAMES)
+        if payload is None:
+            return None
+        try:
+            return _decode_frames(payload)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            log.warning("Corrupt symbol cache entry ignored. key=%s error=%s", key, e)
+            return None
+
+    def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
+        """Merge `new` into the entry of `key` (what another run added meanwhile is kept)."""
+        try:
+            self._add_frames(key, new, file_lines)
+        except OSError as e:  # disk full, a planted link: the cache helps, it must never cost a capture
+            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
+
+    def _add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
+        with self._locked():
+            old = self.frames(key)
+            # Answers made with DWARF replace names-only ones, never the other way around.
+            if old is not None and old.file_lines and not file_lines:
+                return
+            merged = dict(old.frames) if old is not None and old.file_lines == file_lines else {}
+            merged.update(new)
+            if len(merged) > MAX_FRAMES_PER_FILE:  # keep the newest answers
+                merged = dict(list(merged.items())[-MAX_FRAMES_PER_FILE:])
+            self._write(key + ".frames", _KIND_FRAMES, _encode_frames(FrameEntry(merged, file_lines)))
+            self.evict()
+
+    # -- kernel symbols -------------------------------------------------------------------
+    def kallsyms(self, key: str) -> CompactKallsyms | None:
+        payload = self._read(key + ".kallsyms", _KIND_KALLSYMS)
+        if payload is None:
+            return None
+        try:
+            return CompactKallsyms.from_bytes(payload)
+        except (ValueError, struct.error) as e:
+            log.warning("Corrupt kernel symbol cache ignored. key=%s error=%s", key, e)
+            return None
+
+    def put_kallsyms(self, key: str, index: CompactKallsyms) -> None:
+        try:
+            with self._locked():
+                self._write(key + ".kallsyms", _KIND_KALLSYMS, index.to_bytes())
+                self.evict()
+        except OSError as e:
+            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, _VERSION, kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def _unframe(data: bytes, kind: int) -> bytes | None:
+    if len(data) < _HEADER.size:
+        return None
+    magic, version, got_kind, size, crc = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size :]
+    if magic != _MAGIC or version != _VERSION or got_kind != kind or size != len(payload):
+        return None
+    return payload if zlib.crc32(payload) == crc else None
+
+
+def _encode_frames(entry: FrameEntry) -> bytes:
+    rows = [
+        [addr, int(leaf), [[f.name, f.module, f.file, f.line, f.kind, int(f.inlined)] for f in frames]]
+        for (addr, leaf), frames in entry.frames.items()
+    ]
+    return json.dumps({"file_lines": entry.file_lines, "frames": rows}, separators=(",", ":")).encode()
+
+
+def _decode_frames(payload: bytes) -> FrameEntry:
+    from ..symbolizer.model import Frame
+
+    doc = json.loads(payload)
+    frames: dict[FrameKey, Frames] = {}
+    interned: dict[Frame, Frame] = {}
+    for addr, leaf, fs in doc["frames"]:
+        out = []
+        for name, module, file, line, kind, inlined in fs:
+            f = Frame(str(name), str(module), str(file), int(line), str(kind), bool(inlined))
+            out.append(interned.setdefault(f, f))
+        frames[(int(addr), bool(leaf))] = tuple(out)
+    return FrameEntry(frames, doc["file_lines"] is True)
+
+
+class CachedKallsyms:
+    """The kallsyms source of record's resolver (in place of the service's `KallsymsStore` of
+    uploaded snapshots, same `has`/`get`): this host's kernel only, from the cache when it holds
+    this boot's symbols, else read from /proc/kallsyms once and cached."""
+
+    def __init__(self, build_id: bytes, boot_key: str, cache: SymbolCache | None, proc_root: str) -> None:
+        self.build_id_hex = build_id.hex()
+        self.boot_key = boot_key
+        self.cache = cache
+        self.proc_root = proc_root
+        self._index: CompactKallsyms | None = None
+        self.failed = False
+        self.child_peak_rss_bytes = 0  # of the child that parsed /proc/kallsyms, 0 if none did
+
+    def has(self, build_id: bytes | str) -> bool:
+        hexid = build_id.hex() if isinstance(build_id, bytes) else build_id
+        return bool(hexid) and hexid == self.build_id_hex and not self.failed
+
+    def frames(self, keys: list[FrameKey]) -> dict[FrameKey, Frames] | None:
+        """Kernel addresses named from kallsyms alone, as the resolver names them when it has no
+        vmlinux with DWARF: without importing the resolver (a rerun's few new kernel addresses
+        would cost its imports). None when the symbols are unavailable."""
+        from ..symbolizer.demangle import demangle
+        from ..symbolizer.model import KIND_KERNEL, Frame
+
+        index = self.get(self.build_id_hex)
+        if index is None:
+            return None
+        out: dict[FrameKey, Frames] = {}
+        for ip, leaf in keys:
+            hit = index.lookup(ip if leaf else ip - 1)  # a return address points after its call
+            if hit is not None:
+                frame = Frame(demangle(hit[0]), hit[1] or "vmlinux", kind=KIND_KERNEL)
+            else:
+                frame = Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=KIND_KERNEL)
+            out[(ip, leaf)] = (frame,)
+        return out
+
+    def get(self, build_id: bytes | str) -> CompactKallsyms | None:
+        if not self.has(build_id):
+            return None
+        if self._index is None and self.cache is not None:
+            self._index = self.cache.kallsyms(self.boot_key)
+            if self._index is None and self._parse_in_child():
+                self._index = self.cache.kallsyms(self.boot_key)
+        if self._index is None:
+            try:
+                self._index = self._parse()
+            except (OSError, ValueError) as e:
+                log.warning("Kernel frames stay unnamed: /proc/kallsyms is unusable. error=%s", e)
+                self.failed = True
+                return None
+            if self.cache is not None:
+                self.cache.put_kallsyms(self.boot_key, self._index)
+        return self._index
+
+    def _parse(self) -> CompactKallsyms:
+        from ..symbolizer.kallsyms import parse_kallsyms
+
+        return CompactKallsyms.of(parse_kallsyms(Path(self.proc_root, "kallsyms").read_bytes()))
+
+    def _parse_in_child(self) -> bool:
+        """Parse into the cache in a child process: the Python form of ~120 k symbols (~60 MB, the
+        first run's peak) never joins record's memory, only the compact form read back. Its peak
+        is kept in `child_peak_rss_bytes`. False when it failed (then record parses it itself)."""
+        assert self.cache is not None
+        try:
+            pid = os.fork()
+        except OSError:
+            return False
+        if pid == 0:  # the child: parse, write the cache file, leave without cleanup handlers
+            code = 1
+            try:
+                self.cache.put_kallsyms(self.boot_key, self._parse())
+                code = 0
+            except BaseException:
+                pass
+            finally:
+                os._exit(code)
+        _, status, usage = os.wait4(pid, 0)
+        self.child_peak_rss_bytes = usage.ru_maxrss * 1024
+        return os.waitstatus_to_exitcode(status) == 0
+
+
+# --- symbolization through the cache ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SymbolizeStats:
+    addresses: int = 0  # distinct (module, address, leaf?) in the session
+    cached: int = 0  # of which answered from the cache
+    binaries: int = 0  # modules (build ids, the kernel) with at least one miss
+    kallsyms_child_rss_bytes: int = 0  # peak of the child that parsed /proc/kallsyms (first run of a boot)
+
+
+def _frame_keys(session: wire.Session) -> tuple[dict[bytes, set[FrameKey]], set[Any]]:
+    """Distinct (offset, leaf?) per build id (b"": kernel addresses), and the other user frames
+    (vDSO, unknown) with their leaf flag."""
+    from .. import wire
+
+    keys: dict[bytes, set[FrameKey]] = {}
+    other: set[tuple[wire.UserFrame, bool]] = set()
+    kernel = keys.setdefault(b"", set())
+    for t in session.traces:
+        for i, f in enumerate(t.user):
+            if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                keys.setdefault(f.build_id, set()).add((f.address, i == 0))
+            else:
+                other.add((f, i == 0))
+        for i, ip in enumerate(t.kernel):
+            kernel.add((ip, i == 0))
+    return keys, other
+
+
+def symbolize(
+    session: wire.Session,
+    cache: SymbolCache | None,
+    open_resolver: Callable[[bool], Resolver],
+    kernel_key: str,
+    debug_dirs: list[str],
+    progress: Callable[[str], None] = lambda _text: None,
+    kallsyms: CachedKallsyms | None = None,
+) -> tuple[Profile, SymbolizeStats]:
+    """Name every frame of `session`: from the cache, else through a resolver opened only if needed
+    (`open_resolver(file_lines)`: file_lines False when only kernel addresses miss, which kallsyms
+    names without llvm-symbolizer). With `kallsyms` (no vmlinux debug file can be found), kernel
+    addresses are named from it directly."""
+    from .. import wire
+    from ..symbolizer.model import Profile, Sample, SessionMeta
+
+    keys, other_keys = _frame_keys(session)
+    stats = SymbolizeStats(addresses=sum(map(len, keys.values())) + len(other_keys))
+    known: dict[bytes, dict[FrameKey, Frames]] = {}  # build id (b"": the kernel) -> answers
+    missing: dict[bytes, list[FrameKey]] = {}
+    names_only: set[bytes] = set()  # binaries known to have no DWARF: llvm-symbolizer has nothing for them
+    for module, wanted in keys.items():
+        entry = _usable(cache.frames(_key(module, kernel_key)), module, debug_dirs) if cache else None
+        if entry is not None and not entry.file_lines:
+            names_only.add(module)
+        have = known[module] = dict(entry.frames) if entry is not None else {}
+        miss = [k for k in wanted if k not in have]
+        stats.cached += len(wanted) - len(miss)
+        if miss:
+            missing[module] = sorted(_with_neighbours(miss, have) if module else miss)
+    if b"" in missing and kallsyms is not None:
+        got_kernel = kallsyms.frames(missing[b""])
+        if got_kernel is not None:
+            del missing[b""]
+            known[b""].update(got_kernel)
+            stats.binaries += 1
+            if cache is not None:
+                _remember_kernel(cache, _key(b"", kernel_key), got_kernel)
+    other: dict[tuple[wire.UserFrame, bool], Frames] = {}
+    if missing or other_keys:
+        stats.binaries += len(missing)
+        progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
+        # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
+        with open_resolver(any(m and m not in names_only for m in missing)) as resolver:
+            for n, (module, miss) in enumerate(missing.items(), 1):
+                label = module.hex()[:12] if module else "the kernel"
+                progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
+                got = _resolve(resolver, session, module, miss)
+                known[module].update(got)
+                if cache is not None:
+                    _remember(cache, resolver, module, _key(module, kernel_key), got)
+            if other_keys:
+                other = _resolve_other(resolver, session, list(other_keys))
+    if cache is not None:
+        cache.hits += stats.cached
+        cache.misses += stats.addresses - stats.cached
+
+    # Root-first stacks, as the resolver builds them: user frames from the root down, then the kernel's.
+    frame_index: dict[Frame, int] = {}
+    frames_out: list[Frame] = []
+    samples = []
+    kernel_known = known.get(b"", {})
+    for t in session.traces:
+        parts: list[Frame] = []
+        for i in range(len(t.user) - 1, -1, -1):
+            uf = t.user[i]
+            if uf.kind == wire.FRAME_RESOLVED and uf.build_id:
+                parts.extend(known[uf.build_id][(uf.address, i == 0)])
+            else:
+                parts.extend(other[(uf, i == 0)])
+        for i in range(len(t.kernel) - 1, -1, -1):
+            parts.extend(kernel_known[(t.kernel[i], i == 0)])
+        stack = []
+        for f in parts:
+            ix = frame_index.get(f)
+            if ix is None:
+                ix = frame_index[f] = len(frames_out)
+                frames_out.append(f)
+            stack.append(ix)
+        samples.append(
+            Sample(
+                tuple(stack), t.pid, t.tid, session.threads.get(t.tid, ""), t.on_cpu, t.off_cpu, t.off_cpu_ns
+            )
+        )
+    return Profile(SessionMeta.from_wire(session), frames_out, samples), stats
+
+
+NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
+MAX_NEIGHBOURS = 20_000  # extra addresses resolved per binary and run
+
+
+def _with_neighbours(miss: list[FrameKey], have: dict[FrameKey, Frames]) -> set[FrameKey]:
+    """The missing addresses, and the bytes around each missing leaf address.
+
+    A sampled loop lands on neighbouring instructions from one run to the next; resolving the
+    bytes around a new leaf once (instruction boundaries are unknown: every byte; llvm answers
+    for any byte of an instruction) lets the next runs find them in the cache instead of starting
+    the resolver and llvm-symbolizer for a handful of addresses. Call sites (not leaves) are return
+    addresses, the same every run: no neighbours."""
+    out = set(miss)
+    budget = MAX_NEIGHBOURS
+    for addr, leaf in miss:
+        if not leaf:
+            continue
+        for near in range(max(0, addr - NEIGHBOUR_BYTES), addr + NEIGHBOUR_BYTES + 1):
+            if (near, True) not in have and (near, True) not in out and budget > 0:
+                out.add((near, True))
+                budget -= 1
+    return out
+
+
+def _key(module: bytes, kernel_key: str) -> str:
+    return module.hex() if module else kernel_key
+
+
+def _remember(
+    cache: SymbolCache, resolver: Resolver, module: bytes, key: str, got: dict[FrameKey, Frames]
+) -> None:
+    """Cache the answers that will not change: not those of a binary or kernel symbols not found."""
+    if module:
+        mod = resolver.module(module)
+        if mod is not None:
+            cache.add_frames(key, got, bool(mod.dwarf_path) and resolver.file_lines)
+    else:
+        _remember_kernel(cache, key, got)
+
+
+def _remember_kernel(cache: SymbolCache, key: str, got: dict[FrameKey, Frames]) -> None:
+    named = {k: v for k, v in got.items() if not any(f.module == "[kernel]" for f in v)}
+    if named:
+        cache.add_frames(key, named, False)
+
+
+def _usable(entry: FrameEntry | None, module: bytes, debug_dirs: list[str]) -> FrameEntry | None:
+    """An entry made without DWARF is dropped when a debug file for the binary has appeared since."""
+    if entry is None or entry.file_lines or not module:
+        return entry
+    hexid = module.hex()
+    for d in debug_dirs:
+        if os.path.exists(os.path.join(d, ".build-id", hexid[:2], hexid[2:] + ".debug")):
+            return None
+    return entry
+
+
+_PLACEHOLDER_IP = 0  # below every kernel symbol: always one label frame
+
+
+def _resolve(
+    resolver: Resolver, session: wire.Session, module: bytes, keys: list[FrameKey]
+) -> dict[FrameKey, Frames]:
+    """The frames of `keys` of one module (b"": the kernel), through one probe stack per key."""
+    from .. import wire
+
+    probes = []
+    for addr, leaf in keys:
+        if module:
+            f = wire.UserFrame(wire.FRAME_RESOLVED, module, addr)
+            probes.append(_user_probe(f, leaf))
+        else:
+            kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)
+            probes.append(wire.Trace(kernel=kern, user=(), pid=0, tid=0, on_cpu=1))
+    return dict(zip(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys]), strict=True))
+
+
+def _resolve_other(
+    resolver: Resolver, session: wire.Session, keys: list[tuple[wire.UserFrame, bool]]
+) -> dict[tuple[wire.UserFrame, bool], Frames]:
+    probes = [_user_probe(f, leaf) for f, leaf in keys]
+    return dict(zip(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys]), strict=True))
+
+
+def _user_probe(f: wire.UserFrame, leaf: bool) -> wire.Trace:
+    """A call site (not a leaf) is probed above a placeholder leaf that names exactly one frame."""
+    from .. import wire
+
+    user = (f,) if leaf else (wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0), f)
+    return wire.Trace(kernel=(), user=user, pid=0, tid=0, on_cpu=1)
+
+
+def _probe(
+    resolver: Resolver, session: wire.Session, probes: list[wire.Trace], leaves: list[bool]
+) -> list[Frames]:
+    """Every probe's frames: its stack, less the placeholder frame under a call site."""
+    profile = resolver.symbolize(dataclasses.replace(session, traces=probes, threads={}))
+    out = []
+    for leaf, sample in zip(leaves, profile.samples, strict=True):
+        stack = sample.stack if leaf else sample.stack[:-1]
+        out.append(tuple(profile.frames[i] for i in stack))
+    return out
