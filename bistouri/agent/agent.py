@@ -32,10 +32,11 @@ from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
 from ..capture.profiler import ProfilerAgent, ProfilerOptions
 from ..errors import BistouriError, ConfigError
 from ..host.cgroupfs import find_mounts
-from ..host.kernel import KernelMeta, loaded_code_digest, read_kallsyms, read_kernel_meta
+from ..host.kernel import KernelMeta, read_kallsyms, read_kernel_meta
 from ..host.procmaps import ProcMapsStats
 from ..host.psi import PsiLoop
 from ..unwind.tables import UnwindStats
+from ..wire.snapshot import loaded_code_digest
 from . import preflight
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher

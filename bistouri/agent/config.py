@@ -24,11 +24,10 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..pressure import DEFAULT_WINDOW_MS, RESOURCES, STALLS, ResourceTrigger
 
 DEFAULT_TRIGGER_PATH = "/etc/bistouri/trigger.yaml"
 
-RESOURCES = ("cpu", "memory", "io")
-STALLS = ("some", "full")
 RULE_TYPES = ("Exact", "Prefix")
 SCOPES = ("cgroup", "system")
 
@@ -38,7 +37,6 @@ SERVICE_ID_MAX = 32
 MAX_TARGETS = 1024  # entries of the BPF comm trie
 WINDOW_MS_MIN = 500  # kernel WINDOW_MIN_US
 WINDOW_MS_MAX = 10_000  # kernel WINDOW_MAX_US
-DEFAULT_WINDOW_MS = 1000
 CAPTURE_SECS_MAX = 3600.0
 COOLDOWN_SECS_MAX = 86_400.0
 LABEL_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-/]*$")
@@ -83,31 +81,6 @@ class Rule:
     @property
     def comm_bytes(self) -> bytes:
         return self.comm.encode("utf-8")
-
-
-@dataclass(frozen=True, slots=True)
-class ResourceTrigger:
-    """One PSI trigger: fire when `stall` time exceeds `threshold` % of a `window_ms` window."""
-
-    resource: str  # cpu | memory | io
-    threshold: float  # percent of the window, 0 < t < 100
-    stall: str = "some"  # some | full
-    window_ms: int = DEFAULT_WINDOW_MS
-
-    @property
-    def window_us(self) -> int:
-        return self.window_ms * 1000
-
-    @property
-    def stall_us(self) -> int:
-        """Stall time per window written to the kernel."""
-        return stall_threshold_us(self.threshold, self.window_us)
-
-
-def stall_threshold_us(threshold: float, window_us: int) -> int:
-    """The one formula for a trigger's stall time: `threshold` % of the window, in whole microseconds
-    (truncated; at least 1, the kernel refuses 0). Also used for a window the kernel forced on us."""
-    return max(1, int(window_us * threshold / 100.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from ..bpf import abi
+from ..capture.metrics import CaptureMetrics
 from ..host import safeopen
 from ..host.procmaps import ProcMapsStats
 from ..unwind.ehframe import BOUND_REASONS
@@ -34,31 +35,12 @@ from ..unwind.tables import UnwindStats
 log = logging.getLogger(__name__)
 
 
-class AgentMetrics:
+class AgentMetrics(CaptureMetrics):
+    """The agent's metrics: the capture layer's (capture/metrics.py) and the daemon's own."""
+
     def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        super().__init__(registry)
         r = registry
-        self.sessions_started = Counter(
-            "bistouri_sessions_started_total",
-            "Capture sessions opened, by PSI resource",
-            ["resource"],
-            registry=r,
-        )
-        self.sessions_completed = Counter(
-            "bistouri_sessions_completed_total",
-            "Sessions finished with samples and spooled",
-            ["resource"],
-            registry=r,
-        )
-        self.sessions_empty = Counter(
-            "bistouri_sessions_empty_total", "Sessions finished without any sample", ["resource"], registry=r
-        )
-        self.sessions_dropped = Counter(
-            "bistouri_sessions_dropped_total",
-            "Sessions not started or lost, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.sessions_active = Gauge("bistouri_sessions_active", "Capture sessions running now", registry=r)
         # Build info, Prometheus' way: 1, with what a fleet view groups by in labels.
         self.info = Gauge(
             "bistouri_agent_info",
@@ -66,44 +48,9 @@ class AgentMetrics:
             ["version", "kernel_release", "frequency_hz"],
             registry=r,
         )
-        self.samples = Counter(
-            "bistouri_samples_total", "Stack samples aggregated into sessions, by kind", ["kind"], registry=r
-        )
-        self.samples_unmatched = Counter(
-            "bistouri_samples_unmatched_total", "Samples of a process with no running session", registry=r
-        )
-        self.user_frames = Counter(
-            "bistouri_user_frames_total",
-            "User frames by class (resolved, vdso, jit; unmapped by reason: jit_unnamed, no_mapping, "
-            "process_gone, no_access, corrupted)",
-            ["kind"],
-            registry=r,
-        )
-        self.traces_dropped = Counter(
-            "bistouri_traces_dropped_total",
-            "Distinct stacks not held, by reason (session_full, memory)",
-            ["reason"],
-            registry=r,
-        )
-        self.capture_bytes = Gauge(
-            "bistouri_capture_bytes",
-            "Estimated memory held by the stacks of running sessions (bound: --capture-max-bytes)",
-            registry=r,
-        )
-        self.recorder_bytes = Gauge(
-            "bistouri_recorder_bytes",
-            "Estimated memory held by the flight recorder's samples (bound: --recorder-max-bytes)",
-            registry=r,
-        )
         self.episode_dropped = Counter(
             "bistouri_episode_dropped_total",
             "Episode report rows left out: cgroups_scan_limit, victims, aggressors",
-            ["reason"],
-            registry=r,
-        )
-        self.recorder_dropped = Counter(
-            "bistouri_recorder_dropped_total",
-            "Flight-recorder samples let go early (memory) or processes not recorded (filter_full)",
             ["reason"],
             registry=r,
         )
@@ -139,12 +86,6 @@ class AgentMetrics:
             "bistouri_metrics_connections_dropped_total",
             "Connections to the metrics port closed unanswered, by reason (timeout, overflow, too_large)",
             ["reason"],
-            registry=r,
-        )
-        self.session_samples = Histogram(
-            "bistouri_session_samples",
-            "Samples per finished session",
-            buckets=(1, 10, 50, 100, 500, 1000, 5000, 20000),
             registry=r,
         )
 

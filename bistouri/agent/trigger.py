@@ -25,7 +25,8 @@ from ..capture.events import ExecMatch
 from ..host import procfs
 from ..host.psi import PsiEvent, PsiLoop
 from ..logtext import RateLimited
-from .config import ResourceTrigger, Target, TriggerConfig
+from ..pressure import ResourceTrigger
+from .config import Target, TriggerConfig
 from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .matcher import CommMatcher
 from .metrics import AgentMetrics

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .. import wire
-from ..agent.metrics import AgentMetrics
 from ..bpf import abi
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
 from .episode import EpisodeProbe, EpisodeStart
 from .events import StackSample, split_stacks
+from .metrics import CaptureMetrics
 from .recorder import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .recorder import FlightRecorder
 
@@ -126,7 +126,7 @@ class CaptureOrchestrator:
         self,
         pid_filter: PidFilter,
         sink: SessionSink,
-        metrics: AgentMetrics,
+        metrics: CaptureMetrics,
         kernel: KernelMeta,
         *,
         tenant: str,

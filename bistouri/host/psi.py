@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from ..agent.config import STALLS, ResourceTrigger, stall_threshold_us
+from ..pressure import STALLS, ResourceTrigger, stall_threshold_us
 
 log = logging.getLogger(__name__)
 

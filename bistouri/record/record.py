@@ -71,9 +71,7 @@ class PressureRule:
 
 
 def parse_on_pressure(text: str) -> list[PressureRule]:
-    from ..agent.config import (
-        RESOURCES,  # config imports yaml: not before sampling starts without --on-pressure
-    )
+    from ..pressure import RESOURCES
 
     rules = []
     for part in text.split(","):
@@ -249,8 +247,8 @@ def _wait_for_pressure(
     rules: list[PressureRule], targets: Targets, cgroup_root: str | None, args, progress
 ) -> wire.Trigger:
     from .. import wire
-    from ..agent.config import ResourceTrigger
     from ..host.psi import PsiLoop
+    from ..pressure import ResourceTrigger
 
     pids = targets.current()
     cgroup = "/"
@@ -472,9 +470,9 @@ def _capture(
 
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from .. import wire
-    from ..agent.metrics import AgentMetrics
     from ..capture.capture import CaptureOrchestrator
     from ..capture.episode import EpisodeProbe
+    from ..capture.metrics import CaptureMetrics
     from ..host.cgroupfs import find_mounts
 
     agent.attach_rest()  # the off-CPU program, loaded meanwhile
@@ -483,7 +481,7 @@ def _capture(
     orch = CaptureOrchestrator(
         agent,
         _NoSink(),
-        AgentMetrics(registry=None),
+        CaptureMetrics(registry=None),
         _kernel_meta(args.proc_path),
         tenant="",
         host=os.uname().nodename,

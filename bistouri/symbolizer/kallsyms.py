@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from ..errors import BistouriError
-from ..host.kernel import LoadedCodeDigest
+from ..wire.snapshot import LoadedCodeDigest
 from . import tempfiles
 from .sources import check_build_id
 
@@ -170,7 +170,7 @@ class KallsymsIndex:
         self._mods = mods
         self._modules = modules
         self.text_addr = text_addr  # runtime _text of the boot that wrote the snapshot
-        # The modules and BPF programs it lists (kernel.LoadedCodeDigest): an agent with others uploads.
+        # The modules and BPF programs it lists (wire/snapshot.py): an agent with others uploads.
         self.loaded_code = loaded_code
 
     def __len__(self) -> int:

@@ -42,8 +42,8 @@ from . import model
 from .demangle import demangle
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, Quarantine, SourceFrame
-from .service.tokens import upload_scope
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
+from .tenants import upload_scope
 
 log = logging.getLogger(__name__)
 

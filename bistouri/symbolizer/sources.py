@@ -36,7 +36,7 @@ import requests
 from prometheus_client import CollectorRegistry, Counter
 
 from ..elf import ELF_MAGIC, read_build_id
-from .service.tokens import TENANT_RE
+from .tenants import TENANT_RE
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,12 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
-if TYPE_CHECKING:
-    from ..host.psi import PsiEvent
-
-from ..agent.config import RESOURCES, STALLS
 from ..errors import WireError
+from ..pressure import RESOURCES, STALLS
 
 VERSION = 3
 # v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states
@@ -112,6 +109,30 @@ class Trace:
     wait: int = WAIT_D  # (v3) what the off-CPU counts waited in (WAIT_*)
 
 
+class FiredTrigger(Protocol):
+    """What `Trigger.from_psi` reads of a PSI event (host.psi.PsiEvent): the wire format stays below the
+    host readers (tests/unit/test_layers.py)."""
+
+    @property
+    def resource(self) -> str: ...
+    @property
+    def stall(self) -> str: ...
+    @property
+    def threshold_us(self) -> int: ...
+    @property
+    def window_us(self) -> int: ...
+    @property
+    def time_ns(self) -> int: ...
+    @property
+    def avg10(self) -> float: ...
+    @property
+    def avg60(self) -> float: ...
+    @property
+    def avg300(self) -> float: ...
+    @property
+    def total_us(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Trigger:
     resource: str  # cpu | memory | io (a manual capture: the target's first resource)
@@ -127,7 +148,7 @@ class Trigger:
     kind: str = TRIGGER_PSI  # psi | manual
 
     @classmethod
-    def from_psi(cls, event: PsiEvent, cgroup: str) -> Trigger:
+    def from_psi(cls, event: FiredTrigger, cgroup: str) -> Trigger:
         """A session's trigger from the PSI event that fired; `cgroup` is relative to the cgroup2
         mount, "/" for system-wide."""
         return cls(

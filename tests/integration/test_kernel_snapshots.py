@@ -23,10 +23,11 @@ from bistouri import wire
 from bistouri.agent.exporter import Exporter
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
-from bistouri.host.kernel import loaded_code_digest, read_kallsyms, read_kernel_meta
+from bistouri.host.kernel import read_kallsyms, read_kernel_meta
 from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
+from bistouri.wire.snapshot import loaded_code_digest
 from tests.helpers import wait_until
 
 DEADLINE_S = 60.0

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.agent.config import ResourceTrigger
 from bistouri.host import procfs, psi
 from bistouri.host.psi import PsiEvent, PsiLoop
+from bistouri.pressure import ResourceTrigger
 
 pytestmark = [pytest.mark.requires_root]
 

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from bistouri.agent import config
-from bistouri.agent.config import ResourceTrigger, load_trigger_config, parse_trigger_config
+from bistouri.agent.config import load_trigger_config, parse_trigger_config
 from bistouri.errors import ConfigError
+from bistouri.pressure import ResourceTrigger
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "config"

@@ -6,8 +6,9 @@ import struct
 
 import pytest
 
-from bistouri.agent.config import ResourceTrigger, Rule, Target
+from bistouri.agent.config import Rule, Target
 from bistouri.agent.matcher import COMM_KEY, CommMatcher, lpm_key
+from bistouri.pressure import ResourceTrigger
 
 
 def target(rule_id: int, kind: str, comm: str) -> Target:

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import wire
+from bistouri import pressure, wire
 from bistouri.agent import config
-from bistouri.agent.config import ResourceTrigger
 from bistouri.host import psi
 from bistouri.host.psi import (
     Pressure,
@@ -24,6 +23,7 @@ from bistouri.host.psi import (
     parse_pressure,
     read_pressure,
 )
+from bistouri.pressure import ResourceTrigger
 
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
 
@@ -209,10 +209,11 @@ def test_event_to_trigger():
 
 
 def test_psi_does_not_import_the_wire_format():
-    # The trigger vocabulary lives in config.py; the session format stays wire.py's (issue 12).
+    # The PSI vocabulary lives in pressure.py, below both; the session format stays wire's (issue 12).
     tree = ast.parse(pathlib.Path(psi.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert "wire" not in imported and wire.RESOURCES is config.RESOURCES and wire.STALLS is config.STALLS
+    assert "wire" not in imported and wire.RESOURCES is pressure.RESOURCES is config.RESOURCES
+    assert wire.STALLS is pressure.STALLS is config.STALLS
 
 
 @pytest.mark.parametrize(
@@ -221,11 +222,11 @@ def test_psi_does_not_import_the_wire_format():
 def test_one_stall_formula_for_config_and_kernel_fallback(
     tmp_path, monkeypatch, threshold, window_us, stall_us
 ):
-    assert config.stall_threshold_us(threshold, window_us) == stall_us
+    assert pressure.stall_threshold_us(threshold, window_us) == stall_us
     # A window the kernel forces on us keeps the ratio through the same formula.
     monkeypatch.setattr(psi, "_two_second_windows", True)
     f = tmp_path / "cpu.pressure"
     f.write_bytes(b"")
     t = ResourceTrigger("cpu", threshold, window_ms=1000)
     with psi.PsiWatcher("k", str(f), t, 0) as w:
-        assert w.stall_us == config.stall_threshold_us(threshold, w.window_us) and w.trigger is t
+        assert w.stall_us == pressure.stall_threshold_us(threshold, w.window_us) and w.trigger is t

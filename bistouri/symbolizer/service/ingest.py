@@ -22,9 +22,9 @@ from ... import wire
 from ...errors import WireError
 from ..kallsyms import KallsymsError, KallsymsIndex, KallsymsStore, kernel_key
 from ..model import Profile
+from ..tenants import upload_scope
 from .metrics import Metrics
 from .store import Store, StoredSession, StoreError
-from .tokens import upload_scope
 from .uploads import Uploads
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The store's rows of uploads (uploads.py owns the files; these, their state shared by every worker and
 instance): claims, sizes and last uses per (tenant, build id, kind), the files' chunks on PostgreSQL, and
-the sessions waiting for a build id. `tenant` is an upload scope (tokens.upload_scope). A mixin of Store.
+the sessions waiting for a build id. `tenant` is an upload scope (tenants.upload_scope). A mixin of Store.
 """
 
 from __future__ import annotations

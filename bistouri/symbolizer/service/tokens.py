@@ -16,15 +16,13 @@ Tokens are compared in constant time. The files are read once, at start-up.
 from __future__ import annotations
 
 import hmac
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import BistouriError
+from ..tenants import TENANT_RE
 
 ANY_TENANT = "*"
-# The agent's --tenant-id: also a directory name under the uploads (uploads.py).
-TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 READ = "read"  # sessions, profiles, the UI's API
 WRITE = "write"  # ingest, claims, uploads, kernel snapshots
@@ -169,16 +167,3 @@ def check_distinct(tokens: Tokens) -> None:
             if v in seen and seen[v] != flag:
                 raise TokenFileError(f"{flag} and {seen[v]} share a token: give each kind its own")
             seen[v] = flag
-
-
-DEFAULT_TENANT = "default"  # the agent's --tenant-id when none is given
-NO_SCOPE = "_"  # sessions whose tenant is no valid name share this one; no token is bound to it
-
-
-def upload_scope(tenant: str) -> str:
-    """The upload scope of a session's tenant: its uploads serve its sessions only (uploads.py). A name of
-    the agent's form is its own scope, no tenant the agent's default; anything else falls in NO_SCOPE,
-    which no valid name can collide with."""
-    if not tenant:
-        return DEFAULT_TENANT
-    return tenant if TENANT_RE.fullmatch(tenant) else NO_SCOPE

@@ -43,8 +43,8 @@ from ...elf import ELF_MAGIC, read_build_id
 from ...errors import BistouriError
 from .. import tempfiles
 from ..sources import DEBUGINFO, EXECUTABLE, KINDS, check_build_id
+from ..tenants import DEFAULT_TENANT, TENANT_RE
 from .store import Store
-from .tokens import DEFAULT_TENANT, TENANT_RE
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.host.kernel import loaded_code_digest
 from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsStore, parse_kallsyms
+from bistouri.wire.snapshot import loaded_code_digest
 
 from .helpers import FIXTURE_SRC
 

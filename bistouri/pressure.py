@@ -1,0 +1,40 @@
+"""The words of PSI (pressure stall information) that every layer shares.
+
+The kernel's names for what stalls (cpu, memory, io) and how (some, full), and a PSI trigger as one value:
+the config parses it, psi.py writes it to the kernel, the wire format carries its names. It sits in the
+base layer, below all three, so that none of them imports another for a tuple of words (the decoder must
+not pull in the config's PyYAML; psi.py does not need the session format).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESOURCES = ("cpu", "memory", "io")
+STALLS = ("some", "full")
+DEFAULT_WINDOW_MS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceTrigger:
+    """One PSI trigger: fire when `stall` time exceeds `threshold` % of a `window_ms` window."""
+
+    resource: str  # cpu | memory | io
+    threshold: float  # percent of the window, 0 < t < 100
+    stall: str = "some"  # some | full
+    window_ms: int = DEFAULT_WINDOW_MS
+
+    @property
+    def window_us(self) -> int:
+        return self.window_ms * 1000
+
+    @property
+    def stall_us(self) -> int:
+        """Stall time per window written to the kernel."""
+        return stall_threshold_us(self.threshold, self.window_us)
+
+
+def stall_threshold_us(threshold: float, window_us: int) -> int:
+    """The one formula for a trigger's stall time: `threshold` % of the window, in whole microseconds
+    (truncated; at least 1, the kernel refuses 0). Also used for a window the kernel forced on us."""
+    return max(1, int(window_us * threshold / 100.0))
