@@ -104,9 +104,11 @@ bpf: $(BPF_OBJ)
 fixtures: | deps-demo
 	$(MAKE) -s -C tests/fixtures
 
+# The layers contract (which package may import which) is a test: lint runs it alone, in about a second.
 lint: venv
 	$(VENV)/bin/ruff check bistouri tests bench
 	$(VENV)/bin/ruff format --check bistouri tests bench
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 typecheck: venv
 	$(VENV)/bin/mypy
