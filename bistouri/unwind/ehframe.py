@@ -9,7 +9,7 @@ caller's RBP was saved. On x86-64 the return address is at CFA - 8; a file
 whose CFI says otherwise gets rows the walk treats as "no table here".
 
 Stdlib only (the agent's core has no compiled dependency); the ELF sections
-come from `symbolizer.elf`, which is pure Python too.
+come from `bistouri.elf`, which is pure Python too.
 
 Row kinds (`CfaKind`) mirror `enum bistouri_cfa_kind` in bpf/bistouri.h.
 

@@ -11,6 +11,7 @@ import pytest
 
 from bistouri import wire
 from bistouri.errors import WireError
+from bistouri.wire import decode as wire_decode
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
 GOLDEN_V2 = GOLDEN.with_name("session-v2.msgpack")  # written by VERSION 2: no episode, no wait states
@@ -211,9 +212,9 @@ def test_object_count_is_the_decoders():
     m = wire.session_to_wire(sample_session(n_stacks=40))
     n = wire.count_objects(m)
     data = msgpack.packb(m, use_bin_type=True)
-    wire._Reader(data, max_objects=n).session()  # exactly enough
+    wire_decode._Reader(data, max_objects=n).session()  # exactly enough
     with pytest.raises(WireError, match="msgpack values"):
-        wire._Reader(data, max_objects=n - 1).session()
+        wire_decode._Reader(data, max_objects=n - 1).session()
 
 
 def test_a_session_too_large_for_one_request_keeps_its_heaviest_traces():

@@ -1,0 +1,235 @@
+"""The session as values: its dataclasses, the format's version, its vocabularies and the limits the
+decoder enforces (docs/wire-format.md, docs/api.md "Limits").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+VERSION = 3
+# v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states
+READABLE_VERSIONS = (1, 2, 3)
+
+# User frame kinds, as sent on the wire.
+FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
+FRAME_VDSO = 1  # raw IP inside the process's vDSO
+FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
+FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
+FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
+
+# What started a session: a PSI event, or an operator asking the agent (capture now).
+TRIGGER_PSI = "psi"
+TRIGGER_MANUAL = "manual"
+TRIGGER_KINDS = (TRIGGER_PSI, TRIGGER_MANUAL)
+
+MAX_U64 = (1 << 64) - 1
+
+# (v3) What an off-CPU trace waited in: the 6th element of a trace row, absent for D. The one
+# vocabulary of wait states: the API's and the UI's state names are WAIT_NAMES' values.
+WAIT_D = 0  # uninterruptible (D) wait, the only kind before v3
+WAIT_S = 1  # interruptible sleep (S): futex, locks, poll, sleeps
+WAIT_RECLAIM = 2  # direct reclaim or compaction
+WAIT_RUNQUEUE = 3  # runnable, waiting for a CPU (preempted, or woken and not yet running)
+WAIT_STATES = (WAIT_D, WAIT_S, WAIT_RECLAIM, WAIT_RUNQUEUE)
+WAIT_NAMES = {WAIT_D: "D", WAIT_S: "S", WAIT_RECLAIM: "reclaim", WAIT_RUNQUEUE: "runqueue"}
+MAX_VICTIMS = 1024  # episode rows the decoder accepts (the agent keeps 256 / 20)
+MAX_AGGRESSORS = 256
+
+# Limits of what the decoder accepts: it runs on untrusted input. docs/api.md ("Limits") quotes them.
+MAX_SESSIONS_PER_BATCH = 1000
+# msgpack values one request may hold, every element of every array and map counted: each costs a
+# worker ~60 bytes decoded, and a byte of gzip'd msgpack can hold ~1000 of them (empty arrays).
+MAX_BATCH_OBJECTS = 3_000_000
+# One session must fit a request alone, with room for the batch around it (encode_session_to_fit).
+MAX_SESSION_OBJECTS = MAX_BATCH_OBJECTS * 9 // 10
+# The symbolization work of one request (`work_of`): at these a worker spends at most ~2 s and
+# ~150 MB. The symbolizer refuses a session over them (413) and puts off the rest of a batch past
+# them; the agent leaves the lightest stacks out of a session over them (encode_session_to_fit).
+MAX_FRAMES_PER_REQUEST = 50_000  # distinct kernel + user frames
+MAX_STACKS_PER_REQUEST = 50_000  # distinct stacks
+MAX_STACK_ENTRIES_PER_REQUEST = 500_000  # frames in all the stacks, counted once per stack
+MAX_STR_BYTES = 16384  # any string, in UTF-8 bytes; the text fields have tighter limits below
+MAX_BIN_LEN = 64  # build ids
+MAX_USER_FRAMES = 1024  # per stack; the agent's BPF program collects at most 127
+MAX_KERNEL_FRAMES = 512  # per stack; the kernel's limit (sysctl kernel.perf_event_max_stack) is 127
+# Any array inside a table row (a stack's frames, a trace): past the frame limits, so that a stack a
+# little too deep is refused alone, with its session named, and a huge one ends the whole request.
+MAX_ARRAY_LEN = 2 * MAX_USER_FRAMES
+MAX_LABELS = 64
+MAX_MAP_LEN = 2 * MAX_LABELS  # any map (a session's fields, labels, trigger): past MAX_LABELS, as arrays
+MAX_LABEL_KEY_CHARS = 128
+MAX_LABEL_VALUE_CHARS = 1024
+MAX_NAME_CHARS = 256  # tenant, service, host
+MAX_COMM_CHARS = 64  # process and thread names; the kernel's TASK_COMM_LEN is 16
+MAX_CGROUP_CHARS = 4096  # the kernel's PATH_MAX
+MAX_RELEASE_CHARS = 256  # uname -r; the kernel's is 64
+MAX_SESSION_ID_CHARS = 64
+MAX_MAPPING_NAME_CHARS = 256  # a mapped file's base name (NAME_MAX is 255)
+MAX_JIT_NAME_CHARS = 1024  # a perf-map name (node's carry the script path and position)
+
+
+@dataclass(frozen=True, slots=True)
+class UserFrame:
+    kind: int  # FRAME_*
+    build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
+    address: int  # file offset when resolved, raw IP otherwise
+    name: str = ""  # resolved: the mapped file's basename; jit: the function's name
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """One distinct stack of one thread, with its counts. Frames are leaf first."""
+
+    kernel: tuple[int, ...]
+    user: tuple[UserFrame, ...]
+    pid: int
+    tid: int
+    on_cpu: int = 0
+    off_cpu: int = 0
+    off_cpu_ns: int = 0
+    pre_trigger: bool = False  # sampled by the flight recorder before the trigger
+    wait: int = WAIT_D  # (v3) what the off-CPU counts waited in (WAIT_*)
+
+
+class FiredTrigger(Protocol):
+    """What `Trigger.from_psi` reads of a PSI event (host.psi.PsiEvent): the wire format stays below the
+    host readers (tests/unit/test_layers.py)."""
+
+    @property
+    def resource(self) -> str: ...
+    @property
+    def stall(self) -> str: ...
+    @property
+    def threshold_us(self) -> int: ...
+    @property
+    def window_us(self) -> int: ...
+    @property
+    def time_ns(self) -> int: ...
+    @property
+    def avg10(self) -> float: ...
+    @property
+    def avg60(self) -> float: ...
+    @property
+    def avg300(self) -> float: ...
+    @property
+    def total_us(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Trigger:
+    resource: str  # cpu | memory | io (a manual capture: the target's first resource)
+    stall: str = "some"  # some | full
+    threshold_us: int = 0
+    window_us: int = 0
+    cgroup: str = ""  # cgroup2 path relative to the mount, "/" for system-wide
+    time_ns: int = 0  # wall clock of the PSI event
+    avg10: float = 0.0
+    avg60: float = 0.0
+    avg300: float = 0.0
+    total_us: int = 0
+    kind: str = TRIGGER_PSI  # psi | manual
+
+    @classmethod
+    def from_psi(cls, event: FiredTrigger, cgroup: str) -> Trigger:
+        """A session's trigger from the PSI event that fired; `cgroup` is relative to the cgroup2
+        mount, "/" for system-wide."""
+        return cls(
+            resource=event.resource,
+            stall=event.stall,
+            threshold_us=event.threshold_us,
+            window_us=event.window_us,
+            cgroup=cgroup,
+            time_ns=event.time_ns,
+            avg10=event.avg10,
+            avg60=event.avg60,
+            avg300=event.avg300,
+            total_us=event.total_us,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """(v3) One watched thread's time by state over the episode (episode.py)."""
+
+    pid: int
+    tid: int
+    comm: str
+    on_cpu_ns: int = 0
+    runqueue_ns: int = 0  # runnable, waiting for a CPU
+    blocked_d_ns: int = 0
+    blocked_s_ns: int = 0
+    reclaim_ns: int = 0  # direct reclaim and compaction (overlaps the states above)
+
+    @property
+    def stall_ns(self) -> int:
+        """What PSI counts as stalled: waiting for a CPU, for I/O (D), for memory (reclaim)."""
+        return self.runqueue_ns + self.blocked_d_ns + self.reclaim_ns
+
+
+@dataclass(frozen=True, slots=True)
+class Aggressor:
+    """(v3) What one cgroup used over the episode (episode.py)."""
+
+    cgroup: str  # relative to the cgroup2 mount
+    cpu_ns: int = 0
+    io_bytes: int = 0
+    io_ops: int = 0
+    memory_bytes: int = 0  # growth of memory.current
+    reclaim_bytes: int = 0  # reclaimed from it (memory.stat pgsteal)
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """(v3) Who waited and who used the machine, over the session's window, ranked."""
+
+    victims: tuple[Victim, ...] = ()
+    aggressors: tuple[Aggressor, ...] = ()
+
+
+@dataclass(slots=True)
+class UnwindSummary:
+    """How a session's user stacks were walked, weighted by samples: the data-quality note."""
+
+    # user frames by how they were unwound: "table" (.eh_frame rows) or "frame_pointer"
+    frames: dict[str, int] = field(default_factory=dict)
+    # samples by why their user walk ended: entry (the whole stack), no_frame_pointer,
+    # read_failed, max_depth, bad_frame (abi.WALK_ENDS)
+    walks: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, dict[str, int]]:
+        return {"frames": dict(self.frames), "walks": dict(self.walks)}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelInfo:
+    release: str = ""
+    build_id: bytes = b""
+    text_addr: int = 0  # runtime address of _text (KASLR-corrected base)
+    boot_id: bytes = b""  # /proc/sys/kernel/random/boot_id (16 bytes): its kallsyms snapshot is this boot's
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    trigger: Trigger
+    kernel: KernelInfo
+    start_ns: int  # wall clock
+    duration_ns: int
+    period_ns: int  # sampling period of the on-CPU sampler
+    tenant: str = ""
+    service: str = ""
+    host: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    processes: dict[int, str] = field(default_factory=dict)  # pid -> comm
+    threads: dict[int, str] = field(default_factory=dict)  # tid -> thread name
+    traces: list[Trace] = field(default_factory=list)
+    # How long before the trigger the session starts (flight-recorder samples): start_ns is
+    # trigger time minus this; traces with pre_trigger=True were sampled in it.
+    pre_trigger_ns: int = 0
+    unwind: UnwindSummary = field(default_factory=UnwindSummary)
+    episode: Episode | None = None  # (v3) absent from older sessions and manual ones without it
+
+    @property
+    def total_samples(self) -> int:
+        return sum(t.on_cpu + t.off_cpu for t in self.traces)
