@@ -14,6 +14,7 @@ kernel snapshots' digest both ends compute. Its names are re-exported here: `wir
 
 from __future__ import annotations
 
+from ..pressure import RESOURCES, STALLS  # the trigger's vocabulary, validated by the decoder
 from .decode import (
     decode_batch,
     decode_session,
@@ -128,6 +129,8 @@ __all__ = [
     "MAX_USER_FRAMES",
     "MAX_VICTIMS",
     "READABLE_VERSIONS",
+    "RESOURCES",
+    "STALLS",
     "TRIGGER_KINDS",
     "TRIGGER_MANUAL",
     "TRIGGER_PSI",
