@@ -77,25 +77,23 @@ static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, bool w
 		emit_stack(ev, wake ? BPF_RB_FORCE_WAKEUP : wakeup_flags());
 		return 0;
 	}
-	if (cfg.aggregate) {
-		key.tid = ev->tid;
-		key.kernel_hash = ev->kernel_hash;
-		key.user = ev->user_key;
-		if (bpf_map_lookup_elem(&known_samples, &key)) {
+	key.tid = ev->tid;
+	key.kernel_hash = ev->kernel_hash;
+	key.user = ev->user_key;
+	if (bpf_map_lookup_elem(&known_samples, &key)) {
+		seen = bpf_map_lookup_elem(&on_cpu_counts, &key);
+		if (!seen) {
+			/* First repeat since the last drain (or another CPU's, if it won). */
+			bpf_map_update_elem(&on_cpu_counts, &key, &zero, BPF_NOEXIST);
 			seen = bpf_map_lookup_elem(&on_cpu_counts, &key);
-			if (!seen) {
-				/* First repeat since the last drain (or another CPU's, if it won). */
-				bpf_map_update_elem(&on_cpu_counts, &key, &zero, BPF_NOEXIST);
-				seen = bpf_map_lookup_elem(&on_cpu_counts, &key);
-			}
-			if (seen) {
-				__sync_fetch_and_add(seen, 1);
-				return 0;
-			}
-			/* The count map is full: send this one whole. */
-		} else {
-			marked = !bpf_map_update_elem(&known_samples, &key, &one, BPF_ANY);
 		}
+		if (seen) {
+			__sync_fetch_and_add(seen, 1);
+			return 0;
+		}
+		/* The count map is full: send this one whole. */
+	} else {
+		marked = !bpf_map_update_elem(&known_samples, &key, &one, BPF_ANY);
 	}
 	if (!emit_stack(ev, wakeup_flags()) && marked) /* its repeats would have no stack to count into */
 		bpf_map_delete_elem(&known_samples, &key);

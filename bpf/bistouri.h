@@ -191,7 +191,7 @@ struct bistouri_config {
 	__u64 runqueue_interval_ns; /* per-process minimum gap between run-queue wait stacks */
 	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
 	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
-	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
+	__u32 reserved;           /* 0 (was `aggregate`, a switch only a test used) */
 };
 
 /*

@@ -18,7 +18,6 @@ const volatile struct bistouri_config cfg = {
 	.runqueue_interval_ns = 50000000,
 	.wakeup_bytes = 128 << 10,
 	.tp_btf_skip = 2,
-	.aggregate = 1,
 };
 
 /*
@@ -57,16 +56,19 @@ struct {
 	__type(value, __u32);
 } comm_rules SEC(".maps");
 
+/* Stack events of every kind (struct bistouri_stack_event), drained by the ring thread. */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 512 << 10); /* resized at load from CPUs x frequency */
 } stack_events SEC(".maps");
 
+/* Execs of comms matching a rule (struct bistouri_exec_event). */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 256 << 10);
 } exec_events SEC(".maps");
 
+/* Losses the programs report with their reason (struct bistouri_error_event). */
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 64 << 10);
@@ -261,6 +263,7 @@ struct {
 
 /* ---- The episode hooks (episode.bpf.h) ---- */
 
+/* tid -> the watched thread's time by state; user space reads it at the episode's end. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 8192);
@@ -268,6 +271,7 @@ struct {
 	__type(value, struct bistouri_thread_times);
 } thread_times SEC(".maps");
 
+/* The episode hooks' own activity and loss counters (enum bistouri_episode_counter). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, BISTOURI_EPC_MAX);
@@ -295,6 +299,7 @@ struct {
 	__type(value, __u64);
 } runqueue_last SEC(".maps");
 
+/* tid -> stack taken when a reclaim or compaction began, sent when it ends. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 1024);
@@ -303,6 +308,7 @@ struct {
 	__type(value, struct bistouri_stack_event);
 } reclaim_pending SEC(".maps");
 
+/* Where the episode hooks build a stack event (too large for the BPF stack). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, 1);
