@@ -80,7 +80,7 @@ class ProfilerOptions:
     sampler_first: bool = False
 
 
-# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
+# The episode hooks (bpf/episode.bpf.h) -> their tracepoint. The scheduler
 # ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
 # then left out (their time stays 0) rather than failing the load.
 EPISODE_TRACEPOINTS = {
