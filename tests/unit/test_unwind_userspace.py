@@ -3,9 +3,9 @@
 No root, no kernel: tests/fixtures/unwind/walk_host.c includes the object's own step
 and replaces only what in BPF is a map (the stack read, the rule search). Two kinds of
 case: stacks synthesized with known frames (every rule kind, every way a walk ends),
-and a stack recorded once from a real Debian python3.11 (tests/fixtures/unwind/record_case.py:
-registers, the stack window, gdb's backtrace as the truth), replayed against the rows
-our table builder makes from the same binaries.
+and stacks recorded once from Debian's python3.11 and xz (tests/fixtures/unwind/record_case.py:
+registers, the stack window, gdb's backtrace as the truth), replayed against the rows our
+table builder makes from the same binaries (skipped where those are another build).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _step(host, rule: Rule, regs: tuple[int, int, int], stack: Stack) -> tuple[i
     return host.host_step(ctypes.byref(w), ctypes.byref(rule)), w
 
 
-@pytest.mark.parametrize(("offset", "pushed"), [(2, 0), (6, 8), (10, 0)])
+@pytest.mark.parametrize(("offset", "pushed"), [(0, 0), (3, 0), (4, 8), (9, 8), (10, 0)])
 def test_a_perf_trampoline_copy_is_unwound_by_its_offset(host, offset, pushed):
     """sub $8,%rsp (4 bytes); call *%rcx (2); add $8,%rsp (4); ret: 8 more on the stack in [4, 10)."""
     s = Stack(BASE, 256)
@@ -307,10 +307,19 @@ def _tables_of(case: dict) -> list[Table]:
     return tables
 
 
-def test_a_recorded_python_stack_unwinds_as_gdb_does(host):
-    """Debian's python3.11 (no frame pointers) asleep in time.sleep: clock_nanosleep in libc,
-    the interpreter's C frames, down to _start; every frame by .eh_frame rows."""
-    case, stack = _recorded("python311")
+@pytest.mark.parametrize(
+    "name",
+    [
+        # Debian's python3.11 asleep in time.sleep: clock_nanosleep in libc, the interpreter's C frames.
+        "python311",
+        # Debian's xz -9e stopped wherever it was while compressing: 9 frames in liblzma, then xz, libc.
+        "xz_1",
+        "xz_2",
+    ],
+)
+def test_a_recorded_stack_unwinds_as_gdb_does(host, name):
+    """Files built without frame pointers: every frame by .eh_frame rows, down to _start."""
+    case, stack = _recorded(name)
     regs = case["regs"]
     got = _walk(host, (regs["rip"], regs["rsp"], regs["rbp"]), stack, case["stack_base"], _tables_of(case))
     assert [hex(ip) for ip in got.ips] == [hex(pc) for pc in case["gdb_frames"]]
