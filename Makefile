@@ -10,7 +10,8 @@ ARCH := x86
 CLANG ?= clang
 BPF_OBJ := bistouri/bpf/_bpfobj/bistouri.bpf.o
 BPF_SRC := bpf/bistouri.bpf.c
-BPF_HDR := bpf/bistouri.h bpf/core_fixes.bpf.h
+# Every header under bpf/ (bistouri.h, unwind_step.h, *.bpf.h): the object rebuilds when any changes.
+BPF_HDR := $(wildcard bpf/*.h)
 BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -D__TARGET_ARCH_$(ARCH) \
 	-Ibpf -Ibpf/vmlinux/$(ARCH)
 

@@ -2,7 +2,7 @@
 /*
  * Structures shared between the BPF programs and the Python agent.
  *
- * Every struct here has a ctypes mirror in bistouri/abi.py. tests/bpf/test_abi.py
+ * Every struct here has a ctypes mirror in bistouri/bpf/abi.py. tests/bpf/test_abi.py
  * compares sizes and field offsets of the mirrors with the BTF of the built
  * object, so a field added on one side only fails the test suite.
  * Fixed-width types and explicit padding only: the layout must not depend on
@@ -60,7 +60,7 @@ enum bistouri_counter {
 	BISTOURI_CNT_MAX = 19,
 };
 
-/* How a row finds the CFA (bistouri/ehframe.py CfaKind). */
+/* How a row finds the CFA (bistouri/unwind/ehframe.py CfaKind). */
 enum bistouri_cfa_kind {
 	BISTOURI_CFA_NONE = 0,   /* no CFI covers the PC: frame pointer */
 	BISTOURI_CFA_RSP = 1,    /* CFA = RSP + cfa_off */
@@ -72,7 +72,7 @@ enum bistouri_cfa_kind {
 	BISTOURI_CFA_TRAMPOLINE = 7, /* copies of a cfa_off-byte trampoline: RSP + 16 in [rbp_off & 0xff, rbp_off >> 8), else RSP + 8 */
 };
 
-/* Where the caller's RBP is (bistouri/ehframe.py RbpKind). */
+/* Where the caller's RBP is (bistouri/unwind/ehframe.py RbpKind). */
 enum bistouri_rbp_kind {
 	BISTOURI_RBP_UNCHANGED = 0,
 	BISTOURI_RBP_AT_CFA = 1, /* saved at CFA + rbp_off */
@@ -159,7 +159,7 @@ struct bistouri_stack_event {
 	__u8 reserved[5];
 	__u8 comm[BISTOURI_COMM_LEN];
 	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
-	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/procmaps.py) */
+	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/host/procmaps.py) */
 };
 
 /* A process whose new comm matched a rule of the LPM trie at exec. */
@@ -191,7 +191,7 @@ struct bistouri_config {
 	__u64 runqueue_interval_ns; /* per-process minimum gap between run-queue wait stacks */
 	__u64 wakeup_bytes;       /* force a consumer wakeup past this much queued data */
 	__u32 tp_btf_skip;        /* kernel frames to skip in tp_btf programs */
-	__u32 aggregate;          /* 1: count repeated on-CPU samples in the kernel */
+	__u32 reserved;           /* 0 (was `aggregate`, a switch only a test used) */
 };
 
 /*

@@ -159,7 +159,7 @@ class Config(Structure):
         ("runqueue_interval_ns", c_uint64),
         ("wakeup_bytes", c_uint64),
         ("tp_btf_skip", c_uint32),
-        ("aggregate", c_uint32),
+        ("reserved", c_uint32),
     ]
 
 

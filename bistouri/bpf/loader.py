@@ -51,7 +51,6 @@ class ProfilerOptions:
     # Run-queue wait stacks (episode report): at most 20/s per process. Each carries the delays of
     # the preemptions skipped before it; at every tick they cost the agent as much as its samples.
     runqueue_interval_ns: int = 50_000_000
-    aggregate: bool = True  # count repeated on-CPU samples in the kernel (one event per stack per drain)
     wakeup_bytes: int = 0  # 0: a quarter of the ring
     # While a session runs. Longer means fewer drains and fewer weighted samples (a repeated stack
     # is one event per drain); sessions drain the ring as they start and end (catch_up), so none
@@ -82,7 +81,7 @@ class ProfilerOptions:
     sampler_first: bool = False
 
 
-# The episode hooks (bpf/bistouri.bpf.c, "Episode report") -> their tracepoint. The scheduler
+# The episode hooks (bpf/episode.bpf.h) -> their tracepoint. The scheduler
 # ones exist everywhere; a kernel built without memcg or compaction lacks the others, which are
 # then left out (their time stays 0) rather than failing the load.
 EPISODE_TRACEPOINTS = {
@@ -211,7 +210,6 @@ def _configure(
         runqueue_interval_ns=o.runqueue_interval_ns,
         wakeup_bytes=o.wakeup_bytes or ring // 4,
         tp_btf_skip=2,  # the BPF program itself and bpf_trace_run4
-        aggregate=1 if o.aggregate else 0,
     )
     obj.write_rodata("cfg", bytes(cfg))
     for name, prog in obj.programs.items():

@@ -4,7 +4,7 @@ A session's episode has two halves, both measured over the session's own window
 (a snapshot when it starts, another when it ends, and their difference):
 
 - victims: the watched threads' time by state, counted by the BPF episode hooks
-  (`thread_times`, bpf/bistouri.bpf.c): on-CPU, waiting for a CPU (run-queue),
+  (`thread_times`, bpf/episode.bpf.h): on-CPU, waiting for a CPU (run-queue),
   blocked uninterruptible (D) and interruptible (S), and in direct reclaim or
   compaction. Ranked by stall time (run-queue + D + reclaim: what PSI counts).
 - aggressors: the leaf cgroups of the cgroup2 tree, and "/" for the root's own

@@ -378,7 +378,7 @@ class ProfilerAgent:
     def _on_stack(self, data: bytes) -> None:
         sample = decode_stack(data, self.maps, self.resolved)
         self._batch.append(sample)
-        if self.options.aggregate and (key := counted_sample_key(data, sample)) is not None:
+        if (key := counted_sample_key(data, sample)) is not None:
             # The kernel counts this sample's repeats under its key: keep it to weigh them on.
             self.sent.remember(key, sample)
 
@@ -426,8 +426,7 @@ class ProfilerAgent:
                 self._flush_batch()
                 if n < self.options.batch_budget:
                     break
-            if self.options.aggregate:
-                total += self._take_counts()
+            total += self._take_counts()
             return total
         finally:
             self._flush_batch()

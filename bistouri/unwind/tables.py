@@ -524,7 +524,7 @@ class UnwindTables:
 
     def _tables_changed(self) -> None:
         """After each write to the tables (lock held): retires every rule BPF cached from the old ones
-        (rule_cache in bistouri.bpf.c). A walk reads the generation before the tables, so a rule
+        (rule_cache in bpf/maps.bpf.h). A walk reads the generation before the tables, so a rule
         found halfway through a write is cached under the old number."""
         self._generation += 1
         self._generation_map.update(_GENERATION_KEY, _GENERATION.pack(self._generation))

@@ -153,10 +153,11 @@ def _edges(chains: list[Chain]) -> set[tuple[tuple[str, int | None], tuple[str, 
 
 def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, int]:
     """(our share reaching the entry, perf's, share of our caller->callee edges perf saw too, samples)."""
-    # Every sample sent whole (no counts in the kernel): each one is judged. Tables built at once
-    # (the agent builds them at nice 19: on a busy test machine that is minutes).
+    # Repeats counted in the kernel arrive as weighed copies of their first sample: every sample
+    # is judged, by weight. Tables built at once (the agent builds them at nice 19: on a busy
+    # test machine that is minutes).
     opts = ProfilerOptions(
-        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
     with ProfilerAgent(opts) as agent:
         agent.start()
@@ -176,7 +177,10 @@ def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, i
 
         def enough() -> bool:
             events.extend(agent.take())  # the queue is bounded: consumed as it fills
-            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+            return (
+                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
+                >= SAMPLES
+            )
 
         try:
             assert wait_until(enough, 120), "samples taken"
@@ -298,7 +302,7 @@ def _child_named(pid: int, comm: str) -> int:
 
 def _ours_only(pid: int, files: _Files) -> list[Chain]:
     opts = ProfilerOptions(
-        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
     with ProfilerAgent(opts) as agent:
         agent.start()
@@ -310,7 +314,10 @@ def _ours_only(pid: int, files: _Files) -> list[Chain]:
 
         def enough() -> bool:
             events.extend(agent.take())
-            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+            return (
+                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
+                >= SAMPLES
+            )
 
         assert wait_until(enough, 120), "samples taken"
         agent.close()
@@ -364,7 +371,7 @@ def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[s
     """Per sample (weighted), the JIT names of its user frames (leaf first) and whether its
     outermost frame is an entry of its file's CFI (`_start`, `clone3`)."""
     opts = ProfilerOptions(
-        freq_hz=199, offcpu=False, exec_discovery=False, aggregate=False, unwind_cpu_share=1.0, unwind_nice=0
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
     files = _Files()
     with ProfilerAgent(opts) as agent:
@@ -379,7 +386,10 @@ def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[s
 
         def enough() -> bool:
             events.extend(agent.take())
-            return sum(isinstance(e, StackSample) and e.timestamp_ns > ready for e in events) >= SAMPLES
+            return (
+                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
+                >= SAMPLES
+            )
 
         assert wait_until(enough, 120), "samples taken"
         out = []
@@ -451,7 +461,6 @@ def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], Pro
         freq_hz=freq_hz,
         offcpu=False,
         exec_discovery=False,
-        aggregate=False,
         unwind_cpu_share=1.0,
         unwind_nice=0,
     )

@@ -1,0 +1,366 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * What the scheduler and reclaim hooks do, apart from their entry points
+ * (bistouri.bpf.c):
+ *  - off-CPU waits (handle_sched_switch): a watched thread's uninterruptible
+ *    (D) sleeps, their stack taken at switch-out and sent at switch-in, timed;
+ *  - the episode report (handle_episode_*, handle_*reclaim*, handle_compaction_*):
+ *    every state a watched thread is in, timed, with stacks of its waits.
+ */
+#ifndef BISTOURI_EPISODE_BPF_H
+#define BISTOURI_EPISODE_BPF_H
+
+/* Task states, as include/linux/sched.h defines them (__state / state). */
+#define TASK_INTERRUPTIBLE 0x1
+#define TASK_UNINTERRUPTIBLE 0x2
+#define TASK_DEAD 0x80
+#define TASK_NOLOAD 0x400
+
+/* ---- Off-CPU waits (D state) ---- */
+
+/* The switched-in thread has a pending wait: time it and emit it. */
+static __always_inline void finish_wait(struct task_struct *next, __u64 now)
+{
+	__u32 tid = BPF_CORE_READ(next, pid);
+	struct bistouri_stack_event *pending;
+	__u64 blocked;
+
+	pending = bpf_map_lookup_elem(&offcpu_pending, &tid);
+	if (!pending)
+		return;
+	blocked = now - pending->timestamp_ns;
+	if (blocked < cfg.offcpu_min_ns) {
+		count(BISTOURI_CNT_OFFCPU_TOO_SHORT);
+	} else {
+		pending->blocked_ns = blocked;
+		if (emit_stack(pending, wakeup_flags()))
+			count(BISTOURI_CNT_OFF_CPU_SAMPLES);
+	}
+	bpf_map_delete_elem(&offcpu_pending, &tid);
+}
+
+/* A filtered thread goes to sleep uninterruptibly: capture its stack now. */
+static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u64 now)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32;
+	__u32 tid = (__u32)pid_tgid;
+	struct bistouri_stack_event *ev;
+	struct offcpu_limit *limit;
+	__u32 *flags, slot = SCRATCH_OFF_CPU;
+	__s64 skipped = 0;
+	long state;
+
+	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
+	if (!flags || !(*flags & BISTOURI_FILTER_OFF_CPU))
+		return;
+	state = get_task_state(prev);
+	if (!(state & TASK_UNINTERRUPTIBLE) || (state & TASK_NOLOAD))
+		return;
+
+	/*
+	 * Rate limit per process before the expensive part: an fsync storm
+	 * switches tens of thousands of times a second, and a build-id stack
+	 * capture at each one took 22 % of a CPU (measured).
+	 */
+	limit = bpf_map_lookup_elem(&offcpu_last, &tgid);
+	if (limit && now - limit->last_ns < cfg.offcpu_interval_ns) {
+		__sync_fetch_and_add(&limit->skipped, 1);
+		count(BISTOURI_CNT_OFFCPU_RATE_LIMITED);
+		return;
+	}
+	if (limit) {
+		/*
+		 * Read, then subtract what was read: skips counted meanwhile on other
+		 * CPUs stay for the next capture (plain XADD, no BPF v3 atomics). Two
+		 * threads capturing at once may both subtract and leave the count
+		 * negative: that is read as none until new skips fill the hole, so a
+		 * race loses a few skips and never inflates a weight.
+		 */
+		skipped = *(volatile __s64 *)&limit->skipped;
+		if (skipped > 0)
+			__sync_fetch_and_add(&limit->skipped, -skipped);
+		else
+			skipped = 0;
+		limit->last_ns = now;
+	} else {
+		struct offcpu_limit fresh = { .last_ns = now };
+
+		bpf_map_update_elem(&offcpu_last, &tgid, &fresh, BPF_NOEXIST);
+	}
+
+	ev = bpf_map_lookup_elem(&scratch, &slot);
+	if (!ev)
+		return;
+	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
+	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, true);
+	/* The wait starts now: the stack walk above is ours, not its. */
+	ev->timestamp_ns = bpf_ktime_get_ns();
+	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))
+		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, tgid, 0);
+}
+
+/*
+ * ---- Episode report (issue 12): victims' time by state. ----
+ * Programs of their own on the scheduler tracepoints, apart from the off-CPU
+ * sampler's (handle_sched_switch). Every hook looks up the tgid in pid_filter first and returns
+ * unless BISTOURI_EPISODE_FILTER_ON is set: an unwatched thread costs one hash lookup (none for the idle task).
+ * State machine per thread, timed at each transition:
+ *   switch-out: RUNNING -> RUNNABLE (preempted or still TASK_RUNNING), D or S
+ *   wakeup:     D/S -> RUNNABLE (the wait ends: blocked time by state)
+ *   switch-in:  RUNNABLE -> RUNNING (run-queue delay, as schedstat's run_delay)
+ * Reclaim and compaction are timed begin -> end on the thread itself.
+ *
+ * Stacks of the waits, in wait_pending (tid -> stack), sent when the wait ends:
+ *   S: taken at switch-out (per-thread rate limit), sent at wakeup as a SLEEP
+ *      event; the same stack then waits for the CPU as a RUNQUEUE one.
+ *   preempted: taken at switch-out (per-process rate limit) as a RUNQUEUE one.
+ *   switch-in: a RUNQUEUE stack is sent weighted by the run-queue delay the
+ *      thread accumulated since its last run-queue stack was sent (waits whose
+ *      stack was rate limited, D wakeups, this one): the weights of a thread's
+ *      run-queue stacks add up to its run-queue time, less what the last sent
+ *      stack has not carried yet (runqueue_unsent_ns).
+ */
+
+static __always_inline void episode_count(__u32 which)
+{
+	__u64 *val = bpf_map_lookup_elem(&episode_counters, &which);
+
+	if (val)
+		*val += 1;
+}
+
+static __always_inline bool episode_watched(__u32 tgid)
+{
+	__u32 *flags;
+
+	if (!tgid) /* the idle task: half of all switches on a quiet CPU */
+		return false;
+	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
+
+	return flags && (*flags & BISTOURI_EPISODE_FILTER_ON);
+}
+
+/* The thread's times, created (state unknown) on first sight; NULL if the map refuses. */
+static __always_inline struct bistouri_thread_times *thread_entry(__u32 tgid, __u32 tid,
+								  struct task_struct *task)
+{
+	struct bistouri_thread_times *t = bpf_map_lookup_elem(&thread_times, &tid);
+	struct bistouri_thread_times fresh = { .pid = tgid, .tid = tid };
+
+	if (t && t->pid == tgid)
+		return t;
+	/* New, or its tid now belongs to another process: start over. */
+	BPF_CORE_READ_STR_INTO(&fresh.comm, task, comm);
+	if (bpf_map_update_elem(&thread_times, &tid, &fresh, BPF_ANY)) {
+		episode_count(BISTOURI_EPC_THREADS_FULL);
+		return NULL;
+	}
+	return bpf_map_lookup_elem(&thread_times, &tid);
+}
+
+/*
+ * A run-queue wait of `delay` ns ends: add it to what the thread's run-queue
+ * stacks have not carried yet and, if it has one pending, send it carrying all
+ * of that (blocked_ns the mean of those waits, `waits` their number). A stack
+ * that cannot be sent leaves its time to the next one. Called wherever
+ * runqueue_ns grows, so sent + unsent is the thread's run-queue time.
+ */
+static __always_inline void runqueue_done(struct bistouri_thread_times *t, __u64 delay)
+{
+	struct bistouri_stack_event *pending;
+	__u32 tid = t->tid, waits;
+
+	t->runqueue_unsent_ns += delay;
+	t->runqueue_unsent += 1;
+	pending = bpf_map_lookup_elem(&wait_pending, &tid);
+	if (!pending)
+		return;
+	if (pending->kind == BISTOURI_EVENT_RUNQUEUE) {
+		waits = t->runqueue_unsent;
+		pending->waits = waits;
+		pending->blocked_ns = t->runqueue_unsent_ns / (waits ? waits : 1);
+		if (emit_stack(pending, wakeup_flags())) {
+			t->runqueue_unsent_ns -= pending->blocked_ns * waits;
+			t->runqueue_unsent = 0;
+			episode_count(BISTOURI_EPC_RUNQUEUE_STACKS);
+		}
+	}
+	bpf_map_delete_elem(&wait_pending, &tid);
+}
+
+/* Close the state the thread was in at `now`: add its time where it belongs. */
+static __always_inline void close_state(struct bistouri_thread_times *t, __u64 now)
+{
+	__u64 d = t->since_ns && now > t->since_ns ? now - t->since_ns : 0;
+
+	switch (t->state) {
+	case BISTOURI_STATE_RUNNING:
+		t->on_cpu_ns += d;
+		break;
+	case BISTOURI_STATE_RUNNABLE:
+		t->runqueue_ns += d;
+		t->runqueue_waits += 1;
+		runqueue_done(t, d);
+		break;
+	case BISTOURI_STATE_BLOCKED_D:
+		t->blocked_d_ns += d;
+		t->d_waits += 1;
+		break;
+	case BISTOURI_STATE_BLOCKED_S:
+		t->blocked_s_ns += d;
+		t->s_waits += 1;
+		break;
+	}
+}
+
+/* A pending stack (sleep or reclaim) of `tid` ends now: send it with its duration. */
+static __always_inline void send_pending(void *map, __u32 tid, __u64 now)
+{
+	struct bistouri_stack_event *pending = bpf_map_lookup_elem(map, &tid);
+
+	if (!pending)
+		return;
+	emit_wait(pending, now);
+	bpf_map_delete_elem(map, &tid);
+}
+
+/*
+ * The waits a sleep or reclaim stack taken now stands for (1 + the ones the
+ * per-thread rate limit skipped since the last), or 0: at most one stack per
+ * offcpu_interval_ns per thread.
+ */
+static __always_inline __u32 stack_due(struct bistouri_thread_times *t, __u64 now)
+{
+	__u32 waits;
+
+	if (t->stack_ns && now - t->stack_ns < cfg.offcpu_interval_ns) {
+		t->skipped += 1;
+		episode_count(BISTOURI_EPC_STACKS_LIMITED);
+		return 0;
+	}
+	waits = 1 + t->skipped;
+	t->skipped = 0;
+	t->stack_ns = now;
+	return waits;
+}
+
+/*
+ * Whether a run-queue stack of `tgid` is due: at most one per
+ * runqueue_interval_ns per process. A CPU-bound process on a crowded machine
+ * is preempted at every tick: each stack sent costs user space a decoded
+ * record, and a thread preempted in between has no stack of its own, its delay
+ * goes to its next one (the totals stay exact; only the stacks are fewer).
+ */
+static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
+{
+	__u64 *last = bpf_map_lookup_elem(&runqueue_last, &tgid);
+
+	if (last && now - *last < cfg.runqueue_interval_ns) {
+		episode_count(BISTOURI_EPC_STACKS_LIMITED);
+		return false;
+	}
+	if (last)
+		*last = now;
+	else
+		bpf_map_update_elem(&runqueue_last, &tgid, &now, BPF_ANY);
+	return true;
+}
+
+/* Take the current thread's stack into `map` (tid -> stack) for a wait of `kind` starting now. */
+static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tid = (__u32)pid_tgid, zero = 0;
+	struct bistouri_stack_event *ev;
+
+	ev = bpf_map_lookup_elem(&episode_scratch, &zero);
+	if (!ev)
+		return;
+	fill_header(ev, kind, pid_tgid, now);
+	ev->waits = waits;
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, true);
+	ev->timestamp_ns = bpf_ktime_get_ns(); /* the wait starts now: the walk above is ours */
+	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
+		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
+}
+
+/* A sleep of `tid` ends (woken at `now`): send its stack, which then waits for a CPU. */
+static __always_inline void sleep_woken(__u32 tid, __u64 now)
+{
+	struct bistouri_stack_event *pending = bpf_map_lookup_elem(&wait_pending, &tid);
+
+	if (!pending || pending->kind != BISTOURI_EVENT_SLEEP)
+		return;
+	emit_wait(pending, now);
+	pending->kind = BISTOURI_EVENT_RUNQUEUE;
+	pending->timestamp_ns = now;
+	pending->waits = 1;
+}
+
+static __always_inline void episode_wakeup(struct task_struct *p, bool new_task)
+{
+	__u32 tgid = BPF_CORE_READ(p, tgid), tid;
+	struct bistouri_thread_times *t;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	now = bpf_ktime_get_ns();
+	tid = BPF_CORE_READ(p, pid);
+	t = thread_entry(tgid, tid, p);
+	if (!t)
+		return;
+	if (t->state == BISTOURI_STATE_RUNNING || t->state == BISTOURI_STATE_RUNNABLE)
+		return; /* already counted as wanting a CPU */
+	episode_count(BISTOURI_EPC_WAKEUPS);
+	if (t->state == BISTOURI_STATE_BLOCKED_S)
+		sleep_woken(tid, now);
+	if (t->state != BISTOURI_STATE_UNKNOWN && !new_task)
+		close_state(t, now);
+	t->state = BISTOURI_STATE_RUNNABLE;
+	t->since_ns = now;
+}
+
+/* Reclaim and compaction run on the stalled thread itself: current. */
+static __always_inline void reclaim_begin(void *ctx)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct bistouri_thread_times *t;
+	__u32 waits;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	t = thread_entry(tgid, tid, (struct task_struct *)bpf_get_current_task());
+	if (!t || t->reclaim_start_ns)
+		return; /* nested (compaction inside reclaim): the outer one is timed */
+	now = bpf_ktime_get_ns();
+	t->reclaim_start_ns = now;
+	waits = stack_due(t, now);
+	if (waits)
+		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now);
+}
+
+static __always_inline void reclaim_end(void)
+{
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+	struct bistouri_thread_times *t;
+	__u64 now;
+
+	if (!episode_watched(tgid))
+		return;
+	t = bpf_map_lookup_elem(&thread_times, &tid);
+	if (!t || !t->reclaim_start_ns)
+		return;
+	now = bpf_ktime_get_ns();
+	t->reclaim_ns += now - t->reclaim_start_ns;
+	t->reclaims += 1;
+	t->reclaim_start_ns = 0;
+	episode_count(BISTOURI_EPC_RECLAIMS);
+	send_pending(&reclaim_pending, tid, now);
+}
+#endif /* BISTOURI_EPISODE_BPF_H */

@@ -1,0 +1,185 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * A stack event from its header to the ring: the kernel stack
+ * (bpf_get_stack), the user stack (walk_user from unwind.bpf.h, or the
+ * kernel's frame-pointer walk), the hashes user space keys repeats by, and
+ * emit_stack(), the one way a finished event goes to stack_events. Used by
+ * every program that takes a stack: on-CPU samples, off-CPU waits and the
+ * episode hooks.
+ */
+#ifndef BISTOURI_STACK_BPF_H
+#define BISTOURI_STACK_BPF_H
+
+#define KERNEL_STACK_BYTES (BISTOURI_MAX_DEPTH * sizeof(__u64))
+
+/* FNV-1a over the first `bytes` of a stack of IPs (up to BISTOURI_MAX_DEPTH of them). */
+static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
+{
+	__u64 h = 0xcbf29ce484222325ULL;
+
+	for (int i = 0; i < BISTOURI_MAX_DEPTH; i++) {
+		if ((long)(i * sizeof(__u64)) >= bytes) /* signed: a negative size (error) hashes nothing */
+			break;
+		h = (h ^ ips[i]) * 0x100000001b3ULL;
+	}
+	return h;
+}
+
+/*
+ * cs is word 17 of the UAPI struct pt_regs (arch/x86/include/uapi/asm/ptrace.h:
+ * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs ...),
+ * and the low two bits of a segment selector are its privilege level: 3 is user mode.
+ */
+#define PT_REGS_CS_WORD 17
+#define SELECTOR_RPL_MASK 3
+#define USER_RPL 3
+
+/* Whether a perf sample interrupted user mode (pt_regs.cs); false without one. */
+static __always_inline bool in_user_mode(struct bpf_perf_event_data *ctx)
+{
+	/* regs is the UAPI pt_regs at the context's start: a plain offset, not a CO-RE relocation. */
+	return ctx && (((const __u64 *)ctx)[PT_REGS_CS_WORD] & SELECTOR_RPL_MASK) == USER_RPL;
+}
+
+/* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
+static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct unwind_regs *out)
+{
+	struct pt_regs *regs;
+
+	if (in_user_mode(ctx)) {
+		out->ip = ctx->regs.ip;
+		out->sp = ctx->regs.sp;
+		out->bp = ctx->regs.bp;
+		return true;
+	}
+	regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+	if (!regs)
+		return false;
+	out->ip = BPF_CORE_READ(regs, ip);
+	out->sp = BPF_CORE_READ(regs, sp);
+	out->bp = BPF_CORE_READ(regs, bp);
+	return true;
+}
+
+/*
+ * `walk`: the user stack from the unwind tables (walk_user); false, the kernel's
+ * frame-pointer walk, as walk_user does for a process without tables, in a
+ * program the verifier checks in a fraction of the time (handle_perf_fp).
+ */
+static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
+					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, bool walk)
+{
+	struct unwind_regs regs = {};
+	struct bistouri_user_stack_key *key = &ev->user_key;
+	struct mm_struct *mm;
+	long n;
+
+	/* A sample that hit user mode has no kernel stack: the helper would only say so. */
+	if (in_user_mode(perf_ctx))
+		n = 0;
+	else
+		n = bpf_get_stack(ctx, ev->kernel_stack, KERNEL_STACK_BYTES, kernel_skip & BPF_F_SKIP_FIELD_MASK);
+	ev->kernel_stack_size = n;
+	if (n < 0)
+		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
+	ev->kernel_hash = hash_ips(ev->kernel_stack, n);
+
+	/*
+	 * Raw IPs only: the build-id walk (BPF_F_USER_BUILD_ID) cost ~8 us a new
+	 * stack and fell back to bare IPs whenever the mmap lock was busy. User
+	 * space maps the IPs to files from /proc/PID/maps instead.
+	 */
+	key->pid = ev->pid;
+	key->reserved = 0;
+	key->hash = 0;
+	ev->user_by_table = 0;
+	ev->user_by_fp = 0;
+	ev->user_walk_end = 0;
+	if (walk) {
+		mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+		key->mm = (__u64)mm;
+		ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
+		/* Kernel threads have no user stack: not an error. */
+		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1) : 0;
+	} else {
+		/*
+		 * No kernel struct read, so no CO-RE relocation: record loads this program
+		 * without the kernel's BTF, which libbpf takes ~11 ms to parse. The address
+		 * space and its mapping count stay 0 (unknown to user space).
+		 */
+		key->mm = 0;
+		ev->map_count = 0;
+		n = bpf_get_stack(ctx, ev->user_stack, sizeof(ev->user_stack), BPF_F_USER_STACK);
+		if (n < 0) {
+			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
+			n = 0;
+		}
+		/* Each frame past the first was found by frame pointer; why the walk ended is unknown (0). */
+		ev->user_by_fp = n > (long)sizeof(__u64) ? n / sizeof(__u64) - 1 : 0;
+	}
+	ev->user_stack_size = n;
+	if (n <= 0)
+		return;
+	key->hash = hash_ips(ev->user_stack, n);
+}
+
+static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,
+					__u64 pid_tgid, __u64 now)
+{
+	ev->kind = kind;
+	ev->pid = pid_tgid >> 32;
+	ev->tid = (__u32)pid_tgid;
+	ev->cpu = bpf_get_smp_processor_id();
+	ev->timestamp_ns = now;
+	ev->blocked_ns = 0;
+	ev->waits = 1;
+	bpf_get_current_comm(ev->comm, sizeof(ev->comm));
+}
+
+/*
+ * Whether the sampled process's mappings changed since its last sample; if so,
+ * also whether to wake the reader now (at most every MAP_WAKEUP_INTERVAL_NS).
+ */
+static __always_inline bool maps_changed(struct bistouri_stack_event *ev, bool *wake)
+{
+	struct map_seen *seen = bpf_map_lookup_elem(&map_counts, &ev->pid);
+	struct map_seen fresh = { .count = ev->map_count, .woke_ns = ev->timestamp_ns };
+
+	*wake = false;
+	if (!seen) {
+		/* Its first sample: the maps user space read may be older than this. */
+		bpf_map_update_elem(&map_counts, &ev->pid, &fresh, BPF_ANY);
+		*wake = true;
+		count(BISTOURI_CNT_MAP_CHANGES);
+		return true;
+	}
+	if (seen->count == ev->map_count)
+		return false;
+	seen->count = ev->map_count;
+	if (ev->timestamp_ns - seen->woke_ns >= MAP_WAKEUP_INTERVAL_NS) {
+		seen->woke_ns = ev->timestamp_ns;
+		*wake = true;
+	}
+	count(BISTOURI_CNT_MAP_CHANGES);
+	return true;
+}
+
+
+/* Send a finished stack event; a full ring is counted and reported. Returns whether it went. */
+static __always_inline bool emit_stack(struct bistouri_stack_event *ev, __u64 flags)
+{
+	if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), flags)) {
+		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, ev->pid, 0);
+		return false;
+	}
+	return true;
+}
+
+/* Send a pending wait's stack that ends at `now`, timed from when it was taken. */
+static __always_inline bool emit_wait(struct bistouri_stack_event *pending, __u64 now)
+{
+	pending->blocked_ns = now > pending->timestamp_ns ? now - pending->timestamp_ns : 0;
+	return emit_stack(pending, wakeup_flags());
+}
+
+#endif /* BISTOURI_STACK_BPF_H */

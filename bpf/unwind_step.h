@@ -1,0 +1,120 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * One step of the user-stack walk: from a frame's registers and its unwind
+ * rule (a row of the .eh_frame tables, or none: the frame pointer), the
+ * caller's registers.
+ *
+ * Pure C on purpose: no map, no helper, no kernel type. It is compiled twice:
+ * into the BPF object by unwind.bpf.h, whose reader is its copy of the user
+ * stack (bpf_probe_read_user underneath), and for user space by
+ * tests/unit/test_unwind_userspace.py, whose reader is a recorded stack window,
+ * so the walk's arithmetic is tested without root or a kernel.
+ *
+ * The includer defines, before including this file:
+ *   struct walk, with at least
+ *       struct unwind_regs regs;   the frame's registers, replaced by the caller's
+ *       __u32 by_table, by_fp;     frames found each way, counted here
+ *       __u32 stop;                enum bistouri_counter of why the walk ended
+ *       bool exact;                regs.ip is where the thread was, not a return address
+ *   static long unwind_read(struct walk *w, __u64 addr, __u64 *out),
+ *       the user-stack word at addr into *out: 0, or non-zero if unreadable.
+ * The step works on the walk's own fields rather than on arguments and a
+ * result: written so, the verifier processes what it did when this code was
+ * inline in the BPF walk (a result struct or pointers to the counters cost
+ * 10 to 90 % more instructions, measured with bench/bench_verifier.py).
+ */
+#ifndef BISTOURI_UNWIND_STEP_H
+#define BISTOURI_UNWIND_STEP_H
+
+#include "unwind_rule.h"
+
+/* Returns 1 if the walk ends at this frame (w->stop says why), else 0. */
+static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
+{
+	__u64 ip = w->regs.ip, sp = w->regs.sp, bp = w->regs.bp, cfa, ra = 0, saved_bp;
+	__u32 kind = rule.cfa_kind, rbp_kind = rule.rbp_kind;
+	__s32 cfa_off = rule.cfa_off, rbp_off = rule.rbp_off;
+
+	w->exact = false;
+	switch (kind) {
+	case BISTOURI_CFA_RSP:
+		cfa = sp + cfa_off;
+		break;
+	case BISTOURI_CFA_RBP:
+		cfa = bp + cfa_off;
+		break;
+	case BISTOURI_CFA_PLT:
+		cfa = sp + 8 + ((ip & PLT_ENTRY_MASK) >= (__u64)cfa_off ? CFA_PUSHED : 0);
+		break;
+	case BISTOURI_CFA_TRAMPOLINE: {
+		/*
+		 * CPython's perf trampolines: sub $8,%rsp; call *%rcx; add $8,%rsp; ret,
+		 * copied end to end every cfa_off bytes; the sub is in effect at offsets
+		 * [rbp_off & 0xff, rbp_off >> 8) of a copy.
+		 */
+		__u64 at = cfa_off > 0 ? (ip - rule.bias) % (__u32)cfa_off : 0;
+
+		cfa = sp + 8 + (at >= (rbp_off & 0xff) && at < ((rbp_off >> 8) & 0xff) ? CFA_PUSHED : 0);
+		rbp_kind = BISTOURI_RBP_UNCHANGED;
+		break;
+	}
+	case BISTOURI_CFA_SIGNAL:
+		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
+		if (unwind_read(w, sp + UCONTEXT_RIP_OFF, &ra) || unwind_read(w, sp + UCONTEXT_RSP_OFF, &w->regs.sp) ||
+		    unwind_read(w, sp + UCONTEXT_RBP_OFF, &w->regs.bp)) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+		w->by_table++;
+		w->regs.ip = ra;
+		w->exact = true; /* the interrupted instruction itself */
+		if (!ra) {
+			w->stop = BISTOURI_CNT_WALK_END;
+			return 1;
+		}
+		return 0;
+	case BISTOURI_CFA_END:
+		w->by_table++;
+		w->stop = BISTOURI_CNT_WALK_END;
+		return 1;
+	default:
+		/* No table here (JIT code, perf trampolines, a file not loaded yet): the frame pointer. */
+		if (!bp) {
+			w->stop = BISTOURI_CNT_WALK_NO_FP;
+			return 1;
+		}
+		cfa = bp + FP_CFA_OFF;
+		rbp_kind = BISTOURI_RBP_AT_CFA;
+		rbp_off = FP_SAVED_RBP_OFF;
+		kind = BISTOURI_CFA_NONE;
+		break;
+	}
+	if (cfa <= sp || cfa > USER_TOP) {
+		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
+		return 1;
+	}
+	if (unwind_read(w, cfa + CFA_RA_OFF, &ra)) {
+		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+		return 1;
+	}
+	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
+		if (unwind_read(w, cfa + rbp_off, &saved_bp)) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+		w->regs.bp = saved_bp;
+	}
+	if (kind == BISTOURI_CFA_NONE)
+		w->by_fp++;
+	else
+		w->by_table++;
+	w->regs.ip = ra;
+	w->regs.sp = cfa;
+	if (!ra || ra > USER_TOP) {
+		w->stop = ra ? BISTOURI_CNT_WALK_BAD_FRAME : BISTOURI_CNT_WALK_END;
+		return 1;
+	}
+	return 0;
+}
+
+#endif /* BISTOURI_UNWIND_STEP_H */
