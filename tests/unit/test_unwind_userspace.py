@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from bistouri.bpf.abi import CfaKind, Counter, RbpKind
-from bistouri.unwind.ehframe import ROW
 from bistouri.elf import ElfFile
+from bistouri.unwind.ehframe import ROW
 from bistouri.unwind.tables import _bias, compile_file
 from tests.conftest import ROOT
 
