@@ -14,7 +14,7 @@ from bistouri.bpf import BpfObject, BtfFile
 from bistouri.errors import BpfError
 from tests.conftest import BPF_OBJECT, ROOT
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def test_every_mirror_matches_the_shipped_object():

@@ -20,7 +20,7 @@ from bistouri.procmaps import FrameStatus
 from bistouri.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 WORKLOADS_SRC = Path(__file__).resolve().parents[1] / "fixtures" / "workloads"
 NODE = shutil.which("node")

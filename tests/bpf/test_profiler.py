@@ -21,7 +21,7 @@ from bistouri.procmaps import FrameStatus
 from bistouri.profiler import EPISODE_PROGRAMS, ObjectLoad, ProfilerAgent, ProfilerOptions
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def _collect(agent: ProfilerAgent, seconds: float) -> list:

@@ -32,7 +32,7 @@ from bistouri.profiler import ProfilerAgent, ProfilerOptions
 from bistouri.symbolizer.elf import ElfFile
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 SAMPLES = 300  # of ours, after the tables are loaded
 REACH_ENTRY = 0.95

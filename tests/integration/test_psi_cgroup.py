@@ -25,7 +25,7 @@ from bistouri import procfs, psi
 from bistouri.config import ResourceTrigger
 from bistouri.psi import PsiEvent, PsiLoop
 
-pytestmark = [pytest.mark.requires_root]
+pytestmark = [pytest.mark.root]
 
 CAP_SYS_RESOURCE = 24
 BUSY = "while True: pass"

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import Cgroup
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 def record(
