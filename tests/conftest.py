@@ -125,7 +125,8 @@ SLOW = {
 
 def _key(item: pytest.Item) -> tuple[str, str]:
     """(module path from the repository root, test function name without parameters)."""
-    return item.path.relative_to(ROOT).as_posix(), getattr(item, "originalname", item.name)
+    # resolve(): ROOT is resolved, a path given on the command line may go through a symlink.
+    return item.path.resolve().relative_to(ROOT).as_posix(), getattr(item, "originalname", item.name)
 
 
 def needs_of(item: pytest.Item) -> set[str]:
@@ -141,7 +142,7 @@ def needs_of(item: pytest.Item) -> set[str]:
     for fixture in getattr(item, "fixturenames", ()):
         needs |= BY_FIXTURE.get(fixture, set())
     if "bpf" in needs:
-        needs.add("root")  # CAP_BPF and the perf events are given to root only here
+        needs.add("root")  # the suite loads BPF as root only (_bpf_skip_reason)
     if needs - {"pure"}:
         if "pure" in marked:
             raise pytest.UsageError(f"{item.nodeid} is marked pure but needs {sorted(needs - {'pure'})}")
@@ -190,8 +191,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not needs:
             unclassified.append(item.nodeid)
         have = {m.name for m in item.iter_markers()}
-        for name in sorted(needs - have):
-            item.add_marker(name)
+        for need in sorted(needs - have):
+            item.add_marker(need)
         module, name = _key(item)
         if name in SLOW.get(module, ()) and "slow" not in have:
             item.add_marker("slow")
