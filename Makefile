@@ -122,7 +122,8 @@ test: bpf venv fixtures lint typecheck
 
 # Parts of the suite by what the tests need (markers given in tests/conftest.py; docs/testing.md).
 # A test with several needs is in each of their targets; `make test` runs every test once.
-# Pure tests: unprivileged and self-contained, so any user may run them (CI runs them as nobody).
+# Pure tests: unprivileged and self-contained, so any user may run them (checked as nobody:
+# docs/testing.md).
 test-fast: bpf venv fixtures
 	$(VENV)/bin/pytest -q -m pure $(PYTEST_ARGS) tests
 
