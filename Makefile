@@ -34,13 +34,19 @@ APT_BENCH := bpftrace linux-perf nodejs openjdk-17-jdk-headless libbpf-tools
 export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: all deps deps-demo venv venv-runtime bpf fixtures lint typecheck test test-fast demo bench clean help
+.PHONY: all deps deps-demo venv venv-runtime bpf fixtures lint typecheck test test-fast test-bpf \
+	test-service test-ui test-vm demo bench clean help
 
 all: bpf venv
 
 help:
 	@echo "make demo     set up, start the symbolizer and the agent, cause pressure, show the UI"
 	@echo "make test     lint, typecheck and run every test (needs root for BPF and PSI)"
+	@echo "make test-fast     only the tests that need nothing (no root, services, browser or VM)"
+	@echo "make test-bpf      the tests that need root: BPF programs, cgroups, PSI, mounts"
+	@echo "make test-service  the tests of real processes: agent, symbolizer, PostgreSQL, HAProxy"
+	@echo "make test-ui       the UI tests in headless Chromium"
+	@echo "make test-vm       the packages in the VM image's tree and molecule in qemu"
 	@echo "make bench    run the benchmarks under bench/"
 	@echo "make package  build the .deb and .rpm packages into dist/"
 	@echo "make molecule run the molecule scenarios in qemu VMs"
@@ -117,9 +123,28 @@ typecheck: venv
 test: bpf venv fixtures lint typecheck
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS) tests
 
-# Unprivileged unit tests only.
-test-fast: venv
-	$(VENV)/bin/pytest -q tests/unit
+# Parts of the suite by what the tests need (markers given in tests/conftest.py; docs/testing.md).
+# A test with several needs is in each of their targets; `make test` runs every test once.
+# Pure tests: unprivileged and self-contained, so any user may run them (checked as nobody:
+# docs/testing.md).
+test-fast: bpf venv fixtures
+	$(VENV)/bin/pytest -q -m pure $(PYTEST_ARGS) tests
+
+# Root: BPF programs in the kernel, cgroups, PSI, mounts, other users (the VM tests apart).
+test-bpf: bpf venv fixtures
+	$(VENV)/bin/pytest -q -m "(bpf or root) and not vm" $(PYTEST_ARGS) tests
+
+# Real processes: the agent, the symbolizer, `record`, PostgreSQL, HAProxy.
+test-service: bpf venv fixtures
+	$(VENV)/bin/pytest -q -m service $(PYTEST_ARGS) tests
+
+# The UI in headless Chromium.
+test-ui: venv fixtures
+	$(VENV)/bin/pytest -q -m browser $(PYTEST_ARGS) tests
+
+# The packages, installed in the VM image's tree (systemd-nspawn) and by molecule in qemu.
+test-vm: bpf venv fixtures
+	$(VENV)/bin/pytest -q -m vm $(PYTEST_ARGS) tests
 
 bench: $(APT_BENCH_STAMP) bpf venv fixtures
 	$(VPY) -m bench $(BENCH_ARGS)

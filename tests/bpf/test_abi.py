@@ -14,7 +14,7 @@ from bistouri.bpf.object import BpfObject
 from bistouri.errors import BpfError
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 _REFUSED_PROGRAM = r"""
 #include "vmlinux.h"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def test_check_reports_this_machine_truthfully():

@@ -20,7 +20,7 @@ from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 WORKLOADS_SRC = Path(__file__).resolve().parents[1] / "fixtures" / "workloads"
 NODE = shutil.which("node")

@@ -21,7 +21,7 @@ from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def _collect(agent: ProfilerAgent, seconds: float) -> list:

@@ -14,7 +14,7 @@ from bistouri.bpf import abi
 from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import build_id, wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 @contextmanager

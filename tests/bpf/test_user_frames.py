@@ -14,7 +14,7 @@ from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import build_id, symbols, wait_until
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def _function_at(syms: dict[str, tuple[int, int]], offset: int) -> str | None:

@@ -1,4 +1,4 @@
-"""Fixtures of the deployment tests: built packages and the cached VM image tree."""
+"""Fixtures of the deployment tests: built packages, the cached VM image tree, Ansible's environment."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def need(*tools: str) -> None:
     missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         pytest.skip(f"missing tools {missing}: apt-get install {' '.join(missing)} (Makefile APT_DEPLOY)")
+
+
+@pytest.fixture
+def ansible_env(tmp_path: Path) -> dict[str, str]:
+    """The environment with a HOME of the test's own: Ansible writes ~/.ansible/tmp and
+    ansible-lint its caches there, which the user running the tests may not have or own."""
+    home = tmp_path / "home"
+    home.mkdir()
+    return {**os.environ, "HOME": str(home)}
 
 
 @pytest.fixture(scope="session")

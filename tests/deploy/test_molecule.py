@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import ROOT, need
 
-pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.requires_root]
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.root]
 
 
 def test_default_scenario(dist) -> None:  # type: ignore[no-untyped-def]

@@ -140,7 +140,7 @@ def wait_healthy(c: Container, timeout: float = 120) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.requires_root
+@pytest.mark.root
 def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Path) -> None:
     c = container
     debs = " ".join(f"/dist/{d}" for d in DEBS)
@@ -200,7 +200,7 @@ def test_deb_lifecycle_in_nspawn(container: Container, dist: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.requires_root
+@pytest.mark.root
 def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) -> None:
     """rpm -i --nodeps into a Debian root: payload, %post/%preun/%postun and units, not Requires."""
     c = container
@@ -243,7 +243,7 @@ def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) 
 
 
 @pytest.mark.slow
-@pytest.mark.requires_root
+@pytest.mark.root
 def test_systemd_analyze_security(container: Container, dist: Path, tmp_path: Path) -> None:
     """Exposure scores of both units (docs/deployment.md quotes them); fail if they regress."""
     c = container

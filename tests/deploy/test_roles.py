@@ -58,15 +58,17 @@ def test_shell_pipelines_under_pipefail_never_end_in_an_early_exiting_grep() -> 
     assert not offenders, "\n".join(offenders)
 
 
-def test_ansible_lint_is_clean() -> None:
+def test_ansible_lint_is_clean(ansible_env: dict[str, str]) -> None:
     lint = ROOT / ".venv" / "bin" / "ansible-lint"
     if not lint.exists():
         pytest.skip("ansible-lint is not installed: make venv")
-    r = subprocess.run([str(lint)], cwd=ROOT / "ansible", capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(lint)], cwd=ROOT / "ansible", env=ansible_env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_example_playbooks_pass_syntax_check() -> None:
+def test_example_playbooks_pass_syntax_check(ansible_env: dict[str, str]) -> None:
     playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
     if not playbook.exists() or shutil.which("ssh") is None:
         pytest.skip("ansible-playbook is not installed: make venv")
@@ -74,6 +76,7 @@ def test_example_playbooks_pass_syntax_check() -> None:
         r = subprocess.run(
             [str(playbook), "--syntax-check", "-i", "inventory/example.ini", f"playbooks/{pb}"],
             cwd=ROOT / "ansible",
+            env=ansible_env,
             capture_output=True,
             text=True,
             timeout=120,
@@ -82,7 +85,9 @@ def test_example_playbooks_pass_syntax_check() -> None:
 
 
 @pytest.mark.parametrize(("token", "refused"), [("change-me", True), ("9f1c2e7a4b", False)])
-def test_symbolizer_preflight_refuses_the_sample_token(tmp_path: Path, token: str, refused: bool) -> None:
+def test_symbolizer_preflight_refuses_the_sample_token(
+    tmp_path: Path, ansible_env: dict[str, str], token: str, refused: bool
+) -> None:
     playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
     if not playbook.exists():
         pytest.skip("ansible-playbook is not installed: make venv")
@@ -108,7 +113,11 @@ def test_symbolizer_preflight_refuses_the_sample_token(tmp_path: Path, token: st
         )
     )
     r = subprocess.run(
-        [str(playbook), "-i", "localhost,", str(play)], capture_output=True, text=True, timeout=300
+        [str(playbook), "-i", "localhost,", str(play)],
+        env=ansible_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = r.stdout + r.stderr
     assert ("the sample value of the example inventory" in out) == refused, out[-3000:]

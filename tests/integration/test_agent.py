@@ -16,7 +16,7 @@ from bistouri.bpf import abi
 from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 def _frames_in(session: wire.Session, binary: Path) -> Counter:

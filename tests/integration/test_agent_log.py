@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 

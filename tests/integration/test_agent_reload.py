@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 def test_a_2000_deep_yaml_on_reload_keeps_the_running_config(tmp_path):

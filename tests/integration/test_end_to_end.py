@@ -12,7 +12,7 @@ from tests.helpers import Cgroup, wait_until
 from tests.integration.agent_harness import AgentProcess, burner_config
 from tests.integration.conftest import stop
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 def _sessions(url: str) -> list[dict]:

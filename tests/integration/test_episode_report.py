@@ -32,7 +32,7 @@ from bistouri.symbolizer.kallsyms import parse_kallsyms
 from tests.helpers import Cgroup, build_id, symbols, wait_until
 from tests.integration.agent_harness import SessionSink, capture_in_process
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from bistouri import wire
 from tests.helpers import Cgroup, cgroup2_mount, wait_until
 from tests.integration.agent_harness import AgentProcess
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -26,7 +26,7 @@ from tests.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb
 from tests.integration.agent_harness import AgentProcess, burner_config
 from tests.integration.test_record import record
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 SECRET = "ROOT_ONLY_SECRET"
 

@@ -21,7 +21,7 @@ from tests.integration.agent_harness import AgentProcess, burner_config
 from tests.integration.conftest import metric_value
 from tests.integration.fullfs import fill, small_tmpfs
 
-pytestmark = [pytest.mark.requires_bpf, pytest.mark.slow]
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 def _stored_ids(url: str) -> set[str]:

@@ -25,7 +25,7 @@ from bistouri.host import procfs, psi
 from bistouri.host.psi import PsiEvent, PsiLoop
 from bistouri.pressure import ResourceTrigger
 
-pytestmark = [pytest.mark.requires_root]
+pytestmark = [pytest.mark.root]
 
 CAP_SYS_RESOURCE = 24
 BUSY = "while True: pass"

@@ -162,7 +162,7 @@ def test_stripped_binaries_without_debug_info(symfix: Path) -> None:
     assert [f.module for f in frames] == ["c_exported"] * 3 + ["libfx.so"] * 2
 
 
-@pytest.mark.requires_root
+@pytest.mark.root
 def test_kernel_frames_from_this_machine() -> None:
     data = Path("/proc/kallsyms").read_bytes()
     try:

@@ -18,7 +18,7 @@ from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
 from tests.helpers import wait_until
 from tests.integration.agent_harness import SessionSink, capture_in_process
 
-pytestmark = pytest.mark.requires_bpf
+pytestmark = pytest.mark.bpf
 
 
 def _state(pid: int) -> str:

@@ -75,7 +75,7 @@ def test_read_session_file_bounds_decompression(tmp_path: Path) -> None:
         read_session_file(bomb, max_bytes=1 << 20)
 
 
-@pytest.mark.requires_bpf
+@pytest.mark.bpf
 @pytest.mark.slow
 def test_symbolize_reads_what_a_real_agent_spooled(tmp_path: Path, workloads: Path) -> None:
     with AgentProcess(tmp_path, burner_config()) as agent, Cgroup.create() as cg:
