@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.confwatch import ConfigWatcher, file_digest
+from bistouri.agent.confwatch import ConfigWatcher, file_digest
 
 OLD = b"targets:\n  - comm: nginx\n"
 NEW = b"targets:\n  - comm: postgres\n"
@@ -149,7 +149,7 @@ def test_a_deleted_config_keeps_the_running_one_until_it_comes_back(
     config: Path, watcher: ConfigWatcher, caplog: pytest.LogCaptureFixture
 ) -> None:
     config.unlink()
-    with caplog.at_level(logging.WARNING, logger="bistouri.confwatch"):
+    with caplog.at_level(logging.WARNING, logger="bistouri.agent.confwatch"):
         assert not settled(watcher, T0)
     assert "Config file unreadable, keeping the running config" in caplog.text
     config.write_bytes(OLD)
