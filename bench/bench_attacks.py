@@ -140,8 +140,8 @@ def attack_kallsyms_bomb(url: str) -> list[tuple[str, int, float]]:
 
 
 def _upload(url: str, build_id: bytes, data: bytes) -> requests.Response:
-    path = f"{url}/v1/uploads/{build_id.hex()}/executable"
-    requests.post(path + "?claimant=bench", timeout=30)
+    path = f"{url}/v1/uploads/{build_id.hex()}/executable?claimant=bench"  # the PUT needs the claim
+    requests.post(path, timeout=30)
     body = gzip.compress(data, 9)
     return requests.put(path, data=body, headers={"Content-Encoding": "gzip"}, timeout=600)
 

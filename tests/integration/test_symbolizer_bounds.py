@@ -153,8 +153,8 @@ def _check_unit(svc: Service, health: Healthz, worker: int) -> None:
 
 
 def _upload(url: str, build_id: bytes, data: bytes) -> tuple[requests.Response, float]:
-    path = f"{url}/v1/uploads/{build_id.hex()}/executable"
-    assert requests.post(path + "?claimant=attacker", timeout=10).status_code == 200
+    path = f"{url}/v1/uploads/{build_id.hex()}/executable?claimant=attacker"
+    assert requests.post(path, timeout=10).status_code == 200
     t0 = time.monotonic()
     r = requests.put(path, data=gzip.compress(data, 9), headers={"Content-Encoding": "gzip"}, timeout=120)
     return r, time.monotonic() - t0
