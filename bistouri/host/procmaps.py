@@ -166,6 +166,9 @@ class ProcMaps:
         self._bytes = 0
         self._files: list[MappedFile] = []
         self._file_ids: dict[tuple[bytes, bytes, str], int] = {}  # (dev, inode, name) of the maps line -> id
+        # Files that could not be opened when first seen (their process exited meanwhile): looked at
+        # again at the next read that maps them, or every later process of that binary is nameless.
+        self._unread: set[tuple[bytes, bytes, str]] = set()
         # Where a build id's file was last seen mapped: what uploader.py reads when it is asked for.
         self._where: dict[bytes, MappedPath] = {}
         self._over_bound = -1  # id of the file entry shared past max_files
@@ -289,9 +292,9 @@ class ProcMaps:
         # A big table costs more of the re-read budget (the one read here was already paid).
         t.tokens -= len(lines) // _LINES_PER_TOKEN
         new = {
-            (r[3], r[4], r[5]): MappedPath(base, r[6], r[5])
+            key: MappedPath(base, r[6], r[5])
             for r in rows
-            if r[2] == _FILE and (r[3], r[4], r[5]) not in self._file_ids
+            if r[2] == _FILE and ((key := (r[3], r[4], r[5])) not in self._file_ids or key in self._unread)
         }
         if new:
             with _released(self._lock):
@@ -327,7 +330,13 @@ class ProcMaps:
         if self.on_reread is not None:
             self.on_reread(pid)
 
-    def _add_file(self, key: tuple[bytes, bytes, str], build_id: bytes) -> None:
+    def _add_file(self, key: tuple[bytes, bytes, str], build_id: bytes | None) -> None:
+        """`build_id` None: the file could not be opened now (kept nameless until a later read can)."""
+        if key in self._unread and build_id is not None:
+            self._unread.discard(key)
+            fid = self._file_ids[key]
+            self._files[fid] = MappedFile(build_id, self._files[fid].name)
+            return
         if key in self._file_ids:  # the other thread added it meanwhile
             return
         if len(self._files) >= self.max_files:
@@ -336,8 +345,10 @@ class ProcMaps:
             self.stats.files_over_bound += 1
             self._file_ids[key] = self._over_bound_file()
             return
+        if build_id is None:
+            self._unread.add(key)
         self._file_ids[key] = len(self._files)
-        self._files.append(MappedFile(build_id, os.path.basename(key[2])))
+        self._files.append(MappedFile(build_id or b"", os.path.basename(key[2])))
 
     def _over_bound_file(self) -> int:
         if self._over_bound < 0:
@@ -560,12 +571,15 @@ class MappedPath:
             finally:
                 os.close(root)
 
-    def build_id(self) -> bytes:
-        """Its build id, b"" when it has none or cannot be read."""
+    def build_id(self) -> bytes | None:
+        """Its build id, b"" when it has none or is refused (safeopen), None when it cannot be opened
+        now (its process exited between the maps and the open: another process may map it later)."""
         try:
             fd = self.open()
-        except OSError:
+        except safeopen.Refused:
             return b""
+        except OSError:
+            return None
         try:
             return read_build_id(safeopen.fd_path(fd)) or b""
         finally:

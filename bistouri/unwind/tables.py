@@ -307,7 +307,7 @@ class UnwindTables:
             # Read once per (device, inode); a replaced file has a new inode.
             key = ids.get((parts[3], parts[4]))
             if key is None:
-                key = ids[(parts[3], parts[4])] = where.build_id()
+                key = ids[(parts[3], parts[4])] = where.build_id() or b""
             if key:
                 out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), where, key))
         out.extend((rng, 0, None, _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))

@@ -47,7 +47,10 @@ def test_cpu_pressure_yields_a_session_in_the_hot_function(tmp_path, workloads):
 
 
 def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: float) -> None:
-    s = agent.wait_session(lambda s: s.trigger.resource == "cpu" and s.total_samples > 0, 15)
+    # The rule matches the comm `burner` host-wide: the session of this test's cgroup, not another one's.
+    s = agent.wait_session(
+        lambda s: s.trigger.cgroup == cg.rel and s.trigger.resource == "cpu" and s.total_samples > 0, 15
+    )
     elapsed = time.monotonic() - t0
     assert s is not None, f"no CPU session within 15 s\n{agent.log()[-3000:]}"
     assert elapsed <= 15

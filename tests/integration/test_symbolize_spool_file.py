@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,11 +80,27 @@ def test_read_session_file_bounds_decompression(tmp_path: Path) -> None:
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_symbolize_reads_what_a_real_agent_spooled(tmp_path: Path, workloads: Path) -> None:
-    with AgentProcess(tmp_path, burner_config()) as agent, Cgroup.create() as cg:
-        for _ in range(3):
-            cg.spawn([str(workloads / "burner"), "20"])
-        s = agent.wait_session(lambda s: s.trigger.resource == "cpu" and s.total_samples > 0, 15)
-        assert s is not None, agent.log()[-3000:]
+    # The rule matches the comm `burner` on the whole host: another `burner` (another checkout's test
+    # run: the same source built elsewhere, another build id, not in --binary-dir) has sessions of its
+    # own, and the first CPU session in the spool was once one of them. A decoy of that name (another
+    # program) has its session spooled first here: the one read is that of the cgroup of this test.
+    decoy = tmp_path / "decoy" / "burner"
+    decoy.parent.mkdir()
+    shutil.copy(workloads / "shares", decoy)
+
+    def of(cg: Cgroup) -> Callable[[wire.Session], bool]:
+        return lambda s: s.trigger.cgroup == cg.rel and s.trigger.resource == "cpu" and s.total_samples > 0
+
+    with AgentProcess(tmp_path, burner_config()) as agent:
+        with Cgroup.create() as other:
+            for _ in range(3):
+                other.spawn([str(decoy), "20"])
+            assert agent.wait_session(of(other), 15) is not None, agent.log()[-3000:]
+        with Cgroup.create() as cg:
+            for _ in range(3):
+                cg.spawn([str(workloads / "burner"), "20"])
+            s = agent.wait_session(of(cg), 15)
+            assert s is not None, agent.log()[-3000:]
     [path] = [p for p in agent.spool_dir.glob("*.bses") if s.session_id in p.name]
     assert wire.unframe_session(path.read_bytes()).kernel_build_id == s.kernel.build_id
     r = _run("symbolize", str(path), "--binary-dir", str(workloads), "--format", "folded")

@@ -9,16 +9,19 @@ or commas). Errors the operator can fix exit with status 2 and one sentence.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import ipaddress
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -584,7 +587,34 @@ def run_symbolizer(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """SIGTERM and SIGHUP stop `bistouri symbolize` as Ctrl-C does: by unwinding (SystemExit), not
+    where it stands. Killed there, a run that was reading a build id's files left the marker of that
+    work (llvm.Quarantine.attempt) in --state-dir, and the next run took it for a death the file had
+    caused: the build id unnamed for 24 h. A signal ignored at start (nohup) stays ignored."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                old[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def run_symbolize(args: argparse.Namespace) -> int:
+    with _signals_unwind():
+        return _symbolize(args)
+
+
+def _symbolize(args: argparse.Namespace) -> int:
     from ...errors import WireError
     from .. import formats
     from ..kallsyms import KallsymsStore

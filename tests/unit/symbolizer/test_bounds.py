@@ -283,6 +283,52 @@ def test_a_process_killed_while_reading_a_file_quarantines_it(tmp_path: Path) ->
     assert not quarantine.holds(str(tmp_path / "other"))
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_symbolize_run_stopped_mid_read_quarantines_nothing(tmp_path: Path, sig: str) -> None:
+    """`timeout`, a closed terminal: the run unwinds as on Ctrl-C, its marker goes with it; only a death
+    inside the work (the OOM killer: SIGKILL) quarantines. The build id was unnamed for 24 h before."""
+    import signal
+    import subprocess
+    import sys
+
+    from bistouri import wire
+    from bistouri.symbolizer.llvm import Quarantine
+
+    build_id = bytes(range(20))
+    frame = wire.UserFrame(wire.FRAME_RESOLVED, build_id, 0x1234, "app")
+    session = wire.Session(
+        "stopped-1",
+        wire.Trigger("cpu", cgroup="/"),
+        wire.KernelInfo(),
+        1_763_000_000 * 10**9,
+        10**9,
+        10**7,
+        processes={1: "app"},
+        traces=[wire.Trace((), (frame,), 1, 1, on_cpu=1)],
+    )
+    (tmp_path / "s.msgpack").write_bytes(wire.encode_session(session))
+    state = tmp_path / "state"
+    script = (
+        "import os, signal, sys, time\n"
+        "from bistouri.symbolizer import resolve\n"
+        "from bistouri.symbolizer.service import cli\n"
+        f"signal.signal(signal.{sig}, signal.SIG_DFL)  # as a shell leaves it (pytest may run under nohup)\n"
+        "def read(*_args):\n"
+        f"    os.kill(os.getpid(), signal.{sig})\n"
+        "    time.sleep(30)\n"
+        "resolve.Resolver._read_module = read\n"
+        "sys.exit(cli.main(['symbolize', sys.argv[1], '--state-dir', sys.argv[2], '--format', 'folded']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "s.msgpack"), str(state)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr
+    assert list((state / "quarantine").iterdir()) == []  # it said [<…>.busy-PID] before
+    assert not Quarantine(str(state / "quarantine")).holds(f"module:{build_id.hex()}")
+
+
 def test_section_names_are_read_within_bounds(tmp_path: Path) -> None:
     """2 000 headers naming offset 0 of an 8 MiB .shstrtab without a NUL: 16 GB decoded unbounded."""
     image = bytearray(hostile.elf_note_bomb(2000, 16))
