@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bistouri.host.procmaps import USER_FRAME, ProcMaps
 from bistouri.elf import read_build_id
+from bistouri.host.procmaps import USER_FRAME, ProcMaps
 from tests.unit.test_capture import burner_maps, fake_proc
 
 
