@@ -134,7 +134,7 @@ def wait_healthy(c: Container, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while c.run(f"python3 -c {shlex.quote(probe)}", check=False).returncode != 0:
         if time.monotonic() > deadline:
-            journal = c.run("journalctl --no-pager -n 60 -u bistouri-symbolizer", check=False).stdout
+            journal = c.run("journalctl --no-pager -n 200 -u bistouri-symbolizer", check=False).stdout
             raise AssertionError(f"the symbolizer never answered /healthz:\n{journal}")
         time.sleep(1)
 
@@ -226,7 +226,10 @@ def test_rpm_payload_and_scriptlets_in_nspawn(container: Container, dist: Path) 
     # %preun 0: stop and disable; %postun 0: state kept (rpm has no purge).
     c.run("systemctl enable bistouri-symbolizer")
     c.run("rpm -e bistouri-symbolizer bistouri-agent bistouri")
-    assert unit_state(c, "bistouri-symbolizer") in ("inactive", "unknown")
+    state = unit_state(c, "bistouri-symbolizer")
+    assert state in ("inactive", "unknown"), (
+        state + "\n" + c.run("journalctl --no-pager -n 200 -u bistouri-symbolizer", check=False).stdout
+    )
     assert (
         c.run(
             "test -e /etc/systemd/system/multi-user.target.wants/bistouri-symbolizer.service", check=False

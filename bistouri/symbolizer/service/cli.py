@@ -436,6 +436,8 @@ def resolver_factory(args: argparse.Namespace, state_dir: Path) -> Callable[[Any
 
 def _child_exit(server: Any, worker: Any) -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Imported by serve() beforehand: this hook runs in the master's SIGCHLD handler, where a
+        # first import could fail or wait (seen: a traceback at stop, the unit left "failed").
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
@@ -458,6 +460,9 @@ def serve(
     from gunicorn.app.base import BaseApplication
 
     from .server import SymbolizerApp
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        import prometheus_client.multiprocess  # noqa: F401  (for _child_exit, in a signal handler)
 
     options: dict[str, Any] = {
         "bind": binds,
