@@ -14,7 +14,8 @@
  *
  * The programs:
  *   handle_perf, handle_perf_fp   on-CPU samples (perf_event), with tables or frame pointers only;
- *   handle_sched_switch           off-CPU (D-state) waits of watched processes;
+ *   handle_sched_switch, handle_offcpu_wakeup
+ *                                 off-CPU (D-state) waits of watched processes, switch-out to wakeup;
  *   handle_exec                   exec discovery: comms matching a rule are reported;
  *   handle_episode_*, handle_*reclaim_*, handle_compaction_*
  *                                 the episode report: a victim's time by state.
@@ -126,12 +127,20 @@ SEC("tp_btf/sched_switch")
 int BPF_PROG(handle_sched_switch, bool preempt, struct task_struct *prev,
 	     struct task_struct *next)
 {
-	__u64 now = bpf_ktime_get_ns();
-
 	/* In the tracepoint, current is still prev: its stack is the one to take. */
 	if (!preempt)
-		start_wait(ctx, prev, now);
-	finish_wait(next, now);
+		start_wait(ctx, prev, bpf_ktime_get_ns());
+	return 0;
+}
+
+/*
+ * A D wait ends at its wakeup, not at the switch-in: what follows is waiting
+ * for a CPU (the episode's run-queue time), which a loaded machine makes long.
+ */
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(handle_offcpu_wakeup, struct task_struct *p)
+{
+	finish_wait(p, bpf_ktime_get_ns());
 	return 0;
 }
 

@@ -146,7 +146,7 @@ struct bistouri_stack_event {
 	__u32 tid;
 	__u32 cpu;
 	__u64 timestamp_ns;    /* bpf_ktime_get_ns(): CLOCK_MONOTONIC */
-	__u64 blocked_ns;      /* off-CPU: time spent blocked; 0 on-CPU */
+	__u64 blocked_ns;      /* off-CPU: the mean time of the `waits` it stands for (times waits: their time); 0 on-CPU */
 	__u32 waits;           /* off-CPU: waits this one stands for (1 + rate-limited since the last capture); 1 on-CPU */
 	__u32 map_count;       /* VMAs of the process (mm->map_count): user space re-reads its maps when it changes */
 	struct bistouri_user_stack_key user_key;

@@ -2,8 +2,9 @@
 /*
  * What the scheduler and reclaim hooks do, apart from their entry points
  * (bistouri.bpf.c):
- *  - off-CPU waits (handle_sched_switch): a watched thread's uninterruptible
- *    (D) sleeps, their stack taken at switch-out and sent at switch-in, timed;
+ *  - off-CPU waits (handle_sched_switch, handle_offcpu_wakeup): a watched
+ *    thread's uninterruptible (D) sleeps, their stack taken at switch-out and
+ *    sent at wakeup, timed;
  *  - the episode report (handle_episode_*, handle_*reclaim*, handle_compaction_*):
  *    every state a watched thread is in, timed, with stacks of its waits.
  */
@@ -18,21 +19,71 @@
 
 /* ---- Off-CPU waits (D state) ---- */
 
-/* The switched-in thread has a pending wait: time it and emit it. */
-static __always_inline void finish_wait(struct task_struct *next, __u64 now)
+/*
+ * Read, then subtract what was read: what other CPUs add meanwhile stays for
+ * the next reader (plain XADD, no BPF v3 atomics). Two readers at once may both
+ * subtract and leave the value negative: that reads as nothing until new adds
+ * fill the hole, so a race loses a little and never inflates a weight.
+ */
+static __always_inline __s64 take_all(__s64 *v)
 {
-	__u32 tid = BPF_CORE_READ(next, pid);
-	struct bistouri_stack_event *pending;
+	__s64 got = *(volatile __s64 *)v;
+
+	if (got <= 0)
+		return 0;
+	__sync_fetch_and_add(v, -got);
+	return got;
+}
+
+/* A wait the rate limit skipped ends (woken): add it to what the next capture stands for. */
+static __always_inline void finish_skipped(__u32 tid, __u32 tgid, __u64 now)
+{
+	__u64 *began = bpf_map_lookup_elem(&offcpu_skipped, &tid);
+	struct offcpu_limit *limit;
 	__u64 blocked;
 
-	pending = bpf_map_lookup_elem(&offcpu_pending, &tid);
-	if (!pending)
+	if (!began)
 		return;
-	blocked = now - pending->timestamp_ns;
+	blocked = now > *began ? now - *began : 0;
+	bpf_map_delete_elem(&offcpu_skipped, &tid);
+	if (blocked < cfg.offcpu_min_ns)
+		return;
+	limit = bpf_map_lookup_elem(&offcpu_last, &tgid);
+	if (!limit)
+		return;
+	__sync_fetch_and_add(&limit->skipped, 1);
+	__sync_fetch_and_add(&limit->skipped_ns, blocked);
+}
+
+/*
+ * The woken thread has a pending wait: time it and emit it, standing for the
+ * skipped waits it carries. Its blocked_ns is the mean of the `waits` it
+ * stands for (as a run-queue stack's), so blocked_ns * waits is their time.
+ */
+static __always_inline void finish_wait(struct task_struct *woken, __u64 now)
+{
+	__u32 tid = BPF_CORE_READ(woken, pid);
+	struct bistouri_stack_event *pending;
+	struct offcpu_limit *limit;
+	__u64 blocked, carried;
+
+	pending = bpf_map_lookup_elem(&offcpu_pending, &tid);
+	if (!pending) {
+		finish_skipped(tid, BPF_CORE_READ(woken, tgid), now);
+		return;
+	}
+	blocked = now > pending->timestamp_ns ? now - pending->timestamp_ns : 0;
+	carried = pending->blocked_ns; /* the skipped waits' time, set by start_wait */
 	if (blocked < cfg.offcpu_min_ns) {
 		count(BISTOURI_CNT_OFFCPU_TOO_SHORT);
+		/* Not a wait: what it carried goes to the next capture. */
+		limit = bpf_map_lookup_elem(&offcpu_last, &pending->pid);
+		if (limit && pending->waits > 1) {
+			__sync_fetch_and_add(&limit->skipped, pending->waits - 1);
+			__sync_fetch_and_add(&limit->skipped_ns, carried);
+		}
 	} else {
-		pending->blocked_ns = blocked;
+		pending->blocked_ns = (blocked + carried) / (pending->waits ? pending->waits : 1);
 		if (emit_stack(pending, wakeup_flags()))
 			count(BISTOURI_CNT_OFF_CPU_SAMPLES);
 	}
@@ -48,7 +99,7 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	struct bistouri_stack_event *ev;
 	struct offcpu_limit *limit;
 	__u32 *flags, slot = SCRATCH_OFF_CPU;
-	__s64 skipped = 0;
+	__s64 skipped = 0, skipped_ns = 0;
 	long state;
 
 	flags = bpf_map_lookup_elem(&pid_filter, &tgid);
@@ -61,27 +112,18 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	/*
 	 * Rate limit per process before the expensive part: an fsync storm
 	 * switches tens of thousands of times a second, and a build-id stack
-	 * capture at each one took 22 % of a CPU (measured).
+	 * capture at each one took 22 % of a CPU (measured). A skipped wait is
+	 * still timed (finish_skipped), for the next capture to carry.
 	 */
 	limit = bpf_map_lookup_elem(&offcpu_last, &tgid);
 	if (limit && now - limit->last_ns < cfg.offcpu_interval_ns) {
-		__sync_fetch_and_add(&limit->skipped, 1);
+		bpf_map_update_elem(&offcpu_skipped, &tid, &now, BPF_ANY);
 		count(BISTOURI_CNT_OFFCPU_RATE_LIMITED);
 		return;
 	}
 	if (limit) {
-		/*
-		 * Read, then subtract what was read: skips counted meanwhile on other
-		 * CPUs stay for the next capture (plain XADD, no BPF v3 atomics). Two
-		 * threads capturing at once may both subtract and leave the count
-		 * negative: that is read as none until new skips fill the hole, so a
-		 * race loses a few skips and never inflates a weight.
-		 */
-		skipped = *(volatile __s64 *)&limit->skipped;
-		if (skipped > 0)
-			__sync_fetch_and_add(&limit->skipped, -skipped);
-		else
-			skipped = 0;
+		skipped = take_all(&limit->skipped);
+		skipped_ns = skipped ? take_all(&limit->skipped_ns) : 0;
 		limit->last_ns = now;
 	} else {
 		struct offcpu_limit fresh = { .last_ns = now };
@@ -95,8 +137,12 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
 	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
 	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, true);
-	/* The wait starts now: the stack walk above is ours, not its. */
-	ev->timestamp_ns = bpf_ktime_get_ns();
+	ev->blocked_ns = skipped_ns; /* carried until finish_wait adds this wait's own time */
+	/*
+	 * The wait started at the switch (fill_header's `now`), as the kernel's
+	 * own accounting and the episode hooks have it: the walk above delays the
+	 * switch, not the thread, which was dequeued already.
+	 */
 	if (bpf_map_update_elem(&offcpu_pending, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, tgid, 0);
 }
@@ -104,7 +150,7 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 /*
  * ---- Episode report (issue 12): victims' time by state. ----
  * Programs of their own on the scheduler tracepoints, apart from the off-CPU
- * sampler's (handle_sched_switch). Every hook looks up the tgid in pid_filter first and returns
+ * sampler's (handle_sched_switch, handle_offcpu_wakeup). Every hook looks up the tgid in pid_filter first and returns
  * unless BISTOURI_EPISODE_FILTER_ON is set: an unwatched thread costs one hash lookup (none for the idle task).
  * State machine per thread, timed at each transition:
  *   switch-out: RUNNING -> RUNNABLE (preempted or still TASK_RUNNING), D or S

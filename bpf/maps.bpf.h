@@ -114,12 +114,15 @@ struct {
 
 /*
  * tgid -> the per-process rate limit: time of the last off-CPU capture, and
- * the waits skipped since, which the next capture stands for (so blocked time
- * stays an estimate of the real total, not 1/600 of it in an fsync storm).
+ * the waits skipped since (their number and their time, each timed at its
+ * end), which the next capture stands for: blocked time stays the real total,
+ * not 1/600 of it in an fsync storm, and not a multiple of it either (a skip
+ * too short to count as a wait is not counted).
  */
 struct offcpu_limit {
 	__u64 last_ns;
 	__s64 skipped;
+	__s64 skipped_ns;
 };
 
 struct {
@@ -128,6 +131,19 @@ struct {
 	__type(key, __u32);
 	__type(value, struct offcpu_limit);
 } offcpu_last SEC(".maps");
+
+/*
+ * tid -> when a wait the rate limit skipped began: timed at switch-in into
+ * offcpu_last. A plain hash, as offcpu_pending: every switch-in on the host
+ * looks it up, and an LRU lookup also writes.
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, __u64);
+} offcpu_skipped SEC(".maps");
 
 /* Sample keys whose stacks user space holds (it deletes what it forgets). */
 struct {

@@ -143,6 +143,7 @@ def bistouri_prog_ids() -> set[int]:
     from bistouri.capture.profiler import EPISODE_PROGRAMS
 
     names = {"handle_perf", "handle_perf_fp", "handle_sched_switch", "handle_exec", "handle_sched_sw"}
+    names |= {"handle_offcpu_wakeup", "handle_offcpu_w"}  # full (BTF) or truncated names
     names |= {*EPISODE_PROGRAMS, *(n[:15] for n in EPISODE_PROGRAMS)}  # full (BTF) or truncated names
     return {p["id"] for p in json.loads(out or "[]") if p.get("name", "") in names}
 

@@ -155,6 +155,7 @@ COMPANION_MAPS = (
     "rule_cache",
     "stack_copies",
     "offcpu_pending",
+    "offcpu_skipped",
     "thread_times",
     "episode_counters",
     "wait_pending",
@@ -190,7 +191,7 @@ def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
                 "Kernel lacks tracepoints: their episode times stay 0. tracepoints=%s", ",".join(missing)
             )
     programs = [SAMPLER]
-    programs += ["handle_sched_switch"] if o.offcpu else []
+    programs += ["handle_sched_switch", "handle_offcpu_wakeup"] if o.offcpu else []
     programs += ["handle_exec"] if o.exec_discovery else []
     return (*programs, *episode)
 

@@ -193,6 +193,43 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     assert counters[abi.Counter.OFF_CPU_SAMPLES] <= 3.0 * 100 + 50
 
 
+def test_off_cpu_time_is_the_d_time_the_kernel_counted(workloads, tmp_path):
+    """Captures stand for the rate-limited waits by their time, timed switch-out to wakeup as the
+    episode hooks time D: the two totals agree, however loaded the machine (run-queue time,
+    after the wakeup, is neither's)."""
+    opts = ProfilerOptions(freq_hz=19, offcpu_min_ns=0)
+    proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "30"])
+    try:
+        with ProfilerAgent(opts) as agent:
+            agent.start()
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.ON)
+            events = _collect(agent, 3.0)
+            # Stopped, fsyncer ends the wait it is in and starts no other: both counts are final.
+            proc.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: _state(proc.pid) == "T", 10)
+            events += _collect(agent, 0.3)
+            (times,) = agent.thread_times({proc.pid}).values()
+            # The waits skipped since the last capture, which the next one would have carried.
+            limit = agent._require().maps["offcpu_last"].lookup(struct.pack("<I", proc.pid))
+            assert limit is not None
+            _, _, carried_ns = struct.unpack("<Qqq", limit)
+    finally:
+        proc.kill()
+        proc.wait()
+    waits = [e for e in events if isinstance(e, StackSample) and e.kind == abi.EventKind.OFF_CPU]
+    sampled_ns = sum(w.blocked_ns * w.weight for w in waits)
+    assert times.blocked_d_ns > 0 and times.d_waits > len(waits) > 0, (times.d_waits, len(waits))
+    # The two programs on each tracepoint run one after the other, and read the clock apart:
+    # by a capture's walk (tens of microseconds, under load) when it runs first, else by ~1 µs.
+    margin = 100_000 * len(waits) + 1_000 * times.d_waits
+    assert abs(sampled_ns + carried_ns - times.blocked_d_ns) <= margin, (
+        sampled_ns,
+        carried_ns,
+        times.blocked_d_ns,
+        len(waits),
+    )
+
+
 def test_exec_of_a_matching_comm_is_reported_with_rule_id_and_cgroup(workloads):
     from bistouri.agent.matcher import lpm_key
 
@@ -220,8 +257,8 @@ def test_twenty_load_attach_destroy_cycles_leak_nothing():
         agent.open()
         agent.start()
         loaded = own_prog_ids()
-        # perf_event, sched_switch, exec and the episode hooks
-        assert len(loaded) == 3 + len(EPISODE_PROGRAMS) and loaded <= bistouri_prog_ids(), loaded
+        # perf_event, the off-CPU pair (sched_switch, sched_wakeup), exec and the episode hooks
+        assert len(loaded) == 4 + len(EPISODE_PROGRAMS) and loaded <= bistouri_prog_ids(), loaded
         ours |= loaded
         agent.close()
         agent.close()  # idempotent
@@ -436,8 +473,8 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
             agent.start()
             agent.attach_rest()
             handed_over = time.monotonic_ns()
-            # + handle_perf (reached by the tail call) and handle_sched_switch, from the second object
-            assert len(own_prog_ids()) == 3
+            # + handle_perf (reached by the tail call) and the off-CPU pair, from the second object
+            assert len(own_prog_ids()) == 4
             # ...and the second object's are the first's too.
             assert agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0)) is not None
             agent.attach_rest()  # nothing left: a no-op

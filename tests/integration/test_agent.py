@@ -100,11 +100,15 @@ def test_io_pressure_yields_off_cpu_samples_with_blocked_time(tmp_path, workload
         s = agent.wait_session(lambda s: s.trigger.resource == "io" and any(t.off_cpu for t in s.traces), 20)
         assert s is not None, f"no io session with off-CPU samples\n{agent.log()[-3000:]}"
         off = [t for t in s.traces if t.off_cpu and t.wait == wire.WAIT_D]
-        # fsyncer (one thread) is blocked ~55 % of the time here (schedstat). Rate-limited
-        # captures are weighed by the waits they stand for, so the estimate lands near that:
-        # unweighted it was ~1 %; with the stack walk counted as waiting, over 100 %.
+        # Each D wait is timed from switch-out to wakeup, and a rate-limited capture carries the
+        # time of the waits it stands for, so the traces' D time is the time the kernel's own
+        # accounting (the episode report's, over a window the session's holds) saw fsyncer in D;
+        # how much that is depends on the machine's load, not on us. The exact comparison, over
+        # one window, is tests/bpf/test_profiler.py's.
+        assert s.episode is not None
+        kernel_d = sum(v.blocked_d_ns for v in s.episode.victims if v.comm == "fsyncer")
         blocked = sum(t.off_cpu_ns for t in off)
-        assert 0.2 * s.duration_ns < blocked < s.duration_ns, (blocked, s.duration_ns)
+        assert 0.5 * kernel_d <= blocked < s.duration_ns, (blocked, kernel_d, s.duration_ns)
         assert all(t.kernel for t in off), "off-CPU waits carry kernel frames"
 
 
