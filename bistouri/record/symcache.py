@@ -519,7 +519,7 @@ def symbolize(
     )
 
     # Equal frames become one object (the assembler indexes frames by id): the cache's, the
-    # resolver's and kallsyms' answers are each interned apart.
+    # resolver's and kallsyms' answers come from separate intern tables.
     interned: dict[Frame, Frame] = {}
 
     def one(frames: Frames) -> Frames:
