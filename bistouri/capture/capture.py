@@ -284,29 +284,14 @@ class CaptureOrchestrator:
         now_ns = self.recorder.now_ns()
         s.pre_trigger_ns = max(0, now_ns - recorded[0].at_ns)
         s.start_ns -= s.pre_trigger_ns
-        over = 0
+        drops = {DROP_SESSION_FULL: 0, DROP_MEMORY: 0}
         for r in recorded:
             sample = r.sample
             wait = _WAIT_OF_KIND.get(sample.kind, -1)
-            key = (sample.pid, sample.tid, sample.stacks, True, wait)
-            agg = s.traces.get(key)
-            if agg is None:
-                cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
-                if len(s.traces) >= self.MAX_TRACES or self.nbytes + cost > self.max_bytes:
-                    s.dropped_traces += 1
-                    over += 1
-                    continue
-                agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
-                s.threads.setdefault(sample.tid, sample.comm)
-                s.nbytes += cost
-                self.nbytes += cost
-            if wait >= 0:
-                agg.off_cpu += sample.weight
-                agg.off_cpu_ns += sample.blocked_ns * sample.weight
-            else:
-                agg.on_cpu += sample.weight
-        if over:
-            self.metrics.traces_dropped.labels(DROP_MEMORY).inc(over)
+            dropped = self._count(s, (sample.pid, sample.tid, sample.stacks, True, wait), sample, wait >= 0)
+            if dropped is not None:
+                drops[dropped] += 1
+        self._count_drops(drops)
         self.metrics.capture_bytes.set(self.nbytes)
 
     def extend_session(self, session_id: str, processes: dict[int, str]) -> None:
@@ -359,9 +344,6 @@ class CaptureOrchestrator:
         else:
             self._refs[pid] = n
 
-    def filter_refs(self) -> dict[int, int]:
-        return dict(self._refs)
-
     def next_deadline(self) -> float | None:
         return min((s.deadline for s in self.sessions.values()), default=None)
 
@@ -381,7 +363,9 @@ class CaptureOrchestrator:
             )
             self.metrics.recorder_bytes.set(recorder.nbytes)
         wait_of_kind = _WAIT_OF_KIND
-        on = off = unmatched = full = over = 0
+        count = self._count
+        drops = {DROP_SESSION_FULL: 0, DROP_MEMORY: 0}
+        on = off = unmatched = 0
         for sample in samples:
             sessions = by_pid.get(sample.pid)
             if not sessions:
@@ -391,40 +375,57 @@ class CaptureOrchestrator:
             wait = wait_of_kind.get(sample.kind, -1)
             key = (sample.pid, sample.tid, sample.stacks, False, wait)
             is_off = wait >= 0
-            weight = sample.weight
             for s in sessions:
-                agg = s.traces.get(key)
-                if agg is None:
-                    cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
-                    if len(s.traces) >= self.MAX_TRACES:
-                        s.dropped_traces += 1
-                        full += 1
-                        continue
-                    if self.nbytes + cost > self.max_bytes:
-                        s.dropped_traces += 1
-                        over += 1
-                        continue
-                    agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
-                    s.threads.setdefault(sample.tid, sample.comm)
-                    s.nbytes += cost
-                    self.nbytes += cost
-                # weight: repeats counted in the kernel (on-CPU), or the waits a rate-limited
-                # capture stands for (off-CPU).
-                if is_off:
-                    agg.off_cpu += weight
-                    agg.off_cpu_ns += sample.blocked_ns * weight
-                else:
-                    agg.on_cpu += weight
+                dropped = count(s, key, sample, is_off)
+                if dropped is not None:
+                    drops[dropped] += 1
             if is_off:
-                off += weight
+                off += sample.weight
             else:
-                on += weight
+                on += sample.weight
         if unmatched:
             self.metrics.samples_unmatched.inc(unmatched)
-        if full:
-            self.metrics.traces_dropped.labels(DROP_SESSION_FULL).inc(full)
-        if over:
-            self.metrics.traces_dropped.labels(DROP_MEMORY).inc(over)
+        self._count_drops(drops)
+        self.metrics.capture_bytes.set(self.nbytes)
+        if on:
+            self.metrics.samples.labels("on_cpu").inc(on)
+        if off:
+            self.metrics.samples.labels("off_cpu").inc(off)
+
+    def _count(
+        self, s: ActiveSession, key: tuple[int, int, bytes, bool, int], sample: StackSample, is_off: bool
+    ) -> str | None:
+        """Count one sample into `s` under `key`; the reason it was dropped (a new stack without
+        room), else None. The one place a sample joins a session: live or from the recorder."""
+        agg = s.traces.get(key)
+        if agg is None:
+            if len(s.traces) >= self.MAX_TRACES:
+                s.dropped_traces += 1
+                return DROP_SESSION_FULL
+            cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
+            if self.nbytes + cost > self.max_bytes:
+                s.dropped_traces += 1
+                return DROP_MEMORY
+            agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
+            s.threads.setdefault(sample.tid, sample.comm)
+            s.nbytes += cost
+            self.nbytes += cost
+        # weight: repeats counted in the kernel (on-CPU), or the waits a rate-limited
+        # capture stands for (off-CPU).
+        weight = sample.weight
+        if is_off:
+            agg.off_cpu += weight
+            agg.off_cpu_ns += sample.blocked_ns * weight
+        else:
+            agg.on_cpu += weight
+        return None
+
+    def _count_drops(self, drops: dict[str, int]) -> None:
+        """The stacks `_count` dropped, by reason, into the metrics (memory full: logged too)."""
+        for reason, n in drops.items():
+            if n:
+                self.metrics.traces_dropped.labels(reason).inc(n)
+        if drops.get(DROP_MEMORY):
             now = self._clock()
             if now - self._memory_full_logged >= 60.0:
                 self._memory_full_logged = now
@@ -435,11 +436,6 @@ class CaptureOrchestrator:
                     self.max_bytes,
                     len(self.sessions),
                 )
-        self.metrics.capture_bytes.set(self.nbytes)
-        if on:
-            self.metrics.samples.labels("on_cpu").inc(on)
-        if off:
-            self.metrics.samples.labels("off_cpu").inc(off)
 
     # -- finishing ----------------------------------------------------------------
     def tick(self, now: float | None = None) -> list[str]:
@@ -463,12 +459,18 @@ class CaptureOrchestrator:
             self._finish(self.sessions[sid], now)
         return ids
 
-    def _finish(self, s: ActiveSession, now: float) -> None:
-        res = s.trigger.resource
+    def finish_session(self, session_id: str, now: float | None = None) -> wire.Session:
+        """End a running session and return it built, with its episode report; delivering it is
+        the caller's (`record` renders it; the agent's sessions go to the spool when they end).
+        Its processes leave the pid filter, or go back to the recorder's rate. KeyError when no
+        such session runs."""
+        return self._end(self.sessions[session_id], self._clock() if now is None else now)
+
+    def _end(self, s: ActiveSession, now: float) -> wire.Session:
         episode = None
         if self.episode is not None and s.episode_start is not None:
             # Before the filter lets go of the processes: unwatching forgets their thread times.
-            episode = self.episode.finish(s.episode_start, s.processes, res)
+            episode = self.episode.finish(s.episode_start, s.processes, s.trigger.resource)
         del self.sessions[s.session_id]
         self.nbytes -= s.nbytes
         self.metrics.capture_bytes.set(self.nbytes)
@@ -481,7 +483,12 @@ class CaptureOrchestrator:
             self._unref(pid)
             self._sync_filter(pid)  # still recorded: back to the recorder's rate
         self.metrics.sessions_active.set(len(self.sessions))
-        session = self.build(s, now, episode)
+        return self._build(s, now, episode)
+
+    def _finish(self, s: ActiveSession, now: float) -> None:
+        """End `s` and spool it (the agent's sessions)."""
+        res = s.trigger.resource
+        session = self._end(s, now)
         total = session.total_samples
         self.metrics.session_samples.observe(total)
         if total == 0:
@@ -515,7 +522,7 @@ class CaptureOrchestrator:
         if self._on_spooled:
             self._on_spooled()
 
-    def build(self, s: ActiveSession, now: float, episode: wire.Episode | None = None) -> wire.Session:
+    def _build(self, s: ActiveSession, now: float, episode: wire.Episode | None) -> wire.Session:
         traces = []
         unwind = wire.UnwindSummary()
         for (pid, tid, stacks, pre, wait), agg in s.traces.items():

@@ -184,7 +184,7 @@ class Progress:
 
 
 class _NoSink:
-    """Record builds its one session itself (`CaptureOrchestrator.build`): nothing is encoded."""
+    """Record takes its one session from `CaptureOrchestrator.finish_session`: nothing is encoded."""
 
     def put(self, session_id: str, data: bytes) -> None:
         raise AssertionError("record's session is never finished through the sink")
@@ -534,15 +534,12 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
-    s = orch.sessions[sid]
-    episode = None
-    if orch.episode is not None and s.episode_start is not None:  # read while the maps are there
-        episode = orch.episode.finish(s.episode_start, s.processes, s.trigger.resource)
-    agent.close()  # drains the rings
+    agent.stop()  # drains the rings a last time; the maps stay readable for the episode report
     count([ev for ev in agent.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0
-    session = orch.build(s, time.monotonic(), episode) if s.traces else None
-    return Capture(session, n_samples, first_ns, seconds, len(known))
+    session = orch.finish_session(sid)
+    agent.close()
+    return Capture(session if session.traces else None, n_samples, first_ns, seconds, len(known))
 
 
 def _symbolize(

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the 
     from ..symbolizer.kallsyms import KallsymsIndex
     from ..symbolizer.model import Frame, Profile
     from ..symbolizer.resolve import Resolver
+    from ..symbolizer.stacks import SessionStacks
 
 log = logging.getLogger(__name__)
 
@@ -472,23 +473,26 @@ class SymbolizeStats:
     kallsyms_child_rss_bytes: int = 0  # peak of the child that parsed /proc/kallsyms (first run of a boot)
 
 
-def _frame_keys(session: wire.Session) -> tuple[dict[bytes, set[FrameKey]], set[Any]]:
-    """Distinct (offset, leaf?) per build id (b"": kernel addresses), and the other user frames
-    (vDSO, unknown) with their leaf flag."""
+def _frame_keys(stacks: SessionStacks) -> tuple[dict[bytes, set[FrameKey]], set[Any], dict[bytes, str]]:
+    """Distinct (offset, leaf?) per build id (b"": kernel addresses), the other user frames
+    (vDSO, unknown) with their leaf flag, and the file name the agent sent per build id (the label
+    of a file that cannot be found, as the resolver makes it)."""
     from .. import wire
 
     keys: dict[bytes, set[FrameKey]] = {}
     other: set[tuple[wire.UserFrame, bool]] = set()
+    names: dict[bytes, str] = {}
     kernel = keys.setdefault(b"", set())
-    for t in session.traces:
-        for i, f in enumerate(t.user):
+    for leaf in (True, False):
+        for f in stacks.user[leaf].values():
             if f.kind == wire.FRAME_RESOLVED and f.build_id:
-                keys.setdefault(f.build_id, set()).add((f.address, i == 0))
+                keys.setdefault(f.build_id, set()).add((f.address, leaf))
+                if f.name:
+                    names.setdefault(f.build_id, f.name)
             else:
-                other.add((f, i == 0))
-        for i, ip in enumerate(t.kernel):
-            kernel.add((ip, i == 0))
-    return keys, other
+                other.add((f, leaf))
+        kernel.update((ip, leaf) for ip in stacks.kernel[leaf])
+    return keys, other, names
 
 
 def symbolize(
@@ -503,11 +507,52 @@ def symbolize(
     """Name every frame of `session`: from the cache, else through a resolver opened only if needed
     (`open_resolver(file_lines)`: file_lines False when only kernel addresses miss, which kallsyms
     names without llvm-symbolizer). With `kallsyms` (no vmlinux debug file can be found), kernel
-    addresses are named from it directly."""
+    addresses are named from it directly. The profile is assembled as the resolver's is
+    (symbolizer/stacks.py): only the naming differs."""
     from .. import wire
-    from ..symbolizer.model import Profile, Sample, SessionMeta
+    from ..symbolizer.stacks import ByLeaf, SessionStacks
 
-    keys, other_keys = _frame_keys(session)
+    stacks = SessionStacks(session)
+    keys, other_keys, names = _frame_keys(stacks)
+    known, other, stats = _name(
+        session, keys, other_keys, names, cache, open_resolver, kernel_key, debug_dirs, progress, kallsyms
+    )
+
+    # Equal frames become one object (the assembler indexes frames by id): the cache's, the
+    # resolver's and kallsyms' answers come from separate intern tables.
+    interned: dict[Frame, Frame] = {}
+
+    def one(frames: Frames) -> Frames:
+        return tuple([interned.setdefault(f, f) for f in frames])
+
+    named = {m: {k: one(known[m][k]) for k in wanted} for m, wanted in keys.items()}
+    named_other = {k: one(v) for k, v in other.items()}
+    user: ByLeaf = ({}, {})
+    kernel: ByLeaf = ({}, {})
+    for leaf in (True, False):
+        for fid, f in stacks.user[leaf].items():
+            if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                user[leaf][fid] = named[f.build_id][(f.address, leaf)]
+            else:
+                user[leaf][fid] = named_other[(f, leaf)]
+        kernel[leaf].update((ip, named[b""][(ip, leaf)]) for ip in stacks.kernel[leaf])
+    return stacks.profile(user, kernel), stats
+
+
+def _name(
+    session: wire.Session,
+    keys: dict[bytes, set[FrameKey]],
+    other_keys: set[Any],
+    names: dict[bytes, str],
+    cache: SymbolCache | None,
+    open_resolver: Callable[[bool], Resolver],
+    kernel_key: str,
+    debug_dirs: list[str],
+    progress: Callable[[str], None],
+    kallsyms: CachedKallsyms | None,
+) -> tuple[dict[bytes, dict[FrameKey, Frames]], dict[Any, Frames], SymbolizeStats]:
+    """The frames of `keys` per module (b"": the kernel) and of `other_keys`: from the cache, the
+    misses through kallsyms or a resolver (then added to the cache)."""
     stats = SymbolizeStats(addresses=sum(map(len, keys.values())) + len(other_keys))
     known: dict[bytes, dict[FrameKey, Frames]] = {}  # build id (b"": the kernel) -> answers
     missing: dict[bytes, list[FrameKey]] = {}
@@ -538,7 +583,7 @@ def symbolize(
             for n, (module, miss) in enumerate(missing.items(), 1):
                 label = module.hex()[:12] if module else "the kernel"
                 progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
-                got = _resolve(resolver, session, module, miss)
+                got = _resolve(resolver, session, module, miss, names.get(module, ""))
                 known[module].update(got)
                 if cache is not None:
                     _remember(cache, resolver, module, _key(module, kernel_key), got)
@@ -547,35 +592,7 @@ def symbolize(
     if cache is not None:
         cache.hits += stats.cached
         cache.misses += stats.addresses - stats.cached
-
-    # Root-first stacks, as the resolver builds them: user frames from the root down, then the kernel's.
-    frame_index: dict[Frame, int] = {}
-    frames_out: list[Frame] = []
-    samples = []
-    kernel_known = known.get(b"", {})
-    for t in session.traces:
-        parts: list[Frame] = []
-        for i in range(len(t.user) - 1, -1, -1):
-            uf = t.user[i]
-            if uf.kind == wire.FRAME_RESOLVED and uf.build_id:
-                parts.extend(known[uf.build_id][(uf.address, i == 0)])
-            else:
-                parts.extend(other[(uf, i == 0)])
-        for i in range(len(t.kernel) - 1, -1, -1):
-            parts.extend(kernel_known[(t.kernel[i], i == 0)])
-        stack = []
-        for f in parts:
-            ix = frame_index.get(f)
-            if ix is None:
-                ix = frame_index[f] = len(frames_out)
-                frames_out.append(f)
-            stack.append(ix)
-        samples.append(
-            Sample(
-                tuple(stack), t.pid, t.tid, session.threads.get(t.tid, ""), t.on_cpu, t.off_cpu, t.off_cpu_ns
-            )
-        )
-    return Profile(SessionMeta.from_wire(session), frames_out, samples), stats
+    return known, other, stats
 
 
 NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
@@ -639,15 +656,16 @@ _PLACEHOLDER_IP = 0  # below every kernel symbol: always one label frame
 
 
 def _resolve(
-    resolver: Resolver, session: wire.Session, module: bytes, keys: list[FrameKey]
+    resolver: Resolver, session: wire.Session, module: bytes, keys: list[FrameKey], file_name: str = ""
 ) -> dict[FrameKey, Frames]:
-    """The frames of `keys` of one module (b"": the kernel), through one probe stack per key."""
+    """The frames of `keys` of one module (b"": the kernel), through one probe stack per key;
+    `file_name` labels them when the module's file cannot be found (`libc.so.6+0x2724a`)."""
     from .. import wire
 
     probes = []
     for addr, leaf in keys:
         if module:
-            f = wire.UserFrame(wire.FRAME_RESOLVED, module, addr)
+            f = wire.UserFrame(wire.FRAME_RESOLVED, module, addr, file_name)
             probes.append(_user_probe(f, leaf))
         else:
             kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)

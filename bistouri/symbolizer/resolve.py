@@ -30,7 +30,6 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -43,6 +42,7 @@ from .demangle import demangle
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, Quarantine, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
+from .stacks import ByLeaf, SessionStacks
 from .tenants import upload_scope
 
 log = logging.getLogger(__name__)
@@ -551,110 +551,59 @@ class Resolver:
 
     def symbolize(self, session: wire.Session) -> model.Profile:
         """Name every frame of a session. Never raises for unknown frames: they get labels."""
-        # The wire decoder shares one object per distinct frame and per distinct stack, so the
-        # per-session memos below are keyed by id(): no dataclass hashing on the hot path.
+        stacks = SessionStacks(session)
         cache = self._cache
-        frame_ids: dict[int, int] = {}
-        frames_out: list[model.Frame] = []
-        keep: list[_Frames] = []
         intern = self._intern
+        # [leaf]: the answers SessionStacks.profile assembles, by frame id (user) or address (kernel).
+        user: ByLeaf = ({}, {})
+        kernel: ByLeaf = ({}, {})
 
-        by_result: dict[int, tuple[int, ...]] = {}
-
-        def indexes(frames: _Frames) -> tuple[int, ...]:
-            # Frames are interned: equal frames are one object, so id() identifies them. Names-only
-            # results are shared by every address of a function: their index tuple is too.
-            got = by_result.get(id(frames))
-            if got is not None:
-                return got
-            out = []
-            for f in frames:
-                i = frame_ids.get(id(f))
-                if i is None:
-                    i = frame_ids[id(f)] = len(frames_out)
-                    frames_out.append(f)
-                out.append(i)
-            got = by_result[id(frames)] = tuple(out)
-            keep.append(frames)  # ids stay unique while the session's results are alive
-            return got
-
-        # 1. Every distinct frame object: from the cache, or queued for its module.
-        memo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][id]
-        kmemo: tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]] = ({}, {})  # [leaf][ip]
+        # 1. Every distinct frame: from the cache, or queued for its module.
         modules: dict[bytes, _Module | None] = {}
         file_names: dict[bytes, str] = {}
         user_todo: dict[bytes, dict[tuple[int, bool], list[int]]] = {}
-        kernel_todo: dict[tuple[int, bool], None] = {}
+        hits = [0, 0]
+        for leaf in (True, False):
+            answers = user[leaf]
+            for fid, f in stacks.user[leaf].items():
+                if f.kind == wire.FRAME_RESOLVED and f.build_id:
+                    bid = f.build_id
+                    if bid in modules:
+                        mod = modules[bid]
+                    else:
+                        mod = modules[bid] = self.module(bid, session.tenant)
+                    got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
+                    if got is None:
+                        user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(fid)
+                        if f.name:
+                            file_names.setdefault(bid, f.name)
+                    else:
+                        hits[0] += 1
+                        answers[fid] = got
+                elif f.kind == wire.FRAME_RESOLVED and f.name:
+                    # A file without a build id: its name and offset are all there is.
+                    answers[fid] = (intern(model.Frame(f"{f.name}+0x{f.address:x}", f.name)),)
+                elif f.kind == wire.FRAME_VDSO:
+                    answers[fid] = (_VDSO,)
+                elif f.kind == wire.FRAME_JIT:
+                    # Named by the process's perf map on the host: the name is the answer.
+                    answers[fid] = (intern(model.Frame(f.name, _JIT_MODULE, kind=model.KIND_JIT)),)
+                else:
+                    label = model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
+                    answers[fid] = (intern(label),)
+        kernel_todo: list[tuple[int, bool]] = []
         k: _Kernel | None = None
         kidx: KallsymsIndex | None = None
-        hits = [0, 0]
-        seen_stacks: set[tuple[int, int]] = set()
-
-        def visit_user(f: wire.UserFrame, leaf: bool) -> None:
-            m = memo[leaf]
-            if f.kind == wire.FRAME_RESOLVED and f.build_id:
-                bid = f.build_id
-                if bid in modules:
-                    mod = modules[bid]
-                else:
-                    mod = modules[bid] = self.module(bid, session.tenant)
-                got = cache.get((mod.gen, f.address, leaf)) if mod is not None else None
-                if got is None:
-                    user_todo.setdefault(bid, {}).setdefault((f.address, leaf), []).append(id(f))
-                    if f.name:
-                        file_names.setdefault(bid, f.name)
-                    m[id(f)] = ()
-                else:
-                    hits[0] += 1
-                    m[id(f)] = indexes(got)
-            elif f.kind == wire.FRAME_RESOLVED and f.name:
-                # A file without a build id: its name and offset are all there is.
-                label = model.Frame(f"{f.name}+0x{f.address:x}", f.name)
-                m[id(f)] = indexes((intern(label),))
-            elif f.kind == wire.FRAME_VDSO:
-                m[id(f)] = indexes((_VDSO,))
-            elif f.kind == wire.FRAME_JIT:
-                # Named by the process's perf map on the host: the name is the answer.
-                m[id(f)] = indexes((intern(model.Frame(f.name, _JIT_MODULE, kind=model.KIND_JIT)),))
-            else:
-                label = model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
-                m[id(f)] = indexes((intern(label),))
-
-        def visit_kernel(ip: int, leaf: bool) -> None:
-            assert k is not None
-            got = cache.get((-k.gen, ip, leaf))  # kernel generations are negative
-            if got is None:
-                kernel_todo[(ip, leaf)] = None
-                kmemo[leaf][ip] = ()
-            else:
-                hits[1] += 1
-                kmemo[leaf][ip] = indexes(got)
-
-        leaf_memo, call_memo = memo[True], memo[False]
-        kleaf_memo, kcall_memo = kmemo[True], kmemo[False]
-        for t in session.traces:
-            skey = (id(t.kernel), id(t.user))
-            if skey in seen_stacks:
-                continue
-            seen_stacks.add(skey)
-            user = t.user
-            if user:
-                if id(user[0]) not in leaf_memo:
-                    visit_user(user[0], True)
-                for f in user[1:]:
-                    if id(f) not in call_memo:
-                        visit_user(f, False)
-            kern = t.kernel
-            if kern:
-                if k is None:
-                    k, kidx = self._kernel(
-                        session.kernel.build_id, session.kernel.text_addr, session.kernel.boot_id
-                    )
-                if kern[0] not in kleaf_memo:
-                    visit_kernel(kern[0], True)
-                for ip in kern[1:]:
-                    if ip not in kcall_memo:
-                        visit_kernel(ip, False)
+        if stacks.kernel[True]:
+            k, kidx = self._kernel(session.kernel.build_id, session.kernel.text_addr, session.kernel.boot_id)
+            for leaf in (True, False):
+                for ip in stacks.kernel[leaf]:
+                    got = cache.get((-k.gen, ip, leaf))  # kernel generations are negative
+                    if got is None:
+                        kernel_todo.append((ip, leaf))
+                    else:
+                        hits[1] += 1
+                        kernel[leaf][ip] = got
 
         # 2. Misses, in one batch per module (one llvm request each).
         for bid, todo in user_todo.items():
@@ -666,63 +615,32 @@ class Resolver:
                     frames = frames.frames
                 elif mod is not None:
                     self._store((mod.gen, off, leaf), frames)
-                ix = indexes(frames)
                 for fid in todo[(off, leaf)]:
-                    memo[leaf][fid] = ix
+                    user[leaf][fid] = frames
         if kernel_todo:
             assert k is not None
-            keys = list(kernel_todo)
             cacheable = kidx is not None or k.vmlinux is not None
-            for (ip, leaf), frames in zip(
-                keys, self._resolve_kernel(k, kidx, session.kernel.text_addr, keys), strict=True
-            ):
+            resolved_kernel = self._resolve_kernel(k, kidx, session.kernel.text_addr, kernel_todo)
+            for (ip, leaf), frames in zip(kernel_todo, resolved_kernel, strict=True):
                 if cacheable:
                     self._store((-k.gen, ip, leaf), frames)
-                kmemo[leaf][ip] = indexes(frames)
+                kernel[leaf][ip] = frames
 
-        # 3. Root-first stacks: user frames from the root down, then kernel frames down to the leaf.
-        stacks: dict[tuple[int, int], tuple[int, ...]] = {}
-        samples: list[model.Sample] = []
+        # 3. Root-first stacks.
+        profile = stacks.profile(user, kernel)
+
         kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "unknown": 0}
-        threads = session.threads
-        call_get, kcall_get = call_memo.__getitem__, kcall_memo.__getitem__
-        for t in session.traces:
-            skey = (id(t.kernel), id(t.user))
-            stack = stacks.get(skey)
-            if stack is None:
-                user, kern = t.user, t.kernel
-                # Slices [:0:-1] walk from the root to the frame above the leaf, in C.
-                parts = list(chain.from_iterable(map(call_get, map(id, user[:0:-1]))))
-                if user:
-                    parts.extend(leaf_memo[id(user[0])])
-                parts.extend(chain.from_iterable(map(kcall_get, kern[:0:-1])))
-                if kern:
-                    parts.extend(kleaf_memo[kern[0]])
-                stack = stacks[skey] = tuple(parts)
-                for f in user:
-                    if f.kind == wire.FRAME_RESOLVED and (f.build_id or f.name):
-                        kinds["user"] += 1
-                    elif f.kind == wire.FRAME_VDSO:
-                        kinds["vdso"] += 1
-                    elif f.kind == wire.FRAME_JIT:
-                        kinds["jit"] += 1
-                    else:
-                        kinds["unknown"] += 1
-                kinds["kernel"] += len(kern)
-            samples.append(
-                model.Sample(
-                    stack,
-                    t.pid,
-                    t.tid,
-                    threads.get(t.tid, ""),
-                    t.on_cpu,
-                    t.off_cpu,
-                    t.off_cpu_ns,
-                    t.pre_trigger,
-                    t.wait,
-                )
-            )
-
+        for t in stacks.distinct:
+            for f in t.user:
+                if f.kind == wire.FRAME_RESOLVED and (f.build_id or f.name):
+                    kinds["user"] += 1
+                elif f.kind == wire.FRAME_VDSO:
+                    kinds["vdso"] += 1
+                elif f.kind == wire.FRAME_JIT:
+                    kinds["jit"] += 1
+                else:
+                    kinds["unknown"] += 1
+            kinds["kernel"] += len(t.kernel)
         misses = [sum(len(v) for v in user_todo.values()), len(kernel_todo)]
         for i, space in enumerate(("user", "kernel")):
             if hits[i]:
@@ -732,7 +650,7 @@ class Resolver:
         for kind, n in kinds.items():
             if n:
                 self.metrics.lookups.labels(kind).inc(n)
-        return model.Profile(meta=model.SessionMeta.from_wire(session), frames=frames_out, samples=samples)
+        return profile
 
     def symbolize_file(self, path: str | os.PathLike[str]) -> model.Profile:
         """Symbolize a spooled session file (msgpack, optionally gzip'd) for `bistouri symbolize`."""

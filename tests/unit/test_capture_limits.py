@@ -108,3 +108,42 @@ def test_a_session_the_spool_drops_is_not_logged_as_spooled(tmp_path, caplog):
     )
     assert not notified  # nothing to send
     assert not reg.get_sample_value("bistouri_sessions_completed_total", {"resource": "cpu"})
+
+
+def test_recorded_samples_over_the_trace_limit_are_counted_as_a_full_session(tmp_path):
+    """The flight recorder's samples join a session as live ones do: a session at MAX_TRACES
+    drops them as `session_full` (it once counted them as `memory`), and memory stays `memory`."""
+    reg = CollectorRegistry()
+    orch = _orch(Spool(str(tmp_path / "spool"), 64 << 20, registry=reg), reg, tmp_path)
+    orch.MAX_TRACES = 2
+    orch.watch(7, 60.0)
+    orch.add_samples([_deep(tid) for tid in range(1, 5)])  # recorded: no session yet
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60, recorder_secs=60)
+    assert sid and len(orch.sessions[sid].traces) == 2
+    assert reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "session_full"}) == 2
+    assert not reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "memory"})
+    orch.flush_all()
+
+    cost = len(_deep(1).stacks) + TRACE_OVERHEAD_BYTES
+    reg = CollectorRegistry()
+    orch = _orch(Spool(str(tmp_path / "spool2"), 64 << 20, registry=reg), reg, tmp_path, max_bytes=3 * cost)
+    orch.watch(7, 60.0)
+    orch.add_samples([_deep(tid) for tid in range(1, 5)])
+    assert orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60, recorder_secs=60)
+    assert reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "memory"}) == 1
+    assert not reg.get_sample_value("bistouri_traces_dropped_total", {"reason": "session_full"})
+
+
+def test_finish_session_hands_the_built_session_to_the_caller(tmp_path):
+    """`record`'s way out: the session ends (filter released, memory given back) and comes back
+    built, with nothing spooled."""
+    reg = CollectorRegistry()
+    spool = Spool(str(tmp_path / "spool"), 64 << 20, registry=reg)
+    orch = _orch(spool, reg, tmp_path)
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    assert sid
+    orch.add_samples([_deep(1), _deep(1), _deep(2)])
+    session = orch.finish_session(sid)
+    assert session.session_id == sid and sorted(t.on_cpu for t in session.traces) == [1, 2]
+    assert not orch.sessions and orch.nbytes == 0 and not orch._filter.pids  # type: ignore[attr-defined]
+    assert len(spool) == 0

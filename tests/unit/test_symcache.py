@@ -263,3 +263,90 @@ def test_bytes_around_a_new_leaf_are_cached_for_the_next_run(tmp_path: Path) -> 
         views = ("on_cpu", "off_cpu_ns")
         assert [formats.folded(got, v) for v in views] == [formats.folded(want, v) for v in views]
         assert "".join(formats.folded(got, v) for v in views).count("\n") == 1
+
+
+def test_record_keeps_the_onset_and_the_wait_states_as_the_service_does(tmp_path: Path) -> None:
+    """One stack assembler (symbolizer/stacks.py): record's profile carries each sample's
+    before-the-trigger mark and off-CPU state (S, D, reclaim, runqueue) as the service's does.
+    record once dropped the mark and labelled every wait D."""
+    from bistouri import wire
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+
+    build_id = b"\x42" * 20
+    store = KallsymsStore(str(tmp_path / "state"))
+    store.put(build_id, KALLSYMS)
+    schedule, syscall, fsync = 0xFFFFFFFF81002010, 0xFFFFFFFF81001010, 0xFFFFFFFFC0001002
+    user = (
+        wire.UserFrame(wire.FRAME_VDSO, b"", 0x7FFF0010),
+        wire.UserFrame(wire.FRAME_RESOLVED, b"\x07" * 20, 0x1234, "app"),  # a file nowhere to be found
+        wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x55000000),
+    )
+    traces = [
+        wire.Trace((syscall,), user, 1, 1, on_cpu=3, pre_trigger=True),
+        wire.Trace((syscall,), user, 1, 1, on_cpu=4),
+        *(
+            wire.Trace(
+                (schedule, fsync, syscall),
+                user[1:],
+                1,
+                2,
+                off_cpu=n,
+                off_cpu_ns=n * 1000,
+                wait=w,
+                pre_trigger=pre,
+            )
+            for n, (w, pre) in enumerate(
+                [
+                    (wire.WAIT_S, True),
+                    (wire.WAIT_D, False),
+                    (wire.WAIT_RECLAIM, True),
+                    (wire.WAIT_RUNQUEUE, False),
+                ],
+                1,
+            )
+        ),
+    ]
+    session = wire.Session(
+        "s",
+        wire.Trigger("memory"),
+        wire.KernelInfo("6.1", build_id, 0xFFFFFFFF81000000),
+        0,
+        1,
+        1,
+        processes={1: "app"},
+        threads={1: "main", 2: "io"},
+        traces=traces,
+        pre_trigger_ns=5,
+    )
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(kernels=store, use_llvm=False, registry=None)
+
+    with resolver() as r:
+        want = r.symbolize(session)
+    got, _ = symcache.symbolize(session, symcache.SymbolCache(tmp_path / "c"), resolver, "k-test", [])
+
+    def rows(p) -> list[tuple]:
+        return [
+            (
+                [p.frames[i] for i in s.stack],
+                s.thread,
+                s.on_cpu,
+                s.off_cpu,
+                s.off_cpu_ns,
+                s.pre_trigger,
+                s.wait,
+            )
+            for s in p.samples
+        ]
+
+    assert rows(got) == rows(want) and got.frames == want.frames and got.meta == want.meta
+    assert [(s.pre_trigger, s.wait) for s in got.samples[2:]] == [
+        (True, wire.WAIT_S),
+        (False, wire.WAIT_D),
+        (True, wire.WAIT_RECLAIM),
+        (False, wire.WAIT_RUNQUEUE),
+    ]
+    assert [s.pre_trigger for s in got.samples[:2]] == [True, False]
+    assert [f.name for f in got.frames[: len(got.samples[0].stack)]][-1] == "do_syscall_64"
