@@ -65,7 +65,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from .agent.agent import run_agent
+    from .agent.daemon import run_agent
     from .agent.settings import settings_from_args
 
     settings = settings_from_args(args, os.environ)
@@ -131,7 +131,7 @@ def _add_symbolizer(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_record(sub: argparse._SubParsersAction) -> None:
-    from .record.record import add_record_arguments, cmd_record
+    from .record.command import add_record_arguments, cmd_record
 
     p = sub.add_parser(
         "record",

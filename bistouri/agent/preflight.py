@@ -87,7 +87,7 @@ def check_btf(host: Host) -> Result:
 
 
 def check_libbpf(host: Host) -> Result:
-    from ..bpf.object import library
+    from ..bpf.handles import library
 
     try:
         lib = library()
@@ -286,7 +286,7 @@ def check_kernel_symbols(host: Host) -> list[Result]:
 
 
 def check_bpf_object(host: Host) -> Result:
-    from ..bpf.object import BpfObject
+    from ..bpf.handles import BpfObject
     from ..capture.profiler import default_object_path
     from ..errors import BpfError
 

@@ -1,4 +1,4 @@
-"""ProfilerAgent: loads the BPF object, attaches it, and drains its ring buffers on one thread.
+"""Profiler: loads the BPF object, attaches it, and drains its ring buffers on one thread.
 
 Lifecycle: open → configure (.rodata, autoload) → load → attach → run → close,
 always in that order; a failure at any step releases everything acquired so
@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection
 
 from .. import threads
 from ..bpf import abi, perf
+from ..bpf.handles import BpfObject, Link, RingBuffer
 from ..bpf.loader import (
     EPISODE_PROGRAMS,
     LoadedObject,
@@ -39,7 +40,6 @@ from ..bpf.loader import (
     ring_size,
     sampler_of,
 )
-from ..bpf.object import BpfObject, Link, RingBuffer
 from ..errors import BistouriError, BpfError
 from ..host.procmaps import ProcMaps
 from ..unwind.tables import UnwindTables
@@ -56,7 +56,7 @@ from .events import (
 log = logging.getLogger(__name__)
 
 
-class ProfilerAgent:
+class Profiler:
     """Owns the BPF object, every link, the ring buffers and the drain thread."""
 
     def __init__(
@@ -173,7 +173,7 @@ class ProfilerAgent:
     def start(self) -> None:
         """Start the drain thread."""
         if self._rb is None:
-            raise BistouriError("ProfilerAgent.start() before open()")
+            raise BistouriError("Profiler.start() before open()")
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
@@ -219,7 +219,7 @@ class ProfilerAgent:
             self._loading.close()
             self._loading = None
 
-    def __enter__(self) -> ProfilerAgent:
+    def __enter__(self) -> Profiler:
         self.open()
         return self
 
@@ -501,7 +501,7 @@ __all__ = [
     "EPISODE_PROGRAMS",
     "BpfError",
     "ObjectLoad",
-    "ProfilerAgent",
+    "Profiler",
     "ProfilerOptions",
     "default_object_path",
     "kernel_tracepoints",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from .. import threads
 from ..bpf import abi
-from ..bpf.object import Map
+from ..bpf.handles import Map
 from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath

@@ -140,7 +140,7 @@ def test_lpm_model_agrees_with_user_space(comm):
 @pytest.mark.bpf
 def test_kernel_lpm_trie_agrees_with_user_space():
     """The real BPF comm trie, loaded from the shipped object (programs off: maps only)."""
-    from bistouri.bpf.object import BpfObject
+    from bistouri.bpf.handles import BpfObject
     from tests.conftest import BPF_OBJECT
 
     m = matcher(

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 from bistouri.agent.config import parse_trigger_config
 from bistouri.agent.discovery import walk_processes
 from bistouri.agent.metrics import AgentMetrics
-from bistouri.agent.trigger import TriggerAgent
-from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.agent.watcher import Watcher
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procfs import is_same_process
 from bistouri.host.psi import PsiEvent, PsiLoop
@@ -64,7 +64,7 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
     reg = CollectorRegistry()
     metrics = AgentMetrics(reg)
     loop = PsiLoop(registry=reg)
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         _Filter(),
         _Sink(),
         metrics,
@@ -75,7 +75,7 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         period_ns=1_000_000,
         proc_root=str(proc),
     )
-    trigger = TriggerAgent(
+    trigger = Watcher(
         loop,
         orch,
         lambda entries: None,

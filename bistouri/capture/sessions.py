@@ -1,4 +1,4 @@
-"""CaptureOrchestrator: capture sessions, from a PSI event to a spooled msgpack file.
+"""SessionCapture: capture sessions, from a PSI event to a spooled msgpack file.
 
 A session arms the BPF pid filter for its processes (refcounted, so overlapping
 sessions work), aggregates the samples that arrive while it runs, and when its
@@ -31,9 +31,9 @@ from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
 from .episode import EpisodeProbe, EpisodeStart
 from .events import StackSample, split_stacks
+from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
+from .flight import FlightRecorder
 from .metrics import CaptureMetrics
-from .recorder import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
-from .recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _WAIT_OF_KIND = {
 }
 
 
-class PidFilter(Protocol):
+class Sampler(Protocol):
     """The profiler: what it samples, and the address maps its user frames were mapped with."""
 
     maps: ProcMaps
@@ -118,13 +118,13 @@ DROP_MEMORY = "memory"  # max_bytes reached across all sessions
 DROP_SESSION_TOO_LARGE = "session_too_large"  # over wire.MAX_SESSION_OBJECTS when encoded
 
 
-class CaptureOrchestrator:
+class SessionCapture:
     MAX_SESSIONS = 64  # concurrent sessions
     MAX_TRACES = 50_000  # distinct (thread, stack) pairs per session
 
     def __init__(
         self,
-        pid_filter: PidFilter,
+        pid_filter: Sampler,
         sink: SessionSink,
         metrics: CaptureMetrics,
         kernel: KernelMeta,

@@ -1,4 +1,4 @@
-"""TriggerAgent: which processes to watch, their PSI watchers, and when to capture.
+"""Watcher: which processes to watch, their PSI watchers, and when to capture.
 
 Processes are found two ways: exec events from the BPF comm trie (fast path)
 and the periodic walk of discovery.py (processes started before the agent,
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import wire
-from ..capture.capture import CaptureOrchestrator
 from ..capture.events import ExecMatch
+from ..capture.sessions import SessionCapture
 from ..host import procfs
 from ..host.psi import PsiEvent, PsiLoop
 from ..logtext import RateLimited
@@ -33,7 +33,7 @@ from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SYSTEM", "FoundProcess", "TriggerAgent", "WalkResult", "walk_processes"]
+__all__ = ["SYSTEM", "FoundProcess", "WalkResult", "Watcher", "walk_processes"]
 
 SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
 
@@ -60,11 +60,11 @@ class Tracked:
     keys: set[WatchKey] = field(default_factory=set)
 
 
-class TriggerAgent:
+class Watcher:
     def __init__(
         self,
         loop: PsiLoop,
-        orchestrator: CaptureOrchestrator,
+        orchestrator: SessionCapture,
         set_comm_rules: Callable[[list[tuple[bytes, int]]], None],
         metrics: AgentMetrics,
         *,

@@ -26,10 +26,10 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from .. import __version__, threads
-from ..capture.capture import CaptureOrchestrator
 from ..capture.episode import EpisodeProbe
 from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
-from ..capture.profiler import ProfilerAgent, ProfilerOptions
+from ..capture.profiler import Profiler, ProfilerOptions
+from ..capture.sessions import SessionCapture
 from ..errors import BistouriError, ConfigError
 from ..host.cgroupfs import find_mounts
 from ..host.kernel import KernelMeta, read_kallsyms, read_kernel_meta
@@ -41,10 +41,10 @@ from . import preflight
 from .config import TriggerConfig, load_trigger_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
-from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
+from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsAndControlServer
 from .settings import AgentSettings
 from .spool import Spool
-from .trigger import TriggerAgent
+from .watcher import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,14 @@ class Agent:
         self.reload_requested = False
         self.config: TriggerConfig | None = None
         self.kernel: KernelMeta | None = None
-        self.profiler: ProfilerAgent | None = None
+        self.profiler: Profiler | None = None
         self.exporter: object | None = None
         # Set by the phases; None until then (and close() copes with any of them missing).
         self.spool: Spool | None = None
         self.loop: PsiLoop | None = None
         self.confwatch: ConfigWatcher | None = None
-        self.orch: CaptureOrchestrator | None = None
-        self.trigger: TriggerAgent | None = None
+        self.orch: SessionCapture | None = None
+        self.trigger: Watcher | None = None
         self.walker: Walker | None = None
         # Capture-now requests (service id, session id) from the metrics thread to the main loop.
         self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
@@ -87,7 +87,7 @@ class Agent:
         self._held_events: list[Event] = []  # drained by _catch_up(), handled by the next _on_bpf_events()
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
-        self._metrics_server: MetricsServer | None = None
+        self._metrics_server: MetricsAndControlServer | None = None
         self._metrics_thread: threading.Thread | None = None
         self._bpf_error_log_at = 0.0
 
@@ -173,7 +173,7 @@ class Agent:
 
     def _start_metrics(self) -> None:
         try:
-            server = MetricsServer(
+            server = MetricsAndControlServer(
                 self.s.metrics_addr,
                 self.s.metrics_port,
                 self.registry or REGISTRY,
@@ -198,7 +198,7 @@ class Agent:
             # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
             unwind_cache_dir=os.path.join(os.path.dirname(self.s.spool_dir.rstrip("/")), "unwind"),
         )
-        self.profiler = ProfilerAgent(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
+        self.profiler = Profiler(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
         except BistouriError as e:
@@ -222,7 +222,7 @@ class Agent:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
         assert self.spool is not None and self.loop is not None
         self.exporter = self._make_exporter()
-        self.orch = CaptureOrchestrator(
+        self.orch = SessionCapture(
             self.profiler,
             self.spool,
             self.metrics,
@@ -243,7 +243,7 @@ class Agent:
                 mounts=find_mounts(self.s.proc_path),
             ),
         )
-        self.trigger = TriggerAgent(
+        self.trigger = Watcher(
             self.loop,
             self.orch,
             self.profiler.set_comm_rules,
