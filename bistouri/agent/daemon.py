@@ -78,8 +78,8 @@ class Agent:
         self.spool: Spool | None = None
         self.loop: PsiLoop | None = None
         self.confwatch: ConfigWatcher | None = None
-        self.orch: SessionCapture | None = None
-        self.trigger: Watcher | None = None
+        self.capture: SessionCapture | None = None
+        self.watcher: Watcher | None = None
         self.walker: Walker | None = None
         # Capture-now requests (service id, session id) from the metrics thread to the main loop.
         self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
@@ -222,7 +222,7 @@ class Agent:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
         assert self.spool is not None and self.loop is not None
         self.exporter = self._make_exporter()
-        self.orch = SessionCapture(
+        self.capture = SessionCapture(
             self.profiler,
             self.spool,
             self.metrics,
@@ -243,16 +243,16 @@ class Agent:
                 mounts=find_mounts(self.s.proc_path),
             ),
         )
-        self.trigger = Watcher(
+        self.watcher = Watcher(
             self.loop,
-            self.orch,
+            self.capture,
             self.profiler.set_comm_rules,
             self.metrics,
             proc_root=self.s.proc_path,
             cgroup_root=self.s.cgroup_path,
             default_capture_s=self.s.capture_duration_secs,
         )
-        self.trigger.apply_config(self.config)
+        self.watcher.apply_config(self.config)
         self.profiler.start()
         self.walker = Walker(
             self.s.walk_interval_secs,
@@ -260,7 +260,7 @@ class Agent:
             lambda: os.eventfd_write(self._walk_fd, 1),
         )
         self.walker.start()
-        self.walker.request(self.trigger.walk_job())
+        self.walker.request(self.watcher.walk_job())
         log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
 
     def _make_exporter(self) -> object | None:
@@ -334,13 +334,13 @@ class Agent:
         return 202, {"session_id": session_id, "service_id": service_id}
 
     def _run_capture_requests(self) -> None:
-        assert self.trigger is not None
+        assert self.watcher is not None
         while True:
             try:
                 service_id, session_id = self._capture_requests.get_nowait()
             except queue.Empty:
                 return
-            if self.trigger.capture_now(service_id, session_id) is None:
+            if self.watcher.capture_now(service_id, session_id) is None:
                 log.warning(
                     "Capture now not started: no live process of the target. service=%s session=%s",
                     service_id,
@@ -357,25 +357,25 @@ class Agent:
 
     def run(self) -> None:
         """The main loop, until SIGTERM/SIGINT."""
-        assert self.loop is not None and self.orch is not None and self.trigger is not None
+        assert self.loop is not None and self.capture is not None and self.watcher is not None
         while not self.stop_requested:
             now = time.monotonic()
             deadlines = [now + 5.0]  # everything else wakes the loop through its fds
-            if (d := self.orch.next_deadline()) is not None:
+            if (d := self.capture.next_deadline()) is not None:
                 deadlines.append(d)
             if self.confwatch and (d := self.confwatch.deadline()) is not None:
                 deadlines.append(d)
             timeout_ms = max(0, int((min(deadlines) - now) * 1000) + 1)
             for ev in self.loop.poll(timeout_ms):
-                self.trigger.on_psi(ev)
+                self.watcher.on_psi(ev)
             if not self._capture_requests.empty():
                 self._run_capture_requests()
             if self.profiler:
                 self.profiler.check_thread()
             now = time.monotonic()
-            self.orch.tick(now)
+            self.capture.tick(now)
             if self.profiler:
-                self.profiler.set_slow_drain(not self.orch.sessions)  # the recorder alone: no hurry
+                self.profiler.set_slow_drain(not self.capture.sessions)  # the recorder alone: no hurry
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload("SIGHUP")
@@ -384,15 +384,15 @@ class Agent:
 
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
-        assert self.profiler is not None and self.orch is not None and self.trigger is not None
+        assert self.profiler is not None and self.capture is not None and self.watcher is not None
         events = self._held_events + self.profiler.take()
         self._held_events = []
-        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        self.capture.add_samples(ev for ev in events if type(ev) is StackSample)
         for ev in events:
             if type(ev) is StackSample:
                 continue
             if isinstance(ev, ExecMatch):
-                self.trigger.on_exec(ev)
+                self.watcher.on_exec(ev)
             elif isinstance(ev, BpfErrorEvent):
                 now = time.monotonic()
                 if now - self._bpf_error_log_at > 10:  # counted in metrics; logged at most every 10 s
@@ -406,10 +406,10 @@ class Agent:
     def _catch_up(self) -> None:
         """Before a session starts: the samples still in the kernel into the flight recorder. Other
         events wait for the main loop (handling an exec here could start a session within this one)."""
-        assert self.profiler is not None and self.orch is not None
+        assert self.profiler is not None and self.capture is not None
         self.profiler.catch_up()
         events = self.profiler.take()
-        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        self.capture.add_samples(ev for ev in events if type(ev) is StackSample)
         others = [ev for ev in events if type(ev) is not StackSample]
         if others:
             self._held_events.extend(others)
@@ -417,13 +417,13 @@ class Agent:
 
     def _on_walk_results(self) -> None:
         self._drain_fd(self._walk_fd)
-        assert self.walker is not None and self.trigger is not None
+        assert self.walker is not None and self.watcher is not None
         while True:
             try:
                 result = self.walker.results.get_nowait()
             except queue.Empty:
                 return
-            self.trigger.on_walk(result)
+            self.watcher.on_walk(result)
             unwind = self.profiler.unwind if self.profiler is not None else None
             if unwind is not None:
                 # Tables of the watched processes to the disk cache now, before pressure samples them.
@@ -431,7 +431,7 @@ class Agent:
 
     def reload(self, why: str) -> bool:
         """Swap in a new trigger config; an invalid one keeps the running config."""
-        assert self.config is not None and self.trigger is not None and self.walker is not None
+        assert self.config is not None and self.watcher is not None and self.walker is not None
         try:
             cfg = load_trigger_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
         except (ConfigError, OSError) as e:
@@ -441,7 +441,7 @@ class Agent:
                 self.confwatch.accept()  # do not retry the same bad content in a loop
             return False
         try:
-            self.trigger.apply_config(cfg)
+            self.watcher.apply_config(cfg)
         except BistouriError as e:
             self.metrics.config_reload_failures.inc()
             log.error("Config reload failed while updating BPF maps, keeping the running config: %s", e)
@@ -451,7 +451,7 @@ class Agent:
             self.confwatch.accept()
         self.metrics.config_reloads.inc()
         log.info("Config reloaded (%s). targets=%d", why, len(cfg.targets))
-        self.walker.request(self.trigger.walk_job())
+        self.walker.request(self.watcher.walk_job())
         return True
 
     # -- shutdown ---------------------------------------------------------------------
@@ -466,10 +466,10 @@ class Agent:
             # Drains what is already in the rings; the maps stay open until the sessions are flushed,
             # so their episodes still read the threads' times.
             self.profiler.stop(timeout=0.5)
-            if self.orch is not None and self.trigger is not None:
+            if self.capture is not None and self.watcher is not None:
                 self._on_bpf_events()
-        if self.orch is not None:
-            flushed = self.orch.flush_all()
+        if self.capture is not None:
+            flushed = self.capture.flush_all()
             if flushed:
                 log.info("Open sessions flushed to the spool at shutdown. sessions=%d", len(flushed))
         self.close()

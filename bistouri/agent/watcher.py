@@ -64,7 +64,7 @@ class Watcher:
     def __init__(
         self,
         loop: PsiLoop,
-        orchestrator: SessionCapture,
+        capture: SessionCapture,
         set_comm_rules: Callable[[list[tuple[bytes, int]]], None],
         metrics: AgentMetrics,
         *,
@@ -73,7 +73,7 @@ class Watcher:
         default_capture_s: float,
     ) -> None:
         self.loop = loop
-        self.orch = orchestrator
+        self.capture = capture
         self._set_comm_rules = set_comm_rules
         self.metrics = metrics
         self.proc_root = proc_root
@@ -99,7 +99,7 @@ class Watcher:
         self.loop.clear()
         self.groups.clear()
         for pid in list(self.processes):
-            self.orch.unwatch(pid)
+            self.capture.unwatch(pid)
         self.processes.clear()
         self.target_cgroups.clear()
         self.matcher = matcher
@@ -195,7 +195,7 @@ class Watcher:
                 group.pids.add(p.pid)
                 t.keys.add(key)
         if recorder_s > 0:
-            self.orch.watch(p.pid, recorder_s, recorder_hz)
+            self.capture.watch(p.pid, recorder_s, recorder_hz)
         self.metrics.processes.set(len(self.processes))
         self._matched_log.log(
             "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)
@@ -205,7 +205,7 @@ class Watcher:
         t = self.processes.pop(pid, None)
         if t is None:
             return
-        self.orch.unwatch(pid)
+        self.capture.unwatch(pid)
         for key in t.keys:
             group = self.groups.get(key)
             if group is None:
@@ -278,7 +278,7 @@ class Watcher:
                     self._untrack(pid)  # exited, or its pid now belongs to another process
                     continue
                 procs[pid] = t.comm
-            sid = self.orch.start_session(
+            sid = self.capture.start_session(
                 wire.Trigger.from_psi(ev, group.key[0]),
                 target.service_id,
                 dict(target.labels),
@@ -313,7 +313,7 @@ class Watcher:
             time_ns=time.time_ns(),
             kind=wire.TRIGGER_MANUAL,
         )
-        return self.orch.start_session(
+        return self.capture.start_session(
             trigger,
             target.service_id,
             dict(target.labels),

@@ -10,7 +10,7 @@ Memory is bounded in bytes across all running sessions (`max_bytes`, from
 --capture-max-bytes): each distinct stack costs its raw frames (8 bytes a kernel
 frame, 32 a user frame) plus a fixed overhead; a new stack beyond the bound is
 dropped and counted, while the stacks already held keep counting samples.
-Processes a target watches with its flight recorder (recorder.py) stay in the
+Processes a target watches with its flight recorder (flight.py) stay in the
 pid filter between sessions; a session starts with their recorded samples,
 marked as before the trigger.
 Everything runs on the main thread; nothing here blocks on the network.
