@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -46,6 +46,9 @@ from .settings import AgentSettings
 from .spool import Spool
 from .watcher import Watcher
 
+if TYPE_CHECKING:
+    from .exporter import Exporter
+
 log = logging.getLogger(__name__)
 
 # What must hold for the agent to start; the rest of `bistouri check` only warns.
@@ -56,6 +59,20 @@ _BLOCKING_CHECKS = (
     preflight.check_psi,
     preflight.check_capabilities,
 )
+
+
+class NoExporter:
+    """No symbolizer endpoint: sessions stay in the spool, nothing is sent (and `requests` is
+    not imported)."""
+
+    def notify(self) -> None:
+        pass
+
+    def flush(self, deadline: float) -> bool:
+        return False
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        return True
 
 
 class StartupError(BistouriError):
@@ -73,7 +90,7 @@ class Agent:
         self.config: TriggerConfig | None = None
         self.kernel: KernelMeta | None = None
         self.profiler: Profiler | None = None
-        self.exporter: object | None = None
+        self.exporter: Exporter | NoExporter = NoExporter()
         # Set by the phases; None until then (and close() copes with any of them missing).
         self.spool: Spool | None = None
         self.loop: PsiLoop | None = None
@@ -210,8 +227,7 @@ class Agent:
             self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
 
     def _unwind_stats(self) -> UnwindStats:
-        unwind = self.profiler.unwind if self.profiler is not None else None
-        return unwind.stats if unwind is not None else UnwindStats()
+        return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()
 
     def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:
@@ -263,9 +279,9 @@ class Agent:
         self.walker.request(self.watcher.walk_job())
         log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
 
-    def _make_exporter(self) -> object | None:
+    def _make_exporter(self) -> Exporter | NoExporter:
         if not self.s.symbolizer_endpoint:
-            return None
+            return NoExporter()
         from .exporter import Exporter
 
         kernel = self.kernel
@@ -291,8 +307,7 @@ class Agent:
         return exp
 
     def _notify_exporter(self) -> None:
-        if self.exporter is not None:
-            self.exporter.notify()  # type: ignore[attr-defined]
+        self.exporter.notify()
 
     # -- main loop ------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -424,10 +439,9 @@ class Agent:
             except queue.Empty:
                 return
             self.watcher.on_walk(result)
-            unwind = self.profiler.unwind if self.profiler is not None else None
-            if unwind is not None:
+            if self.profiler is not None:
                 # Tables of the watched processes to the disk cache now, before pressure samples them.
-                unwind.prepare([(p.pid, p.starttime) for p in result.found])
+                self.profiler.unwind.prepare([(p.pid, p.starttime) for p in result.found])
 
     def reload(self, why: str) -> bool:
         """Swap in a new trigger config; an invalid one keeps the running config."""
@@ -476,11 +490,10 @@ class Agent:
         log.info("Agent stopped in %.2fs", time.monotonic() - t0)
 
     def close(self) -> None:
-        if self.exporter is not None:
-            # A short chance to send what was just flushed; the rest stays in the spool for next time.
-            self.exporter.flush(time.monotonic() + 0.5)  # type: ignore[attr-defined]
-            self.exporter.stop(timeout=0.3)  # type: ignore[attr-defined]
-            self.exporter = None
+        # A short chance to send what was just flushed; the rest stays in the spool for next time.
+        self.exporter.flush(time.monotonic() + 0.5)
+        self.exporter.stop(timeout=0.3)
+        self.exporter = NoExporter()
         if self.profiler is not None:
             self.profiler.stop(timeout=0.5)
             self.profiler = None

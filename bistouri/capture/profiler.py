@@ -42,7 +42,7 @@ from ..bpf.loader import (
 )
 from ..errors import BistouriError, BpfError
 from ..host.procmaps import ProcMaps
-from ..unwind.tables import UnwindTables
+from ..unwind.tables import NoUnwind, UnwindTables
 from .events import (
     Event,
     ResolvedStacks,
@@ -97,7 +97,7 @@ class Profiler:
         self._drain_lock = threading.Lock()  # the ring thread's timer, or catch_up() from another
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
-        self.unwind: UnwindTables | None = None
+        self.unwind: UnwindTables | NoUnwind = NoUnwind()
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -164,7 +164,7 @@ class Profiler:
         self._companion_obj = loaded.obj
         self._attach(loaded)
         hand_over(self._require(), loaded)
-        if self.unwind is not None and self._thread is not None:  # start() left it for now
+        if self._thread is not None:  # start() left it for now
             self.unwind.start()
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
@@ -177,15 +177,14 @@ class Profiler:
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
-        if self.unwind is not None and self._companion is None:  # else its maps come with the companion
+        if self._companion is None:  # else its maps come with the companion
             self.unwind.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the table builder and the drain thread, which drains the rings a last time. The maps
         stay readable (thread_times: the episodes of sessions flushed at shutdown). Idempotent."""
-        if self.unwind is not None:
-            self.unwind.close(min(timeout, 0.5))
-            self.unwind = None
+        self.unwind.close(min(timeout, 0.5))
+        self.unwind = NoUnwind()
         if self._thread is not None:
             os.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
@@ -251,13 +250,11 @@ class Profiler:
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
-                if self.unwind is not None:
-                    self.unwind.want(pid)  # frame pointers until its tables are loaded
+                self.unwind.want(pid)  # frame pointers until its tables are loaded
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
-                if self.unwind is not None:
-                    self.unwind.forget(pid)
+                self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
 
@@ -289,9 +286,8 @@ class Profiler:
 
     def _maps_reread(self, pid: int) -> None:
         """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
-        unwind = self.unwind
-        if unwind is not None and pid in self._filtered:
-            unwind.want(pid)
+        if pid in self._filtered:
+            self.unwind.want(pid)
 
     def filtered_pids(self) -> dict[int, int]:
         m = self._require().maps["pid_filter"]

@@ -29,7 +29,7 @@ from .. import wire
 from ..bpf import abi
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
-from .episode import EpisodeProbe, EpisodeStart
+from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProbe
 from .events import StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .flight import FlightRecorder
@@ -139,7 +139,7 @@ class SessionCapture:
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
-        episode: EpisodeProbe | None = None,
+        episode: EpisodeProbe | NoEpisodeProbe = NO_EPISODE_PROBE,
         catch_up: Callable[[], None] | None = None,
     ) -> None:
         self._filter = pid_filter
@@ -168,7 +168,7 @@ class SessionCapture:
             recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
         )
         self._memory_full_logged = -60.0
-        self.episode = episode  # None: sessions carry no episode report
+        self.episode = episode
 
     # -- flight recorder ---------------------------------------------------------
     def watch(self, pid: int, recorder_secs: float, recorder_hz: float | None = None) -> None:
@@ -252,8 +252,7 @@ class SessionCapture:
             start_mono=now,
             deadline=now + duration_s,
         )
-        if self.episode is not None:
-            s.episode_start = self.episode.start(armed)
+        s.episode_start = self.episode.start(armed)
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
@@ -466,7 +465,7 @@ class SessionCapture:
     def _finish(self, s: ActiveSession, now: float) -> None:
         res = s.trigger.resource
         episode = None
-        if self.episode is not None and s.episode_start is not None:
+        if s.episode_start is not None:
             # Before the filter lets go of the processes: unwatching forgets their thread times.
             episode = self.episode.finish(s.episode_start, s.processes, res)
         del self.sessions[s.session_id]

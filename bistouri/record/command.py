@@ -470,7 +470,7 @@ def _capture(
 
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from .. import wire
-    from ..capture.episode import EpisodeProbe
+    from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
     from ..capture.metrics import CaptureMetrics
     from ..capture.sessions import SessionCapture
     from ..host.cgroupfs import find_mounts
@@ -493,7 +493,7 @@ def _capture(
             agent.thread_times, procfs.find_cgroup2_mount(args.proc_path), mounts=find_mounts(args.proc_path)
         )
         if trigger is not None
-        else None,
+        else NO_EPISODE_PROBE,
     )
     trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
     sid = orch.start_session(trigger, "record", {}, procs, 1e9)

@@ -158,6 +158,32 @@ def compile_mapped(where: MappedPath, limits: CfiLimits | None = None) -> Table:
         os.close(fd)
 
 
+class NoUnwind:
+    """Unwinding by tables off (no rows configured) or stopped: requests are ignored, user
+    stacks are walked by frame pointer."""
+
+    def __init__(self) -> None:
+        self.stats = UnwindStats()
+
+    def want(self, pid: int) -> None:
+        pass
+
+    def prepare(self, processes: list[tuple[int, int]]) -> None:
+        pass
+
+    def forget(self, pid: int) -> None:
+        pass
+
+    def wait_idle(self, timeout: float) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass
+
+    def close(self, timeout: float = 0.5) -> None:
+        pass
+
+
 class UnwindTables:
     """The BPF maps of the unwind tables and the thread that fills them."""
 

@@ -30,6 +30,7 @@ from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.elf import ElfFile
 from bistouri.host.procmaps import FrameStatus
 from bistouri.unwind.ehframe import ROW, CfaKind, file_fdes
+from bistouri.unwind.tables import UnwindTables
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.bpf
@@ -162,7 +163,7 @@ def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, i
     with Profiler(opts) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
-        assert agent.unwind is not None
+        assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1 and agent.unwind.stats.loaded_rows > 1000
         ready = time.monotonic_ns()
@@ -377,7 +378,7 @@ def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[s
     with Profiler(opts) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
-        assert agent.unwind is not None
+        assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1
         ready = time.monotonic_ns()
