@@ -21,8 +21,8 @@ the symbolizer, which names, stores and shows them as flamegraphs.
 EPILOG = """\
 examples:
   bistouri check                              can the agent run here? what to fix
-  bistouri check --config trigger.yaml        validate a trigger file too
-  bistouri check-config trigger.yaml          validate a trigger file only, start nothing
+  bistouri check --config trigger.yaml        validate a targets file too
+  bistouri check-config trigger.yaml          validate a targets file only, start nothing
   bistouri agent --config /etc/bistouri/trigger.yaml --symbolizer-endpoint http://sym:8470
   bistouri symbolizer --listen-addr 0.0.0.0:8470 --debug-dir /usr/lib/debug
   bistouri record --duration 10 -- ./myprog --flag   profile a command now, write a flamegraph
@@ -80,7 +80,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "capabilities, perf events, kernel symbols, and that the BPF object loads. "
         "Exit status 1 only when something prevents the agent from running.",
     )
-    p.add_argument("--config", metavar="FILE", help="also validate this trigger file")
+    p.add_argument("--config", metavar="FILE", help="also validate this targets file")
     p.add_argument("--config-only", action="store_true", help="only validate --config, skip the host checks")
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check)
@@ -88,10 +88,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     # What config management runs before restarting the agent (Ansible's validate=, CI).
     p = sub.add_parser(
         "check-config",
-        help="validate a trigger file, start nothing (same as: check --config FILE --config-only)",
-        description="Validate a trigger file and report every problem with its path. Exit status 1 if any.",
+        help="validate a targets file, start nothing (same as: check --config FILE --config-only)",
+        description="Validate a targets file and report every problem with its path. Exit status 1 if any.",
     )
-    p.add_argument("config", metavar="FILE", help="the trigger file")
+    p.add_argument("config", metavar="FILE", help="the targets file")
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check, config_only=True)
 

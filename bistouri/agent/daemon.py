@@ -3,7 +3,7 @@
 Start-up runs in phases — preflight, prepare (config, spool, watchers),
 load (BPF), activate (tries filled, walk started) — and stops at the first one
 that cannot complete, saying why. The main thread runs one `select.poll` loop
-over PSI trigger fds, the signal wakeup fd, the inotify fd and two eventfds
+over PSI watch fds, the signal wakeup fd, the inotify fd and two eventfds
 (ring-buffer events, walk results). Other threads: bistouri-ringbuf,
 bistouri-walk, bistouri-exporter, bistouri-metrics. A capture-now request
 (POST /v1/capture on the metrics port, loopback only) is queued by the metrics
@@ -38,7 +38,7 @@ from ..host.psi import PsiLoop
 from ..unwind.tables import UnwindStats
 from ..wire.snapshot import loaded_code_digest
 from . import preflight
-from .config import TriggerConfig, load_trigger_config
+from .config import TargetsConfig, load_targets_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
 from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsAndControlServer
@@ -87,7 +87,7 @@ class Agent:
         self.metrics = AgentMetrics(registry)
         self.stop_requested = False
         self.reload_requested = False
-        self.config: TriggerConfig | None = None
+        self.config: TargetsConfig | None = None
         self.kernel: KernelMeta | None = None
         self.profiler: Profiler | None = None
         self.exporter: Exporter | NoExporter = NoExporter()
@@ -142,13 +142,13 @@ class Agent:
         for w in self.s.warnings:
             log.warning("%s", w)
         try:
-            self.config = load_trigger_config(self.s.config_path)
+            self.config = load_targets_config(self.s.config_path)
         except ConfigError as e:
             raise StartupError("prepare", str(e))
         except OSError as e:
             raise StartupError(
                 "prepare",
-                f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
+                f"cannot read the targets file {self.s.config_path}: {e.strerror}. "
                 "Pass --config or create it (see docs/configuration.md)",
             )
         assert self.kernel is not None
@@ -444,10 +444,10 @@ class Agent:
                 self.profiler.unwind.prepare([(p.pid, p.starttime) for p in result.found])
 
     def reload(self, why: str) -> bool:
-        """Swap in a new trigger config; an invalid one keeps the running config."""
+        """Swap in a new targets file; an invalid one keeps the running config."""
         assert self.config is not None and self.watcher is not None and self.walker is not None
         try:
-            cfg = load_trigger_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
+            cfg = load_targets_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
         except (ConfigError, OSError) as e:
             self.metrics.config_reload_failures.inc()
             log.error("Config reload rejected (%s), keeping the running config: %s", why, e)
@@ -470,7 +470,7 @@ class Agent:
 
     # -- shutdown ---------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop triggers, drain the rings, spool open sessions, detach. Bounded in time."""
+        """Stop the PSI watches, drain the rings, spool open sessions, detach. Bounded in time."""
         t0 = time.monotonic()
         if self.loop is not None:
             self.loop.clear()

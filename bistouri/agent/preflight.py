@@ -172,7 +172,7 @@ def check_capabilities(host: Host) -> list[Result]:
                 WARN,
                 "cap CAP_SYS_RESOURCE",
                 "missing: the kernel accepts only PSI windows that are multiples of 2 s, "
-                "so triggers fire ~2 s late",
+                "so PSI events arrive ~2 s late",
                 "grant CAP_SYS_RESOURCE (AmbientCapabilities= in the unit); "
                 "bistouri falls back to 2 s windows",
             )
@@ -307,10 +307,10 @@ def check_bpf_object(host: Host) -> Result:
 
 def check_config(path: str) -> Result:
     from ..errors import ConfigError
-    from .config import load_trigger_config
+    from .config import load_targets_config
 
     try:
-        cfg = load_trigger_config(path)
+        cfg = load_targets_config(path)
     except ConfigError as e:
         return Result(
             FAIL,

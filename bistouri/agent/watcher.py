@@ -1,4 +1,4 @@
-"""Watcher: which processes to watch, their PSI watchers, and when to capture.
+"""Watcher: which processes to watch, their PSI watches, and when to capture.
 
 Processes are found two ways: exec events from the BPF comm trie (fast path)
 and the periodic walk of discovery.py (processes started before the agent,
@@ -25,8 +25,8 @@ from ..capture.sessions import SessionCapture
 from ..host import procfs
 from ..host.psi import PsiEvent, PsiLoop
 from ..logtext import RateLimited
-from ..pressure import ResourceTrigger
-from .config import Target, TriggerConfig
+from ..pressure import PressureThreshold
+from .config import Target, TargetsConfig
 from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
@@ -38,8 +38,8 @@ __all__ = ["SYSTEM", "FoundProcess", "WalkResult", "Watcher", "walk_processes"]
 SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
 
 
-# (cgroup, the configured trigger)
-WatchKey = tuple[str, ResourceTrigger]
+# (cgroup, the configured threshold)
+WatchKey = tuple[str, PressureThreshold]
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class Watcher:
         self.proc_root = proc_root
         self.cgroup_root = cgroup_root
         self.default_capture_s = default_capture_s
-        self.config: TriggerConfig | None = None
+        self.config: TargetsConfig | None = None
         self.matcher = CommMatcher(())
         self.generation = 0
         self.processes: dict[int, Tracked] = {}
@@ -90,7 +90,7 @@ class Watcher:
         self._matched_log = RateLimited(log, "Processes matched")
 
     # -- configuration ------------------------------------------------------------
-    def apply_config(self, cfg: TriggerConfig) -> None:
+    def apply_config(self, cfg: TargetsConfig) -> None:
         """Install a config: purge watchers, rebuild both tries. The caller then walks /proc."""
         matcher = CommMatcher(cfg.targets)
         # The BPF trie first: if it fails, the running config stays as it was.
@@ -215,7 +215,7 @@ class Watcher:
                 del self.groups[key]
                 self.loop.remove(key)
                 log.info(
-                    "PSI watcher removed: no matching process left. cgroup=%s resource=%s",
+                    "PSI watch removed: no matching process left. cgroup=%s resource=%s",
                     key[0],
                     key[1].resource,
                 )
@@ -230,27 +230,27 @@ class Watcher:
         return os.path.join(d, f"{resource}.pressure")
 
     def _watch(self, key: WatchKey, target: Target) -> WatchGroup | None:
-        cgroup, trigger = key
+        cgroup, pressure = key
         try:
-            path = self.pressure_path(cgroup, trigger.resource)
-            self.loop.add_watcher(key, path, trigger, target.cooldown(self.default_capture_s))
+            path = self.pressure_path(cgroup, pressure.resource)
+            self.loop.add_watch(key, path, pressure, target.cooldown(self.default_capture_s))
         except OSError as e:
             self.watch_failures += 1
             self.metrics.sessions_dropped.labels("watcher_failed").inc()
-            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, trigger.resource, e)
+            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, pressure.resource, e)
             return None
         group = WatchGroup(key, path)
         self.groups[key] = group
         log.info(
-            "PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d",
+            "PSI watch added. path=%s stall=%s threshold=%g%% window_ms=%d",
             path,
-            trigger.stall,
-            trigger.threshold,
-            trigger.window_ms,
+            pressure.stall,
+            pressure.threshold,
+            pressure.window_ms,
         )
         return group
 
-    # -- triggering -------------------------------------------------------------------
+    # -- starting sessions -------------------------------------------------------------
     def on_psi(self, ev: PsiEvent) -> list[str]:
         """A watcher fired: one session per target of the watcher, with its live processes."""
         key = ev.key

@@ -248,7 +248,7 @@ def _wait_for_pressure(
 ) -> wire.Trigger:
     from .. import wire
     from ..host.psi import PsiLoop
-    from ..pressure import ResourceTrigger
+    from ..pressure import PressureThreshold
 
     pids = targets.current()
     cgroup = "/"
@@ -263,7 +263,7 @@ def _wait_for_pressure(
         else:
             d = procfs.cgroup_dir(cgroup_root, cgroup)
             path = os.path.join(d or cgroup_root, f"{r.resource}.pressure")
-        loop.add_watcher(r.resource, path, ResourceTrigger(r.resource, r.threshold, window_ms=1000), 0)
+        loop.add_watch(r.resource, path, PressureThreshold(r.resource, r.threshold, window_ms=1000), 0)
     want = ", ".join(f"{r.resource} > {r.threshold:g}%" for r in rules)
     t0 = time.monotonic()
     while True:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.host import procfs, psi
 from bistouri.host.psi import PsiEvent, PsiLoop
-from bistouri.pressure import ResourceTrigger
+from bistouri.pressure import PressureThreshold
 
 pytestmark = [pytest.mark.root]
 
@@ -114,11 +114,11 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
         privileged = _has_cap_sys_resource()
         psi._fallback_logged = psi._two_second_windows = False  # the once-per-process log must show here
         with caplog.at_level(logging.WARNING, logger="bistouri.host.psi"):
-            w = loop.add_watcher(
-                "busy", os.path.join(busy, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=60
+            w = loop.add_watch(
+                "busy", os.path.join(busy, "cpu.pressure"), PressureThreshold("cpu", 10.0), cooldown_s=60
             )
-            quiet = loop.add_watcher(
-                "idle", os.path.join(idle, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=0
+            quiet = loop.add_watch(
+                "idle", os.path.join(idle, "cpu.pressure"), PressureThreshold("cpu", 10.0), cooldown_s=0
             )
         if privileged:
             assert (w.window_us, w.stall_us, w.fallback) == (1_000_000, 100_000, False)
@@ -158,10 +158,10 @@ def test_removed_cgroup_reports_dead_watchers():
     reg = CollectorRegistry()
     with PsiLoop(registry=reg) as loop, _child_cgroup(root) as cg:
         for resource in ("cpu", "memory", "io"):
-            loop.add_watcher(
+            loop.add_watch(
                 (cg, resource),
                 os.path.join(cg, f"{resource}.pressure"),
-                ResourceTrigger(resource, 50, window_ms=2000),
+                PressureThreshold(resource, 50, window_ms=2000),
                 0,
             )
         assert loop.poll(0) == []
@@ -177,8 +177,8 @@ def test_removed_cgroup_reports_dead_watchers():
 def test_system_wide_trigger_registers():
     _cgroup_root()
     with PsiLoop(registry=None) as loop:
-        w = loop.add_watcher(
-            "system", "/proc/pressure/memory", ResourceTrigger("memory", 50, "full", 2000), 0
+        w = loop.add_watch(
+            "system", "/proc/pressure/memory", PressureThreshold("memory", 50, "full", 2000), 0
         )
         assert w.window_us == 2_000_000 and not w.closed
         p = w.read_pressure()  # read back through the trigger fd itself
@@ -188,8 +188,8 @@ def test_system_wide_trigger_registers():
 def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
     root = _cgroup_root()
     with _child_cgroup(root) as cg:
-        w = psi.PsiWatcher(
-            "k", os.path.join(cg, "cpu.pressure"), ResourceTrigger("cpu", 10, window_ms=2000), 0
+        w = psi.PsiWatch(
+            "k", os.path.join(cg, "cpu.pressure"), PressureThreshold("cpu", 10, window_ms=2000), 0
         )
         try:
             with pytest.raises(OSError):
@@ -201,10 +201,10 @@ def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
 def test_missing_cgroup_raises_with_hint():
     root = _cgroup_root()
     with pytest.raises(OSError) as ei:
-        psi.PsiWatcher(
+        psi.PsiWatch(
             "k",
             os.path.join(root, "bistouri-absent-cgroup", "cpu.pressure"),
-            ResourceTrigger("cpu", 10, window_ms=2000),
+            PressureThreshold("cpu", 10, window_ms=2000),
             0,
         )
     assert "no such cgroup" in str(ei.value)

@@ -161,7 +161,7 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
 
     import pytest
 
-    from bistouri.agent.config import parse_trigger_config
+    from bistouri.agent.config import parse_targets_config
     from bistouri.agent.discovery import walk_processes
     from bistouri.agent.watcher import Watcher
     from bistouri.host.psi import PsiLoop
@@ -184,7 +184,7 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
     cpu = "scope: system, resources: [{resource: cpu, threshold: 50, window_ms: 2000}]"
     try:
         trigger.apply_config(
-            parse_trigger_config(
+            parse_targets_config(
                 "targets:\n"
                 f"  - {{rule: {{type: Exact, comm: burner}}, service_id: a, {cpu}}}\n"
                 f"  - {{rule: {{type: Exact, comm: quiet}}, service_id: b, recorder_secs: 0, {cpu}}}\n"
@@ -199,7 +199,7 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
         trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
         assert filt.pids.keys() == {100}
         trigger.apply_config(
-            parse_trigger_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
+            parse_targets_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
         )
         assert filt.pids == {} and not orch.recorder.watching
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.config import parse_targets_config
 from bistouri.agent.discovery import walk_processes
 from bistouri.agent.metrics import AgentMetrics
 from bistouri.agent.watcher import Watcher
@@ -85,7 +85,7 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         default_capture_s=10,
     )
     try:
-        trigger.apply_config(parse_trigger_config(CONFIG))
+        trigger.apply_config(parse_targets_config(CONFIG))
         trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
         [group] = trigger.groups.values()
         assert group.pids == {100, 101}
