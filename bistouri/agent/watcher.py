@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SYSTEM", "FoundProcess", "WalkResult", "Watcher", "walk_processes"]
 
-SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
+SYSTEM = "/"  # the cgroup of system-wide watches: /proc/pressure/*
 
 
 # (cgroup, the configured threshold)

@@ -49,7 +49,8 @@ _WAIT_OF_KIND = {
 
 
 class Sampler(Protocol):
-    """The profiler: what it samples, and the address maps its user frames were mapped with."""
+    """What a session needs of the profiler: the pid filter (who is sampled, and how), and the
+    address maps its user frames were mapped with."""
 
     maps: ProcMaps
 
