@@ -1,4 +1,4 @@
-"""Real PSI triggers in child cgroups of the cgroup2 mount: provoke CPU pressure and watch POLLPRI arrive.
+"""Real PSI watches in child cgroups of the cgroup2 mount: provoke CPU pressure and watch POLLPRI arrive.
 
 Each test makes its own `bistouri-test-<random>` cgroup (system-wide pressure is
 shared with everything else on the host), puts busy loops in it and removes it
@@ -33,7 +33,7 @@ BUSY = "while True: pass"
 
 def _cgroup_root() -> str:
     if os.geteuid() != 0:
-        pytest.skip("needs root to create cgroups and write PSI triggers")
+        pytest.skip("needs root to create cgroups and write PSI watches")
     root = procfs.find_cgroup2_mount()
     if root is None:
         pytest.skip("no cgroup2 mount in /proc/mounts")
@@ -107,7 +107,7 @@ def _burner_count() -> int:
     return max(3, 2 * (os.cpu_count() or 1))
 
 
-def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
+def test_cpu_watch_fires_window_fallback_and_cooldown(caplog):
     root = _cgroup_root()
     reg = CollectorRegistry()
     with _child_cgroup(root) as busy, _child_cgroup(root) as idle, PsiLoop(registry=reg) as loop:
@@ -153,7 +153,7 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
         assert reg.get_sample_value("bistouri_psi_watchers") == 2
 
 
-def test_removed_cgroup_reports_dead_watchers():
+def test_removed_cgroup_reports_dead_watches():
     root = _cgroup_root()
     reg = CollectorRegistry()
     with PsiLoop(registry=reg) as loop, _child_cgroup(root) as cg:
@@ -174,18 +174,18 @@ def test_removed_cgroup_reports_dead_watchers():
         assert reg.get_sample_value("bistouri_psi_watchers_lost_total", {"resource": "io"}) == 1
 
 
-def test_system_wide_trigger_registers():
+def test_system_wide_watch_registers():
     _cgroup_root()
     with PsiLoop(registry=None) as loop:
         w = loop.add_watch(
             "system", "/proc/pressure/memory", PressureThreshold("memory", 50, "full", 2000), 0
         )
         assert w.window_us == 2_000_000 and not w.closed
-        p = w.read_pressure()  # read back through the trigger fd itself
+        p = w.read_pressure()  # read back through the watch fd itself
         assert p is not None and p.full is not None
 
 
-def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
+def test_second_threshold_on_same_fd_is_refused_by_the_kernel():
     root = _cgroup_root()
     with _child_cgroup(root) as cg:
         w = psi.PsiWatch(
@@ -193,7 +193,7 @@ def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
         )
         try:
             with pytest.raises(OSError):
-                os.write(w.fileno(), b"some 100000 2000000")  # one trigger per open file
+                os.write(w.fileno(), b"some 100000 2000000")  # one threshold per open file
         finally:
             w.close()
 

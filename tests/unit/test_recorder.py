@@ -178,27 +178,27 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
     filt = _Filter(_NO_PROC)
     orch = _orch(tmp_path, filt, _Sink(), reg)
     loop = PsiLoop(registry=reg)
-    trigger = Watcher(
+    watcher = Watcher(
         loop, orch, lambda e: None, orch.metrics, proc_root=str(proc), cgroup_root=None, default_capture_s=10
     )
     cpu = "scope: system, resources: [{resource: cpu, threshold: 50, window_ms: 2000}]"
     try:
-        trigger.apply_config(
+        watcher.apply_config(
             parse_targets_config(
                 "targets:\n"
                 f"  - {{rule: {{type: Exact, comm: burner}}, service_id: a, {cpu}}}\n"
                 f"  - {{rule: {{type: Exact, comm: quiet}}, service_id: b, recorder_secs: 0, {cpu}}}\n"
             )
         )
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
-        assert set(trigger.processes) == {100, 101} and filt.pids.keys() == {100}
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
+        assert set(watcher.processes) == {100, 101} and filt.pids.keys() == {100}
         (proc / "100" / "stat").unlink()  # gone
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
         assert filt.pids == {}
         _process(proc, 100, "burner", 5000)
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
         assert filt.pids.keys() == {100}
-        trigger.apply_config(
+        watcher.apply_config(
             parse_targets_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
         )
         assert filt.pids == {} and not orch.recorder.watching
