@@ -1,6 +1,6 @@
 """The agent daemon: phases, the main loop, signals, threads.
 
-Start-up runs in phases — preflight, prepare (config, spool, watchers),
+Start-up runs in phases — preflight, prepare (targets file, spool, PSI loop),
 load (BPF), activate (tries filled, walk started) — and stops at the first one
 that cannot complete, saying why. The main thread runs one `select.poll` loop
 over PSI watch fds, the signal wakeup fd, the inotify fd and two eventfds
@@ -277,7 +277,7 @@ class Agent:
         )
         self.walker.start()
         self.walker.request(self.watcher.walk_job())
-        log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
+        log.info("Agent active: dormant until PSI fires. PSI watches appear as processes are found")
 
     def _make_exporter(self) -> Exporter | NoExporter:
         if not self.s.symbolizer_endpoint:
