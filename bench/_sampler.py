@@ -1,7 +1,7 @@
 """The sampling side of bench_sampling, in its own process (so a git ref's code can run it).
 
 Usage: _sampler.py PID SECONDS FREQ [OBJECT] [FUNCTION]. Samples PID on-CPU with a
-ProfilerAgent of whatever `bistouri` is first on sys.path, drains for SECONDS and prints
+Profiler of whatever `bistouri` is first on sys.path, drains for SECONDS and prints
 one JSON line: BPF run time per sample of its perf_event program (its own fdinfo; stats
 must be enabled), also net of the runs for other processes (their early-return cost is
 measured for 1 s before the target is filtered in), samples received, this process's CPU
@@ -48,11 +48,11 @@ def main() -> int:
     function = sys.argv[5] if len(sys.argv) > 5 else ""
     from bistouri.bpf import abi
     from bistouri.capture.events import StackSample, split_stacks
-    from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+    from bistouri.capture.profiler import Profiler, ProfilerOptions
 
     opts = ProfilerOptions(freq_hz=freq, offcpu=False, exec_discovery=False, object_path=obj)
     samples = named = frames = 0
-    with ProfilerAgent(opts) as agent:
+    with Profiler(opts) as agent:
         agent.start()
         # Runs for other processes return after the pid filter: their cost, measured alone,
         # is subtracted below to give the BPF time of the target's samples themselves.

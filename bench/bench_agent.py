@@ -68,7 +68,7 @@ def bpf_runtime_ns() -> int:
 
 
 def enable_bpf_stats() -> int:
-    from bistouri.bpf.object import library
+    from bistouri.bpf.handles import library
 
     lib = library()
     if not lib.has("bpf_enable_stats"):

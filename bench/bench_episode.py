@@ -3,7 +3,7 @@
 The workload (built here) is two threads of one process passing a byte back and
 forth through two pipes, ROUND_TRIPS times: every round trip is two sleeps, two
 wakeups and four context switches. It is run to completion (fixed work) under
-four configurations of a ProfilerAgent in this process:
+four configurations of a Profiler in this process:
 
 - `hooks_off`: the episode programs not loaded (the agent as before issue 12);
 - `d_sampler`: hooks off, only the existing D-state sampler on sched_switch, workload
@@ -101,7 +101,7 @@ def prog_stats(prog_type: int | None, pid: int | str = "self") -> tuple[int, int
 
 
 def enable_bpf_stats() -> int:
-    from bistouri.bpf.object import library
+    from bistouri.bpf.handles import library
 
     lib = library()
     if not lib.has("bpf_enable_stats"):
@@ -111,14 +111,14 @@ def enable_bpf_stats() -> int:
 
 def run_config(name: str, binary: Path, round_trips: int) -> dict:
     from bistouri.bpf import abi
-    from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+    from bistouri.capture.profiler import Profiler, ProfilerOptions
 
     episode = name not in ("hooks_off", "d_sampler")
     sampling = name == "watched_999hz"
     opts = ProfilerOptions(
         freq_hz=999, offcpu=sampling or name == "d_sampler", exec_discovery=False, episode=episode
     )
-    with ProfilerAgent(opts) as agent:
+    with Profiler(opts) as agent:
         agent.start()
         p = subprocess.Popen(
             [str(binary), str(round_trips)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bistouri.bpf import abi
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 BURNER = ROOT / "tests" / "fixtures" / "build" / "workloads" / "burner"
@@ -47,7 +47,7 @@ def measure(slow_drain_s: float, seconds: float, burner: Path) -> dict[str, floa
     procs = [subprocess.Popen([str(burner), "600"]) for _ in range(2)]
     try:
         options = ProfilerOptions(freq_hz=19, exec_discovery=False, slow_drain_interval_s=slow_drain_s)
-        with ProfilerAgent(options) as agent:
+        with Profiler(options) as agent:
             agent.start()
             agent.set_slow_drain(True)
             for p in procs:

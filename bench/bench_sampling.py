@@ -5,7 +5,7 @@ Workloads (each one process, one busy thread):
   random chains of 4-12 frames, so nearly every sample is a new stack (no reuse anywhere);
 - `repeated`: the burner fixture, one stack all the time.
 
-For each, the sampler (`bench/_sampler.py`, a ProfilerAgent in its own process that only
+For each, the sampler (`bench/_sampler.py`, a Profiler in its own process that only
 drains) runs 999 Hz on the workload's pid for a fixed time; BPF time per sample is
 run_time_ns / run_cnt of its perf_event program (read from its own fdinfo with
 bpf_enable_stats on, so other tenants' programs never count), reader CPU is the sampler
@@ -162,7 +162,7 @@ def baseline_tree(ref: str, tmp: Path) -> tuple[Path, Path]:
 
 
 def enable_bpf_stats() -> int:
-    from bistouri.bpf.object import library
+    from bistouri.bpf.handles import library
 
     lib = library()
     if not lib.has("bpf_enable_stats"):

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bistouri.bpf.object import BpfObject, library  # noqa: E402
+from bistouri.bpf.handles import BpfObject, library  # noqa: E402
 
 STATS = re.compile(r"processed (\d+) insns.*?total_states (\d+) peak_states (\d+)")
 DEFAULT_OBJECT = ROOT / "bistouri/bpf/_bpfobj/bistouri.bpf.o"

@@ -21,8 +21,8 @@ the symbolizer, which names, stores and shows them as flamegraphs.
 EPILOG = """\
 examples:
   bistouri check                              can the agent run here? what to fix
-  bistouri check --config trigger.yaml        validate a trigger file too
-  bistouri check-config trigger.yaml          validate a trigger file only, start nothing
+  bistouri check --config trigger.yaml        validate a targets file too
+  bistouri check-config trigger.yaml          validate a targets file only, start nothing
   bistouri agent --config /etc/bistouri/trigger.yaml --symbolizer-endpoint http://sym:8470
   bistouri symbolizer --listen-addr 0.0.0.0:8470 --debug-dir /usr/lib/debug
   bistouri record --duration 10 -- ./myprog --flag   profile a command now, write a flamegraph
@@ -65,7 +65,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from .agent.agent import run_agent
+    from .agent.daemon import run_agent
     from .agent.settings import settings_from_args
 
     settings = settings_from_args(args, os.environ)
@@ -80,7 +80,7 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
         "capabilities, perf events, kernel symbols, and that the BPF object loads. "
         "Exit status 1 only when something prevents the agent from running.",
     )
-    p.add_argument("--config", metavar="FILE", help="also validate this trigger file")
+    p.add_argument("--config", metavar="FILE", help="also validate this targets file")
     p.add_argument("--config-only", action="store_true", help="only validate --config, skip the host checks")
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check)
@@ -88,10 +88,10 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     # What config management runs before restarting the agent (Ansible's validate=, CI).
     p = sub.add_parser(
         "check-config",
-        help="validate a trigger file, start nothing (same as: check --config FILE --config-only)",
-        description="Validate a trigger file and report every problem with its path. Exit status 1 if any.",
+        help="validate a targets file, start nothing (same as: check --config FILE --config-only)",
+        description="Validate a targets file and report every problem with its path. Exit status 1 if any.",
     )
-    p.add_argument("config", metavar="FILE", help="the trigger file")
+    p.add_argument("config", metavar="FILE", help="the targets file")
     p.add_argument("--json", action="store_true", help="print the results as JSON (for automation)")
     p.set_defaults(func=cmd_check, config_only=True)
 
@@ -131,7 +131,7 @@ def _add_symbolizer(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_record(sub: argparse._SubParsersAction) -> None:
-    from .record.record import add_record_arguments, cmd_record
+    from .record.command import add_record_arguments, cmd_record
 
     p = sub.add_parser(
         "record",

@@ -1,7 +1,7 @@
 """The words of PSI (pressure stall information) that every layer shares.
 
-The kernel's names for what stalls (cpu, memory, io) and how (some, full), and a PSI trigger as one value:
-the config parses it, psi.py writes it to the kernel, the wire format carries its names. It sits in the
+The kernel's names for what stalls (cpu, memory, io) and how (some, full), and a pressure threshold as one
+value: the config parses it, psi.py writes it to the kernel, the wire format carries its names. It sits in the
 base layer, below all three, so that none of them imports another for a tuple of words (the decoder must
 not pull in the config's PyYAML; psi.py does not need the session format).
 """
@@ -16,8 +16,9 @@ DEFAULT_WINDOW_MS = 1000
 
 
 @dataclass(frozen=True, slots=True)
-class ResourceTrigger:
-    """One PSI trigger: fire when `stall` time exceeds `threshold` % of a `window_ms` window."""
+class PressureThreshold:
+    """A target's threshold for one resource: a PSI event when `stall` time exceeds `threshold` % of a
+    `window_ms` window (host.psi writes it into a PSI watch)."""
 
     resource: str  # cpu | memory | io
     threshold: float  # percent of the window, 0 < t < 100
@@ -35,6 +36,6 @@ class ResourceTrigger:
 
 
 def stall_threshold_us(threshold: float, window_us: int) -> int:
-    """The one formula for a trigger's stall time: `threshold` % of the window, in whole microseconds
+    """The one formula for a threshold's stall time: `threshold` % of the window, in whole microseconds
     (truncated; at least 1, the kernel refuses 0). Also used for a window the kernel forced on us."""
     return max(1, int(window_us * threshold / 100.0))

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /*
  * Every map of the object, and its options, in one place: the state the
- * programs share with each other and with user space (bistouri/bpf/object.py opens
+ * programs share with each other and with user space (bistouri/bpf/handles.py opens
  * them by name, bistouri/bpf/loader.py sizes some before load and sets `cfg`).
  * Grouped by the part that uses them. Also the counters' helpers and the
  * ring's wakeup policy, which every part uses.

@@ -1,6 +1,7 @@
-"""The trigger file (YAML, hot-reloaded): what to watch and when to capture.
+"""The targets file (YAML, hot-reloaded; named `trigger.yaml` for history): what to watch and when to
+capture.
 
-The trigger file keeps the original Bistouri schema (``targets: [{rule, service_id,
+The targets file keeps the original Bistouri schema (``targets: [{rule, service_id,
 resources, labels}]``) and adds optional keys with defaults: per resource ``stall``
 and ``window_ms``, per target ``scope``, ``capture_duration_secs``,
 ``cooldown_secs`` and ``recorder_secs``. A target names its processes by comm
@@ -24,9 +25,9 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from ..pressure import DEFAULT_WINDOW_MS, RESOURCES, STALLS, ResourceTrigger
+from ..pressure import DEFAULT_WINDOW_MS, RESOURCES, STALLS, PressureThreshold
 
-DEFAULT_TRIGGER_PATH = "/etc/bistouri/trigger.yaml"
+DEFAULT_TARGETS_PATH = "/etc/bistouri/trigger.yaml"
 
 RULE_TYPES = ("Exact", "Prefix")
 SCOPES = ("cgroup", "system")
@@ -68,7 +69,7 @@ _RESOURCE_KEYS = ("resource", "threshold", "stall", "window_ms")
 
 
 # ---------------------------------------------------------------------------
-# Trigger file model
+# Targets file model
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +95,14 @@ class Target:
     rule_id: int
     rule: Rule | None
     service_id: str
-    resources: tuple[ResourceTrigger, ...]
+    resources: tuple[PressureThreshold, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
     scope: str = "cgroup"  # cgroup: the process's own cgroup; system: /proc/pressure
     capture_duration_secs: float | None = None  # None: the agent's --capture-duration-secs
     cooldown_secs: float | None = None  # None: the capture duration
     cgroup: str | None = None  # "/system.slice/nginx.service": relative to the cgroup2 mount
     unit: str | None = None  # "nginx.service": its cgroup is searched under the mount
-    recorder_secs: float = DEFAULT_RECORDER_SECS  # seconds kept before a trigger; 0: off
+    recorder_secs: float = DEFAULT_RECORDER_SECS  # seconds kept before a session's trigger; 0: off
     recorder_hz: float | None = None  # the recorder's rate; None: the agent's --freq (its ceiling)
 
     @property
@@ -122,7 +123,7 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
-class TriggerConfig:
+class TargetsConfig:
     targets: tuple[Target, ...]
     source: str = ""
     warnings: tuple[str, ...] = ()
@@ -160,7 +161,7 @@ class TriggerConfig:
 # YAML loading
 
 
-MAX_DEPTH = 32  # a trigger file nests 4 levels; PyYAML composes recursively (2 000 levels: RecursionError)
+MAX_DEPTH = 32  # a targets file nests 4 levels; PyYAML composes recursively (2 000 levels: RecursionError)
 MAX_FILE_BYTES = 1 << 20
 
 
@@ -281,7 +282,7 @@ def _parse_rule(p: _Problems, raw: Any, path: str) -> Rule | None:
     return Rule(rtype, comm) if rtype else None
 
 
-def _parse_resource(p: _Problems, raw: Any, path: str) -> ResourceTrigger | None:
+def _parse_resource(p: _Problems, raw: Any, path: str) -> PressureThreshold | None:
     if not isinstance(raw, dict):
         p.add(path, "must be a mapping with 'resource' and 'threshold'")
         return None
@@ -331,7 +332,7 @@ def _parse_resource(p: _Problems, raw: Any, path: str) -> ResourceTrigger | None
                 ok = False
     if not ok or resource is None:
         return None
-    return ResourceTrigger(resource=resource, threshold=threshold, stall=stall, window_ms=window_ms)
+    return PressureThreshold(resource=resource, threshold=threshold, stall=stall, window_ms=window_ms)
 
 
 def _parse_labels(p: _Problems, raw: Any, path: str) -> dict[str, str]:
@@ -392,7 +393,7 @@ def _parse_target(p: _Problems, raw: Any, path: str, rule_id: int) -> Target | N
         p.add(f"{path}.service_id", f"{len(service_id)} characters, must be 1 to {SERVICE_ID_MAX}")
     elif not SERVICE_ID_RE.match(service_id):
         p.add(f"{path}.service_id", f"{service_id!r} must match {SERVICE_ID_RE.pattern}")
-    resources: list[ResourceTrigger] = []
+    resources: list[PressureThreshold] = []
     raw_res = raw.get("resources")
     if "resources" not in raw:
         p.add(f"{path}.resources", "missing (at least one of cpu, memory, io)")
@@ -521,10 +522,10 @@ def _check_unique(p: _Problems, raw_targets: list[Any]) -> None:
                 )
 
 
-def parse_trigger_config(
+def parse_targets_config(
     text: str | bytes, source: str = "<string>", first_rule_id: int = 1
-) -> TriggerConfig:
-    """Parse and validate a trigger file's content. Raises ConfigError listing every problem."""
+) -> TargetsConfig:
+    """Parse and validate a targets file's content. Raises ConfigError listing every problem."""
     if first_rule_id < 1:
         raise ValueError(f"first_rule_id must be >= 1, got {first_rule_id}")
     try:
@@ -561,18 +562,18 @@ def parse_trigger_config(
             warnings.append(
                 f"targets[{t.rule_id - first_rule_id}].rule: Exact '' only matches a nameless task"
             )
-    return TriggerConfig(targets=tuple(targets), source=source, warnings=tuple(warnings))
+    return TargetsConfig(targets=tuple(targets), source=source, warnings=tuple(warnings))
 
 
-def load_trigger_config(path: str = DEFAULT_TRIGGER_PATH, first_rule_id: int = 1) -> TriggerConfig:
-    """Read and validate the trigger file. Raises ConfigError (also when unreadable)."""
+def load_targets_config(path: str = DEFAULT_TARGETS_PATH, first_rule_id: int = 1) -> TargetsConfig:
+    """Read and validate the targets file. Raises ConfigError (also when unreadable)."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(
-            [f"cannot read the trigger file: {e.strerror} (check --config / BISTOURI_CONFIG)"], path
+            [f"cannot read the targets file: {e.strerror} (check --config / BISTOURI_CONFIG)"], path
         )
     if len(data) > MAX_FILE_BYTES:
-        raise ConfigError([f"the file is larger than {MAX_FILE_BYTES} bytes: not a trigger file"], path)
-    return parse_trigger_config(data, source=path, first_rule_id=first_rule_id)
+        raise ConfigError([f"the file is larger than {MAX_FILE_BYTES} bytes: not a targets file"], path)
+    return parse_targets_config(data, source=path, first_rule_id=first_rule_id)

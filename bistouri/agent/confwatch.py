@@ -1,4 +1,4 @@
-"""Watches the trigger file for changes with inotify (ctypes: the stdlib has no binding).
+"""Watches the targets file for changes with inotify (ctypes: the stdlib has no binding).
 
 The directory is watched, not the file: editors and config management replace
 files by atomic rename, and Kubernetes ConfigMaps swap a `..data` symlink; a

@@ -1,6 +1,6 @@
 """Discovery: which processes the targets name, found by walking /proc and the cgroup tree.
 
-The exec hook (BPF comm trie, see trigger.py) sees new processes at once; the
+The exec hook (BPF comm trie, see watcher.py) sees new processes at once; the
 walk here, on the bistouri-walk thread, finds the rest: processes started before
 the agent, forks without exec, and every process of a target named by cgroup or
 systemd unit (the kernel reports no event when a process enters a cgroup).

@@ -41,7 +41,7 @@ from .. import __version__, threads
 from ..wire import encode_batch
 from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
-from .uploader import Locate, Uploader
+from .uploader import Locate, NoUploader, Uploader
 
 log = logging.getLogger(__name__)
 
@@ -214,11 +214,12 @@ class Exporter:
         self._kernel_stale: set[bytes] = set()
         self._kernel_refused: dict[bytes, float] = {}
         self._rng = random.Random()
-        # Files the symbolizer asks for, uploaded from their own thread and HTTP session.
-        self.uploader: Uploader | None = None
+        # Files the symbolizer asks for, uploaded from their own thread and HTTP session (a session
+        # opens no connection until used).
+        self._upload_http = requests.Session()
+        self._upload_http.headers["User-Agent"] = self._http.headers["User-Agent"]
+        self.uploader: Uploader | NoUploader = NoUploader()
         if file_locator is not None and self.endpoint is not None and settings.upload_max_bytes:
-            self._upload_http = requests.Session()
-            self._upload_http.headers["User-Agent"] = self._http.headers["User-Agent"]
             self.uploader = Uploader(settings, self._upload_send, file_locator, registry)
 
     # -- lifecycle
@@ -230,8 +231,7 @@ class Exporter:
         if self._thread is not None:
             return
         self._thread = threads.start("exporter", self._run)
-        if self.uploader is not None:
-            self.uploader.start()
+        self.uploader.start()
 
     def notify(self) -> None:
         """A session was spooled: wake the thread. Cheap, never blocks."""
@@ -242,9 +242,8 @@ class Exporter:
         self._stop.set()
         self._interrupt.set()
         self._wake.set()
-        if self.uploader is not None:
-            self.uploader.stop(timeout)
-            self._upload_http.close()
+        self.uploader.stop(timeout)
+        self._upload_http.close()
         t = self._thread
         if t is not None:
             t.join(timeout)
@@ -601,8 +600,7 @@ class Exporter:
             elif rej is not None and rej.session_id not in done:
                 self._reject(rej, f"{r.get('reason', 'rejected')}: {r.get('detail', '')}".rstrip(": "))
                 done.add(rej.session_id)
-        if self.uploader is not None:
-            self.uploader.want(result.get("missing_builds"))
+        self.uploader.want(result.get("missing_builds"))
         for key in result.get("missing_kernels") or []:
             # "<build id>" or "<build id>-<boot id>": another boot's snapshot is not ours to send.
             hexid, _, boot = str(key).partition("-")

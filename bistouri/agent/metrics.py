@@ -267,7 +267,7 @@ def _is_loopback(peer: Any) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-class MetricsServer:
+class MetricsAndControlServer:
     """Answers scrapes from one thread that sleeps on a selector: nothing runs while idle.
 
     Every socket is non-blocking, so an idle or slow client holds nobody up (a blocking

@@ -87,7 +87,7 @@ def check_btf(host: Host) -> Result:
 
 
 def check_libbpf(host: Host) -> Result:
-    from ..bpf.object import library
+    from ..bpf.handles import library
 
     try:
         lib = library()
@@ -172,7 +172,7 @@ def check_capabilities(host: Host) -> list[Result]:
                 WARN,
                 "cap CAP_SYS_RESOURCE",
                 "missing: the kernel accepts only PSI windows that are multiples of 2 s, "
-                "so triggers fire ~2 s late",
+                "so PSI events arrive ~2 s late",
                 "grant CAP_SYS_RESOURCE (AmbientCapabilities= in the unit); "
                 "bistouri falls back to 2 s windows",
             )
@@ -286,7 +286,7 @@ def check_kernel_symbols(host: Host) -> list[Result]:
 
 
 def check_bpf_object(host: Host) -> Result:
-    from ..bpf.object import BpfObject
+    from ..bpf.handles import BpfObject
     from ..capture.profiler import default_object_path
     from ..errors import BpfError
 
@@ -307,10 +307,10 @@ def check_bpf_object(host: Host) -> Result:
 
 def check_config(path: str) -> Result:
     from ..errors import ConfigError
-    from .config import load_trigger_config
+    from .config import load_targets_config
 
     try:
-        cfg = load_trigger_config(path)
+        cfg = load_targets_config(path)
     except ConfigError as e:
         return Result(
             FAIL,

@@ -17,12 +17,12 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from ..host.procfs import find_cgroup2_mount
-from .config import CAPTURE_SECS_MAX, DEFAULT_TRIGGER_PATH, LABEL_KEY_RE
+from .config import CAPTURE_SECS_MAX, DEFAULT_TARGETS_PATH, LABEL_KEY_RE
 
 
 @dataclass(frozen=True, slots=True)
 class AgentSettings:
-    config_path: str = DEFAULT_TRIGGER_PATH
+    config_path: str = DEFAULT_TARGETS_PATH
     tenant_id: str = "default"
     labels: Mapping[str, str] = field(default_factory=dict)
     symbolizer_endpoint: str | None = None  # None: spool only, nothing is sent
@@ -59,7 +59,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # (flag, environment variable, metavar, help) of every agent flag; dest is the flag with underscores.
 # fmt: off
 _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("--config", "BISTOURI_CONFIG", "PATH", f"trigger file (default {DEFAULT_TRIGGER_PATH})"),
+    ("--config", "BISTOURI_CONFIG", "PATH", f"targets file (default {DEFAULT_TARGETS_PATH})"),
     ("--tenant-id", "BISTOURI_TENANT_ID", "ID", "tenant recorded in every session (default 'default')"),
     ("--label", "BISTOURI_LABELS", "K=V", "label added to every session; repeatable (env: k=v,k2=v2)"),
     ("--symbolizer-endpoint", "BISTOURI_SYMBOLIZER_ENDPOINT", "URL", "symbolizer URL; unset: spool only"),
@@ -189,7 +189,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         return n
 
     s: dict[str, Any] = {}
-    s["config_path"] = text("config", DEFAULT_TRIGGER_PATH)
+    s["config_path"] = text("config", DEFAULT_TARGETS_PATH)
 
     tenant, where = raw("tenant_id")
     if tenant is None:

@@ -87,6 +87,25 @@ class _Metrics:
         )
 
 
+class NoUploader:
+    """Uploads off (no file locator, no endpoint or --upload-max-bytes 0): what the symbolizer
+    asks for is not sent."""
+
+    enabled = False
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        pass
+
+    def want(self, build_ids: object) -> None:
+        pass
+
+    def wait_idle(self, timeout: float) -> bool:
+        return True
+
+
 class Uploader:
     """Uploads the files the symbolizer asks for from the `bistouri-uploader` thread."""
 

@@ -13,7 +13,7 @@ import struct
 from ctypes import Structure, c_int16, c_int32, c_int64, c_uint8, c_uint32, c_uint64
 from enum import IntEnum
 
-from .object import Btf
+from .handles import Btf
 
 
 # How an unwind row (struct bistouri_unwind_row, built by ehframe.py) finds the CFA and the saved RBP.

@@ -1,6 +1,6 @@
 """The profiler's BPF object: found, checked against abi.py, configured and loaded.
 
-Apart from ProfilerAgent (profiler.py) so that loading needs only the light
+Apart from Profiler (profiler.py) so that loading needs only the light
 modules: `record` starts ObjectLoad on a thread first, and imports and sets up the
 rest while libbpf parses the kernel's BTF and the verifier checks the programs
 (both without the GIL). Its first sample comes that much sooner.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from .. import threads
 from ..errors import BistouriError, BpfError
 from . import abi, perf
-from .object import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
+from .handles import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
 # the companion has loaded that (hand_over).
 SAMPLER = "handle_perf"
 FIRST_SAMPLER = "handle_perf_fp"
-# Maps only the companion's programs use, and ProfilerAgent only once they are attached: with
+# Maps only the companion's programs use, and Profiler only once they are attached: with
 # sampler_first the first object leaves them to the companion, which lends them back (load_companion).
 # Creating them (the 12 MiB of unwind rows zeroed, among others) was 3.5 ms of the first's 9.
 COMPANION_MAPS = (
@@ -298,7 +298,7 @@ def sampler_of(loaded: LoadedObject) -> str:
 def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int]) -> LoadedObject:
     """Attach the on-CPU sampler to every CPU and arm `armed` (pid -> filter flags) right away,
     on the loading thread: `record`'s first sample does not wait for the rest of its set-up.
-    ProfilerAgent adopts the links, and set_pid_filter() later does its bookkeeping."""
+    Profiler adopts the links, and set_pid_filter() later does its bookkeeping."""
     links: list[Link] = []
     try:
         prog = loaded.obj.programs[sampler_of(loaded)]

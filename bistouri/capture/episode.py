@@ -157,6 +157,19 @@ class EpisodeStart:
 ThreadTimesSource = Callable[[Collection[int]], Mapping[int, abi.ThreadTimes]]
 
 
+class NoEpisodeProbe:
+    """No episode report (`bistouri record` without --on-pressure): sessions carry none."""
+
+    def start(self, pids: Collection[int]) -> None:
+        return None
+
+    def finish(self, start: EpisodeStart, pids: Collection[int], resource: str) -> None:
+        return None
+
+
+NO_EPISODE_PROBE = NoEpisodeProbe()
+
+
 class EpisodeProbe:
     """Takes an episode's start snapshot and turns the end one into a `wire.Episode`.
 

@@ -23,7 +23,7 @@ from ..host.procmaps import USER_FRAME, ProcMaps
 # Not frozen: a frozen dataclass costs 5x more to build, and one is built per sample.
 @dataclass(slots=True)
 class StackSample:
-    """One stack event, header decoded; the stacks stay raw until the orchestrator needs them.
+    """One stack event, header decoded; the stacks stay raw until the session capture needs them.
     Treated as immutable."""
 
     kind: int

@@ -1,6 +1,6 @@
 """What the capture layer counts: sessions, samples, traces and the flight recorder's memory.
 
-Declared here, below the agent, so that capture.py needs no agent module; the agent's metrics
+Declared here, below the agent, so that sessions.py needs no agent module; the agent's metrics
 (agent/metrics.py) extend this class with their own, and `bistouri record` uses it alone with no registry.
 docs/metrics.csv is the catalogue.
 """

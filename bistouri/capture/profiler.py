@@ -1,4 +1,4 @@
-"""ProfilerAgent: loads the BPF object, attaches it, and drains its ring buffers on one thread.
+"""Profiler: loads the BPF object, attaches it, and drains its ring buffers on one thread.
 
 Lifecycle: open → configure (.rodata, autoload) → load → attach → run → close,
 always in that order; a failure at any step releases everything acquired so
@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection
 
 from .. import threads
 from ..bpf import abi, perf
+from ..bpf.handles import BpfObject, Link, RingBuffer
 from ..bpf.loader import (
     EPISODE_PROGRAMS,
     LoadedObject,
@@ -39,10 +40,9 @@ from ..bpf.loader import (
     ring_size,
     sampler_of,
 )
-from ..bpf.object import BpfObject, Link, RingBuffer
 from ..errors import BistouriError, BpfError
 from ..host.procmaps import ProcMaps
-from ..unwind.tables import UnwindTables
+from ..unwind.tables import NoUnwind, UnwindTables
 from .events import (
     Event,
     ResolvedStacks,
@@ -56,7 +56,7 @@ from .events import (
 log = logging.getLogger(__name__)
 
 
-class ProfilerAgent:
+class Profiler:
     """Owns the BPF object, every link, the ring buffers and the drain thread."""
 
     def __init__(
@@ -97,7 +97,7 @@ class ProfilerAgent:
         self._drain_lock = threading.Lock()  # the ring thread's timer, or catch_up() from another
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
-        self.unwind: UnwindTables | None = None
+        self.unwind: UnwindTables | NoUnwind = NoUnwind()
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -164,7 +164,7 @@ class ProfilerAgent:
         self._companion_obj = loaded.obj
         self._attach(loaded)
         hand_over(self._require(), loaded)
-        if self.unwind is not None and self._thread is not None:  # start() left it for now
+        if self._thread is not None:  # start() left it for now
             self.unwind.start()
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
@@ -173,19 +173,18 @@ class ProfilerAgent:
     def start(self) -> None:
         """Start the drain thread."""
         if self._rb is None:
-            raise BistouriError("ProfilerAgent.start() before open()")
+            raise BistouriError("Profiler.start() before open()")
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
-        if self.unwind is not None and self._companion is None:  # else its maps come with the companion
+        if self._companion is None:  # else its maps come with the companion
             self.unwind.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the table builder and the drain thread, which drains the rings a last time. The maps
         stay readable (thread_times: the episodes of sessions flushed at shutdown). Idempotent."""
-        if self.unwind is not None:
-            self.unwind.close(min(timeout, 0.5))
-            self.unwind = None
+        self.unwind.close(min(timeout, 0.5))
+        self.unwind = NoUnwind()
         if self._thread is not None:
             os.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
@@ -219,7 +218,7 @@ class ProfilerAgent:
             self._loading.close()
             self._loading = None
 
-    def __enter__(self) -> ProfilerAgent:
+    def __enter__(self) -> Profiler:
         self.open()
         return self
 
@@ -251,13 +250,11 @@ class ProfilerAgent:
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
-                if self.unwind is not None:
-                    self.unwind.want(pid)  # frame pointers until its tables are loaded
+                self.unwind.want(pid)  # frame pointers until its tables are loaded
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
-                if self.unwind is not None:
-                    self.unwind.forget(pid)
+                self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
 
@@ -289,9 +286,8 @@ class ProfilerAgent:
 
     def _maps_reread(self, pid: int) -> None:
         """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
-        unwind = self.unwind
-        if unwind is not None and pid in self._filtered:
-            unwind.want(pid)
+        if pid in self._filtered:
+            self.unwind.want(pid)
 
     def filtered_pids(self) -> dict[int, int]:
         m = self._require().maps["pid_filter"]
@@ -501,7 +497,7 @@ __all__ = [
     "EPISODE_PROGRAMS",
     "BpfError",
     "ObjectLoad",
-    "ProfilerAgent",
+    "Profiler",
     "ProfilerOptions",
     "default_object_path",
     "kernel_tracepoints",

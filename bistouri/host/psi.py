@@ -1,13 +1,14 @@
-"""PSI: pressure files, kernel triggers, and the one poll loop that watches them.
+"""PSI: pressure files, PSI watches, and the one poll loop that polls them.
 
-A trigger is a pressure file opened read-write into which we write
-"<some|full> <stall_us> <window_us>"; the kernel then raises POLLPRI on that fd
-whenever the stall time within a window exceeds stall_us. Each fd holds one
-trigger. Without CAP_SYS_RESOURCE the kernel only accepts windows that are a
+A PSI watch (what the kernel's documentation calls a PSI trigger) is a pressure
+file opened read-write into which we write "<some|full> <stall_us> <window_us>",
+a `PressureThreshold`; the kernel then raises POLLPRI on that fd whenever the
+stall time within a window exceeds stall_us. Each fd holds one threshold.
+Without CAP_SYS_RESOURCE the kernel only accepts windows that are a
 multiple of 2 s (kernel commit d82caa273565, 6.4+); we then fall back to the
 nearest allowed window keeping the stall/window ratio.
 
-When a cgroup is removed its pressure fds report POLLERR: the watcher is dropped
+When a cgroup is removed its pressure fds report POLLERR: the watch is dropped
 and reported as dead. Everything runs on the caller's thread: one select.poll,
 no thread per fd.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from ..pressure import STALLS, ResourceTrigger, stall_threshold_us
+from ..pressure import STALLS, PressureThreshold, stall_threshold_us
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ _DEAD = select.POLLERR | select.POLLNVAL | select.POLLHUP
 
 _fallback_logged = False
 _fallback_lock = threading.Lock()
-# Set once the kernel refused a window for lack of CAP_SYS_RESOURCE: later watchers skip the doomed try.
+# Set once the kernel refused a window for lack of CAP_SYS_RESOURCE: later watches skip the doomed try.
 _two_second_windows = False
 
 
@@ -120,7 +121,7 @@ def _log_fallback_once(path: str, window_us: int, new_window_us: int) -> None:
     )
 
 
-def _open_trigger(path: str, stall: str, stall_us: int, window_us: int) -> int:
+def _open_watch(path: str, stall: str, stall_us: int, window_us: int) -> int:
     fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         # One write() per fd (a second gives EBUSY). The trailing NUL matters: /proc/pressure/*
@@ -132,39 +133,40 @@ def _open_trigger(path: str, stall: str, stall_us: int, window_us: int) -> int:
     return fd
 
 
-def _trigger_error(e: OSError, path: str, what: str) -> OSError:
+def _watch_error(e: OSError, path: str, what: str) -> OSError:
     hints = {
         errno.ENOENT: "no such cgroup or pressure file (process gone, or PSI disabled: boot with psi=1)",
         errno.ENODEV: "the cgroup was removed",
         errno.EACCES: "permission denied: the agent needs root (or CAP_DAC_OVERRIDE) to write pressure files",
         errno.EPERM: "not permitted: run as root; kernels before 6.4 also need CAP_SYS_RESOURCE",
         errno.EOPNOTSUPP: "PSI is disabled on this kernel (boot with psi=1)",
-        errno.EBUSY: "a trigger is already set on this fd",
-        errno.EINVAL: "the kernel refused the trigger (stall must be > 0 and <= window, window 500 ms..10 s)",
+        errno.EBUSY: "a threshold is already set on this fd",
+        errno.EINVAL: "the kernel refused the threshold (stall > 0 and <= window, window 500 ms..10 s)",
     }
     err = e.errno or errno.EIO
     hint = hints.get(err, os.strerror(err))
-    return OSError(err, f"cannot register PSI trigger {what!r} on {path}: {hint}", path)
+    return OSError(err, f"cannot register PSI watch {what!r} on {path}: {hint}", path)
 
 
-class PsiWatcher:
-    """One PSI trigger fd. Created by PsiLoop.add_watcher; closed by the loop."""
+class PsiWatch:
+    """One PSI watch: a pressure fd with its threshold written in. Created by PsiLoop.add_watch;
+    closed by the loop."""
 
-    def __init__(self, key: Hashable, path: str, trigger: ResourceTrigger, cooldown_s: float) -> None:
-        stall = trigger.stall
+    def __init__(self, key: Hashable, path: str, pressure: PressureThreshold, cooldown_s: float) -> None:
+        stall = pressure.stall
         if stall not in STALLS:
             raise ValueError(f"stall must be one of {', '.join(STALLS)}, got {stall!r}")
-        if not 0 < trigger.threshold < 100:
-            raise ValueError(f"threshold must be in (0, 100) percent, got {trigger.threshold}")
+        if not 0 < pressure.threshold < 100:
+            raise ValueError(f"threshold must be in (0, 100) percent, got {pressure.threshold}")
         self.key = key
         self.path = path
-        self.trigger = trigger  # as configured; window_us/stall_us below are what the kernel accepted
-        self.resource = trigger.resource
+        self.pressure = pressure  # as configured; window_us/stall_us below are what the kernel accepted
+        self.resource = pressure.resource
         self.stall = stall
         self.cooldown_s = cooldown_s
-        self.requested_window_us = trigger.window_us
+        self.requested_window_us = pressure.window_us
         self.window_us = self.requested_window_us
-        self.stall_us = trigger.stall_us
+        self.stall_us = pressure.stall_us
         self.last_event = float("-inf")  # monotonic time of the last reported event
         self.events = 0
         self.suppressed = 0
@@ -174,17 +176,17 @@ class PsiWatcher:
         try:
             if _two_second_windows and allowed_window_us(self.window_us) != self.window_us:
                 raise OSError(errno.EINVAL, "window known to be refused")
-            self._fd = _open_trigger(path, stall, self.stall_us, self.window_us)
+            self._fd = _open_watch(path, stall, self.stall_us, self.window_us)
         except OSError as e:
             new_window = allowed_window_us(self.window_us)
             if e.errno != errno.EINVAL or new_window == self.window_us:
-                raise _trigger_error(e, path, what) from e
-            new_stall = stall_threshold_us(trigger.threshold, new_window)
+                raise _watch_error(e, path, what) from e
+            new_stall = stall_threshold_us(pressure.threshold, new_window)
             what = f"{stall} {new_stall} {new_window}"
             try:
-                self._fd = _open_trigger(path, stall, new_stall, new_window)
+                self._fd = _open_watch(path, stall, new_stall, new_window)
             except OSError as e2:
-                raise _trigger_error(e2, path, what) from e2
+                raise _watch_error(e2, path, what) from e2
             _log_fallback_once(path, self.window_us, new_window)
             self.window_us, self.stall_us = new_window, new_stall
         self._registered_fd = self._fd
@@ -200,7 +202,7 @@ class PsiWatcher:
 
     def fileno(self) -> int:
         if self._fd < 0:
-            raise ValueError(f"PSI watcher {self.key!r} is closed")
+            raise ValueError(f"PSI watch {self.key!r} is closed")
         return self._fd
 
     def read_pressure(self) -> Pressure | None:
@@ -224,7 +226,7 @@ class PsiWatcher:
         """Forget the fd without closing it (it was closed elsewhere)."""
         self._fd = -1
 
-    def __enter__(self) -> PsiWatcher:
+    def __enter__(self) -> PsiWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,14 +234,14 @@ class PsiWatcher:
 
     def __repr__(self) -> str:
         return (
-            f"PsiWatcher(key={self.key!r}, path={self.path!r}, {self.stall} "
+            f"PsiWatch(key={self.key!r}, path={self.path!r}, {self.stall} "
             f"{self.stall_us}us/{self.window_us}us, fd={self._fd})"
         )
 
 
 @dataclass(frozen=True, slots=True)
 class PsiEvent:
-    """A trigger fired (dead=False) or a watcher died with its cgroup (dead=True)."""
+    """A watch fired, its pressure above its threshold (dead=False), or died with its cgroup (dead=True)."""
 
     key: Hashable
     resource: str
@@ -258,25 +260,32 @@ class PsiEvent:
 class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.events = Counter(
-            "bistouri_psi_events", "PSI trigger events reported", ["resource"], registry=registry
+            "bistouri_psi_events",
+            "PSI events reported: a watched pressure crossed its threshold",
+            ["resource"],
+            registry=registry,
         )
         self.suppressed = Counter(
             "bistouri_psi_events_suppressed",
-            "PSI trigger events ignored because the watcher was cooling down",
+            "PSI events ignored because the watch was cooling down",
             ["resource"],
             registry=registry,
         )
         self.lost = Counter(
             "bistouri_psi_watchers_lost",
-            "PSI watchers dropped because their cgroup disappeared",
+            "PSI watches dropped because their cgroup disappeared",
             ["resource"],
             registry=registry,
         )
-        self.watchers = Gauge("bistouri_psi_watchers", "Registered PSI trigger fds", registry=registry)
+        self.watchers = Gauge(
+            "bistouri_psi_watchers",
+            "PSI watches registered (pressure fds with a threshold)",
+            registry=registry,
+        )
 
 
 class PsiLoop:
-    """Owns one select.poll: PSI watchers plus the main loop's other fds.
+    """Owns one select.poll: PSI watches plus the main loop's other fds.
 
     Not thread-safe: call every method from the thread that runs poll().
     """
@@ -288,42 +297,40 @@ class PsiLoop:
         wall_clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self._poll = select.poll()
-        self._watchers: dict[Hashable, PsiWatcher] = {}
-        self._by_fd: dict[int, PsiWatcher] = {}
+        self._watches: dict[Hashable, PsiWatch] = {}
+        self._by_fd: dict[int, PsiWatch] = {}
         self._fds: dict[int, Callable[[int, int], None]] = {}
         self._clock = clock
         self._wall_ns = wall_clock_ns
         self._m = _Metrics(registry)
 
-    # -- PSI watchers
+    # -- PSI watches
 
-    def add_watcher(
-        self, key: Hashable, path: str, trigger: ResourceTrigger, cooldown_s: float
-    ) -> PsiWatcher:
-        """Register a trigger. The same key with the same path and trigger returns the existing
-        watcher; a different one replaces it. Raises OSError (with a hint) if the kernel refuses."""
-        old = self._watchers.get(key)
+    def add_watch(self, key: Hashable, path: str, pressure: PressureThreshold, cooldown_s: float) -> PsiWatch:
+        """Register a watch. The same key with the same path and threshold returns the existing
+        watch; a different one replaces it. Raises OSError (with a hint) if the kernel refuses."""
+        old = self._watches.get(key)
         if old is not None:
-            if (old.path, old.trigger) == (path, trigger):
+            if (old.path, old.pressure) == (path, pressure):
                 old.cooldown_s = cooldown_s
                 return old
             self.remove(key)
-        w = PsiWatcher(key, path, trigger, cooldown_s)
+        w = PsiWatch(key, path, pressure, cooldown_s)
         fd = w.fileno()
         self._poll.register(fd, select.POLLPRI)
-        self._watchers[key] = w
+        self._watches[key] = w
         self._by_fd[fd] = w
-        self._m.watchers.set(len(self._watchers))
+        self._m.watchers.set(len(self._watches))
         return w
 
     def remove(self, key: Hashable) -> bool:
-        w = self._watchers.pop(key, None)
+        w = self._watches.pop(key, None)
         if w is None:
             return False
         self._forget(w)
         return True
 
-    def _forget(self, w: PsiWatcher) -> None:
+    def _forget(self, w: PsiWatch) -> None:
         fd = w._registered_fd
         if self._by_fd.get(fd) is w:
             del self._by_fd[fd]
@@ -332,28 +339,28 @@ class PsiLoop:
             except KeyError:
                 pass
         w.close()
-        self._m.watchers.set(len(self._watchers))
+        self._m.watchers.set(len(self._watches))
 
     def clear(self) -> None:
-        """Close every watcher (hot reload); other fds stay registered."""
-        for key in list(self._watchers):
+        """Close every watch (hot reload); other fds stay registered."""
+        for key in list(self._watches):
             self.remove(key)
 
     def keys(self) -> list[Hashable]:
-        return list(self._watchers)
+        return list(self._watches)
 
-    def get(self, key: Hashable) -> PsiWatcher | None:
-        return self._watchers.get(key)
+    def get(self, key: Hashable) -> PsiWatch | None:
+        return self._watches.get(key)
 
     def __len__(self) -> int:
-        return len(self._watchers)
+        return len(self._watches)
 
     # -- other fds of the main loop
 
     def add_fd(self, fd: int, callback: Callable[[int, int], None], events: int = select.POLLIN) -> None:
         """Watch a non-PSI fd; `callback(fd, revents)` runs inside poll()."""
         if fd in self._by_fd:
-            raise ValueError(f"fd {fd} is a PSI watcher")
+            raise ValueError(f"fd {fd} is a PSI watch")
         self._poll.register(fd, events)
         self._fds[fd] = callback
 
@@ -383,12 +390,12 @@ class PsiLoop:
                 continue
             if revents & _DEAD:
                 out.append(self._event(w, dead=True))
-                self._watchers.pop(w.key, None)
+                self._watches.pop(w.key, None)
                 if revents & select.POLLNVAL:
                     w._detach()  # someone else closed the fd: do not close a number now reused
                 self._forget(w)
                 self._m.lost.labels(w.resource).inc()
-                log.info("PSI watcher lost: its cgroup is gone key=%r path=%s", w.key, w.path)
+                log.info("PSI watch lost: its cgroup is gone key=%r path=%s", w.key, w.path)
                 continue
             if revents & select.POLLPRI:
                 now = self._clock()
@@ -402,7 +409,7 @@ class PsiLoop:
                 out.append(self._event(w, dead=False))
         return out
 
-    def _event(self, w: PsiWatcher, dead: bool) -> PsiEvent:
+    def _event(self, w: PsiWatch, dead: bool) -> PsiEvent:
         p = None if dead else w.read_pressure()
         line = p.line(w.stall) if p is not None else PressureLine()
         return PsiEvent(
@@ -421,7 +428,7 @@ class PsiLoop:
         )
 
     def close(self) -> None:
-        """Close every watcher and forget the other fds (they belong to their owners)."""
+        """Close every watch and forget the other fds (they belong to their owners)."""
         self.clear()
         for fd in list(self._fds):
             self.remove_fd(fd)

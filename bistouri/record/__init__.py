@@ -1,4 +1,4 @@
-"""`bistouri record`: one process profiled from the command line, its output files (`recordfiles`) and
+"""`bistouri record`: one process profiled from the command line, its output files (`outputs`) and
 the local symbol cache (`symcache`). Built on the capture layer and the symbolizer library, never on the
 agent.
 

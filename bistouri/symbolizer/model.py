@@ -170,8 +170,9 @@ class SessionMeta:
             "kernel_release": self.kernel_release,
             "samples": {"on_cpu": self.on_cpu, "off_cpu": self.off_cpu, "off_cpu_ns": self.off_cpu_ns},
             "unwind": self.unwind,
-            # The episode: the session runs from start_ns, pre_trigger_s before trigger.time_ns;
-            # `samples` split at the trigger.
+            # The timeline (under the key `episode`, kept for clients) and the episode report's rows:
+            # the session runs from start_ns, pre_trigger_s before trigger.time_ns; `samples` split
+            # at the trigger.
             "episode": {
                 "pre_trigger_s": self.pre_trigger_ns / 1e9,
                 "before_trigger": {

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from .. import threads
 from ..bpf import abi
-from ..bpf.object import Map
+from ..bpf.handles import Map
 from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath
@@ -156,6 +156,32 @@ def compile_mapped(where: MappedPath, limits: CfiLimits | None = None) -> Table:
         return compile_file(safeopen.fd_path(fd), limits)
     finally:
         os.close(fd)
+
+
+class NoUnwind:
+    """Unwinding by tables off (no rows configured) or stopped: requests are ignored, user
+    stacks are walked by frame pointer."""
+
+    def __init__(self) -> None:
+        self.stats = UnwindStats()
+
+    def want(self, pid: int) -> None:
+        pass
+
+    def prepare(self, processes: list[tuple[int, int]]) -> None:
+        pass
+
+    def forget(self, pid: int) -> None:
+        pass
+
+    def wait_idle(self, timeout: float) -> bool:
+        return True
+
+    def start(self) -> None:
+        pass
+
+    def close(self, timeout: float = 0.5) -> None:
+        pass
 
 
 class UnwindTables:

@@ -92,7 +92,7 @@ class Trace:
     wait: int = WAIT_D  # (v3) what the off-CPU counts waited in (WAIT_*)
 
 
-class FiredTrigger(Protocol):
+class PressureEvent(Protocol):
     """What `Trigger.from_psi` reads of a PSI event (host.psi.PsiEvent): the wire format stays below the
     host readers (tests/unit/test_layers.py)."""
 
@@ -131,7 +131,7 @@ class Trigger:
     kind: str = TRIGGER_PSI  # psi | manual
 
     @classmethod
-    def from_psi(cls, event: FiredTrigger, cgroup: str) -> Trigger:
+    def from_psi(cls, event: PressureEvent, cgroup: str) -> Trigger:
         """A session's trigger from the PSI event that fired; `cgroup` is relative to the cgroup2
         mount, "/" for system-wide."""
         return cls(

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from bistouri.bpf.object import BpfObject
+from bistouri.bpf.handles import BpfObject
 from bistouri.errors import BpfError
 from tests.conftest import ROOT
 

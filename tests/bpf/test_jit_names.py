@@ -16,7 +16,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample, split_stacks
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import wait_until
 
@@ -50,7 +50,7 @@ def _share_naming(pid: int, function: str, samples: int) -> tuple[float, int]:
     """Profile `pid` until `samples` samples arrived; the share in which a JIT frame of the user
     stack is named `function` by the perf map, and that sample count."""
     named = total = 0
-    with ProfilerAgent(ProfilerOptions(freq_hz=199, offcpu=False, exec_discovery=False)) as agent:
+    with Profiler(ProfilerOptions(freq_hz=199, offcpu=False, exec_discovery=False)) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
 

@@ -16,7 +16,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.events import ExecMatch, SentSamples, StackSample, split_stacks
-from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, ProfilerOptions
 from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
@@ -24,7 +24,7 @@ from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wa
 pytestmark = pytest.mark.bpf
 
 
-def _collect(agent: ProfilerAgent, seconds: float) -> list:
+def _collect(agent: Profiler, seconds: float) -> list:
     events = []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -56,7 +56,7 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
     proc = subprocess.Popen([str(burner), "6"])
     try:
         opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
-        with ProfilerAgent(opts) as agent:
+        with Profiler(opts) as agent:
             agent.start()
             on_cpu_before = _on_cpu_ns(proc.pid)
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
@@ -107,7 +107,7 @@ def test_kernel_frames_present_for_samples_in_the_kernel(workloads, tmp_path):
     # fsync spends its on-CPU time in the kernel: those samples must carry kernel IPs.
     proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "5"])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             events = _collect(agent, 3.0)
@@ -144,7 +144,7 @@ def _off_cpu_of_fsyncer(
     """Profile the off-CPU waits of an fsync loop: (its process, the events, the BPF counters)."""
     proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), str(seconds + 3)])
     try:
-        with ProfilerAgent(options) as agent:
+        with Profiler(options) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU)
             events = _collect(agent, seconds)
@@ -200,7 +200,7 @@ def test_off_cpu_time_is_the_d_time_the_kernel_counted(workloads, tmp_path):
     opts = ProfilerOptions(freq_hz=19, offcpu_min_ns=0)
     proc = subprocess.Popen([str(workloads / "fsyncer"), str(tmp_path / "data"), "30"])
     try:
-        with ProfilerAgent(opts) as agent:
+        with Profiler(opts) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.ON)
             events = _collect(agent, 3.0)
@@ -233,7 +233,7 @@ def test_off_cpu_time_is_the_d_time_the_kernel_counted(workloads, tmp_path):
 def test_exec_of_a_matching_comm_is_reported_with_rule_id_and_cgroup(workloads):
     from bistouri.agent.matcher import lpm_key
 
-    with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=False)) as agent:
+    with Profiler(ProfilerOptions(freq_hz=19, offcpu=False)) as agent:
         agent.start()
         agent.set_comm_rules([(lpm_key(b"burner", (len(b"burner") + 1) * 8), 7)])
         proc = subprocess.Popen([str(workloads / "burner"), "0.2"])
@@ -253,7 +253,7 @@ def test_twenty_load_attach_destroy_cycles_leak_nothing():
     before_fds = _fd_count()
     ours: set[int] = set()
     for _ in range(20):
-        agent = ProfilerAgent(ProfilerOptions(freq_hz=19))
+        agent = Profiler(ProfilerOptions(freq_hz=19))
         agent.open()
         agent.start()
         loaded = own_prog_ids()
@@ -275,7 +275,7 @@ def test_an_object_loaded_on_a_thread_is_handed_over_or_released(workloads):
     options = ProfilerOptions(freq_hz=99, offcpu=False, exec_discovery=False, episode=False, unwind_rows=0)
     proc = subprocess.Popen([str(workloads / "burner"), "30"])
     try:
-        with ProfilerAgent(options, loading=ObjectLoad(options)) as agent:
+        with Profiler(options, loading=ObjectLoad(options)) as agent:
             assert len(own_prog_ids()) == 1  # handle_perf: the options were applied
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
@@ -285,14 +285,14 @@ def test_an_object_loaded_on_a_thread_is_handed_over_or_released(workloads):
         proc.wait()
     assert not own_prog_ids()
 
-    never_opened = ProfilerAgent(options, loading=ObjectLoad(options))
+    never_opened = Profiler(options, loading=ObjectLoad(options))
     never_opened.close()
     assert not own_prog_ids()
     assert _fd_count() == before_fds
 
     missing = dataclasses.replace(options, object_path=Path("/nonexistent/bistouri.bpf.o"))
     with pytest.raises(BpfError, match="opening BPF object"):
-        ProfilerAgent(missing, loading=ObjectLoad(missing)).open()
+        Profiler(missing, loading=ObjectLoad(missing)).open()
     assert _fd_count() == before_fds
 
 
@@ -306,7 +306,7 @@ def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
         raise OSError(13, "refused for the test")
 
     monkeypatch.setattr(perf, "open_cpu_clock", refuse)
-    agent = ProfilerAgent(ProfilerOptions(freq_hz=19))
+    agent = Profiler(ProfilerOptions(freq_hz=19))
     with pytest.raises(OSError):
         agent.open()
     assert _fd_count() == before_fds
@@ -314,11 +314,11 @@ def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
 
 
 def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
-    from bistouri.bpf.object import RingBuffer
+    from bistouri.bpf.handles import RingBuffer
 
     proc = subprocess.Popen([str(workloads / "burner"), "3"])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
             obj = agent._obj
             assert obj is not None
 
@@ -347,14 +347,14 @@ def _cpu_s(pid: int) -> float:
 
 
 def _lose_a_cache_midway(
-    workloads: Path, options: ProfilerOptions, lose: Callable[[ProfilerAgent], Callable[[], int]]
+    workloads: Path, options: ProfilerOptions, lose: Callable[[Profiler], Callable[[], int]]
 ) -> tuple[int, list[StackSample], float]:
     """Profile a burner; after 1 s make the agent lose a cache (`lose` returns how to read what
     it lost). Returns (that reading 1 s later, the samples of the 2 s after that, the burner's
     time on CPU in those 2 s: on a busy machine it gets less than 2 s, and fewer samples)."""
     proc = subprocess.Popen([str(workloads / "burner"), "8"])
     try:
-        with ProfilerAgent(options) as agent:
+        with Profiler(options) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             _collect(agent, 1.0)
@@ -370,7 +370,7 @@ def _lose_a_cache_midway(
     return reading, late, on_cpu
 
 
-def _lose_sent_samples(agent: ProfilerAgent) -> Callable[[], int]:
+def _lose_sent_samples(agent: Profiler) -> Callable[[], int]:
     # The agent loses the samples the kernel counts repeats of.
     assert len(agent.sent) > 0
     agent.sent = SentSamples(forget=agent._forgetter("known_samples"))
@@ -392,7 +392,7 @@ def test_a_divisor_in_the_filter_keeps_one_sample_in_n(workloads):
     """The flight recorder's lower rate: BPF keeps 1 on-CPU sample in 4 of the process."""
     proc = subprocess.Popen([str(workloads / "burner"), "30"])
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
             agent.start()
             before = _on_cpu_ns(proc.pid)
             agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 4))
@@ -417,7 +417,7 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
     proc = subprocess.Popen([str(workloads / "burner"), "60"])
     try:
         options = ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0, drain_interval_s=0.2)
-        with ProfilerAgent(options) as agent:
+        with Profiler(options) as agent:
             agent.start()
             agent.set_slow_drain(True)
             agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 10))
@@ -463,7 +463,7 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
         loading = ObjectLoad(options, arm={burner.pid: flags, fsyncer.pid: flags})
         loading.wait()
         assert len(own_prog_ids()) == 1  # the first sampler alone
-        with ProfilerAgent(options, loading=loading) as agent:
+        with Profiler(options, loading=loading) as agent:
             # The maps only the rest uses are not created yet (the unwind rows: 12 MiB to zero)...
             with pytest.raises(BpfError):
                 agent._require().maps["unwind_generation"].fd  # noqa: B018 - the property is the check
@@ -505,7 +505,7 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
     assert _fd_count() == before_fds
 
     # Loaded but never opened: the sampler's links and both objects go with the agent.
-    never_opened = ProfilerAgent(options, loading=ObjectLoad(options, arm={}))
+    never_opened = Profiler(options, loading=ObjectLoad(options, arm={}))
     never_opened.close()
     assert not own_prog_ids()
     assert _fd_count() == before_fds

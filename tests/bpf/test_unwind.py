@@ -26,10 +26,11 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample, split_stacks
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.elf import ElfFile
 from bistouri.host.procmaps import FrameStatus
 from bistouri.unwind.ehframe import ROW, CfaKind, file_fdes
+from bistouri.unwind.tables import UnwindTables
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.bpf
@@ -91,7 +92,7 @@ class _Files:
 Chain = tuple[tuple[str, int | None], ...]  # (file, function) from leaf to root
 
 
-def _our_chains(agent: ProfilerAgent, events: list, pid: int, after_ns: int, files: _Files) -> list[Chain]:
+def _our_chains(agent: Profiler, events: list, pid: int, after_ns: int, files: _Files) -> list[Chain]:
     chains = []
     for e in events:
         if not isinstance(e, StackSample) or e.pid != pid or e.timestamp_ns < after_ns:
@@ -159,10 +160,10 @@ def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, i
     opts = ProfilerOptions(
         freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
-    with ProfilerAgent(opts) as agent:
+    with Profiler(opts) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
-        assert agent.unwind is not None
+        assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1 and agent.unwind.stats.loaded_rows > 1000
         ready = time.monotonic_ns()
@@ -304,7 +305,7 @@ def _ours_only(pid: int, files: _Files) -> list[Chain]:
     opts = ProfilerOptions(
         freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
-    with ProfilerAgent(opts) as agent:
+    with Profiler(opts) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
         assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
@@ -374,10 +375,10 @@ def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[s
         freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
     )
     files = _Files()
-    with ProfilerAgent(opts) as agent:
+    with Profiler(opts) as agent:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
-        assert agent.unwind is not None
+        assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1
         ready = time.monotonic_ns()
@@ -456,7 +457,7 @@ def _perf_map(pid: int) -> str:
 
 
 @contextmanager
-def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], ProfilerAgent]]:
+def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], Profiler]]:
     """Debian's xz compressing forever, sampled by an agent that has loaded its unwind tables."""
     opts = ProfilerOptions(
         freq_hz=freq_hz,
@@ -468,7 +469,7 @@ def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], Pro
     with (
         open("/dev/urandom", "rb") as endless,
         _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
-        ProfilerAgent(opts) as agent,
+        Profiler(opts) as agent,
     ):
         agent.start()
         agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
@@ -476,7 +477,7 @@ def _xz_with_tables(freq_hz: int) -> Iterator[tuple[subprocess.Popen[bytes], Pro
         yield proc, agent
 
 
-def _samples_after(agent: ProfilerAgent, pid: int, after_ns: int, n: int) -> list[StackSample]:
+def _samples_after(agent: Profiler, pid: int, after_ns: int, n: int) -> list[StackSample]:
     """The next `n` samples of `pid` stamped after `after_ns` (CLOCK_MONOTONIC)."""
     got: list[StackSample] = []
 

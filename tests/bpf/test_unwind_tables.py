@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bistouri.bpf import abi
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 from tests.helpers import build_id, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -42,7 +42,7 @@ PY = ["/usr/bin/python3.11", "-c", "while True: pass"]
 def test_tables_are_cached_on_disk_per_build_id_and_read_back(tmp_path: Path) -> None:
     cache = tmp_path / "unwind"
     with _spinning(XZ) as pid:
-        with ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+        with Profiler(_opts(unwind_cache_dir=str(cache))) as agent:
             agent.start()
             agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
             assert agent.unwind is not None and agent.unwind.wait_idle(120)
@@ -51,7 +51,7 @@ def test_tables_are_cached_on_disk_per_build_id_and_read_back(tmp_path: Path) ->
         names = {p.name for p in cache.iterdir()}
         assert f"{build_id(Path('/usr/bin/xz'))}.unw" in names
         assert f"{build_id(Path('/lib/x86_64-linux-gnu/liblzma.so.5'))}.unw" in names
-        with ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+        with Profiler(_opts(unwind_cache_dir=str(cache))) as agent:
             agent.start()
             agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
             assert agent.unwind is not None and agent.unwind.wait_idle(120)
@@ -64,18 +64,18 @@ def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublis
     """...and each change of the tables (a publication, an eviction, a process forgotten) bumps the
     generation that retires the rules BPF cached from them."""
 
-    def published(agent: ProfilerAgent, pid: int) -> int:
+    def published(agent: Profiler, pid: int) -> int:
         raw = agent._require().maps["unwind_procs"].lookup(struct.pack("<I", pid))
         assert raw is not None
         return struct.unpack("<II", raw)[1]
 
-    def generation(agent: ProfilerAgent) -> int:
+    def generation(agent: Profiler) -> int:
         raw = agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0))
         assert raw is not None
         return int(struct.unpack("<Q", raw)[0])
 
     # xz, liblzma, libc and ld fit (~35 k rows); python3.11 (~70 k) needs xz's own files' room.
-    with _spinning(XZ) as xz, _spinning(PY) as py, ProfilerAgent(_opts(unwind_rows=100_000)) as agent:
+    with _spinning(XZ) as xz, _spinning(PY) as py, Profiler(_opts(unwind_rows=100_000)) as agent:
         agent.start()
         initial = generation(agent)
         agent.set_pid_filter(xz, abi.FilterFlags.ON_CPU)
@@ -105,7 +105,7 @@ def test_a_watched_process_is_prepared_once_not_at_every_walk(tmp_path: Path) ->
     a process already prepared costs nothing at the next walk (reading the maps of every watched
     process each time was the largest idle cost)."""
     cache = tmp_path / "unwind"
-    with _spinning(XZ) as pid, ProfilerAgent(_opts(unwind_cache_dir=str(cache))) as agent:
+    with _spinning(XZ) as pid, Profiler(_opts(unwind_cache_dir=str(cache))) as agent:
         agent.start()
         assert agent.unwind is not None
         starttime = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])

@@ -10,7 +10,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample, split_stacks
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.host.procmaps import FrameStatus
 from tests.helpers import build_id, symbols, wait_until
 
@@ -25,7 +25,7 @@ def _function_at(syms: dict[str, tuple[int, int]], offset: int) -> str | None:
 
 
 def _named_leaf(
-    agent: ProfilerAgent, sample: StackSample, bid: bytes, syms: dict[str, tuple[int, int]]
+    agent: Profiler, sample: StackSample, bid: bytes, syms: dict[str, tuple[int, int]]
 ) -> str | None:
     """The function of the sample's leaf frame in the file with build id `bid`, if it is there."""
     user = split_stacks(sample.stacks, sample.kernel_len)[1]
@@ -47,7 +47,7 @@ def test_a_library_dlopened_by_a_short_lived_process_is_mapped_at_its_first_samp
     assert proc.stdin is not None
     opts = ProfilerOptions(freq_hz=999, offcpu=False, exec_discovery=False, drain_interval_s=600.0)
     try:
-        with ProfilerAgent(opts) as agent:
+        with Profiler(opts) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # maps read now: no libhot yet
             reads = agent.maps.stats.reads
@@ -85,7 +85,7 @@ def test_a_process_holding_its_mmap_lock_for_long_still_gets_named_frames(worklo
     chains: Counter[tuple[str | None, ...]] = Counter()
     churn: Counter[bool] = Counter()  # the other thread's samples: all user frames mapped?
     try:
-        with ProfilerAgent(ProfilerOptions(freq_hz=199, offcpu=False, exec_discovery=False)) as agent:
+        with Profiler(ProfilerOptions(freq_hz=199, offcpu=False, exec_discovery=False)) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             t0 = time.monotonic()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from bistouri import wire
 from bistouri.agent.metrics import AgentMetrics
 from bistouri.agent.spool import read_waiting
-from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import read_kernel_meta
 from tests.helpers import wait_until
 
@@ -125,7 +125,7 @@ class AgentProcess:
 
 
 class SessionSink:
-    """A CaptureOrchestrator's sink that keeps the sessions, decoded, in order."""
+    """A SessionCapture's sink that keeps the sessions, decoded, in order."""
 
     def __init__(self) -> None:
         self.sessions: list[wire.Session] = []
@@ -135,11 +135,9 @@ class SessionSink:
         return session_id
 
 
-def capture_in_process(
-    pid_filter: Any, sink: SessionSink, freq_hz: int, **options: Any
-) -> CaptureOrchestrator:
-    """The agent's capture path over a ProfilerAgent in this process (no trigger, no spool)."""
-    return CaptureOrchestrator(
+def capture_in_process(pid_filter: Any, sink: SessionSink, freq_hz: int, **options: Any) -> SessionCapture:
+    """The agent's capture path over a Profiler in this process (no trigger, no spool)."""
+    return SessionCapture(
         pid_filter,
         sink,
         AgentMetrics(CollectorRegistry()),

@@ -1,4 +1,4 @@
-"""A hostile trigger file on reload: the running agent keeps its config and stays up."""
+"""A hostile targets file on reload: the running agent keeps its config and stays up."""
 
 from __future__ import annotations
 

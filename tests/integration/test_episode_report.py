@@ -1,6 +1,6 @@
 """Issue 12: the episode report against the kernel's and the workloads' own numbers.
 
-Real BPF (the agent's ProfilerAgent and CaptureOrchestrator), real cgroups, real
+Real BPF (the agent's Profiler and SessionCapture), real cgroups, real
 programs. Each comparison is between quantities measured over the same window:
 the test reads its ground truth (/proc/PID/schedstat, the workload's timers)
 right before the session's start snapshot and right after its end one, and
@@ -23,10 +23,10 @@ import pytest
 
 from bistouri import wire
 from bistouri.bpf import abi
-from bistouri.capture.capture import CaptureOrchestrator
 from bistouri.capture.episode import PAGE_SIZE, EpisodeProbe
 from bistouri.capture.events import StackSample
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions, kernel_tracepoints
+from bistouri.capture.profiler import Profiler, ProfilerOptions, kernel_tracepoints
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.cgroupfs import find_mounts
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from tests.helpers import Cgroup, build_id, symbols, wait_until
@@ -36,9 +36,9 @@ pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
 
 @contextmanager
-def _capture(cgroup_root: str) -> Iterator[tuple[ProfilerAgent, CaptureOrchestrator, SessionSink]]:
+def _capture(cgroup_root: str) -> Iterator[tuple[Profiler, SessionCapture, SessionSink]]:
     """The agent's capture path with episode hooks on; aggressors ranked under `cgroup_root`."""
-    agent = ProfilerAgent(ProfilerOptions(freq_hz=49, drain_interval_s=0.1))
+    agent = Profiler(ProfilerOptions(freq_hz=49, drain_interval_s=0.1))
     sink = SessionSink()
     with agent:
         agent.start()
@@ -46,7 +46,7 @@ def _capture(cgroup_root: str) -> Iterator[tuple[ProfilerAgent, CaptureOrchestra
         yield agent, capture_in_process(agent, sink, 49, episode=episode), sink
 
 
-def _drain(agent: ProfilerAgent, orch: CaptureOrchestrator) -> None:
+def _drain(agent: Profiler, orch: SessionCapture) -> None:
     orch.add_samples([e for e in agent.take(timeout=0.1) if type(e) is StackSample])
 
 
@@ -411,7 +411,7 @@ def test_unwatched_process_leaves_no_stale_state(workloads):
     so a later session does not time the gap as the state it was last seen in."""
     with Cgroup.create() as cg:
         p = cg.spawn([str(workloads / "burner"), "60"])
-        with ProfilerAgent(ProfilerOptions(freq_hz=19, offcpu=False, exec_discovery=False)) as agent:
+        with Profiler(ProfilerOptions(freq_hz=19, offcpu=False, exec_discovery=False)) as agent:
             agent.set_pid_filter(p.pid, int(abi.EpisodeFilter.ON))
             assert wait_until(lambda: p.pid in agent.thread_times({p.pid}), 30, step=0.02)
             agent.set_pid_filter(p.pid, 0)

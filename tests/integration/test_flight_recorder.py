@@ -127,7 +127,7 @@ def test_cgroup_or_unit_target_catches_a_process_no_rule_names(tmp_path, workloa
             assert s.trigger.cgroup == cg.rel, (s.trigger.cgroup, cg.rel)
             assert {p.pid for p in procs} <= set(s.processes), s.processes
             assert set(s.processes.values()) == {"burner"}  # a comm no rule names
-            assert f"PSI watcher added. path={cg.path}/cpu.pressure" in agent.log()
+            assert f"PSI watch added. path={cg.path}/cpu.pressure" in agent.log()
     finally:
         cg.remove()
         cg.path.parent.rmdir()

@@ -1,4 +1,4 @@
-"""Real PSI triggers in child cgroups of the cgroup2 mount: provoke CPU pressure and watch POLLPRI arrive.
+"""Real PSI watches in child cgroups of the cgroup2 mount: provoke CPU pressure and watch POLLPRI arrive.
 
 Each test makes its own `bistouri-test-<random>` cgroup (system-wide pressure is
 shared with everything else on the host), puts busy loops in it and removes it
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.host import procfs, psi
 from bistouri.host.psi import PsiEvent, PsiLoop
-from bistouri.pressure import ResourceTrigger
+from bistouri.pressure import PressureThreshold
 
 pytestmark = [pytest.mark.root]
 
@@ -33,7 +33,7 @@ BUSY = "while True: pass"
 
 def _cgroup_root() -> str:
     if os.geteuid() != 0:
-        pytest.skip("needs root to create cgroups and write PSI triggers")
+        pytest.skip("needs root to create cgroups and write PSI watches")
     root = procfs.find_cgroup2_mount()
     if root is None:
         pytest.skip("no cgroup2 mount in /proc/mounts")
@@ -107,18 +107,18 @@ def _burner_count() -> int:
     return max(3, 2 * (os.cpu_count() or 1))
 
 
-def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
+def test_cpu_watch_fires_window_fallback_and_cooldown(caplog):
     root = _cgroup_root()
     reg = CollectorRegistry()
     with _child_cgroup(root) as busy, _child_cgroup(root) as idle, PsiLoop(registry=reg) as loop:
         privileged = _has_cap_sys_resource()
         psi._fallback_logged = psi._two_second_windows = False  # the once-per-process log must show here
         with caplog.at_level(logging.WARNING, logger="bistouri.host.psi"):
-            w = loop.add_watcher(
-                "busy", os.path.join(busy, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=60
+            w = loop.add_watch(
+                "busy", os.path.join(busy, "cpu.pressure"), PressureThreshold("cpu", 10.0), cooldown_s=60
             )
-            quiet = loop.add_watcher(
-                "idle", os.path.join(idle, "cpu.pressure"), ResourceTrigger("cpu", 10.0), cooldown_s=0
+            quiet = loop.add_watch(
+                "idle", os.path.join(idle, "cpu.pressure"), PressureThreshold("cpu", 10.0), cooldown_s=0
             )
         if privileged:
             assert (w.window_us, w.stall_us, w.fallback) == (1_000_000, 100_000, False)
@@ -153,15 +153,15 @@ def test_cpu_trigger_fires_window_fallback_and_cooldown(caplog):
         assert reg.get_sample_value("bistouri_psi_watchers") == 2
 
 
-def test_removed_cgroup_reports_dead_watchers():
+def test_removed_cgroup_reports_dead_watches():
     root = _cgroup_root()
     reg = CollectorRegistry()
     with PsiLoop(registry=reg) as loop, _child_cgroup(root) as cg:
         for resource in ("cpu", "memory", "io"):
-            loop.add_watcher(
+            loop.add_watch(
                 (cg, resource),
                 os.path.join(cg, f"{resource}.pressure"),
-                ResourceTrigger(resource, 50, window_ms=2000),
+                PressureThreshold(resource, 50, window_ms=2000),
                 0,
             )
         assert loop.poll(0) == []
@@ -174,26 +174,26 @@ def test_removed_cgroup_reports_dead_watchers():
         assert reg.get_sample_value("bistouri_psi_watchers_lost_total", {"resource": "io"}) == 1
 
 
-def test_system_wide_trigger_registers():
+def test_system_wide_watch_registers():
     _cgroup_root()
     with PsiLoop(registry=None) as loop:
-        w = loop.add_watcher(
-            "system", "/proc/pressure/memory", ResourceTrigger("memory", 50, "full", 2000), 0
+        w = loop.add_watch(
+            "system", "/proc/pressure/memory", PressureThreshold("memory", 50, "full", 2000), 0
         )
         assert w.window_us == 2_000_000 and not w.closed
-        p = w.read_pressure()  # read back through the trigger fd itself
+        p = w.read_pressure()  # read back through the watch fd itself
         assert p is not None and p.full is not None
 
 
-def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
+def test_second_threshold_on_same_fd_is_refused_by_the_kernel():
     root = _cgroup_root()
     with _child_cgroup(root) as cg:
-        w = psi.PsiWatcher(
-            "k", os.path.join(cg, "cpu.pressure"), ResourceTrigger("cpu", 10, window_ms=2000), 0
+        w = psi.PsiWatch(
+            "k", os.path.join(cg, "cpu.pressure"), PressureThreshold("cpu", 10, window_ms=2000), 0
         )
         try:
             with pytest.raises(OSError):
-                os.write(w.fileno(), b"some 100000 2000000")  # one trigger per open file
+                os.write(w.fileno(), b"some 100000 2000000")  # one threshold per open file
         finally:
             w.close()
 
@@ -201,10 +201,10 @@ def test_second_trigger_on_same_fd_is_refused_by_the_kernel():
 def test_missing_cgroup_raises_with_hint():
     root = _cgroup_root()
     with pytest.raises(OSError) as ei:
-        psi.PsiWatcher(
+        psi.PsiWatch(
             "k",
             os.path.join(root, "bistouri-absent-cgroup", "cpu.pressure"),
-            ResourceTrigger("cpu", 10, window_ms=2000),
+            PressureThreshold("cpu", 10, window_ms=2000),
             0,
         )
     assert "no such cgroup" in str(ei.value)

@@ -239,7 +239,7 @@ def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, work
     armed = before.find(f"Sampler attached and armed. pids={p.pid}")
     assert 0 <= armed < before.find("bistouri.capture.profiler\n"), before[-3000:]
     assert "programs=handle_sched_switch" in r.stderr
-    heavy = {"msgpack", "requests", "prometheus_client", "yaml", "bistouri.capture.capture"}
+    heavy = {"msgpack", "requests", "prometheus_client", "yaml", "bistouri.capture.sessions"}
     assert not heavy & imported, heavy & imported
     # Of the symbolizer, only the ELF reader: user addresses are mapped to build ids while sampling.
     symbolizer = {m for m in imported if m.startswith("bistouri.symbolizer.")}

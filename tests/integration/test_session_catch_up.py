@@ -1,5 +1,5 @@
 """A session ends with everything the kernel sampled for it, however long the drain interval:
-the agent drains the ring as sessions start and end (CaptureOrchestrator's catch_up)."""
+the agent drains the ring as sessions start and end (SessionCapture's catch_up)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from bistouri import wire
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample
-from bistouri.capture.profiler import ProfilerAgent, ProfilerOptions
+from bistouri.capture.profiler import Profiler, ProfilerOptions
 from tests.helpers import wait_until
 from tests.integration.agent_harness import SessionSink, capture_in_process
 
@@ -34,7 +34,7 @@ def test_a_session_ends_with_the_samples_still_in_the_kernel(workloads):
     options = ProfilerOptions(freq_hz=99, offcpu=False, episode=False, unwind_rows=0, drain_interval_s=600)
     try:
         assert burner.stdout is not None and burner.stdout.readline() == b"ready\n"
-        with ProfilerAgent(options) as agent:
+        with Profiler(options) as agent:
             agent.start()
 
             def catch_up() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.config import parse_targets_config
 from bistouri.agent.discovery import WalkJob, walk_processes
 from bistouri.agent.matcher import CommMatcher
 from tests.helpers import Cgroup, cgroup2_mount
@@ -51,7 +51,7 @@ def test_a_unit_target_never_adopts_a_same_named_cgroup_in_a_delegated_subtree(s
         [*NOBODY, "sh", "-c", f"{join} && echo ready && exec sleep 60"], stdout=subprocess.PIPE
     )
     assert fake.stdout is not None and fake.stdout.readline() == b"ready\n"
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         f"targets:\n  - {{unit: {unit}, service_id: s, resources: [{{resource: cpu, threshold: 1}}]}}\n"
     )
     job = WalkJob(CommMatcher(cfg.targets), 1, cfg.targets, str(cgroup2_mount()))

@@ -21,6 +21,7 @@ from bistouri import wire
 from bistouri.agent.exporter import Exporter
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
+from bistouri.agent.uploader import Uploader
 from bistouri.elf import ElfFile
 from bistouri.host.procmaps import ProcMaps
 from tests.helpers import wait_until
@@ -360,7 +361,7 @@ def test_an_upload_that_failed_is_retried(symbolizer_server: Any, tmp_path: Path
     url = symbolizer_server(tmp_path)
     agent = Agent(tmp_path, url, "a", run_program([str(prog.path)]))
     uploader = agent.exporter.uploader
-    assert uploader is not None
+    assert isinstance(uploader, Uploader)
     uploader._retry_initial = 0.1  # seconds, not the production 30
     real_send = uploader._send
     dropped: list[str] = []

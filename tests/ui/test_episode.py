@@ -1,4 +1,4 @@
-"""The episode timeline (flight-recorder samples before the trigger) and manual sessions, in Chromium."""
+"""The timeline (flight-recorder samples before the trigger) and manual sessions, in Chromium."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bistouri.bpf import abi
-from bistouri.bpf.object import BtfFile
+from bistouri.bpf.handles import BtfFile
 from tests.conftest import BPF_OBJECT, ROOT
 
 pytestmark = pytest.mark.skipif(not BPF_OBJECT.exists(), reason=f"{BPF_OBJECT} is not built (run `make bpf`)")

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from bistouri import wire
 from bistouri.agent.metrics import AgentMetrics
 from bistouri.bpf import abi
-from bistouri.capture.capture import CaptureOrchestrator
 from bistouri.capture.events import ResolvedStacks, SentSamples, StackSample, decode_stack, split_stacks
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
 from tests.helpers import build_id, run_python_as_nobody
@@ -275,7 +275,7 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     reg = CollectorRegistry()
     maps = maps_for(tmp_path, workloads, pids=(7, 42))
     flt, sink = _Filter(maps), _Sink()
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         flt,
         sink,
         AgentMetrics(reg),
@@ -318,7 +318,7 @@ def test_every_user_frame_ends_named_or_counted(tmp_path, workloads):
     (tmp_path / "7" / "root" / "tmp" / "perf-7.map").write_text("7f0000000100 40 JS:*hot\n")
     maps = ProcMaps(str(tmp_path))
     flt, sink = _Filter(maps), _Sink()
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         flt,
         sink,
         AgentMetrics(reg),
@@ -387,7 +387,7 @@ def test_the_recorder_samples_at_its_own_rate_and_sessions_at_full_rate(tmp_path
     20 Hz), each kept sample weighs 5; a session switches it to every sample and back."""
     maps = maps_for(tmp_path, workloads, pids=(7,))
     flt, sink = _Filter(maps), _Sink()
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         flt,
         sink,
         AgentMetrics(CollectorRegistry()),

@@ -10,8 +10,8 @@ from bistouri import wire
 from bistouri.agent.metrics import AgentMetrics
 from bistouri.agent.spool import Spool
 from bistouri.bpf import abi
-from bistouri.capture.capture import TRACE_OVERHEAD_BYTES, CaptureOrchestrator
 from bistouri.capture.events import ResolvedStacks, decode_stack
+from bistouri.capture.sessions import TRACE_OVERHEAD_BYTES, SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procmaps import ProcMaps
 
@@ -33,8 +33,8 @@ class _Filter:
             self.pids.pop(pid, None)
 
 
-def _orch(sink, reg: CollectorRegistry, tmp_path, **kw) -> CaptureOrchestrator:
-    return CaptureOrchestrator(
+def _orch(sink, reg: CollectorRegistry, tmp_path, **kw) -> SessionCapture:
+    return SessionCapture(
         _Filter(),
         sink,
         AgentMetrics(reg),
@@ -98,7 +98,7 @@ def test_a_session_the_spool_drops_is_not_logged_as_spooled(tmp_path, caplog):
     orch = _orch(spool, reg, tmp_path, on_spooled=lambda: notified.append(True))
     sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
     orch.add_samples([_deep(1)])
-    with caplog.at_level(logging.INFO, logger="bistouri.capture.capture"):
+    with caplog.at_level(logging.INFO, logger="bistouri.capture.sessions"):
         orch.flush_all()
     assert len(spool) == 0
     assert reg.get_sample_value("bistouri_spool_dropped_total", {"reason": "too_large"}) == 1

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from bistouri.agent import config
-from bistouri.agent.config import load_trigger_config, parse_trigger_config
+from bistouri.agent.config import load_targets_config, parse_targets_config
 from bistouri.errors import ConfigError
-from bistouri.pressure import ResourceTrigger
+from bistouri.pressure import PressureThreshold
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "config"
@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "bistouri" / "data" / "trigger.example.yaml"
 
 def problems(text: str) -> list[str]:
     with pytest.raises(ConfigError) as ei:
-        parse_trigger_config(text, "t.yaml")
+        parse_targets_config(text, "t.yaml")
     assert ei.value.source == "t.yaml"
     return ei.value.problems
 
@@ -44,12 +44,12 @@ def with_resource(**res: object) -> str:
 
 
 def test_example_config_parses():
-    cfg = load_trigger_config(str(EXAMPLE))
+    cfg = load_targets_config(str(EXAMPLE))
     assert [t.service_id for t in cfg.targets] == ["web_frontend", "database", "jvm_fleet", "cache"]
     cache = cfg.targets[3]
     assert (cache.rule, cache.unit, cache.cgroup, cache.recorder_secs) == (None, "redis.service", None, 10.0)
     db = cfg.targets[1]
-    assert db.resources == (ResourceTrigger("io", 20.0, "full", 2000),)
+    assert db.resources == (PressureThreshold("io", 20.0, "full", 2000),)
     assert (db.capture_duration_secs, db.cooldown_secs) == (15.0, 60.0)
     assert db.capture_secs(10) == 15 and db.cooldown(10) == 60
     assert cfg.targets[2].scope == "system"
@@ -59,7 +59,7 @@ def test_example_config_parses():
 
 
 def test_upstream_schema_parses_with_defaults():
-    cfg = load_trigger_config(str(GOLDEN / "upstream.yaml"))
+    cfg = load_targets_config(str(GOLDEN / "upstream.yaml"))
     assert [t.rule_id for t in cfg.targets] == [1, 2]
     t = cfg.targets[0]
     assert t.rule == config.Rule("Exact", "cpu-burner")
@@ -72,7 +72,7 @@ def test_upstream_schema_parses_with_defaults():
 
 def test_all_errors_reported_at_once_with_paths():
     with pytest.raises(ConfigError) as ei:
-        load_trigger_config(str(GOLDEN / "all-errors.yaml"))
+        load_targets_config(str(GOLDEN / "all-errors.yaml"))
     expected = (GOLDEN / "all-errors.expected").read_text().splitlines()
     assert ei.value.problems == expected
     assert str(GOLDEN / "all-errors.yaml") in str(ei.value)
@@ -80,14 +80,14 @@ def test_all_errors_reported_at_once_with_paths():
 
 def test_yaml_syntax_error_has_line_and_column():
     with pytest.raises(ConfigError) as ei:
-        load_trigger_config(str(GOLDEN / "syntax-error.yaml"))
+        load_targets_config(str(GOLDEN / "syntax-error.yaml"))
     [p] = ei.value.problems
     assert p.startswith("line 3, column 15: YAML syntax error")
 
 
 def test_duplicate_yaml_key_is_an_error():
     with pytest.raises(ConfigError) as ei:
-        load_trigger_config(str(GOLDEN / "duplicate-key.yaml"))
+        load_targets_config(str(GOLDEN / "duplicate-key.yaml"))
     [p] = ei.value.problems
     assert "line 4" in p and "duplicate key 'service_id'" in p
 
@@ -108,14 +108,14 @@ def test_an_oversized_file_is_refused_unread(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_bytes(b"#" * (config.MAX_FILE_BYTES + 1))
     with pytest.raises(ConfigError) as ei:
-        load_trigger_config(str(big))
+        load_targets_config(str(big))
     assert "larger than 1048576 bytes" in ei.value.problems[0]
 
 
 def test_missing_file():
     with pytest.raises(ConfigError) as ei:
-        load_trigger_config("/nonexistent/trigger.yaml")
-    assert "cannot read the trigger file" in ei.value.problems[0]
+        load_targets_config("/nonexistent/trigger.yaml")
+    assert "cannot read the targets file" in ei.value.problems[0]
     assert ei.value.source == "/nonexistent/trigger.yaml"
 
 
@@ -207,7 +207,7 @@ def test_validation_rule(text, expected):
     ],
 )
 def test_accepted_edges(text):
-    cfg = parse_trigger_config(text)
+    cfg = parse_targets_config(text)
     assert len(cfg.targets) == 1
 
 
@@ -240,40 +240,40 @@ def test_duplicates_reported_beside_other_errors():
 
 def test_same_comm_different_resources_is_fine():
     text = yaml.safe_dump({"targets": [tgt("a", "s1", "cpu"), tgt("a", "s2", "io")]})
-    assert len(parse_trigger_config(text).targets) == 2
+    assert len(parse_targets_config(text).targets) == 2
 
 
 def test_rule_ids_are_positions_from_first_rule_id():
     text = (GOLDEN / "upstream.yaml").read_text()
-    cfg = parse_trigger_config(text, first_rule_id=41)
+    cfg = parse_targets_config(text, first_rule_id=41)
     assert [t.rule_id for t in cfg.targets] == [41, 42]
     assert cfg.next_rule_id == 43
-    again = parse_trigger_config(text, first_rule_id=cfg.next_rule_id)
+    again = parse_targets_config(text, first_rule_id=cfg.next_rule_id)
     assert [t.rule_id for t in again.targets] == [43, 44]
     assert cfg.target(42) is cfg.targets[1] and cfg.target(43) is None
     with pytest.raises(ValueError):
-        parse_trigger_config(text, first_rule_id=0)
+        parse_targets_config(text, first_rule_id=0)
 
 
 def test_stall_us_rounds_down_and_is_positive():
-    r = ResourceTrigger("memory", 0.001, "some", 500)
+    r = PressureThreshold("memory", 0.001, "some", 500)
     assert r.stall_us == 5 and r.window_us == 500_000
 
 
 def test_config_is_frozen():
-    cfg = parse_trigger_config(one_target())
+    cfg = parse_targets_config(one_target())
     with pytest.raises(AttributeError):
         cfg.targets[0].service_id = "x"  # type: ignore[misc]
     assert hash(cfg.targets[0]) == hash(cfg.targets[0].rule_id)
 
 
 def test_warning_for_exact_empty_comm():
-    cfg = parse_trigger_config(one_target(rule={"type": "Exact", "comm": ""}))
+    cfg = parse_targets_config(one_target(rule={"type": "Exact", "comm": ""}))
     assert len(cfg.warnings) == 1 and "Exact ''" in cfg.warnings[0]
 
 
 def test_summary_lines():
-    cfg = load_trigger_config(str(EXAMPLE))
+    cfg = load_targets_config(str(EXAMPLE))
     assert cfg.summary()[1] == (
         "rule_id=2 service_id=database match=Exact:'postgres' scope=cgroup recorder=5s "
         "resources=[io:full>20%/2000ms]"
@@ -285,7 +285,7 @@ def test_summary_lines():
 
 
 def test_targets_by_cgroup_or_unit():
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         "targets:\n"
         "  - cgroup: /system.slice//nginx.service/\n"
         "    service_id: web\n"
@@ -307,7 +307,7 @@ def test_targets_by_cgroup_or_unit():
 
 
 def test_recorder_rate_per_target():
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         "targets:\n"
         "  - {unit: a.service, service_id: a, resources: [{resource: cpu, threshold: 1}], recorder_hz: 4}\n"
         "  - {unit: b.service, service_id: b, resources: [{resource: cpu, threshold: 1}]}\n"
@@ -357,7 +357,7 @@ def test_cgroup_and_unit_problems_are_all_reported_at_once():
 def test_the_matcher_and_the_comm_trie_skip_cgroup_targets():
     from bistouri.agent.matcher import CommMatcher
 
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         "targets:\n"
         "  - {rule: {type: Prefix, comm: ''}, service_id: all, resources: [{resource: cpu, threshold: 1}]}\n"
         "  - {unit: x.service, service_id: u, resources: [{resource: cpu, threshold: 1}]}\n"

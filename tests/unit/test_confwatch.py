@@ -1,4 +1,4 @@
-"""The trigger file's watcher (confwatch.py) against the ways files really change on disk.
+"""The targets file's watcher (confwatch.py) against the ways files really change on disk.
 
 Real inotify on a real directory, changed the way editors, Ansible and Kubernetes change
 a config: write a temporary file and rename it over, rewrite in place (truncate, then

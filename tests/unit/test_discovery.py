@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.config import parse_targets_config
 from bistouri.agent.discovery import WalkJob, find_unit_cgroup, walk_processes
 from bistouri.agent.matcher import CommMatcher
 
@@ -46,7 +46,7 @@ def test_the_walk_takes_every_member_of_a_cgroup_or_unit_target_whatever_its_com
     _cgroup(cg, "/system.slice/nginx.service/sub", [11])
     _cgroup(cg, "/system.slice/ssh.service", [12])
     _cgroup(cg, "/batch", [13])
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         "targets:\n"
         "  - {rule: {type: Exact, comm: burner}, service_id: a, resources: [{resource: cpu, threshold: 1}]}\n"
         "  - {unit: nginx.service, service_id: b, resources: [{resource: cpu, threshold: 1}]}\n"
@@ -68,7 +68,7 @@ def test_where_a_unit_was_found_is_checked_first_and_forgotten_when_gone(tmp_pat
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
     _process(proc, 10, "nginx", "/a.slice/nginx.service")
     _cgroup(cg, "/a.slice/nginx.service", [10])
-    cfg = parse_trigger_config(
+    cfg = parse_targets_config(
         "targets:\n  - {unit: nginx.service, service_id: b, resources: [{resource: cpu, threshold: 1}]}\n"
     )
     job = WalkJob(CommMatcher(cfg.targets), 1, cfg.targets, str(cg))

@@ -112,10 +112,10 @@ def test_the_contract_sees_relative_function_level_and_type_checking_imports(tmp
     src.write_text(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from ..agent import config\n"
-        "def f():\n    from ..record.record import main\n"
+        "def f():\n    from ..record.command import main\n"
     )
     found = imports(src, "bistouri.capture.probe")
-    assert found == [(3, "bistouri.agent.config"), (5, "bistouri.record.record")]
+    assert found == [(3, "bistouri.agent.config"), (5, "bistouri.record.command")]
 
 
 def test_the_wire_format_pulls_in_neither_yaml_nor_the_agent() -> None:

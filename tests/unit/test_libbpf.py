@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from bistouri.bpf import _libbpf
-from bistouri.bpf.object import check_int, check_ptr, library
+from bistouri.bpf.handles import check_int, check_ptr, library
 from bistouri.errors import BpfError
 
 
@@ -79,7 +79,7 @@ def test_error_conventions_become_one_exception_type():
 
 
 def test_opening_a_missing_object_says_what_to_do(tmp_path):
-    from bistouri.bpf.object import BpfObject
+    from bistouri.bpf.handles import BpfObject
 
     with pytest.raises(BpfError) as e:
         BpfObject(tmp_path / "nope.bpf.o")

@@ -8,7 +8,7 @@ import pytest
 
 from bistouri.agent.config import Rule, Target
 from bistouri.agent.matcher import COMM_KEY, CommMatcher, lpm_key
-from bistouri.pressure import ResourceTrigger
+from bistouri.pressure import PressureThreshold
 
 
 def target(rule_id: int, kind: str, comm: str) -> Target:
@@ -16,7 +16,7 @@ def target(rule_id: int, kind: str, comm: str) -> Target:
         rule_id=rule_id,
         rule=Rule(kind, comm),
         service_id=f"svc{rule_id}",
-        resources=(ResourceTrigger("cpu", 10.0),),
+        resources=(PressureThreshold("cpu", 10.0),),
     )
 
 
@@ -140,7 +140,7 @@ def test_lpm_model_agrees_with_user_space(comm):
 @pytest.mark.bpf
 def test_kernel_lpm_trie_agrees_with_user_space():
     """The real BPF comm trie, loaded from the shipped object (programs off: maps only)."""
-    from bistouri.bpf.object import BpfObject
+    from bistouri.bpf.handles import BpfObject
     from tests.conftest import BPF_OBJECT
 
     m = matcher(

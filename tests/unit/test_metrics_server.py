@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.agent.metrics import AgentMetrics, MetricsServer
+from bistouri.agent.metrics import AgentMetrics, MetricsAndControlServer
 
 
 class Served:
@@ -21,7 +21,7 @@ class Served:
         self.reg = CollectorRegistry()
         self.metrics = AgentMetrics(self.reg)
         self.metrics.exec_events.inc(7)
-        self.server = MetricsServer(
+        self.server = MetricsAndControlServer(
             "127.0.0.1",
             0,
             self.reg,

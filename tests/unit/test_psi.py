@@ -1,4 +1,4 @@
-"""PSI parsing and the poll loop, unprivileged. Real kernel triggers: tests/integration/test_psi_cgroup.py."""
+"""PSI parsing and the poll loop, unprivileged. Real PSI watches: tests/integration/test_psi_cgroup.py."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ from bistouri.host.psi import (
     parse_pressure,
     read_pressure,
 )
-from bistouri.pressure import ResourceTrigger
+from bistouri.pressure import PressureThreshold
 
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
 
 
 @pytest.fixture(autouse=True)
 def _fresh_window_state(monkeypatch):
-    """A real trigger test earlier in the run may have learnt that 1 s windows are refused."""
+    """A real PSI watch test earlier in the run may have learnt that 1 s windows are refused."""
     monkeypatch.setattr(psi, "_two_second_windows", False)
 
 
@@ -95,21 +95,21 @@ def test_allowed_window(window_us, allowed):
     assert allowed % 2_000_000 == 0 and psi.WINDOW_US_MIN <= allowed <= psi.WINDOW_US_MAX
 
 
-def test_watcher_writes_one_trigger_line(tmp_path):
+def test_a_watch_writes_one_threshold_line(tmp_path):
     # A regular file accepts the write: it shows exactly what the kernel would receive.
     f = tmp_path / "cpu.pressure"
     f.write_bytes(b"")
-    with psi.PsiWatcher("k", str(f), ResourceTrigger("cpu", 12.5, "full", 1000), 5.0) as w:
+    with psi.PsiWatch("k", str(f), PressureThreshold("cpu", 12.5, "full", 1000), 5.0) as w:
         assert (w.stall_us, w.window_us, w.fallback) == (125_000, 1_000_000, False)
     assert f.read_bytes() == b"full 125000 1000000\0"  # NUL-terminated, as /proc/pressure needs
     assert w.closed
 
 
-def test_watcher_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatch):
+def test_a_watch_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(psi, "_two_second_windows", True)
     f = tmp_path / "io.pressure"
     f.write_bytes(b"")
-    with psi.PsiWatcher("k", str(f), ResourceTrigger("io", 10, "some", 1000), 0) as w:
+    with psi.PsiWatch("k", str(f), PressureThreshold("io", 10, "some", 1000), 0) as w:
         assert (w.requested_window_us, w.window_us, w.stall_us, w.fallback) == (
             1_000_000,
             2_000_000,
@@ -122,16 +122,16 @@ def test_watcher_skips_a_window_already_known_to_be_refused(tmp_path, monkeypatc
 @pytest.mark.parametrize(
     ("stall", "threshold"), [("partial", 10.0), ("some", 0.0), ("some", 100.0), ("some", -1.0)]
 )
-def test_watcher_rejects_bad_arguments(tmp_path, stall, threshold):
+def test_a_watch_rejects_bad_arguments(tmp_path, stall, threshold):
     with pytest.raises(ValueError):
-        psi.PsiWatcher("k", str(tmp_path / "x"), ResourceTrigger("cpu", threshold, stall, 1000), 0)
+        psi.PsiWatch("k", str(tmp_path / "x"), PressureThreshold("cpu", threshold, stall, 1000), 0)
 
 
-def test_watcher_missing_file_has_a_hint(tmp_path):
+def test_a_watch_missing_file_has_a_hint(tmp_path):
     with pytest.raises(OSError) as ei:
-        psi.PsiWatcher("k", str(tmp_path / "nope" / "cpu.pressure"), ResourceTrigger("cpu", 10), 0)
+        psi.PsiWatch("k", str(tmp_path / "nope" / "cpu.pressure"), PressureThreshold("cpu", 10), 0)
     assert ei.value.errno == errno.ENOENT
-    assert "cannot register PSI trigger 'some 100000 1000000'" in str(ei.value)
+    assert "cannot register PSI watch 'some 100000 1000000'" in str(ei.value)
     assert "no such cgroup" in str(ei.value)
 
 
@@ -156,18 +156,18 @@ def test_loop_other_fds_and_timeout():
         os.close(w)
 
 
-def test_loop_watchers_bookkeeping(tmp_path):
+def test_loop_watches_bookkeeping(tmp_path):
     reg = CollectorRegistry()
     for name in ("a", "b"):
         (tmp_path / name).write_bytes(b"")
     loop = PsiLoop(registry=reg)
-    wa = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 10), 3)
-    assert loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 10), 3) is wa
-    wb = loop.add_watcher(("cg", "io"), str(tmp_path / "b"), ResourceTrigger("io", 10), 3)
+    wa = loop.add_watch(("cg", "cpu"), str(tmp_path / "a"), PressureThreshold("cpu", 10), 3)
+    assert loop.add_watch(("cg", "cpu"), str(tmp_path / "a"), PressureThreshold("cpu", 10), 3) is wa
+    wb = loop.add_watch(("cg", "io"), str(tmp_path / "b"), PressureThreshold("io", 10), 3)
     assert sorted(loop.keys()) == [("cg", "cpu"), ("cg", "io")]
     assert sample(reg, "bistouri_psi_watchers") == 2
-    # New parameters for an existing key replace the watcher.
-    wa2 = loop.add_watcher(("cg", "cpu"), str(tmp_path / "a"), ResourceTrigger("cpu", 20), 3)
+    # New parameters for an existing key replace the watch.
+    wa2 = loop.add_watch(("cg", "cpu"), str(tmp_path / "a"), PressureThreshold("cpu", 20), 3)
     assert wa2 is not wa and wa.closed and not wa2.closed
     with pytest.raises(ValueError):
         loop.add_fd(wa2.fileno(), lambda fd, ev: None)
@@ -179,12 +179,12 @@ def test_loop_watchers_bookkeeping(tmp_path):
     assert loop.poll(0) == []
 
 
-def test_loop_reports_a_dead_watcher_once(tmp_path):
+def test_loop_reports_a_dead_watch_once(tmp_path):
     reg = CollectorRegistry()
     (tmp_path / "memory.pressure").write_bytes(b"")
     loop = PsiLoop(registry=reg, wall_clock_ns=lambda: 123)
-    w = loop.add_watcher(
-        "k", str(tmp_path / "memory.pressure"), ResourceTrigger("memory", 5, window_ms=2000), 0
+    w = loop.add_watch(
+        "k", str(tmp_path / "memory.pressure"), PressureThreshold("memory", 5, window_ms=2000), 0
     )
     os.close(w.fileno())  # the poll set now holds an invalid fd: POLLNVAL, like a vanished cgroup's POLLERR
     [ev] = loop.poll(0)
@@ -227,6 +227,6 @@ def test_one_stall_formula_for_config_and_kernel_fallback(
     monkeypatch.setattr(psi, "_two_second_windows", True)
     f = tmp_path / "cpu.pressure"
     f.write_bytes(b"")
-    t = ResourceTrigger("cpu", threshold, window_ms=1000)
-    with psi.PsiWatcher("k", str(f), t, 0) as w:
-        assert w.stall_us == pressure.stall_threshold_us(threshold, w.window_us) and w.trigger is t
+    t = PressureThreshold("cpu", threshold, window_ms=1000)
+    with psi.PsiWatch("k", str(f), t, 0) as w:
+        assert w.stall_us == pressure.stall_threshold_us(threshold, w.window_us) and w.pressure is t

@@ -8,9 +8,9 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import wire
 from bistouri.agent.metrics import AgentMetrics
-from bistouri.capture.capture import CaptureOrchestrator
 from bistouri.capture.events import ResolvedStacks, StackSample, decode_stack
-from bistouri.capture.recorder import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from bistouri.capture.flight import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procmaps import ProcMaps
 from tests.unit.test_capture import _Filter, _Sink, copy, record
@@ -88,8 +88,8 @@ def test_entry_overhead_covers_what_python_allocates():
     assert (grown - stacks) / n <= ENTRY_OVERHEAD_BYTES, (grown - stacks) / n
 
 
-def _orch(tmp_path, filt, sink, reg=None) -> CaptureOrchestrator:
-    return CaptureOrchestrator(
+def _orch(tmp_path, filt, sink, reg=None) -> SessionCapture:
+    return SessionCapture(
         filt,
         sink,
         AgentMetrics(reg or CollectorRegistry()),
@@ -140,7 +140,7 @@ def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
 
 
 def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
-    from bistouri.capture.capture import RECORDER_MAX_PROCESSES
+    from bistouri.capture.sessions import RECORDER_MAX_PROCESSES
 
     reg = CollectorRegistry()
     filt, sink = _Filter(_NO_PROC), _Sink()
@@ -154,16 +154,16 @@ def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
 
 
 def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
-    """TriggerAgent keeps each tracked process of a recording target in the filter, and lets go
+    """Watcher keeps each tracked process of a recording target in the filter, and lets go
     when the process is gone or the config is replaced (recorder_secs: 0 leaves it out)."""
     import os
     import threading
 
     import pytest
 
-    from bistouri.agent.config import parse_trigger_config
+    from bistouri.agent.config import parse_targets_config
     from bistouri.agent.discovery import walk_processes
-    from bistouri.agent.trigger import TriggerAgent
+    from bistouri.agent.watcher import Watcher
     from bistouri.host.psi import PsiLoop
     from tests.unit.test_trigger_pid_reuse import _process
 
@@ -178,28 +178,28 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
     filt = _Filter(_NO_PROC)
     orch = _orch(tmp_path, filt, _Sink(), reg)
     loop = PsiLoop(registry=reg)
-    trigger = TriggerAgent(
+    watcher = Watcher(
         loop, orch, lambda e: None, orch.metrics, proc_root=str(proc), cgroup_root=None, default_capture_s=10
     )
     cpu = "scope: system, resources: [{resource: cpu, threshold: 50, window_ms: 2000}]"
     try:
-        trigger.apply_config(
-            parse_trigger_config(
+        watcher.apply_config(
+            parse_targets_config(
                 "targets:\n"
                 f"  - {{rule: {{type: Exact, comm: burner}}, service_id: a, {cpu}}}\n"
                 f"  - {{rule: {{type: Exact, comm: quiet}}, service_id: b, recorder_secs: 0, {cpu}}}\n"
             )
         )
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
-        assert set(trigger.processes) == {100, 101} and filt.pids.keys() == {100}
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
+        assert set(watcher.processes) == {100, 101} and filt.pids.keys() == {100}
         (proc / "100" / "stat").unlink()  # gone
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
         assert filt.pids == {}
         _process(proc, 100, "burner", 5000)
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
         assert filt.pids.keys() == {100}
-        trigger.apply_config(
-            parse_trigger_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
+        watcher.apply_config(
+            parse_targets_config(f"targets:\n  - {{unit: x.service, service_id: c, {cpu}}}\n")
         )
         assert filt.pids == {} and not orch.recorder.watching
     finally:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.agent.config import parse_trigger_config
+from bistouri.agent.config import parse_targets_config
 from bistouri.agent.discovery import walk_processes
 from bistouri.agent.metrics import AgentMetrics
-from bistouri.agent.trigger import TriggerAgent
-from bistouri.capture.capture import CaptureOrchestrator
+from bistouri.agent.watcher import Watcher
+from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procfs import is_same_process
 from bistouri.host.psi import PsiEvent, PsiLoop
@@ -58,13 +58,13 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         pytest.skip("no PSI on this kernel")
     proc = tmp_path / "proc"
     proc.mkdir()
-    (proc / "pressure").symlink_to("/proc/pressure")  # real triggers, fixture processes
+    (proc / "pressure").symlink_to("/proc/pressure")  # real PSI watches, fixture processes
     _process(proc, 100, "burner", 4242)
     _process(proc, 101, "burner", 4300)
     reg = CollectorRegistry()
     metrics = AgentMetrics(reg)
     loop = PsiLoop(registry=reg)
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         _Filter(),
         _Sink(),
         metrics,
@@ -75,7 +75,7 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         period_ns=1_000_000,
         proc_root=str(proc),
     )
-    trigger = TriggerAgent(
+    watcher = Watcher(
         loop,
         orch,
         lambda entries: None,
@@ -85,23 +85,23 @@ def test_a_reused_pid_is_not_captured_as_the_tracked_process(tmp_path):
         default_capture_s=10,
     )
     try:
-        trigger.apply_config(parse_trigger_config(CONFIG))
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
-        [group] = trigger.groups.values()
+        watcher.apply_config(parse_targets_config(CONFIG))
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
+        [group] = watcher.groups.values()
         assert group.pids == {100, 101}
         # Process 100 exits; another process named burner gets its pid before the next walk.
         _process(proc, 100, "burner", 9999)
         event = PsiEvent(group.key, "cpu", "some", 1_000_000, 2_000_000, group.path, time_ns=1)
-        [sid] = trigger.on_psi(event)
+        [sid] = watcher.on_psi(event)
         # Before: /proc/100 existed, so the stranger was captured as the tracked process.
         assert orch.sessions[sid].processes == {101: "burner"}
-        assert 100 not in trigger.processes
+        assert 100 not in watcher.processes
         # The next walk finds the new process and tracks it as a process of its own.
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
-        assert trigger.processes[100].starttime == 9999
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
+        assert watcher.processes[100].starttime == 9999
         # Reused again between two walks: the walk's start time replaces the tracked process.
         _process(proc, 100, "burner", 12345)
-        trigger.on_walk(walk_processes(trigger.walk_job(), str(proc), threading.Event()))
-        assert trigger.processes[100].starttime == 12345 and group.pids == {100, 101}
+        watcher.on_walk(walk_processes(watcher.walk_job(), str(proc), threading.Event()))
+        assert watcher.processes[100].starttime == 12345 and group.pids == {100, 101}
     finally:
         loop.clear()

@@ -122,7 +122,7 @@
   // A capture asked of the agent ("capture now"), not fired by PSI.
   B.manualBadge = function (t) {
     if (!t || t.kind !== "manual") return null;
-    return B.el("span", { class: "badge-manual", title: "captured on demand (capture now), not by a PSI trigger" },
+    return B.el("span", { class: "badge-manual", title: "captured on demand (capture now), not by a PSI event" },
       "manual");
   };
 

@@ -47,7 +47,7 @@
       B.fmtNs(t.off_cpu_ns) + " blocked";
   }
 
-  // The episode: the session's span, the trigger instant, the flight recorder's seconds before it
+  // The timeline: the session's span, the trigger instant, the flight recorder's seconds before it
   // (shaded), and the samples on either side. The parts switch the flamegraph.
   function renderTimeline(m, flame) {
     const t = m.trigger || {};
@@ -92,7 +92,7 @@
         "b.part": "after" }), title: "A = the samples before the trigger, B = those after it" }, "Diff: onset → after")
       : null;
     timelineBox.replaceChildren(
-      el("div", { class: "tl-head" }, el("h2", null, "Episode"),
+      el("div", { class: "tl-head" }, el("h2", null, "Timeline"),
         el("div", { class: "seg", role: "tablist", "aria-label": "Samples shown" }, ...buttons), compare),
       bar, axis, counts);
     timelineBox.hidden = false;

@@ -1,4 +1,4 @@
-"""TriggerAgent: which processes to watch, their PSI watchers, and when to capture.
+"""Watcher: which processes to watch, their PSI watches, and when to capture.
 
 Processes are found two ways: exec events from the BPF comm trie (fast path)
 and the periodic walk of discovery.py (processes started before the agent,
@@ -20,26 +20,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import wire
-from ..capture.capture import CaptureOrchestrator
 from ..capture.events import ExecMatch
+from ..capture.sessions import SessionCapture
 from ..host import procfs
 from ..host.psi import PsiEvent, PsiLoop
 from ..logtext import RateLimited
-from ..pressure import ResourceTrigger
-from .config import Target, TriggerConfig
+from ..pressure import PressureThreshold
+from .config import Target, TargetsConfig
 from .discovery import FoundProcess, WalkJob, WalkResult, walk_processes
 from .matcher import CommMatcher
 from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SYSTEM", "FoundProcess", "TriggerAgent", "WalkResult", "walk_processes"]
+__all__ = ["SYSTEM", "FoundProcess", "WalkResult", "Watcher", "walk_processes"]
 
-SYSTEM = "/"  # the cgroup of system-wide watchers: /proc/pressure/*
+SYSTEM = "/"  # the cgroup of system-wide watches: /proc/pressure/*
 
 
-# (cgroup, the configured trigger)
-WatchKey = tuple[str, ResourceTrigger]
+# (cgroup, the configured threshold)
+WatchKey = tuple[str, PressureThreshold]
 
 
 @dataclass(slots=True)
@@ -60,11 +60,11 @@ class Tracked:
     keys: set[WatchKey] = field(default_factory=set)
 
 
-class TriggerAgent:
+class Watcher:
     def __init__(
         self,
         loop: PsiLoop,
-        orchestrator: CaptureOrchestrator,
+        capture: SessionCapture,
         set_comm_rules: Callable[[list[tuple[bytes, int]]], None],
         metrics: AgentMetrics,
         *,
@@ -73,13 +73,13 @@ class TriggerAgent:
         default_capture_s: float,
     ) -> None:
         self.loop = loop
-        self.orch = orchestrator
+        self.capture = capture
         self._set_comm_rules = set_comm_rules
         self.metrics = metrics
         self.proc_root = proc_root
         self.cgroup_root = cgroup_root
         self.default_capture_s = default_capture_s
-        self.config: TriggerConfig | None = None
+        self.config: TargetsConfig | None = None
         self.matcher = CommMatcher(())
         self.generation = 0
         self.processes: dict[int, Tracked] = {}
@@ -90,7 +90,7 @@ class TriggerAgent:
         self._matched_log = RateLimited(log, "Processes matched")
 
     # -- configuration ------------------------------------------------------------
-    def apply_config(self, cfg: TriggerConfig) -> None:
+    def apply_config(self, cfg: TargetsConfig) -> None:
         """Install a config: purge watchers, rebuild both tries. The caller then walks /proc."""
         matcher = CommMatcher(cfg.targets)
         # The BPF trie first: if it fails, the running config stays as it was.
@@ -99,7 +99,7 @@ class TriggerAgent:
         self.loop.clear()
         self.groups.clear()
         for pid in list(self.processes):
-            self.orch.unwatch(pid)
+            self.capture.unwatch(pid)
         self.processes.clear()
         self.target_cgroups.clear()
         self.matcher = matcher
@@ -195,7 +195,7 @@ class TriggerAgent:
                 group.pids.add(p.pid)
                 t.keys.add(key)
         if recorder_s > 0:
-            self.orch.watch(p.pid, recorder_s, recorder_hz)
+            self.capture.watch(p.pid, recorder_s, recorder_hz)
         self.metrics.processes.set(len(self.processes))
         self._matched_log.log(
             "Process matched. pid=%d comm=%s cgroup=%s rules=%s", p.pid, p.comm, p.cgroup, list(p.rule_ids)
@@ -205,7 +205,7 @@ class TriggerAgent:
         t = self.processes.pop(pid, None)
         if t is None:
             return
-        self.orch.unwatch(pid)
+        self.capture.unwatch(pid)
         for key in t.keys:
             group = self.groups.get(key)
             if group is None:
@@ -215,7 +215,7 @@ class TriggerAgent:
                 del self.groups[key]
                 self.loop.remove(key)
                 log.info(
-                    "PSI watcher removed: no matching process left. cgroup=%s resource=%s",
+                    "PSI watch removed: no matching process left. cgroup=%s resource=%s",
                     key[0],
                     key[1].resource,
                 )
@@ -230,27 +230,27 @@ class TriggerAgent:
         return os.path.join(d, f"{resource}.pressure")
 
     def _watch(self, key: WatchKey, target: Target) -> WatchGroup | None:
-        cgroup, trigger = key
+        cgroup, pressure = key
         try:
-            path = self.pressure_path(cgroup, trigger.resource)
-            self.loop.add_watcher(key, path, trigger, target.cooldown(self.default_capture_s))
+            path = self.pressure_path(cgroup, pressure.resource)
+            self.loop.add_watch(key, path, pressure, target.cooldown(self.default_capture_s))
         except OSError as e:
             self.watch_failures += 1
             self.metrics.sessions_dropped.labels("watcher_failed").inc()
-            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, trigger.resource, e)
+            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, pressure.resource, e)
             return None
         group = WatchGroup(key, path)
         self.groups[key] = group
         log.info(
-            "PSI watcher added. path=%s stall=%s threshold=%g%% window_ms=%d",
+            "PSI watch added. path=%s stall=%s threshold=%g%% window_ms=%d",
             path,
-            trigger.stall,
-            trigger.threshold,
-            trigger.window_ms,
+            pressure.stall,
+            pressure.threshold,
+            pressure.window_ms,
         )
         return group
 
-    # -- triggering -------------------------------------------------------------------
+    # -- starting sessions -------------------------------------------------------------
     def on_psi(self, ev: PsiEvent) -> list[str]:
         """A watcher fired: one session per target of the watcher, with its live processes."""
         key = ev.key
@@ -278,7 +278,7 @@ class TriggerAgent:
                     self._untrack(pid)  # exited, or its pid now belongs to another process
                     continue
                 procs[pid] = t.comm
-            sid = self.orch.start_session(
+            sid = self.capture.start_session(
                 wire.Trigger.from_psi(ev, group.key[0]),
                 target.service_id,
                 dict(target.labels),
@@ -313,7 +313,7 @@ class TriggerAgent:
             time_ns=time.time_ns(),
             kind=wire.TRIGGER_MANUAL,
         )
-        return self.orch.start_session(
+        return self.capture.start_session(
             trigger,
             target.service_id,
             dict(target.labels),

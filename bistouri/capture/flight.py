@@ -13,7 +13,7 @@ Samples are timed at arrival (monotonic), not by their kernel timestamp: a
 repeat counted in the kernel arrives as its first sample with a weight, so its
 own timestamp is that of the first sample. Arrival is at most one drain
 interval after the sample: 1 s while only the recorder samples a process, and a
-session drains the ring as it starts (ProfilerAgent.catch_up).
+session drains the ring as it starts (Profiler.catch_up).
 """
 
 from __future__ import annotations

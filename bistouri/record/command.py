@@ -17,7 +17,7 @@ without parsing the kernel's BTF. The profiler, the capture code, the metrics an
 the symbolizer are imported after, while the ring buffer already holds samples;
 the table-walking sampler and the off-CPU program load meanwhile into a second
 object sharing the maps, and the first sampler hands over to the second
-(`ProfilerAgent.attach_rest`). A command target is started only once both are
+(`Profiler.attach_rest`). A command target is started only once both are
 attached.
 """
 
@@ -36,7 +36,7 @@ from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
 from ..errors import BistouriError
 from ..host import procfs
-from .recordfiles import BuildIdTree, OutputDir, default_cache_dir
+from .outputs import BuildIdTree, OutputDir, default_cache_dir
 
 # Not `from typing import ...`: typing costs ~2 ms of imports before the first sample, and
 # type checkers read a module-level TYPE_CHECKING as theirs.
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from .. import wire
     from ..capture.events import StackSample
-    from ..capture.profiler import ProfilerAgent
+    from ..capture.profiler import Profiler
     from ..host.kernel import KernelMeta
     from ..symbolizer.model import Profile
 
@@ -184,7 +184,7 @@ class Progress:
 
 
 class _NoSink:
-    """Record takes its one session from `CaptureOrchestrator.finish_session`: nothing is encoded."""
+    """Record takes its one session from `SessionCapture.finish_session`: nothing is encoded."""
 
     def put(self, session_id: str, data: bytes) -> None:
         raise AssertionError("record's session is never finished through the sink")
@@ -248,7 +248,7 @@ def _wait_for_pressure(
 ) -> wire.Trigger:
     from .. import wire
     from ..host.psi import PsiLoop
-    from ..pressure import ResourceTrigger
+    from ..pressure import PressureThreshold
 
     pids = targets.current()
     cgroup = "/"
@@ -263,7 +263,7 @@ def _wait_for_pressure(
         else:
             d = procfs.cgroup_dir(cgroup_root, cgroup)
             path = os.path.join(d or cgroup_root, f"{r.resource}.pressure")
-        loop.add_watcher(r.resource, path, ResourceTrigger(r.resource, r.threshold, window_ms=1000), 0)
+        loop.add_watch(r.resource, path, PressureThreshold(r.resource, r.threshold, window_ms=1000), 0)
     want = ", ".join(f"{r.resource} > {r.threshold:g}%" for r in rules)
     t0 = time.monotonic()
     while True:
@@ -379,14 +379,14 @@ def cmd_record(args: argparse.Namespace) -> int:
     loading = ObjectLoad(options, arm=None if args.on_pressure else dict.fromkeys(procs, _filter_flags(args)))
     try:
         loading.wait()
-        from ..capture.profiler import ProfilerAgent
+        from ..capture.profiler import Profiler
 
         out = OutputDir.open(args.output)
         tree = BuildIdTree(args.proc_path)
     except BaseException:
         loading.close()
         raise
-    agent = ProfilerAgent(options, loading=loading)
+    agent = Profiler(options, loading=loading)
     stop: list[bool] = []
     old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
@@ -447,7 +447,7 @@ def _start(command: list[str]) -> subprocess.Popen:
 
 def _capture(
     args: argparse.Namespace,
-    agent: ProfilerAgent,
+    agent: Profiler,
     targets: Targets,
     tree: BuildIdTree,
     trigger: wire.Trigger | None,
@@ -470,15 +470,15 @@ def _capture(
 
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from .. import wire
-    from ..capture.capture import CaptureOrchestrator
-    from ..capture.episode import EpisodeProbe
+    from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
     from ..capture.metrics import CaptureMetrics
+    from ..capture.sessions import SessionCapture
     from ..host.cgroupfs import find_mounts
 
     agent.attach_rest()  # the off-CPU program, loaded meanwhile
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)
-    orch = CaptureOrchestrator(
+    orch = SessionCapture(
         agent,
         _NoSink(),
         CaptureMetrics(registry=None),
@@ -493,7 +493,7 @@ def _capture(
             agent.thread_times, procfs.find_cgroup2_mount(args.proc_path), mounts=find_mounts(args.proc_path)
         )
         if trigger is not None
-        else None,
+        else NO_EPISODE_PROBE,
     )
     trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
     sid = orch.start_session(trigger, "record", {}, procs, 1e9)

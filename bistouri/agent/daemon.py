@@ -1,9 +1,9 @@
 """The agent daemon: phases, the main loop, signals, threads.
 
-Start-up runs in phases — preflight, prepare (config, spool, watchers),
+Start-up runs in phases — preflight, prepare (targets file, spool, PSI loop),
 load (BPF), activate (tries filled, walk started) — and stops at the first one
 that cannot complete, saying why. The main thread runs one `select.poll` loop
-over PSI trigger fds, the signal wakeup fd, the inotify fd and two eventfds
+over PSI watch fds, the signal wakeup fd, the inotify fd and two eventfds
 (ring-buffer events, walk results). Other threads: bistouri-ringbuf,
 bistouri-walk, bistouri-exporter, bistouri-metrics. A capture-now request
 (POST /v1/capture on the metrics port, loopback only) is queued by the metrics
@@ -21,15 +21,15 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from .. import __version__, threads
-from ..capture.capture import CaptureOrchestrator
 from ..capture.episode import EpisodeProbe
 from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
-from ..capture.profiler import ProfilerAgent, ProfilerOptions
+from ..capture.profiler import Profiler, ProfilerOptions
+from ..capture.sessions import SessionCapture
 from ..errors import BistouriError, ConfigError
 from ..host.cgroupfs import find_mounts
 from ..host.kernel import KernelMeta, read_kallsyms, read_kernel_meta
@@ -38,13 +38,16 @@ from ..host.psi import PsiLoop
 from ..unwind.tables import UnwindStats
 from ..wire.snapshot import loaded_code_digest
 from . import preflight
-from .config import TriggerConfig, load_trigger_config
+from .config import TargetsConfig, load_targets_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
-from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsServer
+from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsAndControlServer
 from .settings import AgentSettings
 from .spool import Spool
-from .trigger import TriggerAgent
+from .watcher import Watcher
+
+if TYPE_CHECKING:
+    from .exporter import Exporter
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,20 @@ _BLOCKING_CHECKS = (
     preflight.check_psi,
     preflight.check_capabilities,
 )
+
+
+class NoExporter:
+    """No symbolizer endpoint: sessions stay in the spool, nothing is sent (and `requests` is
+    not imported)."""
+
+    def notify(self) -> None:
+        pass
+
+    def flush(self, deadline: float) -> bool:
+        return False
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        return True
 
 
 class StartupError(BistouriError):
@@ -70,16 +87,16 @@ class Agent:
         self.metrics = AgentMetrics(registry)
         self.stop_requested = False
         self.reload_requested = False
-        self.config: TriggerConfig | None = None
+        self.config: TargetsConfig | None = None
         self.kernel: KernelMeta | None = None
-        self.profiler: ProfilerAgent | None = None
-        self.exporter: object | None = None
+        self.profiler: Profiler | None = None
+        self.exporter: Exporter | NoExporter = NoExporter()
         # Set by the phases; None until then (and close() copes with any of them missing).
         self.spool: Spool | None = None
         self.loop: PsiLoop | None = None
         self.confwatch: ConfigWatcher | None = None
-        self.orch: CaptureOrchestrator | None = None
-        self.trigger: TriggerAgent | None = None
+        self.capture: SessionCapture | None = None
+        self.watcher: Watcher | None = None
         self.walker: Walker | None = None
         # Capture-now requests (service id, session id) from the metrics thread to the main loop.
         self._capture_requests: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=16)
@@ -87,7 +104,7 @@ class Agent:
         self._held_events: list[Event] = []  # drained by _catch_up(), handled by the next _on_bpf_events()
         self._walk_fd = -1
         self._sig_r = self._sig_w = -1
-        self._metrics_server: MetricsServer | None = None
+        self._metrics_server: MetricsAndControlServer | None = None
         self._metrics_thread: threading.Thread | None = None
         self._bpf_error_log_at = 0.0
 
@@ -125,13 +142,13 @@ class Agent:
         for w in self.s.warnings:
             log.warning("%s", w)
         try:
-            self.config = load_trigger_config(self.s.config_path)
+            self.config = load_targets_config(self.s.config_path)
         except ConfigError as e:
             raise StartupError("prepare", str(e))
         except OSError as e:
             raise StartupError(
                 "prepare",
-                f"cannot read the trigger file {self.s.config_path}: {e.strerror}. "
+                f"cannot read the targets file {self.s.config_path}: {e.strerror}. "
                 "Pass --config or create it (see docs/configuration.md)",
             )
         assert self.kernel is not None
@@ -173,7 +190,7 @@ class Agent:
 
     def _start_metrics(self) -> None:
         try:
-            server = MetricsServer(
+            server = MetricsAndControlServer(
                 self.s.metrics_addr,
                 self.s.metrics_port,
                 self.registry or REGISTRY,
@@ -198,7 +215,7 @@ class Agent:
             # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
             unwind_cache_dir=os.path.join(os.path.dirname(self.s.spool_dir.rstrip("/")), "unwind"),
         )
-        self.profiler = ProfilerAgent(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
+        self.profiler = Profiler(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
         except BistouriError as e:
@@ -210,8 +227,7 @@ class Agent:
             self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
 
     def _unwind_stats(self) -> UnwindStats:
-        unwind = self.profiler.unwind if self.profiler is not None else None
-        return unwind.stats if unwind is not None else UnwindStats()
+        return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()
 
     def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:
@@ -222,7 +238,7 @@ class Agent:
         assert self.profiler is not None and self.config is not None and self.kernel is not None
         assert self.spool is not None and self.loop is not None
         self.exporter = self._make_exporter()
-        self.orch = CaptureOrchestrator(
+        self.capture = SessionCapture(
             self.profiler,
             self.spool,
             self.metrics,
@@ -243,16 +259,16 @@ class Agent:
                 mounts=find_mounts(self.s.proc_path),
             ),
         )
-        self.trigger = TriggerAgent(
+        self.watcher = Watcher(
             self.loop,
-            self.orch,
+            self.capture,
             self.profiler.set_comm_rules,
             self.metrics,
             proc_root=self.s.proc_path,
             cgroup_root=self.s.cgroup_path,
             default_capture_s=self.s.capture_duration_secs,
         )
-        self.trigger.apply_config(self.config)
+        self.watcher.apply_config(self.config)
         self.profiler.start()
         self.walker = Walker(
             self.s.walk_interval_secs,
@@ -260,12 +276,12 @@ class Agent:
             lambda: os.eventfd_write(self._walk_fd, 1),
         )
         self.walker.start()
-        self.walker.request(self.trigger.walk_job())
-        log.info("Agent active: dormant until PSI fires. watchers appear as processes are found")
+        self.walker.request(self.watcher.walk_job())
+        log.info("Agent active: dormant until PSI fires. PSI watches appear as processes are found")
 
-    def _make_exporter(self) -> object | None:
+    def _make_exporter(self) -> Exporter | NoExporter:
         if not self.s.symbolizer_endpoint:
-            return None
+            return NoExporter()
         from .exporter import Exporter
 
         kernel = self.kernel
@@ -291,8 +307,7 @@ class Agent:
         return exp
 
     def _notify_exporter(self) -> None:
-        if self.exporter is not None:
-            self.exporter.notify()  # type: ignore[attr-defined]
+        self.exporter.notify()
 
     # -- main loop ------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -334,13 +349,13 @@ class Agent:
         return 202, {"session_id": session_id, "service_id": service_id}
 
     def _run_capture_requests(self) -> None:
-        assert self.trigger is not None
+        assert self.watcher is not None
         while True:
             try:
                 service_id, session_id = self._capture_requests.get_nowait()
             except queue.Empty:
                 return
-            if self.trigger.capture_now(service_id, session_id) is None:
+            if self.watcher.capture_now(service_id, session_id) is None:
                 log.warning(
                     "Capture now not started: no live process of the target. service=%s session=%s",
                     service_id,
@@ -357,25 +372,25 @@ class Agent:
 
     def run(self) -> None:
         """The main loop, until SIGTERM/SIGINT."""
-        assert self.loop is not None and self.orch is not None and self.trigger is not None
+        assert self.loop is not None and self.capture is not None and self.watcher is not None
         while not self.stop_requested:
             now = time.monotonic()
             deadlines = [now + 5.0]  # everything else wakes the loop through its fds
-            if (d := self.orch.next_deadline()) is not None:
+            if (d := self.capture.next_deadline()) is not None:
                 deadlines.append(d)
             if self.confwatch and (d := self.confwatch.deadline()) is not None:
                 deadlines.append(d)
             timeout_ms = max(0, int((min(deadlines) - now) * 1000) + 1)
             for ev in self.loop.poll(timeout_ms):
-                self.trigger.on_psi(ev)
+                self.watcher.on_psi(ev)
             if not self._capture_requests.empty():
                 self._run_capture_requests()
             if self.profiler:
                 self.profiler.check_thread()
             now = time.monotonic()
-            self.orch.tick(now)
+            self.capture.tick(now)
             if self.profiler:
-                self.profiler.set_slow_drain(not self.orch.sessions)  # the recorder alone: no hurry
+                self.profiler.set_slow_drain(not self.capture.sessions)  # the recorder alone: no hurry
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload("SIGHUP")
@@ -384,15 +399,15 @@ class Agent:
 
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)
-        assert self.profiler is not None and self.orch is not None and self.trigger is not None
+        assert self.profiler is not None and self.capture is not None and self.watcher is not None
         events = self._held_events + self.profiler.take()
         self._held_events = []
-        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        self.capture.add_samples(ev for ev in events if type(ev) is StackSample)
         for ev in events:
             if type(ev) is StackSample:
                 continue
             if isinstance(ev, ExecMatch):
-                self.trigger.on_exec(ev)
+                self.watcher.on_exec(ev)
             elif isinstance(ev, BpfErrorEvent):
                 now = time.monotonic()
                 if now - self._bpf_error_log_at > 10:  # counted in metrics; logged at most every 10 s
@@ -406,10 +421,10 @@ class Agent:
     def _catch_up(self) -> None:
         """Before a session starts: the samples still in the kernel into the flight recorder. Other
         events wait for the main loop (handling an exec here could start a session within this one)."""
-        assert self.profiler is not None and self.orch is not None
+        assert self.profiler is not None and self.capture is not None
         self.profiler.catch_up()
         events = self.profiler.take()
-        self.orch.add_samples(ev for ev in events if type(ev) is StackSample)
+        self.capture.add_samples(ev for ev in events if type(ev) is StackSample)
         others = [ev for ev in events if type(ev) is not StackSample]
         if others:
             self._held_events.extend(others)
@@ -417,23 +432,22 @@ class Agent:
 
     def _on_walk_results(self) -> None:
         self._drain_fd(self._walk_fd)
-        assert self.walker is not None and self.trigger is not None
+        assert self.walker is not None and self.watcher is not None
         while True:
             try:
                 result = self.walker.results.get_nowait()
             except queue.Empty:
                 return
-            self.trigger.on_walk(result)
-            unwind = self.profiler.unwind if self.profiler is not None else None
-            if unwind is not None:
+            self.watcher.on_walk(result)
+            if self.profiler is not None:
                 # Tables of the watched processes to the disk cache now, before pressure samples them.
-                unwind.prepare([(p.pid, p.starttime) for p in result.found])
+                self.profiler.unwind.prepare([(p.pid, p.starttime) for p in result.found])
 
     def reload(self, why: str) -> bool:
-        """Swap in a new trigger config; an invalid one keeps the running config."""
-        assert self.config is not None and self.trigger is not None and self.walker is not None
+        """Swap in a new targets file; an invalid one keeps the running config."""
+        assert self.config is not None and self.watcher is not None and self.walker is not None
         try:
-            cfg = load_trigger_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
+            cfg = load_targets_config(self.s.config_path, first_rule_id=self.config.next_rule_id)
         except (ConfigError, OSError) as e:
             self.metrics.config_reload_failures.inc()
             log.error("Config reload rejected (%s), keeping the running config: %s", why, e)
@@ -441,7 +455,7 @@ class Agent:
                 self.confwatch.accept()  # do not retry the same bad content in a loop
             return False
         try:
-            self.trigger.apply_config(cfg)
+            self.watcher.apply_config(cfg)
         except BistouriError as e:
             self.metrics.config_reload_failures.inc()
             log.error("Config reload failed while updating BPF maps, keeping the running config: %s", e)
@@ -451,12 +465,12 @@ class Agent:
             self.confwatch.accept()
         self.metrics.config_reloads.inc()
         log.info("Config reloaded (%s). targets=%d", why, len(cfg.targets))
-        self.walker.request(self.trigger.walk_job())
+        self.walker.request(self.watcher.walk_job())
         return True
 
     # -- shutdown ---------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop triggers, drain the rings, spool open sessions, detach. Bounded in time."""
+        """Stop the PSI watches, drain the rings, spool open sessions, detach. Bounded in time."""
         t0 = time.monotonic()
         if self.loop is not None:
             self.loop.clear()
@@ -466,21 +480,20 @@ class Agent:
             # Drains what is already in the rings; the maps stay open until the sessions are flushed,
             # so their episodes still read the threads' times.
             self.profiler.stop(timeout=0.5)
-            if self.orch is not None and self.trigger is not None:
+            if self.capture is not None and self.watcher is not None:
                 self._on_bpf_events()
-        if self.orch is not None:
-            flushed = self.orch.flush_all()
+        if self.capture is not None:
+            flushed = self.capture.flush_all()
             if flushed:
                 log.info("Open sessions flushed to the spool at shutdown. sessions=%d", len(flushed))
         self.close()
         log.info("Agent stopped in %.2fs", time.monotonic() - t0)
 
     def close(self) -> None:
-        if self.exporter is not None:
-            # A short chance to send what was just flushed; the rest stays in the spool for next time.
-            self.exporter.flush(time.monotonic() + 0.5)  # type: ignore[attr-defined]
-            self.exporter.stop(timeout=0.3)  # type: ignore[attr-defined]
-            self.exporter = None
+        # A short chance to send what was just flushed; the rest stays in the spool for next time.
+        self.exporter.flush(time.monotonic() + 0.5)
+        self.exporter.stop(timeout=0.3)
+        self.exporter = NoExporter()
         if self.profiler is not None:
             self.profiler.stop(timeout=0.5)
             self.profiler = None

@@ -1,4 +1,4 @@
-"""CaptureOrchestrator: capture sessions, from a PSI event to a spooled msgpack file.
+"""SessionCapture: capture sessions, from a PSI event to a spooled msgpack file.
 
 A session arms the BPF pid filter for its processes (refcounted, so overlapping
 sessions work), aggregates the samples that arrive while it runs, and when its
@@ -10,7 +10,7 @@ Memory is bounded in bytes across all running sessions (`max_bytes`, from
 --capture-max-bytes): each distinct stack costs its raw frames (8 bytes a kernel
 frame, 32 a user frame) plus a fixed overhead; a new stack beyond the bound is
 dropped and counted, while the stacks already held keep counting samples.
-Processes a target watches with its flight recorder (recorder.py) stay in the
+Processes a target watches with its flight recorder (flight.py) stay in the
 pid filter between sessions; a session starts with their recorded samples,
 marked as before the trigger.
 Everything runs on the main thread; nothing here blocks on the network.
@@ -29,11 +29,11 @@ from .. import wire
 from ..bpf import abi
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
-from .episode import EpisodeProbe, EpisodeStart
+from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProbe
 from .events import StackSample, split_stacks
+from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
+from .flight import FlightRecorder
 from .metrics import CaptureMetrics
-from .recorder import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
-from .recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ _WAIT_OF_KIND = {
 }
 
 
-class PidFilter(Protocol):
-    """The profiler: what it samples, and the address maps its user frames were mapped with."""
+class Sampler(Protocol):
+    """What a session needs of the profiler: the pid filter (who is sampled, and how), and the
+    address maps its user frames were mapped with."""
 
     maps: ProcMaps
 
@@ -118,13 +119,13 @@ DROP_MEMORY = "memory"  # max_bytes reached across all sessions
 DROP_SESSION_TOO_LARGE = "session_too_large"  # over wire.MAX_SESSION_OBJECTS when encoded
 
 
-class CaptureOrchestrator:
+class SessionCapture:
     MAX_SESSIONS = 64  # concurrent sessions
     MAX_TRACES = 50_000  # distinct (thread, stack) pairs per session
 
     def __init__(
         self,
-        pid_filter: PidFilter,
+        pid_filter: Sampler,
         sink: SessionSink,
         metrics: CaptureMetrics,
         kernel: KernelMeta,
@@ -139,7 +140,7 @@ class CaptureOrchestrator:
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
-        episode: EpisodeProbe | None = None,
+        episode: EpisodeProbe | NoEpisodeProbe = NO_EPISODE_PROBE,
         catch_up: Callable[[], None] | None = None,
     ) -> None:
         self._filter = pid_filter
@@ -168,7 +169,7 @@ class CaptureOrchestrator:
             recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
         )
         self._memory_full_logged = -60.0
-        self.episode = episode  # None: sessions carry no episode report
+        self.episode = episode
 
     # -- flight recorder ---------------------------------------------------------
     def watch(self, pid: int, recorder_secs: float, recorder_hz: float | None = None) -> None:
@@ -252,8 +253,7 @@ class CaptureOrchestrator:
             start_mono=now,
             deadline=now + duration_s,
         )
-        if self.episode is not None:
-            s.episode_start = self.episode.start(armed)
+        s.episode_start = self.episode.start(armed)
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
@@ -468,7 +468,7 @@ class CaptureOrchestrator:
 
     def _end(self, s: ActiveSession, now: float) -> wire.Session:
         episode = None
-        if self.episode is not None and s.episode_start is not None:
+        if s.episode_start is not None:
             # Before the filter lets go of the processes: unwatching forgets their thread times.
             episode = self.episode.finish(s.episode_start, s.processes, s.trigger.resource)
         del self.sessions[s.session_id]
