@@ -386,7 +386,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     except BaseException:
         loading.close()
         raise
-    agent = Profiler(options, loading=loading)
+    profiler = Profiler(options, loading=loading)
     stop: list[bool] = []
     old = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     try:
@@ -394,11 +394,11 @@ def cmd_record(args: argparse.Namespace) -> int:
         if args.on_pressure:
             targets.child = _start(command) if command else None
             trigger = _wait_for_pressure(args.on_pressure, targets, cgroup_root, args, progress)
-        agent.open()
+        profiler.open()
         if command and targets.child is None:
-            agent.attach_rest()
+            profiler.attach_rest()
             targets.child = _start(command)  # attached first: sampled from its first instruction
-        capture = _capture(args, agent, targets, tree, trigger, progress, stop)
+        capture = _capture(args, profiler, targets, tree, trigger, progress, stop)
         usage = Usage(capture_rss_bytes=_peak_rss(reset=True))
         progress.done(
             f"Captured {capture.samples} samples of {capture.processes} processes in {capture.seconds:.1f} s"
@@ -421,7 +421,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGINT, old)
-        agent.close()
+        profiler.close()
         out.close()
         child = targets.child
         if child is not None and child.poll() is None and args.duration is not None:
@@ -447,7 +447,7 @@ def _start(command: list[str]) -> subprocess.Popen:
 
 def _capture(
     args: argparse.Namespace,
-    agent: Profiler,
+    profiler: Profiler,
     targets: Targets,
     tree: BuildIdTree,
     trigger: wire.Trigger | None,
@@ -463,8 +463,8 @@ def _capture(
     if trigger is not None:  # --on-pressure: the episode report (victims by state, aggressors)
         flags |= abi.EpisodeFilter.ON
     for pid in procs:
-        agent.set_pid_filter(pid, flags)
-    agent.start()
+        profiler.set_pid_filter(pid, flags)
+    profiler.start()
     log.debug("Sampling. pids=%s", ",".join(map(str, procs)))
     t0 = time.monotonic()
 
@@ -475,11 +475,11 @@ def _capture(
     from ..capture.sessions import SessionCapture
     from ..host.cgroupfs import find_mounts
 
-    agent.attach_rest()  # the off-CPU program, loaded meanwhile
+    profiler.attach_rest()  # the off-CPU program, loaded meanwhile
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)
-    orch = SessionCapture(
-        agent,
+    sessions = SessionCapture(
+        profiler,
         _NoSink(),
         CaptureMetrics(registry=None),
         _kernel_meta(args.proc_path),
@@ -490,13 +490,15 @@ def _capture(
         filter_flags=flags,
         proc_root=args.proc_path,
         episode=EpisodeProbe(
-            agent.thread_times, procfs.find_cgroup2_mount(args.proc_path), mounts=find_mounts(args.proc_path)
+            profiler.thread_times,
+            procfs.find_cgroup2_mount(args.proc_path),
+            mounts=find_mounts(args.proc_path),
         )
         if trigger is not None
         else NO_EPISODE_PROBE,
     )
     trigger = trigger or wire.Trigger("cpu", time_ns=time.time_ns())
-    sid = orch.start_session(trigger, "record", {}, procs, 1e9)
+    sid = sessions.start_session(trigger, "record", {}, procs, 1e9)
     if sid is None:
         raise BistouriError("no process to sample")
     known = dict(procs)
@@ -508,7 +510,7 @@ def _capture(
     def count(stacks: list[StackSample]) -> None:
         nonlocal n_samples, first_ns
         if stacks:
-            orch.add_samples(stacks)
+            sessions.add_samples(stacks)
             n_samples += sum(s.weight for s in stacks)
             first = min(s.timestamp_ns for s in stacks)
             first_ns = min(first_ns, first) if first_ns else first
@@ -519,13 +521,13 @@ def _capture(
             break
         if child is not None and child.poll() is not None:
             break
-        agent.check_thread()
-        count([ev for ev in agent.take(timeout=0.2) if type(ev) is StackSample])
+        profiler.check_thread()
+        count([ev for ev in profiler.take(timeout=0.2) if type(ev) is StackSample])
         if time.monotonic() - last_refresh > 1.0:  # new processes, mapped files, progress
             last_refresh = time.monotonic()
             new = {p: c for p, c in targets.current().items() if p not in known}
             if new:
-                orch.extend_session(sid, new)
+                sessions.extend_session(sid, new)
                 known.update(new)
             tree.add(list(known))
             total = f" of {duration:g}" if duration else ""
@@ -534,11 +536,11 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
-    agent.stop()  # drains the rings a last time; the maps stay readable for the episode report
-    count([ev for ev in agent.take() if type(ev) is StackSample])
+    profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
+    count([ev for ev in profiler.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0
-    session = orch.finish_session(sid)
-    agent.close()
+    session = sessions.finish_session(sid)
+    profiler.close()
     return Capture(session if session.traces else None, n_samples, first_ns, seconds, len(known))
 
 
