@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,6 +120,12 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise LookupError(f"no VmHWM for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) the process has used: what its work cost, however loaded the host."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def msgpack_budget_filler(values: int) -> bytes:

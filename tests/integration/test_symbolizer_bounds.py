@@ -254,13 +254,11 @@ def test_merged_flamegraphs_are_bounded(service: Callable[..., Service]) -> None
     _store_large_sessions(svc.url, 11)
     worker = svc.worker()
     answers: list[requests.Response] = []
-    took: list[float] = []
 
     def get() -> None:
-        t0 = time.monotonic()
         answers.append(requests.get(svc.url + "/v1/profile/flamegraph?service=deep", timeout=120))
-        took.append(time.monotonic() - t0)
 
+    cpu_before = hostile.cpu_seconds(worker)
     with Healthz(svc.url) as health:
         threads = [threading.Thread(target=get, name=f"bistouri-test-get-{i}") for i in range(2)]
         for t in threads:
@@ -268,8 +266,10 @@ def test_merged_flamegraphs_are_bounded(service: Callable[..., Service]) -> None
         for t in threads:
             t.join()
     assert [a.status_code for a in answers] == [200, 200]
-    # Two at once on one worker: each is a merge of two sessions at the ingest bounds.
-    assert max(took) < 4 * ANSWER_S, took
+    # Two at once on one worker: each is a merge of two sessions at the ingest bounds. CPU time,
+    # not wall time: what the merges cost the worker, whatever else the host is running.
+    spent = hostile.cpu_seconds(worker) - cpu_before
+    assert spent < 4 * ANSWER_S, f"{spent:.1f} s of CPU for two merged flamegraphs"
     for a in answers:
         assert "sessions" in a.headers["X-Bistouri-Truncated"]
         assert int(a.headers["X-Bistouri-Sessions"]) < 11
@@ -296,12 +296,12 @@ def test_session_list_over_large_episodes_reads_summaries(service: Callable[...,
         assert post_sessions(svc.url, [s]).status_code == 200
     worker = svc.worker()
     before = hostile.peak_rss_bytes(worker)
+    cpu_before = hostile.cpu_seconds(worker)
     with Healthz(svc.url) as health:
-        t0 = time.monotonic()
         r = requests.get(svc.url + "/v1/sessions?limit=1000", timeout=60)
-        took = time.monotonic() - t0
     assert r.status_code == 200 and r.json()["total"] == 100
-    assert took < ANSWER_S, f"{took:.1f} s to list 100 sessions"
+    spent = hostile.cpu_seconds(worker) - cpu_before
+    assert spent < ANSWER_S, f"{spent:.1f} s of CPU to list 100 sessions"
     grew = hostile.peak_rss_bytes(worker) - before
     assert grew < 64 << 20, f"the list took the worker {grew >> 20} MiB higher"
     _check_unit(svc, health, worker)
