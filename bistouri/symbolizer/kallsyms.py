@@ -31,6 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from .. import atomicfile
 from ..errors import BistouriError
 from ..wire.snapshot import LoadedCodeDigest
 from . import tempfiles
@@ -440,17 +441,10 @@ class KallsymsStore:
             return None
 
     def _write(self, hexid: str, stored: bytes) -> None:
-        fd, tmp = tempfiles.create(self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(stored)  # a gzip upload was checked whole by the parser: kept as it came
-            os.replace(tmp, self.path(hexid))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # Not synced: the agent uploads it again when the symbolizer lacks it.
+        atomicfile.write(
+            self.path(hexid), stored
+        )  # a gzip upload was checked whole by the parser: kept as it came
 
     def get(self, build_id: bytes | str) -> KallsymsIndex | None:
         """The parsed snapshot of this kernel, or None if none was uploaded (or it is unreadable)."""
