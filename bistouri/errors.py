@@ -62,3 +62,13 @@ class WireError(BistouriError):
 
 class SymbolizerError(BistouriError):
     """The symbolizer service refused or could not be reached."""
+
+
+class GzipError(BistouriError, ValueError):
+    """A gzip body cannot be inflated: damaged, truncated, or with data after its one member.
+
+    The message is a predicate for the caller to give a subject: f"the snapshot {e}"."""
+
+
+class GzipTooLarge(GzipError):
+    """A gzip body inflates to more than its bound (a gzip bomb, or only too large)."""

@@ -34,15 +34,15 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ... import atomicfile
 from ...elf import ELF_MAGIC, read_build_id
-from ...errors import BistouriError
+from ...errors import BistouriError, GzipError, GzipTooLarge
 from .. import tempfiles
+from ..gunzip import inflate
 from ..sources import DEBUGINFO, EXECUTABLE, KINDS, check_build_id
 from ..tenants import DEFAULT_TENANT, TENANT_RE
 from .store import Store
@@ -336,31 +336,18 @@ class Uploads:
         read: Callable[[int], bytes], write: Callable[[bytes], object], gzipped: bool, limit: int
     ) -> int:
         """Copy the body, inflated if gzip'd; at most `limit` bytes of file, whatever the compression."""
-        inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS) if gzipped else None
+        chunks = iter(lambda: read(_CHUNK), b"")
         size = 0
-        while True:
-            chunk = read(_CHUNK)
-            if not chunk:
-                break
-            if inflate is not None:
-                try:
-                    # Bounded output per step: a small gzip bomb never lands in memory whole.
-                    out = inflate.decompress(chunk, _CHUNK)
-                    while True:
-                        size += len(out)
-                        _check_size(size, limit)
-                        write(out)
-                        if not inflate.unconsumed_tail:
-                            break
-                        out = inflate.decompress(inflate.unconsumed_tail, _CHUNK)
-                except zlib.error as e:
-                    raise UploadRefused(400, "bad_encoding", f"the body is not valid gzip: {e}")
-            else:
-                size += len(chunk)
+        try:
+            # Bounded output per step: a small gzip bomb never lands in memory whole.
+            for out in inflate(chunks, limit, _CHUNK) if gzipped else chunks:
+                size += len(out)
                 _check_size(size, limit)
-                write(chunk)
-        if inflate is not None and not inflate.eof:
-            raise UploadRefused(400, "bad_encoding", "the gzip body is truncated")
+                write(out)
+        except GzipTooLarge:
+            raise _too_large(limit) from None
+        except GzipError as e:
+            raise UploadRefused(400, "bad_encoding", f"the body {e}")
         return size
 
     def remove(self, scope: str, build_id: str, kind: str) -> None:
@@ -377,12 +364,16 @@ class Uploads:
 
 def _check_size(size: int, limit: int) -> None:
     if size > limit:
-        raise UploadRefused(
-            413,
-            "too_large",
-            f"the file is over {limit} bytes (--max-upload-bytes, an upload quota or --max-db-bytes); "
-            "it is not kept",
-        )
+        raise _too_large(limit)
+
+
+def _too_large(limit: int) -> UploadRefused:
+    return UploadRefused(
+        413,
+        "too_large",
+        f"the file is over {limit} bytes (--max-upload-bytes, an upload quota or --max-db-bytes); "
+        "it is not kept",
+    )
 
 
 def _unlink(path: str) -> None:
