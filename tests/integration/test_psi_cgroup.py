@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri.host import procfs, psi
+from bistouri.host import mounts, procfs, psi
 from bistouri.host.psi import PsiEvent, PsiLoop
 from bistouri.pressure import ResourceTrigger
 
@@ -34,9 +34,9 @@ BUSY = "while True: pass"
 def _cgroup_root() -> str:
     if os.geteuid() != 0:
         pytest.skip("needs root to create cgroups and write PSI triggers")
-    root = procfs.find_cgroup2_mount()
+    root = mounts.find_cgroup2_mount()
     if root is None:
-        pytest.skip("no cgroup2 mount in /proc/mounts")
+        pytest.skip("no cgroup2 mount in /proc/self/mountinfo")
     if not os.path.exists(os.path.join(root, "cpu.pressure")) and not os.path.exists("/proc/pressure/cpu"):
         pytest.skip("kernel without PSI")
     return root
