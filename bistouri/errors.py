@@ -33,15 +33,6 @@ class BpfError(BistouriError, OSError):
         return text
 
 
-class KernelFeatureError(BistouriError):
-    """The running kernel or host lacks something the agent needs."""
-
-    def __init__(self, what: str, fix: str) -> None:
-        self.what = what
-        self.fix = fix
-        super().__init__(f"{what}. {fix}")
-
-
 class ConfigError(BistouriError):
     """A configuration is invalid. Holds every problem found, as `path: problem`."""
 
@@ -58,10 +49,6 @@ class WireError(BistouriError):
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason = reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
-
-
-class SymbolizerError(BistouriError):
-    """The symbolizer service refused or could not be reached."""
 
 
 class GzipError(BistouriError, ValueError):

@@ -193,7 +193,7 @@ def test_several_processes_share_the_database(db: Store) -> None:
     assert db.stats()[0] == 40 + 40 + 40
 
 
-def test_meta_from_session() -> None:
+def test_session_meta_from_wire_and_through_its_stored_text() -> None:
     s = wire.Session(
         session_id="w1",
         trigger=wire.Trigger("memory", "full", 1000, 2_000_000, "/a", 5, 1.5, 2.5, 3.5, 99),
@@ -205,7 +205,7 @@ def test_meta_from_session() -> None:
         processes={1: "init"},
         traces=[wire.Trace((), (), 1, 1, on_cpu=2, off_cpu=3, off_cpu_ns=4)],
     )
-    m = store_mod.meta_from_session(s)
+    m = SessionMeta.from_wire(s)
     assert (m.resource, m.stall, m.window_us, m.cgroup, m.avg300, m.psi_total_us) == (
         "memory",
         "full",

@@ -198,15 +198,6 @@ class StoredSession:
 # Serialization of what goes in the blobs
 
 
-def meta_from_session(s: wire.Session, profile: Profile | None = None) -> SessionMeta:
-    """The metadata of a wire session, with totals from the profile when given."""
-    meta = SessionMeta.from_wire(s)
-    if profile is not None:
-        meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
-        meta.pre_on_cpu, meta.pre_off_cpu, meta.pre_off_cpu_ns = profile.totals("before")
-    return meta
-
-
 def meta_to_text(m: SessionMeta) -> str:
     d = {f.name: getattr(m, f.name) for f in fields(SessionMeta)}
     d["processes"] = [[p, c] for p, c in m.processes.items()]
