@@ -13,8 +13,8 @@ import pytest
 
 from bistouri import wire
 from bistouri.bpf import abi
-from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
-from tests.integration.agent_harness import AgentProcess, burner_config
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

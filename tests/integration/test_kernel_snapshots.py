@@ -28,7 +28,7 @@ from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 from bistouri.wire.snapshot import loaded_code_digest
-from tests.helpers import wait_until
+from testkit.helpers import wait_until
 
 DEADLINE_S = 60.0
 BUILD_ID = bytes.fromhex("6b65726e656c2d666f722d74657374732d303031")

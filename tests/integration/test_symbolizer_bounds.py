@@ -26,19 +26,18 @@ import requests
 from bistouri import wire
 from bistouri.symbolizer.model import SessionMeta
 from bistouri.symbolizer.service.store import Store, StoredSession
-from tests import hostile
-from tests.helpers import wait_until
-
-from .conftest import (
+from testkit import hostile
+from testkit.helpers import wait_until
+from testkit.symbolizer import (
     SymbolizerURL,
     clean_env,
     free_port,
     metric_value,
-    post_sessions,
     stop,
     symbolizer_command,
     wait_healthy,
 )
+from tests.integration.conftest import post_sessions
 
 MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
 UNIT_LIMIT = 1 << 30  # the symbolizer's unit: MemoryMax=1G

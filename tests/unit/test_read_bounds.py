@@ -11,7 +11,7 @@ from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.symbolizer import formats
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from tests import hostile
+from testkit import hostile
 
 
 def _profile(sid: str, stacks: int, depth: int, base: int = 0) -> Profile:
