@@ -20,6 +20,7 @@ from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
 from bistouri.elf import ElfFile
 from bistouri.host.procmaps import ProcMaps
+from bistouri.pressure import PressureFigures
 from testkit.helpers import wait_until
 
 DEADLINE_S = 60.0
@@ -71,7 +72,9 @@ def session(sid: str, prog: Program) -> wire.Session:
     user = tuple(wire.UserFrame(wire.FRAME_RESOLVED, prog.build_id, prog.offsets[f]) for f in FUNCTIONS)
     return wire.Session(
         session_id=sid,
-        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/t.slice", 10**18, 1.0, 1.0, 1.0, 1),
+        trigger=wire.Trigger(
+            "cpu", "some", 100_000, 2_000_000, "/t.slice", 10**18, pressure=PressureFigures(1.0, 1.0, 1.0, 1)
+        ),
         kernel=wire.KernelInfo("6.18.0-test", b"", 0),
         start_ns=10**18,
         duration_ns=10**9,

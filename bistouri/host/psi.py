@@ -21,11 +21,11 @@ import select
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from ..pressure import STALLS, ResourceTrigger, stall_threshold_us
+from ..pressure import STALLS, PressureFigures, ResourceTrigger, stall_threshold_us
 
 log = logging.getLogger(__name__)
 
@@ -42,45 +42,37 @@ _two_second_windows = False
 
 
 @dataclass(frozen=True, slots=True)
-class PressureLine:
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    total: int = 0  # cumulative stall time, microseconds
-
-
-@dataclass(frozen=True, slots=True)
 class Pressure:
-    some: PressureLine
-    full: PressureLine | None  # absent in /proc/pressure/cpu before 5.13
+    some: PressureFigures
+    full: PressureFigures | None  # absent in /proc/pressure/cpu before 5.13
 
-    def line(self, stall: str) -> PressureLine:
+    def line(self, stall: str) -> PressureFigures:
         if stall == "full":
-            return self.full or PressureLine()
+            return self.full or PressureFigures()
         return self.some
 
 
-def _parse_line(fields: list[bytes]) -> PressureLine:
+def _parse_line(fields: list[bytes]) -> PressureFigures:
     values: dict[bytes, bytes] = {}
     for f in fields:
         k, sep, v = f.partition(b"=")
         if sep:
             values[k] = v
     try:
-        return PressureLine(
+        return PressureFigures(
             avg10=float(values.get(b"avg10", 0)),
             avg60=float(values.get(b"avg60", 0)),
             avg300=float(values.get(b"avg300", 0)),
-            total=int(values.get(b"total", 0)),
+            total_us=int(values.get(b"total", 0)),
         )
     except ValueError:
-        return PressureLine()
+        return PressureFigures()
 
 
 def parse_pressure(data: bytes) -> Pressure:
     """Parse a *.pressure file by key (never by position)."""
-    some = PressureLine()
-    full: PressureLine | None = None
+    some = PressureFigures()
+    full: PressureFigures | None = None
     for line in data.splitlines():
         fields = line.split()
         if not fields:
@@ -248,10 +240,8 @@ class PsiEvent:
     window_us: int
     path: str
     time_ns: int  # wall clock
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    total_us: int = 0
+    # The pressure file's line for `stall` when it fired.
+    pressure: PressureFigures = field(default_factory=PressureFigures)
     dead: bool = False
 
 
@@ -404,7 +394,7 @@ class PsiLoop:
 
     def _event(self, w: PsiWatcher, dead: bool) -> PsiEvent:
         p = None if dead else w.read_pressure()
-        line = p.line(w.stall) if p is not None else PressureLine()
+        figures = p.line(w.stall) if p is not None else PressureFigures()
         return PsiEvent(
             key=w.key,
             resource=w.resource,
@@ -413,10 +403,7 @@ class PsiLoop:
             window_us=w.window_us,
             path=w.path,
             time_ns=self._wall_ns(),
-            avg10=line.avg10,
-            avg60=line.avg60,
-            avg300=line.avg300,
-            total_us=line.total,
+            pressure=figures,
             dead=dead,
         )
 

@@ -280,7 +280,7 @@ def _wait_for_pressure(
         for ev in loop.poll(500):
             if not ev.dead:
                 loop.clear()
-                progress.done(f"Pressure: {ev.resource} avg10={ev.avg10:.2f}% after {waited:.1f} s")
+                progress.done(f"Pressure: {ev.resource} avg10={ev.pressure.avg10:.2f}% after {waited:.1f} s")
                 return wire.Trigger.from_psi(ev, cgroup)
 
 

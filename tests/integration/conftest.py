@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import requests
 
+from bistouri.pressure import PressureFigures
 from testkit.symbolizer import (
     DEMO_C,
     KALLSYMS,
@@ -158,7 +159,13 @@ def make_session(
     return wire.Session(
         session_id=sid,
         trigger=wire.Trigger(
-            resource, "some", 100_000, 2_000_000, "/test.slice", start_ns - 10**6, 12.5, 4.0, 1.0, 42
+            resource,
+            "some",
+            100_000,
+            2_000_000,
+            "/test.slice",
+            start_ns - 10**6,
+            pressure=PressureFigures(12.5, 4.0, 1.0, 42),
         ),
         kernel=wire.KernelInfo("6.18.0-test", KERNEL_BUILD_ID, 0xFFFFFFFF81000000),
         start_ns=start_ns,
