@@ -113,8 +113,8 @@ fixtures: | deps-demo
 
 # The layers contract (which package may import which) is a test: lint runs it alone, in about a second.
 lint: venv
-	$(VENV)/bin/ruff check bistouri tests bench
-	$(VENV)/bin/ruff format --check bistouri tests bench
+	$(VENV)/bin/ruff check bistouri tests bench testkit
+	$(VENV)/bin/ruff format --check bistouri tests bench testkit
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 typecheck: venv

@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import Cgroup, wait_until  # noqa: E402
-from tests.integration.agent_harness import AgentProcess  # noqa: E402
+from testkit.agent_harness import AgentProcess  # noqa: E402
+from testkit.helpers import Cgroup, wait_until  # noqa: E402
 
 BURNER = ROOT / "tests/fixtures/build/workloads/burner"
 BPF_STATS_RUN_TIME = 0

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb  # noqa: E402
+from testkit.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb  # noqa: E402
 
 CASES = {
     "eh_frame": """

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bistouri import wire  # noqa: E402
-from tests.hostile import (  # noqa: E402
+from testkit.hostile import (  # noqa: E402
     FleetKernel,
     deep_session,
     elf_debugdata_bomb,
@@ -39,7 +39,7 @@ from tests.hostile import (  # noqa: E402
     peak_rss_bytes,
     rust_v0_bomb,
 )
-from tests.integration.conftest import (  # noqa: E402
+from testkit.symbolizer import (  # noqa: E402
     KALLSYMS,
     KERNEL_BUILD_ID,
     KERNEL_IPS,

@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_ingest import build_binary  # noqa: E402
-from tests.helpers import wait_until  # noqa: E402
-from tests.integration.fleet import Fleet, Instance  # noqa: E402
-from tests.integration.loadbalancer import HAProxy  # noqa: E402
-from tests.integration.pg import running_postgres  # noqa: E402
+from testkit.fleet import Fleet, Instance  # noqa: E402
+from testkit.helpers import wait_until  # noqa: E402
+from testkit.loadbalancer import HAProxy  # noqa: E402
+from testkit.pg import running_postgres  # noqa: E402
 
 
 def _quantile(values: list[float], q: float) -> float:

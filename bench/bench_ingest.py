@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bistouri import wire  # noqa: E402
-from tests.integration.conftest import (  # noqa: E402
+from testkit.symbolizer import (  # noqa: E402
     DEMO_C,
     KALLSYMS,
     KERNEL_BUILD_ID,

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import wait_until  # noqa: E402
+from testkit.helpers import wait_until  # noqa: E402
 
 BURNER = ROOT / "tests/fixtures/build/workloads/burner"
 WORKLOADS_SRC = ROOT / "tests/fixtures/workloads"

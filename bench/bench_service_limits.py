@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bistouri import wire  # noqa: E402
-from tests.integration.conftest import clean_env, free_port, symbolizer_command  # noqa: E402
+from testkit.symbolizer import clean_env, free_port, symbolizer_command  # noqa: E402
 
 
 def start(tmp: Path) -> tuple[subprocess.Popen[bytes], str, int]:

@@ -27,15 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.integration.conftest import (  # noqa: E402
-    SymbolizerURL,
-    clean_env,
-    free_port,
-    stop,
-    symbolizer_command,
-    wait_healthy,
-)
-from tests.integration.test_uploads import Agent, build, names, session  # noqa: E402
+from testkit.symbolizer import SymbolizerURL, clean_env, free_port, stop, symbolizer_command, wait_healthy  # noqa: E402
+from testkit.uploads import Agent, build, names, session  # noqa: E402
 
 RESULTS_DIR = REPO / "bench" / "results"
 TARGET_S = 30.0

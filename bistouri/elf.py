@@ -638,11 +638,3 @@ def read_build_id(path: str | os.PathLike[str]) -> bytes | None:
             return f.build_id
     except ElfFormatError:
         return None
-
-
-def is_elf(path: str | os.PathLike[str]) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == ELF_MAGIC
-    except OSError:
-        return False

@@ -33,15 +33,6 @@ class BpfError(BistouriError, OSError):
         return text
 
 
-class KernelFeatureError(BistouriError):
-    """The running kernel or host lacks something the agent needs."""
-
-    def __init__(self, what: str, fix: str) -> None:
-        self.what = what
-        self.fix = fix
-        super().__init__(f"{what}. {fix}")
-
-
 class ConfigError(BistouriError):
     """A configuration is invalid. Holds every problem found, as `path: problem`."""
 
@@ -60,5 +51,11 @@ class WireError(BistouriError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
-class SymbolizerError(BistouriError):
-    """The symbolizer service refused or could not be reached."""
+class GzipError(BistouriError, ValueError):
+    """A gzip body cannot be inflated: damaged, truncated, or with data after its one member.
+
+    The message is a predicate for the caller to give a subject: f"the snapshot {e}"."""
+
+
+class GzipTooLarge(GzipError):
+    """A gzip body inflates to more than its bound (a gzip bomb, or only too large)."""

@@ -1,9 +1,11 @@
 """The words of PSI (pressure stall information) that every layer shares.
 
-The kernel's names for what stalls (cpu, memory, io) and how (some, full), and a pressure threshold as one
-value: the config parses it, psi.py writes it to the kernel, the wire format carries its names. It sits in the
-base layer, below all three, so that none of them imports another for a tuple of words (the decoder must
-not pull in the config's PyYAML; psi.py does not need the session format).
+The kernel's names for what stalls (cpu, memory, io) and how (some, full), a pressure threshold as one
+value (the config parses it, psi.py writes it to the kernel, the wire format carries its names), and the
+figures of a pressure file's line as one value, carried whole from psi.py's event through the session's
+trigger (wire) to the symbolizer's stored metadata. It sits in the base layer, below all of them, so that
+none imports another for a tuple of words (the decoder must not pull in the config's PyYAML; psi.py does
+not need the session format).
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ class PressureThreshold:
     def stall_us(self) -> int:
         """Stall time per window written to the kernel."""
         return stall_threshold_us(self.threshold, self.window_us)
+
+
+@dataclass(frozen=True, slots=True)
+class PressureFigures:
+    """One line of a pressure file (`some avg10=1.10 avg60=0.20 avg300=0.03 total=777`): the share of
+    time stalled over the last 10, 60 and 300 s (percent), and the stall time since boot."""
+
+    avg10: float = 0.0
+    avg60: float = 0.0
+    avg300: float = 0.0
+    total_us: int = 0  # the kernel's `total=`, microseconds
 
 
 def stall_threshold_us(threshold: float, window_us: int) -> int:

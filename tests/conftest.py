@@ -40,7 +40,7 @@ BY_DIRECTORY = {
     "tests/deploy": {"vm"},
     # tests/integration has no default: each module is listed below.
 }
-_AGENT = {"bpf", "service"}  # the agent as a process (agent_harness.AgentProcess)
+_AGENT = {"bpf", "service"}  # the agent as a process (testkit/agent_harness.py)
 _SYMBOLIZER = {"service"}  # the symbolizer as a process (gunicorn), with PostgreSQL or HAProxy
 BY_MODULE = {
     "tests/bpf/test_check_command.py": {"bpf", "service"},  # `bistouri check` as a process
@@ -243,7 +243,7 @@ def workloads() -> Path:
 @pytest.fixture
 def cgroup2(tmp_path):
     """A fresh child cgroup of the cgroup2 mount, removed afterwards (processes killed)."""
-    from tests.helpers import Cgroup
+    from testkit.helpers import Cgroup
 
     with Cgroup.create() as cg:
         yield cg

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import requests
 
+from bistouri.host import mounts
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "tests" / "fixtures" / "build" / "workloads"
 
@@ -59,11 +61,10 @@ def free_port(preferred: int) -> int:
 
 
 def cgroup2_mount() -> Path:
-    for line in Path("/proc/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    raise SystemExit("no cgroup2 mount: the demo needs cgroup v2 (see `bistouri check`)")
+    found = mounts.find_cgroup2_mount()
+    if found is None:
+        raise SystemExit("no cgroup2 mount: the demo needs cgroup v2 (see `bistouri check`)")
+    return Path(found)
 
 
 class Demo:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bpf import perf
-from ..host import kernel
+from ..host import kernel, mounts
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -113,24 +113,13 @@ def check_psi(host: Host) -> Result:
     return Result(OK, "psi", f"{host.proc}/pressure/{{cpu,memory,io}} readable")
 
 
-def find_cgroup2(proc: str = "/proc") -> str | None:
-    try:
-        for line in Path(proc, "mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[2] == "cgroup2":
-                return parts[1]
-    except OSError:
-        return None
-    return None
-
-
 def check_cgroup2(host: Host) -> Result:
-    mount = find_cgroup2(host.proc)
+    mount = mounts.find_cgroup2_mount(host.proc)
     if mount is None:
         return Result(
             FAIL,
             "cgroup2",
-            "no cgroup2 mount in /proc/mounts",
+            "no cgroup2 mount in /proc/self/mountinfo",
             "mount cgroup2 (systemd: systemd.unified_cgroup_hierarchy=1, or hybrid mode)",
         )
     if mount != "/sys/fs/cgroup":
@@ -193,14 +182,7 @@ def check_capabilities(host: Host) -> list[Result]:
 
 
 def check_tracefs(host: Host) -> Result:
-    mounted = False
-    try:
-        mounted = any(
-            line.split()[2] == "tracefs" for line in Path(host.proc, "mounts").read_text().splitlines()
-        )
-    except OSError:
-        pass
-    if mounted:
+    if any(m.fstype == "tracefs" for m in mounts.read(host.proc)):
         return Result(OK, "tracefs", "mounted")
     return Result(
         WARN,

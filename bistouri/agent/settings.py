@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..host.procfs import find_cgroup2_mount
+from ..host.mounts import find_cgroup2_mount
 from .config import CAPTURE_SECS_MAX, DEFAULT_TARGETS_PATH, LABEL_KEY_RE
 
 
@@ -75,7 +75,7 @@ _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--metrics-port", "BISTOURI_METRICS_PORT", "PORT", "Prometheus port, 0 disables (default 9464)"),
     ("--metrics-addr", "BISTOURI_METRICS_ADDR", "ADDR", "Prometheus listen address (default 0.0.0.0)"),
     ("--proc-path", "BISTOURI_PROC_PATH", "PATH", "procfs mount (default /proc)"),
-    ("--cgroup-path", "BISTOURI_CGROUP_PATH", "PATH", "cgroup2 mount (default: found in <proc>/mounts)"),
+    ("--cgroup-path", "BISTOURI_CGROUP_PATH", "PATH", "cgroup2 mount (default: from <proc>/self/mountinfo)"),
     ("--spool-dir", "BISTOURI_SPOOL_DIR", "PATH", "spooled sessions (default /var/lib/bistouri/spool)"),
     ("--spool-max-bytes", "BISTOURI_SPOOL_MAX_BYTES", "SIZE", "spool size cap, e.g. 256MiB (default 256MiB)"),
     ("--capture-max-bytes", "BISTOURI_CAPTURE_MAX_BYTES", "SIZE", "stack memory of sessions (default 64MiB)"),
@@ -268,7 +268,8 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
         cg = find_cgroup2_mount(proc_path)
         if cg is None:
             warnings.append(
-                f"no cgroup2 mount in {proc_path}/mounts: only 'scope: system' targets can be watched; "
+                f"no cgroup2 mount in {proc_path}/self/mountinfo: "
+                "only 'scope: system' targets can be watched; "
                 "mount cgroup2 or pass --cgroup-path"
             )
     s["cgroup_path"] = cg

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from .. import wire
+from .. import atomicfile, wire
 from ..errors import WireError
 
 log = logging.getLogger(__name__)
@@ -199,34 +199,29 @@ class Spool:
         with self._lock:
             self._seq += 1
             name = f"{self._seq:012d}.{session_id}{SUFFIX}"
-        tmp = os.path.join(self._tmp, name)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                view = memoryview(framed)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            with self._lock:
-                self._evict_locked(size)
-                os.rename(tmp, os.path.join(self.directory, name))
-                self._entries[name] = size
-                if self.kernel_build_id:
-                    self._kernels[name] = self.kernel_build_id
-                self._bytes += size
-                self._publish_locked()
+            # Synced before the rename (the session must survive a power loss), outside the lock.
+            with atomicfile.replacing(
+                os.path.join(self.directory, name), fsync=True, tmp_dir=self._tmp
+            ) as out:
+                out.file.write(framed)
+                out.finish()
+                with self._lock:
+                    self._evict_locked(size)
+                    out.commit()
+                    self._entries[name] = size
+                    if self.kernel_build_id:
+                        self._kernels[name] = self.kernel_build_id
+                    self._bytes += size
+                    self._publish_locked()
         except OSError as e:
-            self._unlink(tmp)
             self._m.dropped.labels(DROP_WRITE_ERROR).inc()
             self._log_limited(
                 DROP_WRITE_ERROR, f"spool: cannot write a session ({e.strerror}), dropped", size
             )
             return None
         try:
-            self._fsync_dir(self.directory)
+            atomicfile.fsync_dir(self.directory)  # the new name survives a power loss too
         except OSError as e:
             # The session is in place and will be sent; only its survival of a power loss is at risk.
             self._log_limited("fsync", f"spool: cannot fsync the directory ({e.strerror})", size)
@@ -380,12 +375,3 @@ class Spool:
             pass
         except OSError as e:
             log.warning("spool: cannot remove path=%s error=%s", path, e.strerror)
-
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        # Makes the rename durable: without it a power loss can forget the new name.
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -230,23 +230,23 @@ class Watcher:
         return os.path.join(d, f"{resource}.pressure")
 
     def _watch(self, key: WatchKey, target: Target) -> WatchGroup | None:
-        cgroup, pressure = key
+        cgroup, threshold = key
         try:
-            path = self.pressure_path(cgroup, pressure.resource)
-            self.loop.add_watch(key, path, pressure, target.cooldown(self.default_capture_s))
+            path = self.pressure_path(cgroup, threshold.resource)
+            self.loop.add_watch(key, path, threshold, target.cooldown(self.default_capture_s))
         except OSError as e:
             self.watch_failures += 1
             self.metrics.sessions_dropped.labels("watcher_failed").inc()
-            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, pressure.resource, e)
+            log.warning("Cannot watch PSI. cgroup=%s resource=%s error=%s", cgroup, threshold.resource, e)
             return None
         group = WatchGroup(key, path)
         self.groups[key] = group
         log.info(
             "PSI watch added. path=%s stall=%s threshold=%g%% window_ms=%d",
             path,
-            pressure.stall,
-            pressure.threshold,
-            pressure.window_ms,
+            threshold.stall,
+            threshold.threshold,
+            threshold.window_ms,
         )
         return group
 

@@ -22,7 +22,6 @@ import queue
 import select
 import struct
 import threading
-import time
 from collections.abc import Callable, Collection
 
 from .. import threads
@@ -289,15 +288,6 @@ class Profiler:
         if pid in self._filtered:
             self.unwind.want(pid)
 
-    def filtered_pids(self) -> dict[int, int]:
-        m = self._require().maps["pid_filter"]
-        out = {}
-        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
-            val = m.lookup(key)
-            if val is not None:
-                out[struct.unpack("<I", key)[0]] = struct.unpack("<I", val)[0]
-        return out
-
     def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
         """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
         hooks count them; empty without them."""
@@ -482,15 +472,6 @@ class Profiler:
             self._thread_error = e
             if self._notify:
                 self._notify()
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 __all__ = [

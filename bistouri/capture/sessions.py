@@ -271,7 +271,7 @@ class SessionCapture:
             res,
             len(armed),
             duration_s,
-            trigger.avg10,
+            trigger.pressure.avg10,
             s.pre_trigger_ns / 1e9,
         )
         return s.session_id

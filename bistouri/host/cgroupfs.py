@@ -11,7 +11,7 @@ is then read at the same cgroup path under the v1 hierarchy that holds its contr
   bios the cgroup's tasks submitted), else blkio.io_service_bytes_recursive / io_serviced_recursive;
 - CPU: cpuacct.usage (ns) when cpu.stat is absent.
 
-The hierarchies are found in /proc/self/mountinfo (`CgroupMounts`), never assumed. v1 accounts
+The hierarchies are found in /proc/self/mountinfo (mounts.py, `CgroupMounts`), never assumed. v1 accounts
 buffered writeback to the flusher, not to the writer: a v1 cgroup's I/O is its reads, direct I/O
 and the writeback its own tasks start (fsync, sync_file_range).
 Parsers are pure (bytes in, numbers out); `CgroupReader` does the reading.
@@ -20,8 +20,10 @@ Parsers are pure (bytes in, numbers out); `CgroupReader` does the reading.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from . import mounts
 
 MAX_FILE_BYTES = 65536  # a cgroup file read past this is cut (io.stat of thousands of devices)
 # v1 controllers whose files stand in for missing cgroup2 ones.
@@ -62,46 +64,29 @@ class CgroupMounts:
     v1: Mapping[str, Hierarchy] = field(default_factory=dict)
 
 
-def _unescape(field_: bytes) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (\\040)."""
-    out, i = bytearray(), 0
-    while i < len(field_):
-        if field_[i : i + 1] == b"\\" and field_[i + 1 : i + 4].isdigit():
-            out.append(int(field_[i + 1 : i + 4], 8))
-            i += 4
-        else:
-            out.append(field_[i])
-            i += 1
-    return out.decode(errors="surrogateescape")
-
-
-def parse_mountinfo(data: bytes) -> CgroupMounts:
-    """The cgroup hierarchies of /proc/PID/mountinfo content: the first cgroup2 mount, and per v1
-    controller (from the super options, e.g. "rw,cpu,cpuacct") its first mount."""
+def cgroup_mounts(found: Iterable[mounts.Mount]) -> CgroupMounts:
+    """The cgroup hierarchies among mounts: the first cgroup2 mount, and per v1 controller (from the
+    super options, e.g. "rw,cpu,cpuacct") its first mount."""
     v2: Hierarchy | None = None
     v1: dict[str, Hierarchy] = {}
-    for line in data.splitlines():
-        fields = line.split()
-        try:
-            sep = fields.index(b"-")
-        except ValueError:
-            continue
-        if len(fields) < sep + 4 or sep < 5:
-            continue
-        fstype, hier = fields[sep + 1], Hierarchy(_unescape(fields[4]), _unescape(fields[3]))
-        if fstype == b"cgroup2" and v2 is None:
-            v2 = hier
-        elif fstype == b"cgroup":
-            for opt in fields[sep + 3].split(b","):
-                name = opt.decode(errors="replace")
+    for m in found:
+        if m.fstype == "cgroup2" and v2 is None:
+            v2 = Hierarchy(m.point, m.root)
+        elif m.fstype == "cgroup":
+            for name in m.super_options:
                 if name in V1_CONTROLLERS:
-                    v1.setdefault(name, hier)
+                    v1.setdefault(name, Hierarchy(m.point, m.root))
     return CgroupMounts(v2, v1)
 
 
+def parse_mountinfo(data: bytes) -> CgroupMounts:
+    """The cgroup hierarchies of /proc/PID/mountinfo content."""
+    return cgroup_mounts(mounts.parse(data))
+
+
 def find_mounts(proc_root: str = "/proc") -> CgroupMounts:
-    data = _read(os.path.join(proc_root, "self", "mountinfo"))
-    return parse_mountinfo(data) if data else CgroupMounts()
+    """This host's cgroup hierarchies, as this process sees them."""
+    return cgroup_mounts(mounts.read(proc_root))
 
 
 # -- counters and their parsers -----------------------------------------------------------------

@@ -152,35 +152,6 @@ def iter_tids(pid: int, proc_root: str = "/proc") -> Iterator[int]:
     yield from _numeric_entries(f"{proc_root}/{pid}/task")
 
 
-def _unescape_mount(field: bytes) -> str:
-    # /proc/mounts escapes space, tab, newline and backslash as \ooo octal.
-    out = bytearray()
-    i = 0
-    while i < len(field):
-        digits = field[i + 1 : i + 4]
-        if field[i] == 0x5C and len(digits) == 3 and all(0x30 <= c <= 0x37 for c in digits):
-            out.append(int(digits, 8) & 0xFF)
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return bytes(out).decode("utf-8", "surrogateescape")
-
-
-def parse_cgroup2_mount(data: bytes) -> str | None:
-    """Mount point of the first cgroup2 filesystem in /proc/mounts content."""
-    for line in data.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[2] == b"cgroup2":
-            return _unescape_mount(fields[1])
-    return None
-
-
-def find_cgroup2_mount(proc_root: str = "/proc") -> str | None:
-    data = _read(f"{proc_root}/mounts") or _read(f"{proc_root}/self/mounts")
-    return None if data is None else parse_cgroup2_mount(data)
-
-
 def iter_processes(proc_root: str = "/proc") -> Iterator[ProcStat]:
     """Every live process's stat, skipping the ones that exit during the walk."""
     for pid in iter_pids(proc_root):

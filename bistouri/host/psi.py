@@ -22,11 +22,11 @@ import select
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from ..pressure import STALLS, PressureThreshold, stall_threshold_us
+from ..pressure import STALLS, PressureFigures, PressureThreshold, stall_threshold_us
 
 log = logging.getLogger(__name__)
 
@@ -43,45 +43,37 @@ _two_second_windows = False
 
 
 @dataclass(frozen=True, slots=True)
-class PressureLine:
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    total: int = 0  # cumulative stall time, microseconds
-
-
-@dataclass(frozen=True, slots=True)
 class Pressure:
-    some: PressureLine
-    full: PressureLine | None  # absent in /proc/pressure/cpu before 5.13
+    some: PressureFigures
+    full: PressureFigures | None  # absent in /proc/pressure/cpu before 5.13
 
-    def line(self, stall: str) -> PressureLine:
+    def line(self, stall: str) -> PressureFigures:
         if stall == "full":
-            return self.full or PressureLine()
+            return self.full or PressureFigures()
         return self.some
 
 
-def _parse_line(fields: list[bytes]) -> PressureLine:
+def _parse_line(fields: list[bytes]) -> PressureFigures:
     values: dict[bytes, bytes] = {}
     for f in fields:
         k, sep, v = f.partition(b"=")
         if sep:
             values[k] = v
     try:
-        return PressureLine(
+        return PressureFigures(
             avg10=float(values.get(b"avg10", 0)),
             avg60=float(values.get(b"avg60", 0)),
             avg300=float(values.get(b"avg300", 0)),
-            total=int(values.get(b"total", 0)),
+            total_us=int(values.get(b"total", 0)),
         )
     except ValueError:
-        return PressureLine()
+        return PressureFigures()
 
 
 def parse_pressure(data: bytes) -> Pressure:
     """Parse a *.pressure file by key (never by position)."""
-    some = PressureLine()
-    full: PressureLine | None = None
+    some = PressureFigures()
+    full: PressureFigures | None = None
     for line in data.splitlines():
         fields = line.split()
         if not fields:
@@ -152,21 +144,21 @@ class PsiWatch:
     """One PSI watch: a pressure fd with its threshold written in. Created by PsiLoop.add_watch;
     closed by the loop."""
 
-    def __init__(self, key: Hashable, path: str, pressure: PressureThreshold, cooldown_s: float) -> None:
-        stall = pressure.stall
+    def __init__(self, key: Hashable, path: str, threshold: PressureThreshold, cooldown_s: float) -> None:
+        stall = threshold.stall
         if stall not in STALLS:
             raise ValueError(f"stall must be one of {', '.join(STALLS)}, got {stall!r}")
-        if not 0 < pressure.threshold < 100:
-            raise ValueError(f"threshold must be in (0, 100) percent, got {pressure.threshold}")
+        if not 0 < threshold.threshold < 100:
+            raise ValueError(f"threshold must be in (0, 100) percent, got {threshold.threshold}")
         self.key = key
         self.path = path
-        self.pressure = pressure  # as configured; window_us/stall_us below are what the kernel accepted
-        self.resource = pressure.resource
+        self.threshold = threshold  # as configured; window_us/stall_us below are what the kernel accepted
+        self.resource = threshold.resource
         self.stall = stall
         self.cooldown_s = cooldown_s
-        self.requested_window_us = pressure.window_us
+        self.requested_window_us = threshold.window_us
         self.window_us = self.requested_window_us
-        self.stall_us = pressure.stall_us
+        self.stall_us = threshold.stall_us
         self.last_event = float("-inf")  # monotonic time of the last reported event
         self.events = 0
         self.suppressed = 0
@@ -181,7 +173,7 @@ class PsiWatch:
             new_window = allowed_window_us(self.window_us)
             if e.errno != errno.EINVAL or new_window == self.window_us:
                 raise _watch_error(e, path, what) from e
-            new_stall = stall_threshold_us(pressure.threshold, new_window)
+            new_stall = stall_threshold_us(threshold.threshold, new_window)
             what = f"{stall} {new_stall} {new_window}"
             try:
                 self._fd = _open_watch(path, stall, new_stall, new_window)
@@ -250,10 +242,8 @@ class PsiEvent:
     window_us: int
     path: str
     time_ns: int  # wall clock
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    total_us: int = 0
+    # The pressure file's line for `stall` when it fired.
+    pressure: PressureFigures = field(default_factory=PressureFigures)
     dead: bool = False
 
 
@@ -306,16 +296,18 @@ class PsiLoop:
 
     # -- PSI watches
 
-    def add_watch(self, key: Hashable, path: str, pressure: PressureThreshold, cooldown_s: float) -> PsiWatch:
+    def add_watch(
+        self, key: Hashable, path: str, threshold: PressureThreshold, cooldown_s: float
+    ) -> PsiWatch:
         """Register a watch. The same key with the same path and threshold returns the existing
         watch; a different one replaces it. Raises OSError (with a hint) if the kernel refuses."""
         old = self._watches.get(key)
         if old is not None:
-            if (old.path, old.pressure) == (path, pressure):
+            if (old.path, old.threshold) == (path, threshold):
                 old.cooldown_s = cooldown_s
                 return old
             self.remove(key)
-        w = PsiWatch(key, path, pressure, cooldown_s)
+        w = PsiWatch(key, path, threshold, cooldown_s)
         fd = w.fileno()
         self._poll.register(fd, select.POLLPRI)
         self._watches[key] = w
@@ -411,7 +403,7 @@ class PsiLoop:
 
     def _event(self, w: PsiWatch, dead: bool) -> PsiEvent:
         p = None if dead else w.read_pressure()
-        line = p.line(w.stall) if p is not None else PressureLine()
+        figures = p.line(w.stall) if p is not None else PressureFigures()
         return PsiEvent(
             key=w.key,
             resource=w.resource,
@@ -420,10 +412,7 @@ class PsiLoop:
             window_us=w.window_us,
             path=w.path,
             time_ns=self._wall_ns(),
-            avg10=line.avg10,
-            avg60=line.avg60,
-            avg300=line.avg300,
-            total_us=line.total,
+            pressure=figures,
             dead=dead,
         )
 

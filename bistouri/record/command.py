@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
 from ..errors import BistouriError
-from ..host import procfs
+from ..host import mounts, procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
 
 # Not `from typing import ...`: typing costs ~2 ms of imports before the first sample, and
@@ -202,7 +202,9 @@ class Targets:
         self.cgroup_dir = None
         if args.cgroup:
             if cgroup_root is None:
-                raise BistouriError("--cgroup needs a cgroup2 mount, and none was found in /proc/mounts")
+                raise BistouriError(
+                    "--cgroup needs a cgroup2 mount, and none was found in /proc/self/mountinfo"
+                )
             self.cgroup_dir = procfs.cgroup_dir(cgroup_root, args.cgroup)
             if not self.cgroup_dir or not os.path.isdir(self.cgroup_dir):
                 raise BistouriError(f"cgroup {args.cgroup} not found under {cgroup_root}")
@@ -278,7 +280,7 @@ def _wait_for_pressure(
         for ev in loop.poll(500):
             if not ev.dead:
                 loop.clear()
-                progress.done(f"Pressure: {ev.resource} avg10={ev.avg10:.2f}% after {waited:.1f} s")
+                progress.done(f"Pressure: {ev.resource} avg10={ev.pressure.avg10:.2f}% after {waited:.1f} s")
                 return wire.Trigger.from_psi(ev, cgroup)
 
 
@@ -367,7 +369,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         sampler_first=not args.on_pressure,
     )
     progress = Progress(show=args.progress)
-    cgroup_root = procfs.find_cgroup2_mount(args.proc_path)
+    cgroup_root = mounts.find_cgroup2_mount(args.proc_path)
     targets = Targets(args, None, cgroup_root)
     procs = targets.current()
     if not command and not procs:
@@ -491,7 +493,7 @@ def _capture(
         proc_root=args.proc_path,
         episode=EpisodeProbe(
             profiler.thread_times,
-            procfs.find_cgroup2_mount(args.proc_path),
+            mounts.find_cgroup2_mount(args.proc_path),
             mounts=find_mounts(args.proc_path),
         )
         if trigger is not None

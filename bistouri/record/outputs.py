@@ -11,6 +11,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from .. import atomicfile
 from ..errors import BistouriError
 
 if TYPE_CHECKING:
@@ -67,19 +68,8 @@ class OutputDir:
 
     def write(self, name: str, data: bytes | str) -> None:
         raw = data.encode() if isinstance(data, str) else data
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o644, dir_fd=self.fd)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(raw)
-            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=self.fd)
-            except OSError:
-                pass
-            raise
+        # Outputs for the user: readable by others (0644), not synced (the run can be made again).
+        atomicfile.write(name, raw, mode=0o644, dir_fd=self.fd)
         self.written.append(name)
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import struct
 import zlib
 from array import array
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import atomicfile
 from ..errors import BistouriError
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
@@ -249,16 +249,7 @@ class SymbolCache:
         if len(data) > MAX_FILE_BYTES:
             log.info("Not caching an oversized symbol file. name=%s bytes=%d", name, len(data))
             return
-        tmp = self.root / f".tmp-{secrets.token_hex(8)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(name))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        atomicfile.write(self._path(name), data)  # a cache: not synced
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -277,7 +268,7 @@ class SymbolCache:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if entry.name.startswith(".tmp-") or not entry.name.startswith("."):
+            if entry.name.startswith(atomicfile.TEMP_PREFIX) or not entry.name.startswith("."):
                 files.append((st.st_mtime, st.st_size, entry.path))
         total = sum(size for _, size, _ in files)
         removed = 0

@@ -26,14 +26,15 @@ import os
 import re
 import threading
 import weakref
-import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from ..errors import BistouriError
+from .. import atomicfile
+from ..errors import BistouriError, GzipError, GzipTooLarge
 from ..wire.snapshot import LoadedCodeDigest
 from . import tempfiles
+from .gunzip import GZIP_MAGIC, inflate
 from .sources import check_build_id
 
 log = logging.getLogger(__name__)
@@ -256,32 +257,18 @@ def parse_kallsyms(data: bytes, max_bytes: int = MAX_SNAPSHOT_BYTES) -> Kallsyms
 
 def _slices(data: bytes, limit: int) -> Iterator[bytes]:
     """The snapshot in slices of whole lines, decompressed as it goes; at most `limit` bytes in all."""
-    if data[:2] != b"\x1f\x8b":
+    if data[:2] != GZIP_MAGIC:
         if len(data) > limit:
             raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes")
         for start in range(0, len(data), _SLICE_BYTES):
             yield data[start : start + _SLICE_BYTES]  # a line cut in two is joined again by _parse
         return
-    d = zlib.decompressobj(wbits=31)
-    total = 0
-    tail = data
     try:
-        while tail or not d.eof:
-            out = d.decompress(tail, _SLICE_BYTES)
-            tail = d.unconsumed_tail
-            total += len(out)
-            if total > limit:
-                raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes uncompressed")
-            if out:
-                yield out
-            elif d.eof or not tail:
-                break
-    except zlib.error as e:
-        raise KallsymsError(f"the snapshot is not valid gzip: {e}")
-    if not d.eof:
-        raise KallsymsError("the snapshot's gzip is truncated")
-    if d.unused_data:
-        raise KallsymsError("the snapshot has data after its gzip member")
+        yield from inflate((data,), limit, _SLICE_BYTES)
+    except GzipTooLarge:
+        raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes uncompressed") from None
+    except GzipError as e:
+        raise KallsymsError(f"the snapshot {e}") from None
 
 
 def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
@@ -440,17 +427,10 @@ class KallsymsStore:
             return None
 
     def _write(self, hexid: str, stored: bytes) -> None:
-        fd, tmp = tempfiles.create(self.dir)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(stored)  # a gzip upload was checked whole by the parser: kept as it came
-            os.replace(tmp, self.path(hexid))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # Not synced: the agent uploads it again when the symbolizer lacks it.
+        atomicfile.write(
+            self.path(hexid), stored
+        )  # a gzip upload was checked whole by the parser: kept as it came
 
     def get(self, build_id: bytes | str) -> KallsymsIndex | None:
         """The parsed snapshot of this kernel, or None if none was uploaded (or it is unreadable)."""

@@ -33,7 +33,6 @@ import resource
 import select
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import zlib
@@ -42,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .. import atomicfile
 
 log = logging.getLogger(__name__)
 
@@ -420,10 +421,7 @@ class Quarantine:
             return
         body = f"{identity}\n{reason}\n{path}\n".encode(errors="replace")
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=self.dir)
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            os.replace(tmp, self._entry(path))
+            atomicfile.write(self._entry(path), body)  # a cache of failures: not synced
         except OSError as e:
             log.warning("Cannot record a file llvm-symbolizer failed on. path=%s error=%s", path, e)
             self._memory[path] = (identity, time.time())

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import wire
+from ..pressure import PressureFigures
 
 # Frame kinds.
 KIND_KERNEL = "kernel"
@@ -68,10 +69,7 @@ class SessionMeta:
     window_us: int = 0
     cgroup: str = ""
     trigger_time_ns: int = 0
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    psi_total_us: int = 0
+    pressure: PressureFigures = field(default_factory=PressureFigures)  # the trigger's, as the agent read it
     start_ns: int = 0
     duration_ns: int = 0
     period_ns: int = 0
@@ -110,10 +108,7 @@ class SessionMeta:
             window_us=t.window_us,
             cgroup=t.cgroup,
             trigger_time_ns=t.time_ns,
-            avg10=t.avg10,
-            avg60=t.avg60,
-            avg300=t.avg300,
-            psi_total_us=t.total_us,
+            pressure=t.pressure,
             start_ns=s.start_ns,
             duration_ns=s.duration_ns,
             period_ns=s.period_ns,
@@ -159,10 +154,10 @@ class SessionMeta:
                 "window_us": self.window_us,
                 "cgroup": self.cgroup,
                 "time_ns": self.trigger_time_ns,
-                "avg10": finite(self.avg10),
-                "avg60": finite(self.avg60),
-                "avg300": finite(self.avg300),
-                "total_us": self.psi_total_us,
+                "avg10": finite(self.pressure.avg10),
+                "avg60": finite(self.pressure.avg60),
+                "avg300": finite(self.pressure.avg300),
+                "total_us": self.pressure.total_us,
             },
             "start_ns": self.start_ns,
             "duration_ns": self.duration_ns,

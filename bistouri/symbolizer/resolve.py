@@ -26,7 +26,6 @@ import os
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +35,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
-from ..errors import WireError
+from ..errors import GzipError, GzipTooLarge, WireError
 from . import model
 from .demangle import demangle
+from .gunzip import GZIP_MAGIC, gunzip
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, Quarantine, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
@@ -694,7 +694,7 @@ def read_session_file(path: str | os.PathLike[str], max_bytes: int = 256 << 20) 
     name = os.fspath(path)
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
-    if data[:2] == b"\x1f\x8b":
+    if data[:2] == GZIP_MAGIC:
         data = _gunzip(data, max_bytes, name)
     if len(data) > max_bytes:
         raise WireError("too_large", f"{name} holds more than {max_bytes} bytes")
@@ -713,15 +713,12 @@ def read_session_file(path: str | os.PathLike[str], max_bytes: int = 256 << 20) 
 
 
 def _gunzip(data: bytes, max_bytes: int, name: str) -> bytes:
-    """Inflate at most `max_bytes`: a small gzip bomb must not take the memory."""
-    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     try:
-        out = d.decompress(data, max_bytes + 1)
-    except zlib.error as e:
-        raise WireError("malformed", f"{name}: not valid gzip: {e}") from None
-    if len(out) > max_bytes:
-        raise WireError("too_large", f"{name} inflates to more than {max_bytes} bytes")
-    return out
+        return gunzip(data, max_bytes)
+    except GzipTooLarge:
+        raise WireError("too_large", f"{name} inflates to more than {max_bytes} bytes") from None
+    except GzipError as e:
+        raise WireError("malformed", f"{name} {e}") from None
 
 
 def symbolize_file(

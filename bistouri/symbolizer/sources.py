@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +34,7 @@ from pathlib import Path
 import requests
 from prometheus_client import CollectorRegistry, Counter
 
+from .. import atomicfile
 from ..elf import ELF_MAGIC, read_build_id
 from .tenants import TENANT_RE
 
@@ -384,7 +384,6 @@ class DebugSources:
 
     def _fetch(self, url: str, dest: str, hexid: str) -> str | None:
         """Download into the cache; None on success, else a reason."""
-        tmp = None
         try:
             with self._http.get(url, stream=True, timeout=self.timeout_s) as r:
                 if r.status_code == 404:
@@ -402,23 +401,23 @@ class DebugSources:
                     )
                     return "too_large"
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".tmp.", dir=os.path.dirname(dest))
                 total = 0
-                with os.fdopen(fd, "wb") as f:
+                with atomicfile.replacing(dest) as out:  # a cache: not synced
                     for chunk in r.iter_content(1 << 20):
                         total += len(chunk)
                         if total > self.max_download:
+                            out.discard()
                             self.metrics.fetch_errors.labels("too_large").inc()
                             log.warning("debuginfod download passed the size limit. url=%s", url)
                             return "too_large"
-                        f.write(chunk)
-                self.metrics.fetched_bytes.inc(total)
-            if not self._valid(tmp, hexid):
-                self.metrics.fetch_errors.labels("bad_build_id").inc()
-                log.warning("debuginfod sent a file with another build id, or not ELF. url=%s", url)
-                return "bad_build_id"
-            os.replace(tmp, dest)
-            tmp = None
+                        out.file.write(chunk)
+                    self.metrics.fetched_bytes.inc(total)
+                    out.finish()
+                    if not self._valid(out.path, hexid):
+                        out.discard()
+                        self.metrics.fetch_errors.labels("bad_build_id").inc()
+                        log.warning("debuginfod sent a file with another build id, or not ELF. url=%s", url)
+                        return "bad_build_id"
             if self._cache_bytes >= 0:
                 self._cache_bytes += total
             return None
@@ -434,12 +433,6 @@ class DebugSources:
             self.metrics.fetch_errors.labels("disk").inc()
             log.warning("Cannot write a debuginfod download to the cache. dest=%s error=%s", dest, e)
             return "disk"
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
 
     # --- cache size ------------------------------------------------------------
 

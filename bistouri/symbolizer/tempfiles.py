@@ -1,27 +1,24 @@
-"""Temporary files of the state directory, named by the process writing them, swept once it is gone.
+"""Temporary files of the state directory, swept once the process writing them is gone.
 
 A worker killed while it writes an upload or a snapshot (an OOM kill, a restart) leaves its partial
-file behind. Each one is named `.tmp.<pid>.<random>`: a file whose writer is no longer alive, or that
-no one touched for MAX_AGE_S, is deleted by `sweep()`, at a worker's start and periodically
-(Ingest.maybe_retention). Files of the older form `.tmp.<random>` are swept once MAX_AGE_S old.
+file behind. Each one is named `.tmp.<pid>.<random>` (atomicfile.py writes them): a file whose
+writer is no longer alive, or that no one touched for MAX_AGE_S, is deleted by `sweep()`, at a
+worker's start and periodically (Ingest.maybe_retention). Files of the older form `.tmp.<random>`
+are swept once MAX_AGE_S old.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
+
+from .. import atomicfile
 
 log = logging.getLogger(__name__)
 
-PREFIX = ".tmp."
+PREFIX = atomicfile.TEMP_PREFIX
 MAX_AGE_S = 24 * 3600.0  # an upload at a crawl still writes at least once a minute
-
-
-def create(directory: str | os.PathLike[str]) -> tuple[int, str]:
-    """A new temporary file in `directory` (the one its final name is in, so that os.replace is atomic)."""
-    return tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}.", dir=directory)
 
 
 def _alive(pid: int) -> bool:

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .. import threads
+from .. import atomicfile, threads
 from ..bpf import abi
 from ..bpf.handles import Map
 from ..elf import ElfFile, ElfFormatError
@@ -397,13 +397,11 @@ class UnwindTables:
         assert self.cache_dir is not None
         try:
             os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
-            tmp = f"{path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(_CACHE_HEAD.pack(_CACHE_MAGIC, len(t.segments), t.row_count))
+            with atomicfile.replacing(path) as out:  # a cache: rebuilt if lost, not synced
+                out.file.write(_CACHE_HEAD.pack(_CACHE_MAGIC, len(t.segments), t.row_count))
                 for seg in t.segments:
-                    f.write(_SEGMENT.pack(*seg))
-                f.write(t.rows)
-            os.replace(tmp, path)
+                    out.file.write(_SEGMENT.pack(*seg))
+                out.file.write(t.rows)
             self._on_disk.add(bytes.fromhex(os.path.basename(path).removesuffix(".unw")))
             self._trim_cache()
         except OSError as e:

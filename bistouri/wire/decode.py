@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 
 from ..errors import WireError
-from ..pressure import RESOURCES, STALLS
+from ..pressure import RESOURCES, STALLS, PressureFigures
 from .model import (
     FRAME_JIT,
     FRAME_KINDS,
@@ -123,10 +123,12 @@ def session_from_wire(m: Any) -> Session:
         window_us=_u64(trig.get("window_us", 0), where + ".trigger.window_us"),
         cgroup=cgroup,
         time_ns=_u64(trig.get("time_ns", 0), where + ".trigger.time_ns"),
-        avg10=_float(avg[0], where + ".trigger.avg"),
-        avg60=_float(avg[1], where + ".trigger.avg"),
-        avg300=_float(avg[2], where + ".trigger.avg"),
-        total_us=_u64(trig.get("total_us", 0), where + ".trigger.total_us"),
+        pressure=PressureFigures(
+            avg10=_float(avg[0], where + ".trigger.avg"),
+            avg60=_float(avg[1], where + ".trigger.avg"),
+            avg300=_float(avg[2], where + ".trigger.avg"),
+            total_us=_u64(trig.get("total_us", 0), where + ".trigger.total_us"),
+        ),
     )
     k = _req(m, "kernel", dict, where)
     kbid = k.get("build_id", b"")

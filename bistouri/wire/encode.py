@@ -86,8 +86,8 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "window_us": tr.window_us,
         "cgroup": tr.cgroup,
         "time_ns": tr.time_ns,
-        "avg": [tr.avg10, tr.avg60, tr.avg300],
-        "total_us": tr.total_us,
+        "avg": [tr.pressure.avg10, tr.pressure.avg60, tr.pressure.avg300],
+        "total_us": tr.pressure.total_us,
     }
     # Optional keys only when they differ from their default: older readers ignore them,
     # and a session without them encodes byte for byte as before.

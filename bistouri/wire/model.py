@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..pressure import PressureFigures
+
 VERSION = 3
 # v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states
 READABLE_VERSIONS = (1, 2, 3)
@@ -107,13 +109,7 @@ class PressureEvent(Protocol):
     @property
     def time_ns(self) -> int: ...
     @property
-    def avg10(self) -> float: ...
-    @property
-    def avg60(self) -> float: ...
-    @property
-    def avg300(self) -> float: ...
-    @property
-    def total_us(self) -> int: ...
+    def pressure(self) -> PressureFigures: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +120,8 @@ class Trigger:
     window_us: int = 0
     cgroup: str = ""  # cgroup2 path relative to the mount, "/" for system-wide
     time_ns: int = 0  # wall clock of the PSI event
-    avg10: float = 0.0
-    avg60: float = 0.0
-    avg300: float = 0.0
-    total_us: int = 0
+    # The pressure file's figures when it fired (the wire's `avg` and `total_us`).
+    pressure: PressureFigures = field(default_factory=PressureFigures)
     kind: str = TRIGGER_PSI  # psi | manual
 
     @classmethod
@@ -141,10 +135,7 @@ class Trigger:
             window_us=event.window_us,
             cgroup=cgroup,
             time_ns=event.time_ns,
-            avg10=event.avg10,
-            avg60=event.avg60,
-            avg300=event.avg300,
-            total_us=event.total_us,
+            pressure=event.pressure,
         )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bistouri.host import mounts
+
 pytestmark = pytest.mark.bpf
 
 
@@ -28,7 +30,7 @@ def test_check_reports_this_machine_truthfully():
     status = Path("/proc/self/status").read_text().splitlines()
     caps = int(next(x for x in status if x.startswith("CapEff")).split()[1], 16)
     assert lines["cap CAP_SYS_RESOURCE"] == ("OK" if caps >> 24 & 1 else "WARN")
-    tracefs = any(line.split()[2] == "tracefs" for line in Path("/proc/mounts").read_text().splitlines())
+    tracefs = any(m.fstype == "tracefs" for m in mounts.read())
     assert lines["tracefs"] == ("OK" if tracefs else "WARN")
 
 

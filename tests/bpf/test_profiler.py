@@ -19,7 +19,7 @@ from bistouri.capture.events import ExecMatch, SentSamples, StackSample, split_s
 from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, ProfilerOptions
 from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
-from tests.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
+from testkit.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.bpf
 

@@ -31,7 +31,7 @@ from bistouri.elf import ElfFile
 from bistouri.host.procmaps import FrameStatus
 from bistouri.unwind.ehframe import ROW, CfaKind, file_fdes
 from bistouri.unwind.tables import UnwindTables
-from tests.helpers import wait_until
+from testkit.helpers import wait_until
 
 pytestmark = pytest.mark.bpf
 
@@ -333,7 +333,7 @@ def _in(chain: Chain, binary: str, syms: dict[str, tuple[int, int]], function: s
 def test_a_signal_handler_frame_is_unwound_through_to_the_interrupted_code(workloads: Path) -> None:
     """The handler's caller is __restore_rt (a signal FDE): the walk reads the interrupted
     registers from the ucontext and goes on through the frameless code to main."""
-    from tests.helpers import symbols
+    from testkit.helpers import symbols
 
     binary = workloads / "nofp_signal"
     syms = symbols(binary)
@@ -348,7 +348,7 @@ def test_a_signal_handler_frame_is_unwound_through_to_the_interrupted_code(workl
 
 
 def test_cxx_exception_path_is_unwound_through_the_unwinder_to_main(workloads: Path) -> None:
-    from tests.helpers import symbols
+    from testkit.helpers import symbols
 
     binary = workloads / "nofp_throw"
     syms = symbols(binary)

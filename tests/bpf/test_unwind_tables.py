@@ -12,7 +12,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.profiler import Profiler, ProfilerOptions
-from tests.helpers import build_id, wait_until
+from testkit.helpers import build_id, wait_until
 
 pytestmark = pytest.mark.bpf
 

@@ -12,7 +12,7 @@ from bistouri.bpf import abi
 from bistouri.capture.events import StackSample, split_stacks
 from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.host.procmaps import FrameStatus
-from tests.helpers import build_id, symbols, wait_until
+from testkit.helpers import build_id, symbols, wait_until
 
 pytestmark = pytest.mark.bpf
 

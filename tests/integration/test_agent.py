@@ -13,8 +13,8 @@ import pytest
 
 from bistouri import wire
 from bistouri.bpf import abi
-from tests.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
-from tests.integration.agent_harness import AgentProcess, burner_config
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup, bistouri_prog_ids, build_id, symbols, wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
@@ -56,7 +56,9 @@ def _check_cpu_session(agent: AgentProcess, cg: Cgroup, workloads: Path, t0: flo
     assert elapsed <= 15
     assert s.service == "burner_svc" and s.tenant == "test"
     assert (
-        s.trigger.cgroup == cg.rel and s.trigger.avg10 >= 0 and s.trigger.window_us in (1_000_000, 2_000_000)
+        s.trigger.cgroup == cg.rel
+        and s.trigger.pressure.avg10 >= 0
+        and s.trigger.window_us in (1_000_000, 2_000_000)
     )
     assert len(s.processes) == 3 and set(s.processes.values()) == {"burner"}
     assert s.kernel.release and s.kernel.build_id and s.period_ns == 1_000_000_000 // 19

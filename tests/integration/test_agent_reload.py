@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.agent_harness import AgentProcess, burner_config
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

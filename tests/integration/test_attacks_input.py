@@ -18,7 +18,7 @@ from typing import Any
 import requests
 
 from bistouri import wire
-from tests.hostile import (
+from testkit.hostile import (
     deep_session,
     gunicorn_workers,
     kallsyms_bomb,
@@ -27,8 +27,8 @@ from tests.hostile import (
     peak_rss_bytes,
     rust_v0_bomb,
 )
-
-from .conftest import KALLSYMS, KERNEL_BUILD_ID, KERNEL_IPS, SymbolizerURL, post_sessions, put_kernel
+from testkit.symbolizer import KALLSYMS, KERNEL_BUILD_ID, KERNEL_IPS, SymbolizerURL
+from tests.integration.conftest import post_sessions, put_kernel
 
 MAX_WORKER_RSS = 300 << 20
 GZIP_HEADERS = {"Content-Type": "application/x-msgpack", "Content-Encoding": "gzip"}

@@ -8,9 +8,9 @@ import time
 import pytest
 import requests
 
-from tests.helpers import Cgroup, wait_until
-from tests.integration.agent_harness import AgentProcess, burner_config
-from tests.integration.conftest import stop
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup, wait_until
+from testkit.symbolizer import stop
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

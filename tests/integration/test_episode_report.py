@@ -29,8 +29,8 @@ from bistouri.capture.profiler import Profiler, ProfilerOptions, kernel_tracepoi
 from bistouri.capture.sessions import SessionCapture
 from bistouri.host.cgroupfs import find_mounts
 from bistouri.symbolizer.kallsyms import parse_kallsyms
-from tests.helpers import Cgroup, build_id, symbols, wait_until
-from tests.integration.agent_harness import SessionSink, capture_in_process
+from testkit.agent_harness import SessionSink, capture_in_process
+from testkit.helpers import Cgroup, build_id, symbols, wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import wait_until
-from tests.integration.fleet import UNIT_MEMORY_BYTES, Fleet, Instance, code_offsets
-from tests.integration.loadbalancer import HAProxy
-from tests.integration.pg import PgServer
+from testkit.fleet import UNIT_MEMORY_BYTES, Fleet, Instance, code_offsets
+from testkit.helpers import wait_until
+from testkit.loadbalancer import HAProxy
+from testkit.pg import PgServer
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from bistouri import wire
-from tests.helpers import Cgroup, cgroup2_mount, wait_until
-from tests.integration.agent_harness import AgentProcess
+from testkit.agent_harness import AgentProcess
+from testkit.helpers import Cgroup, cgroup2_mount, wait_until
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Cgroup, wait_until
-from tests.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb
-from tests.integration.agent_harness import AgentProcess, burner_config
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup, wait_until
+from testkit.hostile_cfi import EH_FRAME_ADDR, elf_with_eh_frame, row_bomb
 from tests.integration.test_record import record
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]

@@ -14,8 +14,9 @@ from typing import Any
 import requests
 
 from bistouri import wire
+from testkit.symbolizer import KERNEL_BUILD_ID, metric_value
+from tests.integration.conftest import DemoBinary, make_session, post_sessions, put_kernel
 
-from .conftest import KERNEL_BUILD_ID, DemoBinary, make_session, metric_value, post_sessions, put_kernel
 from .fullfs import fill, small_tmpfs
 
 

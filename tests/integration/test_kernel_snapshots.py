@@ -24,11 +24,12 @@ from bistouri.agent.exporter import Exporter
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
 from bistouri.host.kernel import read_kallsyms, read_kernel_meta
+from bistouri.pressure import PressureFigures
 from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 from bistouri.wire.snapshot import loaded_code_digest
-from tests.helpers import wait_until
+from testkit.helpers import wait_until
 
 DEADLINE_S = 60.0
 BUILD_ID = bytes.fromhex("6b65726e656c2d666f722d74657374732d303031")
@@ -38,7 +39,9 @@ def kernel_session(sid: str, build_id: bytes, boot_id: bytes, text_addr: int, ip
     frame = wire.UserFrame(wire.FRAME_UNKNOWN, b"", 0x1000)
     return wire.Session(
         session_id=sid,
-        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/t.slice", 10**18, 1.0, 1.0, 1.0, 1),
+        trigger=wire.Trigger(
+            "cpu", "some", 100_000, 2_000_000, "/t.slice", 10**18, pressure=PressureFigures(1.0, 1.0, 1.0, 1)
+        ),
         kernel=wire.KernelInfo("6.18.0-test", build_id, text_addr, boot_id),
         start_ns=10**18,
         duration_ns=10**9,

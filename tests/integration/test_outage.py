@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import requests
 
-from tests.helpers import Cgroup, wait_until
-from tests.integration.agent_harness import AgentProcess, burner_config
-from tests.integration.conftest import metric_value
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup, wait_until
+from testkit.symbolizer import metric_value
 from tests.integration.fullfs import fill, small_tmpfs
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]

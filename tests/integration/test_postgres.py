@@ -17,16 +17,9 @@ import requests
 
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
 from bistouri.symbolizer.service.store import SCHEMA_VERSION, Filter, Store, StoredSession
-
-from .conftest import (
-    KERNEL_BUILD_ID,
-    DemoBinary,
-    make_session,
-    metric_value,
-    post_sessions,
-    put_kernel,
-)
-from .pg import PgServer
+from testkit.pg import PgServer
+from testkit.symbolizer import KERNEL_BUILD_ID, metric_value
+from tests.integration.conftest import DemoBinary, make_session, post_sessions, put_kernel
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (3) is the PostgreSQL driver")
 

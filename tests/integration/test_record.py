@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Cgroup
+from testkit.helpers import Cgroup
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 
@@ -248,7 +248,7 @@ def test_nothing_heavy_is_imported_before_the_targets_are_sampled(tmp_path, work
 
 def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
     from bistouri.record import symcache
-    from tests.helpers import build_id
+    from testkit.helpers import build_id
 
     cache = tmp_path / "cache"
     runs = []

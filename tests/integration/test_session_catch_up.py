@@ -15,8 +15,8 @@ from bistouri import wire
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample
 from bistouri.capture.profiler import Profiler, ProfilerOptions
-from tests.helpers import wait_until
-from tests.integration.agent_harness import SessionSink, capture_in_process
+from testkit.agent_harness import SessionSink, capture_in_process
+from testkit.helpers import wait_until
 
 pytestmark = pytest.mark.bpf
 

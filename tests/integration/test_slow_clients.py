@@ -34,8 +34,9 @@ from bistouri.symbolizer.service.worker import (
     MIN_BODY_RATE,
     WRITE_TIMEOUT_S,
 )
-from tests.helpers import wait_until
-from tests.integration.conftest import KERNEL_BUILD_ID, metric_value, post_sessions, put_kernel
+from testkit.helpers import wait_until
+from testkit.symbolizer import KERNEL_BUILD_ID, metric_value
+from tests.integration.conftest import post_sessions, put_kernel
 
 SLOW_CLIENTS = 50
 HEALTHZ_TARGET_S = 0.100

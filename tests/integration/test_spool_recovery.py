@@ -24,9 +24,10 @@ from bistouri import wire
 from bistouri.agent.exporter import Exporter
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
-from tests.helpers import wait_until
-from tests.integration.conftest import KALLSYMS, KERNEL_BUILD_ID, free_port, make_session
-from tests.integration.loadbalancer import HAProxy
+from testkit.helpers import wait_until
+from testkit.loadbalancer import HAProxy
+from testkit.symbolizer import KALLSYMS, KERNEL_BUILD_ID, free_port
+from tests.integration.conftest import make_session
 
 SCALE = 100  # 1 s of the real schedule is 10 ms here
 CAP_S = Exporter.BACKOFF_MAX_S / SCALE

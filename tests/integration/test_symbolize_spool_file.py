@@ -15,10 +15,10 @@ from bistouri import wire
 from bistouri.agent.spool import Spool
 from bistouri.errors import WireError
 from bistouri.symbolizer.resolve import read_session_file
-from tests.helpers import Cgroup
-from tests.integration.agent_harness import AgentProcess, burner_config
-
-from .conftest import KALLSYMS, KERNEL_BUILD_ID, REPO, DemoBinary, clean_env, make_session
+from testkit.agent_harness import AgentProcess, burner_config
+from testkit.helpers import Cgroup
+from testkit.symbolizer import KALLSYMS, KERNEL_BUILD_ID, REPO, clean_env
+from tests.integration.conftest import DemoBinary, make_session
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

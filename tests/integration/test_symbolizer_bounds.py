@@ -24,21 +24,21 @@ import pytest
 import requests
 
 from bistouri import wire
+from bistouri.pressure import PressureFigures
 from bistouri.symbolizer.model import SessionMeta
 from bistouri.symbolizer.service.store import Store, StoredSession
-from tests import hostile
-from tests.helpers import wait_until
-
-from .conftest import (
+from testkit import hostile
+from testkit.helpers import wait_until
+from testkit.symbolizer import (
     SymbolizerURL,
     clean_env,
     free_port,
     metric_value,
-    post_sessions,
     stop,
     symbolizer_command,
     wait_healthy,
 )
+from tests.integration.conftest import post_sessions
 
 MEMCG_ROOT = Path("/sys/fs/cgroup/memory")
 UNIT_LIMIT = 1 << 30  # the symbolizer's unit: MemoryMax=1G
@@ -312,7 +312,7 @@ def test_nan_never_reaches_json(service: Callable[..., Service]) -> None:
     svc = service()
     bad = replace(
         hostile.deep_session("nan-1", 0, ()),
-        trigger=wire.Trigger("cpu", avg10=float("nan"), avg60=float("inf")),
+        trigger=wire.Trigger("cpu", pressure=PressureFigures(avg10=float("nan"), avg60=float("inf"))),
         start_ns=4_000_000_000 * 10**9,  # far future: it would head the list for good
     )
     r = post_sessions(svc.url, [bad])
@@ -323,7 +323,9 @@ def test_nan_never_reaches_json(service: Callable[..., Service]) -> None:
     assert r.status_code == 400 and [x["id"] for x in r.json()["rejected"]] == ["future-1"], r.text
     # A session stored by an older version, NaN in its metadata.
     db = Store(str(svc.url.state_dir / "bistouri.db"))
-    meta = replace(SessionMeta.from_wire(hostile.deep_session("old-nan", 0, ())), avg10=float("nan"))
+    meta = replace(
+        SessionMeta.from_wire(hostile.deep_session("old-nan", 0, ())), pressure=PressureFigures(float("nan"))
+    )
     from bistouri.symbolizer.model import Profile
 
     db.insert(StoredSession(meta, Profile(meta), b""))

@@ -25,23 +25,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bistouri import wire
-from tests.pprof_proto import compile_profile_proto
-
-from .conftest import (
+from testkit.symbolizer import (
     FIXTURES,
     KALLSYMS,
     KERNEL_BUILD_ID,
     REPO,
-    DemoBinary,
     clean_env,
     free_port,
-    make_session,
     metric_value,
-    post_sessions,
-    put_kernel,
     stop,
     symbolizer_command,
 )
+from tests.integration.conftest import DemoBinary, make_session, post_sessions, put_kernel
+from tests.pprof_proto import compile_profile_proto
 
 TOKEN = "s3cret-token"
 KERNEL_HEX = KERNEL_BUILD_ID.hex()

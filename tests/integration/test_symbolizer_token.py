@@ -11,9 +11,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import wait_until
-
-from .conftest import REPO, clean_env, free_port, symbolizer_command
+from testkit.helpers import wait_until
+from testkit.symbolizer import REPO, clean_env, free_port, symbolizer_command
 
 
 def _run(tmp_path: Path, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import KALLSYMS, KERNEL_BUILD_ID, clean_env, post_sessions, symbolizer_command
+from testkit.symbolizer import KALLSYMS, KERNEL_BUILD_ID, clean_env, symbolizer_command
+from testkit.uploads import build
+from tests.integration.conftest import post_sessions
 from tests.integration.test_upload_trust import PWNED, forge, tenant_session, upload
-from tests.integration.test_uploads import build
 
 WRITE_A, WRITE_B, SHARED, READ, ADMIN = "tok-a", "tok-b", "tok-shared", "tok-read", "tok-admin"
 

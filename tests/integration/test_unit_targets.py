@@ -14,7 +14,7 @@ import pytest
 from bistouri.agent.config import parse_targets_config
 from bistouri.agent.discovery import WalkJob, walk_processes
 from bistouri.agent.matcher import CommMatcher
-from tests.helpers import Cgroup, cgroup2_mount
+from testkit.helpers import Cgroup, cgroup2_mount
 
 NOBODY_UID = 65534
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]

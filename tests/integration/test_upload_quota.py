@@ -16,9 +16,10 @@ from typing import Any
 import requests
 
 from bistouri.symbolizer.service.worker import BODY_BUFFER_BYTES
-from tests.helpers import wait_until
-from tests.integration.conftest import metric_value, post_sessions, stop
-from tests.integration.test_uploads import Program, build, names, session
+from testkit.helpers import wait_until
+from testkit.symbolizer import metric_value, stop
+from testkit.uploads import Program, build, names, session
+from tests.integration.conftest import post_sessions
 
 DEADLINE_S = 30.0
 PAD = 64 << 20  # zeros after the ELF file: 64 MiB inflated from ~64 KB of gzip

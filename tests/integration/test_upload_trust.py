@@ -17,9 +17,10 @@ from typing import Any
 import requests
 
 from bistouri import wire
-from tests.helpers import wait_until
-from tests.integration.conftest import KALLSYMS, KERNEL_BUILD_ID, metric_value, post_sessions
-from tests.integration.test_uploads import Program, build, names, session
+from testkit.helpers import wait_until
+from testkit.symbolizer import KALLSYMS, KERNEL_BUILD_ID, metric_value
+from testkit.uploads import Program, build, names, session
+from tests.integration.conftest import post_sessions
 
 TOKEN = "shared-write-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

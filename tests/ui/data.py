@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bistouri import wire
 from bistouri.elf import ElfFile
+from bistouri.pressure import PressureFigures
 
 KERNEL_BUILD_ID = bytes.fromhex("b15707e1" * 5)
 KERNEL_RELEASE = "6.1.0-ui-test"
@@ -136,10 +137,7 @@ def _session(
             window_us=1_000_000,
             cgroup=f"/system.slice/{service}.service",
             time_ns=start_ns,
-            avg10=avg[0],
-            avg60=avg[1],
-            avg300=avg[2],
-            total_us=98_765_432,
+            pressure=PressureFigures(*avg, total_us=98_765_432),
         ),
         kernel=wire.KernelInfo(release=KERNEL_RELEASE, build_id=KERNEL_BUILD_ID, text_addr=TEXT),
         start_ns=start_ns,

@@ -15,14 +15,7 @@ import pytest
 import requests
 
 from bistouri import wire
-from tests.integration.conftest import (
-    SymbolizerURL,
-    clean_env,
-    free_port,
-    stop,
-    symbolizer_command,
-    wait_healthy,
-)
+from testkit.symbolizer import SymbolizerURL, clean_env, free_port, stop, symbolizer_command, wait_healthy
 from tests.ui import data
 from tests.ui.conftest import ROOT
 

@@ -15,7 +15,7 @@ from bistouri.capture.events import ResolvedStacks, SentSamples, StackSample, de
 from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procmaps import USER_FRAME, FrameStatus, MappedFile, ProcMaps, Unmapped
-from tests.helpers import build_id, run_python_as_nobody
+from testkit.helpers import build_id, run_python_as_nobody
 
 
 def fake_proc(root: Path, pid: int, maps: str) -> None:

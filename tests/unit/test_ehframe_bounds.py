@@ -15,7 +15,7 @@ from bistouri.unwind.ehframe import (
     build_table,
     parse_fdes,
 )
-from tests.hostile_cfi import EH_FRAME_ADDR, cie, elf_with_eh_frame, fde, row_bomb
+from testkit.hostile_cfi import EH_FRAME_ADDR, cie, elf_with_eh_frame, fde, row_bomb
 
 
 def _one_fde(program: bytes) -> bytes:

@@ -1,6 +1,6 @@
 """Attack suite, in process: hostile symbols, msgpack shapes and stack depths against the symbolizer's parts.
 
-Each input here once broke something (see tests/hostile.py); hypothesis then looks for the next one. The
+Each input here once broke something (see testkit/hostile.py); hypothesis then looks for the next one. The
 same inputs go through the real service in tests/integration/test_attacks_input.py.
 """
 
@@ -29,7 +29,7 @@ from bistouri.symbolizer.demangle import demangle
 from bistouri.symbolizer.kallsyms import KallsymsError, KallsymsTooLarge, parse_kallsyms
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
 from bistouri.symbolizer.service.store import Store
-from tests.hostile import cxx_bomb, kallsyms_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
+from testkit.hostile import cxx_bomb, kallsyms_bomb, msgpack_empty_arrays_bomb, rust_v0_bomb
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

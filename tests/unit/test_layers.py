@@ -1,9 +1,9 @@
 """The layers contract: which package of bistouri may import which (docs/architecture.md, "Layers").
 
-Low to high: the base modules (errors, logtext, pressure, threads) -> elf, wire -> bpf, host -> unwind ->
-capture -> agent, record. The symbolizer library sits on the base, elf and wire only; its service on the
-library too. Only the command line (cli, __main__) sees everything. Every import counts: module level,
-inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
+Low to high: the base modules (atomicfile, errors, logtext, pressure, threads) -> elf, wire -> bpf,
+host -> unwind -> capture -> agent, record. The symbolizer library sits on the base, elf and wire only; its
+service on the library too. Only the command line (cli, __main__) sees everything. Every import counts:
+module level, inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ ALLOWED: dict[str, set[str]] = {
     "service": _LOW | {"symbolizer"},
 }
 ALLOWED["cli"] = set(ALLOWED)  # the command line dispatches to every component
-_BASE = {"bistouri", "bistouri.errors", "bistouri.logtext", "bistouri.pressure", "bistouri.threads"}
+_BASE = {
+    "bistouri",
+    "bistouri.atomicfile",
+    "bistouri.errors",
+    "bistouri.logtext",
+    "bistouri.pressure",
+    "bistouri.threads",
+}
 _CLI = {"bistouri.cli", "bistouri.__main__"}
 
 

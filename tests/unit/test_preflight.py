@@ -9,7 +9,9 @@ def _host(tmp_path: Path, caps: int, pressure: bool = True, mounts: str = "") ->
     proc = tmp_path / "proc"
     (proc / "self").mkdir(parents=True)
     (proc / "self/status").write_text(f"Name:\tx\nCapEff:\t{caps:016x}\n")
-    (proc / "mounts").write_text(mounts or "cgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n")
+    (proc / "self/mountinfo").write_text(
+        mounts or "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    )
     if pressure:
         (proc / "pressure").mkdir()
         for r in ("cpu", "memory", "io"):

@@ -95,16 +95,6 @@ def test_threads():
     assert list(procfs.iter_tids(999, PROC)) == []
 
 
-def test_find_cgroup2_mount_unescapes_and_takes_first():
-    assert procfs.find_cgroup2_mount(PROC) == "/sys/fs/cgroup/unified v2"
-
-
-def test_find_cgroup2_mount_none(tmp_path):
-    (tmp_path / "mounts").write_text("proc /proc proc rw 0 0\ncgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n")
-    assert procfs.find_cgroup2_mount(str(tmp_path)) is None
-    assert procfs.find_cgroup2_mount(str(tmp_path / "missing")) is None
-
-
 # -- the live /proc of this machine
 
 

@@ -17,13 +17,12 @@ from bistouri.agent import config
 from bistouri.host import psi
 from bistouri.host.psi import (
     Pressure,
-    PressureLine,
     PsiLoop,
     allowed_window_us,
     parse_pressure,
     read_pressure,
 )
-from bistouri.pressure import PressureThreshold
+from bistouri.pressure import PressureFigures, PressureThreshold
 
 CGROUP = Path(__file__).resolve().parent.parent / "fixtures" / "cgroup"
 
@@ -41,21 +40,21 @@ def sample(reg: CollectorRegistry, name: str, **labels: str) -> float:
 
 def test_read_pressure_cgroup_fixture():
     p = read_pressure(str(CGROUP / "system.slice" / "nginx.service" / "cpu.pressure"))
-    assert p.some == PressureLine(12.5, 3.25, 0.8, 123456789)
-    assert p.full == PressureLine(4.0, 1.0, 0.2, 45678901)
+    assert p.some == PressureFigures(12.5, 3.25, 0.8, 123456789)
+    assert p.full == PressureFigures(4.0, 1.0, 0.2, 45678901)
     assert p.line("full") is p.full and p.line("some") is p.some
 
 
 def test_read_pressure_u64_total():
     p = read_pressure(str(CGROUP / "system.slice" / "nginx.service" / "io.pressure"))
-    assert p.some.total == 2**64 - 1 and p.some.avg10 == 99.99
+    assert p.some.total_us == 2**64 - 1 and p.some.avg10 == 99.99
 
 
 def test_parse_by_key_not_position_and_missing_full():
     p = read_pressure(str(CGROUP / "cpu.pressure"))
-    assert p.some == PressureLine(avg10=1.10, avg60=0.20, avg300=0.03, total=777)
+    assert p.some == PressureFigures(avg10=1.10, avg60=0.20, avg300=0.03, total_us=777)
     assert p.full is None
-    assert p.line("full") == PressureLine()
+    assert p.line("full") == PressureFigures()
 
 
 @pytest.mark.parametrize(
@@ -74,7 +73,7 @@ def test_live_system_pressure():
     if not os.path.exists("/proc/pressure/cpu"):
         pytest.skip("kernel without PSI (/proc/pressure missing)")
     p = read_pressure("/proc/pressure/cpu")
-    assert p.some.total > 0  # this host has run something since boot
+    assert p.some.total_us > 0  # this host has run something since boot
 
 
 @pytest.mark.parametrize(
@@ -196,7 +195,9 @@ def test_loop_reports_a_dead_watch_once(tmp_path):
 
 
 def test_event_to_trigger():
-    ev = psi.PsiEvent("k", "io", "full", 200_000, 2_000_000, "/x/io.pressure", 5, 1.5, 2.5, 3.5, 99)
+    ev = psi.PsiEvent(
+        "k", "io", "full", 200_000, 2_000_000, "/x/io.pressure", 5, PressureFigures(1.5, 2.5, 3.5, 99)
+    )
     t = wire.Trigger.from_psi(ev, "/x")
     assert (t.resource, t.stall, t.threshold_us, t.window_us, t.cgroup) == (
         "io",
@@ -205,7 +206,7 @@ def test_event_to_trigger():
         2_000_000,
         "/x",
     )
-    assert (t.time_ns, t.avg10, t.avg60, t.avg300, t.total_us) == (5, 1.5, 2.5, 3.5, 99)
+    assert (t.time_ns, t.pressure) == (5, PressureFigures(1.5, 2.5, 3.5, 99))
 
 
 def test_psi_does_not_import_the_wire_format():
@@ -229,4 +230,4 @@ def test_one_stall_formula_for_config_and_kernel_fallback(
     f.write_bytes(b"")
     t = PressureThreshold("cpu", threshold, window_ms=1000)
     with psi.PsiWatch("k", str(f), t, 0) as w:
-        assert w.stall_us == pressure.stall_threshold_us(threshold, w.window_us) and w.pressure is t
+        assert w.stall_us == pressure.stall_threshold_us(threshold, w.window_us) and w.threshold is t

@@ -9,9 +9,10 @@ import pytest
 
 from bistouri import wire
 from bistouri.errors import WireError
+from bistouri.pressure import PressureFigures
 from bistouri.symbolizer import formats
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
-from tests import hostile
+from testkit import hostile
 
 
 def _profile(sid: str, stacks: int, depth: int, base: int = 0) -> Profile:
@@ -63,13 +64,13 @@ def test_merge_stops_at_its_budget_and_says_so() -> None:
 def test_non_finite_psi_averages_are_refused_at_decode() -> None:
     for bad in (math.nan, math.inf, -math.inf):
         s = hostile.deep_session("nan", 0, ())
-        s.trigger = wire.Trigger("cpu", avg10=bad)
+        s.trigger = wire.Trigger("cpu", pressure=PressureFigures(avg10=bad))
         with pytest.raises(WireError, match="finite"):
             wire.decode_session(wire.encode_session(s))
 
 
 def test_stored_nan_reads_as_null() -> None:
-    meta = SessionMeta("old", avg10=math.nan, avg60=math.inf, avg300=1.5)
+    meta = SessionMeta("old", pressure=PressureFigures(math.nan, math.inf, 1.5))
     got = meta.to_json()["trigger"]
     assert (got["avg10"], got["avg60"], got["avg300"]) == (None, None, 1.5)
     json.dumps(meta.to_json(), allow_nan=False)

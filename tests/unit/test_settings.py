@@ -34,13 +34,14 @@ def test_defaults():
     assert any("tenant 'default'" in w for w in s.warnings)
 
 
-def test_cgroup_path_auto_detected_from_proc_mounts():
+def test_cgroup_path_auto_detected_from_proc_mountinfo():
     s = parse(["--proc-path", str(FIXTURE_PROC)])
     assert s.cgroup_path == "/sys/fs/cgroup/unified v2"
 
 
 def test_cgroup_path_missing_is_a_warning(tmp_path):
-    (tmp_path / "mounts").write_text("proc /proc proc rw 0 0\n")
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "mountinfo").write_text("23 1 0:22 / /proc rw - proc proc rw\n")
     s = parse(["--proc-path", str(tmp_path)])
     assert s.cgroup_path is None
     assert any("no cgroup2 mount" in w for w in s.warnings)

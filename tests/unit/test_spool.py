@@ -8,7 +8,7 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bistouri import wire
+from bistouri import atomicfile, wire
 from bistouri.agent.spool import Spool, read_waiting
 
 HEADER = wire.FILE_HEADER.size  # with no kernel build id
@@ -226,15 +226,13 @@ def test_files_of_format_1_still_read(tmp_path):
     assert sp.read(name) == b"old"
 
 
-class _DirFsyncFails(Spool):
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
+def test_directory_fsync_failure_keeps_the_session_and_counts_no_drop(tmp_path, monkeypatch):
+    def fails(path: str) -> None:
         raise OSError(5, "Input/output error")
 
-
-def test_directory_fsync_failure_keeps_the_session_and_counts_no_drop(tmp_path):
+    monkeypatch.setattr(atomicfile, "fsync_dir", fails)
     reg = CollectorRegistry()
-    sp = _DirFsyncFails(str(tmp_path / "spool"), 10_000, registry=reg)
+    sp = Spool(str(tmp_path / "spool"), 10_000, registry=reg)
     name = sp.put("f1", b"data")
     assert name is not None  # it was a drop before, though the file stayed and was sent
     assert [e.name for e in sp.pending()] == [name]

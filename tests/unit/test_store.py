@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import sqlite3
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bistouri import wire
+from bistouri.pressure import PressureFigures
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
 from bistouri.symbolizer.service import store as store_mod
 from bistouri.symbolizer.service.store import Filter, Store, StoredSession, StoreError
@@ -193,10 +195,12 @@ def test_several_processes_share_the_database(db: Store) -> None:
     assert db.stats()[0] == 40 + 40 + 40
 
 
-def test_meta_from_session() -> None:
+def test_session_meta_from_wire_and_through_its_stored_text() -> None:
     s = wire.Session(
         session_id="w1",
-        trigger=wire.Trigger("memory", "full", 1000, 2_000_000, "/a", 5, 1.5, 2.5, 3.5, 99),
+        trigger=wire.Trigger(
+            "memory", "full", 1000, 2_000_000, "/a", 5, pressure=PressureFigures(1.5, 2.5, 3.5, 99)
+        ),
         kernel=wire.KernelInfo("6.18", b"\x01" * 20, 0xFFFF),
         start_ns=7,
         duration_ns=8,
@@ -205,8 +209,8 @@ def test_meta_from_session() -> None:
         processes={1: "init"},
         traces=[wire.Trace((), (), 1, 1, on_cpu=2, off_cpu=3, off_cpu_ns=4)],
     )
-    m = store_mod.meta_from_session(s)
-    assert (m.resource, m.stall, m.window_us, m.cgroup, m.avg300, m.psi_total_us) == (
+    m = SessionMeta.from_wire(s)
+    assert (m.resource, m.stall, m.window_us, m.cgroup, m.pressure.avg300, m.pressure.total_us) == (
         "memory",
         "full",
         2_000_000,
@@ -216,6 +220,14 @@ def test_meta_from_session() -> None:
     )
     assert (m.on_cpu, m.off_cpu, m.off_cpu_ns, m.kernel_release, m.comm) == (2, 3, 4, "6.18", "init")
     assert store_mod.meta_from_text(store_mod.meta_to_text(m)) == m
+
+
+def test_the_pressure_figures_are_stored_under_the_keys_rows_always_had() -> None:
+    m = SessionMeta("p", pressure=PressureFigures(1.5, 2.5, 3.5, 99))
+    stored = json.loads(store_mod.meta_to_text(m))
+    assert "pressure" not in stored
+    assert [stored[k] for k in ("avg10", "avg60", "avg300", "psi_total_us")] == [1.5, 2.5, 3.5, 99]
+    assert store_mod.meta_from_text(json.dumps(stored)).pressure == m.pressure
 
 
 def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bistouri.symbolizer.service.store import Store
-from tests.helpers import wait_until
+from testkit.helpers import wait_until
 
 BID = "ab" * 20
 LEASE_NS = 200_000_000  # 0.2 s

@@ -11,6 +11,7 @@ import pytest
 
 from bistouri import wire
 from bistouri.errors import WireError
+from bistouri.pressure import PressureFigures
 from bistouri.wire import decode as wire_decode
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
@@ -58,7 +59,13 @@ def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False, v2: boo
     return wire.Session(
         session_id="6f1c2a8e-6b55-4a3e-9b9b-2a1f0d6c0001",
         trigger=wire.Trigger(
-            "cpu", "some", 100_000, 2_000_000, "/svc", 1_700_000_000_000_000_000, 12.5, 3.25, 1.0, 123456
+            "cpu",
+            "some",
+            100_000,
+            2_000_000,
+            "/svc",
+            1_700_000_000_000_000_000,
+            pressure=PressureFigures(12.5, 3.25, 1.0, 123456),
         ),
         kernel=wire.KernelInfo("6.18.44", bytes(range(100, 120)), 0xFFFFFFFF81000000),
         start_ns=1_700_000_000_000_000_000,

@@ -17,7 +17,6 @@ import logging
 import mimetypes
 import os
 import re
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,8 +29,9 @@ from werkzeug.security import safe_join
 from werkzeug.wrappers import Request, Response
 
 from ... import wire
-from ...errors import WireError
+from ...errors import GzipError, GzipTooLarge, WireError
 from .. import formats
+from ..gunzip import gunzip
 from ..kallsyms import (
     MAX_UPLOAD_BYTES,
     KallsymsConflict,
@@ -221,19 +221,13 @@ def _timed_reader(request: Request) -> Callable[[int], bytes]:
 
 
 def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress one gzip member, refusing output over `limit` bytes (gzip bombs)."""
-    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    """A gzip'd request body inflated, refused over `limit` bytes (gzip bombs)."""
     try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise ApiError(400, "bad_encoding", f"body is not valid gzip: {e}")
-    if len(out) > limit or d.unconsumed_tail:
+        return gunzip(data, limit)
+    except GzipTooLarge:
         raise ApiError(413, "too_large", f"body decompresses to more than {limit} bytes")
-    if not d.eof:
-        raise ApiError(400, "bad_encoding", "gzip body is truncated")
-    if d.unused_data:
-        raise ApiError(400, "bad_encoding", "trailing data after the gzip member")
-    return out
+    except GzipError as e:
+        raise ApiError(400, "bad_encoding", f"the body {e}")
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import msgpack
 
 from ... import wire
 from ...errors import BistouriError
+from ...pressure import PressureFigures
 from ..model import Frame, Profile, Sample, SessionMeta
 from .store_uploads import UploadRows
 
@@ -198,18 +199,15 @@ class StoredSession:
 # Serialization of what goes in the blobs
 
 
-def meta_from_session(s: wire.Session, profile: Profile | None = None) -> SessionMeta:
-    """The metadata of a wire session, with totals from the profile when given."""
-    meta = SessionMeta.from_wire(s)
-    if profile is not None:
-        meta.on_cpu, meta.off_cpu, meta.off_cpu_ns = profile.totals()
-        meta.pre_on_cpu, meta.pre_off_cpu, meta.pre_off_cpu_ns = profile.totals("before")
-    return meta
+# The pressure figures are stored flat, under the names SessionMeta gave them before they were one
+# value: rows written before and since read the same. PressureFigures field -> stored key.
+_PRESSURE_KEYS = {"avg10": "avg10", "avg60": "avg60", "avg300": "avg300", "total_us": "psi_total_us"}
 
 
 def meta_to_text(m: SessionMeta) -> str:
-    d = {f.name: getattr(m, f.name) for f in fields(SessionMeta)}
+    d = {f.name: getattr(m, f.name) for f in fields(SessionMeta) if f.name != "pressure"}
     d["processes"] = [[p, c] for p, c in m.processes.items()]
+    d.update({key: getattr(m.pressure, name) for name, key in _PRESSURE_KEYS.items()})
     return json.dumps(d, separators=(",", ":"), sort_keys=True)
 
 
@@ -221,8 +219,9 @@ def summary_to_text(m: SessionMeta) -> str:
 def meta_from_text(text: str) -> SessionMeta:
     d = json.loads(text)
     d["processes"] = {int(p): c for p, c in d.get("processes", [])}
-    known = {f.name for f in fields(SessionMeta)}
-    return SessionMeta(**{k: v for k, v in d.items() if k in known})
+    known = {f.name for f in fields(SessionMeta)} - {"pressure"}
+    pressure = PressureFigures(**{name: d[key] for name, key in _PRESSURE_KEYS.items() if key in d})
+    return SessionMeta(pressure=pressure, **{k: v for k, v in d.items() if k in known})
 
 
 def profile_to_blob(p: Profile) -> bytes:

@@ -20,8 +20,8 @@ with the same claimant). The trust model (docs/deployment.md):
   files and bytes per tenant and in all; the least recently used uploads are evicted to make
   room, and by retention before any session.
 
-The body is decompressed as it arrives into a temporary file (tempfiles.py), never whole in
-memory. Accepted files are stored content-addressed under
+The body is decompressed as it arrives into a temporary file (atomicfile.py; tempfiles.py sweeps
+those of dead workers), never whole in memory. Accepted files are stored content-addressed under
 `<state>/uploads/<tenant>/.build-id/xx/rest` (executable) and `xx/rest.debug` (debug info).
 With PostgreSQL, claims, sizes and the files themselves are shared (in 1 MiB rows of
 `upload_parts`, written before the upload is marked done): an instance asked about a file
@@ -34,14 +34,15 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import atomicfile
 from ...elf import ELF_MAGIC, read_build_id
-from ...errors import BistouriError
+from ...errors import BistouriError, GzipError, GzipTooLarge
 from .. import tempfiles
+from ..gunzip import inflate
 from ..sources import DEBUGINFO, EXECUTABLE, KINDS, check_build_id
 from ..tenants import DEFAULT_TENANT, TENANT_RE
 from .store import Store
@@ -167,17 +168,19 @@ class Uploads:
         chunks = self.store.upload_chunks(scope, hexid, kind)
         if not chunks:
             return False
-        fd, tmp = tempfiles.create(self.tmp)
+        dest = self.path(scope, hexid, kind)
         try:
-            with os.fdopen(fd, "wb") as f:
+            # Written in .tmp/ (swept if this worker dies), not synced: the database holds the file.
+            with atomicfile.replacing(dest, tmp_dir=self.tmp) as out:
                 for seq in range(chunks):
                     data = self.store.upload_chunk(scope, hexid, kind, seq)
                     if data is None:
                         raise FileNotFoundError(f"chunk {seq} of {hexid} ({kind}) is gone")
-                    f.write(data)
-            if read_build_id(tmp) != bytes.fromhex(hexid):
-                raise ValueError(f"the stored {kind} of {hexid} is not that build id's")
-            self._place(tmp, scope, hexid, kind)
+                    out.file.write(data)
+                out.finish()
+                if read_build_id(out.path) != bytes.fromhex(hexid):
+                    raise ValueError(f"the stored {kind} of {hexid} is not that build id's")
+                dest.parent.mkdir(parents=True, exist_ok=True)
             return True
         except (OSError, ValueError) as e:  # expired meanwhile, or damaged: an agent uploads it again
             log.warning(
@@ -187,13 +190,7 @@ class Uploads:
                 kind,
                 e,
             )
-            _unlink(tmp)
             return False
-
-    def _place(self, tmp: str, scope: str, hexid: str, kind: str) -> None:
-        dest = self.path(scope, hexid, kind)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, dest)
 
     def have(self, scope: str, build_id: str) -> int:
         """The kinds present as a bit mask: 1 the executable, 2 the debug file."""
@@ -266,23 +263,24 @@ class Uploads:
         limit = min(self.max_bytes, tenant_bytes, self.quota.total_bytes)
         if self.store.max_db_bytes is not None:  # a file alone over the database's bound would go at once
             limit = min(limit, self.store.max_db_bytes)
-        fd, tmp = tempfiles.create(self.tmp)
+        dest = self.path(scope, hexid, kind)
         shared = False
         try:
-            with os.fdopen(fd, "wb") as f:
-                size = self._copy(read, f.write, gzipped, limit)
-            self._verify(tmp, size, hexid)
-            self._make_room(scope, size)
-            if self.store.postgres:  # before "done": another instance may fetch it at once
-                shared = True
-                self._share(tmp, scope, hexid, kind)
-            self._place(tmp, scope, hexid, kind)
+            # Written in .tmp/ (swept if this worker dies); not synced, as an agent uploads a lost file again.
+            with atomicfile.replacing(dest, tmp_dir=self.tmp) as out:
+                size = self._copy(read, out.file.write, gzipped, limit)
+                out.finish()
+                self._verify(out.path, size, hexid)
+                self._make_room(scope, size)
+                if self.store.postgres:  # before "done": another instance may fetch it at once
+                    shared = True
+                    self._share(out.path, scope, hexid, kind)
+                dest.parent.mkdir(parents=True, exist_ok=True)
             if not self.store.finish_upload(scope, hexid, kind, claimant, size):
-                _unlink(str(self.path(scope, hexid, kind)))
+                _unlink(str(dest))
                 shared = False  # the chunks are the new claimant's now
                 raise UploadRefused(409, "claim_lost", "the claim expired and another agent took it")
         except BaseException:
-            _unlink(tmp)
             if shared:  # only what this request wrote: never a copy already done
                 self.store.delete_upload_chunks(scope, hexid, kind)
             self.store.release_upload(scope, hexid, kind, claimant)
@@ -338,31 +336,18 @@ class Uploads:
         read: Callable[[int], bytes], write: Callable[[bytes], object], gzipped: bool, limit: int
     ) -> int:
         """Copy the body, inflated if gzip'd; at most `limit` bytes of file, whatever the compression."""
-        inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS) if gzipped else None
+        chunks = iter(lambda: read(_CHUNK), b"")
         size = 0
-        while True:
-            chunk = read(_CHUNK)
-            if not chunk:
-                break
-            if inflate is not None:
-                try:
-                    # Bounded output per step: a small gzip bomb never lands in memory whole.
-                    out = inflate.decompress(chunk, _CHUNK)
-                    while True:
-                        size += len(out)
-                        _check_size(size, limit)
-                        write(out)
-                        if not inflate.unconsumed_tail:
-                            break
-                        out = inflate.decompress(inflate.unconsumed_tail, _CHUNK)
-                except zlib.error as e:
-                    raise UploadRefused(400, "bad_encoding", f"the body is not valid gzip: {e}")
-            else:
-                size += len(chunk)
+        try:
+            # Bounded output per step: a small gzip bomb never lands in memory whole.
+            for out in inflate(chunks, limit, _CHUNK) if gzipped else chunks:
+                size += len(out)
                 _check_size(size, limit)
-                write(chunk)
-        if inflate is not None and not inflate.eof:
-            raise UploadRefused(400, "bad_encoding", "the gzip body is truncated")
+                write(out)
+        except GzipTooLarge:
+            raise _too_large(limit) from None
+        except GzipError as e:
+            raise UploadRefused(400, "bad_encoding", f"the body {e}")
         return size
 
     def remove(self, scope: str, build_id: str, kind: str) -> None:
@@ -379,12 +364,16 @@ class Uploads:
 
 def _check_size(size: int, limit: int) -> None:
     if size > limit:
-        raise UploadRefused(
-            413,
-            "too_large",
-            f"the file is over {limit} bytes (--max-upload-bytes, an upload quota or --max-db-bytes); "
-            "it is not kept",
-        )
+        raise _too_large(limit)
+
+
+def _too_large(limit: int) -> UploadRefused:
+    return UploadRefused(
+        413,
+        "too_large",
+        f"the file is over {limit} bytes (--max-upload-bytes, an upload quota or --max-db-bytes); "
+        "it is not kept",
+    )
 
 
 def _unlink(path: str) -> None:

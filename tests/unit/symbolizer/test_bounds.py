@@ -1,6 +1,6 @@
 """Issue 26: the symbolizer's parsers and caches bounded in bytes and time (N1, N2, N8).
 
-Each input is crafted here (tests/hostile.py) as an attacker would send it; each test failed on the
+Each input is crafted here (testkit/hostile.py) as an attacker would send it; each test failed on the
 reader before its bound. Wall-clock limits are wide (the unbounded reader took 10-100 times longer).
 """
 
@@ -24,7 +24,7 @@ from bistouri import elf
 from bistouri.elf import ElfFile, read_build_id
 from bistouri.symbolizer.kallsyms import KallsymsStore, kernel_key, parse_kallsyms
 from bistouri.symbolizer.llvm import LlvmPool
-from tests import hostile
+from testkit import hostile
 
 BID = bytes.fromhex("aa" * 20)
 

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.test import Client
 
 from bistouri import wire
+from bistouri.pressure import PressureFigures
 from bistouri.symbolizer import model
 from bistouri.symbolizer.kallsyms import KallsymsStore
 from bistouri.symbolizer.resolve import Resolver
@@ -35,7 +36,9 @@ def _session(sid: str) -> wire.Session:
     frame = wire.UserFrame(wire.FRAME_RESOLVED, bytes.fromhex("ab" * 20), 0x1234)
     return wire.Session(
         session_id=sid,
-        trigger=wire.Trigger("cpu", "some", 100_000, 2_000_000, "/t.slice", 1, 1.0, 1.0, 1.0, 1),
+        trigger=wire.Trigger(
+            "cpu", "some", 100_000, 2_000_000, "/t.slice", 1, pressure=PressureFigures(1.0, 1.0, 1.0, 1)
+        ),
         kernel=wire.KernelInfo("6.18.0-test", b"\x01" * 20, 0xFFFFFFFF81000000),
         start_ns=10**18,
         duration_ns=10**9,

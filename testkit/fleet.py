@@ -29,7 +29,7 @@ from bistouri import wire
 from bistouri.agent.exporter import Exporter
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
-from tests.integration.conftest import (
+from testkit.symbolizer import (
     KALLSYMS,
     KERNEL_BUILD_ID,
     KERNEL_IPS,

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .conftest import free_port
+from testkit.symbolizer import free_port
 
 
 class PgUnavailable(Exception):

@@ -10,13 +10,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from bistouri.host import mounts
+
 
 def cgroup2_mount() -> Path:
-    for line in Path("/proc/mounts").read_text().splitlines():
-        parts = line.split()
-        if parts[2] == "cgroup2":
-            return Path(parts[1])
-    raise RuntimeError("no cgroup2 mount")
+    found = mounts.find_cgroup2_mount()
+    if found is None:
+        raise RuntimeError("no cgroup2 mount")
+    return Path(found)
 
 
 class Cgroup:

@@ -18,7 +18,7 @@ from bistouri.agent.metrics import AgentMetrics
 from bistouri.agent.spool import read_waiting
 from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import read_kernel_meta
-from tests.helpers import wait_until
+from testkit.helpers import wait_until
 
 
 def free_port() -> int:

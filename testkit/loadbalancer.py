@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_port
+from testkit.symbolizer import free_port
 
 _CONFIG = """\
 global
