@@ -42,7 +42,7 @@ from .gunzip import GZIP_MAGIC, gunzip
 from .kallsyms import KallsymsIndex, KallsymsStore, kernel_key
 from .llvm import LlvmPool, Quarantine, SourceFrame
 from .sources import DEBUGINFO, EXECUTABLE, DebugSources
-from .stacks import ByLeaf, SessionStacks
+from .stacks import VDSO, ByLeaf, SessionStacks, label
 from .tenants import upload_scope
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Resolver:
         self._load_locks: dict[str, threading.Lock] = {}
         self._gen = itertools.count(1)
         # Equal frames share one object, so a session indexes them by id() without hashing.
-        self._interned: dict[model.Frame, model.Frame] = {_VDSO: _VDSO}
+        self._interned: dict[model.Frame, model.Frame] = {VDSO: VDSO}
 
     @classmethod
     def from_options(
@@ -428,7 +428,7 @@ class Resolver:
         got = self._interned.get(f)
         if got is None:
             if len(self._interned) >= self.cache_entries:
-                self._interned = {_VDSO: _VDSO}  # only sharing is lost
+                self._interned = {VDSO: VDSO}  # only sharing is lost
             got = self._interned[f] = f
         return got
 
@@ -580,17 +580,8 @@ class Resolver:
                     else:
                         hits[0] += 1
                         answers[fid] = got
-                elif f.kind == wire.FRAME_RESOLVED and f.name:
-                    # A file without a build id: its name and offset are all there is.
-                    answers[fid] = (intern(model.Frame(f"{f.name}+0x{f.address:x}", f.name)),)
-                elif f.kind == wire.FRAME_VDSO:
-                    answers[fid] = (_VDSO,)
-                elif f.kind == wire.FRAME_JIT:
-                    # Named by the process's perf map on the host: the name is the answer.
-                    answers[fid] = (intern(model.Frame(f.name, _JIT_MODULE, kind=model.KIND_JIT)),)
-                else:
-                    label = model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
-                    answers[fid] = (intern(label),)
+                else:  # a file without a build id, the vDSO, JIT code, unknown: a label
+                    answers[fid] = (intern(label(f)),)
         kernel_todo: list[tuple[int, bool]] = []
         k: _Kernel | None = None
         kidx: KallsymsIndex | None = None
@@ -660,7 +651,7 @@ class Resolver:
 def _weak(index: KallsymsIndex) -> Callable[[], KallsymsIndex | None]:
     try:
         return weakref.ref(index)
-    except TypeError:  # `bistouri record`'s CompactKallsyms: one per run, held
+    except TypeError:  # `bistouri record`'s KallsymsTable: one per run, held
         return lambda: index
 
 
@@ -673,8 +664,6 @@ class _Uncached:
         self.frames = frames
 
 
-_VDSO = model.Frame("[vdso]", "[vdso]", kind=model.KIND_VDSO)
-_JIT_MODULE = "[jit]"
 _PATHS: dict[str, str] = {}
 
 
