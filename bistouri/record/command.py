@@ -576,7 +576,11 @@ def _symbolize(
             registry=None,
         )
         # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
-        return Resolver(sources, cast(KallsymsStore, kernels), use_llvm=file_lines, registry=None)
+        resolver = Resolver(sources, cast(KallsymsStore, kernels), use_llvm=file_lines, registry=None)
+        resolvers.append(resolver)
+        return resolver
+
+    resolvers: list[Any] = []  # to read their helpers' peak memory once they are closed
 
     t1 = time.monotonic()
     progress.update("Symbolizing…", force=True)
@@ -591,10 +595,11 @@ def _symbolize(
         lambda text: progress.update(text, force=True),
         kallsyms=direct,
     )
-    stats.kallsyms_child_rss_bytes = kernels.child_peak_rss_bytes
+    kernels.check()
+    stats.seconds = time.monotonic() - t1
+    stats.helpers_rss_bytes = max((r.llvm.peak_rss_bytes for r in resolvers if r.llvm is not None), default=0)
     progress.done(
-        f"Symbolized {stats.addresses} addresses ({stats.cached} from the cache) "
-        f"in {time.monotonic() - t1:.1f} s"
+        f"Symbolized {stats.addresses} addresses ({stats.cached} from the cache) in {stats.seconds:.2f} s"
     )
     return profile, stats
 
@@ -630,11 +635,11 @@ def _write_outputs(
     usage.symbolize_rss_bytes = _peak_rss()
     t = os.times()
     usage.cpu_s, usage.children_cpu_s = t.user + t.system, t.children_user + t.children_system
-    child = stats.kallsyms_child_rss_bytes
+    helpers = stats.helpers_rss_bytes
     progress_line = (
         f"Peak RSS: capture {usage.capture_rss_bytes / 2**20:.1f} MB, "
         f"symbolization {usage.symbolize_rss_bytes / 2**20:.1f} MB"
-        + (f" (+ {child / 2**20:.0f} MB in a child reading the kernel's symbols)" if child else "")
+        + (f" (+ {helpers / 2**20:.1f} MB in llvm-symbolizer)" if helpers else "")
         + f"; CPU {usage.cpu_s:.2f} s (+{usage.children_cpu_s:.2f} s in helpers)"
     )
     print(progress_line, file=sys.stderr)
@@ -652,8 +657,10 @@ def _write_outputs(
             "symbolization": {
                 "addresses": stats.addresses,
                 "cached": stats.cached,
+                "seconds": round(stats.seconds, 3),
                 "peak_rss_bytes": usage.symbolize_rss_bytes,
-                "kallsyms_child_peak_rss_bytes": child,
+                "helpers_peak_rss_bytes": helpers,  # llvm-symbolizer's, alongside record's own
+                "kallsyms_child_peak_rss_bytes": 0,  # no such child since /proc/kallsyms is read in place
             },
             "cpu_seconds": {"self": round(usage.cpu_s, 3), "children": round(usage.children_cpu_s, 3)},
         }

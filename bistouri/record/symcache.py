@@ -1,24 +1,25 @@
 """What `bistouri record` has named before, kept on disk: a persistent, bounded symbol cache.
 
-Naming costs more than capturing: parsing /proc/kallsyms in Python takes ~0.7 s, and
+Naming costs more than capturing: parsing /proc/kallsyms in Python takes ~0.4 s, and
 a binary with DWARF starts `llvm-symbolizer`. A rerun on the same binaries asks the
 same questions, so the answers are kept:
 
 - `<build id>.frames`: the frames of every (file offset, leaf?) of one binary resolved so
   far (a binary is its build id: same id, same bytes);
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
-  kernel's text symbols in a compact binary form. Kernel addresses hold for one boot (KASLR
-  slide, loaded modules), so the key hashes the kernel build id, the boot id and the modules.
+  kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
+  so the key hashes the kernel build id, the boot id and the modules.
 
-Only the misses go to the resolver (`symbolize`), one probe stack per distinct missing
-address, and their answers are added to the cache. A fully cached run imports no part of
-the resolver.
+The files are read in place (their format: symfile.py): a run looks up the addresses it
+sampled and reads nothing else, whatever the cache holds. Only the misses go to the
+resolver (`symbolize`), one probe stack per distinct missing address, and their answers
+are added to the cache. A fully cached run imports no part of the resolver.
 
 Safety: the directory is created 0700 and refused when it is a symlink or not ours; files
-are opened with O_NOFOLLOW, written to a fresh temporary name (O_EXCL) and renamed into
-place, so readers see whole files; writers merge under an flock. Every file carries a
-CRC: a corrupt or truncated one is removed and rebuilt. The directory is bounded in bytes:
-the least recently used files go first.
+are opened with O_NOFOLLOW and replaced whole (atomicfile), so readers see whole files;
+writers merge under an flock. A file that is not what symfile wrote (truncated, damaged,
+an older format) is removed and rebuilt. The directory is bounded in bytes: the least
+recently used files go first.
 """
 
 from __future__ import annotations
@@ -28,13 +29,9 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import os
-import struct
-import zlib
-from array import array
-from bisect import bisect_right
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import atomicfile
 from ..errors import BistouriError
+from . import symfile
+from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
     from .. import wire
@@ -55,16 +54,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 64 << 20
 MAX_FILE_BYTES = 32 << 20  # one binary's frames or one kernel's symbols; larger files are not read
 MAX_FRAMES_PER_FILE = 200_000  # (address, leaf) entries kept per binary
-_MAGIC = b"BSYM"
-_VERSION = 1
-_KIND_FRAMES = 1
-_KIND_KALLSYMS = 2
-_HEADER = struct.Struct("<4sHHII")  # magic, version, kind, payload bytes, crc32 of the payload
-_KALLSYMS_HEAD = struct.Struct("<QII")  # _text, symbols, modules
-
-# (file offset or kernel address, leaf?) -> frames, root first
-Frames = tuple["Frame", ...]
-FrameKey = tuple[int, bool]
 
 
 class CacheUnusable(BistouriError):
@@ -87,111 +76,11 @@ def kernel_boot_key(build_id: bytes, proc_root: str = "/proc") -> str:
     return "k-" + h.hexdigest()[:32]
 
 
-class CompactKallsyms:
-    """A `KallsymsIndex` in arrays and one name blob: ~20 bytes a symbol instead of ~200, and
-    loaded from the cache in milliseconds. Lookups answer exactly as the index it was made of."""
-
-    __slots__ = ("_c_addrs", "_c_ends", "_c_mod", "_c_modules", "_c_names", "_c_offs", "text_addr")
-
-    def __init__(
-        self,
-        addrs: array[int],
-        ends: array[int],
-        name_offs: array[int],
-        names: bytes,
-        mod_index: array[int],
-        modules: list[str],
-        text_addr: int,
-    ) -> None:
-        self._c_addrs = addrs
-        self._c_ends = ends
-        self._c_offs = name_offs
-        self._c_names = names
-        self._c_mod = mod_index
-        self._c_modules = modules
-        self.text_addr = text_addr
-
-    @classmethod
-    def of(cls, index: KallsymsIndex) -> CompactKallsyms:
-        addrs = array("Q")
-        ends = array("Q")
-        blob = bytearray()
-        offs = array("I", [0])
-        modules: dict[str, int] = {"": 0}
-        mods = array("H")
-        for addr, end, name, module in index.rows():
-            addrs.append(addr)
-            ends.append(end)
-            blob += name.encode()
-            offs.append(len(blob))
-            mods.append(modules.setdefault(module, len(modules)))
-        return cls(addrs, ends, offs, bytes(blob), mods, list(modules), index.text_addr)
-
-    def __len__(self) -> int:
-        return len(self._c_addrs)
-
-    def _name(self, i: int) -> str:
-        return self._c_names[self._c_offs[i] : self._c_offs[i + 1]].decode("utf-8", "replace")
-
-    def lookup(self, ip: int) -> tuple[str, str, int] | None:
-        i = bisect_right(self._c_addrs, ip) - 1
-        if i < 0 or ip >= self._c_ends[i]:
-            return None
-        return self._name(i), self._c_modules[self._c_mod[i]], ip - self._c_addrs[i]
-
-    def address_of(self, name: str) -> int | None:
-        for i in range(len(self._c_addrs)):
-            if self._name(i) == name:
-                return int(self._c_addrs[i])
-        return None
-
-    def to_bytes(self) -> bytes:
-        mods = json.dumps(self._c_modules).encode()
-        return b"".join(
-            (
-                _KALLSYMS_HEAD.pack(self.text_addr, len(self._c_addrs), len(mods)),
-                self._c_addrs.tobytes(),
-                self._c_ends.tobytes(),
-                self._c_offs.tobytes(),
-                self._c_mod.tobytes(),
-                mods,
-                self._c_names,
-            )
-        )
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> CompactKallsyms:
-        """Raises ValueError when `data` is not what `to_bytes` wrote. (Out-of-order rows, which the
-        CRC of the file makes unlikely, would give wrong names, never an exception.)"""
-        text_addr, n, mods_len = _KALLSYMS_HEAD.unpack_from(data)
-        pos = _KALLSYMS_HEAD.size
-
-        def take(code: str, count: int) -> array[int]:
-            nonlocal pos
-            a = array(code)
-            end = pos + a.itemsize * count
-            if end > len(data):
-                raise ValueError("truncated")
-            a.frombytes(data[pos:end])
-            pos = end
-            return a
-
-        addrs, ends, offs, mods = take("Q", n), take("Q", n), take("I", n + 1), take("H", n)
-        modules = json.loads(data[pos : pos + mods_len])
-        names = data[pos + mods_len :]
-        if not isinstance(modules, list) or len(names) != offs[-1] or (n and max(mods) >= len(modules)):
-            raise ValueError("inconsistent")
-        return cls(addrs, ends, offs, names, mods, [str(m) for m in modules], text_addr)
-
-
-@dataclass(slots=True)
-class FrameEntry:
-    """The cached frames of one binary (or kernel boot), and what they were made from."""
-
-    frames: dict[FrameKey, Frames]
-    # Made with DWARF (file:line, inlines)? If not, a debug file installed later makes it stale.
-    # Not the file's path: record links the binaries from a new temporary tree at each run.
-    file_lines: bool = False
+def _write_file(path: Path, parts: symfile.Parts) -> None:
+    """Replace `path` whole with `parts` (a cache: not synced)."""
+    with atomicfile.replacing(path) as out:
+        for part in parts:
+            out.file.write(part)
 
 
 class SymbolCache:
@@ -223,7 +112,8 @@ class SymbolCache:
             raise ValueError(f"bad cache file name {name!r}")
         return self.root / name
 
-    def _read(self, name: str, kind: int) -> bytes | None:
+    def _map(self, name: str) -> Any:
+        """The file `name` mapped read-only (bytes when empty), None if absent or over the bound."""
         path = self._path(name)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -231,25 +121,30 @@ class SymbolCache:
             if e.errno not in (errno.ENOENT, errno.ELOOP):
                 log.warning("Cannot read a symbol cache file. path=%s error=%s", path, e.strerror)
             return None
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            data = f.read(MAX_FILE_BYTES + 1) if size <= MAX_FILE_BYTES else b""
-        payload = _unframe(data, kind)
-        if payload is None:
-            log.warning("Corrupt symbol cache file removed. path=%s bytes=%d", path, len(data))
-            with contextlib.suppress(OSError):
-                path.unlink()
-            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size > MAX_FILE_BYTES or not stat.S_ISREG(st.st_mode):
+                self.discard(name, f"{st.st_size} bytes")
+                return None
+            data = symfile.map_file(fd)
+        finally:
+            os.close(fd)
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: evicted last
-        return payload
+        return data
 
-    def _write(self, name: str, kind: int, payload: bytes) -> None:
-        data = _frame(kind, payload)
-        if len(data) > MAX_FILE_BYTES:
-            log.info("Not caching an oversized symbol file. name=%s bytes=%d", name, len(data))
+    def discard(self, name: str, why: object) -> None:
+        """Remove a file that is not what symfile writes (an older format, damaged)."""
+        log.warning("Unusable symbol cache file removed. path=%s error=%s", self._path(name), why)
+        with contextlib.suppress(OSError):
+            self._path(name).unlink()
+
+    def _write(self, name: str, parts: symfile.Parts) -> None:
+        size = symfile.size_of(parts)
+        if size > MAX_FILE_BYTES:
+            log.info("Not caching an oversized symbol file. name=%s bytes=%d", name, size)
             return
-        atomicfile.write(self._path(name), data)  # a cache: not synced
+        _write_file(self._path(name), parts)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -282,14 +177,15 @@ class SymbolCache:
         return removed
 
     # -- frames -----------------------------------------------------------------------
-    def frames(self, key: str) -> FrameEntry | None:
-        payload = self._read(key + ".frames", _KIND_FRAMES)
-        if payload is None:
+    def frames(self, key: str) -> FrameTable | None:
+        """The frames file of `key`, open (close it after use), or None."""
+        data = self._map(key + ".frames")
+        if data is None:
             return None
         try:
-            return _decode_frames(payload)
-        except (ValueError, TypeError, KeyError, IndexError) as e:
-            log.warning("Corrupt symbol cache entry ignored. key=%s error=%s", key, e)
+            return FrameTable(data)
+        except CorruptFile as e:
+            self.discard(key + ".frames", e)
             return None
 
     def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
@@ -302,71 +198,42 @@ class SymbolCache:
     def _add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         with self._locked():
             old = self.frames(key)
-            # Answers made with DWARF replace names-only ones, never the other way around.
-            if old is not None and old.file_lines and not file_lines:
-                return
-            merged = dict(old.frames) if old is not None and old.file_lines == file_lines else {}
-            merged.update(new)
-            if len(merged) > MAX_FRAMES_PER_FILE:  # keep the newest answers
-                merged = dict(list(merged.items())[-MAX_FRAMES_PER_FILE:])
-            self._write(key + ".frames", _KIND_FRAMES, _encode_frames(FrameEntry(merged, file_lines)))
+            try:
+                # Answers made with DWARF replace names-only ones, never the other way around.
+                if old is not None and old.file_lines and not file_lines:
+                    return
+                try:
+                    parts = symfile.encode_frames(new, file_lines, old, MAX_FRAMES_PER_FILE)
+                except CorruptFile as e:
+                    self.discard(key + ".frames", e)
+                    parts = symfile.encode_frames(new, file_lines, None, MAX_FRAMES_PER_FILE)
+            finally:
+                if old is not None:
+                    old.close()
+            self._write(key + ".frames", parts)
             self.evict()
 
     # -- kernel symbols -------------------------------------------------------------------
-    def kallsyms(self, key: str) -> CompactKallsyms | None:
-        payload = self._read(key + ".kallsyms", _KIND_KALLSYMS)
-        if payload is None:
+    def kallsyms(self, key: str) -> KallsymsTable | None:
+        data = self._map(key + ".kallsyms")
+        if data is None:
             return None
         try:
-            return CompactKallsyms.from_bytes(payload)
-        except (ValueError, struct.error) as e:
-            log.warning("Corrupt kernel symbol cache ignored. key=%s error=%s", key, e)
+            return KallsymsTable(data)
+        except CorruptFile as e:
+            self.discard(key + ".kallsyms", e)
             return None
 
-    def put_kallsyms(self, key: str, index: CompactKallsyms) -> None:
+    def put_kallsyms(self, key: str, parts: symfile.Parts) -> bool:
+        """False when it could not be written."""
         try:
             with self._locked():
-                self._write(key + ".kallsyms", _KIND_KALLSYMS, index.to_bytes())
+                self._write(key + ".kallsyms", parts)
                 self.evict()
+            return True
         except OSError as e:
             log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
-
-
-def _frame(kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, _VERSION, kind, len(payload), zlib.crc32(payload)) + payload
-
-
-def _unframe(data: bytes, kind: int) -> bytes | None:
-    if len(data) < _HEADER.size:
-        return None
-    magic, version, got_kind, size, crc = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size :]
-    if magic != _MAGIC or version != _VERSION or got_kind != kind or size != len(payload):
-        return None
-    return payload if zlib.crc32(payload) == crc else None
-
-
-def _encode_frames(entry: FrameEntry) -> bytes:
-    rows = [
-        [addr, int(leaf), [[f.name, f.module, f.file, f.line, f.kind, int(f.inlined)] for f in frames]]
-        for (addr, leaf), frames in entry.frames.items()
-    ]
-    return json.dumps({"file_lines": entry.file_lines, "frames": rows}, separators=(",", ":")).encode()
-
-
-def _decode_frames(payload: bytes) -> FrameEntry:
-    from ..symbolizer.model import Frame
-
-    doc = json.loads(payload)
-    frames: dict[FrameKey, Frames] = {}
-    interned: dict[Frame, Frame] = {}
-    for addr, leaf, fs in doc["frames"]:
-        out = []
-        for name, module, file, line, kind, inlined in fs:
-            f = Frame(str(name), str(module), str(file), int(line), str(kind), bool(inlined))
-            out.append(interned.setdefault(f, f))
-        frames[(int(addr), bool(leaf))] = tuple(out)
-    return FrameEntry(frames, doc["file_lines"] is True)
+            return False
 
 
 class CachedKallsyms:
@@ -379,9 +246,8 @@ class CachedKallsyms:
         self.boot_key = boot_key
         self.cache = cache
         self.proc_root = proc_root
-        self._index: CompactKallsyms | None = None
+        self._index: KallsymsTable | KallsymsIndex | None = None
         self.failed = False
-        self.child_peak_rss_bytes = 0  # of the child that parsed /proc/kallsyms, 0 if none did
 
     def has(self, build_id: bytes | str) -> bool:
         hexid = build_id.hex() if isinstance(build_id, bytes) else build_id
@@ -403,17 +269,21 @@ class CachedKallsyms:
             if hit is not None:
                 frame = Frame(demangle(hit[0]), hit[1] or "vmlinux", kind=KIND_KERNEL)
             else:
-                frame = Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=KIND_KERNEL)
+                frame = Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=KIND_KERNEL)  # never cached
             out[(ip, leaf)] = (frame,)
+        self.check()
         return out
 
-    def get(self, build_id: bytes | str) -> CompactKallsyms | None:
+    def check(self) -> None:
+        """Remove the cached symbols if a lookup met a damaged one (its address stayed unnamed)."""
+        if isinstance(self._index, KallsymsTable) and self._index.damaged and self.cache is not None:
+            self.cache.discard(self.boot_key + ".kallsyms", "a symbol's checksum")
+
+    def get(self, build_id: bytes | str) -> KallsymsTable | KallsymsIndex | None:
         if not self.has(build_id):
             return None
         if self._index is None and self.cache is not None:
             self._index = self.cache.kallsyms(self.boot_key)
-            if self._index is None and self._parse_in_child():
-                self._index = self.cache.kallsyms(self.boot_key)
         if self._index is None:
             try:
                 self._index = self._parse()
@@ -421,36 +291,23 @@ class CachedKallsyms:
                 log.warning("Kernel frames stay unnamed: /proc/kallsyms is unusable. error=%s", e)
                 self.failed = True
                 return None
-            if self.cache is not None:
-                self.cache.put_kallsyms(self.boot_key, self._index)
         return self._index
 
-    def _parse(self) -> CompactKallsyms:
-        from ..symbolizer.kallsyms import parse_kallsyms
+    def _parse(self) -> KallsymsTable | KallsymsIndex:
+        """This boot's symbols from /proc/kallsyms, put in the cache and read back from it: once
+        written, only what lookups touch is in memory, not the ~10 MB of the parsed index."""
+        from ..symbolizer.kallsyms import parse_kallsyms_file
 
-        return CompactKallsyms.of(parse_kallsyms(Path(self.proc_root, "kallsyms").read_bytes()))
-
-    def _parse_in_child(self) -> bool:
-        """Parse into the cache in a child process: the Python form of ~120 k symbols (~60 MB, the
-        first run's peak) never joins record's memory, only the compact form read back. Its peak
-        is kept in `child_peak_rss_bytes`. False when it failed (then record parses it itself)."""
-        assert self.cache is not None
-        try:
-            pid = os.fork()
-        except OSError:
-            return False
-        if pid == 0:  # the child: parse, write the cache file, leave without cleanup handlers
-            code = 1
-            try:
-                self.cache.put_kallsyms(self.boot_key, self._parse())
-                code = 0
-            except BaseException:
-                pass
-            finally:
-                os._exit(code)
-        _, status, usage = os.wait4(pid, 0)
-        self.child_peak_rss_bytes = usage.ru_maxrss * 1024
-        return os.waitstatus_to_exitcode(status) == 0
+        index = parse_kallsyms_file(os.path.join(self.proc_root, "kallsyms"))
+        if self.cache is None:
+            return index
+        parts = symfile.encode_kallsyms(index.rows(), index.text_addr)
+        del index
+        if self.cache.put_kallsyms(self.boot_key, parts):
+            got = self.cache.kallsyms(self.boot_key)
+            if got is not None:
+                return got
+        return KallsymsTable(symfile.joined(parts))
 
 
 # --- symbolization through the cache ------------------------------------------------------
@@ -460,8 +317,10 @@ class CachedKallsyms:
 class SymbolizeStats:
     addresses: int = 0  # distinct (module, address, leaf?) in the session
     cached: int = 0  # of which answered from the cache
+    labels: int = 0  # of which named by what the agent sent (vDSO, JIT, unknown): no lookup
     binaries: int = 0  # modules (build ids, the kernel) with at least one miss
-    kallsyms_child_rss_bytes: int = 0  # peak of the child that parsed /proc/kallsyms (first run of a boot)
+    seconds: float = 0.0  # wall time, set by the caller
+    helpers_rss_bytes: int = 0  # peak of the helper processes (llvm-symbolizer), set by the caller
 
 
 def _frame_keys(stacks: SessionStacks) -> tuple[dict[bytes, set[FrameKey]], set[Any], dict[bytes, str]]:
@@ -501,13 +360,16 @@ def symbolize(
     addresses are named from it directly. The profile is assembled as the resolver's is
     (symbolizer/stacks.py): only the naming differs."""
     from .. import wire
-    from ..symbolizer.stacks import ByLeaf, SessionStacks
+    from ..symbolizer.stacks import ByLeaf, SessionStacks, label
 
     stacks = SessionStacks(session)
     keys, other_keys, names = _frame_keys(stacks)
-    known, other, stats = _name(
-        session, keys, other_keys, names, cache, open_resolver, kernel_key, debug_dirs, progress, kallsyms
+    known, stats = _name(
+        session, keys, names, cache, open_resolver, kernel_key, debug_dirs, progress, kallsyms
     )
+    # The other frames (vDSO, JIT, unknown, files without a build id) are labels: no file to read.
+    stats.addresses += len(other_keys)
+    stats.labels = len(other_keys)
 
     # Equal frames become one object (the assembler indexes frames by id): the cache's, the
     # resolver's and kallsyms' answers come from separate intern tables.
@@ -517,7 +379,7 @@ def symbolize(
         return tuple([interned.setdefault(f, f) for f in frames])
 
     named = {m: {k: one(known[m][k]) for k in wanted} for m, wanted in keys.items()}
-    named_other = {k: one(v) for k, v in other.items()}
+    named_other = {k: one((label(k[0]),)) for k in other_keys}
     user: ByLeaf = ({}, {})
     kernel: ByLeaf = ({}, {})
     for leaf in (True, False):
@@ -533,7 +395,6 @@ def symbolize(
 def _name(
     session: wire.Session,
     keys: dict[bytes, set[FrameKey]],
-    other_keys: set[Any],
     names: dict[bytes, str],
     cache: SymbolCache | None,
     open_resolver: Callable[[bool], Resolver],
@@ -541,22 +402,25 @@ def _name(
     debug_dirs: list[str],
     progress: Callable[[str], None],
     kallsyms: CachedKallsyms | None,
-) -> tuple[dict[bytes, dict[FrameKey, Frames]], dict[Any, Frames], SymbolizeStats]:
-    """The frames of `keys` per module (b"": the kernel) and of `other_keys`: from the cache, the
-    misses through kallsyms or a resolver (then added to the cache)."""
-    stats = SymbolizeStats(addresses=sum(map(len, keys.values())) + len(other_keys))
+) -> tuple[dict[bytes, dict[FrameKey, Frames]], SymbolizeStats]:
+    """The frames of `keys` per module (b"": the kernel): from the cache, the misses through
+    kallsyms or a resolver (then added to the cache)."""
+    stats = SymbolizeStats(addresses=sum(map(len, keys.values())))
     known: dict[bytes, dict[FrameKey, Frames]] = {}  # build id (b"": the kernel) -> answers
     missing: dict[bytes, list[FrameKey]] = {}
     names_only: set[bytes] = set()  # binaries known to have no DWARF: llvm-symbolizer has nothing for them
     for module, wanted in keys.items():
-        entry = _usable(cache.frames(_key(module, kernel_key)), module, debug_dirs) if cache else None
-        if entry is not None and not entry.file_lines:
-            names_only.add(module)
-        have = known[module] = dict(entry.frames) if entry is not None else {}
-        miss = [k for k in wanted if k not in have]
-        stats.cached += len(wanted) - len(miss)
-        if miss:
-            missing[module] = sorted(_with_neighbours(miss, have) if module else miss)
+        have = known[module] = {}
+        table = _usable(cache.frames(_key(module, kernel_key)), module, debug_dirs) if cache else None
+        with table or contextlib.nullcontext():
+            if table is not None:
+                if not table.file_lines:
+                    names_only.add(module)
+                have.update(_cached(cache, table, _key(module, kernel_key), wanted))
+            miss = [k for k in wanted if k not in have]
+            stats.cached += len(wanted) - len(miss)
+            if miss:
+                missing[module] = sorted(_with_neighbours(miss, table) if module else miss)
     if b"" in missing and kallsyms is not None:
         got_kernel = kallsyms.frames(missing[b""])
         if got_kernel is not None:
@@ -565,8 +429,7 @@ def _name(
             stats.binaries += 1
             if cache is not None:
                 _remember_kernel(cache, _key(b"", kernel_key), got_kernel)
-    other: dict[tuple[wire.UserFrame, bool], Frames] = {}
-    if missing or other_keys:
+    if missing:
         stats.binaries += len(missing)
         progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
         # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
@@ -578,19 +441,17 @@ def _name(
                 known[module].update(got)
                 if cache is not None:
                     _remember(cache, resolver, module, _key(module, kernel_key), got)
-            if other_keys:
-                other = _resolve_other(resolver, session, list(other_keys))
     if cache is not None:
         cache.hits += stats.cached
         cache.misses += stats.addresses - stats.cached
-    return known, other, stats
+    return known, stats
 
 
 NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
 MAX_NEIGHBOURS = 20_000  # extra addresses resolved per binary and run
 
 
-def _with_neighbours(miss: list[FrameKey], have: dict[FrameKey, Frames]) -> set[FrameKey]:
+def _with_neighbours(miss: list[FrameKey], have: FrameTable | None) -> set[FrameKey]:
     """The missing addresses, and the bytes around each missing leaf address.
 
     A sampled loop lands on neighbouring instructions from one run to the next; resolving the
@@ -604,7 +465,7 @@ def _with_neighbours(miss: list[FrameKey], have: dict[FrameKey, Frames]) -> set[
         if not leaf:
             continue
         for near in range(max(0, addr - NEIGHBOUR_BYTES), addr + NEIGHBOUR_BYTES + 1):
-            if (near, True) not in have and (near, True) not in out and budget > 0:
+            if (near, True) not in out and (have is None or (near, True) not in have) and budget > 0:
                 out.add((near, True))
                 budget -= 1
     return out
@@ -632,15 +493,33 @@ def _remember_kernel(cache: SymbolCache, key: str, got: dict[FrameKey, Frames]) 
         cache.add_frames(key, named, False)
 
 
-def _usable(entry: FrameEntry | None, module: bytes, debug_dirs: list[str]) -> FrameEntry | None:
-    """An entry made without DWARF is dropped when a debug file for the binary has appeared since."""
-    if entry is None or entry.file_lines or not module:
-        return entry
+def _usable(table: FrameTable | None, module: bytes, debug_dirs: list[str]) -> FrameTable | None:
+    """A file made without DWARF is not used when a debug file for the binary has appeared since."""
+    if table is None or table.file_lines or not module:
+        return table
     hexid = module.hex()
     for d in debug_dirs:
         if os.path.exists(os.path.join(d, ".build-id", hexid[:2], hexid[2:] + ".debug")):
+            table.close()
             return None
-    return entry
+    return table
+
+
+def _cached(
+    cache: SymbolCache | None, table: FrameTable, key: str, wanted: set[FrameKey]
+) -> dict[FrameKey, Frames]:
+    """What `table` answers of `wanted` (nothing when it turns out damaged: it is removed)."""
+    out = {}
+    try:
+        for k in wanted:
+            got = table.get(k)
+            if got is not None:
+                out[k] = got
+    except CorruptFile as e:
+        if cache is not None:
+            cache.discard(key + ".frames", e)
+        return {}
+    return out
 
 
 _PLACEHOLDER_IP = 0  # below every kernel symbol: always one label frame
@@ -661,13 +540,6 @@ def _resolve(
         else:
             kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)
             probes.append(wire.Trace(kernel=kern, user=(), pid=0, tid=0, on_cpu=1))
-    return dict(zip(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys]), strict=True))
-
-
-def _resolve_other(
-    resolver: Resolver, session: wire.Session, keys: list[tuple[wire.UserFrame, bool]]
-) -> dict[tuple[wire.UserFrame, bool], Frames]:
-    probes = [_user_probe(f, leaf) for f, leaf in keys]
     return dict(zip(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys]), strict=True))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import hashlib
+import heapq
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from .. import atomicfile
 from ..errors import BistouriError, GzipError, GzipTooLarge
@@ -221,15 +223,19 @@ class KallsymsIndex:
         return table.name(k), module, ip - start
 
     def rows(self) -> Iterator[tuple[int, int, str, str]]:
-        """(address, end, name, module) of every symbol, in address order."""
+        """(address, end, name, module) of every symbol, in address order; streamed (both tables are
+        sorted), so that copying an index costs no list of all its symbols."""
         core, mods, text = self._core, self._mods, self._base
-        starts = sorted(
-            [(core.addrs[i] + text, 0, i) for i in range(len(core.addrs))]
-            + [(mods.addrs[j], 1, j) for j in range(len(mods.addrs))]
+        starts = heapq.merge(
+            ((core.addrs[i] + text, 0, i) for i in range(len(core.addrs))),
+            ((mods.addrs[j], 1, j) for j in range(len(mods.addrs))),
         )
-        for n, (start, which, k) in enumerate(starts):
+        cur = next(starts, None)
+        while cur is not None:
+            start, which, k = cur
+            cur = next(starts, None)
             table = mods if which else core
-            nxt = starts[n + 1][0] if n + 1 < len(starts) else (1 << 64) - 1
+            nxt = cur[0] if cur is not None else (1 << 64) - 1
             end = start if table.cut[k] else min(nxt, start + MAX_SYMBOL_SPAN, (1 << 64) - 1)
             yield start, end, table.name(k), self._modules[mods.mods[k]] if which else ""
 
@@ -271,12 +277,30 @@ def _slices(data: bytes, limit: int) -> Iterator[bytes]:
         raise KallsymsError(f"the snapshot {e}") from None
 
 
+def parse_kallsyms_file(path: str, max_bytes: int = MAX_SNAPSHOT_BYTES) -> KallsymsIndex:
+    """`parse_kallsyms` of a file read in slices (/proc/kallsyms), never whole."""
+    with open(path, "rb") as f:
+        return _parse(_file_slices(f, max_bytes))
+
+
+def _file_slices(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    total = 0
+    while piece := f.read(_SLICE_BYTES):
+        total += len(piece)
+        if total > limit:
+            raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes")
+        yield piece
+
+
 def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
     # One sortable int per symbol: address, then preference at that address, then row number.
+    # Names and modules stay bytes in arrays until sorted: ~40 bytes a symbol, not ~150 as objects.
     keys: list[int] = []
-    names: list[str] = []
-    modules: list[str] = []
-    module_names: dict[bytes, str] = {b"": ""}  # a few hundred distinct: stored once each
+    name_blob = bytearray()
+    name_offs = array("I", [0])
+    row_module = array("H")  # index into `modules`
+    modules: list[str] = [""]
+    module_ids: dict[bytes, int] = {b"": 0}  # a few hundred distinct
     text_addr = 0
     zero_addresses = False
     loaded_code = LoadedCodeDigest()
@@ -289,19 +313,22 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
                 continue
             if len(n) > MAX_SYMBOL_NAME:
                 raise KallsymsError(f"a symbol name is over {MAX_SYMBOL_NAME} bytes: {n[:64]!r}…")
-            if len(names) >= MAX_SYMBOLS:
+            row = len(keys)
+            if row >= MAX_SYMBOLS:
                 raise KallsymsTooLarge(f"the snapshot has more than {MAX_SYMBOLS} text symbols")
-            name = n.decode("utf-8", "replace")
-            module = module_names.get(m)
-            if module is None:
-                module = module_names[m] = m.decode("utf-8", "replace")
-            if name == "_text" and not m:
+            mod = module_ids.get(m)
+            if mod is None:
+                mod = module_ids[m] = len(modules)
+                modules.append(m.decode("utf-8", "replace"))
+            if not m and n == b"_text":
                 text_addr = addr
             # Order at one address: real names before labels, then global before local.
-            pref = (2 if name[0] == "_" and _is_label(name) else 0) + (typ in (b"t", b"w"))
-            keys.append(addr << 22 | pref << 20 | len(names))
-            names.append(name)
-            modules.append(module)
+            label = n[:1] == b"_" and _is_label(n.decode("utf-8", "replace"))
+            pref = (2 if label else 0) + (typ in (b"t", b"w"))
+            keys.append(addr << 22 | pref << 20 | row)
+            name_blob += n
+            name_offs.append(len(name_blob))
+            row_module.append(mod)
     if not keys:
         if zero_addresses:
             raise KallsymsError(
@@ -320,13 +347,14 @@ def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
         if addr != last:  # later entries at one address are less preferred aliases
             last = addr
             i = key & ((1 << 20) - 1)
-            module = modules[i]
+            name = name_blob[name_offs[i] : name_offs[i + 1]].decode("utf-8", "replace")
+            module = modules[row_module[i]]
             if module:
-                mods.add(addr, names[i], mod_index.setdefault(module, len(mod_index)))
+                mods.add(addr, name, mod_index.setdefault(module, len(mod_index)))
             else:
                 base = base or addr
-                core.add(addr - base, names[i], None)
-    del keys, names, modules
+                core.add(addr - base, name, None)
+    del keys, name_blob, name_offs
     core.freeze()
     mods.freeze()
     return KallsymsIndex(core, mods, list(mod_index), text_addr, base, loaded_code.hexdigest())

@@ -151,6 +151,18 @@ class _Metrics:
         )
 
 
+def _peak_rss(pid: int) -> int:
+    """VmHWM of a live process in bytes, 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 class _Worker:
     """One llvm-symbolizer process. Callers hold `lock` around `exchange`."""
 
@@ -166,6 +178,7 @@ class _Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.crashes: deque[float] = deque(maxlen=_MAX_CRASHES)
         self.paused_until = 0.0
+        self.peak_rss_bytes = 0  # the largest of its processes' peaks, read when each stopped
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEBUGINFOD_")}
@@ -194,6 +207,7 @@ class _Worker:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        self.peak_rss_bytes = max(self.peak_rss_bytes, _peak_rss(proc.pid))
         try:
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.close()
@@ -515,6 +529,11 @@ class LlvmPool:
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None]
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """The largest peak RSS of a worker process stopped so far (record reports its helpers')."""
+        return max((w.peak_rss_bytes for w in self._workers), default=0)
 
     def close(self) -> None:
         for w in self._workers:

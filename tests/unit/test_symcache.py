@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.record import symcache
+from bistouri.record import symcache, symfile
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from bistouri.symbolizer.model import Frame
 
@@ -31,21 +31,27 @@ def frames(n: int) -> dict[tuple[int, bool], tuple[Frame, ...]]:
     }
 
 
+def entry(cache: symcache.SymbolCache, key: str) -> tuple[dict, bool]:
+    """What the cache holds for `key`, read whole: (answers, made with DWARF?)."""
+    table = cache.frames(key)
+    assert table is not None
+    with table:
+        return dict(table.items()), table.file_lines
+
+
 def test_frames_round_trip_and_merge_across_instances(tmp_path: Path) -> None:
     a = symcache.SymbolCache(tmp_path / "c")
     a.add_frames("ab" * 20, frames(3), True)
     b = symcache.SymbolCache(tmp_path / "c")  # another run: what the first wrote is kept
     b.add_frames("ab" * 20, {(0x9999, False): (Frame("late", "app"),)}, True)
-    got = a.frames("ab" * 20)
-    assert got is not None and got.file_lines
-    assert got.frames == {**frames(3), (0x9999, False): (Frame("late", "app"),)}
+    assert entry(a, "ab" * 20) == ({**frames(3), (0x9999, False): (Frame("late", "app"),)}, True)
     assert a.frames("cd" * 20) is None
     # Names-only answers (no DWARF then) never replace answers with file:line; the reverse does.
     a.add_frames("ab" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
-    assert (0x1, True) not in a.frames("ab" * 20).frames  # type: ignore[union-attr]
+    assert (0x1, True) not in entry(a, "ab" * 20)[0]
     a.add_frames("cd" * 20, {(0x1, True): (Frame("names_only", "app"),)}, False)
     a.add_frames("cd" * 20, {(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
-    assert a.frames("cd" * 20) == symcache.FrameEntry({(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
+    assert entry(a, "cd" * 20) == ({(0x2, True): (Frame("f", "app", "f.c", 3),)}, True)
 
 
 def _writer(root: str, first: int) -> None:
@@ -63,21 +69,27 @@ def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    got = symcache.SymbolCache(tmp_path).frames("aa" * 20)
-    assert got is not None and sorted(got.frames) == [(i, True) for i in [*range(40), *range(1000, 1040)]]
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
+    got, _ = entry(symcache.SymbolCache(tmp_path), "aa" * 20)
+    assert sorted(got) == [(i, True) for i in [*range(40), *range(1000, 1040)]]
+    assert got[(1039, True)] == (Frame("f_1039", "m"),)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
 
 
 def test_a_corrupt_file_is_removed_and_never_trusted(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(tmp_path)
     cache.add_frames("ab" * 20, frames(5), False)
     path = tmp_path / ("ab" * 20 + ".frames")
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0x20  # one flipped bit in the payload: the CRC catches it
+    good = path.read_bytes()
+    data = bytearray(good)
+    data[-3] ^= 0x20  # one flipped bit in a string: the entries that use it fail their checksum
     path.write_bytes(bytes(data))
-    assert cache.frames("ab" * 20) is None
-    assert not path.exists()
-    path.write_bytes(b"BSYM")  # truncated header
+    table = cache.frames("ab" * 20)
+    assert table is not None
+    with pytest.raises(symcache.CorruptFile), table:
+        dict(table.items())
+    path.write_bytes(good[:-1])  # truncated: refused when opened
+    assert cache.frames("ab" * 20) is None and not path.exists()
+    path.write_bytes(b"BSYM")  # an older format, or a header cut short
     assert cache.frames("ab" * 20) is None and not path.exists()
 
 
@@ -98,9 +110,8 @@ def test_bounded_in_bytes_least_recently_used_first(tmp_path: Path) -> None:
 
 def test_kallsyms_compact_form_answers_like_the_parsed_index(tmp_path: Path) -> None:
     parsed = parse_kallsyms(KALLSYMS)
-    compact = symcache.CompactKallsyms.of(parsed)
     cache = symcache.SymbolCache(tmp_path)
-    cache.put_kallsyms("k-1", compact)
+    assert cache.put_kallsyms("k-1", symfile.encode_kallsyms(parsed.rows(), parsed.text_addr))
     loaded = cache.kallsyms("k-1")
     assert loaded is not None and loaded.text_addr == parsed.text_addr == 0xFFFFFFFF81000000
     ips = (0xFFFFFFFF80FFFFFF, 0xFFFFFFFF81000010, 0xFFFFFFFF81001234, 0xFFFFFFFF81002900)
@@ -171,7 +182,7 @@ def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: 
     keys = [(ip, leaf) for ip in ips for leaf in (True, False)]
     direct = symcache.CachedKallsyms(build_id, "k-test", symcache.SymbolCache(tmp_path / "c"), str(proc))
     got = direct.frames(keys)
-    assert direct.child_peak_rss_bytes > 0  # parsed in a child process, read back from the cache
+    assert (tmp_path / "c" / "k-test.kallsyms").exists()  # parsed, then read back from the cache
     store = KallsymsStore(str(tmp_path / "state"))
     store.put(build_id, KALLSYMS)
     session = wire.Session(
@@ -226,7 +237,8 @@ def test_a_cache_that_cannot_be_written_costs_nothing_but_the_cache(tmp_path: Pa
     cache = symcache.SymbolCache(tmp_path)
     (tmp_path / ".lock").symlink_to(tmp_path / "elsewhere")  # a planted lock: O_NOFOLLOW refuses it
     cache.add_frames("ab" * 20, frames(2), False)  # logged, not raised
-    cache.put_kallsyms("k-1", symcache.CompactKallsyms.of(parse_kallsyms(KALLSYMS)))
+    parsed = parse_kallsyms(KALLSYMS)
+    assert not cache.put_kallsyms("k-1", symfile.encode_kallsyms(parsed.rows(), parsed.text_addr))
     assert cache.frames("ab" * 20) is None and cache.kallsyms("k-1") is None
     assert not (tmp_path / "elsewhere").exists()
 

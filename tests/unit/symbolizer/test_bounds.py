@@ -347,16 +347,18 @@ def test_section_names_are_read_within_bounds(tmp_path: Path) -> None:
 
 
 def test_records_compact_kallsyms_still_names_kernel_frames() -> None:
-    """`bistouri record` hands the resolver its CompactKallsyms, which takes no weak reference."""
+    """`bistouri record` hands the resolver its KallsymsTable, which takes no weak reference."""
     from typing import cast
 
     from bistouri import wire
-    from bistouri.record.symcache import CachedKallsyms, CompactKallsyms
+    from bistouri.record.symcache import CachedKallsyms
+    from bistouri.record.symfile import KallsymsTable, encode_kallsyms, joined
     from bistouri.symbolizer.resolve import Resolver
 
     kernels = CachedKallsyms(BID, "k-test", None, "/proc")
     text = b"ffffffff81000000 T _text\nffffffff81000100 T foo\nffffffff81000200 T _etext\n"
-    kernels._index = CompactKallsyms.of(parse_kallsyms(text))
+    parsed = parse_kallsyms(text)
+    kernels._index = KallsymsTable(joined(encode_kallsyms(parsed.rows(), parsed.text_addr)))
     r = Resolver(kernels=cast(KallsymsStore, kernels), use_llvm=False, registry=None)
     s = replace(
         hostile.deep_session("rec", 0, (0xFFFFFFFF81000104,)),
