@@ -421,30 +421,57 @@ def _name(
             stats.cached += len(wanted) - len(miss)
             if miss:
                 missing[module] = sorted(_with_neighbours(miss, table) if module else miss)
-    if b"" in missing and kallsyms is not None:
-        got_kernel = kallsyms.frames(missing[b""])
-        if got_kernel is not None:
-            del missing[b""]
+    # The kernel's misses are named from kallsyms after the binaries' (when no vmlinux with DWARF
+    # can be found): llvm-symbolizer has exited by then, so its memory and that of a first read
+    # of /proc/kallsyms never add up.
+    kernel_miss = missing.pop(b"", None) if kallsyms is not None else None
+    if missing:
+        _through_resolver(
+            session, missing, names, names_only, known, cache, open_resolver, kernel_key, progress
+        )
+        stats.binaries += len(missing)
+    if kernel_miss is not None:
+        assert kallsyms is not None
+        got_kernel = kallsyms.frames(kernel_miss)
+        if got_kernel is None:  # no symbols: the resolver labels them
+            kernel = {b"": kernel_miss}
+            _through_resolver(
+                session, kernel, names, names_only, known, cache, open_resolver, kernel_key, progress
+            )
+        else:
             known[b""].update(got_kernel)
-            stats.binaries += 1
             if cache is not None:
                 _remember_kernel(cache, _key(b"", kernel_key), got_kernel)
-    if missing:
-        stats.binaries += len(missing)
-        progress(f"Symbolizing {stats.addresses - stats.cached} of {stats.addresses} addresses…")
-        # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
-        with open_resolver(any(m and m not in names_only for m in missing)) as resolver:
-            for n, (module, miss) in enumerate(missing.items(), 1):
-                label = module.hex()[:12] if module else "the kernel"
-                progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
-                got = _resolve(resolver, session, module, miss, names.get(module, ""))
-                known[module].update(got)
-                if cache is not None:
-                    _remember(cache, resolver, module, _key(module, kernel_key), got)
+        stats.binaries += 1
     if cache is not None:
         cache.hits += stats.cached
         cache.misses += stats.addresses - stats.cached
     return known, stats
+
+
+def _through_resolver(
+    session: wire.Session,
+    missing: dict[bytes, list[FrameKey]],
+    names: dict[bytes, str],
+    names_only: set[bytes],
+    known: dict[bytes, dict[FrameKey, Frames]],
+    cache: SymbolCache | None,
+    open_resolver: Callable[[bool], Resolver],
+    kernel_key: str,
+    progress: Callable[[str], None],
+) -> None:
+    """Name `missing` (per module, b"": the kernel) through a resolver into `known`, and cache it."""
+    todo = sum(map(len, missing.values()))
+    progress(f"Symbolizing {todo} addresses not in the cache…")
+    # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
+    with open_resolver(any(m and m not in names_only for m in missing)) as resolver:
+        for n, (module, miss) in enumerate(missing.items(), 1):
+            label = module.hex()[:12] if module else "the kernel"
+            progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
+            got = _resolve(resolver, session, module, miss, names.get(module, ""))
+            known[module].update(got)
+            if cache is not None:
+                _remember(cache, resolver, module, _key(module, kernel_key), got)
 
 
 NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
