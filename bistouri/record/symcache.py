@@ -295,14 +295,15 @@ class CachedKallsyms:
 
     def _parse(self) -> KallsymsTable | KallsymsIndex:
         """This boot's symbols from /proc/kallsyms, put in the cache and read back from it: once
-        written, only what lookups touch is in memory, not the ~10 MB of the parsed index."""
-        from ..symbolizer.kallsyms import parse_kallsyms_file
+        written, only what lookups touch is in memory (without a cache: the parsed index)."""
+        from ..symbolizer import kallsyms
 
-        index = parse_kallsyms_file(os.path.join(self.proc_root, "kallsyms"))
+        path = os.path.join(self.proc_root, "kallsyms")
         if self.cache is None:
-            return index
-        parts = symfile.encode_kallsyms(index.rows(), index.text_addr)
-        del index
+            with open(path, "rb") as f:
+                return kallsyms.parse_kallsyms(f.read())
+        text_addr, rows = kallsyms.kallsyms_rows(path)
+        parts = symfile.encode_kallsyms(rows, text_addr)
         if self.cache.put_kallsyms(self.boot_key, parts):
             got = self.cache.kallsyms(self.boot_key)
             if got is not None:

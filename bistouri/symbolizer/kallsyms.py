@@ -277,87 +277,124 @@ def _slices(data: bytes, limit: int) -> Iterator[bytes]:
         raise KallsymsError(f"the snapshot {e}") from None
 
 
-def parse_kallsyms_file(path: str, max_bytes: int = MAX_SNAPSHOT_BYTES) -> KallsymsIndex:
-    """`parse_kallsyms` of a file read in slices (/proc/kallsyms), never whole."""
+def kallsyms_rows(
+    path: str, max_bytes: int = MAX_SNAPSHOT_BYTES
+) -> tuple[int, Iterator[tuple[int, int, str, str]]]:
+    """`_text` and the (address, end, name, module) rows of a kallsyms file (/proc/kallsyms), as
+    `KallsymsIndex.rows` gives them, without making the index: the file is read in slices and
+    the sort keys are freed as the rows are made (record copies them to its cache)."""
     with open(path, "rb") as f:
-        return _parse(_file_slices(f, max_bytes))
+        parsed = _Parsed(_file_slices(f, max_bytes))
+
+    def rows() -> Iterator[tuple[int, int, str, str]]:
+        symbols = parsed.symbols()
+        cur = next(symbols, None)
+        while cur is not None:
+            addr, name, module = cur
+            cur = next(symbols, None)
+            nxt = cur[0] if cur is not None else (1 << 64) - 1
+            cut = name[0] == "_" and _is_end_label(name)
+            yield addr, addr if cut else min(nxt, addr + MAX_SYMBOL_SPAN, (1 << 64) - 1), name, module
+
+    return parsed.text_addr, rows()
 
 
 def _file_slices(f: BinaryIO, limit: int) -> Iterator[bytes]:
     total = 0
-    while piece := f.read(_SLICE_BYTES):
+    # Smaller than a gzip'd snapshot's slices: each is parsed into ~80 bytes of objects a byte.
+    while piece := f.read(_SLICE_BYTES // 4):
         total += len(piece)
         if total > limit:
             raise KallsymsTooLarge(f"the snapshot is larger than {limit} bytes")
         yield piece
 
 
+class _Parsed:
+    """A snapshot's text symbols, parsed and sorted; `symbols()` gives them once, in address order.
+
+    One sortable int per symbol: address, then preference at that address, then row number. Names and
+    modules stay bytes in arrays until then: ~50 bytes a symbol, not ~150 as objects."""
+
+    def __init__(self, slices: Iterator[bytes]) -> None:
+        self.keys: list[int] = []
+        self.name_blob = bytearray()
+        self.name_offs = array("I", [0])
+        self.row_module = array("H")  # index into `modules`
+        self.modules: list[str] = [""]
+        module_ids: dict[bytes, int] = {b"": 0}  # a few hundred distinct
+        self.text_addr = 0
+        zero_addresses = False
+        self.loaded_code = LoadedCodeDigest()
+        keys = self.keys
+        for piece in _lines(slices):
+            self.loaded_code.feed(piece)
+            for a, typ, n, m in _LINE.findall(piece):
+                addr = int(a, 16)
+                if not addr:
+                    zero_addresses = True
+                    continue
+                if len(n) > MAX_SYMBOL_NAME:
+                    raise KallsymsError(f"a symbol name is over {MAX_SYMBOL_NAME} bytes: {n[:64]!r}…")
+                row = len(keys)
+                if row >= MAX_SYMBOLS:
+                    raise KallsymsTooLarge(f"the snapshot has more than {MAX_SYMBOLS} text symbols")
+                mod = module_ids.get(m)
+                if mod is None:
+                    mod = module_ids[m] = len(self.modules)
+                    self.modules.append(m.decode("utf-8", "replace"))
+                if not m and n == b"_text":
+                    self.text_addr = addr
+                # Order at one address: real names before labels, then global before local.
+                label = n[:1] == b"_" and _is_label(n.decode("utf-8", "replace"))
+                pref = (2 if label else 0) + (typ in (b"t", b"w"))
+                keys.append(addr << 22 | pref << 20 | row)
+                self.name_blob += n
+                self.name_offs.append(len(self.name_blob))
+                self.row_module.append(mod)
+        if not keys:
+            if zero_addresses:
+                raise KallsymsError(
+                    "the snapshot's text symbols all have address 0: it was read without privileges. "
+                    "Read /proc/kallsyms as root (or with CAP_SYSLOG) and kernel.kptr_restrict < 2"
+                )
+            raise KallsymsError("the snapshot has no text symbols: it is not /proc/kallsyms output")
+        # Descending, to be consumed from the end: each key is freed as its symbol is given.
+        keys.sort(reverse=True)
+
+    def symbols(self) -> Iterator[tuple[int, str, str]]:
+        """(address, name, module) in address order, one per address (later entries at one address are
+        less preferred aliases); module "" is the kernel itself."""
+        keys, blob, offs = self.keys, self.name_blob, self.name_offs
+        last = -1
+        while keys:
+            key = keys.pop()
+            addr = key >> 22
+            if addr != last:
+                last = addr
+                i = key & ((1 << 20) - 1)
+                yield (
+                    addr,
+                    blob[offs[i] : offs[i + 1]].decode("utf-8", "replace"),
+                    self.modules[self.row_module[i]],
+                )
+        self.name_blob = bytearray()
+
+
 def _parse(slices: Iterator[bytes]) -> KallsymsIndex:
-    # One sortable int per symbol: address, then preference at that address, then row number.
-    # Names and modules stay bytes in arrays until sorted: ~40 bytes a symbol, not ~150 as objects.
-    keys: list[int] = []
-    name_blob = bytearray()
-    name_offs = array("I", [0])
-    row_module = array("H")  # index into `modules`
-    modules: list[str] = [""]
-    module_ids: dict[bytes, int] = {b"": 0}  # a few hundred distinct
-    text_addr = 0
-    zero_addresses = False
-    loaded_code = LoadedCodeDigest()
-    for piece in _lines(slices):
-        loaded_code.feed(piece)
-        for a, typ, n, m in _LINE.findall(piece):
-            addr = int(a, 16)
-            if not addr:
-                zero_addresses = True
-                continue
-            if len(n) > MAX_SYMBOL_NAME:
-                raise KallsymsError(f"a symbol name is over {MAX_SYMBOL_NAME} bytes: {n[:64]!r}…")
-            row = len(keys)
-            if row >= MAX_SYMBOLS:
-                raise KallsymsTooLarge(f"the snapshot has more than {MAX_SYMBOLS} text symbols")
-            mod = module_ids.get(m)
-            if mod is None:
-                mod = module_ids[m] = len(modules)
-                modules.append(m.decode("utf-8", "replace"))
-            if not m and n == b"_text":
-                text_addr = addr
-            # Order at one address: real names before labels, then global before local.
-            label = n[:1] == b"_" and _is_label(n.decode("utf-8", "replace"))
-            pref = (2 if label else 0) + (typ in (b"t", b"w"))
-            keys.append(addr << 22 | pref << 20 | row)
-            name_blob += n
-            name_offs.append(len(name_blob))
-            row_module.append(mod)
-    if not keys:
-        if zero_addresses:
-            raise KallsymsError(
-                "the snapshot's text symbols all have address 0: it was read without privileges. "
-                "Read /proc/kallsyms as root (or with CAP_SYSLOG) and kernel.kptr_restrict < 2"
-            )
-        raise KallsymsError("the snapshot has no text symbols: it is not /proc/kallsyms output")
-    keys.sort()
+    parsed = _Parsed(slices)
     core = _Table(signed=True)
     mods = _Table(signed=False)
     mod_index: dict[str, int] = {}
-    base = text_addr  # core addresses are kept relative to _text (to the lowest without one)
-    last = -1
-    for key in keys:
-        addr = key >> 22
-        if addr != last:  # later entries at one address are less preferred aliases
-            last = addr
-            i = key & ((1 << 20) - 1)
-            name = name_blob[name_offs[i] : name_offs[i + 1]].decode("utf-8", "replace")
-            module = modules[row_module[i]]
-            if module:
-                mods.add(addr, name, mod_index.setdefault(module, len(mod_index)))
-            else:
-                base = base or addr
-                core.add(addr - base, name, None)
-    del keys, name_blob, name_offs
+    base = parsed.text_addr  # core addresses are kept relative to _text (to the lowest without one)
+    for addr, name, module in parsed.symbols():
+        if module:
+            mods.add(addr, name, mod_index.setdefault(module, len(mod_index)))
+        else:
+            base = base or addr
+            core.add(addr - base, name, None)
     core.freeze()
     mods.freeze()
-    return KallsymsIndex(core, mods, list(mod_index), text_addr, base, loaded_code.hexdigest())
+    return KallsymsIndex(core, mods, list(mod_index), parsed.text_addr, base, parsed.loaded_code.hexdigest())
 
 
 def _lines(slices: Iterator[bytes]) -> Iterator[bytes]:
