@@ -93,19 +93,29 @@ LAUNCHER = [
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
+def _vm(pid: int) -> tuple[int, int, str]:
+    """(vsize, resident pages, executable) of a process."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()
+    return int(fields[20]), int(fields[21]), os.readlink(f"/proc/{pid}/exe")
+
+
 def tree_rss(pid: int) -> int:
-    """RSS in bytes of `pid` and all its descendants now (0 once it is gone)."""
+    """RSS in bytes of `pid` and all its descendants now (0 once it is gone). A child that has the
+    very address space of its parent (vfork'd or just forked, not yet exec'd or grown) is not
+    counted again: it is the parent's memory."""
     total = 0
-    todo = [pid]
+    todo = [(pid, None)]
     while todo:
-        p = todo.pop()
+        p, parent = todo.pop()
         try:
-            with open(f"/proc/{p}/statm", "rb") as f:
-                total += int(f.read().split()[1]) * _PAGE
+            vm = _vm(p)
+            if vm != parent:
+                total += vm[1] * _PAGE
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children", "rb") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
+                    todo.extend((int(c), vm) for c in f.read().split())
+        except (OSError, ValueError, IndexError):
             continue
     return total
 
@@ -181,6 +191,7 @@ def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path) -
         "rss_mb": max(m.tree_rss_mb, cap["peak_rss_bytes"] / 2**20),
         "capture_rss_mb": cap["peak_rss_bytes"] / 2**20,
         "symbolize_rss_mb": sym["peak_rss_bytes"] / 2**20,
+        "helpers_rss_mb": sym.get("helpers_peak_rss_bytes", 0) / 2**20,
         "symbolize_s": sym.get("seconds", float(said.group(3)) if said else float("nan")),
         "cached": sym["cached"],
         "addresses": sym["addresses"],
@@ -375,9 +386,13 @@ def table(tools_results: dict, starts: dict[str, list[float]], with_shares: bool
         + " |",
         ratio("rss_mb"),
     ]
-    for key, label in (("capture_rss_mb", "capturing"), ("symbolize_rss_mb", "symbolizing, writing")):
+    for key, label in (
+        ("capture_rss_mb", "capturing"),
+        ("symbolize_rss_mb", "symbolizing, writing"),
+        ("helpers_rss_mb", "of llvm-symbolizer"),
+    ):
         cells = [f"{r[t][key]:.0f}" if key in r[t] else "-" for t in tools]
-        lines.append(f"| bistouri's own peak RSS {label} (MB) | " + " | ".join(cells) + " |")
+        lines.append(f"| bistouri's peak RSS {label} (MB) | " + " | ".join(cells) + " |")
     cells = [
         f"{r[t]['addresses']:.0f} ({r[t]['cached']:.0f} cached)" if "addresses" in r[t] else "-"
         for t in tools
