@@ -327,25 +327,36 @@ def encode_frames(
         return i
 
     gen = 1
-    entries: dict[FrameKey, tuple[int, list[int]]] = {}  # key -> (generation, frame ids)
+    # key -> (generation, its entry number in `old` or its frames in `new`); what stays is chosen
+    # before anything is interned, so that dropped answers leave no string behind.
+    chosen: dict[FrameKey, tuple[int, int | Frames]] = {}
     if old is not None and old.file_lines == file_lines:
         gen = min(old.generation + 1, _U32)
         for i, key in enumerate(old.keys()):
             if key not in new:
-                _, old_rows = old._checked(i, key)
-                s = old._strings
-                copied = [frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5])) for r in old_rows]
-                entries[key] = (old._stamps[i], copied)
+                chosen[key] = (old._stamps[i], i)
     for key, frames in new.items():
         if 0 <= key[0] < 1 << 64:
-            entries[key] = (
-                gen,
-                [frame_id(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in frames],
-            )
-    if len(entries) > max_entries:
+            chosen[key] = (gen, frames)
+    if len(chosen) > max_entries:
         # Newest first; among equals, the order they came in (what `old` held first, then `new`).
-        newest = sorted(entries, key=lambda k: entries[k][0], reverse=True)[:max_entries]
-        entries = {k: entries[k] for k in newest}
+        newest = sorted(chosen, key=lambda k: chosen[k][0], reverse=True)[:max_entries]
+        chosen = {k: chosen[k] for k in newest}
+    entries: dict[FrameKey, tuple[int, list[int]]] = {}  # key -> (generation, frame ids)
+    for key, (stamp, what) in chosen.items():
+        if isinstance(what, int):
+            assert old is not None
+            _, old_rows = old._checked(what, key)
+            s = old._strings
+            entries[key] = (
+                stamp,
+                [frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5])) for r in old_rows],
+            )
+        else:
+            entries[key] = (
+                stamp,
+                [frame_id(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in what],
+            )
     call = array("Q", sorted(a for a, leaf in entries if not leaf))
     leaf = array("Q", sorted(a for a, is_leaf in entries if is_leaf))
     stamps, crcs, lists, ids = array("I"), array("I"), array("I", [0]), array("I")
