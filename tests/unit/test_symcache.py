@@ -75,6 +75,40 @@ def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]
 
 
+def _reader(root: str, rounds: int) -> None:
+    """Reads while others write: every file it opens is whole, every answer right."""
+    cache = symcache.SymbolCache(root)
+    for _ in range(rounds):
+        table = cache.frames("aa" * 20)
+        if table is not None:
+            with table:
+                for (addr, _leaf), got in table.items():
+                    assert got == (Frame(f"f_{addr}", "m"),)
+
+
+def test_a_reader_during_two_writers_sees_whole_files(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), first)) for first in (0, 1000)]
+    procs.append(ctx.Process(target=_reader, args=(str(tmp_path), 300)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(entry(symcache.SymbolCache(tmp_path), "aa" * 20)[0]) == 80
+
+
+def test_an_open_file_stays_readable_when_another_run_replaces_it(tmp_path: Path) -> None:
+    cache = symcache.SymbolCache(tmp_path)
+    cache.add_frames("ab" * 20, frames(3), True)
+    table = cache.frames("ab" * 20)
+    assert table is not None
+    symcache.SymbolCache(tmp_path).add_frames("ab" * 20, {(0x1, True): (Frame("new"),)}, True)
+    with table:  # the mapping is of the file it opened, which the rename did not touch
+        assert dict(table.items()) == frames(3)
+    assert entry(cache, "ab" * 20)[0] == {**frames(3), (0x1, True): (Frame("new"),)}
+
+
 def test_a_corrupt_file_is_removed_and_never_trusted(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(tmp_path)
     cache.add_frames("ab" * 20, frames(5), False)
@@ -231,6 +265,24 @@ def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None
         )
         assert render(again) == want and stats.cached == stats.addresses
         assert "main;" in want[0] and "_[k]" in want[0]  # user and kernel frames were named
+    # Damaged files: their answers are asked again (and the files rebuilt), never used.
+    files = sorted((tmp_path / "cache").glob("*.frames"))
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[-2] ^= 0x20  # the last string of each: the entries that use it fail their checksum
+        f.write_bytes(bytes(raw))
+    for session in sessions.values():
+        with resolver() as r:
+            want = render(r.symbolize(session))
+        got, stats = symcache.symbolize(
+            session, symcache.SymbolCache(tmp_path / "cache"), resolver, "k-ui", []
+        )
+        assert render(got) == want
+    for f in files:
+        table = symcache.SymbolCache(tmp_path / "cache").frames(f.name.removesuffix(".frames"))
+        assert table is not None
+        with table:
+            dict(table.items())  # whole again
 
 
 def test_a_cache_that_cannot_be_written_costs_nothing_but_the_cache(tmp_path: Path) -> None:
