@@ -6,6 +6,8 @@ same questions, so the answers are kept:
 
 - `<build id>.frames`: the frames of every (file offset, leaf?) of one binary resolved so
   far (a binary is its build id: same id, same bytes);
+- `<build id>.symbols`: the function symbols of a binary without DWARF, so that its new
+  addresses are named without the resolver;
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from .. import atomicfile
 from ..errors import BistouriError
 from . import symfile
-from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable
+from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, SymbolTable
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
     from .. import wire
@@ -212,6 +214,28 @@ class SymbolCache:
                     old.close()
             self._write(key + ".frames", parts)
             self.evict()
+
+    # -- a binary's symbols (one without DWARF) -------------------------------------------
+    def symbols(self, key: str) -> SymbolTable | None:
+        data = self._map(key + ".symbols")
+        if data is None:
+            return None
+        try:
+            return SymbolTable(data)
+        except CorruptFile as e:
+            self.discard(key + ".symbols", e)
+            return None
+
+    def has_symbols(self, key: str) -> bool:
+        return os.path.lexists(self._path(key + ".symbols"))
+
+    def put_symbols(self, key: str, parts: symfile.Parts) -> None:
+        try:
+            with self._locked():
+                self._write(key + ".symbols", parts)
+                self.evict()
+        except OSError as e:
+            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
 
     # -- kernel symbols -------------------------------------------------------------------
     def kallsyms(self, key: str) -> KallsymsTable | None:
@@ -426,6 +450,14 @@ def _name(
     # can be found): llvm-symbolizer has exited by then, so its memory and that of a first read
     # of /proc/kallsyms never add up.
     kernel_miss = missing.pop(b"", None) if kallsyms is not None else None
+    if cache is not None:  # binaries without DWARF whose symbols are cached: no resolver either
+        for module in [m for m in missing if m in names_only]:
+            got = _from_symbols(cache, _key(module, kernel_key), missing[module])
+            if got is not None:
+                known[module].update(got)
+                cache.add_frames(_key(module, kernel_key), got, False)
+                del missing[module]
+                stats.binaries += 1
     if missing:
         _through_resolver(
             session, missing, names, names_only, known, cache, open_resolver, kernel_key, progress
@@ -503,6 +535,31 @@ def _key(module: bytes, kernel_key: str) -> str:
     return module.hex() if module else kernel_key
 
 
+def _from_symbols(cache: SymbolCache, key: str, keys: list[FrameKey]) -> dict[FrameKey, Frames] | None:
+    """The frames of a binary without DWARF from its cached symbols, as the resolver names them
+    (`Resolver._resolve_user`); None when they are not cached (or damaged)."""
+    from ..symbolizer.demangle import demangle
+    from ..symbolizer.model import Frame
+
+    table = cache.symbols(key)
+    if table is None:
+        return None
+    out: dict[FrameKey, Frames] = {}
+    label = table.label
+    try:
+        for off, leaf in keys:
+            vaddr = table.vaddr(off if leaf else off - 1) if (leaf or off) else None
+            name = table.lookup(vaddr) if vaddr is not None else None
+            frame = Frame(demangle(name), label) if name is not None else Frame(f"{label}+0x{off:x}", label)
+            out[(off, leaf)] = (frame,)
+    except CorruptFile as e:
+        cache.discard(key + ".symbols", e)
+        return None
+    finally:
+        table.close()
+    return out
+
+
 def _remember(
     cache: SymbolCache, resolver: Resolver, module: bytes, key: str, got: dict[FrameKey, Frames]
 ) -> None:
@@ -511,6 +568,10 @@ def _remember(
         mod = resolver.module(module)
         if mod is not None:
             cache.add_frames(key, got, bool(mod.dwarf_path) and resolver.file_lines)
+            if not mod.dwarf_path and not cache.has_symbols(key):
+                # Its next new addresses are named from these, without the resolver.
+                segments = [(seg.offset, seg.filesz, seg.vaddr) for seg in mod.segments]
+                cache.put_symbols(key, symfile.encode_symbols(mod.symbols.items(), segments, mod.name))
     else:
         _remember_kernel(cache, key, got)
 

@@ -15,7 +15,10 @@ Two kinds of file share the header:
   ids; the distinct frames (six u32: name, module, file, line, kind, inlined; strings by
   id) and the string table;
 - kallsyms (`k-<boot key>.kallsyms`): the kernel's text symbols of one boot, sorted by
-  address: start, end, checksum, name and module of each.
+  address: start, end, checksum, name and module of each;
+- symbols (`<build id>.symbols`): the function symbols of a binary without DWARF, as the
+  resolver read them (start, end, checksum, name), with its PT_LOAD segments and its
+  display name, so that its new addresses are named without the resolver.
 
 Files are this host's: arrays are in native byte order (a mark in the header refuses
 another). Opening a file checks the header (its checksum) and that the file is exactly as
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 MAGIC = b"BSY2"
 KIND_FRAMES = 1
 KIND_KALLSYMS = 2
+KIND_SYMBOLS = 3
 _BOM = 0x0102  # reads 0x0201 in the other byte order
 _HEAD = struct.Struct("=4sHH8Q")  # magic, byte-order mark, kind, eight counts (meaning per kind)
 _HEADER_BYTES = _HEAD.size + 8  # then the crc32 of those bytes, and 4 bytes of padding
@@ -498,3 +502,95 @@ def encode_kallsyms(rows: Iterable[tuple[int, int, str, str]], text_addr: int) -
         names,
         mod_blob,
     ]
+
+
+# --- a binary's function symbols ----------------------------------------------------------------
+
+
+class SymbolTable:
+    """The function symbols of one binary without DWARF, read in place: named as the resolver names
+    such a binary's addresses (`elf.SymbolIndex.lookup`, `elf.offset_to_vaddr`). Lookups raise
+    `CorruptFile` when the symbol they read is damaged."""
+
+    __slots__ = ("_buf", "_crcs", "_ends", "_map", "_names", "_starts", "label", "segments")
+
+    def __init__(self, data: mmap.mmap | bytes) -> None:
+        self._map = data
+        self._buf = memoryview(data)
+        n, n_segments, names_bytes, label_bytes, meta_crc, *_ = _counts(self._buf, KIND_SYMBOLS)
+        sizes: list[tuple[_Code, int]] = [
+            ("Q", n),  # start (virtual address)
+            ("Q", n),  # end (exclusive)
+            ("I", n),  # checksum
+            ("I", n + 1),  # name offsets
+            ("Q", 3 * n_segments),  # PT_LOAD: offset, file size, virtual address
+            ("B", names_bytes),
+            ("B", label_bytes),
+        ]
+        self._starts, self._ends, self._crcs, name_offs, segments, names, label = _sections(self._buf, sizes)
+        if zlib.crc32(label, zlib.crc32(segments)) != meta_crc:
+            raise CorruptFile("segments checksum")
+        self.segments = [tuple(segments[i : i + 3]) for i in range(0, len(segments), 3)]
+        self.label = bytes(label).decode("utf-8", "surrogateescape")
+        self._names = _Strings(name_offs, names)
+        segments.release()
+        label.release()
+
+    def close(self) -> None:
+        for v in (self._starts, self._ends, self._crcs):
+            v.release()
+        self._names.release()
+        self._buf.release()
+        if isinstance(self._map, mmap.mmap):
+            self._map.close()
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def vaddr(self, offset: int) -> int | None:
+        """The virtual address of a file offset, None outside every PT_LOAD segment."""
+        for seg_offset, filesz, vaddr in self.segments:
+            if seg_offset <= offset < seg_offset + filesz:
+                return offset - seg_offset + vaddr
+        return None
+
+    def _name(self, i: int) -> str:
+        start, end, name = self._starts[i], self._ends[i], self._names.raw(i)
+        if zlib.crc32(name, zlib.crc32(_SYM.pack(start, end, 0))) != self._crcs[i]:
+            raise CorruptFile(f"symbol {i}'s checksum")
+        return self._names[i]
+
+    def lookup(self, vaddr: int) -> str | None:
+        """The name of the function holding `vaddr`, None outside every function."""
+        if not 0 <= vaddr < 1 << 64:
+            return None
+        i = bisect_right(self._starts, vaddr) - 1
+        if i < 0:
+            return None
+        if vaddr < self._ends[i]:
+            return self._name(i)
+        # A function can enclose a smaller symbol that starts inside it.
+        if i > 0 and self._starts[i - 1] <= vaddr < self._ends[i - 1]:
+            return self._name(i - 1)
+        return None
+
+
+def encode_symbols(
+    rows: Iterable[tuple[int, int, str]], segments: Iterable[tuple[int, int, int]], label: str
+) -> Parts:
+    """A symbols file of (start, end, name) rows in address order, the (offset, file size, virtual
+    address) of each PT_LOAD segment and the binary's display name."""
+    starts, ends, crcs, name_offs = array("Q"), array("Q"), array("I"), array("I", [0])
+    names = bytearray()
+    for start, end, name in rows:
+        raw = name.encode("utf-8", "surrogateescape")
+        starts.append(start)
+        ends.append(end)
+        crcs.append(zlib.crc32(raw, zlib.crc32(_SYM.pack(start, end, 0))))
+        names += raw
+        name_offs.append(len(names))
+    segs = array("Q", [v for seg in segments for v in seg])
+    label_raw = label.encode("utf-8", "surrogateescape")
+    meta_crc = zlib.crc32(label_raw, zlib.crc32(segs.tobytes()))
+    counts = [len(starts), len(segs) // 3, len(names), len(label_raw), meta_crc]
+    return [_header(KIND_SYMBOLS, counts), starts, ends, crcs, name_offs, segs, names, label_raw]

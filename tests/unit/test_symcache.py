@@ -414,3 +414,66 @@ def test_record_keeps_the_onset_and_the_wait_states_as_the_service_does(tmp_path
     ]
     assert [s.pre_trigger for s in got.samples[:2]] == [True, False]
     assert [f.name for f in got.frames[: len(got.samples[0].stack)]][-1] == "do_syscall_64"
+
+
+def test_a_binary_without_dwarf_is_named_from_its_cached_symbols_as_the_resolver_names_it(
+    tmp_path: Path,
+) -> None:
+    """Its symbols go to the cache with its first answers: its next new addresses need no resolver."""
+    import shutil
+    import subprocess
+
+    from bistouri import wire
+    from bistouri.elf import ElfFile
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+    from tests.ui import data
+
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    stripped = bins / "shares"
+    shutil.copy(data.WORKLOADS / "shares", stripped)
+    subprocess.run(["objcopy", "--strip-debug", str(stripped)], check=True)
+    with ElfFile(stripped) as elf:
+        bid = elf.build_id
+        assert bid and not elf.has_dwarf
+        text = next(s for s in elf.segments if s.flags & 1)  # PF_X
+    kernels = KallsymsStore(str(tmp_path / "state"))
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(DebugSources([], [str(bins)], []), kernels, use_llvm=False, registry=None)
+
+    def no_resolver(file_lines: bool) -> Resolver:
+        raise AssertionError("the symbols should come from the cache")
+
+    def session(offsets: range) -> wire.Session:
+        traces = [
+            wire.Trace(
+                kernel=(),
+                user=(
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, off, "shares"),
+                    wire.UserFrame(wire.FRAME_RESOLVED, bid, off + 5, "shares"),  # a call site
+                ),
+                pid=1,
+                tid=1,
+                on_cpu=1,
+            )
+            for off in offsets
+        ]
+        return wire.Session("s", wire.Trigger("cpu"), wire.KernelInfo(), 0, 1, 1, traces=traces)
+
+    def render(p) -> str:
+        return formats.folded(p, "on_cpu")
+
+    first = session(range(text.offset, text.offset + 120, 40))
+    symcache.symbolize(first, symcache.SymbolCache(tmp_path / "c"), resolver, "k", [])
+    assert (tmp_path / "c" / f"{bid.hex()}.symbols").exists()
+    # Far from the first (beyond the neighbours cached with them), and past the end of the segment.
+    later = session(range(text.offset + 200, text.offset + text.filesz + 100, 23))
+    got, stats = symcache.symbolize(later, symcache.SymbolCache(tmp_path / "c"), no_resolver, "k", [])
+    with resolver() as r:
+        want = r.symbolize(later)
+    assert render(got) == render(want) and stats.cached < stats.addresses
+    assert "work_seventy" in render(got) or "main" in render(got)

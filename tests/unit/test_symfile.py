@@ -155,3 +155,31 @@ def test_a_damaged_kernel_symbol_is_a_miss_never_a_wrong_name() -> None:
     for size in range(len(good)):
         with pytest.raises(CorruptFile):
             KallsymsTable(good[:size])
+
+
+def test_a_binarys_symbols_answer_like_its_symbol_index() -> None:
+    from bistouri.elf import ElfFile, offset_to_vaddr
+    from tests.ui import data
+
+    with ElfFile(data.WORKLOADS / "shares") as elf:
+        index, segments = elf.symbol_index(), elf.segments
+    rows = [(s.offset, s.filesz, s.vaddr) for s in segments]
+    good = symfile.joined(symfile.encode_symbols(index.items(), rows, "shares"))
+    got = symfile.SymbolTable(good)
+    assert got.label == "shares" and len(got) == len(index) and got.segments == rows
+    for off in range(0, 0x3100, 3):
+        vaddr = offset_to_vaddr(segments, off)
+        assert got.vaddr(off) == vaddr
+        if vaddr is not None:
+            hit = index.lookup(vaddr)
+            assert got.lookup(vaddr) == (hit[0] if hit else None), hex(off)
+    for pos in range(len(good)):  # damaged: refused, or a miss, never a wrong name
+        raw = bytearray(good)
+        raw[pos] ^= 0x41
+        try:
+            t = symfile.SymbolTable(bytes(raw))
+            for vaddr in (0x1130, 0x1140, 0x1190, 0x1200):
+                hit = index.lookup(vaddr)
+                assert t.lookup(vaddr) in (None, hit[0] if hit else None)
+        except CorruptFile:
+            continue
