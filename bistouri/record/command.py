@@ -565,6 +565,7 @@ def _symbolize(
         from typing import cast
 
         from ..symbolizer.kallsyms import KallsymsStore
+        from ..symbolizer.llvm import LlvmPool
         from ..symbolizer.resolve import Resolver
         from ..symbolizer.sources import DebugSources
 
@@ -576,7 +577,12 @@ def _symbolize(
             registry=None,
         )
         # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
-        resolver = Resolver(sources, cast(KallsymsStore, kernels), use_llvm=file_lines, registry=None)
+        # Found on first use: the binaries that miss may all be without DWARF, and finding it runs it twice.
+        llvm = LlvmPool(debug_dirs=[os.path.dirname(d) for d in sources.debug_dirs], registry=None, lazy=True)
+        kallsyms = cast(KallsymsStore, kernels)
+        resolver = Resolver(
+            sources, kallsyms, llvm if file_lines else None, use_llvm=file_lines, registry=None
+        )
         resolvers.append(resolver)
         return resolver
 

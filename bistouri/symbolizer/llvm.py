@@ -457,32 +457,56 @@ class LlvmPool:
         debug_dirs: Sequence[str] = (),
         quarantine_dir: str | None = None,
         registry: CollectorRegistry | None = None,
+        lazy: bool = False,
     ) -> None:
+        """`lazy`: find llvm-symbolizer on first use, not now (record opens a pool that no binary may
+        need)."""
         self.metrics = _Metrics(registry)
         self.quarantine = Quarantine(quarantine_dir)
         self.chunk = max(1, chunk)
         self.timeout_s = timeout_s
         self.wait_s = wait_s
-        path, self.version, helptext = find_llvm_symbolizer(binary)
-        self.binary = path
-        self.available = path is not None
-        self.metrics.available.set(1 if self.available else 0)
         self._workers: list[_Worker] = []
-        if path is None:
-            log.warning("No llvm-symbolizer: frames get function names but no file:line. reason=%s", helptext)
-            self.unavailable_reason = helptext
-            return
-        self.unavailable_reason = ""
-        argv = [path, "--output-style=JSON", "--inlines", "--no-demangle"]
-        if "--no-debuginfod" in helptext:
-            argv.append("--no-debuginfod")  # sources.py fetches; the worker must not block on the network
-        if "--cache-size" in helptext and rss_limit:
-            argv.append(f"--cache-size={rss_limit // 2}")
-        argv += [f"--debug-file-directory={d}" for d in debug_dirs]
-        self.argv = argv
-        self._workers = [
-            _Worker(argv, rss_limit, self.metrics, f"llvm-{i}", as_limit) for i in range(max(1, workers))
-        ]
+        self._setup_args = (binary, workers, rss_limit, as_limit, debug_dirs)
+        self._setup_lock = threading.Lock()
+        self._set_up = False
+        if not lazy:
+            self._setup()
+
+    def _setup(self) -> None:
+        """Find llvm-symbolizer (two runs of it, ~57 MB each while they last) and make the workers."""
+        with self._setup_lock:
+            if self._set_up:
+                return
+            binary, workers, rss_limit, as_limit, debug_dirs = self._setup_args
+            path, self.version, helptext = find_llvm_symbolizer(binary)
+            self.binary = path
+            self._available = path is not None
+            self.metrics.available.set(1 if path is not None else 0)
+            self._set_up = True
+            if path is None:
+                log.warning(
+                    "No llvm-symbolizer: frames get function names but no file:line. reason=%s", helptext
+                )
+                self.unavailable_reason = helptext
+                return
+            self.unavailable_reason = ""
+            argv = [path, "--output-style=JSON", "--inlines", "--no-demangle"]
+            if "--no-debuginfod" in helptext:
+                argv.append("--no-debuginfod")  # sources.py fetches; the worker must not block on the network
+            if "--cache-size" in helptext and rss_limit:
+                argv.append(f"--cache-size={rss_limit // 2}")
+            argv += [f"--debug-file-directory={d}" for d in debug_dirs]
+            self.argv = argv
+            self._workers = [
+                _Worker(argv, rss_limit, self.metrics, f"llvm-{i}", as_limit) for i in range(max(1, workers))
+            ]
+
+    @property
+    def available(self) -> bool:
+        """Whether llvm-symbolizer is installed and usable (found on first use when `lazy`)."""
+        self._setup()
+        return self._available
 
     def symbolize(self, path: str, addrs: Sequence[int]) -> list[list[SourceFrame] | None]:
         """Frames (innermost first) per address of the ELF at `path`; None where unknown or failed."""
