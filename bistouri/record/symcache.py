@@ -227,7 +227,11 @@ class SymbolCache:
             return None
 
     def has_symbols(self, key: str) -> bool:
-        return os.path.lexists(self._path(key + ".symbols"))
+        """A regular file is there (a planted link is not: writing replaces it)."""
+        try:
+            return stat.S_ISREG(os.lstat(self._path(key + ".symbols")).st_mode)
+        except OSError:
+            return False
 
     def put_symbols(self, key: str, parts: symfile.Parts) -> None:
         try:

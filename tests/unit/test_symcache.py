@@ -468,8 +468,11 @@ def test_a_binary_without_dwarf_is_named_from_its_cached_symbols_as_the_resolver
         return formats.folded(p, "on_cpu")
 
     first = session(range(text.offset, text.offset + 120, 40))
+    (tmp_path / "c").mkdir(mode=0o700)
+    planted = tmp_path / "c" / f"{bid.hex()}.symbols"
+    planted.symlink_to(tmp_path / "elsewhere")  # replaced, never followed
     symcache.symbolize(first, symcache.SymbolCache(tmp_path / "c"), resolver, "k", [])
-    assert (tmp_path / "c" / f"{bid.hex()}.symbols").exists()
+    assert planted.is_file() and not planted.is_symlink() and not (tmp_path / "elsewhere").exists()
     # Far from the first (beyond the neighbours cached with them), and past the end of the segment.
     later = session(range(text.offset + 200, text.offset + text.filesz + 100, 23))
     got, stats = symcache.symbolize(later, symcache.SymbolCache(tmp_path / "c"), no_resolver, "k", [])
