@@ -67,6 +67,11 @@ class AgentMetrics(CaptureMetrics):
             "Exec events whose rule no longer matches (reload race)",
             registry=r,
         )
+        self.exec_gone = Counter(
+            "bistouri_exec_events_gone_total",
+            "Exec events whose process had exited (or left its cgroup's view) before it could be matched",
+            registry=r,
+        )
         self.processes = Gauge("bistouri_processes_matched", "Processes matching a target now", registry=r)
         self.config_reloads = Counter(
             "bistouri_config_reloads_total", "Successful config reloads", registry=r

@@ -136,7 +136,8 @@ class Watcher:
         st = procfs.read_stat(ev.pid, self.proc_root)
         cgroup = procfs.read_cgroup2_path(ev.pid, self.proc_root)
         if st is None or cgroup is None:
-            return  # already gone
+            self.metrics.exec_gone.inc()  # a short-lived process: its exec is counted, never matched
+            return
         self._track(FoundProcess(ev.pid, st.starttime, ev.comm, cgroup, tuple(rule_ids)))
 
     def on_walk(self, result: WalkResult) -> None:
