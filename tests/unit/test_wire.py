@@ -95,6 +95,19 @@ def test_the_unwind_note_round_trips_and_is_absent_when_empty():
     assert back == s and back.unwind.walks["entry"] == 95
 
 
+def test_the_jit_note_round_trips_and_older_readers_ignore_it():
+    s = sample_session()
+    s.unwind = wire.UnwindSummary(jit={"jvm_ok": 2, "jvm_cut_in_jit": 1, "node_unnamed": 1})
+    m = wire.session_to_wire(s)
+    assert m["unwind"]["jit"] == {"jvm_ok": 2, "jvm_cut_in_jit": 1, "node_unnamed": 1}
+    assert wire.decode_session(wire.encode_session(s)) == s
+    # A reader before it took `frames` and `walks` by name: the extra key is left alone.
+    assert set(m["unwind"]) == {"frames", "walks", "jit"} and m["unwind"]["frames"] == {}
+    s.unwind.jit = {f"k{i}": 1 for i in range(17)}
+    with pytest.raises(WireError):
+        wire.decode_session(wire.encode_session(s))
+
+
 def test_golden_bytes_are_stable():
     data = wire.encode_session(sample_session())
     if not GOLDEN.exists():  # first run writes it; the file is committed
