@@ -59,11 +59,33 @@ def _running(argv: list[str], cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 @contextmanager
 def _hot_jvm(
-    java: Path, cwd: Path, *flags: str, program: str = "Hot", method: str = "hotLoop"
+    java: Path,
+    cwd: Path,
+    *flags: str,
+    program: str = "Hot",
+    method: str = "hotLoop",
+    container: bool = False,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`program`.java running, its hot method compiled at tier 4 (what a long-running service is):
-    the perf map asked for from now on names it."""
+    the perf map asked for from now on names it. `container`: as pid 1 of its own pid namespace,
+    with its own /tmp (its JIT names are found in /proc/PID/root/tmp/perf-1.map); the Popen's pid is
+    then the JVM's as this namespace sees it."""
     argv = [str(java), "-XX:+PrintCompilation", *flags, str(WORKLOADS_SRC / f"{program}.java"), "120"]
+    if container:
+        shell = 'mount -t tmpfs tmpfs /tmp && exec "$@"'
+        argv = [
+            "unshare",
+            "--mount",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--kill-child",
+            "sh",
+            "-c",
+            shell,
+            "-",
+            *argv,
+        ]
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE)
     done = re.compile(_COMPILED.format(program, method).encode())
     compiled = threading.Event()
@@ -78,6 +100,9 @@ def _hot_jvm(
     reader.start()
     try:
         assert compiled.wait(90), f"{program}.{method} compiled at tier 4"
+        if container:  # the JVM is unshare's child
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            proc.pid = int(children[0])
         yield proc
     finally:
         proc.kill()
@@ -86,9 +111,19 @@ def _hot_jvm(
         Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
 
 
+def _nspid(pid: int) -> int:
+    """The pid of `pid` in its own namespace."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    raise AssertionError("no NSpid")
+
+
 def _perf_map_has(pid: int, text: str) -> bool:
+    """Whether the perf map of `pid` (in its own /tmp, named with its own namespace's pid) holds `text`."""
     try:
-        return text in Path(f"/tmp/perf-{pid}.map").read_text(errors="replace")
+        nspid = _nspid(pid)
+        return text in Path(f"/proc/{pid}/root/tmp/perf-{nspid}.map").read_text(errors="replace")
     except OSError:
         return False
 
@@ -141,6 +176,26 @@ def test_node_hot_js_function_is_named_from_its_perf_map(tmp_path: Path):
     assert outcome == jvm.NOT_JVM  # looked at, never signalled: it lives on, as the run showed
 
 
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_record_of_node_without_a_perf_map_says_how_to_name_its_jit_frames(tmp_path: Path):
+    assert NODE is not None
+    proc = subprocess.Popen(
+        [NODE, "--trace-opt", str(WORKLOADS_SRC / "hot.js"), "120"], stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        # Optimized (TurboFan): its code is in anonymous memory, unnamed without --perf-basic-prof.
+        while b"completed compiling" not in (line := proc.stdout.readline()) or b"hotLoop" not in line:
+            assert line, "hotLoop optimized"
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # the pipe never fills
+        r = record("--pid", str(proc.pid), "-d", "2", "-o", str(tmp_path / "o"), "--format", "folded")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "start node with --perf-basic-prof" in r.stdout, r.stdout[-2000:]
+
+
 @pytest.mark.parametrize("jdk", sorted(JDKS))
 def test_java_hot_method_is_named_as_leaf_without_jcmd_or_frame_pointers(tmp_path: Path, jdk: str):
     """No -XX:+PreserveFramePointer, no jcmd: the profiler asks for the perf map when it starts
@@ -150,6 +205,19 @@ def test_java_hot_method_is_named_as_leaf_without_jcmd_or_frame_pointers(tmp_pat
         assert proc.poll() is None
     assert outcome == jvm.OK
     # hotLoop is nearly all the work: the issue's target is >= 90 % of its samples named as leaf.
+    assert share >= 0.85, (share, total)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="unshare is not installed")
+def test_a_jvm_in_its_own_namespaces_is_asked_there(tmp_path: Path):
+    """A container's JVM: pid 1 of its pid namespace, its own /tmp. The attach goes through its root
+    with its namespace's pid, and the perf map it writes there names its frames."""
+    with _hot_jvm(_jdk("openjdk17"), tmp_path, container=True) as proc:
+        assert _nspid(proc.pid) == 1
+        share, total, outcome = _share_naming(proc.pid, "Hot.hotLoop", 400, leaf=True, wait_map="Hot.hotLoop")
+        assert Path(f"/proc/{proc.pid}/root/tmp/perf-1.map").exists()
+        assert not Path(f"/tmp/perf-{proc.pid}.map").exists()
+    assert outcome == jvm.OK
     assert share >= 0.85, (share, total)
 
 
