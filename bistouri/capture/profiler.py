@@ -261,7 +261,7 @@ class Profiler:
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
                 self.unwind.want(pid)  # frame pointers until its tables are loaded
-                self.jvm.request(pid)  # its JIT code named (a JVM's, rate-limited, on a worker)
+                self.request_perf_maps((pid,))
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
@@ -270,10 +270,18 @@ class Profiler:
             self._set_poll_ms(before)
 
     def request_perf_maps(self, pids: Collection[int]) -> None:
-        """A session starts: the JVMs among `pids` write their perf maps again (code compiled
-        since), at most once a `jvm_perf_map_interval_s` each."""
+        """The JVMs among `pids` write their perf maps (on the `bistouri-jvm` thread, at most once a
+        `jvm_perf_map_interval_s` each): when first sampled, and when a session starts (what was
+        compiled since). Only processes whose maps, as last read, map libjvm.so (jvm.py checks
+        again before it signals anything)."""
         for pid in pids:
-            self.jvm.request(pid)
+            if self.maps.runtime(pid)[0] == "jvm":
+                self.jvm.request(pid)
+
+    def refresh_perf_maps(self, pids: Collection[int]) -> None:
+        """The same now, on the calling thread and without the rate limit (`record`, before it
+        names its capture: what was compiled during it)."""
+        self.jvm.refresh([pid for pid in pids if self.maps.runtime(pid)[0] == "jvm"])
 
     def set_slow_drain(self, slow: bool) -> None:
         """Drain at the slow interval (no session runs) or the usual one."""

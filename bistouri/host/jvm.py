@@ -352,6 +352,7 @@ class JvmPerfMaps:
         self._lock = threading.Lock()
         # (pid, start time) -> (when last asked, its outcome or "" while queued)
         self._last: OrderedDict[tuple[int, int], tuple[float, str]] = OrderedDict()
+        self._attaching = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -417,7 +418,8 @@ class JvmPerfMaps:
         """One attach, now, on the calling thread (the worker's; tests)."""
         key = (pid, _start_time(self.proc_root, pid))
         try:
-            result = self._attach(pid)
+            with self._attaching:  # the worker and a refresh never attach at once
+                result = self._attach(pid)
         except Exception as e:  # never the worker's end
             log.warning("JVM attach failed unexpectedly. pid=%d error=%r", pid, e)
             result = AttachResult(FAILED, repr(e))

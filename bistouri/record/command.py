@@ -550,7 +550,7 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
-    profiler.jvm.refresh(list(known))  # what the JVMs compiled during the capture named too
+    profiler.refresh_perf_maps(list(known))  # what the JVMs compiled during the capture named too
     profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
     count([ev for ev in profiler.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0

@@ -173,7 +173,7 @@ def test_node_hot_js_function_is_named_from_its_perf_map(tmp_path: Path):
         share, total, outcome = _share_naming(proc.pid, "hotLoop", 600)
     # hotLoop runs ~3/4 of the time (perf -g names it in ~87 % of samples here).
     assert share >= 0.6, (share, total)
-    assert outcome == jvm.NOT_JVM  # looked at, never signalled: it lives on, as the run showed
+    assert outcome is None  # its maps map no libjvm.so: never looked at, never signalled
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
