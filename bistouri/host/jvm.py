@@ -16,8 +16,9 @@ following a link, must be a socket owned by the JVM's user or root, is connected
 descriptor, and its peer must be the JVM itself (SO_PEERCRED); every wait and read is bounded.
 Attaches run on one worker thread (`JvmPerfMaps`), at most one per process every
 `min_interval_s` (a process found at its exec maps libjvm.so a moment later: asked again at its
-next session); one that cannot be attached to (too old, no handler, no answer to the signal) is
-not tried again. Outcomes are counted by reason (`RESULTS`).
+next session); one that cannot be attached to (too old, no answer to the signal) is not tried
+again, and none still starting is signalled (no "Signal Dispatcher" thread yet).
+Outcomes are counted by reason (`RESULTS`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,16 @@ REFUSED = "refused"  # a socket or file in its place that is not the JVM's
 FAILED = "failed"  # gone meanwhile, an error reply, or an I/O error
 REASONS = (OK, NOT_JVM, OLD_JVM, NO_SIGQUIT_HANDLER, ATTACH_TIMEOUT, REFUSED, FAILED)
 # Not tried again for the same process: nothing will change while it lives.
-_FINAL = frozenset((OLD_JVM, NO_SIGQUIT_HANDLER, ATTACH_TIMEOUT))
+# (no_sigquit_handler is looked at again, which sends nothing: a JVM found early in its start has
+# mapped libjvm.so but not yet installed its handlers.)
+_FINAL = frozenset((OLD_JVM, ATTACH_TIMEOUT))
 RESULTS: Counter[str] = Counter()  # read at scrape time, like safeopen.REFUSED
 
 _SIGQUIT_BIT = 1 << (signal.SIGQUIT - 1)
 _MAPS_MAX = 64 << 20  # of /proc/PID/maps read to find libjvm.so
 _REPLY_MAX = 64 << 10
 _RELEASE_MAX = 64 << 10
+_TASKS_MAX = 1 << 14  # threads looked at for the signal dispatcher
 _REQUEST = b"1\0jcmd\0Compiler.perfmap\0\0\0"
 _SO_PEERCRED = 17
 _UCRED = struct.Struct("<iII")  # pid, uid, gid
@@ -189,6 +193,24 @@ def _create_trigger(dir_fd: int, name: str, p: _Proc) -> bool:
     return True
 
 
+def _dispatcher_started(base: str) -> bool:
+    """Whether HotSpot's "Signal Dispatcher" thread runs: what takes SIGQUIT and starts the attach
+    listener. Signalled earlier, in its start, the JVM may look for the attach file after it was
+    removed, and print a thread dump instead."""
+    try:
+        tasks = os.listdir(f"{base}/task")
+    except OSError:
+        return False
+    for tid in tasks[:_TASKS_MAX]:
+        try:
+            with open(f"{base}/task/{tid}/comm", "rb") as f:
+                if f.read(32).startswith(b"Signal Dispatch"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _still_catches_sigquit(base: str) -> bool:
     p = _status(base)
     return p is not None and bool(p.sigcgt & _SIGQUIT_BIT)
@@ -228,6 +250,8 @@ def attach_perf_map(
             if found is None:
                 if not p.sigcgt & _SIGQUIT_BIT:
                     return AttachResult(NO_SIGQUIT_HANDLER)
+                if not _dispatcher_started(base):
+                    return AttachResult(FAILED, "still starting: no signal dispatcher yet")
                 started = _trigger(pidfd, base, tmp_fd, p, attach_timeout_s, clock)
                 if isinstance(started, AttachResult):
                     return started

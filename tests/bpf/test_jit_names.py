@@ -264,7 +264,7 @@ def test_a_jvm_that_does_not_catch_sigquit_is_never_signalled(tmp_path: Path):
         before = jvm.RESULTS[jvm.NO_SIGQUIT_HANDLER]
         maps = jvm.JvmPerfMaps()
         assert maps.attempt(proc.pid) == jvm.NO_SIGQUIT_HANDLER
-        maps.request(proc.pid)  # final: not queued again
+        maps.request(proc.pid)  # not again within the interval (again after it: it costs no signal)
         assert maps._queue.empty()
         assert jvm.RESULTS[jvm.NO_SIGQUIT_HANDLER] == before + 1
         assert proc.poll() is None

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 from bistouri import wire
 from bistouri.capture.jitnote import jit_notes, note_lines
 from bistouri.host import jvm
@@ -18,7 +21,7 @@ def test_java_major_from_a_release_file():
 
 def test_each_process_is_asked_at_most_once_an_interval_and_never_after_a_final_outcome(tmp_path):
     now = [100.0]
-    outcomes = {1: jvm.OK, 2: jvm.NO_SIGQUIT_HANDLER}
+    outcomes = {1: jvm.OK, 2: jvm.ATTACH_TIMEOUT}
     asked: list[int] = []
 
     def attach(pid: int) -> jvm.AttachResult:
@@ -41,14 +44,14 @@ def test_each_process_is_asked_at_most_once_an_interval_and_never_after_a_final_
     for pid in (1, 2, 1, 2):
         maps.request(pid)
     run_queued()
-    assert asked == [1, 2] and told == [(1, jvm.OK), (2, jvm.NO_SIGQUIT_HANDLER)]
+    assert asked == [1, 2] and told == [(1, jvm.OK), (2, jvm.ATTACH_TIMEOUT)]
     assert maps.outcome(1) == jvm.OK and maps.outcome(3) is None
     now[0] += 30
     maps.request(1)  # a session starts 30 s later: too soon
     run_queued()
     now[0] += 31
     maps.request(1)
-    maps.request(2)  # -Xrs: never again
+    maps.request(2)  # signalled once for nothing: never again
     run_queued()
     assert asked == [1, 2, 1]
 
@@ -112,3 +115,61 @@ def test_the_jit_note_says_what_each_runtime_lacks():
     assert "-XX:+PreserveFramePointer" in lines and "--perf-basic-prof" in lines
     assert "jcmd PID Compiler.perfmap" in lines and "did not answer" in lines
     assert note_lines({"jvm_ok": 3}) == []
+
+
+def _fake_proc(tmp_path, dispatcher: bool):
+    """A /proc entry for this very process that says it is a JVM catching SIGQUIT."""
+    proc = tmp_path / "proc"
+    base = proc / str(os.getpid())
+    (base / "task" / "1").mkdir(parents=True)
+    root, cwd = tmp_path / "root", tmp_path / "cwd"
+    (root / "tmp").mkdir(parents=True)
+    cwd.mkdir()
+    (base / "root").symlink_to(root)
+    (base / "cwd").symlink_to(cwd)
+    uid, gid = os.getuid(), os.getgid()
+    quit_bit = 1 << (signal.SIGQUIT - 1)
+    (base / "status").write_text(
+        f"Name:\tjava\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{gid}\t{gid}\t{gid}\t{gid}\n"
+        f"NSpid:\t{os.getpid()}\t7\nSigCgt:\t{quit_bit:016x}\nvoluntary_ctxt_switches:\t0\n"
+    )
+    (base / "maps").write_text("7f00-7f10 r-xp 00000000 08:01 42 /opt/jdk/lib/server/libjvm.so\n")
+    (base / "task" / "1" / "comm").write_text("Signal Dispatch\n" if dispatcher else "java\n")
+    return proc, cwd, root
+
+
+def test_a_jvm_still_starting_is_not_signalled(tmp_path):
+    proc, cwd, _ = _fake_proc(tmp_path, dispatcher=False)
+    # This process does not catch SIGQUIT: a signal would end the test run.
+    r = jvm.attach_perf_map(os.getpid(), str(proc))
+    assert (r.reason, r.detail) == (jvm.FAILED, "still starting: no signal dispatcher yet")
+    assert not list(cwd.iterdir())
+
+
+def test_the_attach_file_is_the_jvms_and_gone_after_an_unanswered_signal(tmp_path):
+    proc, cwd, root = _fake_proc(tmp_path, dispatcher=True)
+    seen: list[tuple[int, bool]] = []
+    trigger = cwd / ".attach_pid7"  # named with the pid of its namespace, in its cwd first
+
+    def on_quit(*_: object) -> None:
+        st = trigger.stat()
+        seen.append((st.st_uid, bool(st.st_mode & 0o077)))
+
+    old = signal.signal(signal.SIGQUIT, on_quit)
+    try:
+        r = jvm.attach_perf_map(os.getpid(), str(proc), attach_timeout_s=0.2)
+    finally:
+        signal.signal(signal.SIGQUIT, old)
+    assert r.reason == jvm.ATTACH_TIMEOUT
+    assert seen == [(os.getuid(), False)]  # there when signalled, the JVM user's, private
+    assert not trigger.exists() and not list((root / "tmp").iterdir())
+
+
+def test_a_planted_attach_file_is_not_followed(tmp_path):
+    proc, cwd, root = _fake_proc(tmp_path, dispatcher=True)
+    target = tmp_path / "victim"
+    (cwd / ".attach_pid7").symlink_to(target)
+    (root / "tmp" / ".attach_pid7").symlink_to(target)
+    r = jvm.attach_perf_map(os.getpid(), str(proc), attach_timeout_s=0.2)
+    assert (r.reason, r.detail) == (jvm.REFUSED, ".attach_pid7: cannot be created")
+    assert not target.exists()
