@@ -12,6 +12,7 @@ import pytest
 from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.pressure import PressureFigures
+from bistouri.symbolizer.model import SessionMeta
 from bistouri.wire import decode as wire_decode
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
@@ -103,6 +104,9 @@ def test_the_jit_note_round_trips_and_older_readers_ignore_it():
     assert wire.decode_session(wire.encode_session(s)) == s
     # A reader before it took `frames` and `walks` by name: the extra key is left alone.
     assert set(m["unwind"]) == {"frames", "walks", "jit"} and m["unwind"]["frames"] == {}
+    # The symbolizer keeps it with the session's metadata (the UI says it in words).
+    assert SessionMeta.from_wire(s).to_json()["unwind"]["jit"]["node_unnamed"] == 1
+    assert "jit" not in SessionMeta.from_wire(sample_session()).to_json()["unwind"]
     s.unwind.jit = {f"k{i}": 1 for i in range(17)}
     with pytest.raises(WireError):
         wire.decode_session(wire.encode_session(s))
