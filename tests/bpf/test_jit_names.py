@@ -16,6 +16,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,15 +47,33 @@ def _jdk(name: str) -> Path:
     return JDKS[name]
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM first: a JVM then removes its attach socket (SIGKILL leaves it in /tmp)."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def _running(argv: list[str], cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL)
     try:
         yield proc
     finally:
-        proc.kill()
-        proc.wait()
+        _stop(proc)
         Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class _Jvm:
+    proc: subprocess.Popen[bytes]
+    pid: int  # the JVM's, as this pid namespace sees it
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
 
 
 @contextmanager
@@ -65,27 +84,15 @@ def _hot_jvm(
     program: str = "Hot",
     method: str = "hotLoop",
     container: bool = False,
-) -> Iterator[subprocess.Popen[bytes]]:
+) -> Iterator[_Jvm]:
     """`program`.java running, its hot method compiled at tier 4 (what a long-running service is):
     the perf map asked for from now on names it. `container`: as pid 1 of its own pid namespace,
-    with its own /tmp (its JIT names are found in /proc/PID/root/tmp/perf-1.map); the Popen's pid is
-    then the JVM's as this namespace sees it."""
+    with its own /tmp (its JIT names are found in /proc/PID/root/tmp/perf-1.map)."""
     argv = [str(java), "-XX:+PrintCompilation", *flags, str(WORKLOADS_SRC / f"{program}.java"), "120"]
     if container:
-        shell = 'mount -t tmpfs tmpfs /tmp && exec "$@"'
-        argv = [
-            "unshare",
-            "--mount",
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            "--kill-child",
-            "sh",
-            "-c",
-            shell,
-            "-",
-            *argv,
-        ]
+        # SIGTERM to unshare: its child, the JVM, gets it too; the namespace and its /tmp go with them.
+        unshare = ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
+        argv = [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /tmp && exec "$@"', "-", *argv]
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE)
     done = re.compile(_COMPILED.format(program, method).encode())
     compiled = threading.Event()
@@ -98,17 +105,16 @@ def _hot_jvm(
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    pid = proc.pid
     try:
         assert compiled.wait(90), f"{program}.{method} compiled at tier 4"
         if container:  # the JVM is unshare's child
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            proc.pid = int(children[0])
-        yield proc
+            pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+        yield _Jvm(proc, pid)
     finally:
-        proc.kill()
-        proc.wait()
+        _stop(proc)
         reader.join(5)
-        Path(f"/tmp/perf-{proc.pid}.map").unlink(missing_ok=True)
+        Path(f"/tmp/perf-{pid}.map").unlink(missing_ok=True)
 
 
 def _nspid(pid: int) -> int:
@@ -190,8 +196,7 @@ def test_record_of_node_without_a_perf_map_says_how_to_name_its_jit_frames(tmp_p
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # the pipe never fills
         r = record("--pid", str(proc.pid), "-d", "2", "-o", str(tmp_path / "o"), "--format", "folded")
     finally:
-        proc.kill()
-        proc.wait()
+        _stop(proc)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "start node with --perf-basic-prof" in r.stdout, r.stdout[-2000:]
 

@@ -61,8 +61,12 @@ def test_a_watched_jvm_gets_its_perf_map_and_its_session_names_the_jit_leaf(tmp_
                 assert agent.metrics().get('bistouri_jvm_perf_maps_total{reason="ok"}', 0) >= 1
             assert jvm.poll() is None
         finally:
-            jvm.kill()
-            jvm.wait()
+            jvm.terminate()  # not SIGKILL: the JVM removes its attach socket
+            try:
+                jvm.wait(10)
+            except subprocess.TimeoutExpired:
+                jvm.kill()
+                jvm.wait()
             perf_map.unlink(missing_ok=True)
     on_cpu = named = 0
     for t in s.traces:
