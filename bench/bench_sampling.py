@@ -14,9 +14,10 @@ and BPF object of a git ref (e.g. the commit before raw IPs). bpftrace, when ins
 runs `profile:hz:999 /pid == P/ { @[ustack, kstack] = count(); }` on the same workloads and
 is measured the same way (fdinfo of its program).
 
-JIT names: node --perf-basic-prof and java with `jcmd Compiler.perfmap`, the share of
-samples whose stack names the hot function, by bistouri (the sampler, names from the perf
-map) and by `perf record -g` + `perf script` on the same process at the same time.
+JIT names: node --perf-basic-prof, and java with and without -XX:+PreserveFramePointer whose
+perf map the sampler's profiler asks for itself (nobody runs jcmd; perf reads the same map), the
+share of samples whose stack names the hot function, by bistouri (the sampler, names from the
+perf map) and by `perf record -g` + `perf script` on the same process at the same time.
 
 Run as root: `python -m bench.bench_sampling`.
 """
@@ -27,11 +28,13 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -128,7 +131,7 @@ def build_frameless(tmp: Path) -> Path:
     return out
 
 
-WORKLOADS = ("probe", "repeated", "frameless", "python", "node", "java")
+WORKLOADS = ("probe", "repeated", "frameless", "python", "node", "java", "java_nofp")
 
 PYTHON_BUSY = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\nwhile True:\n    fib(20)\n"
 
@@ -282,18 +285,25 @@ def perf_share(pid: int, seconds: float, freq: int, function: str, tmp: Path) ->
 def bench_jit(
     name: str, argv: list[str], ready: str, function: str, seconds: float, tmp: Path
 ) -> dict | None:
+    """The share of samples naming `function` in a JIT frame, bistouri's and perf -g's, at once.
+    Node writes its perf map itself; a JVM is asked by bistouri's profiler (host/jvm.py) once the
+    hot method is compiled: nobody runs jcmd, and perf reads the map the profiler asked for."""
     if shutil.which(argv[0]) is None:
         return None
-    proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL)
+    java = name.startswith("java")
+    if java:
+        argv = [argv[0], "-XX:+PrintCompilation", *argv[1:]]
+    proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.PIPE if java else subprocess.DEVNULL)
     perf_map = Path(f"/tmp/perf-{proc.pid}.map")
     try:
-
-        def has_map() -> bool:
-            if name == "java":
-                subprocess.run(["jcmd", str(proc.pid), "Compiler.perfmap"], capture_output=True, timeout=30)
-            return perf_map.exists() and ready in perf_map.read_text(errors="replace")
-
-        if not wait_until(has_map, 90, step=0.5):
+        if java:
+            assert proc.stdout is not None
+            # Its standard tier-4 compile (PrintCompilation): what a long-running service runs.
+            while not re.search(rb"\s4\s+Hot::hotLoop \(", line := proc.stdout.readline()):
+                if not line:
+                    return {"error": "the JVM exited before compiling the hot method"}
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # the pipe never fills
+        elif not wait_until(lambda: perf_map.exists() and ready in perf_map.read_text(errors="replace"), 90):
             return {"error": "the perf map never named the hot function"}
         # Both at once on the same process, perf at a slightly different rate so they interleave.
         sampler = subprocess.Popen(
@@ -304,6 +314,8 @@ def bench_jit(
         perf, perf_n = perf_share(proc.pid, seconds, 97, function, tmp)
         out, _ = sampler.communicate(timeout=seconds + 120)
         ours = json.loads(out.strip().splitlines()[-1])
+        if not (perf_map.exists() and ready in perf_map.read_text(errors="replace")):
+            return {"error": "the perf map never named the hot function"}
     finally:
         proc.kill()
         proc.wait()
@@ -373,6 +385,12 @@ def main() -> int:
             ),
             "java": (
                 ["java", "-XX:+PreserveFramePointer", str(WORKLOADS_SRC / "Hot.java"), "120"],
+                "Hot.hotLoop",
+                "hotLoop",
+            ),
+            # Without -XX:+PreserveFramePointer: the hot method named as the leaf (its IP).
+            "java_nofp": (
+                ["java", str(WORKLOADS_SRC / "Hot.java"), "120"],
                 "Hot.hotLoop",
                 "hotLoop",
             ),

@@ -48,6 +48,7 @@ BY_MODULE = {
     "tests/ui/test_token.py": {"browser", "service"},  # its own guarded symbolizer
     "tests/integration/test_agent.py": _AGENT,
     "tests/integration/test_agent_log.py": _AGENT,
+    "tests/integration/test_agent_jvm.py": _AGENT,
     "tests/integration/test_agent_reload.py": _AGENT,
     "tests/integration/test_end_to_end.py": _AGENT,
     "tests/integration/test_flight_recorder.py": _AGENT,

@@ -250,6 +250,7 @@ class Agent:
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
+            on_start=self.profiler.request_perf_maps,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
             episode=EpisodeProbe(

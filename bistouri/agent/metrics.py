@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from ..bpf import abi
 from ..capture.metrics import CaptureMetrics
-from ..host import safeopen
+from ..host import jvm, safeopen
 from ..host.procmaps import ProcMapsStats
 from ..unwind.ehframe import BOUND_REASONS
 from ..unwind.tables import UnwindStats
@@ -239,6 +239,14 @@ class BpfCountersCollector(Collector):
         for reason in safeopen.REASONS:
             refused.add_metric([reason], safeopen.REFUSED[reason])
         yield refused
+        perf_maps = CounterMetricFamily(
+            "bistouri_jvm_perf_maps",
+            "Perf maps asked of watched processes through HotSpot's attach (jvm.py), by outcome",
+            labels=["reason"],
+        )
+        for reason in jvm.REASONS:
+            perf_maps.add_metric([reason], jvm.RESULTS[reason])
+        yield perf_maps
         yield CounterMetricFamily(
             "bistouri_samples_orphaned",
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",

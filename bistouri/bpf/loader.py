@@ -79,6 +79,9 @@ class ProfilerOptions:
     # programs, the table-walking sampler among them, load in a second object sharing its maps
     # (load_companion) while it samples, and the first hands over to it (hand_over).
     sampler_first: bool = False
+    # Ask each watched JVM for its perf map (host/jvm.py), at most once a minute per process.
+    jvm_perf_maps: bool = True
+    jvm_perf_map_interval_s: float = 60.0
 
 
 # The episode hooks (bpf/episode.bpf.h) -> their tracepoint. The scheduler

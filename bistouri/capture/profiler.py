@@ -40,6 +40,7 @@ from ..bpf.loader import (
     sampler_of,
 )
 from ..errors import BistouriError, BpfError
+from ..host.jvm import JvmPerfMaps, NoJvmPerfMaps
 from ..host.procmaps import ProcMaps
 from ..unwind.tables import NoUnwind, UnwindTables
 from .events import (
@@ -97,6 +98,14 @@ class Profiler:
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
         self.unwind: UnwindTables | NoUnwind = NoUnwind()
+        # JVMs asked for their perf maps when they are first sampled and when a session starts.
+        self.jvm: JvmPerfMaps | NoJvmPerfMaps = NoJvmPerfMaps()
+        if options.jvm_perf_maps:
+            self.jvm = JvmPerfMaps(
+                options.proc_root,
+                min_interval_s=options.jvm_perf_map_interval_s,
+                on_result=self.maps.perf_map_requested,
+            )
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -176,6 +185,7 @@ class Profiler:
         self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
+        self.jvm.start()
         if self._companion is None:  # else its maps come with the companion
             self.unwind.start()
 
@@ -184,6 +194,7 @@ class Profiler:
         stay readable (thread_times: the episodes of sessions flushed at shutdown). Idempotent."""
         self.unwind.close(min(timeout, 0.5))
         self.unwind = NoUnwind()
+        self.jvm.close(min(timeout, 0.5))
         if self._thread is not None:
             os.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
@@ -250,12 +261,27 @@ class Profiler:
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
                 self.unwind.want(pid)  # frame pointers until its tables are loaded
+                self.request_perf_maps((pid,))
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
+
+    def request_perf_maps(self, pids: Collection[int]) -> None:
+        """The JVMs among `pids` write their perf maps (on the `bistouri-jvm` thread, at most once a
+        `jvm_perf_map_interval_s` each): when first sampled, and when a session starts (what was
+        compiled since). Only processes whose maps, as last read, map libjvm.so (jvm.py checks
+        again before it signals anything)."""
+        for pid in pids:
+            if self.maps.runtime(pid)[0] == "jvm":
+                self.jvm.request(pid)
+
+    def refresh_perf_maps(self, pids: Collection[int]) -> None:
+        """The same now, on the calling thread and without the rate limit (`record`, before it
+        names its capture: what was compiled during it)."""
+        self.jvm.refresh([pid for pid in pids if self.maps.runtime(pid)[0] == "jvm"])
 
     def set_slow_drain(self, slow: bool) -> None:
         """Drain at the slow interval (no session runs) or the usual one."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,6 +33,7 @@ from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProb
 from .events import StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .flight import FlightRecorder
+from .jitnote import jit_notes
 from .metrics import CaptureMetrics
 
 log = logging.getLogger(__name__)
@@ -142,11 +143,13 @@ class SessionCapture:
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
         episode: EpisodeProbe | NoEpisodeProbe = NO_EPISODE_PROBE,
         catch_up: Callable[[], None] | None = None,
+        on_start: Callable[[Collection[int]], None] | None = None,
     ) -> None:
         self._filter = pid_filter
         # Delivers the samples still in the kernel (add_samples): before a session takes the
         # recorder's, and before sessions end.
         self._catch_up = catch_up
+        self._on_start = on_start  # told of a session's processes as it starts (JVM perf maps)
         self._sink = sink
         self.metrics = metrics
         self.kernel = kernel
@@ -254,6 +257,8 @@ class SessionCapture:
             deadline=now + duration_s,
         )
         s.episode_start = self.episode.start(armed)
+        if self._on_start is not None:
+            self._on_start(armed)
         self.sessions[s.session_id] = s
         for pid in armed:
             self._by_pid.setdefault(pid, []).append(s)
@@ -541,6 +546,7 @@ class SessionCapture:
                     wait=max(wait, wire.WAIT_D),
                 )
             )
+        unwind.jit = jit_notes(self._filter.maps, traces)
         return wire.Session(
             session_id=s.session_id,
             trigger=s.trigger,

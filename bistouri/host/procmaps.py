@@ -98,6 +98,7 @@ class _Table:
     denied: bool = False  # its maps are not ours to read (another user's, no CAP_SYS_PTRACE)
     generation: int = 0
     perf: _PerfMap | None = None
+    jvm_outcome: str = ""  # of the last perf-map request to this JVM (jvm.py), "" if none
     known: dict[int, bytes] = field(default_factory=dict)  # (ip << 1 | leaf) -> its USER_FRAME
 
     @property
@@ -401,6 +402,37 @@ class ProcMaps:
                 self._bytes += pm.nbytes - before
                 self._evict()
             return _perf_name(pm, ip)
+
+    def perf_map_requested(self, pid: int, outcome: str) -> None:
+        """A perf-map request to the JVM `pid` ended (jvm.py; on its worker thread). Written: the
+        file was rewritten whole, with what was compiled since and code moved or freed, so it is
+        read again from its start at the next name looked up."""
+        with self._lock:
+            t = self._tables.get(pid)
+            if t is None or outcome == "not_jvm":  # a process gone or exec'd meanwhile says nothing
+                return
+            t.jvm_outcome = outcome
+            pm = t.perf
+            if outcome == "ok" and pm is not None:  # where it is stays known, its content goes
+                self._bytes -= pm.nbytes
+                pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
+                pm.checked_at, pm.truncated = -1e9, False
+
+    def runtime(self, pid: int) -> tuple[str, str, bool]:
+        """What runs JIT code in `pid`, as its maps say: ("jvm" | "node" | "", the outcome of
+        the last perf-map request to it, whether a perf map of it named anything)."""
+        with self._lock:
+            t = self._tables.get(pid)
+            if t is None:
+                return "", "", False
+            names = {self._files[f].name for f in set(t.files) if f >= 0}
+            named = t.perf is not None and bool(t.perf.names)
+            outcome = t.jvm_outcome
+        if "libjvm.so" in names:
+            return "jvm", outcome, named
+        if "node" in names or any(n.startswith("libnode.so") for n in names):
+            return "node", outcome, named
+        return "", outcome, named
 
     def _perf_map(self, pid: int) -> _PerfMap:
         """Named with its pid in its own namespace (NSpid); resolved in the process's root, or in

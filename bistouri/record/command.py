@@ -149,6 +149,13 @@ def add_record_arguments(p: argparse.ArgumentParser) -> None:
         help="symbol cache directory (default $XDG_CACHE_HOME/bistouri, else ~/.cache/bistouri)",
     )
     p.add_argument("--no-cache", dest="cache", action="store_false", help="do not use the symbol cache")
+    p.add_argument(
+        "--no-jvm-perfmap",
+        dest="jvm_perfmap",
+        action="store_false",
+        help="do not ask a JVM target for its perf map (HotSpot's attach, as `jcmd PID Compiler.perfmap`, "
+        "at the start and the end of the capture): its JIT frames stay unnamed unless it writes one",
+    )
     p.add_argument("--debug-dir", action="append", default=[], help="extra .build-id debug tree (repeatable)")
     p.add_argument("--debuginfod-url", action="append", default=None, help="debuginfod server (repeatable)")
     p.add_argument("--proc-path", default="/proc", help=argparse.SUPPRESS)
@@ -367,6 +374,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         # Someone waits for the first sample: the on-CPU sampler is attached first, alone, and
         # the off-CPU program after (with --on-pressure, sampling starts at the pressure instead).
         sampler_first=not args.on_pressure,
+        jvm_perf_maps=args.jvm_perfmap,
     )
     progress = Progress(show=args.progress)
     cgroup_root = mounts.find_cgroup2_mount(args.proc_path)
@@ -414,6 +422,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         profile, stats = _symbolize(args, capture.session, tree.root, progress)
         _write_outputs(args, out, profile, command, capture, stats, usage)
         print_top(profile, args.top)
+        from ..capture.jitnote import note_lines
+
+        for line in note_lines(capture.session.unwind.jit):
+            print(f"note: {line}")
         if capture.session.episode is not None:
             from ..capture.episode import summary_lines
 
@@ -538,6 +550,7 @@ def _capture(
                 f"{len(known)} processes"
             )
     tree.add(list(known))
+    profiler.refresh_perf_maps(list(known))  # what the JVMs compiled during the capture named too
     profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
     count([ev for ev in profiler.take() if type(ev) is StackSample])
     seconds = time.monotonic() - t0

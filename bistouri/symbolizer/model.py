@@ -121,7 +121,7 @@ class SessionMeta:
             pre_on_cpu=sum(x.on_cpu for x in pre),
             pre_off_cpu=sum(x.off_cpu for x in pre),
             pre_off_cpu_ns=sum(x.off_cpu_ns for x in pre),
-            unwind=s.unwind.to_json() if s.unwind.frames or s.unwind.walks else {},
+            unwind=s.unwind.to_json() if s.unwind else {},
             victims=[victim_json(v) for v in s.episode.victims] if s.episode else [],
             aggressors=[aggressor_json(a) for a in s.episode.aggressors] if s.episode else [],
         )

@@ -277,6 +277,7 @@ def session_from_wire(m: Any) -> Session:
 
 
 _MAX_UNWIND_KEYS = 8  # per map of an unwind summary: a few known names, more is an attack
+_MAX_JIT_KEYS = 16  # of its `jit` notes (10 names today)
 
 
 def _unwind_summary(v: Any, where: str) -> UnwindSummary:
@@ -286,10 +287,14 @@ def _unwind_summary(v: Any, where: str) -> UnwindSummary:
     if not isinstance(v, dict):
         raise WireError("malformed", f"{where} must be a map")
     out = UnwindSummary()
-    for name, target in (("frames", out.frames), ("walks", out.walks)):
+    for name, target, most in (
+        ("frames", out.frames, _MAX_UNWIND_KEYS),
+        ("walks", out.walks, _MAX_UNWIND_KEYS),
+        ("jit", out.jit, _MAX_JIT_KEYS),
+    ):
         counts = v.get(name, {})
-        if not isinstance(counts, dict) or len(counts) > _MAX_UNWIND_KEYS:
-            raise WireError("malformed", f"{where}.{name} must be a map of at most {_MAX_UNWIND_KEYS} counts")
+        if not isinstance(counts, dict) or len(counts) > most:
+            raise WireError("malformed", f"{where}.{name} must be a map of at most {most} counts")
         for key, n in counts.items():
             if not isinstance(key, str) or len(key) > 32 or not isinstance(n, int):
                 raise WireError("malformed", f"{where}.{name} must map short names to counts")

@@ -126,7 +126,7 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     if pre_traces:
         out["pre_traces"] = pre_traces
         out["pre_trigger_ns"] = s.pre_trigger_ns
-    if s.unwind.frames or s.unwind.walks:
+    if s.unwind:
         out["unwind"] = s.unwind.to_json()
     if s.episode is not None:
         out["episode"] = {

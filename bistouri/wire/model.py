@@ -187,9 +187,18 @@ class UnwindSummary:
     # samples by why their user walk ended: entry (the whole stack), no_frame_pointer,
     # read_failed, max_depth, bad_frame (abi.WALK_ENDS)
     walks: dict[str, int] = field(default_factory=dict)
+    # processes by JIT note (capture/jitnote.py): jvm_<perf-map request outcome>, jvm_cut_in_jit,
+    # node_unnamed, jvm_not_asked; absent from sessions of agents before it
+    jit: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.frames or self.walks or self.jit)
 
     def to_json(self) -> dict[str, dict[str, int]]:
-        return {"frames": dict(self.frames), "walks": dict(self.walks)}
+        out = {"frames": dict(self.frames), "walks": dict(self.walks)}
+        if self.jit:
+            out["jit"] = dict(self.jit)
+        return out
 
 
 @dataclass(frozen=True, slots=True)

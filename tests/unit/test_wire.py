@@ -12,6 +12,7 @@ import pytest
 from bistouri import wire
 from bistouri.errors import WireError
 from bistouri.pressure import PressureFigures
+from bistouri.symbolizer.model import SessionMeta
 from bistouri.wire import decode as wire_decode
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
@@ -93,6 +94,22 @@ def test_the_unwind_note_round_trips_and_is_absent_when_empty():
     s.unwind = wire.UnwindSummary({"table": 900, "frame_pointer": 12}, {"entry": 95, "bad_frame": 2})
     back = wire.decode_session(wire.encode_session(s))
     assert back == s and back.unwind.walks["entry"] == 95
+
+
+def test_the_jit_note_round_trips_and_older_readers_ignore_it():
+    s = sample_session()
+    s.unwind = wire.UnwindSummary(jit={"jvm_ok": 2, "jvm_cut_in_jit": 1, "node_unnamed": 1})
+    m = wire.session_to_wire(s)
+    assert m["unwind"]["jit"] == {"jvm_ok": 2, "jvm_cut_in_jit": 1, "node_unnamed": 1}
+    assert wire.decode_session(wire.encode_session(s)) == s
+    # A reader before it took `frames` and `walks` by name: the extra key is left alone.
+    assert set(m["unwind"]) == {"frames", "walks", "jit"} and m["unwind"]["frames"] == {}
+    # The symbolizer keeps it with the session's metadata (the UI says it in words).
+    assert SessionMeta.from_wire(s).to_json()["unwind"]["jit"]["node_unnamed"] == 1
+    assert "jit" not in SessionMeta.from_wire(sample_session()).to_json()["unwind"]
+    s.unwind.jit = {f"k{i}": 1 for i in range(17)}
+    with pytest.raises(WireError):
+        wire.decode_session(wire.encode_session(s))
 
 
 def test_golden_bytes_are_stable():

@@ -278,7 +278,7 @@
     const walks = (u && u.walks) || {};
     const nWalks = Object.values(walks).reduce((a, b) => a + b, 0);
     const nFrames = (frames.table || 0) + (frames.frame_pointer || 0);
-    if (!nWalks && !nFrames) return "";
+    if (!nWalks && !nFrames && !B.jitNotes(u && u.jit).length) return "";
     const pct = (n, of) => Math.round((100 * n) / of) + "%";
     const parts = [];
     if (nWalks) {
@@ -293,7 +293,23 @@
       parts.push("frames: " + pct(frames.table || 0, nFrames) + " .eh_frame, " +
         pct(frames.frame_pointer || 0, nFrames) + " frame pointer");
     }
+    parts.push(...B.jitNotes(u && u.jit));
     return parts.join(" · ");
+  };
+
+  // What a session's JIT frames lack and how to get it (capture/jitnote.py says the same for `record`).
+  B.jitNotes = function (jit) {
+    const words = {
+      jvm_old_jvm: "a JVM before JDK 17: JIT frames unnamed (no Compiler.perfmap)",
+      jvm_no_sigquit_handler: "a JVM without attach listener running with -Xrs: not asked for its perf map",
+      jvm_attach_timeout: "a JVM did not answer the attach request: JIT frames unnamed",
+      jvm_refused: "a JVM's attach socket was not its own: not asked for its perf map",
+      jvm_failed: "a JVM's perf-map request failed: JIT frames may be unnamed",
+      jvm_not_asked: "a JVM's JIT frames unnamed: run jcmd PID Compiler.perfmap during the capture",
+      jvm_cut_in_jit: "Java stacks stop at JIT code: -XX:+PreserveFramePointer shows their callers",
+      node_unnamed: "node's JIT frames unnamed: start it with --perf-basic-prof",
+    };
+    return Object.keys(words).filter((k) => jit && jit[k]).map((k) => words[k]);
   };
 
   B.sessionGrid = function (m) {
