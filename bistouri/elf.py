@@ -81,6 +81,7 @@ ELFCOMPRESS_ZSTD = 2
 # cannot exceed 1032; zstd can, but real debug info compresses 3-10 times.
 MAX_COMPRESSION_RATIO = 1100
 MAX_DWARF_SECTION_BYTES = 2 << 30  # a vmlinux's .debug_info is ~700 MB
+HOST_DEBUG_DIR = "/usr/lib/debug"  # where distributions install debug files (perf, gdb look there)
 # A Go binary without a GNU build id is known by an id of its own (docs/wire-format.md, "Go binaries"):
 # this prefix, then 20 bytes of SHA-256 of its Go build id (else of its .gopclntab), 24 bytes in all. No
 # GNU linker makes an id of that length (8, 16 or 20 bytes) nor one that says "GoID" by choice.

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...elf import HOST_DEBUG_DIR
 from ...errors import BistouriError
 from . import tokens
 
@@ -535,6 +536,8 @@ def run_symbolizer(args: argparse.Namespace) -> int:
                 raise UsageError("--metrics-port must differ from the --listen-addr port")
             check_bind(host, args.metrics_port, "--metrics-port")
             binds.append(f"{args.listen_addr.rpartition(':')[0]}:{args.metrics_port}")
+        # The host's debug tree is the package's default: a host without it has nothing there yet.
+        args.debug_dir = [d for d in args.debug_dir if d != HOST_DEBUG_DIR or Path(d).is_dir()]
         for d in [*args.debug_dir, *args.binary_dir]:
             if not Path(d).is_dir():
                 raise UsageError(f"{d}: no such directory (given as --debug-dir or --binary-dir)")
