@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import struct
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
@@ -42,6 +43,15 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
+
+FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
+FLAG_SPWRITE = 2
+# Go 1.16 has no flags: its outermost frames by name. (Its SP writers go unmarked.)
+_FLAGS_116 = {
+    "runtime.goexit": FLAG_TOPFRAME,
+    "runtime.mstart": FLAG_TOPFRAME,
+    "runtime.rt0_go": FLAG_TOPFRAME,
+}
 
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
@@ -162,6 +172,48 @@ class GoPclnTab:
         if not 0 < off <= len(self._data) - 48:
             raise GoPclnError(f"function {i} at 0x{off:x} past the table")
         return int(off)
+
+    def frame_rules(
+        self, max_spans: int = MAX_PCVALUE_STEPS
+    ) -> Iterator[tuple[int, int, int, list[tuple[int, int]]]]:
+        """(start, end, flags, [(pc, SP delta from the entry), ...]) of every function, in address order:
+        the unwinder's rules (the stack pointer table, `pcsp`; Go's own traceback reads it so).
+        `flags` has FLAG_TOPFRAME (the outermost frame: runtime.goexit, mstart, rt0_go) and
+        FLAG_SPWRITE (writes SP: stack switches, where only the frame pointer can go on)."""
+        for i in range(self._nfunc):
+            start, end = self._entries[i], self._entries[i + 1]
+            try:
+                fo = self._func(i)
+                nameoff, _pcfile, _pcln, _npcdata, _cu, _nfd, fixed, entry = self._fields(fo)
+                if self.version == (1, 16):
+                    name = self._funcname(nameoff)
+                    flags = _FLAGS_116.get(name, 0)
+                else:
+                    flags = self._data[fo + fixed - 3]  # `flag`, after funcID
+                pcsp = self._u32(fo + (20 if self.version == (1, 16) else 16))
+                spans = list(self._pcvalues(pcsp, entry, end, max_spans))
+            except (GoPclnError, struct.error):
+                continue
+            yield start, end, flags, spans
+
+    def _pcvalues(self, table: int, entry: int, end: int, max_steps: int) -> Iterator[tuple[int, int]]:
+        """(pc, value) at each change of a pc-value table, from the entry up to `end`."""
+        if not table:
+            return
+        d = self._data
+        pos = self._pctab + table
+        val = -1
+        cur = entry
+        for step in range(max_steps):
+            uv, pos = _uvarint(d, pos, len(d))
+            if uv == 0 and step:
+                return
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            delta, pos = _uvarint(d, pos, len(d))
+            if cur >= end:
+                return
+            yield cur, val
+            cur += delta * self._quantum
 
     def _fields(self, fo: int) -> tuple[int, int, int, int, int, int, int, int]:
         """(nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed size, entry PC) of the `_func` at `fo`.

@@ -344,12 +344,14 @@ class Resolver:
             with_offsets = [f for f in (exe_elf, dbg_elf) if f is not None and f.loads_have_offsets]
             segments = with_offsets[0].segments if with_offsets else files[0].approx_segments()
             dwarf = next((f.path for f in files if f.has_dwarf), None)
-            go = None
-            if dwarf is None or self.llvm is None or not self.llvm.available:
-                # Go keeps its own line table in the binary, stripped or not (gopclntab.py).
-                go = next((t for t in map(read_pclntab, files) if t is not None), None)
-                if go is not None and symbols.source != ".symtab":
-                    symbols = go.symbols()
+            # Go keeps its own line table in the binary, stripped or not (gopclntab.py): its names
+            # (`runtime.goexit`, where .symtab says `runtime.goexit.abi0`) whatever else the file has,
+            # and its lines and inlined calls when there is no DWARF for llvm-symbolizer.
+            go = next((t for t in map(read_pclntab, files) if t is not None), None)
+            if go is not None:
+                symbols = go.symbols()
+                if dwarf is not None and self.llvm is not None and self.llvm.available:
+                    go = None
             name = _display_name(hexid, *((f.path, f.soname) for f in (exe_elf, dbg_elf) if f is not None))
         except ElfFormatError as e:
             log.warning("Cannot read the ELF file of a build id. build_id=%s error=%s", hexid, e)
