@@ -156,7 +156,7 @@ class GoPclnTab:
     def _cstr(self, off: int) -> str:
         data = self._data
         if not 0 <= off < len(data):
-            return "?"
+            return ""
         end = data.find(b"\0", off, off + MAX_NAME_BYTES)
         return data[off : end if end >= 0 else min(len(data), off + MAX_NAME_BYTES)].decode(
             "utf-8", "replace"
@@ -169,7 +169,7 @@ class GoPclnTab:
         else:
             foff = self._u32(self._ftab + i * 8 + 4)
         off = self._pcln + foff
-        if not 0 < off <= len(self._data) - 48:
+        if not 0 < off <= len(self._data) - (40 if self.version == (1, 18) else 44):
             raise GoPclnError(f"function {i} at 0x{off:x} past the table")
         return int(off)
 
@@ -258,14 +258,15 @@ class GoPclnTab:
                 return val
         return None
 
-    def _file(self, cu: int, fileno: int) -> str:
-        if fileno < 0:
-            return "?"
+    def _file(self, cu: int, fileno: int | None) -> str:
+        """A file name, "" when unknown (no value at this PC: alignment padding past the code)."""
+        if fileno is None or fileno < 0:
+            return ""
         off = self._u32(self._cutab + (cu + fileno) * 4)
-        return "?" if off == 0xFFFFFFFF else self._cstr(self._filetab + off)
+        return "" if off == 0xFFFFFFFF else self._cstr(self._filetab + off)
 
     def _funcname(self, nameoff: int) -> str:
-        return self._cstr(self._funcnames + nameoff) if nameoff >= 0 else "?"
+        return self._cstr(self._funcnames + nameoff) if nameoff >= 0 else ""
 
     # --- lookups ---------------------------------------------------------------
 
@@ -292,7 +293,7 @@ class GoPclnTab:
     def _frames(self, i: int, pc: int) -> list[GoFrame]:
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
-        file = self._file(cu, self._pcvalue(pcfile, entry, pc) or 0)
+        file = self._file(cu, self._pcvalue(pcfile, entry, pc))
         line = self._pcvalue(pcln, entry, pc) or 0
         out: list[GoFrame] = []
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
@@ -305,7 +306,7 @@ class GoPclnTab:
                 name, parent, parent_pc = tree.call(ix)
                 out.append(GoFrame(name, file, max(line, 0)))
                 at = entry + parent_pc
-                file = self._file(cu, self._pcvalue(pcfile, entry, at) or 0)
+                file = self._file(cu, self._pcvalue(pcfile, entry, at))
                 line = self._pcvalue(pcln, entry, at) or 0
                 ix = parent if parent is not None else self._pcvalue(table, entry, at)
         out.append(GoFrame(self._funcname(nameoff), file, max(line, 0)))
