@@ -5,7 +5,6 @@ hostile tables stay bounded."""
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import struct
 import subprocess
@@ -29,6 +28,7 @@ from bistouri.gopclntab import (
     read_pclntab,
 )
 from bistouri.symbolizer.resolve import Resolver
+from bistouri.symbolizer.service.uploads import UploadRefused, Uploads
 from bistouri.symbolizer.sources import DebugSources
 from bistouri.unwind.ehframe import build_table, unpack_rows
 from testkit.gobuild import go_build
@@ -399,4 +399,14 @@ def test_the_resolver_names_go_frames_from_a_binary_dir(
     leaf = p.frames[p.samples[0].stack[-1]]
     assert leaf.name == "main.hotLoop" and leaf.module == "gohot"
     assert leaf.file and leaf.file.endswith("gohot/main.go") and leaf.line, leaf
-    assert re.fullmatch(r"[0-9a-f]+", bid.hex())
+    # The same file uploaded by an agent: accepted under its Go id, and it names that tenant's frames.
+    Uploads._verify(str(bindir / "gohot"), (bindir / "gohot").stat().st_size, bid.hex())
+    with pytest.raises(UploadRefused, match="as claimed"):
+        Uploads._verify(str(bindir / "gohot"), 100, "ab" * 20)
+    tree = tmp_path / "uploads" / "default" / ".build-id" / bid.hex()[:2]
+    tree.mkdir(parents=True)
+    shutil.copy(gobins[kind], tree / bid.hex()[2:])
+    uploads = DebugSources(debuginfod_urls=[], uploads_dir=str(tmp_path / "uploads"))
+    with Resolver(uploads, use_llvm=False) as r:
+        p = r.symbolize(session)
+    assert p.frames[p.samples[0].stack[-1]].name == "main.hotLoop"
