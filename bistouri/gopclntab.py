@@ -438,18 +438,19 @@ def _inline_trees(elf: ElfFile, pcln: Section, magic: int) -> InlineTrees | None
 
 
 # runtime.moduledata opens with the pcHeader pointer, 6 slices and 13 pointers (from findfunctab to
-# enoptrbss: 256 bytes), then, after a few more pointers (1.20 adds 2), `rodata` and `gofunc`.
+# enoptrbss: 256 bytes), then, after a few more pointers (1.20 adds 2), `types, etypes, rodata, gofunc`.
 _RODATA_FROM = 256
 _RODATA_TO = 256 + 16 * 8
 
 
 def _gofunc(elf: ElfFile, pcln: Section, ro: Section) -> int:
     """runtime.firstmoduledata.gofunc: the moduledata is the data that points at the pclntab header,
-    then (funcnametab slice) at its function names; gofunc follows its pointer to .rodata. 0 when
-    not found."""
+    then (funcnametab slice) at its function names; gofunc ends its `types, etypes, rodata, gofunc`
+    run, all in .rodata, `types` equal to `rodata` (the type data opens the read-only data; with an
+    external linker, both are a little past the section's start). 0 when not found."""
     names_off = struct.unpack_from("<Q", elf.section_data(pcln)[:40], 32)[0]  # funcnameOffset
     want = struct.pack("<QQ", pcln.addr, pcln.addr + names_off)
-    rodata = struct.pack("<Q", ro.addr)
+    lo, hi = ro.addr, ro.addr + ro.size
     for name in (".noptrdata", ".data.rel.ro", ".data"):
         sec = elf.section(name)
         if sec is None or sec.type == SHT_NOBITS:
@@ -457,14 +458,11 @@ def _gofunc(elf: ElfFile, pcln: Section, ro: Section) -> int:
         data = elf.section_data(sec)[:MAX_MODULEDATA_SCAN]
         pos = data.find(want)
         while pos >= 0:
-            if pos % 8 == 0:
-                # `types` is also .rodata's start (then `etypes`): the last such pair is rodata, gofunc.
-                got = 0
-                for at in range(pos + _RODATA_FROM, min(pos + _RODATA_TO, len(data) - 15), 8):
-                    if data[at : at + 8] == rodata:
-                        nxt = int(struct.unpack_from("<Q", data, at + 8)[0])
-                        got = nxt if ro.addr <= nxt < ro.addr + ro.size else got
-                if got:
-                    return got
+            if pos % 8 == 0 and pos + _RODATA_TO <= len(data):
+                words = struct.unpack_from(f"<{(_RODATA_TO - _RODATA_FROM) // 8}Q", data, pos + _RODATA_FROM)
+                for k in range(len(words) - 3):
+                    types, etypes, rodata, gofunc = words[k : k + 4]
+                    if types == rodata and lo <= types < etypes <= hi and lo <= gofunc < hi:
+                        return int(gofunc)
             pos = data.find(want, pos + 1)
     return 0

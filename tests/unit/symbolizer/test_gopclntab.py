@@ -410,3 +410,38 @@ def test_the_resolver_names_go_frames_from_a_binary_dir(
     with Resolver(uploads, use_llvm=False) as r:
         p = r.symbolize(session)
     assert p.frames[p.samples[0].stack[-1]].name == "main.hotLoop"
+
+
+DEBIAN_GO = Path("/usr/bin/prometheus")  # Debian's, external linker (make deps: APT_MONITORING)
+
+
+@pytest.mark.skipif(not DEBIAN_GO.exists(), reason="Debian's prometheus is not installed")
+def test_a_go_program_nobody_here_wrote(tmp_path: Path) -> None:
+    """Debian's prometheus: linked by gcc (a GNU build id, .eh_frame for its C part, stripped to a
+    debuglink): its names and lines are read from the pclntab as Go's addr2line reads them, its
+    inline trees found, and its unwind table ends goroutine stacks at runtime.goexit."""
+    if shutil.which("go") is None:
+        pytest.skip("go is not installed (Debian: golang-go)")
+    with ElfFile(DEBIAN_GO) as f:
+        assert f.build_id is not None and f.file_id == f.build_id
+        tab = read_pclntab(f)
+        text = f.section(".text")
+    assert tab is not None and tab._inl is not None and text is not None
+    rng = random.Random(11)
+    funcs = list(tab.symbols().items())
+    pcs = [rng.randrange(s, e) for s, e, _ in rng.sample(funcs, 500)]
+    # Go 1.19's addr2line takes the .text section's address for runtime.text, which gcc's crt code
+    # precedes by 0x100 bytes here: it is asked that much lower. (The runtime, and this reader, take
+    # the table's own textStart: function entries then fall on Go's stack-check prologues.)
+    shift = tab._text_start - text.addr
+    same = 0
+    for pc, (func, where) in zip(pcs, _go_tool_addr2line(DEBIAN_GO, [pc - shift for pc in pcs]), strict=True):
+        frames = tab.frames(pc)
+        file, _, line = where.rpartition(":")
+        same += frames[-1].function == func and (frames[0].file, frames[0].line) == (
+            (file, int(line)) if line != "-1" else ("", 0)
+        )
+    assert same >= 0.99 * len(pcs), (same, len(pcs))
+    goexit = next(s for s, _, n in funcs if n == "runtime.goexit")
+    rows = unpack_rows(build_table(str(DEBIAN_GO)))
+    assert any(r.pc == goexit and r.cfa_kind == CfaKind.END for r in rows)
