@@ -129,7 +129,7 @@ class _Metrics:
         self.bounds = Counter(
             "bistouri_symbolizer_file_bounds_total",
             "Files read only in part because they hit a bound, "
-            "by reason (symbols, gnu_debugdata, dwarf, section_names)",
+            "by reason (symbols, gnu_debugdata, dwarf, section_names, gopclntab)",
             ["reason"],
             registry=registry,
         )
