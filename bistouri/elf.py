@@ -579,7 +579,11 @@ class ElfFile:
                 stop = min(str_hi, start + MAX_NAME_BYTES)
                 if start < stop:
                     end = find(b"\0", start, stop)
-                    name = buf[start : end if end >= 0 else stop]
+                    end = end if end >= 0 else stop
+                    # A debug file's .symtab keeps symbol versions (`__libc_start_main@@GLIBC_2.34`):
+                    # named as the binary's .dynsym names them, with or without the debug file.
+                    at = find(b"@", start, end)
+                    name = buf[start : at if at > start else end]
                 else:
                     name = b""
                 add(value, (4 if size else 0) + rank(info >> 4, 0), size, sec_end, name)
