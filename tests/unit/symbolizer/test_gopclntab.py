@@ -445,3 +445,22 @@ def test_a_go_program_nobody_here_wrote(tmp_path: Path) -> None:
     goexit = next(s for s, _, n in funcs if n == "runtime.goexit")
     rows = unpack_rows(build_table(str(DEBIAN_GO)))
     assert any(r.pc == goexit and r.cfa_kind == CfaKind.END for r in rows)
+
+
+def test_the_agent_knows_a_running_go_program_by_its_go_id(gobins: dict[str, Path]) -> None:
+    """procmaps (the agent, record) reads the mapped Go binary's id: its frames are resolved
+    against it and the uploader finds the file under it."""
+    from bistouri.host.procmaps import ProcMaps
+
+    proc = subprocess.Popen([str(gobins["stripped"])], stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None and proc.stderr.readline() == b"ready\n"
+        pm = ProcMaps()
+        pm.track(proc.pid)
+        bid = read_build_id(gobins["stripped"])
+        assert bid is not None and is_go_file_id(bid)
+        where = pm.locate(bid)
+        assert where is not None and where.build_id() == bid
+    finally:
+        proc.kill()
+        proc.wait()
