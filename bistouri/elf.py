@@ -436,7 +436,7 @@ class ElfFile:
             return self._build_id
         if self._go_build_id is not None:
             return go_file_id(b"buildid\0" + self._go_build_id)
-        sec = self.section(".gopclntab")
+        sec = self.section(".gopclntab") or self.section(".data.rel.ro.gopclntab")  # (PIE)
         if sec is None or sec.type == SHT_NOBITS or sec.size < 16:
             return None
         # Built with -buildid= : the function table is the program. Bounded: a length and a prefix.

@@ -408,7 +408,8 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
 
 def read_pclntab(elf: ElfFile) -> GoPclnTab | None:
     """The pclntab of a Go binary, or None (not Go, or a table this reader does not understand)."""
-    sec = elf.section(".gopclntab")
+    # A PIE built by Go's linker has it in its relocated read-only data.
+    sec = elf.section(".gopclntab") or elf.section(".data.rel.ro.gopclntab")
     if sec is None or sec.type == SHT_NOBITS or sec.size < 64 or elf.endian != "<":
         return None
     if sec.size > MAX_PCLNTAB_BYTES:

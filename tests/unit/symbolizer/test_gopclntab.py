@@ -283,6 +283,7 @@ def gobins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "plain": go_build("gohot", d),
         "stripped": go_build("gohot", d, "-s", "-w"),
         "no_buildid": go_build("gohot", d, "-s", "-w", "-buildid="),
+        "pie": go_build("gohot", d, "-s", "-w", pie=True),
     }
 
 
@@ -297,7 +298,7 @@ def test_a_go_binary_has_an_id_of_its_own(gobins: dict[str, Path]) -> None:
                 assert f.go_build_id and f.file_id == go_file_id(b"buildid\0" + f.go_build_id)
         assert read_build_id(path) == ids[kind]  # what the agent, uploads and sources key it by
         assert read_build_id(path) == ids[kind]  # stable
-    assert len(set(ids.values())) == 3
+    assert len(set(ids.values())) == len(gobins)
     # A GNU build id is the id of a file that has one, and never looks like a Go one.
     with ElfFile("/bin/true") as f:
         assert f.file_id == f.build_id and not is_go_file_id(f.file_id or b"")
@@ -464,3 +465,16 @@ def test_the_agent_knows_a_running_go_program_by_its_go_id(gobins: dict[str, Pat
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_pie_is_named_from_its_relocated_table(gobins: dict[str, Path]) -> None:
+    """Go's linker puts a PIE's table in `.data.rel.ro.gopclntab`; its moduledata pointers are
+    relocations, so its frames have names and lines but not their inlined callers."""
+    with ElfFile(gobins["pie"]) as f:
+        assert f.type == 3  # ET_DYN
+        tab = read_pclntab(f)
+    assert tab is not None
+    start = next(s for s, _, n in tab.symbols().items() if n == "main.hotLoop")
+    src = str(Path(__file__).parents[2] / "fixtures/go/gohot/main.go")
+    assert any(fr[-1] == GoFrame("main.hotLoop", src, fr[-1].line) and fr[-1].line > 0
+               for fr in map(tab.frames, range(start, start + 32)))  # fmt: skip
