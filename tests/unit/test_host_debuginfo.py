@@ -38,3 +38,13 @@ def test_describe_counts_the_build_id_tree_and_names_the_servers(tmp_path: Path)
     assert got["DEBUGINFOD_URLS"] == "https://a.example https://b.example"
     got = dict(debuginfo.describe(str(tmp_path / "absent"), {}))
     assert got[str(tmp_path / "absent")].startswith("absent") and got["DEBUGINFOD_URLS"].startswith("unset")
+
+
+def test_the_symbolizer_skips_the_hosts_debug_tree_only_while_it_is_absent(tmp_path: Path) -> None:
+    from bistouri.symbolizer.service.cli import debug_dirs_in_use
+
+    host = str(tmp_path / "usr-lib-debug")
+    other = str(tmp_path / "mine")
+    assert debug_dirs_in_use([host, other], host) == [other]  # `other` is still checked (and refused) later
+    Path(host).mkdir()
+    assert debug_dirs_in_use([host, other], host) == [host, other]
