@@ -43,6 +43,7 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
+MAX_DECODED = 4096  # pc-value tables kept decoded (a few hundred bytes each)
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -52,6 +53,8 @@ _FLAGS_116 = {
     "runtime.mstart": FLAG_TOPFRAME,
     "runtime.rt0_go": FLAG_TOPFRAME,
 }
+
+_UNSEEN: tuple[list[int], list[int], int] = ([], [], -1)  # a table never looked at (by identity)
 
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
@@ -77,6 +80,7 @@ class GoPclnTab:
     __slots__ = (
         "_cutab",
         "_data",
+        "_decoded",
         "_entries",
         "_filetab",
         "_ftab",
@@ -122,6 +126,9 @@ class GoPclnTab:
         self._pcln = pcln
         self._ftab = pcln  # the function table opens the pcln area
         self._inl = inline
+        # (table, entry) -> its decoded (starts, values, end), or None when looked at once: a
+        # function's second new address decodes its tables whole, later ones bisect them.
+        self._decoded: dict[tuple[int, int], tuple[list[int], list[int], int] | None] = {}
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -200,20 +207,10 @@ class GoPclnTab:
         """(pc, value) at each change of a pc-value table, from the entry up to `end`."""
         if not table:
             return
-        d = self._data
-        pos = self._pctab + table
-        val = -1
-        cur = entry
-        for step in range(max_steps):
-            uv, pos = _uvarint(d, pos, len(d))
-            if uv == 0 and step:
+        for step, (pc, val, _nxt) in enumerate(self._runs(table, entry)):
+            if pc >= end or step >= max_steps:
                 return
-            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
-            delta, pos = _uvarint(d, pos, len(d))
-            if cur >= end:
-                return
-            yield cur, val
-            cur += delta * self._quantum
+            yield pc, val
 
     def _fields(self, fo: int) -> tuple[int, int, int, int, int, int, int, int]:
         """(nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed size, entry PC) of the `_func` at `fo`.
@@ -268,6 +265,51 @@ class GoPclnTab:
                 return val
         return None
 
+    def _value(self, table: int, entry: int, pc: int) -> int | None:
+        """`_pcvalue`, through the decoded tables of the functions looked at more than once."""
+        if not table:
+            return None
+        key = (table, entry)
+        got = self._decoded.get(key, _UNSEEN)
+        if got is None:  # the second look: decode it whole
+            got = self._decoded[key] = self._decode(table, entry)
+        elif got is _UNSEEN:
+            if len(self._decoded) >= MAX_DECODED:
+                self._decoded = {}  # only speed is lost (a plain dict: safe under concurrent lookups)
+            self._decoded[key] = None
+            return self._pcvalue(table, entry, pc)
+        starts, values, end = got
+        if pc >= end or pc < entry:
+            return None
+        return values[bisect.bisect_right(starts, pc) - 1]
+
+    def _decode(self, table: int, entry: int) -> tuple[list[int], list[int], int]:
+        """A pc-value table whole: the start PC and value of each run, and where the last ends."""
+        starts: list[int] = []
+        values: list[int] = []
+        cur = entry
+        for pc, val, nxt in self._runs(table, entry):
+            starts.append(pc)
+            values.append(val)
+            cur = nxt
+        return starts, values, cur
+
+    def _runs(self, table: int, entry: int) -> Iterator[tuple[int, int, int]]:
+        """(start, value, end) of each run of a pc-value table, at most MAX_PCVALUE_STEPS."""
+        d = self._data
+        pos = self._pctab + table
+        end = len(d)
+        val = -1
+        cur = entry
+        for step in range(MAX_PCVALUE_STEPS):
+            uv, pos = _uvarint(d, pos, end)
+            if uv == 0 and step:
+                return
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            delta, pos = _uvarint(d, pos, end)
+            yield cur, val, cur + delta * self._quantum
+            cur += delta * self._quantum
+
     def _file(self, cu: int, fileno: int | None) -> str:
         """A file name, "" when unknown (no value at this PC: alignment padding past the code)."""
         if fileno is None or fileno < 0:
@@ -303,22 +345,22 @@ class GoPclnTab:
     def _frames(self, i: int, pc: int) -> list[GoFrame]:
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
-        file = self._file(cu, self._pcvalue(pcfile, entry, pc))
-        line = self._pcvalue(pcln, entry, pc) or 0
+        file = self._file(cu, self._value(pcfile, entry, pc))
+        line = self._value(pcln, entry, pc) or 0
         out: list[GoFrame] = []
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
         if tree is not None and npcdata > _PCDATA_INLTREE_INDEX:
             table = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
-            ix = self._pcvalue(table, entry, pc)
+            ix = self._value(table, entry, pc)
             seen = 0
             while ix is not None and ix >= 0 and seen < MAX_INLINE_DEPTH:
                 seen += 1
                 name, parent, parent_pc = tree.call(ix)
                 out.append(GoFrame(name, file, max(line, 0)))
                 at = entry + parent_pc
-                file = self._file(cu, self._pcvalue(pcfile, entry, at))
-                line = self._pcvalue(pcln, entry, at) or 0
-                ix = parent if parent is not None else self._pcvalue(table, entry, at)
+                file = self._file(cu, self._value(pcfile, entry, at))
+                line = self._value(pcln, entry, at) or 0
+                ix = parent if parent is not None else self._value(table, entry, at)
         out.append(GoFrame(self._funcname(nameoff), file, max(line, 0)))
         return out
 

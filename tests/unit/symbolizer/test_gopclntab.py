@@ -478,3 +478,17 @@ def test_a_pie_is_named_from_its_relocated_table(gobins: dict[str, Path]) -> Non
     src = str(Path(__file__).parents[2] / "fixtures/go/gohot/main.go")
     assert any(fr[-1] == GoFrame("main.hotLoop", src, fr[-1].line) and fr[-1].line > 0
                for fr in map(tab.frames, range(start, start + 32)))  # fmt: skip
+
+
+def test_decoded_tables_answer_as_the_walk_from_the_entry(gobins: dict[str, Path]) -> None:
+    """A function looked at twice has its tables decoded whole and bisected: same answers."""
+    with ElfFile(gobins["stripped"]) as f:
+        cold, warm = read_pclntab(f), read_pclntab(f)
+    assert cold is not None and warm is not None
+    pcs = [pc for s, e, _ in list(cold.symbols().items())[:300] for pc in range(s, e)]
+    for pc in pcs:
+        warm.frames(pc)
+    assert warm._decoded and all(v is not None for v in list(warm._decoded.values())[:50])
+    for pc in pcs:
+        cold._decoded.clear()  # every look a first one: walked from the entry
+        assert warm.frames(pc) == cold.frames(pc), hex(pc)
