@@ -43,7 +43,10 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-MAX_DECODED = 4096  # pc-value tables kept decoded (a few hundred bytes each)
+# pc-value tables kept decoded, and runs a table may have to be kept: 16 bytes a run, so at most
+# 32 MiB whatever a table holds (a real function's tables have a few to a few hundred runs).
+MAX_DECODED = 2048
+MAX_DECODED_RUNS = 1024
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -54,7 +57,9 @@ _FLAGS_116 = {
     "runtime.rt0_go": FLAG_TOPFRAME,
 }
 
-_UNSEEN: tuple[list[int], list[int], int] = ([], [], -1)  # a table never looked at (by identity)
+_Decoded = tuple["array[int]", "array[int]", int]  # run starts, run values, end of the last run
+_UNSEEN: _Decoded = (array("q"), array("q"), -1)  # a table never looked at (by identity)
+_TOO_LONG: _Decoded = (array("q"), array("q"), -2)  # a table too long to keep decoded
 
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
@@ -126,9 +131,9 @@ class GoPclnTab:
         self._pcln = pcln
         self._ftab = pcln  # the function table opens the pcln area
         self._inl = inline
-        # (table, entry) -> its decoded (starts, values, end), or None when looked at once: a
-        # function's second new address decodes its tables whole, later ones bisect them.
-        self._decoded: dict[tuple[int, int], tuple[list[int], list[int], int] | None] = {}
+        # (table, entry) -> its decoded runs, or None when looked at once: a function's second new
+        # address decodes its tables whole (MAX_DECODED*), later ones bisect them.
+        self._decoded: dict[tuple[int, int], _Decoded | None] = {}
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -273,7 +278,9 @@ class GoPclnTab:
         got = self._decoded.get(key, _UNSEEN)
         if got is None:  # the second look: decode it whole
             got = self._decoded[key] = self._decode(table, entry)
-        elif got is _UNSEEN:
+        if got is _TOO_LONG:
+            return self._pcvalue(table, entry, pc)
+        if got is _UNSEEN:
             if len(self._decoded) >= MAX_DECODED:
                 self._decoded = {}  # only speed is lost (a plain dict: safe under concurrent lookups)
             self._decoded[key] = None
@@ -283,12 +290,14 @@ class GoPclnTab:
             return None
         return values[bisect.bisect_right(starts, pc) - 1]
 
-    def _decode(self, table: int, entry: int) -> tuple[list[int], list[int], int]:
+    def _decode(self, table: int, entry: int) -> _Decoded:
         """A pc-value table whole: the start PC and value of each run, and where the last ends."""
-        starts: list[int] = []
-        values: list[int] = []
+        starts = array("q")
+        values = array("q")
         cur = entry
         for pc, val, nxt in self._runs(table, entry):
+            if len(starts) >= MAX_DECODED_RUNS:
+                return _TOO_LONG  # kept as a mark: walked each time, never held
             starts.append(pc)
             values.append(val)
             cur = nxt

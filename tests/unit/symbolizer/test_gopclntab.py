@@ -20,6 +20,7 @@ from bistouri.bpf.abi import CfaKind
 from bistouri.elf import GO_ID_LEN, ElfFile, go_file_id, is_go_file_id, read_build_id
 from bistouri.gopclntab import (
     FLAG_TOPFRAME,
+    MAX_DECODED_RUNS,
     MAX_INLINE_DEPTH,
     GoFrame,
     GoPclnError,
@@ -271,6 +272,10 @@ def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     t0 = time.process_time()
     assert tab._pcvalue(at - tab._pctab, TEXT, TEXT + 10**7) is None
     assert time.process_time() - t0 < 2.0
+    # Looked at again, it is too long to be kept decoded: marked, and walked each time.
+    for _ in range(3):
+        assert tab._value(at - tab._pctab, TEXT, TEXT + 5) == 5
+    assert all(len(v[0]) <= MAX_DECODED_RUNS for v in tab._decoded.values() if v is not None)
 
 
 # --- real Go programs --------------------------------------------------------------------------
