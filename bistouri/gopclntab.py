@@ -44,9 +44,9 @@ MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
 # pc-value tables kept decoded, and runs a table may have to be kept: 16 bytes a run, so at most
-# 32 MiB whatever a table holds (a real function's tables have a few to a few hundred runs).
-MAX_DECODED = 2048
-MAX_DECODED_RUNS = 1024
+# 8 MiB a binary whatever its tables hold (a real function's tables have a few to a few hundred runs).
+MAX_DECODED = 1024
+MAX_DECODED_RUNS = 512
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
