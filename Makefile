@@ -25,7 +25,10 @@ APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-c
 APT_MONITORING := prometheus
 # The load balancer in front of two symbolizer instances (tests/integration/test_fleet_load.py).
 APT_FLEET := haproxy
-APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING) $(APT_FLEET)
+# Go programs built by the tests, named from their pclntab (tests/unit/symbolizer/test_gopclntab.py,
+# tests/integration/test_record.py): Debian's Go toolchain.
+APT_GO := golang-go
+APT_ALL := $(APT_BUILD) $(APT_SYMBOLIZER) $(APT_UI) $(APT_DEPLOY) $(APT_MONITORING) $(APT_FLEET) $(APT_GO)
 APT_DEMO := $(APT_BUILD) llvm-19
 # What the benchmarks compare with: bpftrace and perf (sampling cost, JIT names, `record`),
 # BCC's CO-RE runqlat and offcputime (libbpf-tools: the episode hooks' cost, bench_episode).

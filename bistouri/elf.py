@@ -17,6 +17,7 @@ DWARF is not parsed here; llvm-symbolizer does that (see llvm.py).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import lzma
 import mmap
 import os
@@ -57,6 +58,7 @@ STB_GLOBAL = 1
 STB_WEAK = 2
 
 NT_GNU_BUILD_ID = 3
+NT_GO_BUILD_ID = 4  # name "Go": the Go linker's build id, a string (`.note.go.buildid`)
 DT_NULL = 0
 DT_SONAME = 14
 
@@ -79,6 +81,14 @@ ELFCOMPRESS_ZSTD = 2
 # cannot exceed 1032; zstd can, but real debug info compresses 3-10 times.
 MAX_COMPRESSION_RATIO = 1100
 MAX_DWARF_SECTION_BYTES = 2 << 30  # a vmlinux's .debug_info is ~700 MB
+HOST_DEBUG_DIR = "/usr/lib/debug"  # where distributions install debug files (perf, gdb look there)
+# A Go binary without a GNU build id is known by an id of its own (docs/wire-format.md, "Go binaries"):
+# this prefix, then 20 bytes of SHA-256 of its Go build id (else of its .gopclntab), 24 bytes in all. No
+# GNU linker makes an id of that length (8, 16 or 20 bytes) nor one that says "GoID" by choice.
+GO_ID_PREFIX = b"GoID"
+GO_ID_LEN = 24
+MAX_GO_BUILD_ID = 1024  # a Go build id is 4 base64 hashes and 3 slashes, ~83 bytes
+MAX_GO_HASHED = 64 << 20  # bytes of .gopclntab hashed when there is no Go build id
 
 
 class ElfFormatError(BistouriError):
@@ -258,6 +268,7 @@ class ElfFile:
         self.bounds_hit: set[str] = set()
         self._parse_headers()
         self._build_id: bytes | None = None
+        self._go_build_id: bytes | None = None
         self._build_id_read = False
 
     def close(self) -> None:
@@ -392,16 +403,45 @@ class ElfFile:
                 notes += 1
                 yield name.rstrip(b"\0"), ntype, desc
 
+    def _read_ids(self) -> None:
+        """One walk of the notes for both ids; it stops at the GNU build id, which wins."""
+        if self._build_id_read:
+            return
+        self._build_id_read = True
+        for name, ntype, desc in self._iter_notes():
+            if name == b"GNU" and ntype == NT_GNU_BUILD_ID and desc:
+                self._build_id = bytes(desc)
+                break
+            if name == b"Go" and ntype == NT_GO_BUILD_ID and desc and self._go_build_id is None:
+                self._go_build_id = bytes(desc[:MAX_GO_BUILD_ID])
+
     @property
     def build_id(self) -> bytes | None:
         """The GNU build id (NT_GNU_BUILD_ID note), or None when the file has none."""
-        if not self._build_id_read:
-            self._build_id_read = True
-            for name, ntype, desc in self._iter_notes():
-                if name == b"GNU" and ntype == NT_GNU_BUILD_ID and desc:
-                    self._build_id = bytes(desc)
-                    break
+        self._read_ids()
         return self._build_id
+
+    @property
+    def go_build_id(self) -> bytes | None:
+        """The Go linker's build id (`actionID/.../contentID`), or None (GNU build id present, or not Go)."""
+        self._read_ids()
+        return self._go_build_id if self._build_id is None else None
+
+    @property
+    def file_id(self) -> bytes | None:
+        """What the agent, uploads and the symbolizer key this file by (the wire's "build id"): the GNU
+        build id, else for a Go binary an id derived from its Go build id (else from its pclntab)."""
+        self._read_ids()
+        if self._build_id is not None:
+            return self._build_id
+        if self._go_build_id is not None:
+            return go_file_id(b"buildid\0" + self._go_build_id)
+        sec = self.section(".gopclntab") or self.section(".data.rel.ro.gopclntab")  # (PIE)
+        if sec is None or sec.type == SHT_NOBITS or sec.size < 16:
+            return None
+        # Built with -buildid= : the function table is the program. Bounded: a length and a prefix.
+        size = min(sec.size, MAX_GO_HASHED)
+        return go_file_id(b"pclntab\0" + sec.size.to_bytes(8, "little") + self._slice(sec.offset, size))
 
     @property
     def debuglink(self) -> str | None:
@@ -539,7 +579,11 @@ class ElfFile:
                 stop = min(str_hi, start + MAX_NAME_BYTES)
                 if start < stop:
                     end = find(b"\0", start, stop)
-                    name = buf[start : end if end >= 0 else stop]
+                    end = end if end >= 0 else stop
+                    # A debug file's .symtab keeps symbol versions (`__libc_start_main@@GLIBC_2.34`):
+                    # named as the binary's .dynsym names them, with or without the debug file.
+                    at = find(b"@", start, end)
+                    name = buf[start : at if at > start else end]
                 else:
                     name = b""
                 add(value, (4 if size else 0) + rank(info >> 4, 0), size, sec_end, name)
@@ -631,10 +675,20 @@ def offset_to_vaddr(segments: Iterable[Segment], offset: int) -> int | None:
     return None
 
 
+def go_file_id(what: bytes) -> bytes:
+    """The id of a Go binary without a GNU build id, from what identifies it (see GO_ID_PREFIX)."""
+    return GO_ID_PREFIX + hashlib.sha256(what).digest()[: GO_ID_LEN - len(GO_ID_PREFIX)]
+
+
+def is_go_file_id(build_id: bytes) -> bool:
+    return len(build_id) == GO_ID_LEN and build_id.startswith(GO_ID_PREFIX)
+
+
 def read_build_id(path: str | os.PathLike[str]) -> bytes | None:
-    """Build id of an ELF file, or None if it is not ELF64 or has no build id."""
+    """The id of an ELF file as the wire knows it (`ElfFile.file_id`: the GNU build id, else a Go
+    binary's own), or None if it is not ELF64 or has neither."""
     try:
         with ElfFile(path) as f:
-            return f.build_id
+            return f.file_id
     except ElfFormatError:
         return None

@@ -305,6 +305,13 @@ def check_config(path: str) -> Result:
     return Result(OK, "config", f"{path}: {len(cfg.targets)} target(s)")
 
 
+def check_debuginfo(host: Host) -> list[Result]:
+    """Which debug sources `bistouri record` reads here by default (names and file:line of libraries)."""
+    from ..host import debuginfo
+
+    return [Result(OK, f"debug {name}", detail) for name, detail in debuginfo.describe()]
+
+
 CHECKS: list[Callable[[Host], Result | list[Result]]] = [
     check_kernel,
     check_btf,
@@ -316,6 +323,7 @@ CHECKS: list[Callable[[Host], Result | list[Result]]] = [
     check_perf_events,
     check_kernel_symbols,
     check_bpf_object,
+    check_debuginfo,
 ]
 
 

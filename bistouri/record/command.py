@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
+from ..elf import HOST_DEBUG_DIR
 from ..errors import BistouriError
 from ..host import mounts, procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
@@ -157,7 +158,19 @@ def add_record_arguments(p: argparse.ArgumentParser) -> None:
         "at the start and the end of the capture): its JIT frames stay unnamed unless it writes one",
     )
     p.add_argument("--debug-dir", action="append", default=[], help="extra .build-id debug tree (repeatable)")
-    p.add_argument("--debuginfod-url", action="append", default=None, help="debuginfod server (repeatable)")
+    p.add_argument(
+        "--debuginfod-url",
+        action="append",
+        default=None,
+        help="debuginfod server (repeatable; default $DEBUGINFOD_URLS)",
+    )
+    p.add_argument(
+        "--no-host-debuginfo",
+        dest="host_debuginfo",
+        action="store_false",
+        help="do not read this host's debug files (/usr/lib/debug: its .build-id tree and path mirror) "
+        "nor ask $DEBUGINFOD_URLS",
+    )
     p.add_argument("--proc-path", default="/proc", help=argparse.SUPPRESS)
 
 
@@ -392,7 +405,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         from ..capture.profiler import Profiler
 
         out = OutputDir.open(args.output)
-        tree = BuildIdTree(args.proc_path)
+        tree = BuildIdTree(args.proc_path, mirror=HOST_DEBUG_DIR if args.host_debuginfo else None)
     except BaseException:
         loading.close()
         raise
@@ -559,6 +572,11 @@ def _capture(
     return Capture(session if session.traces else None, n_samples, first_ns, seconds, len(known))
 
 
+def _has_debug_file(root: str, build_id: bytes) -> bool:
+    hexid = build_id.hex()
+    return bool(hexid) and os.path.exists(os.path.join(root, ".build-id", hexid[:2], hexid[2:] + ".debug"))
+
+
 def _symbolize(
     args: argparse.Namespace, session: wire.Session, tree: str, progress: Progress
 ) -> tuple[Profile, Any]:
@@ -573,6 +591,15 @@ def _symbolize(
     kernel_key = symcache.kernel_boot_key(session.kernel.build_id, args.proc_path)
     kernels = symcache.CachedKallsyms(session.kernel.build_id, kernel_key, cache, args.proc_path)
     debug_dirs = [tree, *args.debug_dir]
+    # The host's own debug files, as perf and gdb find them (docs/record.md, "Debug info").
+    host_dirs = [HOST_DEBUG_DIR] if args.host_debuginfo and os.path.isdir(HOST_DEBUG_DIR) else []
+    debug_dirs += host_dirs
+    if args.debuginfod_url is not None or not args.host_debuginfo:
+        servers = args.debuginfod_url or []
+    else:
+        from ..symbolizer.sources import urls_from_env
+
+        servers = urls_from_env()
 
     def open_resolver(file_lines: bool) -> Any:
         from typing import cast
@@ -585,7 +612,7 @@ def _symbolize(
         sources = DebugSources(
             debug_dirs,
             [],
-            args.debuginfod_url or [],
+            servers,
             cache_dir=os.path.join(tree, "debuginfod"),
             registry=None,
         )
@@ -603,8 +630,11 @@ def _symbolize(
 
     t1 = time.monotonic()
     progress.update("Symbolizing…", force=True)
-    # A vmlinux with DWARF could only come from --debug-dir or debuginfod: without them, kallsyms.
-    direct = None if (args.debug_dir or args.debuginfod_url) else kernels
+    # A vmlinux with DWARF could only come from --debug-dir, --debuginfod-url or the host's debug tree
+    # (linux-image-*-dbg): without them, kallsyms. $DEBUGINFOD_URLS alone is not asked for the
+    # kernel's (hundreds of MB) unless named on the command line.
+    kdebug = any(_has_debug_file(d, session.kernel.build_id) for d in host_dirs)
+    direct = None if (args.debug_dir or args.debuginfod_url or kdebug) else kernels
     profile, stats = symcache.symbolize(
         session,
         cache,

@@ -89,8 +89,9 @@ class BuildIdTree:
     """A .build-id tree of links to the ELF files the targets map, for the resolver to read:
     the files are found while the processes live (a command that exited leaves no /proc)."""
 
-    def __init__(self, proc_root: str) -> None:
+    def __init__(self, proc_root: str, mirror: str | None = None) -> None:
         self.root = ""  # made at the first add(): not on the way to the first sample
+        self.mirror = mirror  # a debug tree whose path mirror is looked at (/usr/lib/debug), or None
         self.proc_root = proc_root
         self._seen: set[tuple[int, int]] = set()  # (device, inode) of the files already looked at
         self._maps: dict[int, bytes] = {}
@@ -125,7 +126,7 @@ class BuildIdTree:
     def _link(self, where: MappedPath) -> bool:
         """Link one mapped file, opened safely (the process may have put a FIFO or a symlink
         at its path): the link names the file the descriptor has open."""
-        from ..elf import read_build_id
+        from ..elf import ElfFile, ElfFormatError
         from ..host import safeopen
 
         try:
@@ -137,9 +138,10 @@ class BuildIdTree:
             if (st.st_dev, st.st_ino) in self._seen:
                 return False
             self._seen.add((st.st_dev, st.st_ino))
-            bid = read_build_id(safeopen.fd_path(fd))
+            with ElfFile(safeopen.fd_path(fd)) as elf:
+                bid, debuglink = elf.file_id, elf.debuglink
             target = os.readlink(safeopen.fd_path(fd))  # its path in our view, no link in it
-        except OSError:
+        except (OSError, ElfFormatError):
             return False
         finally:
             os.close(fd)
@@ -151,6 +153,15 @@ class BuildIdTree:
         if os.path.lexists(link):
             return False
         os.symlink(target, link)
+        if self.mirror is not None and not os.path.exists(
+            os.path.join(self.mirror, ".build-id", hexid[:2], hexid[2:] + ".debug")
+        ):
+            from ..host.debuginfo import mirror_debug_file
+
+            # Its debug file installed by path (`<mirror>/usr/bin/x.debug`), not by build id.
+            debug = mirror_debug_file(target, bid, debuglink, self.mirror)
+            if debug is not None:
+                os.symlink(debug, link + ".debug")
         return True
 
     def remove(self) -> None:

@@ -571,8 +571,8 @@ def _remember(
     if module:
         mod = resolver.module(module)
         if mod is not None:
-            cache.add_frames(key, got, bool(mod.dwarf_path) and resolver.file_lines)
-            if not mod.dwarf_path and not cache.has_symbols(key):
+            cache.add_frames(key, got, resolver.gives_lines(mod))
+            if not mod.dwarf_path and mod.go is None and not cache.has_symbols(key):
                 # Its next new addresses are named from these, without the resolver.
                 segments = [(seg.offset, seg.filesz, seg.vaddr) for seg in mod.segments]
                 cache.put_symbols(key, symfile.encode_symbols(mod.symbols.items(), segments, mod.name))

@@ -36,6 +36,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
+from ..gopclntab import GoPclnTab, read_pclntab
 from . import model
 from .demangle import demangle
 from .gunzip import GZIP_MAGIC, gunzip
@@ -73,10 +74,12 @@ class _Module:
     complete: bool  # has DWARF: never worth looking for again
     loaded_at: float
     named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
+    # A Go binary without DWARF: names, file:line and inlined calls from its pclntab.
+    go: GoPclnTab | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.symbols.nbytes + _MODULE_OVERHEAD
+        return self.symbols.nbytes + _MODULE_OVERHEAD + (self.go.nbytes if self.go is not None else 0)
 
 
 @dataclass(slots=True)
@@ -126,7 +129,7 @@ class _Metrics:
         self.bounds = Counter(
             "bistouri_symbolizer_file_bounds_total",
             "Files read only in part because they hit a bound, "
-            "by reason (symbols, gnu_debugdata, dwarf, section_names)",
+            "by reason (symbols, gnu_debugdata, dwarf, section_names, gopclntab)",
             ["reason"],
             registry=registry,
         )
@@ -341,6 +344,14 @@ class Resolver:
             with_offsets = [f for f in (exe_elf, dbg_elf) if f is not None and f.loads_have_offsets]
             segments = with_offsets[0].segments if with_offsets else files[0].approx_segments()
             dwarf = next((f.path for f in files if f.has_dwarf), None)
+            # Go keeps its own line table in the binary, stripped or not (gopclntab.py): its names
+            # (`runtime.goexit`, where .symtab says `runtime.goexit.abi0`) whatever else the file has,
+            # and its lines and inlined calls when there is no DWARF for llvm-symbolizer.
+            go = next((t for t in map(read_pclntab, files) if t is not None), None)
+            if go is not None:
+                symbols = go.symbols()
+                if dwarf is not None and self.llvm is not None and self.llvm.available:
+                    go = None
             name = _display_name(hexid, *((f.path, f.soname) for f in (exe_elf, dbg_elf) if f is not None))
         except ElfFormatError as e:
             log.warning("Cannot read the ELF file of a build id. build_id=%s error=%s", hexid, e)
@@ -359,8 +370,11 @@ class Resolver:
                             reason,
                         )
         self.metrics.module_loads.labels("dwarf" if dwarf else "symbols").inc()
-        complete = dwarf is not None and bool(with_offsets)
-        return _Module(next(self._gen), hexid, name, segments, symbols, dwarf, complete, time.monotonic())
+        complete = (dwarf is not None or go is not None) and bool(with_offsets)
+        mod = _Module(
+            next(self._gen), hexid, name, segments, symbols, dwarf, complete, time.monotonic(), go=go
+        )
+        return mod
 
     def _kernel(
         self, build_id: bytes, text_addr: int, boot_id: bytes = b""
@@ -462,18 +476,25 @@ class Resolver:
             v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
             vaddrs.append(v)
         dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
-        if mod.dwarf_path and self.llvm is not None:
+        if mod.go is not None and not (mod.dwarf_path and self.llvm is not None):
+            go = mod.go
+            dwarf = [_go_frames(go, v) if v is not None else None for v in vaddrs]
+        elif mod.dwarf_path and self.llvm is not None:
             wanted = [i for i, v in enumerate(vaddrs) if v is not None]
             answers = self.llvm.symbolize(mod.dwarf_path, [vaddrs[i] or 0 for i in wanted])
             for i, ans in zip(wanted, answers, strict=True):
                 dwarf[i] = ans
         out: list[_Frames | _Uncached] = []
-        final = not mod.dwarf_path or self.llvm is None or not self.llvm.available
+        final = not mod.dwarf_path or self.llvm is None or not self.llvm.available or mod.go is not None
         for (off, _leaf), v, src in zip(todo, vaddrs, dwarf, strict=True):
             frames = self._user_frames(mod, off, v, src)
             # A names-only answer where DWARF exists is not final: llvm may have failed this time.
             out.append(frames if final or src is not None or v is None else _Uncached(frames))
         return out
+
+    def gives_lines(self, mod: _Module) -> bool:
+        """True when this module's frames carry file:line (DWARF with llvm-symbolizer, or Go's pclntab)."""
+        return mod.go is not None or (bool(mod.dwarf_path) and self.file_lines)
 
     def _user_frames(
         self, mod: _Module, off: int, vaddr: int | None, src: list[SourceFrame] | None
@@ -718,3 +739,9 @@ def symbolize_file(
         return resolver.symbolize_file(path)
     with Resolver(**options) as r:
         return r.symbolize_file(path)
+
+
+def _go_frames(go: GoPclnTab, vaddr: int) -> list[SourceFrame] | None:
+    """A Go address's frames as llvm would give them (innermost first), or None if unknown."""
+    got = go.frames(vaddr)
+    return [SourceFrame(f.function, f.file, f.line) for f in got] if got else None

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ..bpf.abi import CfaKind, RbpKind
 from ..elf import ElfFile, ElfFormatError, Section
 from ..errors import BistouriError
+from .goframes import go_functions
 
 # x86-64 DWARF register numbers.
 REG_RBP = 6
@@ -563,16 +564,16 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
     return out
 
 
-def file_fdes(elf: ElfFile, limits: CfiLimits | None = None) -> list[Fde]:
-    """FDEs of `.eh_frame`, plus those of `.debug_frame` covering PCs `.eh_frame` leaves out.
-    Both sections share one budget of `limits`."""
+def file_fdes(elf: ElfFile, limits: CfiLimits | None = None, debug_frame: bool = True) -> list[Fde]:
+    """FDEs of `.eh_frame`, plus (`debug_frame`) those of `.debug_frame` covering PCs `.eh_frame`
+    leaves out. Both sections share one budget of `limits`."""
     budget = _Budget(limits or CfiLimits())
     fdes: list[Fde] = []
     sec = elf.section(".eh_frame")
     try:
         if sec is not None and sec.size:
             fdes = _parse(_section(elf, sec, budget.limits), sec.addr, False, budget)
-        dbg = elf.section(".debug_frame")
+        dbg = elf.section(".debug_frame") if debug_frame else None
         if dbg is not None and dbg.size and dbg.type != 8:
             covered = sorted((f.start, f.end) for f in fdes)
             starts = [s for s, _ in covered]
@@ -626,12 +627,34 @@ def build_table(path: str, limits: CfiLimits | None = None) -> bytes:
     """The packed rows (`ROW` each) of the file at `path`; b"" when it has no call frame information."""
     try:
         with ElfFile(path) as elf:
-            fdes = file_fdes(elf, limits)
+            fdes = _go_fdes(elf, limits or CfiLimits())
+            if fdes is None:
+                fdes = file_fdes(elf, limits)
         return bytes(_compile(fdes))
     except ElfFormatError as e:
         raise UnwindTableError(path, str(e)) from e
     except ValueError as e:
         raise UnwindTableError(path, str(e)) from e
+
+
+def _go_fdes(elf: ElfFile, limits: CfiLimits) -> list[Fde] | None:
+    """A Go binary's FDEs from its pclntab (goframes.py), with the `.eh_frame` ones of its C code
+    (cgo) outside them; None when the file is not Go. Go's own `.debug_frame` is not read: the
+    pclntab says the same, and more (the outermost frames)."""
+    try:
+        funcs = go_functions(elf, limits.max_rows)
+    except ValueError as e:
+        raise UnwindTableError(elf.path, f"Go stack table: {e}", "too_many_rows") from e
+    if funcs is None:
+        return None
+    fdes = [Fde(start, end, b"".join(ROW.pack(*r) for r in rows)) for start, end, rows in funcs]
+    if elf.section(".eh_frame") is not None:
+        starts = [f.start for f in fdes]
+        for f in file_fdes(elf, limits, debug_frame=False):
+            i = bisect.bisect_right(starts, f.start) - 1
+            if (i < 0 or fdes[i].end <= f.start) and (i + 1 >= len(fdes) or f.end <= fdes[i + 1].start):
+                fdes.append(f)
+    return fdes
 
 
 def unpack_rows(table: bytes) -> list[Row]:

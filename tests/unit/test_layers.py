@@ -52,6 +52,8 @@ def component(module: str) -> str:
     parts = module.split(".")
     if parts[1] == "symbolizer" and len(parts) > 2 and parts[2] == "service":
         return "service"
+    if parts[1] == "gopclntab":
+        return "elf"  # Go's line table, read from an ELF file: the ELF reader's sibling
     if parts[1] in ALLOWED:
         return parts[1]
     raise AssertionError(f"{module}: in no layer; add it to tests/unit/test_layers.py")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ...elf import HOST_DEBUG_DIR
 from ...errors import BistouriError
 from . import tokens
 
@@ -301,6 +302,12 @@ def _apply_source_env(args: argparse.Namespace) -> None:
 # Checks that turn into clear errors before gunicorn starts
 
 
+def debug_dirs_in_use(dirs: list[str], host_dir: str = HOST_DEBUG_DIR) -> list[str]:
+    """The --debug-dir list without the host's debug tree when it does not exist: it is the
+    package's default, and a host without debug packages has none yet (any other is checked)."""
+    return [d for d in dirs if d != host_dir or Path(d).is_dir()]
+
+
 def parse_listen(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host:
@@ -535,6 +542,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
                 raise UsageError("--metrics-port must differ from the --listen-addr port")
             check_bind(host, args.metrics_port, "--metrics-port")
             binds.append(f"{args.listen_addr.rpartition(':')[0]}:{args.metrics_port}")
+        args.debug_dir = debug_dirs_in_use(args.debug_dir)
         for d in [*args.debug_dir, *args.binary_dir]:
             if not Path(d).is_dir():
                 raise UsageError(f"{d}: no such directory (given as --debug-dir or --binary-dir)")

@@ -296,7 +296,7 @@ class Uploads:
                 raise UploadRefused(400, "not_elf", "the body is not an ELF file (no ELF magic)")
         got = read_build_id(tmp)
         if got is None:
-            raise UploadRefused(400, "no_build_id", "the ELF file carries no GNU build id note")
+            raise UploadRefused(400, "no_build_id", "the ELF file carries no build id (GNU note, or Go's)")
         if got.hex() != hexid:
             raise UploadRefused(
                 400, "build_id_mismatch", f"the ELF file's build id is {got.hex()}, not {hexid} as claimed"

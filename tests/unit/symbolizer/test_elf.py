@@ -164,3 +164,15 @@ def test_truncated_file(symfix: Path, tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ElfFormatError, match="No such file"):
         ElfFile(tmp_path / "absent")
+
+
+def test_symbol_versions_of_a_debug_symtab_are_left_out() -> None:
+    """libc6-dbg's .symtab says `__libc_start_main@@GLIBC_2.34`; frames read `__libc_start_main`,
+    as from the binary's .dynsym."""
+    bid = read_build_id("/lib/x86_64-linux-gnu/libc.so.6")
+    debug = Path(f"/usr/lib/debug/.build-id/{bid.hex()[:2]}/{bid.hex()[2:]}.debug") if bid else None
+    if debug is None or not debug.exists():
+        pytest.skip("libc6-dbg is not installed")
+    with ElfFile(debug) as f:
+        names = {n for _, _, n in f.symbol_index().items()}
+    assert "__libc_start_main" in names and not any("@" in n for n in names)

@@ -1,0 +1,531 @@
+"""Go's own line table (`.gopclntab`): function names, file:line and inlined calls, with no DWARF.
+
+Every Go binary keeps it, stripped (`-ldflags "-s -w"`) or not: the runtime needs it for tracebacks.
+Layouts of Go 1.16 and later, told apart by the header's magic (the facts come from the Go runtime's
+`symtab.go` and `runtime2.go`; this is our own reader):
+
+| magic | Go | header (after 8 bytes) | function table entry | `_func` |
+|---|---|---|---|---|
+| 0xfffffffa | 1.16, 1.17 | nfunc, nfiles, 5 offsets | (entry PC, func off), u64 | 8-byte entry PC |
+| 0xfffffff0 | 1.18, 1.19 | nfunc, nfiles, textStart, 5 offsets | (entry - textStart, off), u32 | 40 bytes |
+| 0xfffffff1 | 1.20 and later | same | same | 44: a start line before funcID |
+
+The offsets (function names, compilation-unit file indexes, file names, pc-value tables, function
+table) are from the header. A pc-value table is a run of (value delta, pc delta) varints. Inlined
+calls are found through the function's pcdata 2 (index in its inline tree) and funcdata 3 (the tree);
+the tree is outside the pclntab (`go:func.*`), located from 1.18 on through `runtime.firstmoduledata`,
+found by the pointers it holds to the pclntab. Without it (a PIE whose pointers are relocations) frames
+keep their function's name and line, without inlined callers.
+
+Files are untrusted (uploads, any watched process): every offset is checked against what holds it,
+varint runs and inline chains are bounded, and nothing is read past a bound (`MAX_*`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
+
+MAGIC_116 = 0xFFFFFFFA
+MAGIC_118 = 0xFFFFFFF0
+MAGIC_120 = 0xFFFFFFF1
+_MAGICS = {MAGIC_116: (1, 16), MAGIC_118: (1, 18), MAGIC_120: (1, 20)}
+
+MAX_PCLNTAB_BYTES = 512 << 20  # Debian's prometheus (50 MB) has 13 MB
+MAX_FUNCS = 2_000_000  # functions read from the table (kubelet has ~90 000)
+MAX_NAME_BYTES = 1024  # a longer function or file name is cut
+MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one lookup
+MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
+MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
+MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
+# pc-value tables kept decoded, and runs a table may have to be kept: 16 bytes a run, so at most
+# 8 MiB a binary whatever its tables hold (a real function's tables have a few to a few hundred runs).
+MAX_DECODED = 1024
+MAX_DECODED_RUNS = 512
+
+FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
+FLAG_SPWRITE = 2
+# Go 1.16 has no flags: its outermost frames by name. (Its SP writers go unmarked.)
+_FLAGS_116 = {
+    "runtime.goexit": FLAG_TOPFRAME,
+    "runtime.mstart": FLAG_TOPFRAME,
+    "runtime.rt0_go": FLAG_TOPFRAME,
+}
+
+_Decoded = tuple["array[int]", "array[int]", int]  # run starts, run values, end of the last run
+_UNSEEN: _Decoded = (array("q"), array("q"), -1)  # a table never looked at (by identity)
+_TOO_LONG: _Decoded = (array("q"), array("q"), -2)  # a table too long to keep decoded
+
+_PCDATA_INLTREE_INDEX = 2
+_FUNCDATA_INLTREE = 3
+_NO_FUNCDATA = 0xFFFFFFFF
+
+
+class GoPclnError(ValueError):
+    """The table is not one this reader understands, or it is damaged."""
+
+
+@dataclass(frozen=True, slots=True)
+class GoFrame:
+    """One frame of an address, innermost first in a list (as llvm.SourceFrame)."""
+
+    function: str
+    file: str
+    line: int
+
+
+class GoPclnTab:
+    """A copy of one binary's pclntab (and the inline trees it points to), looked up by address."""
+
+    __slots__ = (
+        "_cutab",
+        "_data",
+        "_decoded",
+        "_entries",
+        "_filetab",
+        "_ftab",
+        "_funcdata_base",
+        "_funcnames",
+        "_inl",
+        "_nfunc",
+        "_pcln",
+        "_pctab",
+        "_quantum",
+        "_text_start",
+        "version",
+    )
+
+    def __init__(self, data: bytes, text_start: int = 0, inline: InlineTrees | None = None) -> None:
+        """`data` starts at the header; `text_start`, the address of .text, stands in for a header's
+        zero (a PIE's is a relocation); `inline` holds the bytes the inline trees live in."""
+        if len(data) < 64:
+            raise GoPclnError("too short for a header")
+        magic, pad1, pad2, quantum, ptrsize = struct.unpack_from("<IBBBB", data, 0)
+        if magic not in _MAGICS or pad1 or pad2 or ptrsize != 8 or quantum not in (1, 2, 4):
+            raise GoPclnError(f"unknown header (magic 0x{magic:x}, pointer size {ptrsize})")
+        self.version = _MAGICS[magic]
+        self._data = data
+        self._quantum = quantum
+        if magic == MAGIC_116:
+            nfunc, _nfiles, names, cu, files, pctab, pcln = struct.unpack_from("<7Q", data, 8)
+            self._text_start = 0
+        else:
+            nfunc, _nfiles, text, names, cu, files, pctab, pcln = struct.unpack_from("<8Q", data, 8)
+            self._text_start = text or text_start
+        size = len(data)
+        for off in (names, cu, files, pctab, pcln):
+            if not 0 < off < size:
+                raise GoPclnError(f"offset 0x{off:x} past the table (0x{size:x})")
+        if nfunc > MAX_FUNCS:
+            raise GoPclnError(f"{nfunc} functions, more than {MAX_FUNCS}")
+        self._nfunc = nfunc
+        self._funcnames = names
+        self._cutab = cu
+        self._filetab = files
+        self._pctab = pctab
+        self._pcln = pcln
+        self._ftab = pcln  # the function table opens the pcln area
+        self._inl = inline
+        # (table, entry) -> its decoded runs, or None when looked at once: a function's second new
+        # address decodes its tables whole (MAX_DECODED*), later ones bisect them.
+        self._decoded: dict[tuple[int, int], _Decoded | None] = {}
+        self._funcdata_base = inline.gofunc if inline is not None else 0
+        # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
+        entsize = 16 if magic == MAGIC_116 else 8
+        if pcln + (nfunc + 1) * entsize > size:
+            raise GoPclnError("function table past the end")
+        if magic == MAGIC_116:
+            pairs = array("Q", data[pcln : pcln + (nfunc + 1) * 16])
+            entries = pairs[0::2]
+        else:
+            pairs32 = array("I", data[pcln : pcln + (nfunc + 1) * 8])
+            base = self._text_start
+            entries = array("Q", (base + e for e in pairs32[0::2]))
+        if any(entries[i] > entries[i + 1] for i in range(len(entries) - 1)):
+            raise GoPclnError("function table not sorted")
+        self._entries = entries
+
+    @property
+    def nbytes(self) -> int:
+        held = len(self._data) + self._entries.itemsize * len(self._entries)
+        return held + (len(self._inl.data) if self._inl is not None else 0) + 200
+
+    def __len__(self) -> int:
+        return self._nfunc
+
+    # --- reading ---------------------------------------------------------------
+
+    def _u32(self, off: int) -> int:
+        if not 0 <= off <= len(self._data) - 4:
+            raise GoPclnError(f"read at 0x{off:x} past the table")
+        return int(struct.unpack_from("<I", self._data, off)[0])
+
+    def _cstr(self, off: int) -> str:
+        data = self._data
+        if not 0 <= off < len(data):
+            return ""
+        end = data.find(b"\0", off, off + MAX_NAME_BYTES)
+        return data[off : end if end >= 0 else min(len(data), off + MAX_NAME_BYTES)].decode(
+            "utf-8", "replace"
+        )
+
+    def _func(self, i: int) -> int:
+        """Offset of function i's `_func` in the table."""
+        if self.version == (1, 16):
+            foff = struct.unpack_from("<Q", self._data, self._ftab + i * 16 + 8)[0]
+        else:
+            foff = self._u32(self._ftab + i * 8 + 4)
+        off = self._pcln + foff
+        if not 0 < off <= len(self._data) - (40 if self.version == (1, 18) else 44):
+            raise GoPclnError(f"function {i} at 0x{off:x} past the table")
+        return int(off)
+
+    def frame_rules(
+        self, max_spans: int = MAX_PCVALUE_STEPS
+    ) -> Iterator[tuple[int, int, int, list[tuple[int, int]]]]:
+        """(start, end, flags, [(pc, SP delta from the entry), ...]) of every function, in address order:
+        the unwinder's rules (the stack pointer table, `pcsp`; Go's own traceback reads it so).
+        `flags` has FLAG_TOPFRAME (the outermost frame: runtime.goexit, mstart, rt0_go) and
+        FLAG_SPWRITE (writes SP: stack switches, where only the frame pointer can go on)."""
+        for i in range(self._nfunc):
+            start, end = self._entries[i], self._entries[i + 1]
+            try:
+                fo = self._func(i)
+                nameoff, _pcfile, _pcln, _npcdata, _cu, _nfd, fixed, entry = self._fields(fo)
+                if self.version == (1, 16):
+                    name = self._funcname(nameoff)
+                    flags = _FLAGS_116.get(name, 0)
+                else:
+                    flags = self._data[fo + fixed - 3]  # `flag`, after funcID
+                pcsp = self._u32(fo + (20 if self.version == (1, 16) else 16))
+                spans = list(self._pcvalues(pcsp, entry, end, max_spans))
+            except (GoPclnError, struct.error):
+                continue
+            yield start, end, flags, spans
+
+    def _pcvalues(self, table: int, entry: int, end: int, max_steps: int) -> Iterator[tuple[int, int]]:
+        """(pc, value) at each change of a pc-value table, from the entry up to `end`."""
+        if not table:
+            return
+        for step, (pc, val, _nxt) in enumerate(self._runs(table, entry)):
+            if pc >= end or step >= max_steps:
+                return
+            yield pc, val
+
+    def _fields(self, fo: int) -> tuple[int, int, int, int, int, int, int, int]:
+        """(nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed size, entry PC) of the `_func` at `fo`.
+
+        1.16 opens with an 8-byte entry PC, 1.18 with a 4-byte offset from textStart; 1.20 adds a
+        start line after the CU offset. nfuncdata is the last byte of the fixed part."""
+        d = self._data
+        if self.version == (1, 16):
+            entry, nameoff = struct.unpack_from("<Qi", d, fo)
+            rest = fo + 12
+        else:
+            entry_off, nameoff = struct.unpack_from("<Ii", d, fo)
+            entry = entry_off + self._text_start
+            rest = fo + 8
+        _args, _defer, _pcsp, pcfile, pcln, npcdata, cu = struct.unpack_from("<7I", d, rest)
+        fixed = 40 if self.version == (1, 18) else 44
+        return nameoff, pcfile, pcln, npcdata, cu, d[fo + fixed - 1], fixed, entry
+
+    def _index(self, pc: int) -> int | None:
+        i = bisect.bisect_right(self._entries, pc) - 1
+        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
+            return None
+        return i
+
+    def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
+        """The value a pc-value table (at `table` in pctab) gives `pc`, or None."""
+        if not table:
+            return None
+        d = self._data
+        pos = self._pctab + table
+        end = len(d)
+        quantum = self._quantum
+        val = -1
+        cur = entry
+        # Most varints are one byte: read inline, the function only for longer ones (3x faster).
+        for step in range(MAX_PCVALUE_STEPS):
+            if pos + 2 <= end and d[pos] < 0x80:
+                uv = d[pos]
+                pos += 1
+            else:
+                uv, pos = _uvarint(d, pos, end)
+            if uv == 0 and step:
+                return None
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            if pos < end and d[pos] < 0x80:
+                delta = d[pos]
+                pos += 1
+            else:
+                delta, pos = _uvarint(d, pos, end)
+            cur += delta * quantum
+            if pc < cur:
+                return val
+        return None
+
+    def _value(self, table: int, entry: int, pc: int) -> int | None:
+        """`_pcvalue`, through the decoded tables of the functions looked at more than once."""
+        if not table:
+            return None
+        key = (table, entry)
+        got = self._decoded.get(key, _UNSEEN)
+        if got is None:  # the second look: decode it whole
+            got = self._decoded[key] = self._decode(table, entry)
+        if got is _TOO_LONG:
+            return self._pcvalue(table, entry, pc)
+        if got is _UNSEEN:
+            if len(self._decoded) >= MAX_DECODED:
+                self._decoded = {}  # only speed is lost (a plain dict: safe under concurrent lookups)
+            self._decoded[key] = None
+            return self._pcvalue(table, entry, pc)
+        starts, values, end = got
+        if pc >= end or pc < entry:
+            return None
+        return values[bisect.bisect_right(starts, pc) - 1]
+
+    def _decode(self, table: int, entry: int) -> _Decoded:
+        """A pc-value table whole: the start PC and value of each run, and where the last ends."""
+        starts = array("q")
+        values = array("q")
+        cur = entry
+        for pc, val, nxt in self._runs(table, entry):
+            if len(starts) >= MAX_DECODED_RUNS:
+                return _TOO_LONG  # kept as a mark: walked each time, never held
+            starts.append(pc)
+            values.append(val)
+            cur = nxt
+        return starts, values, cur
+
+    def _runs(self, table: int, entry: int) -> Iterator[tuple[int, int, int]]:
+        """(start, value, end) of each run of a pc-value table, at most MAX_PCVALUE_STEPS."""
+        d = self._data
+        pos = self._pctab + table
+        end = len(d)
+        val = -1
+        cur = entry
+        for step in range(MAX_PCVALUE_STEPS):
+            uv, pos = _uvarint(d, pos, end)
+            if uv == 0 and step:
+                return
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            delta, pos = _uvarint(d, pos, end)
+            yield cur, val, cur + delta * self._quantum
+            cur += delta * self._quantum
+
+    def _file(self, cu: int, fileno: int | None) -> str:
+        """A file name, "" when unknown (no value at this PC: alignment padding past the code)."""
+        if fileno is None or fileno < 0:
+            return ""
+        off = self._u32(self._cutab + (cu + fileno) * 4)
+        return "" if off == 0xFFFFFFFF else self._cstr(self._filetab + off)
+
+    def _funcname(self, nameoff: int) -> str:
+        return self._cstr(self._funcnames + nameoff) if nameoff >= 0 else ""
+
+    # --- lookups ---------------------------------------------------------------
+
+    def function(self, pc: int) -> tuple[str, int] | None:
+        """(name, offset in the function) of the function holding `pc`, or None."""
+        i = self._index(pc)
+        if i is None:
+            return None
+        try:
+            return self._funcname(self._fields(self._func(i))[0]), pc - self._entries[i]
+        except (GoPclnError, struct.error):
+            return None
+
+    def frames(self, pc: int) -> list[GoFrame]:
+        """The frames of `pc`, innermost first: inlined calls, then the function. [] if unknown."""
+        i = self._index(pc)
+        if i is None:
+            return []
+        try:
+            return self._frames(i, pc)
+        except (GoPclnError, struct.error, IndexError):
+            return []
+
+    def _frames(self, i: int, pc: int) -> list[GoFrame]:
+        fo = self._func(i)
+        nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
+        file = self._file(cu, self._value(pcfile, entry, pc))
+        line = self._value(pcln, entry, pc) or 0
+        out: list[GoFrame] = []
+        tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
+        if tree is not None and npcdata > _PCDATA_INLTREE_INDEX:
+            table = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
+            ix = self._value(table, entry, pc)
+            seen = 0
+            while ix is not None and ix >= 0 and seen < MAX_INLINE_DEPTH:
+                seen += 1
+                name, parent, parent_pc = tree.call(ix)
+                out.append(GoFrame(name, file, max(line, 0)))
+                at = entry + parent_pc
+                file = self._file(cu, self._value(pcfile, entry, at))
+                line = self._value(pcln, entry, at) or 0
+                ix = parent if parent is not None else self._value(table, entry, at)
+        out.append(GoFrame(self._funcname(nameoff), file, max(line, 0)))
+        return out
+
+    def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> _Tree | None:
+        if self._inl is None or nfuncdata <= _FUNCDATA_INLTREE or npcdata > 1024:
+            return None
+        fd = pcdata + npcdata * 4
+        if self.version == (1, 16):
+            fd += fd & 4  # pointers, 8-aligned (the table starts 8-aligned)
+            if fd + (_FUNCDATA_INLTREE + 1) * 8 > len(self._data):
+                return None
+            addr = struct.unpack_from("<Q", self._data, fd + _FUNCDATA_INLTREE * 8)[0]
+        else:
+            off = self._u32(fd + _FUNCDATA_INLTREE * 4)
+            if off == _NO_FUNCDATA:
+                return None
+            addr = self._funcdata_base + off
+        return _Tree(self._inl, addr, self.version, self) if addr else None
+
+    def symbols(self) -> SymbolIndex:
+        """Every function as a symbol index (names of a binary without .symtab)."""
+        starts = array("Q")
+        ends = array("Q")
+        offs = array("I")
+        names = bytearray()
+        for i in range(self._nfunc):
+            try:
+                name = self._funcname(self._fields(self._func(i))[0])
+            except (GoPclnError, struct.error):
+                continue
+            if starts and self._entries[i] == starts[-1]:
+                continue
+            starts.append(self._entries[i])
+            ends.append(self._entries[i + 1])
+            offs.append(len(names))
+            names += name.encode()
+        offs.append(len(names))
+        return SymbolIndex(starts, ends, offs, bytes(names), ".gopclntab")
+
+
+@dataclass(frozen=True, slots=True)
+class InlineTrees:
+    """The bytes inline trees live in (a copy of a read-only segment) and where they start."""
+
+    data: bytes
+    vaddr: int  # address of data[0]
+    gofunc: int  # 1.18 and later: the base of funcdata offsets (runtime.firstmoduledata.gofunc)
+
+
+class _Tree:
+    """One function's inline tree: entries of 20 bytes (1.16-1.19) or 16 (1.20 and later)."""
+
+    __slots__ = ("_at", "_inl", "_tab", "_version")
+
+    def __init__(self, inl: InlineTrees, addr: int, version: tuple[int, int], tab: GoPclnTab) -> None:
+        self._inl = inl
+        self._at = addr - inl.vaddr
+        self._version = version
+        self._tab = tab
+
+    def call(self, ix: int) -> tuple[str, int | None, int]:
+        """(called function, parent index or None to look it up at the call site, call-site pc offset)."""
+        if ix >= MAX_INLINE_ENTRIES:
+            raise GoPclnError("inline index out of bounds")
+        d = self._inl.data
+        if self._version >= (1, 20):
+            off = self._at + ix * 16
+            if not 0 <= off <= len(d) - 16:
+                raise GoPclnError("inline entry out of bounds")
+            _fid, nameoff, parent_pc, _start = struct.unpack_from("<B3xiii", d, off)
+            return self._tab._funcname(nameoff), None, parent_pc
+        off = self._at + ix * 20
+        if not 0 <= off <= len(d) - 20:
+            raise GoPclnError("inline entry out of bounds")
+        parent, _fid, _file, _line, nameoff, parent_pc = struct.unpack_from("<hBxiiii", d, off)
+        if parent >= ix:
+            raise GoPclnError("inline tree loops")  # parents come before their children
+        return self._tab._funcname(nameoff), parent, parent_pc
+
+
+def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
+    v = 0
+    shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise GoPclnError("varint past the table")
+        b = d[pos]
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+
+
+# --- from an ELF file --------------------------------------------------------
+
+
+def read_pclntab(elf: ElfFile) -> GoPclnTab | None:
+    """The pclntab of a Go binary, or None (not Go, or a table this reader does not understand)."""
+    # A PIE built by Go's linker has it in its relocated read-only data.
+    sec = elf.section(".gopclntab") or elf.section(".data.rel.ro.gopclntab")
+    if sec is None or sec.type == SHT_NOBITS or sec.size < 64 or elf.endian != "<":
+        return None
+    if sec.size > MAX_PCLNTAB_BYTES:
+        elf.bounds_hit.add("gopclntab")
+        return None
+    text = elf.section(".text")
+    try:
+        data = bytes(elf.section_data(sec))
+        magic = struct.unpack_from("<I", data, 0)[0]
+        inline = _inline_trees(elf, sec, magic)
+        return GoPclnTab(data, text.addr if text is not None else 0, inline)
+    except (GoPclnError, ElfFormatError, struct.error):
+        return None
+
+
+def _inline_trees(elf: ElfFile, pcln: Section, magic: int) -> InlineTrees | None:
+    """Where the inline trees are: the read-only data after .text (`go:func.*` is in .rodata)."""
+    ro = elf.section(".rodata")
+    if ro is None or ro.type == SHT_NOBITS or ro.size > MAX_PCLNTAB_BYTES:
+        return None
+    if magic == MAGIC_116:  # funcdata are addresses: anywhere in .rodata
+        return InlineTrees(bytes(elf.section_data(ro)), ro.addr, 0)
+    gofunc = _gofunc(elf, pcln, ro)
+    if not ro.addr <= gofunc < ro.addr + ro.size:
+        return None
+    # Only what follows gofunc (`go:func.*`, the funcdata): 4.5 of prometheus' 13 MB of .rodata.
+    return InlineTrees(bytes(elf.section_data(ro)[gofunc - ro.addr :]), gofunc, gofunc)
+
+
+# runtime.moduledata opens with the pcHeader pointer, 6 slices and 13 pointers (from findfunctab to
+# enoptrbss: 256 bytes), then, after a few more pointers (1.20 adds 2), `types, etypes, rodata, gofunc`.
+_RODATA_FROM = 256
+_RODATA_TO = 256 + 16 * 8
+
+
+def _gofunc(elf: ElfFile, pcln: Section, ro: Section) -> int:
+    """runtime.firstmoduledata.gofunc: the moduledata is the data that points at the pclntab header,
+    then (funcnametab slice) at its function names; gofunc ends its `types, etypes, rodata, gofunc`
+    run, all in .rodata, `types` equal to `rodata` (the type data opens the read-only data; with an
+    external linker, both are a little past the section's start). 0 when not found."""
+    names_off = struct.unpack_from("<Q", elf.section_data(pcln)[:40], 32)[0]  # funcnameOffset
+    want = struct.pack("<QQ", pcln.addr, pcln.addr + names_off)
+    lo, hi = ro.addr, ro.addr + ro.size
+    for name in (".noptrdata", ".data.rel.ro", ".data"):
+        sec = elf.section(name)
+        if sec is None or sec.type == SHT_NOBITS:
+            continue
+        data = elf.section_data(sec)[:MAX_MODULEDATA_SCAN]
+        pos = data.find(want)
+        while pos >= 0:
+            if pos % 8 == 0 and pos + _RODATA_TO <= len(data):
+                words = struct.unpack_from(f"<{(_RODATA_TO - _RODATA_FROM) // 8}Q", data, pos + _RODATA_FROM)
+                for k in range(len(words) - 3):
+                    types, etypes, rodata, gofunc = words[k : k + 4]
+                    if types == rodata and lo <= types < etypes <= hi and lo <= gofunc < hi:
+                        return int(gofunc)
+            pos = data.find(want, pos + 1)
+    return 0
