@@ -1,0 +1,208 @@
+"""bistouri/cpython without another process: line tables, the checksum, the BPF record's bounds, and this
+very interpreter (the venv's CPython) described and named from its own memory.
+
+The other interpreters of the host, as children: tests/integration/test_cpython.py. In BPF:
+tests/bpf/test_python_frames.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import types
+
+import pytest
+
+from bistouri.bpf import abi
+from bistouri.cpython import discover
+from bistouri.cpython.layouts import LAYOUTS, checksum
+from bistouri.cpython.linetable import LineTable, TableKind, kind_for
+from bistouri.cpython.memory import MAX_READ, MemoryReadError, ProcessMemory
+from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
+
+# ---- line tables, as CPython's codeobject.c reads them
+
+
+def test_lnotab_adds_every_increment_up_to_the_offset():
+    # 3.8: (+6 bytes, +1 line), (+0, +2): both at 6; (+10, -1 as 0xff) at 16.
+    t = LineTable(TableKind.LNOTAB, bytes([6, 1, 0, 2, 10, 0xFF]), 10)
+    assert [t.line(u) for u in (0, 2, 3, 7, 8, 100)] == [10, 10, 13, 13, 12, 12]
+    assert t.line(None) == t.line(-1) == 10  # before the first instruction: the first line
+
+
+def test_the_310_table_has_lineless_ranges_and_zero_lengths():
+    # [0,4) +1 -> 11; zero-length +5 (running line 16, no range); [4,8) no line (-128); [8,10) +1 -> 17.
+    t = LineTable(TableKind.LINETABLE_310, bytes([4, 1, 0, 5, 4, 0x80, 2, 1]), 10)
+    assert [t.line(u) for u in (0, 1, 2, 3, 4, 5)] == [11, 11, None, None, 17, None]
+
+
+def test_the_location_table_keeps_the_running_line_across_a_lineless_entry():
+    # code 13 (no columns) +3 for 1 unit; code 15 (no line) 2 units; code 11 (+1) 1 unit; code 14 (long)
+    # -2 for 1 unit, with its three varints; code 5 (short form, same line) 1 unit.
+    table = bytes([0x80 | 13 << 3, 3 << 1])  # line += 3 (svarint 6)
+    table += bytes([0x80 | 15 << 3 | 1])
+    table += bytes([0x80 | 11 << 3, 0, 4])  # line += 1, then its two column bytes
+    table += bytes([0x80 | 14 << 3, 2 << 1 | 1, 0, 1, 2])  # line -= 2 (svarint 5), then three varints
+    table += bytes([0x80 | 5 << 3, 7])
+    t = LineTable(TableKind.LOCATIONS, table, 100)
+    assert [t.line(u) for u in range(7)] == [103, None, None, 104, 102, 102, None]
+
+
+def test_a_truncated_or_garbage_table_never_raises():
+    for kind in TableKind:
+        for table in (b"", b"\x80", b"\xff" * 7, bytes(range(256)), b"\xf0\x7f\x7f\x7f"):
+            LineTable(kind, table, 1).line(3)
+
+
+def test_the_decoders_give_this_interpreters_own_lines_for_its_stdlib():
+    addr2line = ctypes.pythonapi.PyCode_Addr2Line
+    addr2line.argtypes = [ctypes.py_object, ctypes.c_int]
+    addr2line.restype = ctypes.c_int
+
+    def codes(co: types.CodeType):
+        yield co
+        for c in co.co_consts:
+            if isinstance(c, types.CodeType):
+                yield from codes(c)
+
+    kind = kind_for(sys.version_info[:2])
+    wrong = total = 0
+    for mod in ("json/decoder.py", "argparse.py", "ast.py"):
+        path = os.path.join(os.path.dirname(os.__file__), mod)
+        with open(path, encoding="utf-8") as f:
+            top = compile(f.read(), path, "exec")
+        for co in codes(top):
+            table = co.co_linetable if kind != TableKind.LNOTAB else co.co_lnotab
+            t = LineTable(kind, table, co.co_firstlineno)
+            for u in range(-1, len(co.co_code) // 2 + 1):
+                want = addr2line(co, u * 2)
+                total += 1
+                wrong += t.line(u) != (None if want == -1 else want)
+    assert total > 10_000 and wrong == 0
+
+
+# ---- the checksum and the BPF record
+
+
+def test_the_checksum_is_the_one_bpf_computes():
+    # tests/bpf/test_python_frames.py checks that BPF's py_checksum agrees on real code objects; this
+    # pins the formula, so a change of it is a change of both sides.
+    fields = (0x7F00_0000_1000, 0x7F00_0000_2000, 0x7F00_0000_3000, 42, 0x1234_5678_9ABC_DEF0)
+    assert checksum(*fields) == 0x8C30_4056
+    assert checksum(0, 0, 0, 0, 0) == 1  # never 0: 0 says "not read"
+
+
+@pytest.mark.parametrize("version", sorted(LAYOUTS))
+def test_every_layouts_record_fits_the_walks_reads(version):
+    interp = discover.Interpreter(
+        pid=1,
+        version=(*version, 0),
+        layout=LAYOUTS[version],
+        path="",
+        build_id=b"",
+        bias=0,
+        runtime=0,
+        tss_key=0,
+        tstate_slot=0x318,
+        eval_ranges=(),
+        code_type=0,
+        str_type=0,
+        bytes_type=0,
+    )
+    rec = discover.record(interp)
+    lay = LAYOUTS[version]
+    assert 8 <= rec.frame_size <= 128 and rec.code_window_size <= 128
+    for field in ("frame_previous", "frame_code", "frame_instr"):
+        assert getattr(rec, field) + 8 <= rec.frame_size
+    assert rec.frame_entry < rec.frame_size
+    for field in ("code_firstlineno", "code_filename", "code_name", "code_linetable"):
+        assert getattr(rec, field) + (4 if field == "code_firstlineno" else 8) <= rec.code_window_size
+    assert rec.code_window + rec.code_filename == lay.code_filename
+    assert rec.entry_kind == lay.entry_kind and rec.instr_kind == lay.instr_kind
+
+
+# ---- this interpreter, from its own memory
+
+
+@pytest.fixture(scope="module")
+def me() -> discover.Interpreter:
+    interp = discover.describe(os.getpid())
+    if isinstance(interp, discover.Unsupported):
+        pytest.skip(f"this interpreter is not one bistouri walks: {interp}")
+    return interp
+
+
+def _sample():
+    return 1
+
+
+def test_this_interpreter_is_described(me):
+    assert me.version == sys.version_info[:3]
+    assert me.tstate_slot > 0 and me.eval_ranges and me.code_type and me.str_type
+
+
+def test_a_function_is_named_from_memory(me):
+    with CodeNamer(me) as namer:
+        co = _sample.__code__
+        named = namer.name(id(co), namer.checksum(id(co)))
+        want = co.co_qualname if sys.version_info >= (3, 11) else co.co_name
+        assert (named.name, named.filename, named.firstlineno) == (want, co.co_filename, co.co_firstlineno)
+        assert namer.name(id(named), 0) is UNKNOWN  # not a code object (its type is not PyCode_Type)
+
+
+def test_a_freed_and_reused_address_is_never_named_after_the_new_code(me):
+    """Functions created and dropped in a loop: CPython's allocator gives a freed code object's address to
+    the next one. A sample of the old one (its checksum) is named after it while the namer keeps it, else
+    FREED; never after the new one."""
+    reused = 0
+    seen: dict[int, tuple[str, int]] = {}
+    with CodeNamer(me) as namer:
+        for i in range(3000):
+            co = compile(f"def f_{i}():\n    return {i}\n", f"<gen {i}>", "exec").co_consts[0]
+            addr, have = id(co), namer.checksum(id(co))
+            assert namer.name(addr, have).name == f"f_{i}"
+            if addr in seen:
+                old_name, old_sum = seen[addr]
+                assert old_sum != have
+                assert namer.name(addr, old_sum).name == old_name  # kept from when it lived
+                with CodeNamer(me) as fresh:
+                    assert fresh.name(addr, old_sum) is FREED
+                reused += 1
+            seen[addr] = (f"f_{i}", have)
+            del co
+    assert reused > 100
+
+
+def test_reads_are_bounded_and_objects_checked(me):
+    with ProcessMemory(os.getpid()) as mem:
+        with pytest.raises(MemoryReadError):
+            mem.read(id(me), MAX_READ + 1)
+        with pytest.raises(MemoryReadError):
+            mem.read(0, 8)
+        with pytest.raises(MemoryReadError):
+            mem.read(1 << 47, 8)
+        # A bytes object that claims more than the bound, and a str that is not one.
+        big = b"x" * 100
+        with pytest.raises(MemoryReadError):
+            mem.bytes_object(id(big), max_size=99)
+        assert mem.bytes_object(id(big), max_size=100, type_addr=me.bytes_type) == big
+        with pytest.raises(MemoryReadError):
+            mem.str_object(id(big), ascii_data=48, data=72, type_addr=me.str_type)
+        name = "nöm"
+        lay = me.layout
+        assert mem.str_object(id(name), ascii_data=lay.str_ascii_data, data=lay.str_data) == name
+
+
+def test_a_process_without_python_says_why(tmp_path):
+    assert discover.describe(1 << 30).reason == "unreadable"  # type: ignore[union-attr]
+    proc = tmp_path / "42"
+    proc.mkdir()
+    (proc / "maps").write_bytes(b"00400000-00401000 r-xp 00000000 08:01 1234 /usr/bin/true\n")
+    (proc / "exe").symlink_to("/usr/bin/true")
+    found = discover.describe(42, proc_root=str(tmp_path))
+    assert isinstance(found, discover.Unsupported) and found.reason in discover.REASONS
+
+
+def test_the_record_is_the_abis():
+    assert ctypes.sizeof(abi.PythonProc) == 48 and ctypes.sizeof(abi.PyFrame) == 16
