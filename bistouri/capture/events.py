@@ -9,6 +9,7 @@ kernel what it forgets). Both caches are used by the ring-buffer thread only.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 from collections import OrderedDict
@@ -41,6 +42,9 @@ class StackSample:
     # How the user stack was walked: frames by table, frames by frame pointer, why it ended
     # (an abi.WALK_ENDS key, 0: no walk), one byte each, as the kernel sent them.
     walk: bytes = b"\0\0\0"
+    # The Python frames of a CPython process (abi.PyFrame records, innermost first), raw: named and
+    # spliced into the stack later (bistouri/cpython, docs/python-frames.md).
+    python: bytes = b""
 
     def weighed(self, weight: int) -> StackSample:
         """The same sample standing for `weight` samples (dataclasses.replace costs 10x more,
@@ -57,6 +61,7 @@ class StackSample:
             self.kernel_len,
             self.stacks,
             self.walk,
+            self.python,
         )
 
 
@@ -169,6 +174,11 @@ class SentSamples(_KernelMirroredLru["StackSample"]):
         return self._get(key)
 
 
+_PY_DEPTH_AT = abi.StackEvent.py_depth.offset
+_PY_AT = abi.StackEvent.py_frames.offset
+_PY_FRAME = ctypes.sizeof(abi.PyFrame)
+
+
 def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSample:
     """A stack record → its header fields, the kernel IPs and the mapped user frames.
 
@@ -184,7 +194,9 @@ def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSam
     u0 = abi.USER_STACK_OFFSET
     user = cache.frames(key, pid, map_count, data[u0 : u0 + usize], maps) if usize else b""
     stacks = data[k0 : k0 + ksize] + user
-    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks, walk)
+    depth = data[_PY_DEPTH_AT]
+    python = data[_PY_AT : _PY_AT + min(depth, abi.PY_MAX_DEPTH) * _PY_FRAME] if depth else b""
+    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks, walk, python)
 
 
 def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, int, int]]]:
