@@ -67,7 +67,7 @@ def test_a_code_object_is_named_only_with_the_checksum_it_had(target):
     with CodeNamer(interp) as namer:
         have = namer.checksum(hot)
         named = namer.name(hot, have)
-        assert have and (named.name, named.firstlineno) == ("hot_loop", 21)
+        assert have and named.name == "hot_loop"
         reads = namer.reads
         assert namer.name(hot, have) is named and namer.reads == reads  # kept
         assert namer.name(hot, have ^ 1) is FREED  # another code object's checksum: never this name
