@@ -362,6 +362,7 @@ STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset
 STACK_EVENT_SIZE = ctypes.sizeof(StackEvent)
+PY_FRAME = struct.Struct("<QII")  # a PyFrame: code (| PY_FRAME_ENTRY), offset, checksum
 EXEC_EVENT = struct.Struct("<IIQ16s")
 ERROR_EVENT = struct.Struct("<IIqQ")
 

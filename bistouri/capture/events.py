@@ -9,7 +9,6 @@ kernel what it forgets). Both caches are used by the ring-buffer thread only.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import struct
 from collections import OrderedDict
@@ -176,7 +175,7 @@ class SentSamples(_KernelMirroredLru["StackSample"]):
 
 _PY_DEPTH_AT = abi.StackEvent.py_depth.offset
 _PY_AT = abi.StackEvent.py_frames.offset
-_PY_FRAME = ctypes.sizeof(abi.PyFrame)
+_PY_FRAME = abi.PY_FRAME.size
 
 
 def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSample:

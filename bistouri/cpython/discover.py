@@ -86,7 +86,7 @@ class Interpreter:
     runtime: int  # _PyRuntime
     tss_key: int
     tstate_slot: int  # the thread's state is at (thread pointer + tstate_slot)
-    eval_ranges: tuple[tuple[int, int], ...]  # [start, end) of the eval loop, file virtual addresses
+    eval_ranges: tuple[tuple[int, int], ...]  # [start, end) of the eval loop, offsets in the file (`path`)
     code_type: int
     str_type: int
     bytes_type: int
@@ -145,6 +145,7 @@ def describe(pid: int, proc_root: str = "/proc") -> Interpreter | Unsupported:
             symbols = elf.find_symbols(_SYMBOLS)
             bias = _bias(elf, mappings)
             build_id = elf.build_id or b""
+            evals = _eval_offsets(elf, symbols)
     except ElfFormatError as e:
         return Unsupported("not_python", str(e))
     finally:
@@ -155,7 +156,7 @@ def describe(pid: int, proc_root: str = "/proc") -> Interpreter | Unsupported:
         return Unsupported("unreadable", f"{path}: no mapping of its first segment")
     try:
         with ProcessMemory(pid, proc_root) as mem:
-            return _describe(pid, mem, path, build_id, bias, symbols)
+            return _describe(pid, mem, path, build_id, bias, symbols, evals)
     except OSError as e:
         return Unsupported("unreadable", f"memory: {e.strerror}")
     except MemoryReadError as e:
@@ -163,7 +164,13 @@ def describe(pid: int, proc_root: str = "/proc") -> Interpreter | Unsupported:
 
 
 def _describe(
-    pid: int, mem: ProcessMemory, path: str, build_id: bytes, bias: int, symbols: dict[str, tuple[int, int]]
+    pid: int,
+    mem: ProcessMemory,
+    path: str,
+    build_id: bytes,
+    bias: int,
+    symbols: dict[str, tuple[int, int]],
+    evals: tuple[tuple[int, int], ...],
 ) -> Interpreter | Unsupported:
     runtime = symbols["_PyRuntime"][0] + bias
     version = _version(mem, runtime, symbols, bias, path)
@@ -180,7 +187,6 @@ def _describe(
     base = _key_slots(mem, layout, runtime, key)
     if base is None:
         return Unsupported("no_thread_key", "no thread's key slot holds its thread state")
-    evals = [symbols[n] for n in _EVAL if n in symbols]
     return Interpreter(
         pid=pid,
         version=version,
@@ -191,7 +197,7 @@ def _describe(
         runtime=runtime,
         tss_key=key,
         tstate_slot=base + 16 * key + 8,
-        eval_ranges=tuple((start, start + size) for start, size in evals if size),
+        eval_ranges=evals,
         code_type=_address(symbols, "PyCode_Type", bias),
         str_type=_address(symbols, "PyUnicode_Type", bias),
         bytes_type=_address(symbols, "PyBytes_Type", bias),
@@ -243,6 +249,18 @@ def _key_slots(mem: ProcessMemory, layout: Layout, runtime: int, key: int) -> in
     best = max(votes.values())
     winners = [b for b, n in votes.items() if n == best]
     return winners[0] if len(winners) == 1 else None
+
+
+def _eval_offsets(elf: ElfFile, symbols: dict[str, tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The eval loop's parts as [start, end) file offsets: what a native frame is (procmaps)."""
+    out = []
+    for name in _EVAL:
+        start, size = symbols.get(name, (0, 0))
+        for seg in elf.segments:
+            if size and seg.vaddr <= start < seg.vaddr + seg.filesz:
+                out.append((start - seg.vaddr + seg.offset, start - seg.vaddr + seg.offset + size))
+                break
+    return tuple(out)
 
 
 def _address(symbols: dict[str, tuple[int, int]], name: str, bias: int) -> int:

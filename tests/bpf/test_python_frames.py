@@ -3,13 +3,14 @@ Debian's static 3.11, each running a busy loop (`hot_loop` under `driver`) and a
 without the GIL (`z_inner` under `z_outer`), sampled on-CPU.
 
 The walk's frames are checked against the process itself: the hot function's code address in nearly
-every sample, its checksum the one user space computes, its line one of the loop's, and the C activations
-marked where each version puts them.
+every sample, the GIL-released thread's own function in its samples, every sampled frame on CPython's own
+line, the checksum the one user space computes, the C activations marked where each version puts them,
+and the mixed stacks (cpython/splice.py): every eval-loop frame takes its Python frames, libz under the
+Python function that called zlib.compress.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import time
@@ -18,24 +19,20 @@ from collections.abc import Iterator
 import pytest
 
 from bistouri.bpf import abi
-from bistouri.capture.events import StackSample
+from bistouri.capture.events import StackSample, split_stacks
 from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.cpython import discover
 from bistouri.cpython.naming import CodeNamer
+from bistouri.cpython.splice import PyFrame, decode, splice
+from bistouri.host.procmaps import FrameStatus
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
 pytestmark = pytest.mark.bpf
 
-_FRAME = ctypes.sizeof(abi.PyFrame)
-
 
 def _frames(sample: StackSample) -> list[tuple[int, int, int]]:
-    """(code address with its entry bit, offset, checksum), innermost first."""
-    out = []
-    for i in range(0, len(sample.python), _FRAME):
-        f = abi.PyFrame.from_buffer_copy(sample.python, i)
-        out.append((f.code, f.offset, f.checksum))
-    return out
+    """(code address with its entry bit, offset, checksum), innermost first: the raw records."""
+    return list(abi.PY_FRAME.iter_unpack(sample.python))
 
 
 @pytest.fixture(params=CPYTHONS)
@@ -57,7 +54,7 @@ def hot_target(request) -> Iterator[tuple[str, subprocess.Popen[str], dict]]:
         proc.wait()
 
 
-def test_the_hot_function_is_in_nearly_every_sample_with_its_checksum_and_line(hot_target):
+def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target):
     which, proc, dump = hot_target
     interp = discover.describe(proc.pid)
     assert isinstance(interp, discover.Interpreter), interp
@@ -69,6 +66,10 @@ def test_the_hot_function_is_in_nearly_every_sample_with_its_checksum_and_line(h
         procs = agent._require().maps["python_procs"]
         procs.update(proc.pid.to_bytes(4, "little"), bytes(discover.record(interp)))
         agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+        # The unwind tables of libpython and libz loaded: native stacks whole from then on.
+        assert agent.unwind.wait_idle(60)
+        samples.clear()
+        agent.take()
         # 200 samples of its main thread (the kernel counts repeats: a sample's weight), 15 s at most on
         # two shared cores.
         deadline = time.monotonic() + 15
@@ -77,6 +78,7 @@ def test_the_hot_function_is_in_nearly_every_sample_with_its_checksum_and_line(h
             samples += [e for e in agent.take(timeout=0.1) if isinstance(e, StackSample)]
         agent.close()
         samples += [e for e in agent.take() if isinstance(e, StackSample)]
+        maps = agent.maps
     main = [s for s in samples if s.pid == proc.pid and s.tid == proc.pid]
     total = sum(s.weight for s in main)
     assert total >= 100, f"{total} samples of the busy loop"
@@ -102,6 +104,37 @@ def test_the_hot_function_is_in_nearly_every_sample_with_its_checksum_and_line(h
                     assert namer.name(code & ~1, got).line(unit) == lines[unit]
                     checked += 1
     assert checked >= total
+
+    # Mixed stacks: every eval-loop frame of the native stack takes its Python frames; libz's frames
+    # are under z_inner, the Python function that called zlib.compress.
+    def in_eval(frame: tuple[int, int, int]) -> bool:
+        status, file_id, offset = frame
+        return (
+            status == FrameStatus.FILE
+            and maps.file(file_id).build_id == interp.build_id
+            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+        )
+
+    # Of the samples whose native walk reached the outermost frame (the others stopped early: the
+    # unwinder's business, their Python frames still go at the root end), every one spliced whole.
+    complete = [s for s in main if s.walk[2] == abi.Counter.WALK_END]
+    whole = sum(
+        s.weight
+        for s in complete
+        if not splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).leftover
+    )
+    assert whole >= 0.99 * sum(s.weight for s in complete) > 0.5 * total, f"{which}: spliced whole: {whole}"
+    under = 0
+    for s in z:
+        mixed = splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).frames
+        at = next(
+            (i for i, f in enumerate(mixed) if isinstance(f, PyFrame) and f.code == dump["z_inner"]), -1
+        )
+        under += s.weight * any(
+            not isinstance(f, PyFrame) and f[0] == FrameStatus.FILE and "libz" in maps.file(f[1]).name
+            for f in mixed[:at]
+        )
+    assert under >= 0.8 * z_total, f"{which}: libz under z_inner in {under} of {z_total} samples"
 
     with CodeNamer(interp) as namer:
         want = namer.checksum(hot)

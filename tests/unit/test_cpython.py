@@ -20,6 +20,7 @@ from bistouri.cpython.layouts import LAYOUTS, checksum
 from bistouri.cpython.linetable import LineTable, TableKind, kind_for
 from bistouri.cpython.memory import MAX_READ, MemoryReadError, ProcessMemory
 from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
+from bistouri.cpython.splice import PyFrame, decode, splice
 
 # ---- line tables, as CPython's codeobject.c reads them
 
@@ -206,3 +207,34 @@ def test_a_process_without_python_says_why(tmp_path):
 
 def test_the_record_is_the_abis():
     assert ctypes.sizeof(abi.PythonProc) == 48 and ctypes.sizeof(abi.PyFrame) == 16
+
+
+# ---- mixed stacks
+
+
+def _py(name: str, entry: bool) -> PyFrame:
+    return PyFrame(hash(name) & 0xFFFF_FFF0, 0, 1, entry)
+
+
+def test_each_eval_frame_is_replaced_by_the_python_frames_of_its_activation():
+    # 3.11+: key* (its own activation: sorted() called it), then driver <- main <- <module>* (one
+    # activation, calls inlined); libc called by key, sorted by driver.
+    key, driver, main, module = _py("k", True), _py("d", False), _py("m", False), _py("M", True)
+    native = ["libc", "EVAL", "sorted", "EVAL", "PyRun", "main"]
+    out = splice(native, [key, driver, main, module], lambda f: f == "EVAL")
+    assert out.frames == ["libc", key, "sorted", driver, main, module, "PyRun", "main"]
+    assert out.leftover == 0
+
+
+def test_python_frames_no_eval_frame_took_go_at_the_root_end():
+    a, b = _py("a", True), _py("b", True)
+    out = splice(["libc", "EVAL"], [a, b], lambda f: f == "EVAL")
+    assert out.frames == ["libc", a, b] and out.leftover == 1
+    # No Python frames (a thread without a thread state): the native stack as it was.
+    assert splice(["EVAL", "x"], [], lambda f: f == "EVAL").frames == ["EVAL", "x"]
+
+
+def test_raw_frames_decode_with_their_entry_bit_and_unknown_offset():
+    raw = abi.PY_FRAME.pack(0x1000 | abi.PY_FRAME_ENTRY, abi.PY_NO_OFFSET, 7)
+    raw += abi.PY_FRAME.pack(0x2000, 3, 9)
+    assert decode(raw + b"\0" * 5) == [PyFrame(0x1000, None, 7, True), PyFrame(0x2000, 3, 9, False)]

@@ -1,0 +1,71 @@
+"""Python frames put into the native stack where the eval loop ran them (mixed stacks).
+
+Each C activation of the eval loop (`_PyEval_EvalFrameDefault`, a native frame) runs a run of Python
+frames: one on <= 3.10, the frames since its entry frame on 3.11+ (inlined Python-to-Python calls). The
+BPF walk marks the oldest frame of each run (`abi.PY_FRAME_ENTRY`), so walking the native stack from
+the leaf, the k-th eval frame takes the Python frames up to and including the k-th marked one, and is
+replaced by them (as py-spy --native shows it: the eval loop's own time is the Python function's).
+Native frames between (a C extension called from Python, the interpreter's helpers) stay where they
+are: under the Python function that called them.
+
+Python frames no eval frame took (the native walk stopped early, a frame-eval hook or a JIT ran the
+code) go at the root end, in their order: never lost, and counted (`Spliced.leftover`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ..bpf import abi
+
+N = TypeVar("N")
+
+
+@dataclass(frozen=True, slots=True)
+class PyFrame:
+    """One Python frame of a sample, as the BPF walk sent it."""
+
+    code: int  # the code object's address
+    offset: int | None  # instruction offset in code units; None: before the first instruction
+    checksum: int  # layouts.checksum at the sample; 0: not read
+    entry: bool  # the oldest frame of its C activation
+
+
+def decode(raw: bytes) -> list[PyFrame]:
+    """A sample's raw Python frames (abi.PY_FRAME records, innermost first)."""
+    out = []
+    for code, offset, checksum in abi.PY_FRAME.iter_unpack(raw[: len(raw) - len(raw) % abi.PY_FRAME.size]):
+        out.append(
+            PyFrame(
+                code & ~abi.PY_FRAME_ENTRY,
+                None if offset == abi.PY_NO_OFFSET else offset,
+                checksum,
+                bool(code & abi.PY_FRAME_ENTRY),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Spliced(Generic[N]):
+    frames: list[N | PyFrame]  # leaf first
+    leftover: int  # Python frames no eval frame took (put at the root end)
+
+
+def splice(native: Sequence[N], python: Sequence[PyFrame], in_eval: Callable[[N], bool]) -> Spliced[N]:
+    """`native` (leaf first) with each eval-loop frame (`in_eval`) replaced by the Python frames it ran."""
+    out: list[N | PyFrame] = []
+    i = 0
+    for frame in native:
+        if i < len(python) and in_eval(frame):
+            while i < len(python):
+                out.append(python[i])
+                i += 1
+                if python[i - 1].entry:
+                    break
+            continue
+        out.append(frame)
+    out.extend(python[i:])
+    return Spliced(out, len(python) - i)
