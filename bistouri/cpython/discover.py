@@ -60,6 +60,8 @@ _SYMBOLS = (
 REASONS = (
     "not_python",  # no interpreter in it (no libpython, no _PyRuntime)
     "version_unknown",  # a CPython we have no layout for (the version is in the detail)
+    "free_threaded",  # a free-threaded (no GIL) build: other object layouts, not walked yet
+    "layout_mismatch",  # the interpreter's own debug offsets (3.13+) disagree with our layout
     "no_thread_key",  # the thread-state slot was not found (not glibc, a key >= 32, no thread state)
     "unreadable",  # its maps, file or memory could not be read (permissions, gone)
 )
@@ -179,6 +181,10 @@ def _describe(
     layout = LAYOUTS.get(version[:2])
     if layout is None:
         return Unsupported("version_unknown", f"{path}: CPython {'.'.join(map(str, version))}")
+    if layout.version >= (3, 13):
+        refused = _check_debug_offsets(mem.read(runtime, _DEBUG_313.size), layout)
+        if refused is not None:
+            return refused
     initialized, key = struct.unpack("<iI", mem.read(runtime + layout.runtime_tss_key, 8))
     if initialized != 1:
         return Unsupported("no_thread_key", f"autoTSSkey not initialized ({initialized})")
@@ -215,6 +221,46 @@ def _version(
     name = os.path.basename(path)
     m = _LIBPYTHON.match(name) or _PYTHON.match(name)
     return (int(m[1]), int(m[2]), 0) if m else None
+
+
+# The head of 3.13's _Py_DebugOffsets (Include/internal/pycore_runtime.h), at _PyRuntime: cookie, version,
+# free_threaded, then blocks of u64 offsets, each led by its struct's size: runtime state (3), interpreter
+# state (13), thread state (9), interpreter frame (6), code object (10).
+_DEBUG_313 = struct.Struct("<8sQQ" + "Q" * 41)
+_DEBUG_FIELDS_313 = {  # index among the 41 offsets -> the Layout field it must equal
+    2: "runtime_interpreters_head",
+    6: "interp_threads_head",
+    18: "tstate_next",
+    19: "tstate_interp",
+    20: "tstate_frame",
+    21: "tstate_thread_id",
+    26: "frame_previous",
+    27: "frame_code",
+    28: "frame_instr",
+    30: "frame_entry",
+    32: "code_filename",
+    33: "code_name",
+    34: "code_qualname",
+    35: "code_linetable",
+    36: "code_firstlineno",
+    40: "code_adaptive",
+}
+
+
+def _check_debug_offsets(head: bytes, layout: Layout) -> Unsupported | None:
+    """3.13's own description of its layout against ours: a build with other offsets (a distribution's
+    patch, a free-threaded build) is refused, not walked wrong."""
+    cookie, _version, free_threaded, *offsets = _DEBUG_313.unpack(head)
+    if cookie != _DEBUG_COOKIE:
+        return Unsupported("layout_mismatch", "no _Py_DebugOffsets at _PyRuntime")
+    if free_threaded:
+        return Unsupported("free_threaded", "a free-threaded build")
+    wrong = [
+        f"{f}={offsets[i]} (ours {getattr(layout, f)})"
+        for i, f in _DEBUG_FIELDS_313.items()
+        if offsets[i] != getattr(layout, f)
+    ]
+    return Unsupported("layout_mismatch", ", ".join(wrong)) if wrong else None
 
 
 def _from_hex(v: int) -> tuple[int, int, int]:

@@ -238,3 +238,22 @@ def test_raw_frames_decode_with_their_entry_bit_and_unknown_offset():
     raw = abi.PY_FRAME.pack(0x1000 | abi.PY_FRAME_ENTRY, abi.PY_NO_OFFSET, 7)
     raw += abi.PY_FRAME.pack(0x2000, 3, 9)
     assert decode(raw + b"\0" * 5) == [PyFrame(0x1000, None, 7, True), PyFrame(0x2000, 3, 9, False)]
+
+
+def test_313s_own_debug_offsets_must_agree_with_the_layout():
+    lay = LAYOUTS[(3, 13)]
+    offsets = [0] * 41
+    for i, field in discover._DEBUG_FIELDS_313.items():
+        offsets[i] = getattr(lay, field)
+
+    def head(cookie: bytes = b"xdebugpy", free_threaded: int = 0) -> bytes:
+        return discover._DEBUG_313.pack(cookie, 0x030D00F0, free_threaded, *offsets)
+
+    assert discover._check_debug_offsets(head(), lay) is None
+    assert discover._check_debug_offsets(head(free_threaded=1), lay) == discover.Unsupported(
+        "free_threaded", "a free-threaded build"
+    )
+    assert discover._check_debug_offsets(head(b"xxxxxxxx"), lay).reason == "layout_mismatch"  # type: ignore[union-attr]
+    offsets[20] += 8  # tstate -> current_frame moved
+    found = discover._check_debug_offsets(head(), lay)
+    assert found is not None and found.reason == "layout_mismatch" and "tstate_frame" in found.detail
