@@ -157,3 +157,42 @@ def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target
                 assert all(entries)
             else:
                 assert not entries[0]  # hot_loop was called by driver's bytecode, inline
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_a_sleeping_threads_stack_names_its_python_caller(which):
+    """The episode's interruptible-sleep stacks (taken at sched_switch, the sleeper current) carry the
+    sleeping thread's own Python frames: `nap`, in time.sleep without the GIL, under `sleeper`."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        interp = discover.describe(proc.pid)
+        assert isinstance(interp, discover.Interpreter), interp
+        sleeps: list[StackSample] = []
+        with Profiler(ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0)) as agent:
+            agent.start()
+            procs = agent._require().maps["python_procs"]
+            procs.update(proc.pid.to_bytes(4, "little"), bytes(discover.record(interp)))
+            agent.set_pid_filter(proc.pid, int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and len(sleeps) < 10:
+                agent.check_thread()
+                sleeps += [
+                    e
+                    for e in agent.take(timeout=0.1)
+                    if isinstance(e, StackSample)
+                    and e.kind == abi.EpisodeKind.SLEEP
+                    and e.tid == dump["nap_tid"]
+                ]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(sleeps) >= 10, f"{len(sleeps)} sleep stacks of the napping thread"
+    named = [s for s in sleeps if [f.code for f in decode(s.python)][:1] == [dump["nap"]]]
+    assert len(named) == len(sleeps), f"{which}: nap innermost in {len(named)} of {len(sleeps)} sleep stacks"
