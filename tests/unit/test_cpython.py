@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import sys
 import types
 
@@ -20,6 +21,7 @@ from bistouri.cpython.layouts import LAYOUTS, checksum
 from bistouri.cpython.linetable import LineTable, TableKind, kind_for
 from bistouri.cpython.memory import MAX_READ, MemoryReadError, ProcessMemory
 from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
+from bistouri.cpython.processes import PythonProcesses
 from bistouri.cpython.splice import PyFrame, decode, splice
 
 # ---- line tables, as CPython's codeobject.c reads them
@@ -257,3 +259,31 @@ def test_313s_own_debug_offsets_must_agree_with_the_layout():
     offsets[20] += 8  # tstate -> current_frame moved
     found = discover._check_debug_offsets(head(), lay)
     assert found is not None and found.reason == "layout_mismatch" and "tstate_frame" in found.detail
+
+
+# ---- the capture's registry
+
+
+def test_the_registry_describes_once_names_frames_and_counts_refusals(me):
+    co = _sample.__code__
+    with CodeNamer(me) as namer:
+        have = namer.checksum(id(co))
+    raw = abi.PY_FRAME.pack(id(co) | abi.PY_FRAME_ENTRY, 1, have) + abi.PY_FRAME.pack(id(co), 1, have ^ 1)
+    procs = PythonProcesses()
+    try:
+        assert procs.add(os.getpid()) == me
+        assert procs.add(os.getpid()) is procs.interpreter(os.getpid())  # described once
+        first, freed = procs.name(os.getpid(), raw)
+        assert (first.name, first.filename) == (co.co_qualname, co.co_filename)
+        assert first.line == co.co_firstlineno + 1  # `return 1`, one line under the def
+        assert (freed.name, freed.line) == ("<freed code>", 0)
+        with subprocess.Popen(["sleep", "30"]) as child:
+            try:
+                assert procs.add(child.pid).reason == "not_python"  # type: ignore[union-attr]
+            finally:
+                child.kill()
+        assert procs.unsupported == {"not_python": 1}
+        procs.remove(os.getpid())
+        assert procs.name(os.getpid(), raw) == ()
+    finally:
+        procs.close()
