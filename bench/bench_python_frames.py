@@ -51,17 +51,15 @@ def measure(exe: Path, seconds: float, hz: int) -> dict[str, float | int | str]:
             return {"unsupported": f"{interp.reason}: {interp.detail}"}
         samples: list[StackSample] = []
         opts = ProfilerOptions(freq_hz=hz, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
-        with Profiler(opts) as agent:
-            agent.start()
-            procs = agent._require().maps["python_procs"]  # the capture layer does not push records yet
-            procs.update(proc.pid.to_bytes(4, "little"), bytes(discover.record(interp)))
-            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+        with Profiler(opts) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
-                agent.check_thread()
-                samples += [e for e in agent.take(timeout=0.1) if isinstance(e, StackSample)]
-            agent.close()
-            samples += [e for e in agent.take() if isinstance(e, StackSample)]
+                profiler.check_thread()
+                samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample)]
+            profiler.close()
+            samples += [e for e in profiler.take() if isinstance(e, StackSample)]
         lines = {c["id"]: dict(map(tuple, c["lines"])) for c in dump["codes"]}
         main = [s for s in samples if s.pid == proc.pid and s.tid == proc.pid]
         z = [s for s in samples if s.pid == proc.pid and s.tid == dump["z_tid"]]

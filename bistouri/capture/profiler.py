@@ -39,6 +39,8 @@ from ..bpf.loader import (
     ring_size,
     sampler_of,
 )
+from ..cpython.discover import Interpreter, record
+from ..cpython.processes import PythonProcesses
 from ..errors import BistouriError, BpfError
 from ..host.procmaps import ProcMaps
 from ..unwind.tables import NoUnwind, UnwindTables
@@ -97,6 +99,9 @@ class Profiler:
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
         self.unwind: UnwindTables | NoUnwind = NoUnwind()
+        # The CPython processes among the sampled ones (their record in `python_procs`, where the BPF
+        # walk reads it); their frames' names come from it. Under _filter_lock.
+        self.python = PythonProcesses(options.proc_root)
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -216,6 +221,8 @@ class Profiler:
         if self._loading is not None:  # never opened: the object loaded for it goes too
             self._loading.close()
             self._loading = None
+        with self._filter_lock:
+            self.python.close()
 
     def __enter__(self) -> Profiler:
         self.open()
@@ -246,6 +253,7 @@ class Profiler:
                 if pid not in self._filtered:
                     # Waits skipped in an earlier capture must not be weighed into this one.
                     self._require().maps["offcpu_last"].delete(key)
+                    self._describe_python(pid, key)
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
@@ -253,9 +261,29 @@ class Profiler:
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                self._require().maps["python_procs"].delete(key)
+                self.python.remove(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
+
+    def _describe_python(self, pid: int, key: bytes) -> None:
+        """A CPython process gets its record for the BPF walk of its frames (docs/python-frames.md);
+        another keeps its native frames, and a CPython one we cannot walk says why."""
+        found = self.python.add(pid)
+        procs = self._require().maps["python_procs"]
+        if isinstance(found, Interpreter):
+            procs.update(key, bytes(record(found)))
+            log.info("Python frames of a CPython process walked. pid=%d version=%s", pid, found.version_text)
+            return
+        procs.delete(key)
+        if found.reason != "not_python":
+            log.info(
+                "Python frames of a process not walked. pid=%d reason=%s detail=%s",
+                pid,
+                found.reason,
+                found.detail,
+            )
 
     def set_slow_drain(self, slow: bool) -> None:
         """Drain at the slow interval (no session runs) or the usual one."""

@@ -93,6 +93,12 @@ class Interpreter:
     str_type: int
     bytes_type: int
 
+    @property
+    def version_text(self) -> str:
+        """`3.11.7`; `3.9` when only the file's name said which (the micro version unknown)."""
+        major, minor, micro = self.version
+        return f"{major}.{minor}.{micro}" if micro or self.layout.version >= (3, 11) else f"{major}.{minor}"
+
 
 def record(interp: Interpreter) -> abi.PythonProc:
     """The BPF walk's record of a process (map `python_procs`, keyed by tgid)."""

@@ -60,25 +60,23 @@ def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target
     assert isinstance(interp, discover.Interpreter), interp
     opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
     samples: list[StackSample] = []
-    with Profiler(opts) as agent:
-        agent.start()
-        # The capture layer does not push records yet (docs/python-frames.md, next steps): by hand.
-        procs = agent._require().maps["python_procs"]
-        procs.update(proc.pid.to_bytes(4, "little"), bytes(discover.record(interp)))
-        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+    with Profiler(opts) as profiler:
+        profiler.start()
+        profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # describes it, pushes its record
+        assert profiler.python.interpreter(proc.pid) == interp
         # The unwind tables of libpython and libz loaded: native stacks whole from then on.
-        assert agent.unwind.wait_idle(60)
+        assert profiler.unwind.wait_idle(60)
         samples.clear()
-        agent.take()
+        profiler.take()
         # 200 samples of its main thread (the kernel counts repeats: a sample's weight), 15 s at most on
         # two shared cores.
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and sum(s.weight for s in samples if s.tid == proc.pid) < 200:
-            agent.check_thread()
-            samples += [e for e in agent.take(timeout=0.1) if isinstance(e, StackSample)]
-        agent.close()
-        samples += [e for e in agent.take() if isinstance(e, StackSample)]
-        maps = agent.maps
+            profiler.check_thread()
+            samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample)]
+        profiler.close()
+        samples += [e for e in profiler.take() if isinstance(e, StackSample)]
+        maps = profiler.maps
     main = [s for s in samples if s.pid == proc.pid and s.tid == proc.pid]
     total = sum(s.weight for s in main)
     assert total >= 100, f"{total} samples of the busy loop"
@@ -175,17 +173,15 @@ def test_a_sleeping_threads_stack_names_its_python_caller(which):
         interp = discover.describe(proc.pid)
         assert isinstance(interp, discover.Interpreter), interp
         sleeps: list[StackSample] = []
-        with Profiler(ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0)) as agent:
-            agent.start()
-            procs = agent._require().maps["python_procs"]
-            procs.update(proc.pid.to_bytes(4, "little"), bytes(discover.record(interp)))
-            agent.set_pid_filter(proc.pid, int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON))
+        with Profiler(ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0)) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON))
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and len(sleeps) < 10:
-                agent.check_thread()
+                profiler.check_thread()
                 sleeps += [
                     e
-                    for e in agent.take(timeout=0.1)
+                    for e in profiler.take(timeout=0.1)
                     if isinstance(e, StackSample)
                     and e.kind == abi.EpisodeKind.SLEEP
                     and e.tid == dump["nap_tid"]
