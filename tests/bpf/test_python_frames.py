@@ -192,3 +192,67 @@ def test_a_sleeping_threads_stack_names_its_python_caller(which):
     assert len(sleeps) >= 10, f"{len(sleeps)} sleep stacks of the napping thread"
     named = [s for s in sleeps if [f.code for f in decode(s.python)][:1] == [dump["nap"]]]
     assert len(named) == len(sleeps), f"{which}: nap innermost in {len(named)} of {len(sleeps)} sleep stacks"
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_an_asyncio_coroutine_is_named_under_the_event_loop(which):
+    """A running coroutine's frame is on its thread's chain: `hot_loop` under the coroutine `spin`, which the
+    event loop (C: the Task's step, then coro.send) re-entered the eval loop to run; spliced whole."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "async"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(
+            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+        ) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            interp = profiler.python.interpreter(proc.pid)
+            assert interp is not None
+            assert profiler.unwind.wait_idle(60)
+            profiler.take()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+            maps = profiler.maps
+    finally:
+        proc.kill()
+        proc.wait()
+    total = sum(s.weight for s in samples)
+    assert total >= 50, f"{total} samples"
+
+    def in_eval(frame: tuple[int, int, int]) -> bool:
+        status, file_id, offset = frame
+        return (
+            status == FrameStatus.FILE
+            and maps.file(file_id).build_id == interp.build_id
+            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+        )
+
+    both = whole = complete = 0
+    for s in samples:
+        codes = [f.code for f in decode(s.python)]
+        if (
+            dump["hot"] in codes
+            and dump["spin"] in codes
+            and codes.index(dump["hot"]) < codes.index(dump["spin"])
+        ):
+            both += s.weight
+        if s.walk[2] == abi.Counter.WALK_END:
+            complete += s.weight
+            whole += s.weight * (
+                splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).leftover == 0
+            )
+    assert both >= 0.9 * total, f"{which}: hot_loop under spin in {both} of {total} samples"
+    assert whole >= 0.99 * complete > 0.5 * total, (
+        f"{which}: spliced whole in {whole} of {complete} complete walks"
+    )
