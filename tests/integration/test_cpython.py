@@ -72,3 +72,34 @@ def test_a_code_object_is_named_only_with_the_checksum_it_had(target):
         assert namer.name(hot, have) is named and namer.reads == reads  # kept
         assert namer.name(hot, have ^ 1) is FREED  # another code object's checksum: never this name
         assert namer.name(8, 0) is UNKNOWN  # not an address of the process
+
+
+@pytest.mark.root
+def test_an_interpreter_in_another_mount_namespace_is_described(tmp_path):
+    """A container's interpreter: its file is at a path only its own mount namespace has (a tmpfs there);
+    the agent opens it through /proc/PID/map_files and reads the rest from /proc/PID/mem."""
+    exe = cpython("debian-3.11") or cpython("3.11")
+    if exe is None:
+        pytest.skip("no CPython 3.11 to copy")
+    where = tmp_path / "ns"
+    where.mkdir()
+    script = (
+        f"mount -t tmpfs none {where} && cp {exe} {where}/python3 && "
+        f"exec {where}/python3 -c 'import os, sys; print(os.getpid(), flush=True); sys.stdin.read()'"
+    )
+    proc = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        pid = int(proc.stdout.readline())
+        assert not (where / "python3").exists()  # not in our namespace
+        found = discover.describe(pid)
+        assert isinstance(found, discover.Interpreter), found
+        assert found.path == f"{where}/python3" and found.version[:2] == (3, 11)
+    finally:
+        proc.kill()
+        proc.wait()
