@@ -54,11 +54,20 @@ class Spliced(Generic[N]):
     leftover: int  # Python frames no eval frame took (put at the root end)
 
 
-def splice(native: Sequence[N], python: Sequence[PyFrame], in_eval: Callable[[N], bool]) -> Spliced[N]:
-    """`native` (leaf first) with each eval-loop frame (`in_eval`) replaced by the Python frames it ran."""
+def splice(
+    native: Sequence[N],
+    python: Sequence[PyFrame],
+    in_eval: Callable[[N], bool],
+    redundant: Callable[[N], bool] | None = None,
+) -> Spliced[N]:
+    """`native` (leaf first) with each eval-loop frame (`in_eval`) replaced by the Python frames it ran.
+    `redundant`: native frames that only repeat a Python frame (3.12+'s `-X perf` trampolines, named
+    `py::<function>` from the perf map), left out when there are Python frames."""
     out: list[N | PyFrame] = []
     i = 0
     for frame in native:
+        if python and redundant is not None and redundant(frame):
+            continue
         if i < len(python) and in_eval(frame):
             while i < len(python):
                 out.append(python[i])

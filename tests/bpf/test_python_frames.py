@@ -256,3 +256,76 @@ def test_an_asyncio_coroutine_is_named_under_the_event_loop(which):
     assert whole >= 0.99 * complete > 0.5 * total, (
         f"{which}: spliced whole in {whole} of {complete} complete walks"
     )
+
+
+@pytest.mark.parametrize("which", ["3.12", "3.13"])
+def test_perf_trampolines_do_not_double_the_python_frames(which):
+    """A 3.12+ process started with `-X perf` runs each C entry of the eval loop through a trampoline the
+    perf map names `py::<function>`: with the Python frames spliced in, those are left out (no double
+    frames), and the Python frames are the same as without the flag."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), "-X", "perf", str(CPYTHON_TARGET), "hot"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    mixed = []
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(
+            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+        ) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            interp = profiler.python.interpreter(proc.pid)
+            assert interp is not None
+            assert profiler.unwind.wait_idle(60)
+            profiler.take()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+            maps = profiler.maps
+
+            def jit(frame: tuple[int, int, int]) -> str:
+                status, _, ip = frame
+                return (maps.jit_name(proc.pid, ip) or "") if status == FrameStatus.ANON else ""
+
+            def in_eval(frame: tuple[int, int, int]) -> bool:
+                status, file_id, offset = frame
+                return (
+                    status == FrameStatus.FILE
+                    and maps.file(file_id).build_id == interp.build_id
+                    and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+                )
+
+            trampolines = 0
+            for s in samples:  # named while the process and its perf map live
+                native = split_stacks(s.stacks, s.kernel_len)[1]
+                trampolines += any(jit(f).startswith("py::") for f in native)
+                out = splice(native, decode(s.python), in_eval, lambda f: jit(f).startswith("py::"))
+                mixed.append((s, out.frames))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert trampolines >= len(samples) // 2, "the trampolines were not in the native stacks: nothing tested"
+    total = sum(s.weight for s, _ in mixed)
+    named = sum(
+        s.weight
+        for s, frames in mixed
+        if any(isinstance(f, PyFrame) and f.code == dump["hot"] for f in frames)
+    )
+    assert total >= 50 and named >= 0.95 * total, f"{which}: hot_loop in {named} of {total} samples"
+    doubled = [
+        frames
+        for _, frames in mixed
+        if any(not isinstance(f, PyFrame) and f[0] == FrameStatus.ANON for f in frames)
+    ]
+    assert not doubled, f"{len(doubled)} spliced stacks still hold a trampoline frame"

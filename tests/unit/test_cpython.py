@@ -287,3 +287,11 @@ def test_the_registry_describes_once_names_frames_and_counts_refusals(me):
         assert procs.name(os.getpid(), raw) == ()
     finally:
         procs.close()
+
+
+def test_perf_trampolines_are_left_out_when_the_python_frames_are_there():
+    a, b = _py("a", True), _py("b", True)
+    native = ["EVAL", "py::a", "EVAL", "py::b", "main"]
+    out = splice(native, [a, b], lambda f: f == "EVAL", lambda f: f.startswith("py::"))
+    assert out.frames == [a, b, "main"]
+    assert splice(native, [], lambda f: f == "EVAL", lambda f: f.startswith("py::")).frames == native
