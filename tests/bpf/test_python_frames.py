@@ -329,3 +329,35 @@ def test_perf_trampolines_do_not_double_the_python_frames(which):
         if any(not isinstance(f, PyFrame) and f[0] == FrameStatus.ANON for f in frames)
     ]
     assert not doubled, f"{len(doubled)} spliced stacks still hold a trampoline frame"
+
+
+@pytest.mark.parametrize("which", ["3.8", "3.11", "3.13"])
+def test_a_deep_stack_keeps_its_innermost_frames_up_to_the_bound(which):
+    """100 Python calls deep: the walk keeps the innermost abi.PY_MAX_DEPTH frames (hot_loop first)."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "deep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+    finally:
+        proc.kill()
+        proc.wait()
+    total = sum(s.weight for s in samples)
+    full = sum(s.weight for s in samples if len(decode(s.python)) == abi.PY_MAX_DEPTH)
+    hot = sum(s.weight for s in samples if decode(s.python)[:1] and decode(s.python)[0].code == dump["hot"])
+    assert total >= 50 and full >= 0.95 * total, f"{which}: {full} of {total} samples 64 frames deep"
+    assert hot >= 0.8 * total, f"{which}: hot_loop innermost in {hot} of {total} samples"
