@@ -27,7 +27,7 @@ from bistouri.cpython.splice import PyFrame, decode, splice
 from bistouri.host.procmaps import FrameStatus
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
-pytestmark = pytest.mark.bpf
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]  # each interpreter sampled for seconds
 
 
 def _frames(sample: StackSample) -> list[tuple[int, int, int]]:
