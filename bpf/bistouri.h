@@ -230,7 +230,8 @@ struct bistouri_stack_event {
 	__u8 comm[BISTOURI_COMM_LEN];
 	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
 	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/host/procmaps.py) */
-	struct bistouri_py_frame py_frames[BISTOURI_PY_MAX_DEPTH]; /* innermost first */
+	struct bistouri_py_frame py_frames[BISTOURI_PY_MAX_DEPTH]; /* innermost first; the record ends after
+								    * the py_depth taken (emit_stack) */
 };
 
 /* A process whose new comm matched a rule of the LPM trie at exec. */

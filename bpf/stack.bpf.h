@@ -172,7 +172,14 @@ static __always_inline bool maps_changed(struct bistouri_stack_event *ev, bool *
 /* Send a finished stack event; a full ring is counted and reported. Returns whether it went. */
 static __always_inline bool emit_stack(struct bistouri_stack_event *ev, __u64 flags)
 {
-	if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), flags)) {
+	/* Up to the Python frames taken: most events have none, and go 1 KiB shorter. */
+	__u32 depth = ev->py_depth;
+	__u64 size;
+
+	if (depth > BISTOURI_PY_MAX_DEPTH)
+		depth = BISTOURI_PY_MAX_DEPTH;
+	size = __builtin_offsetof(struct bistouri_stack_event, py_frames) + depth * sizeof(struct bistouri_py_frame);
+	if (bpf_ringbuf_output(&stack_events, ev, size, flags)) {
 		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, ev->pid, 0);
 		return false;
 	}
