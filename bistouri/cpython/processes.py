@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .discover import Interpreter, Unsupported, describe
+from .discover import REASONS, Interpreter, Unsupported, describe
 from .naming import FREED, CodeNamer
 from .splice import decode
 
@@ -29,6 +29,14 @@ class PythonFrame:
     name: str
     filename: str
     line: int
+
+
+@dataclass(frozen=True, slots=True)
+class PythonStats:
+    """What the metrics read: processes walked, and those not walked by reason (discover.REASONS)."""
+
+    walked: int = 0
+    not_walked: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -46,7 +54,10 @@ class PythonProcesses:
         self.proc_root = proc_root
         self.max_processes = max_processes
         self._procs: OrderedDict[int, _Process] = OrderedDict()
-        self.unsupported: Counter[str] = Counter()  # processes not walked, by reason (discover.REASONS)
+        # Processes not walked, by reason; every reason there from the start (a scrape copies it while
+        # this thread counts: no key is ever added).
+        self.unsupported: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self.walked = 0  # processes described for the walk
 
     def close(self) -> None:
         for p in self._procs.values():
@@ -71,10 +82,15 @@ class PythonProcesses:
             self.unsupported["unreadable"] += 1
             return Unsupported("unreadable", f"memory: {e.strerror}")
         self._procs[pid] = _Process(identity, found, namer, {})
+        self.walked += 1
         while len(self._procs) > self.max_processes:
             _, old = self._procs.popitem(last=False)
             old.namer.close()
         return found
+
+    @property
+    def stats(self) -> PythonStats:
+        return PythonStats(self.walked, dict(self.unsupported))
 
     def remove(self, pid: int) -> None:
         p = self._procs.pop(pid, None)

@@ -282,7 +282,9 @@ def test_the_registry_describes_once_names_frames_and_counts_refusals(me):
                 assert procs.add(child.pid).reason == "not_python"  # type: ignore[union-attr]
             finally:
                 child.kill()
-        assert procs.unsupported == {"not_python": 1}
+        assert procs.stats.walked == 1 and procs.stats.not_walked == dict.fromkeys(discover.REASONS, 0) | {
+            "not_python": 1
+        }
         procs.remove(os.getpid())
         assert procs.name(os.getpid(), raw) == ()
     finally:
