@@ -278,7 +278,10 @@ class Profiler:
             return
         procs.delete(key)
         if found.reason != "not_python":
-            log.info(
+            # Unreadable is most often a process that exited meanwhile: not worth a line at INFO.
+            level = logging.DEBUG if found.reason == "unreadable" else logging.INFO
+            log.log(
+                level,
                 "Python frames of a process not walked. pid=%d reason=%s detail=%s",
                 pid,
                 found.reason,
