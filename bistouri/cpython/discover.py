@@ -286,11 +286,12 @@ def _key_slots(mem: ProcessMemory, layout: Layout, runtime: int, key: int) -> in
         seen.add(tstate)
         try:
             block = mem.read(tstate, max(layout.tstate_thread_id, layout.tstate_next) + 8)
-            thread = struct.unpack_from("<Q", block, layout.tstate_thread_id)[0]
-            nxt = struct.unpack_from("<Q", block, layout.tstate_next)[0]
-            window = mem.read(thread, _SLOTS_MAX + 16 * key + 16) if thread else b""
         except MemoryReadError:
-            break  # a thread that is exiting: its neighbours already voted
+            break  # the list is torn (a thread exiting): those read already voted
+        thread = struct.unpack_from("<Q", block, layout.tstate_thread_id)[0]
+        nxt = struct.unpack_from("<Q", block, layout.tstate_next)[0]
+        # struct pthread may end its mapping (a thread's stack block): as much of the window as maps.
+        window = mem.read_prefix(thread, _SLOTS_MAX + 16 * key + 16) if thread else b""
         for base in range(_SLOTS_MIN, _SLOTS_MAX, 8):
             at = base + 16 * key + 8
             if at + 8 <= len(window) and struct.unpack_from("<Q", window, at)[0] == tstate:

@@ -16,6 +16,7 @@ from ..errors import BistouriError
 MAX_READ = 1 << 20  # one read; a line table or a bytecode larger than this is not read
 MAX_NAME = 4096  # characters of a name or a file name (CPython has no limit; we keep this many)
 
+_PAGE = 4096
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
@@ -67,6 +68,19 @@ class ProcessMemory:
         if len(data) != size:
             raise MemoryReadError(f"pid {self.pid}: short read of {len(data)}/{size} bytes at {addr:#x}")
         return data
+
+    def read_prefix(self, addr: int, size: int) -> bytes:
+        """Up to `size` bytes at `addr`: those of the pages that can be read, from the first (b"" when
+        none can)."""
+        out = b""
+        while len(out) < size:
+            at = addr + len(out)
+            chunk = min(size - len(out), _PAGE - at % _PAGE)
+            try:
+                out += self.read(at, chunk)
+            except MemoryReadError:
+                break
+        return out
 
     def u64(self, addr: int) -> int:
         return int(_U64.unpack(self.read(addr, 8))[0])

@@ -297,3 +297,28 @@ def test_perf_trampolines_are_left_out_when_the_python_frames_are_there():
     out = splice(native, [a, b], lambda f: f == "EVAL", lambda f: f.startswith("py::"))
     assert out.frames == [a, b, "main"]
     assert splice(native, [], lambda f: f == "EVAL", lambda f: f.startswith("py::")).frames == native
+
+
+def test_a_prefix_read_stops_at_the_first_unmapped_page():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = 4096
+    base = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS
+    assert base not in (None, ctypes.c_void_p(-1).value)
+    ctypes.memset(base + page - 100, 0x5A, 100)
+    assert libc.munmap(base + page, page) == 0
+    try:
+        with ProcessMemory(os.getpid()) as mem:
+            assert mem.read_prefix(base + page - 100, 300) == b"\x5a" * 100
+            assert mem.read_prefix(base + page, 8) == b""
+    finally:
+        libc.munmap(base, page)
