@@ -185,5 +185,8 @@ def cpython(which: str) -> Path | None:
         path = Path("/usr/bin/python3.11")
         return path if path.exists() else None
     versions = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
-    found = sorted(versions.glob(f"{which}.*/bin/python{which}")) if versions.is_dir() else []
+    try:  # another user than root may not look into /root: absent then
+        found = sorted(versions.glob(f"{which}.*/bin/python{which}")) if versions.is_dir() else []
+    except OSError:
+        return None
     return found[-1] if found else None
