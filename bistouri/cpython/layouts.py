@@ -8,7 +8,7 @@ host. Also here: the code-object checksum, the one formula BPF (bpf/python.bpf.h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..bpf import abi
 
@@ -68,15 +68,21 @@ class Layout:
         return self.code_filename, self.code_name, self.code_linetable, self.code_firstlineno
 
 
-_COMMON = dict(tstate_next=8, tstate_interp=16)
-_UP_TO_310 = dict(
-    _COMMON,
+# Each version is the one before with what changed (dataclasses.replace): the differences are the table.
+_38 = Layout(
+    version=(3, 8),
+    runtime_interpreters_head=32,
+    runtime_tss_key=1392,
     interp_threads_head=8,
+    tstate_next=8,
+    tstate_interp=16,
     tstate_thread_id=176,
     tstate_frame=24,
     cframe_frame=-1,
     frame_previous=24,
     frame_code=32,
+    frame_instr=104,
+    instr_kind=InstrKind.LASTI_BYTES,
     frame_entry=-1,
     entry_kind=EntryKind.EVERY,
     code_argcount=16,
@@ -91,101 +97,62 @@ _UP_TO_310 = dict(
     str_ascii_data=48,
     str_data=72,
 )
-_FROM_311 = dict(
-    _COMMON,
+_39 = replace(_38, version=(3, 9), runtime_tss_key=584)
+_310 = replace(_39, version=(3, 10), frame_instr=96, instr_kind=InstrKind.LASTI_UNITS)
+_311 = replace(
+    _310,
+    version=(3, 11),
+    runtime_interpreters_head=40,
+    runtime_tss_key=592,
+    interp_threads_head=16,
+    tstate_thread_id=152,
+    tstate_frame=56,
+    cframe_frame=8,
+    frame_previous=48,
+    frame_code=32,
+    frame_instr=56,
+    instr_kind=InstrKind.POINTER,
+    frame_entry=68,
+    entry_kind=EntryKind.IS_ENTRY,
+    code_argcount=56,
     code_flags=48,
+    code_firstlineno=72,
     code_filename=112,
     code_name=120,
     code_qualname=128,
     code_linetable=136,
     code_code=-1,
-    instr_kind=InstrKind.POINTER,
-    frame_instr=56,
+    code_adaptive=184,
 )
-
-LAYOUTS: dict[tuple[int, int], Layout] = {
-    (3, 8): Layout(
-        version=(3, 8),
-        runtime_interpreters_head=32,
-        runtime_tss_key=1392,
-        frame_instr=104,
-        instr_kind=InstrKind.LASTI_BYTES,
-        **_UP_TO_310,  # type: ignore[arg-type]
-    ),
-    (3, 9): Layout(
-        version=(3, 9),
-        runtime_interpreters_head=32,
-        runtime_tss_key=584,
-        frame_instr=104,
-        instr_kind=InstrKind.LASTI_BYTES,
-        **_UP_TO_310,  # type: ignore[arg-type]
-    ),
-    (3, 10): Layout(
-        version=(3, 10),
-        runtime_interpreters_head=32,
-        runtime_tss_key=584,
-        frame_instr=96,
-        instr_kind=InstrKind.LASTI_UNITS,
-        **_UP_TO_310,  # type: ignore[arg-type]
-    ),
-    (3, 11): Layout(
-        version=(3, 11),
-        runtime_interpreters_head=40,
-        runtime_tss_key=592,
-        interp_threads_head=16,
-        tstate_thread_id=152,
-        tstate_frame=56,
-        cframe_frame=8,
-        frame_previous=48,
-        frame_code=32,
-        frame_entry=68,
-        entry_kind=EntryKind.IS_ENTRY,
-        code_argcount=56,
-        code_firstlineno=72,
-        code_adaptive=184,
-        str_ascii_data=48,
-        str_data=72,
-        **_FROM_311,  # type: ignore[arg-type]
-    ),
-    (3, 12): Layout(
-        version=(3, 12),
-        runtime_interpreters_head=40,
-        runtime_tss_key=1544,
-        interp_threads_head=72,
-        tstate_thread_id=136,
-        tstate_frame=56,
-        cframe_frame=0,
-        frame_previous=8,
-        frame_code=0,
-        frame_entry=70,
-        entry_kind=EntryKind.SHIM,
-        code_argcount=52,
-        code_firstlineno=68,
-        code_adaptive=192,
-        str_ascii_data=40,
-        str_data=56,
-        **_FROM_311,  # type: ignore[arg-type]
-    ),
-    (3, 13): Layout(
-        version=(3, 13),
-        runtime_interpreters_head=632,
-        runtime_tss_key=2160,
-        interp_threads_head=7344,
-        tstate_thread_id=152,
-        tstate_frame=72,
-        cframe_frame=-1,
-        frame_previous=8,
-        frame_code=0,
-        frame_entry=70,
-        entry_kind=EntryKind.SHIM,
-        code_argcount=52,
-        code_firstlineno=68,
-        code_adaptive=200,
-        str_ascii_data=40,
-        str_data=56,
-        **_FROM_311,  # type: ignore[arg-type]
-    ),
-}
+_312 = replace(
+    _311,
+    version=(3, 12),
+    runtime_tss_key=1544,
+    interp_threads_head=72,
+    tstate_thread_id=136,
+    cframe_frame=0,
+    frame_previous=8,
+    frame_code=0,
+    frame_entry=70,
+    entry_kind=EntryKind.SHIM,
+    code_argcount=52,
+    code_firstlineno=68,
+    code_adaptive=192,
+    str_ascii_data=40,
+    str_data=56,
+)
+_313 = replace(
+    _312,
+    version=(3, 13),
+    runtime_interpreters_head=632,
+    runtime_tss_key=2160,
+    interp_threads_head=7344,
+    tstate_thread_id=152,
+    tstate_frame=72,
+    cframe_frame=-1,
+    code_adaptive=200,
+)
+LAYOUTS: dict[tuple[int, int], Layout] = {lay.version: lay for lay in (_38, _39, _310, _311, _312, _313)}
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads the pointers' bits over the high word
 _U64 = (1 << 64) - 1
