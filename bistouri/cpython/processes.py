@@ -13,22 +13,53 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from ..bpf import abi
 from .discover import REASONS, Interpreter, Unsupported, describe
 from .naming import FREED, CodeNamer
-from .splice import decode
+from .splice import EvalLoop, decode
 
 MAX_PROCESSES = 256
+MAX_REFUSED = 8192  # processes remembered as not walked (the pid filter holds 4096)
 _MAX_FRAMES = 1 << 16  # named frames kept per process, then forgotten all at once
 
 
-@dataclass(frozen=True, slots=True)
-class PythonFrame:
-    """A named Python frame: qualified name (3.11+; the name before), file, line (0: none)."""
+class PythonFrame(NamedTuple):
+    """A named Python frame: qualified name (3.11+; the name before), file, line (0: none), and whether it
+    is the oldest of its C activation of the eval loop (where splice.py stops). A tuple: it is part of a
+    trace's key, hashed at every sample (a dataclass's __hash__ is a Python call per frame)."""
 
     name: str
     filename: str
     line: int
+    entry: bool = False
+
+
+# A sample's note in the session's data-quality summary (wire.UnwindSummary.python), besides the
+# process's own reason when it is not walked (discover.REASONS but not_python).
+NAMED = "named"  # Python frames in the stack
+_WALK_NOTES: dict[int, str] = {
+    abi.PyStatus.NO_THREAD: "no_thread_state",  # a thread with no thread state (not Python's, or not yet)
+    abi.PyStatus.DONE: "no_frame",  # a thread state with no Python frame (running C only)
+    abi.PyStatus.READ_FAILED: "read_failed",  # its innermost frame could not be read
+    abi.PyStatus.NOT_PYTHON: "no_record",  # sampled before its BPF record was pushed, or after it left
+    abi.PyStatus.NO_ARCH: "no_arch",  # no walk on this architecture
+}
+UNNAMED = "unnamed"  # frames walked for a process this registry no longer holds (evicted, removed)
+NOTES = (NAMED, *_WALK_NOTES.values(), UNNAMED, *(r for r in REASONS if r != "not_python"))
+
+
+class PythonStack(NamedTuple):
+    """What a sample's Python walk gave, for the capture: the frames named (innermost first), the sample's
+    note ("" for a process that is not CPython: not counted), and the eval loop to splice them at."""
+
+    frames: tuple[PythonFrame, ...]
+    note: str
+    eval_loop: EvalLoop | None
+
+
+NO_PYTHON = PythonStack((), "", None)  # a sample of a process that is not CPython
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +75,23 @@ class _Process:
     identity: tuple[int, int, int]  # start time, the executable's device and inode
     interp: Interpreter
     namer: CodeNamer
-    frames: dict[tuple[int, int, int | None], PythonFrame]
+    frames: dict[tuple[int, int, int | None, bool], PythonFrame]
+    eval_loop: EvalLoop
+    empty: dict[int, PythonStack]  # py_status -> the stack of a sample without Python frames
 
 
 class PythonProcesses:
-    """The described CPython processes; one thread's (the capture's) alone."""
+    """The described CPython processes. Not thread-safe: its owner (capture.Profiler) holds a lock around
+    every call, as `add` and `remove` come from the threads that change the pid filter and `stack` from
+    the one that drains the ring."""
 
     def __init__(self, proc_root: str = "/proc", max_processes: int = MAX_PROCESSES) -> None:
         self.proc_root = proc_root
         self.max_processes = max_processes
         self._procs: OrderedDict[int, _Process] = OrderedDict()
+        # Processes described and not walked: identity, why, and their samples' stack (NO_PYTHON when not
+        # CPython at all), so that adding them again costs no description.
+        self._refused: dict[int, tuple[tuple[int, int, int], Unsupported, PythonStack]] = {}
         # Processes not walked, by reason; every reason there from the start (a scrape copies it while
         # this thread counts: no key is ever added).
         self.unsupported: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
@@ -63,6 +101,7 @@ class PythonProcesses:
         for p in self._procs.values():
             p.namer.close()
         self._procs.clear()
+        self._refused.clear()
 
     def add(self, pid: int) -> Interpreter | Unsupported:
         """`pid` described (again when it exec'd since): its Interpreter, or why it has none."""
@@ -71,17 +110,25 @@ class PythonProcesses:
         if known is not None and known.identity == identity:
             self._procs.move_to_end(pid)
             return known.interp
+        refused = self._refused.get(pid)
+        if refused is not None and refused[0] == identity:
+            return refused[1]
         self.remove(pid)
         found = describe(pid, self.proc_root)
+        if isinstance(found, Interpreter):
+            try:
+                namer = CodeNamer(found, self.proc_root)
+            except OSError as e:
+                found = Unsupported("unreadable", f"memory: {e.strerror}")
         if isinstance(found, Unsupported):
             self.unsupported[found.reason] += 1
+            stack = NO_PYTHON if found.reason == "not_python" else PythonStack((), found.reason, None)
+            self._refused[pid] = (identity, found, stack)
+            if len(self._refused) > MAX_REFUSED:
+                del self._refused[next(iter(self._refused))]
             return found
-        try:
-            namer = CodeNamer(found, self.proc_root)
-        except OSError as e:
-            self.unsupported["unreadable"] += 1
-            return Unsupported("unreadable", f"memory: {e.strerror}")
-        self._procs[pid] = _Process(identity, found, namer, {})
+        eval_loop = EvalLoop.of(found.build_id, found.path, found.eval_ranges)
+        self._procs[pid] = _Process(identity, found, namer, {}, eval_loop, {})
         self.walked += 1
         while len(self._procs) > self.max_processes:
             _, old = self._procs.popitem(last=False)
@@ -93,6 +140,7 @@ class PythonProcesses:
         return PythonStats(self.walked, dict(self.unsupported))
 
     def remove(self, pid: int) -> None:
+        self._refused.pop(pid, None)
         p = self._procs.pop(pid, None)
         if p is not None:
             p.namer.close()
@@ -101,19 +149,46 @@ class PythonProcesses:
         p = self._procs.get(pid)
         return p.interp if p is not None else None
 
+    def known(self, pid: int) -> Interpreter | Unsupported | None:
+        """How `pid` was last described, without looking at the process again; None: not added."""
+        p = self._procs.get(pid)
+        if p is not None:
+            return p.interp
+        refused = self._refused.get(pid)
+        return refused[1] if refused is not None else None
+
+    def stack(self, pid: int, raw: bytes, status: int) -> PythonStack:
+        """A sample's Python walk (its raw frames, abi.PyStatus) named, with its note; NO_PYTHON for a
+        process that is not CPython."""
+        p = self._procs.get(pid)
+        if p is None:
+            refused = self._refused.get(pid)
+            if refused is not None:
+                return refused[2]
+            return PythonStack((), UNNAMED, None) if raw else NO_PYTHON
+        if raw:
+            return PythonStack(self._name(p, raw), NAMED, p.eval_loop)
+        empty = p.empty.get(status)
+        if empty is None:
+            empty = p.empty[status] = PythonStack((), _WALK_NOTES.get(status, "read_failed"), p.eval_loop)
+        return empty
+
     def name(self, pid: int, raw: bytes) -> tuple[PythonFrame, ...]:
         """A sample's raw Python frames (innermost first) named; () for a process not added."""
         p = self._procs.get(pid)
         if p is None or not raw:
             return ()
+        return self._name(p, raw)
+
+    def _name(self, p: _Process, raw: bytes) -> tuple[PythonFrame, ...]:
         out = []
         for f in decode(raw):
-            key = (f.code, f.checksum, f.offset)
+            key = (f.code, f.checksum, f.offset, f.entry)
             named = p.frames.get(key)
             if named is None:
                 code = p.namer.name(f.code, f.checksum)
                 line = code.line(f.offset) if code is not FREED else None
-                named = PythonFrame(code.name, code.filename, line or 0)
+                named = PythonFrame(code.name, code.filename, line or 0, f.entry)
                 if len(p.frames) >= _MAX_FRAMES:
                     p.frames.clear()
                 p.frames[key] = named

@@ -14,13 +14,44 @@ code) go at the root end, in their order: never lost, and counted (`Spliced.left
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ..bpf import abi
 
+
+class _Python(Protocol):
+    """A Python frame as splice() needs it: raw (PyFrame) or named (processes.PythonFrame)."""
+
+    @property
+    def entry(self) -> bool: ...
+
+
 N = TypeVar("N")
+P = TypeVar("P", bound=_Python)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EvalLoop:
+    """Where a process's eval loop is: its interpreter's file (by build id; by name when the file has
+    none) and the loop's ranges of file offsets (discover.Interpreter.eval_ranges). Compared by
+    identity: one per described process."""
+
+    build_id: bytes
+    name: str  # the file's base name, as procmaps.MappedFile has it
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, build_id: bytes, path: str, ranges: tuple[tuple[int, int], ...]) -> EvalLoop:
+        return cls(build_id, os.path.basename(path), ranges)
+
+    def holds(self, build_id: bytes, name: str, offset: int) -> bool:
+        """A native frame (its file's build id and name, its file offset) runs the eval loop."""
+        if build_id != self.build_id or (not build_id and name != self.name):
+            return False
+        return any(lo <= offset < hi for lo, hi in self.ranges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +80,21 @@ def decode(raw: bytes) -> list[PyFrame]:
 
 
 @dataclass(frozen=True, slots=True)
-class Spliced(Generic[N]):
-    frames: list[N | PyFrame]  # leaf first
+class Spliced(Generic[N, P]):
+    frames: list[N | P]  # leaf first
     leftover: int  # Python frames no eval frame took (put at the root end)
 
 
 def splice(
     native: Sequence[N],
-    python: Sequence[PyFrame],
+    python: Sequence[P],
     in_eval: Callable[[N], bool],
     redundant: Callable[[N], bool] | None = None,
-) -> Spliced[N]:
+) -> Spliced[N, P]:
     """`native` (leaf first) with each eval-loop frame (`in_eval`) replaced by the Python frames it ran.
     `redundant`: native frames that only repeat a Python frame (3.12+'s `-X perf` trampolines, named
     `py::<function>` from the perf map), left out when there are Python frames."""
-    out: list[N | PyFrame] = []
+    out: list[N | P] = []
     i = 0
     for frame in native:
         if python and redundant is not None and redundant(frame):

@@ -16,7 +16,7 @@ import types
 import pytest
 
 from bistouri.bpf import abi
-from bistouri.cpython import discover
+from bistouri.cpython import discover, processes
 from bistouri.cpython.layouts import LAYOUTS, checksum
 from bistouri.cpython.linetable import LineTable, TableKind, kind_for
 from bistouri.cpython.memory import MAX_READ, MemoryReadError, ProcessMemory
@@ -287,6 +287,52 @@ def test_the_registry_describes_once_names_frames_and_counts_refusals(me):
         }
         procs.remove(os.getpid())
         assert procs.name(os.getpid(), raw) == ()
+    finally:
+        procs.close()
+
+
+def test_each_sample_gets_its_named_frames_and_its_note(me, monkeypatch):
+    """stack(): the frames named with their entry bit and the eval loop to splice them at; without frames,
+    why (the walk's end); a refused process's reason; a process that is not CPython: nothing. A process
+    described before is not described again while it is the same program."""
+    co = _sample.__code__
+    with CodeNamer(me) as namer:
+        have = namer.checksum(id(co))
+    raw = abi.PY_FRAME.pack(id(co) | abi.PY_FRAME_ENTRY, 1, have)
+    described: list[int] = []
+    refuse: dict[int, discover.Unsupported] = {}
+
+    def describe(pid: int, proc_root: str = "/proc") -> discover.Interpreter | discover.Unsupported:
+        described.append(pid)
+        return refuse.get(pid) or discover.describe(pid, proc_root)
+
+    monkeypatch.setattr(processes, "describe", describe)
+    procs = PythonProcesses()
+    try:
+        me_pid = os.getpid()
+        assert procs.stack(me_pid, b"", abi.PyStatus.NOT_PYTHON) is processes.NO_PYTHON  # not added
+        procs.add(me_pid)
+        got = procs.stack(me_pid, raw, abi.PyStatus.DONE)
+        assert got.note == processes.NAMED and got.frames[0].entry and got.frames[0].name == co.co_qualname
+        assert got.eval_loop is not None and got.eval_loop.ranges == me.eval_ranges
+        assert got.eval_loop.holds(me.build_id, "", me.eval_ranges[0][0])
+        assert procs.stack(me_pid, b"", abi.PyStatus.NO_THREAD).note == "no_thread_state"
+        assert procs.stack(me_pid, b"", abi.PyStatus.DONE).note == "no_frame"
+        with subprocess.Popen(["sleep", "30"]) as child, subprocess.Popen(["sleep", "30"]) as odd:
+            try:
+                assert procs.add(child.pid).reason == "not_python"  # type: ignore[union-attr]
+                assert procs.add(child.pid).reason == "not_python"  # type: ignore[union-attr]
+                assert procs.stack(child.pid, b"", abi.PyStatus.NOT_PYTHON) is processes.NO_PYTHON
+                refuse[odd.pid] = discover.Unsupported("version_unknown", "3.99")
+                procs.add(odd.pid)
+                assert procs.stack(odd.pid, b"", abi.PyStatus.NOT_PYTHON).note == "version_unknown"
+            finally:
+                child.kill()
+                odd.kill()
+        assert described == [me_pid, child.pid, odd.pid]  # each described once
+        procs.remove(me_pid)
+        assert procs.stack(me_pid, raw, abi.PyStatus.DONE).note == processes.UNNAMED
+        assert set(processes.NOTES) >= {"named", "no_thread_state", "version_unknown", "unnamed"}
     finally:
         procs.close()
 
