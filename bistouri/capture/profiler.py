@@ -40,7 +40,7 @@ from ..bpf.loader import (
     sampler_of,
 )
 from ..cpython.discover import Interpreter, record
-from ..cpython.processes import PythonProcesses
+from ..cpython.processes import PythonProcesses, PythonStack
 from ..errors import BistouriError, BpfError
 from ..host.procmaps import ProcMaps
 from ..unwind.tables import NoUnwind, UnwindTables
@@ -100,8 +100,13 @@ class Profiler:
         self._kick_fd = -1
         self.unwind: UnwindTables | NoUnwind = NoUnwind()
         # The CPython processes among the sampled ones (their record in `python_procs`, where the BPF
-        # walk reads it); their frames' names come from it. Under _filter_lock.
+        # walk reads it); their frames are named by it as they arrive. Under _python_lock: described
+        # by the threads that set the pid filter, naming on the one that drains the ring (never waits
+        # for _filter_lock: taken inside it).
         self.python = PythonProcesses(options.proc_root)
+        self._python_lock = threading.Lock()
+        self._describe_again: set[int] = set()  # sampled processes whose mappings changed (an exec?)
+        self.maps.on_reread = self._maps_reread
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -126,7 +131,6 @@ class Profiler:
                 cpu_share=o.unwind_cpu_share,
                 nice=o.unwind_nice,
             )
-            self.maps.on_reread = self._maps_reread
 
         self._attach(loaded)
         if loaded.pending:  # sampler_first: the rest loads while the sampler samples
@@ -221,7 +225,7 @@ class Profiler:
         if self._loading is not None:  # never opened: the object loaded for it goes too
             self._loading.close()
             self._loading = None
-        with self._filter_lock:
+        with self._python_lock:
             self.python.close()
 
     def __enter__(self) -> Profiler:
@@ -262,15 +266,21 @@ class Profiler:
                 m.delete(key)
                 self._filtered.discard(pid)
                 self._require().maps["python_procs"].delete(key)
-                self.python.remove(pid)
+                with self._python_lock:
+                    self.python.remove(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
 
     def _describe_python(self, pid: int, key: bytes) -> None:
         """A CPython process gets its record for the BPF walk of its frames (docs/python-frames.md);
-        another keeps its native frames, and a CPython one we cannot walk says why."""
-        found = self.python.add(pid)
+        another keeps its native frames, and a CPython one we cannot walk says why. Nothing to do for
+        a process described before that is still the same program. Under _filter_lock."""
+        with self._python_lock:
+            before = self.python.known(pid)
+            found = self.python.add(pid)
+        if found is before:
+            return
         procs = self._require().maps["python_procs"]
         if isinstance(found, Interpreter):
             procs.update(key, bytes(record(found)))
@@ -315,9 +325,25 @@ class Profiler:
             self.drain()
 
     def _maps_reread(self, pid: int) -> None:
-        """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
+        """A sampled process's mappings changed (dlopen, exec): tables for its new files, and after an
+        exec a description (into Python: its frames walked; out of it: its record deleted). Called
+        under the maps' lock, maybe inside set_pid_filter: the description waits for _on_stack."""
         if pid in self._filtered:
             self.unwind.want(pid)
+            self._describe_again.add(pid)
+
+    def _name_python(self, pid: int, raw: bytes, status: int) -> PythonStack:
+        with self._python_lock:
+            return self.python.stack(pid, raw, status)
+
+    def _redescribe(self) -> None:
+        """Describe again the sampled processes whose mappings changed (PythonProcesses.add: two system
+        calls when the process is the same program)."""
+        while self._describe_again:
+            pid = self._describe_again.pop()
+            with self._filter_lock:
+                if pid in self._filtered:
+                    self._describe_python(pid, struct.pack("<I", pid))
 
     def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
         """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
@@ -393,7 +419,9 @@ class Profiler:
 
     # -- ring-buffer thread --------------------------------------------------------
     def _on_stack(self, data: bytes) -> None:
-        sample = decode_stack(data, self.maps, self.resolved)
+        sample = decode_stack(data, self.maps, self.resolved, self._name_python)
+        if self._describe_again:  # a mapping changed meanwhile: the next samples see the new program
+            self._redescribe()
         self._batch.append(sample)
         if (key := counted_sample_key(data, sample)) is not None:
             # The kernel counts this sample's repeats under its key: keep it to weigh them on.
