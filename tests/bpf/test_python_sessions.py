@@ -226,3 +226,45 @@ def test_python_frames_no_eval_frame_took_are_kept_and_counted(which):
     assert all(_python(t)[-1].name == "<module>" for t in main if _python(t))  # the oldest kept
     assert unspliced > 0, "the native walks were whole: nothing tested"
     assert spliced + unspliced == sum(len(_python(t)) for t in session.traces)
+
+
+def test_a_target_that_execs_into_python_is_described_again():
+    """A shell made a target (not CPython: no walk), which then execs an interpreter: its mappings change,
+    it is described again as the program it now is, and its samples are named from then on."""
+    exe = cpython("3.12")
+    if exe is None:
+        pytest.skip("CPython 3.12 is not installed")
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", f'read go; exec "{exe}" "{CPYTHON_TARGET}" hot'],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)
+        with _capture(opts) as (profiler, capture, _reg):
+            sid = capture.start_session(wire.Trigger("cpu"), "svc", {}, {proc.pid: "sh"}, 60)
+            assert sid
+            assert profiler.python.stats.not_walked["not_python"] == 1
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            dump = json.loads(proc.stdout.readline())
+            assert dump["pid"] == proc.pid
+            _feed(
+                profiler,
+                capture,
+                lambda seen: (
+                    sum(s.weight for s in seen if s.py.frames and s.py.frames[0].name == "hot_loop") >= 20
+                ),
+            )
+            session = capture.finish_session(sid)
+            assert profiler.python.stats.walked == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    # On-CPU and run-queue samples (the loop preempted) alike.
+    hot = sum(
+        t.on_cpu + t.off_cpu for t in session.traces if _python(t)[:1] and _python(t)[0].name == "hot_loop"
+    )
+    assert hot >= 20 and session.unwind.python.get("named", 0) >= 20
