@@ -23,6 +23,7 @@ from .splice import EvalLoop, decode
 MAX_PROCESSES = 256
 MAX_REFUSED = 8192  # processes remembered as not walked (the pid filter holds 4096)
 _MAX_FRAMES = 1 << 16  # named frames kept per process, then forgotten all at once
+_MAX_STACK_BYTES = 64 << 10  # raw stacks kept named per process (bytes of their records), then forgotten
 
 
 class PythonFrame(NamedTuple):
@@ -78,6 +79,10 @@ class _Process:
     frames: dict[tuple[int, int, int | None, bool], PythonFrame]
     eval_loop: EvalLoop
     empty: dict[int, PythonStack]  # py_status -> the stack of a sample without Python frames
+    # Raw stacks named before: a loop's samples repeat a few (30 frames: 0.5 us a hit, 13 us named again),
+    # and their traces share one tuple.
+    stacks: dict[bytes, tuple[PythonFrame, ...]] = field(default_factory=dict)
+    stack_bytes: int = 0
 
 
 class PythonProcesses:
@@ -181,6 +186,9 @@ class PythonProcesses:
         return self._name(p, raw)
 
     def _name(self, p: _Process, raw: bytes) -> tuple[PythonFrame, ...]:
+        known = p.stacks.get(raw)
+        if known is not None:
+            return known
         out = []
         for f in decode(raw):
             key = (f.code, f.checksum, f.offset, f.entry)
@@ -193,7 +201,12 @@ class PythonProcesses:
                     p.frames.clear()
                 p.frames[key] = named
             out.append(named)
-        return tuple(out)
+        if p.stack_bytes + len(raw) > _MAX_STACK_BYTES:
+            p.stacks.clear()
+            p.stack_bytes = 0
+        named_stack = p.stacks[raw] = tuple(out)
+        p.stack_bytes += len(raw)
+        return named_stack
 
     def _identity(self, pid: int) -> tuple[int, int, int]:
         """What changes when `pid` is another process or another program (0s when it is gone)."""
