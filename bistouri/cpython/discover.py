@@ -130,6 +130,15 @@ def record(interp: Interpreter) -> abi.PythonProc:
     )
 
 
+def maps_libpython(pid: int, proc_root: str = "/proc") -> bool:
+    """Whether `pid` maps a libpython now (one starting, or embedding Python, maps it after its exec)."""
+    try:
+        maps = _read_bounded(f"{proc_root}/{pid}/maps", MAX_MAPS_BYTES)
+    except OSError:
+        return False
+    return any(_LIBPYTHON.match(os.path.basename(path)) for path in _file_mappings(maps))
+
+
 def describe(pid: int, proc_root: str = "/proc") -> Interpreter | Unsupported:
     """The CPython interpreter of `pid`, or why there is none we can walk."""
     proc = f"{proc_root}/{pid}"

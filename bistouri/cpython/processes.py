@@ -11,17 +11,21 @@ each with its namer's bounded cache.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..bpf import abi
-from .discover import REASONS, Interpreter, Unsupported, describe
+from .discover import REASONS, Interpreter, Unsupported, describe, maps_libpython
 from .naming import FREED, CodeNamer
 from .splice import EvalLoop, decode
 
 MAX_PROCESSES = 256
 MAX_REFUSED = 8192  # processes remembered as not walked (the pid filter holds 4096)
+RETRY_S = 1.0  # a process refused for a reason that passes (it was starting) is described again this often
+_TRANSIENT = ("no_thread_key", "unreadable")
 _MAX_FRAMES = 1 << 16  # named frames kept per process, then forgotten all at once
 _MAX_STACK_BYTES = 64 << 10  # raw stacks kept named per process (bytes of their records), then forgotten
 
@@ -85,18 +89,32 @@ class _Process:
     stack_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    identity: tuple[int, int, int]
+    why: Unsupported
+    stack: PythonStack  # its samples' (NO_PYTHON when not CPython at all)
+    at: float  # when it was described (monotonic)
+
+
 class PythonProcesses:
     """The described CPython processes. Not thread-safe: its owner (capture.Profiler) holds a lock around
     every call, as `add` and `remove` come from the threads that change the pid filter and `stack` from
     the one that drains the ring."""
 
-    def __init__(self, proc_root: str = "/proc", max_processes: int = MAX_PROCESSES) -> None:
+    def __init__(
+        self,
+        proc_root: str = "/proc",
+        max_processes: int = MAX_PROCESSES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.proc_root = proc_root
         self.max_processes = max_processes
         self._procs: OrderedDict[int, _Process] = OrderedDict()
         # Processes described and not walked: identity, why, and their samples' stack (NO_PYTHON when not
         # CPython at all), so that adding them again costs no description.
-        self._refused: dict[int, tuple[tuple[int, int, int], Unsupported, PythonStack]] = {}
+        self._refused: dict[int, _Refused] = {}
+        self._clock = clock
         # Processes not walked, by reason; every reason there from the start (a scrape copies it while
         # this thread counts: no key is ever added).
         self.unsupported: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
@@ -116,8 +134,8 @@ class PythonProcesses:
             self._procs.move_to_end(pid)
             return known.interp
         refused = self._refused.get(pid)
-        if refused is not None and refused[0] == identity:
-            return refused[1]
+        if refused is not None and refused.identity == identity and not self._may_change(pid, refused):
+            return refused.why
         self.remove(pid)
         found = describe(pid, self.proc_root)
         if isinstance(found, Interpreter):
@@ -126,9 +144,10 @@ class PythonProcesses:
             except OSError as e:
                 found = Unsupported("unreadable", f"memory: {e.strerror}")
         if isinstance(found, Unsupported):
-            self.unsupported[found.reason] += 1
+            if refused is None or refused.identity != identity or refused.why.reason != found.reason:
+                self.unsupported[found.reason] += 1  # a process counted once per reason, not per retry
             stack = NO_PYTHON if found.reason == "not_python" else PythonStack((), found.reason, None)
-            self._refused[pid] = (identity, found, stack)
+            self._refused[pid] = _Refused(identity, found, stack, self._clock())
             if len(self._refused) > MAX_REFUSED:
                 del self._refused[next(iter(self._refused))]
             return found
@@ -143,6 +162,17 @@ class PythonProcesses:
     @property
     def stats(self) -> PythonStats:
         return PythonStats(self.walked, dict(self.unsupported))
+
+    def _may_change(self, pid: int, refused: _Refused) -> bool:
+        """Whether a process refused before, still the same program, is worth describing again: one that
+        was starting (its libpython not mapped yet, its runtime not initialised: no thread key, memory
+        unreadable) becomes walkable; the rest (a version or build we do not walk) never does."""
+        reason = refused.why.reason
+        if reason == "not_python":
+            return maps_libpython(pid, self.proc_root)
+        if reason in _TRANSIENT:
+            return self._clock() - refused.at >= RETRY_S
+        return False
 
     def remove(self, pid: int) -> None:
         self._refused.pop(pid, None)
@@ -160,7 +190,7 @@ class PythonProcesses:
         if p is not None:
             return p.interp
         refused = self._refused.get(pid)
-        return refused[1] if refused is not None else None
+        return refused.why if refused is not None else None
 
     def stack(self, pid: int, raw: bytes, status: int) -> PythonStack:
         """A sample's Python walk (its raw frames, abi.PyStatus) named, with its note; NO_PYTHON for a
@@ -169,7 +199,7 @@ class PythonProcesses:
         if p is None:
             refused = self._refused.get(pid)
             if refused is not None:
-                return refused[2]
+                return refused.stack
             return PythonStack((), UNNAMED, None) if raw else NO_PYTHON
         if raw:
             return PythonStack(self._name(p, raw), NAMED, p.eval_loop)

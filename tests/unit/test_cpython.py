@@ -368,3 +368,44 @@ def test_a_prefix_read_stops_at_the_first_unmapped_page():
             assert mem.read_prefix(base + page, 8) == b""
     finally:
         libc.munmap(base, page)
+
+
+def test_a_process_refused_while_it_was_starting_is_described_again(tmp_path, monkeypatch):
+    """Same program, refused: not_python is described again once a libpython is mapped (it was still in
+    the dynamic loader), no_thread_key at most once a second (its runtime was not initialised), a version
+    we do not walk never; each counted once."""
+    proc = tmp_path / "42"
+    proc.mkdir()
+    (proc / "stat").write_text("42 (python3) R " + "1 " * 18 + "777 0\n")  # start time 777
+    (proc / "exe").symlink_to("/usr/bin/true")
+    (proc / "maps").write_text("00400000-00401000 r-xp 00000000 08:01 1234 /usr/bin/python3.12\n")
+    answers = [
+        discover.Unsupported("not_python", "no libpython"),
+        discover.Unsupported("no_thread_key", "no thread yet"),
+        discover.Unsupported("no_thread_key", "no thread yet"),
+        discover.Unsupported("version_unknown", "3.99"),
+    ]
+    calls: list[int] = []
+
+    def describe(pid: int, proc_root: str = "/proc") -> discover.Unsupported:
+        calls.append(pid)
+        return answers[len(calls) - 1]
+
+    monkeypatch.setattr(processes, "describe", describe)
+    now = [0.0]
+    procs = PythonProcesses(str(tmp_path), clock=lambda: now[0])
+    assert procs.add(42).reason == "not_python"  # type: ignore[union-attr]
+    assert procs.add(42).reason == "not_python" and len(calls) == 1  # type: ignore[union-attr]
+    with (proc / "maps").open("a") as f:
+        f.write("7f0000000000-7f0000001000 r-xp 00000000 08:01 99 /opt/lib/libpython3.12.so.1.0\n")
+    assert procs.add(42).reason == "no_thread_key" and len(calls) == 2  # type: ignore[union-attr]
+    now[0] += processes.RETRY_S / 2
+    assert procs.add(42).reason == "no_thread_key" and len(calls) == 2  # type: ignore[union-attr]
+    now[0] += processes.RETRY_S
+    assert procs.add(42).reason == "no_thread_key" and len(calls) == 3  # type: ignore[union-attr]
+    now[0] += processes.RETRY_S
+    assert procs.add(42).reason == "version_unknown" and len(calls) == 4  # type: ignore[union-attr]
+    now[0] += 100 * processes.RETRY_S
+    assert procs.add(42).reason == "version_unknown" and len(calls) == 4  # type: ignore[union-attr]
+    counted = {k: v for k, v in procs.stats.not_walked.items() if v}
+    assert counted == {"not_python": 1, "no_thread_key": 1, "version_unknown": 1}
