@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -35,7 +36,9 @@ _ALL = int(abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.
 
 
 @contextmanager
-def _target(which: str, *args: str, flags: tuple[str, ...] = ()) -> Iterator[tuple[int, dict]]:
+def _target(
+    which: str, *args: str, flags: tuple[str, ...] = (), cwd: Path | None = None
+) -> Iterator[tuple[int, dict]]:
     exe = cpython(which)
     if exe is None:
         pytest.skip(f"CPython {which} is not installed")
@@ -44,6 +47,7 @@ def _target(which: str, *args: str, flags: tuple[str, ...] = ()) -> Iterator[tup
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        cwd=cwd,
     )
     try:
         assert proc.stdout is not None
@@ -54,7 +58,9 @@ def _target(which: str, *args: str, flags: tuple[str, ...] = ()) -> Iterator[tup
 
 
 @contextmanager
-def _capture(options: ProfilerOptions) -> Iterator[tuple[Profiler, SessionCapture, CollectorRegistry]]:
+def _capture(
+    options: ProfilerOptions, filter_flags: int = _ALL
+) -> Iterator[tuple[Profiler, SessionCapture, CollectorRegistry]]:
     reg = CollectorRegistry()
     with Profiler(options) as profiler:
         profiler.start()
@@ -67,6 +73,7 @@ def _capture(options: ProfilerOptions) -> Iterator[tuple[Profiler, SessionCaptur
             host="h",
             labels={},
             period_ns=1_000_000_000 // options.freq_hz,
+            filter_flags=filter_flags,
             catch_up=profiler.catch_up,
         )
         yield profiler, capture, reg
@@ -169,6 +176,28 @@ def test_a_session_names_the_python_frames_of_every_thread_in_place(which):
     assert note.get("named", 0) >= 0.95 * sum(note.values()), note
     in_traces = sum(len(_python(t)) for t in session.traces)
     assert spliced + unspliced == in_traces and spliced >= 0.95 * in_traces
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_a_thread_waiting_for_the_disk_is_named_in_its_d_stacks(which, tmp_path):
+    """os.fsync without the GIL: the thread's uninterruptible (D) off-CPU stacks name `f_sync` under
+    `syncer`, its own Python frames (no unwind tables here: names only, not their place)."""
+    opts = ProfilerOptions(freq_hz=19, unwind_rows=0)
+    d_only = int(abi.FilterFlags.OFF_CPU)
+    with (
+        _target(which, "fsync", cwd=tmp_path) as (pid, dump),
+        _capture(opts, d_only) as (profiler, capture, _),
+    ):
+        sid = capture.start_session(wire.Trigger("io"), "svc", {}, {pid: "python"}, 60)
+        assert sid
+        _feed(
+            profiler, capture, lambda seen: _weight(seen, pid, dump["sync_tid"], abi.EventKind.OFF_CPU) >= 5
+        )
+        session = capture.finish_session(sid)
+    waits = [t for t in session.traces if t.tid == dump["sync_tid"] and t.wait == wire.WAIT_D and t.off_cpu]
+    assert sum(t.off_cpu for t in waits) >= 5
+    named = [t for t in waits if [f.name for f in _python(t)][:2] == ["f_sync", "syncer"]]
+    assert len(named) == len(waits), f"{which}: f_sync named in {len(named)} of {len(waits)} D stacks"
 
 
 @pytest.mark.parametrize("which", CPYTHONS)
