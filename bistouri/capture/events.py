@@ -74,8 +74,9 @@ class StackSample:
         return len(self.stacks) + len(self.python) + PY_FRAME_BYTES * len(self.py.frames)
 
 
-# A named Python frame held in a sample or a trace: its slot in the frames tuple, plus a share of the
-# PythonFrame and its strings (shared by the samples of one process: an estimate, not a measure).
+# A named Python frame held in a sample or a trace: its slot in the frames tuple and a share of the tuple
+# and of the PythonFrame objects, which a process's samples share (tracemalloc: 22 bytes a frame in stacks
+# 3 deep, 10 at 20, 9 at 60; a frame no other trace shares, its registry gone, costs ~100).
 PY_FRAME_BYTES = 24
 
 
