@@ -20,6 +20,7 @@ BENCHES = (
     "bench.bench_episode",
     "bench.bench_recorder_designs",
     "bench.bench_verifier",
+    "bench.bench_python_frames",
 )
 
 

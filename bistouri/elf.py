@@ -650,21 +650,32 @@ class ElfFile:
 
     def find_symbol(self, name: str) -> int | None:
         """Address of a symbol of any type by exact name (a linear scan; for rare uses like `_text`)."""
-        want = name.encode()
+        found = self.find_symbols([name])
+        return found[name][0] if name in found else None
+
+    def find_symbols(self, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """(address, size) of the defined symbols of any type among `names`, `.symtab` first, then
+        `.dynsym` for those it lacks (one linear scan per table)."""
+        want = {n.encode(): n for n in names}
+        found: dict[str, tuple[int, int]] = {}
         for sec_type in (SHT_SYMTAB, SHT_DYNSYM):
             tab = self._table(sec_type)
-            if tab is None:
+            if tab is None or len(found) == len(want):
                 continue
             sec, strsec = tab
             strtab = self.section_data(strsec)
             data = self.section_data(sec)
             n = len(data) // 24
-            for name_off, _info, _o, shndx, value, _size in struct.iter_unpack(
+            for name_off, _info, _o, shndx, value, size in struct.iter_unpack(
                 self.endian + "IBBHQQ", data[: n * 24]
             ):
-                if shndx != SHN_UNDEF and strtab.startswith(want + b"\0", name_off):
-                    return int(value)
-        return None
+                if shndx == SHN_UNDEF:
+                    continue
+                end = strtab.find(b"\0", name_off, name_off + 256)
+                name = want.get(strtab[name_off:end]) if end >= 0 else None
+                if name is not None and name not in found:
+                    found[name] = (int(value), int(size))
+        return found
 
 
 def offset_to_vaddr(segments: Iterable[Segment], offset: int) -> int | None:

@@ -9,6 +9,7 @@
  *   maps.bpf.h        every map, the options (cfg) and the counters;
  *   unwind.bpf.h      the user-stack walk from .eh_frame rules (walk_user), whose
  *                     step, unwind_step.h, is pure C also built for the unit tests;
+ *   python.bpf.h      the CPython frame chain of the sampled thread (walk_python);
  *   stack.bpf.h       a stack event filled (kernel + user stack) and emitted;
  *   episode.bpf.h     the off-CPU and episode state kept by the scheduler hooks.
  *
@@ -31,6 +32,7 @@
 #include "unwind_rule.h"
 #include "maps.bpf.h"
 #include "unwind.bpf.h"
+#include "python.bpf.h"
 #include "stack.bpf.h"
 #include "episode.bpf.h"
 

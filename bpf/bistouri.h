@@ -139,6 +139,74 @@ struct bistouri_sample_key {
 	struct bistouri_user_stack_key user;
 };
 
+/*
+ * ---- CPython frames (issue 21, docs/python-frames.md): bpf/python.bpf.h's walk. ----
+ * User space (bistouri/cpython/) describes a CPython process in one python_proc
+ * record; at a sample of it, the sampled thread's frame chain goes into the stack
+ * event as py_frames, innermost first.
+ */
+#ifndef BISTOURI_PY_MAX_DEPTH
+#define BISTOURI_PY_MAX_DEPTH 64  /* Python frames per stack event */
+#endif
+#define BISTOURI_PY_FRAME_ENTRY 1ULL      /* bit 0 of py_frame.code: the oldest frame of one C eval activation */
+#define BISTOURI_PY_NO_OFFSET 0xffffffffU /* py_frame.offset not known (before the first instruction) */
+
+/* How a frame's instruction field reads (bistouri/cpython/layouts.py InstrKind). */
+enum bistouri_py_instr_kind {
+	BISTOURI_PY_INSTR_LASTI_BYTES = 0, /* int f_lasti, bytes (3.8, 3.9) */
+	BISTOURI_PY_INSTR_LASTI_UNITS = 1, /* int f_lasti, 2-byte code units (3.10) */
+	BISTOURI_PY_INSTR_POINTER = 2, /* pointer into the code object's bytecode (3.11+) */
+};
+
+/* How the walk finds where a C activation of the eval loop starts (layouts.py EntryKind). */
+enum bistouri_py_entry_kind {
+	BISTOURI_PY_ENTRY_EVERY = 0,    /* <= 3.10: every frame */
+	BISTOURI_PY_ENTRY_IS_ENTRY = 1, /* 3.11: the byte at frame_entry is 1 */
+	BISTOURI_PY_ENTRY_SHIM = 2,     /* 3.12+: a shim frame (byte at frame_entry == shim_owner) under each; not emitted */
+};
+
+/* Why a stack event's Python walk ended (its py_status). */
+enum bistouri_py_status {
+	BISTOURI_PY_STATUS_NOT_PYTHON = 0, /* no python_proc record for the process */
+	BISTOURI_PY_STATUS_DONE = 1,       /* reached the outermost frame */
+	BISTOURI_PY_STATUS_NO_THREAD = 2,  /* the thread has no thread state (not a Python thread, or not yet) */
+	BISTOURI_PY_STATUS_READ_FAILED = 3,/* a frame could not be read (paged out, torn) */
+	BISTOURI_PY_STATUS_DEPTH = 4,      /* BISTOURI_PY_MAX_DEPTH frames taken, older ones left out */
+	BISTOURI_PY_STATUS_NO_ARCH = 5,    /* no walk on this architecture yet */
+};
+
+/* A CPython process, for the walk: offsets in bytes (bistouri/cpython/layouts.py). */
+struct bistouri_python_proc {
+	__u64 tstate_slot;     /* the thread's PyThreadState* is at thread pointer + tstate_slot */
+	__u16 tstate_frame;    /* tstate -> innermost frame (or -> _PyCFrame when cframe_frame >= 0) */
+	__s16 cframe_frame;    /* _PyCFrame -> current_frame (3.11, 3.12); -1: none */
+	__u16 frame_previous;
+	__u16 frame_code;
+	__u16 frame_instr;
+	__s16 frame_entry;     /* is_entry or owner byte; -1: none */
+	__u16 frame_size;      /* bytes of a frame read at once: covers the fields above (<= 128) */
+	__u16 code_adaptive;   /* co_code_adaptive (3.11+) */
+	__u16 code_window;     /* the code object's checksum fields are read from code + code_window ... */
+	__u16 code_window_size;/* ... for this many bytes (<= 128); their offsets in that window: */
+	__u16 code_firstlineno;
+	__u16 code_filename;
+	__u16 code_name;
+	__u16 code_linetable;
+	__u8 instr_kind;       /* enum bistouri_py_instr_kind */
+	__u8 entry_kind;       /* enum bistouri_py_entry_kind */
+	__u8 shim_owner;
+	__u8 reserved;
+	__u16 version;         /* major << 8 | minor, for diagnostics */
+	__u16 str_hash;        /* a str's cached hash (the name's goes into the checksum) */
+};
+
+/* One Python frame of a stack event. */
+struct bistouri_py_frame {
+	__u64 code;            /* PyCodeObject address | BISTOURI_PY_FRAME_ENTRY */
+	__u32 offset;          /* instruction offset in code units from the first; BISTOURI_PY_NO_OFFSET */
+	__u32 checksum;        /* of the code object's identity fields (layouts.py checksum); 0: unread */
+};
+
 /* A sampled stack, on-CPU or off-CPU. Sizes are in bytes, negative on error. */
 struct bistouri_stack_event {
 	__u32 kind;            /* enum bistouri_event_kind */
@@ -156,10 +224,14 @@ struct bistouri_stack_event {
 	__u8 user_by_table;    /* user frames unwound from an .eh_frame table */
 	__u8 user_by_fp;       /* user frames unwound by the frame pointer */
 	__u8 user_walk_end;    /* why the user walk ended: a BISTOURI_CNT_WALK_* counter, 0 if none */
-	__u8 reserved[5];
+	__u8 py_depth;         /* Python frames in py_frames */
+	__u8 py_status;        /* enum bistouri_py_status */
+	__u8 reserved[3];
 	__u8 comm[BISTOURI_COMM_LEN];
 	__u64 kernel_stack[BISTOURI_MAX_DEPTH];
 	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/host/procmaps.py) */
+	struct bistouri_py_frame py_frames[BISTOURI_PY_MAX_DEPTH]; /* innermost first; the record ends after
+								    * the py_depth taken (emit_stack) */
 };
 
 /* A process whose new comm matched a rule of the LPM trie at exec. */

@@ -332,6 +332,35 @@ struct {
 	__type(value, struct bistouri_stack_event);
 } episode_scratch SEC(".maps");
 
+/* ---- CPython frames (python.bpf.h) ---- */
+
+/* tgid -> its CPython description. Filled by user space when a target is a CPython process. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, struct bistouri_python_proc);
+} python_procs SEC(".maps");
+
+#define PY_READ_MAX 128 /* bytes of a frame or a code window read at once */
+
+/* A frame and a code object read whole, their fields then taken at masked offsets (+ 8: room for the last). */
+struct py_scratch {
+	__u8 frame[PY_READ_MAX + 8];
+	__u8 code[PY_READ_MAX + 8];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct py_scratch);
+} py_scratch SEC(".maps");
+
+enum bistouri_py_instr_kind abi_anchor_py_instr_kind SEC(".bss");
+enum bistouri_py_entry_kind abi_anchor_py_entry_kind SEC(".bss");
+enum bistouri_py_status abi_anchor_py_status SEC(".bss");
+
 static __always_inline void count(__u32 which)
 {
 	__u64 *val = bpf_map_lookup_elem(&counters, &which);

@@ -2,7 +2,8 @@
 /*
  * A stack event from its header to the ring: the kernel stack
  * (bpf_get_stack), the user stack (walk_user from unwind.bpf.h, or the
- * kernel's frame-pointer walk), the hashes user space keys repeats by, and
+ * kernel's frame-pointer walk), the Python frames of a CPython process
+ * (walk_python from python.bpf.h), the hashes user space keys repeats by, and
  * emit_stack(), the one way a finished event goes to stack_events. Used by
  * every program that takes a stack: on-CPU samples, off-CPU waits and the
  * episode hooks.
@@ -118,9 +119,12 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 		ev->user_by_fp = n > (long)sizeof(__u64) ? n / sizeof(__u64) - 1 : 0;
 	}
 	ev->user_stack_size = n;
-	if (n <= 0)
-		return;
-	key->hash = hash_ips(ev->user_stack, n);
+	if (n > 0)
+		key->hash = hash_ips(ev->user_stack, n);
+	ev->py_depth = 0;
+	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
+	if (walk)
+		walk_python(ev);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,
@@ -168,7 +172,14 @@ static __always_inline bool maps_changed(struct bistouri_stack_event *ev, bool *
 /* Send a finished stack event; a full ring is counted and reported. Returns whether it went. */
 static __always_inline bool emit_stack(struct bistouri_stack_event *ev, __u64 flags)
 {
-	if (bpf_ringbuf_output(&stack_events, ev, sizeof(*ev), flags)) {
+	/* Up to the Python frames taken: most events have none, and go 1 KiB shorter. */
+	__u32 depth = ev->py_depth;
+	__u64 size;
+
+	if (depth > BISTOURI_PY_MAX_DEPTH)
+		depth = BISTOURI_PY_MAX_DEPTH;
+	size = __builtin_offsetof(struct bistouri_stack_event, py_frames) + depth * sizeof(struct bistouri_py_frame);
+	if (bpf_ringbuf_output(&stack_events, ev, size, flags)) {
 		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, ev->pid, 0);
 		return false;
 	}

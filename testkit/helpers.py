@@ -171,3 +171,22 @@ def run_python_as_nobody(code: str, timeout: float = 60) -> subprocess.Completed
         argv = [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
         argv += ["/usr/bin/python3", "-I", "-S", "-c", f"import sys; sys.path.insert(0, {tmp!r}); {code}"]
         return subprocess.run(argv, capture_output=True, text=True, cwd=tmp, timeout=timeout, check=True)
+
+
+# The CPython interpreters the Python-frame tests run (bistouri/cpython): pyenv's builds (shared
+# libpython) of each supported minor version, and Debian's own static /usr/bin/python3.11.
+CPYTHONS = ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13", "debian-3.11")
+CPYTHON_TARGET = Path(__file__).resolve().parent.parent / "tests/fixtures/workloads/cpython_target.py"
+
+
+def cpython(which: str) -> Path | None:
+    """The interpreter of `which` (one of CPYTHONS) on this host, None when it is absent."""
+    if which == "debian-3.11":
+        path = Path("/usr/bin/python3.11")
+        return path if path.exists() else None
+    versions = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
+    try:  # another user than root may not look into /root: absent then
+        found = sorted(versions.glob(f"{which}.*/bin/python{which}")) if versions.is_dir() else []
+    except OSError:
+        return None
+    return found[-1] if found else None

@@ -30,6 +30,7 @@ from ..capture.episode import EpisodeProbe
 from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
 from ..capture.profiler import Profiler, ProfilerOptions
 from ..capture.sessions import SessionCapture
+from ..cpython.processes import PythonStats
 from ..errors import BistouriError, ConfigError
 from ..host.cgroupfs import find_mounts
 from ..host.kernel import KernelMeta, read_kallsyms, read_kernel_meta
@@ -222,12 +223,17 @@ class Agent:
             raise StartupError("load", str(e))
         if self.registry is not None:
             self.registry.register(
-                BpfCountersCollector(self.profiler.counters, self._cache_stats, self._unwind_stats)
+                BpfCountersCollector(
+                    self.profiler.counters, self._cache_stats, self._unwind_stats, self._python_stats
+                )
             )
             self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
 
     def _unwind_stats(self) -> UnwindStats:
         return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()
+
+    def _python_stats(self) -> PythonStats:
+        return self.profiler.python.stats if self.profiler is not None else PythonStats()
 
     def _cache_stats(self) -> tuple[ProcMapsStats, int]:
         if self.profiler is None:

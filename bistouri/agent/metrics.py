@@ -27,6 +27,8 @@ from prometheus_client.registry import Collector
 
 from ..bpf import abi
 from ..capture.metrics import CaptureMetrics
+from ..cpython.discover import REASONS
+from ..cpython.processes import PythonStats
 from ..host import jvm, safeopen
 from ..host.procmaps import ProcMapsStats
 from ..unwind.ehframe import BOUND_REASONS
@@ -103,10 +105,12 @@ class BpfCountersCollector(Collector):
         read: Callable[[], dict[abi.Counter, int]],
         caches: Callable[[], tuple[ProcMapsStats, int]],
         unwind: Callable[[], UnwindStats] = UnwindStats,
+        python: Callable[[], PythonStats] = PythonStats,
     ) -> None:
         self._read = read
         self._caches = caches  # the profiler's address maps and its orphaned samples
         self._unwind = unwind  # its unwind tables
+        self._python = python  # its CPython processes
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -247,6 +251,21 @@ class BpfCountersCollector(Collector):
         for reason in jvm.REASONS:
             perf_maps.add_metric([reason], jvm.RESULTS[reason])
         yield perf_maps
+        py = self._python()
+        yield CounterMetricFamily(
+            "bistouri_python_processes_walked",
+            "CPython processes made targets whose Python frames the BPF walk reads",
+            value=py.walked,
+        )
+        not_walked = CounterMetricFamily(
+            "bistouri_python_processes_not_walked",
+            "CPython processes made targets that keep only their native frames, by reason",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            if reason != "not_python":
+                not_walked.add_metric([reason], py.not_walked.get(reason, 0))
+        yield not_walked
         yield CounterMetricFamily(
             "bistouri_samples_orphaned",
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",

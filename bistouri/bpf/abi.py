@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from ctypes import Structure, c_int16, c_int32, c_int64, c_uint8, c_uint32, c_uint64
+from ctypes import Structure, c_int16, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64
 from enum import IntEnum
 
 from .handles import Btf
@@ -111,6 +111,70 @@ class SampleKey(Structure):
     _fields_ = [("tid", c_uint32), ("reserved", c_uint32), ("kernel_hash", c_uint64), ("user", UserStackKey)]
 
 
+# ---- CPython frames (issue 21): bpf/bistouri.h's block of the same name; bistouri/cpython/ fills the record.
+
+PY_MAX_DEPTH = 64
+PY_FRAME_ENTRY = 1  # bit 0 of PyFrame.code: the oldest frame of one C activation of the eval loop
+PY_NO_OFFSET = 0xFFFF_FFFF  # PyFrame.offset unknown
+
+
+class PyInstrKind(IntEnum):
+    """How a frame's instruction field reads."""
+
+    LASTI_BYTES = 0  # int f_lasti, a byte offset (3.8, 3.9); -1 before the first instruction
+    LASTI_UNITS = 1  # int f_lasti, in code units of 2 bytes (3.10)
+    POINTER = 2  # pointer to the executing code unit inside the code object (3.11+)
+
+
+class PyEntryKind(IntEnum):
+    """How the walk tells where one C activation of the eval loop starts."""
+
+    EVERY = 0  # ≤3.10: one C activation per Python frame
+    IS_ENTRY = 1  # 3.11: the byte at `frame_entry` is 1 on the activation's oldest frame
+    SHIM = 2  # 3.12+: each activation pushes a shim frame (owner byte == shim_owner), not emitted
+
+
+class PyStatus(IntEnum):
+    """Why a stack event's Python walk ended (its py_status)."""
+
+    NOT_PYTHON = 0
+    DONE = 1
+    NO_THREAD = 2
+    READ_FAILED = 3
+    DEPTH = 4
+    NO_ARCH = 5
+
+
+class PythonProc(Structure):
+    _fields_ = [
+        ("tstate_slot", c_uint64),
+        ("tstate_frame", c_uint16),
+        ("cframe_frame", c_int16),
+        ("frame_previous", c_uint16),
+        ("frame_code", c_uint16),
+        ("frame_instr", c_uint16),
+        ("frame_entry", c_int16),
+        ("frame_size", c_uint16),
+        ("code_adaptive", c_uint16),
+        ("code_window", c_uint16),
+        ("code_window_size", c_uint16),
+        ("code_firstlineno", c_uint16),
+        ("code_filename", c_uint16),
+        ("code_name", c_uint16),
+        ("code_linetable", c_uint16),
+        ("instr_kind", c_uint8),
+        ("entry_kind", c_uint8),
+        ("shim_owner", c_uint8),
+        ("reserved", c_uint8),
+        ("version", c_uint16),
+        ("str_hash", c_uint16),
+    ]
+
+
+class PyFrame(Structure):
+    _fields_ = [("code", c_uint64), ("offset", c_uint32), ("checksum", c_uint32)]
+
+
 class StackEvent(Structure):
     _fields_ = [
         ("kind", c_uint32),
@@ -128,10 +192,13 @@ class StackEvent(Structure):
         ("user_by_table", c_uint8),
         ("user_by_fp", c_uint8),
         ("user_walk_end", c_uint8),
-        ("reserved", c_uint8 * 5),
+        ("py_depth", c_uint8),
+        ("py_status", c_uint8),
+        ("reserved", c_uint8 * 3),
         ("comm", c_uint8 * COMM_LEN),
         ("kernel_stack", c_uint64 * MAX_DEPTH),
         ("user_stack", c_uint64 * MAX_DEPTH),
+        ("py_frames", PyFrame * PY_MAX_DEPTH),
     ]
 
 
@@ -266,6 +333,8 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_unwind_mapping": UnwindMapping,
     "bistouri_unwind_proc": UnwindProc,
     "bistouri_thread_times": ThreadTimes,
+    "bistouri_python_proc": PythonProc,
+    "bistouri_py_frame": PyFrame,
 }
 
 # C enum name -> (prefix of its constants, mirror), compared value by value.
@@ -279,6 +348,9 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
     "bistouri_episode_kind": ("BISTOURI_EVENT_", EpisodeKind),
     "bistouri_thread_state": ("BISTOURI_STATE_", ThreadState),
     "bistouri_episode_counter": ("BISTOURI_EPC_", EpisodeCounter),
+    "bistouri_py_instr_kind": ("BISTOURI_PY_INSTR_", PyInstrKind),
+    "bistouri_py_entry_kind": ("BISTOURI_PY_ENTRY_", PyEntryKind),
+    "bistouri_py_status": ("BISTOURI_PY_STATUS_", PyStatus),
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
@@ -290,6 +362,7 @@ STACK_HEADER_SIZE = STACK_HEADER.size
 KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset
 STACK_EVENT_SIZE = ctypes.sizeof(StackEvent)
+PY_FRAME = struct.Struct("<QII")  # a PyFrame: code (| PY_FRAME_ENTRY), offset, checksum
 EXEC_EVENT = struct.Struct("<IIQ16s")
 ERROR_EVENT = struct.Struct("<IIqQ")
 

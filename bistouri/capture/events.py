@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..bpf import abi
+from ..cpython.processes import NO_PYTHON, PythonStack
 from ..host.procmaps import USER_FRAME, ProcMaps
 
 
@@ -41,6 +42,11 @@ class StackSample:
     # How the user stack was walked: frames by table, frames by frame pointer, why it ended
     # (an abi.WALK_ENDS key, 0: no walk), one byte each, as the kernel sent them.
     walk: bytes = b"\0\0\0"
+    # The Python frames of a CPython process (abi.PyFrame records, innermost first), raw ...
+    python: bytes = b""
+    # ... and named as the sample arrived (the process may be gone by the session's end), with the
+    # sample's data-quality note; spliced into the stack when the session is built (docs/python-frames.md).
+    py: PythonStack = NO_PYTHON
 
     def weighed(self, weight: int) -> StackSample:
         """The same sample standing for `weight` samples (dataclasses.replace costs 10x more,
@@ -57,7 +63,21 @@ class StackSample:
             self.kernel_len,
             self.stacks,
             self.walk,
+            self.python,
+            self.py,
         )
+
+    @property
+    def nbytes(self) -> int:
+        """What a held sample costs beyond ENTRY_OVERHEAD_BYTES (flight.py): its raw stacks, raw Python
+        frames and named ones."""
+        return len(self.stacks) + len(self.python) + PY_FRAME_BYTES * len(self.py.frames)
+
+
+# A named Python frame held in a sample or a trace: its slot in the frames tuple and a share of the tuple
+# and of the PythonFrame objects, which a process's samples share (tracemalloc: 22 bytes a frame in stacks
+# 3 deep, 10 at 20, 9 at 60; a frame no other trace shares, its registry gone, costs ~100).
+PY_FRAME_BYTES = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +189,20 @@ class SentSamples(_KernelMirroredLru["StackSample"]):
         return self._get(key)
 
 
-def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSample:
-    """A stack record → its header fields, the kernel IPs and the mapped user frames.
+_PY_DEPTH_AT = abi.StackEvent.py_depth.offset
+_PY_STATUS_AT = abi.StackEvent.py_status.offset
+_PY_AT = abi.StackEvent.py_frames.offset
+_PY_FRAME = abi.PY_FRAME.size
+
+
+def decode_stack(
+    data: bytes,
+    maps: ProcMaps,
+    cache: ResolvedStacks,
+    name_python: Callable[[int, bytes, int], PythonStack] | None = None,
+) -> StackSample:
+    """A stack record → its header fields, the kernel IPs and the mapped user frames, and with
+    `name_python` (pid, raw Python frames, abi.PyStatus → PythonStack) its Python frames named.
 
     The hot path at high frequency (one call per record): one unpack, two slices, and for
     a user stack seen before one dict lookup.
@@ -184,7 +216,10 @@ def decode_stack(data: bytes, maps: ProcMaps, cache: ResolvedStacks) -> StackSam
     u0 = abi.USER_STACK_OFFSET
     user = cache.frames(key, pid, map_count, data[u0 : u0 + usize], maps) if usize else b""
     stacks = data[k0 : k0 + ksize] + user
-    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks, walk)
+    depth = data[_PY_DEPTH_AT]
+    python = data[_PY_AT : _PY_AT + min(depth, abi.PY_MAX_DEPTH) * _PY_FRAME] if depth else b""
+    py = name_python(pid, python, data[_PY_STATUS_AT]) if name_python is not None else NO_PYTHON
+    return StackSample(kind, pid, tid, cpu, ts, blocked, weight, _comm(comm), ksize, stacks, walk, python, py)
 
 
 def split_stacks(sample_stacks: bytes, kernel_len: int) -> tuple[tuple[int, ...], list[tuple[int, int, int]]]:

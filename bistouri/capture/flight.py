@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .events import StackSample
 
-# Python objects around one held sample beyond its raw stack bytes: the deque slot, the
+# Python objects around one held sample beyond its stacks (StackSample.nbytes): the deque slot, the
 # entry, the StackSample and its ints and comm (tracemalloc: 288 measured, tests/unit/test_recorder.py).
 ENTRY_OVERHEAD_BYTES = 320
 DEFAULT_MAX_BYTES = 16 << 20
@@ -106,7 +106,7 @@ class FlightRecorder:
         for s in samples:
             if s.pid in keep:
                 ring.append(Recorded(now, s))
-                self.nbytes += len(s.stacks) + ENTRY_OVERHEAD_BYTES
+                self.nbytes += s.nbytes + ENTRY_OVERHEAD_BYTES
         self._trim(now)
 
     def expire(self) -> None:
@@ -122,10 +122,10 @@ class FlightRecorder:
         horizon_s = max(self._horizons)
         oldest_ns = now_ns - int(horizon_s * 1e9)
         while ring and ring[0].at_ns < oldest_ns:
-            self.nbytes -= len(ring.popleft().sample.stacks) + ENTRY_OVERHEAD_BYTES
+            self.nbytes -= ring.popleft().sample.nbytes + ENTRY_OVERHEAD_BYTES
         dropped = 0
         while ring and self.nbytes > self.max_bytes:
-            self.nbytes -= len(ring.popleft().sample.stacks) + ENTRY_OVERHEAD_BYTES
+            self.nbytes -= ring.popleft().sample.nbytes + ENTRY_OVERHEAD_BYTES
             dropped += 1
         if dropped:
             self.dropped += dropped

@@ -43,8 +43,8 @@ class CaptureMetrics:
         )
         self.user_frames = Counter(
             "bistouri_user_frames_total",
-            "User frames by class (resolved, vdso, jit; unmapped by reason: jit_unnamed, no_mapping, "
-            "process_gone, no_access, corrupted)",
+            "User frames by class (resolved, vdso, jit, python, python_unspliced; unmapped by reason: "
+            "jit_unnamed, no_mapping, process_gone, no_access, corrupted)",
             ["kind"],
             registry=r,
         )

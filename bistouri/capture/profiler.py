@@ -39,6 +39,8 @@ from ..bpf.loader import (
     ring_size,
     sampler_of,
 )
+from ..cpython.discover import Interpreter, record
+from ..cpython.processes import PythonProcesses, PythonStack
 from ..errors import BistouriError, BpfError
 from ..host.jvm import JvmPerfMaps, NoJvmPerfMaps
 from ..host.procmaps import ProcMaps
@@ -106,6 +108,14 @@ class Profiler:
                 min_interval_s=options.jvm_perf_map_interval_s,
                 on_result=self.maps.perf_map_requested,
             )
+        # The CPython processes among the sampled ones (their record in `python_procs`, where the BPF
+        # walk reads it); their frames are named by it as they arrive. Under _python_lock: described
+        # by the threads that set the pid filter, naming on the one that drains the ring (never waits
+        # for _filter_lock: taken inside it).
+        self.python = PythonProcesses(options.proc_root)
+        self._python_lock = threading.Lock()
+        self._describe_again: set[int] = set()  # sampled processes whose mappings changed (an exec?)
+        self.maps.on_reread = self._maps_reread
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -130,7 +140,6 @@ class Profiler:
                 cpu_share=o.unwind_cpu_share,
                 nice=o.unwind_nice,
             )
-            self.maps.on_reread = self._maps_reread
 
         self._attach(loaded)
         if loaded.pending:  # sampler_first: the rest loads while the sampler samples
@@ -227,6 +236,8 @@ class Profiler:
         if self._loading is not None:  # never opened: the object loaded for it goes too
             self._loading.close()
             self._loading = None
+        with self._python_lock:
+            self.python.close()
 
     def __enter__(self) -> Profiler:
         self.open()
@@ -257,6 +268,7 @@ class Profiler:
                 if pid not in self._filtered:
                     # Waits skipped in an earlier capture must not be weighed into this one.
                     self._require().maps["offcpu_last"].delete(key)
+                    self._describe_python(pid, key)
                 m.update(key, struct.pack("<I", flags))
                 self._filtered.add(pid)
                 self.maps.track(pid)  # its mappings from now on, even if it exits early
@@ -265,6 +277,9 @@ class Profiler:
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                self._require().maps["python_procs"].delete(key)
+                with self._python_lock:
+                    self.python.remove(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
@@ -282,6 +297,32 @@ class Profiler:
         """The same now, on the calling thread and without the rate limit (`record`, before it
         names its capture: what was compiled during it)."""
         self.jvm.refresh([pid for pid in pids if self.maps.runtime(pid)[0] == "jvm"])
+
+    def _describe_python(self, pid: int, key: bytes) -> None:
+        """A CPython process gets its record for the BPF walk of its frames (docs/python-frames.md);
+        another keeps its native frames, and a CPython one we cannot walk says why. Nothing to do for
+        a process described before that is still the same program. Under _filter_lock."""
+        with self._python_lock:
+            before = self.python.known(pid)
+            found = self.python.add(pid)
+        if found is before:
+            return
+        procs = self._require().maps["python_procs"]
+        if isinstance(found, Interpreter):
+            procs.update(key, bytes(record(found)))
+            log.info("Python frames of a CPython process walked. pid=%d version=%s", pid, found.version_text)
+            return
+        procs.delete(key)
+        if found.reason != "not_python":
+            # Unreadable is most often a process that exited meanwhile: not worth a line at INFO.
+            level = logging.DEBUG if found.reason == "unreadable" else logging.INFO
+            log.log(
+                level,
+                "Python frames of a process not walked. pid=%d reason=%s detail=%s",
+                pid,
+                found.reason,
+                found.detail,
+            )
 
     def set_slow_drain(self, slow: bool) -> None:
         """Drain at the slow interval (no session runs) or the usual one."""
@@ -310,9 +351,25 @@ class Profiler:
             self.drain()
 
     def _maps_reread(self, pid: int) -> None:
-        """A sampled process's mappings changed (dlopen, exec): tables for its new files."""
+        """A sampled process's mappings changed (dlopen, exec): tables for its new files, and after an
+        exec a description (into Python: its frames walked; out of it: its record deleted). Called
+        under the maps' lock, maybe inside set_pid_filter: the description waits for _on_stack."""
         if pid in self._filtered:
             self.unwind.want(pid)
+            self._describe_again.add(pid)
+
+    def _name_python(self, pid: int, raw: bytes, status: int) -> PythonStack:
+        with self._python_lock:
+            return self.python.stack(pid, raw, status)
+
+    def _redescribe(self) -> None:
+        """Describe again the sampled processes whose mappings changed (PythonProcesses.add: two system
+        calls when the process is the same program)."""
+        while self._describe_again:
+            pid = self._describe_again.pop()
+            with self._filter_lock:
+                if pid in self._filtered:
+                    self._describe_python(pid, struct.pack("<I", pid))
 
     def thread_times(self, pids: Collection[int]) -> dict[int, abi.ThreadTimes]:
         """The cumulative times by state of the threads of `pids` (tid -> times), as the episode
@@ -388,7 +445,9 @@ class Profiler:
 
     # -- ring-buffer thread --------------------------------------------------------
     def _on_stack(self, data: bytes) -> None:
-        sample = decode_stack(data, self.maps, self.resolved)
+        sample = decode_stack(data, self.maps, self.resolved, self._name_python)
+        if self._describe_again:  # a mapping changed meanwhile: the next samples see the new program
+            self._redescribe()
         self._batch.append(sample)
         if (key := counted_sample_key(data, sample)) is not None:
             # The kernel counts this sample's repeats under its key: keep it to weigh them on.

@@ -4,12 +4,16 @@ A session arms the BPF pid filter for its processes (refcounted, so overlapping
 sessions work), aggregates the samples that arrive while it runs, and when its
 time is up becomes a `wire.Session` written to the spool.
 
-Aggregation is cheap: samples are keyed by their raw stack bytes, and a stack
-is decoded into frames only once per session, when the session finishes.
+Aggregation is cheap: samples are keyed by their raw stack bytes and their named
+Python frames (named as they arrived: two Python stacks over one native stack are
+two traces), and a stack is decoded into frames only once per session, when the
+session finishes; a CPython process's Python frames are then spliced in place of
+the eval-loop frames that ran them (cpython/splice.py).
 Memory is bounded in bytes across all running sessions (`max_bytes`, from
 --capture-max-bytes): each distinct stack costs its raw frames (8 bytes a kernel
-frame, 32 a user frame) plus a fixed overhead; a new stack beyond the bound is
-dropped and counted, while the stacks already held keep counting samples.
+frame, 32 a user frame, PY_FRAME_BYTES a Python frame) plus a fixed overhead; a new
+stack beyond the bound is dropped and counted, while the stacks already held keep
+counting samples.
 Processes a target watches with its flight recorder (flight.py) stay in the
 pid filter between sessions; a session starts with their recorded samples,
 marked as before the trigger.
@@ -27,10 +31,12 @@ from typing import Protocol
 
 from .. import wire
 from ..bpf import abi
+from ..cpython.processes import PythonFrame
+from ..cpython.splice import EvalLoop, splice
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
 from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProbe
-from .events import StackSample, split_stacks
+from .events import PY_FRAME_BYTES, StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .flight import FlightRecorder
 from .jitnote import jit_notes
@@ -71,6 +77,7 @@ class _Agg:
     off_cpu_ns: int = 0
     kernel_len: int = 0
     walk: bytes = b"\0\0\0"  # how its user stack was walked (StackSample.walk)
+    eval_loop: EvalLoop | None = None  # where its Python frames go (PythonStack.eval_loop)
 
 
 def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
@@ -86,6 +93,9 @@ def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
         summary.walks[reason] = summary.walks.get(reason, 0) + n
 
 
+_Key = tuple[int, int, bytes, tuple[PythonFrame, ...], bool, int]
+
+
 @dataclass(slots=True)
 class ActiveSession:
     session_id: str
@@ -96,13 +106,14 @@ class ActiveSession:
     start_ns: int
     start_mono: float
     deadline: float
-    # (pid, tid, stacks, pre_trigger, wait state or -1 on-CPU)
-    traces: dict[tuple[int, int, bytes, bool, int], _Agg] = field(default_factory=dict)
+    # (pid, tid, stacks, Python frames, pre_trigger, wait state or -1 on-CPU)
+    traces: dict[_Key, _Agg] = field(default_factory=dict)
     threads: dict[int, str] = field(default_factory=dict)
     dropped_traces: int = 0
     nbytes: int = 0  # estimated memory of `traces` and `threads`
     pre_trigger_ns: int = 0  # start_ns is this much before the trigger (flight recorder)
     episode_start: EpisodeStart | None = None  # the victims' and cgroups' counters at start
+    python: dict[str, int] = field(default_factory=dict)  # samples of CPython processes by note
 
 
 # Python objects around one distinct stack beyond its raw bytes: its dict slot, key tuple and
@@ -293,7 +304,8 @@ class SessionCapture:
         for r in recorded:
             sample = r.sample
             wait = _WAIT_OF_KIND.get(sample.kind, -1)
-            dropped = self._count(s, (sample.pid, sample.tid, sample.stacks, True, wait), sample, wait >= 0)
+            key = (sample.pid, sample.tid, sample.stacks, sample.py.frames, True, wait)
+            dropped = self._count(s, key, sample, wait >= 0)
             if dropped is not None:
                 drops[dropped] += 1
         self._count_drops(drops)
@@ -378,7 +390,7 @@ class SessionCapture:
                     unmatched += 1
                 continue
             wait = wait_of_kind.get(sample.kind, -1)
-            key = (sample.pid, sample.tid, sample.stacks, False, wait)
+            key = (sample.pid, sample.tid, sample.stacks, sample.py.frames, False, wait)
             is_off = wait >= 0
             for s in sessions:
                 dropped = count(s, key, sample, is_off)
@@ -397,9 +409,7 @@ class SessionCapture:
         if off:
             self.metrics.samples.labels("off_cpu").inc(off)
 
-    def _count(
-        self, s: ActiveSession, key: tuple[int, int, bytes, bool, int], sample: StackSample, is_off: bool
-    ) -> str | None:
+    def _count(self, s: ActiveSession, key: _Key, sample: StackSample, is_off: bool) -> str | None:
         """Count one sample into `s` under `key`; the reason it was dropped (a new stack without
         room), else None. The one place a sample joins a session: live or from the recorder."""
         agg = s.traces.get(key)
@@ -407,11 +417,13 @@ class SessionCapture:
             if len(s.traces) >= self.MAX_TRACES:
                 s.dropped_traces += 1
                 return DROP_SESSION_FULL
-            cost = len(sample.stacks) + TRACE_OVERHEAD_BYTES
+            cost = len(sample.stacks) + PY_FRAME_BYTES * len(sample.py.frames) + TRACE_OVERHEAD_BYTES
             if self.nbytes + cost > self.max_bytes:
                 s.dropped_traces += 1
                 return DROP_MEMORY
-            agg = s.traces[key] = _Agg(kernel_len=sample.kernel_len, walk=sample.walk)
+            agg = s.traces[key] = _Agg(
+                kernel_len=sample.kernel_len, walk=sample.walk, eval_loop=sample.py.eval_loop
+            )
             s.threads.setdefault(sample.tid, sample.comm)
             s.nbytes += cost
             self.nbytes += cost
@@ -423,6 +435,9 @@ class SessionCapture:
             agg.off_cpu_ns += sample.blocked_ns * weight
         else:
             agg.on_cpu += weight
+        note = sample.py.note
+        if note:  # a CPython process's sample: named, or why not
+            s.python[note] = s.python.get(note, 0) + weight
         return None
 
     def _count_drops(self, drops: dict[str, int]) -> None:
@@ -529,14 +544,14 @@ class SessionCapture:
 
     def _build(self, s: ActiveSession, now: float, episode: wire.Episode | None) -> wire.Session:
         traces = []
-        unwind = wire.UnwindSummary()
-        for (pid, tid, stacks, pre, wait), agg in s.traces.items():
+        unwind = wire.UnwindSummary(python=dict(s.python))
+        for (pid, tid, stacks, python, pre, wait), agg in s.traces.items():
             _add_walk(unwind, agg)
             kernel, raw_user = split_stacks(stacks, agg.kernel_len)
             traces.append(
                 wire.Trace(
                     kernel=kernel,
-                    user=self._classify(pid, raw_user),
+                    user=self._classify(pid, raw_user, python, agg.eval_loop),
                     pid=pid,
                     tid=tid,
                     on_cpu=agg.on_cpu,
@@ -569,16 +584,27 @@ class SessionCapture:
         )
 
     # -- user frames ----------------------------------------------------------------
-    def _classify(self, pid: int, raw: list[tuple[int, int, int]]) -> tuple[wire.UserFrame, ...]:
+    def _classify(
+        self,
+        pid: int,
+        raw: list[tuple[int, int, int]],
+        python: tuple[PythonFrame, ...] = (),
+        eval_loop: EvalLoop | None = None,
+    ) -> tuple[wire.UserFrame, ...]:
         """Mapped frames (procmaps.FrameStatus) as wire frames: a file and offset (with the
         file's name, so an unnamed frame still says `libc.so.6+0x…`), the vDSO, a JIT
-        function named by the perf map, or an unmapped address counted by reason."""
-        out = []
+        function named by the perf map, or an unmapped address counted by reason; and the
+        Python frames of a CPython process in place of the eval-loop frames that ran them."""
+        out: list[wire.UserFrame] = []
+        in_eval: list[int] = []  # indexes in `out` of the frames in the eval loop
         maps = self._filter.maps
         counts: dict[str, int] = {}
         for i, (status, ref, value) in enumerate(raw):
             if status == _FILE:
                 f = maps.file(ref)
+                # A return address (all but the leaf) is past its call: the call is in the loop.
+                if eval_loop is not None and eval_loop.holds(f.build_id, f.name, value - (i > 0)):
+                    in_eval.append(len(out))
                 out.append(wire.UserFrame(wire.FRAME_RESOLVED, f.build_id, value, f.name))
                 label = "resolved"
             elif status == _VDSO:
@@ -600,6 +626,36 @@ class SessionCapture:
                     continue
                 out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
             counts[label] = counts.get(label, 0) + 1
+        if python:
+            out = self._splice(out, in_eval, python, counts)
         for label, n in counts.items():
             self.metrics.user_frames.labels(label).inc(n)
         return tuple(out)
+
+    @staticmethod
+    def _splice(
+        native: list[wire.UserFrame],
+        in_eval: list[int],
+        python: tuple[PythonFrame, ...],
+        counts: dict[str, int],
+    ) -> list[wire.UserFrame]:
+        """`native` with each eval-loop frame (indexes `in_eval`) replaced by the Python frames it ran;
+        `-X perf` trampolines (JIT frames named `py::…`) left out, as they only repeat a Python frame.
+        Python frames no eval frame took go at the root end, counted as `python_unspliced`."""
+        evals = set(in_eval)
+        spliced = splice(
+            range(len(native)),
+            python,
+            evals.__contains__,
+            lambda i: native[i].kind == wire.FRAME_JIT and native[i].name.startswith("py::"),
+        )
+        out = [
+            native[f]
+            if isinstance(f, int)
+            else wire.UserFrame(wire.FRAME_PYTHON, b"", f.line, f.name, f.filename)
+            for f in spliced.frames
+        ]
+        counts["python"] = counts.get("python", 0) + len(python) - spliced.leftover
+        if spliced.leftover:
+            counts["python_unspliced"] = counts.get("python_unspliced", 0) + spliced.leftover
+        return out

@@ -589,17 +589,18 @@ class MappedPath:
     range: str  # the line's first field, `start-end` in hex
     name: str  # its path in the process's root
 
-    def open(self) -> int:
+    def open(self, *, max_bytes: int | None = None) -> int:
         """A descriptor of the file (see safeopen): the very file through map_files, else `name`
-        inside the process's root (no symlink, a regular file only). OSError if neither."""
+        inside the process's root (no symlink, a regular file only, at most `max_bytes`). OSError if
+        neither."""
         try:
-            return safeopen.open_mapped(f"{self.proc}/map_files/{self.range}")
+            return safeopen.open_mapped(f"{self.proc}/map_files/{self.range}", max_bytes=max_bytes)
         except safeopen.Refused:
             raise
         except OSError:
             root = safeopen.open_root(f"{self.proc}/root")
             try:
-                return safeopen.open_in_root(root, self.name)
+                return safeopen.open_in_root(root, self.name, max_bytes=max_bytes)
             finally:
                 os.close(root)
 

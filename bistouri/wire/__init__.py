@@ -42,6 +42,7 @@ from .files import (
 from .model import (
     FRAME_JIT,
     FRAME_KINDS,
+    FRAME_PYTHON,
     FRAME_RESOLVED,
     FRAME_UNKNOWN,
     FRAME_VDSO,
@@ -100,6 +101,7 @@ __all__ = [
     "FILE_MAGIC_V1",
     "FRAME_JIT",
     "FRAME_KINDS",
+    "FRAME_PYTHON",
     "FRAME_RESOLVED",
     "FRAME_UNKNOWN",
     "FRAME_VDSO",

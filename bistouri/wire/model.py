@@ -18,7 +18,10 @@ FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
 FRAME_VDSO = 1  # raw IP inside the process's vDSO
 FRAME_UNKNOWN = 2  # raw IP in no mapping of the process
 FRAME_JIT = 3  # (v2) raw IP in JIT code, named from the process's perf map (jit name index)
-FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT)
+# (v4) a CPython frame named by the agent while the process lived (docs/python-frames.md): `name` its
+# qualified name (3.11+; co_name before), `file` its co_filename, `address` its line (0: unknown)
+FRAME_PYTHON = 4
+FRAME_KINDS = (FRAME_RESOLVED, FRAME_VDSO, FRAME_UNKNOWN, FRAME_JIT, FRAME_PYTHON)
 
 # What started a session: a PSI event, or an operator asking the agent (capture now).
 TRIGGER_PSI = "psi"
@@ -75,8 +78,9 @@ MAX_JIT_NAME_CHARS = 1024  # a perf-map name (node's carry the script path and p
 class UserFrame:
     kind: int  # FRAME_*
     build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
-    address: int  # file offset when resolved, raw IP otherwise
-    name: str = ""  # resolved: the mapped file's basename; jit: the function's name
+    address: int  # file offset when resolved, the line for a Python frame, raw IP otherwise
+    name: str = ""  # resolved: the mapped file's basename; jit, python: the function's name
+    file: str = ""  # python: the source file (co_filename)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,14 +194,20 @@ class UnwindSummary:
     # processes by JIT note (capture/jitnote.py): jvm_<perf-map request outcome>, jvm_cut_in_jit,
     # node_unnamed, jvm_not_asked; absent from sessions of agents before it
     jit: dict[str, int] = field(default_factory=dict)
+    # (v4) samples of CPython processes by what their Python walk gave: "named" (Python frames in the
+    # stack), or why not: the walk's end (no_thread_state, read_failed) or the process's reason
+    # (cpython.discover.REASONS: version_unknown, free_threaded, ...); empty when none was sampled
+    python: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.frames or self.walks or self.jit)
+        return bool(self.frames or self.walks or self.jit or self.python)
 
     def to_json(self) -> dict[str, dict[str, int]]:
         out = {"frames": dict(self.frames), "walks": dict(self.walks)}
         if self.jit:
             out["jit"] = dict(self.jit)
+        if self.python:
+            out["python"] = dict(self.python)
         return out
 
 

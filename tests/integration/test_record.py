@@ -325,9 +325,10 @@ PYTHON312 = Path("/root/.pyenv/versions/3.12.1/bin/python3.12")
 # os.access, not exists(): under /root, Path.exists() raises for other users (collection as nobody).
 @pytest.mark.skipif(not os.access(PYTHON312, os.X_OK), reason="pyenv's Python 3.12 is not installed")
 def test_a_python312_perf_command_is_named_to_its_python_functions_after_it_exited(tmp_path):
-    """`record -- python3.12 -X perf`: the child is gone when its frames are named, and its
-    perf map is still read (from /tmp: it shares our mount namespace); the frames between the
-    trampolines are libpython's frameless ones, walked by .eh_frame tables."""
+    """`record -- python3.12 -X perf`: the child is gone when its stacks are symbolized, and its
+    Python frames were named while it ran (docs/python-frames.md), with file and line, in place of
+    the eval loop's frames; the perf trampolines (`py::fib:…`) that only repeat them are left out.
+    The frames between are libpython's frameless ones, walked by .eh_frame tables."""
     script = tmp_path / "busy.py"
     script.write_text(
         "import time\n"
@@ -346,7 +347,9 @@ def test_a_python312_perf_command_is_named_to_its_python_functions_after_it_exit
         stack, n = line.rsplit(" ", 1)
         counts[stack] = counts.get(stack, 0) + int(n)
     total = sum(counts.values())
-    named = sum(n for stack, n in counts.items() if "py::fib:" in stack and stack.startswith("_start;"))
+    fib = f"fib ({script}:"  # folded's Python frame: 'name (file:line)'
+    named = sum(n for stack, n in counts.items() if fib in stack and stack.startswith("_start;"))
+    assert not any("py::" in stack for stack in counts), "a perf trampoline doubles a Python frame"
     assert total > 300 and named >= 0.9 * total, (
         named,
         total,

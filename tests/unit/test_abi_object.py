@@ -43,6 +43,7 @@ def test_precompiled_decoders_agree_with_mirrors():
     assert abi.StackEvent.kernel_stack.offset == abi.STACK_HEADER_SIZE
     assert ctypes.sizeof(abi.StackEvent) == abi.STACK_EVENT_SIZE
     assert abi.EXEC_EVENT.size == ctypes.sizeof(abi.ExecEvent)
+    assert abi.PY_FRAME.size == ctypes.sizeof(abi.PyFrame)
     assert abi.ERROR_EVENT.size == ctypes.sizeof(abi.ErrorEvent)
 
 

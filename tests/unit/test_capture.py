@@ -72,6 +72,7 @@ def record(
         ev.user_stack[i] = ip
     ev.kernel_stack_size = len(kernel) * 8 if ksize is None else ksize
     ev.user_stack_size = len(user) * 8
+    ev.py_depth, ev.py_status = 0, abi.PyStatus.NOT_PYTHON  # BPF sets them on every event
     return buf
 
 

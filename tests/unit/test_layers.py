@@ -1,9 +1,9 @@
 """The layers contract: which package of bistouri may import which (docs/architecture.md, "Layers").
 
 Low to high: the base modules (atomicfile, errors, logtext, pressure, threads) -> elf, wire -> bpf,
-host -> unwind -> capture -> agent, record. The symbolizer library sits on the base, elf and wire only; its
-service on the library too. Only the command line (cli, __main__) sees everything. Every import counts:
-module level, inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
+host -> unwind, cpython -> capture -> agent, record. The symbolizer library sits on the base, elf and wire
+only; its service on the library too. Only the command line (cli, __main__) sees everything. Every import
+counts: module level, inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ ALLOWED: dict[str, set[str]] = {
     "bpf": _LOW,
     "host": _LOW,
     "unwind": _LOW | {"bpf", "host"},
-    "capture": _LOW | {"bpf", "host", "unwind"},
-    "agent": _LOW | {"bpf", "host", "unwind", "capture"},
-    "record": _LOW | {"bpf", "host", "unwind", "capture", "symbolizer"},
+    "cpython": _LOW | {"bpf", "host"},
+    "capture": _LOW | {"bpf", "host", "unwind", "cpython"},
+    "agent": _LOW | {"bpf", "host", "unwind", "cpython", "capture"},
+    "record": _LOW | {"bpf", "host", "unwind", "cpython", "capture", "symbolizer"},
     "symbolizer": _LOW,
     "service": _LOW | {"symbolizer"},
 }

@@ -1,0 +1,204 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * CPython frames at sample time (issue 21; design in docs/python-frames.md).
+ *
+ * User space (bistouri/cpython/discover.py) describes a CPython process in a
+ * python_procs record: where the sampled thread's PyThreadState is from the
+ * thread pointer (its pthread key slot, right also while the thread waits without
+ * the GIL) and the version's offsets. walk_python() then follows the thread's
+ * frame chain, innermost first, and puts one bistouri_py_frame per Python frame
+ * into the event: the code object's address, the instruction offset and a
+ * checksum of the code object's identity fields (user space names the code later
+ * and must not name a freed and reused address with another function's name).
+ * Strings and line tables are never read here: unbounded, and user space has time.
+ *
+ * Every read is bpf_probe_read_user (a fault is a failed read, never a crash);
+ * a frame or a code object is read in one call into per-CPU scratch, and its
+ * fields taken at masked offsets. The chain is walked by bpf_loop (5.17+; an
+ * older kernel needs another way: docs/python-frames.md). Its maps (python_procs, py_scratch) are in
+ * maps.bpf.h. Included after maps.bpf.h and before stack.bpf.h.
+ */
+#ifndef BISTOURI_PYTHON_BPF_H
+#define BISTOURI_PYTHON_BPF_H
+
+#define PY_OFF_MASK 127   /* field offsets masked into the scratch: + 8 stays inside it */
+/* Frames looked at per walk: the emitted ones, plus the 3.12+ shims (one per C activation), which are not. */
+#define PY_MAX_STEPS (BISTOURI_PY_MAX_DEPTH + BISTOURI_PY_MAX_DEPTH / 2)
+_Static_assert((BISTOURI_PY_MAX_DEPTH & (BISTOURI_PY_MAX_DEPTH - 1)) == 0, "frame indexes are masked");
+
+static __always_inline __u64 py_u64(const __u8 *buf, __u32 off)
+{
+	return *(const __u64 *)(buf + (off & PY_OFF_MASK));
+}
+
+static __always_inline __u32 py_u32(const __u8 *buf, __u32 off)
+{
+	return *(const __u32 *)(buf + (off & PY_OFF_MASK));
+}
+
+static __always_inline __u64 py_rotl(__u64 v, int n)
+{
+	return (v << n) | (v >> (64 - n));
+}
+
+/* bistouri/cpython/layouts.py checksum(): the same formula, the same 32 bits. */
+static __always_inline __u32 py_checksum(__u64 filename, __u64 name, __u64 table, __u32 firstlineno,
+					 __u64 name_hash)
+{
+	__u64 x = filename ^ py_rotl(name, 21) ^ py_rotl(table, 42) ^ firstlineno ^ py_rotl(name_hash, 11);
+	__u32 c = (x * 0x9E3779B97F4A7C15ULL) >> 32;
+
+	return c ? c : 1;
+}
+
+/* The instruction offset of a frame, in code units, from its instruction field. */
+static __always_inline __u32 py_offset(const struct bistouri_python_proc *pp, const __u8 *frame, __u64 code)
+{
+	__u64 first, at;
+	__s32 lasti;
+
+	if (pp->instr_kind == BISTOURI_PY_INSTR_POINTER) {
+		at = py_u64(frame, pp->frame_instr);
+		first = code + pp->code_adaptive;
+		/* A frame that has not run its first instruction points just before it. */
+		if (at < first || at - first >= (1ULL << 32))
+			return BISTOURI_PY_NO_OFFSET;
+		return (at - first) / 2;
+	}
+	lasti = (__s32)py_u32(frame, pp->frame_instr);
+	if (lasti < 0)
+		return BISTOURI_PY_NO_OFFSET;
+	return pp->instr_kind == BISTOURI_PY_INSTR_LASTI_BYTES ? (__u32)lasti / 2 : (__u32)lasti;
+}
+
+/* The checksum of the code object at `code`; 0 when it cannot be read. */
+static __always_inline __u32 py_code_checksum(const struct bistouri_python_proc *pp, __u8 *buf, __u64 code)
+{
+	__u32 size = pp->code_window_size;
+	__u64 name, name_hash = 0;
+
+	if (size == 0 || size > PY_READ_MAX)
+		return 0;
+	if (bpf_probe_read_user(buf, size, (const void *)(code + pp->code_window)))
+		return 0;
+	name = py_u64(buf, pp->code_name);
+	if (bpf_probe_read_user(&name_hash, sizeof(name_hash), (const void *)(name + pp->str_hash)))
+		return 0;
+	return py_checksum(py_u64(buf, pp->code_filename), name, py_u64(buf, pp->code_linetable),
+			   py_u32(buf, pp->code_firstlineno), name_hash);
+}
+
+/* The walk's state, shared by walk_python and its bpf_loop steps. */
+struct py_walk {
+	struct bistouri_stack_event *ev;
+	const struct bistouri_python_proc *pp;
+	struct py_scratch *s;
+	__u64 frame;           /* the next frame to look at; 0: the chain ended */
+	__u64 hash;            /* the user stack's hash, with the Python frames mixed in */
+	__u32 n;               /* frames emitted */
+	__u32 size;            /* bytes of a frame read */
+};
+
+/*
+ * One frame of the chain (a bpf_loop step, verified once however long the
+ * chain: an unrolled loop of its branches went past the verifier's budget).
+ * Returns 1 to stop.
+ */
+static long py_step(__u32 i, void *arg)
+{
+	struct py_walk *w = arg;
+	struct bistouri_stack_event *ev = w->ev;
+	const struct bistouri_python_proc *pp = w->pp;
+	struct py_scratch *s = w->s;
+	__u32 n = w->n, at, size;
+	__u64 code;
+	bool entry;
+	__u8 b;
+
+	if (!w->frame) {
+		ev->py_status = BISTOURI_PY_STATUS_DONE;
+		return 1;
+	}
+	if (n >= BISTOURI_PY_MAX_DEPTH)
+		return 1; /* py_status stays DEPTH */
+	size = w->size;
+	if (size == 0 || size > PY_READ_MAX || bpf_probe_read_user(s->frame, size, (const void *)w->frame)) {
+		ev->py_status = BISTOURI_PY_STATUS_READ_FAILED;
+		return 1;
+	}
+	entry = pp->entry_kind == BISTOURI_PY_ENTRY_EVERY;
+	if (pp->frame_entry >= 0) {
+		b = s->frame[pp->frame_entry & PY_OFF_MASK];
+		if (pp->entry_kind == BISTOURI_PY_ENTRY_SHIM && b == pp->shim_owner) {
+			/* The shim under a C activation's frames: its newer neighbour is their oldest. */
+			if (n > 0)
+				ev->py_frames[(n - 1) & (BISTOURI_PY_MAX_DEPTH - 1)].code |= BISTOURI_PY_FRAME_ENTRY;
+			w->frame = py_u64(s->frame, pp->frame_previous);
+			return 0;
+		}
+		entry = pp->entry_kind == BISTOURI_PY_ENTRY_IS_ENTRY && b == 1;
+	}
+	code = py_u64(s->frame, pp->frame_code);
+	at = n & (BISTOURI_PY_MAX_DEPTH - 1);
+	ev->py_frames[at].code = code | (entry ? BISTOURI_PY_FRAME_ENTRY : 0);
+	ev->py_frames[at].offset = py_offset(pp, s->frame, code);
+	ev->py_frames[at].checksum = py_code_checksum(pp, s->code, code);
+	w->hash = (w->hash ^ code) * 0x100000001b3ULL;
+	w->hash = (w->hash ^ ev->py_frames[at].offset) * 0x100000001b3ULL;
+	w->n = n + 1;
+	w->frame = py_u64(s->frame, pp->frame_previous);
+	return 0;
+}
+
+/*
+ * The current thread's Python frames into ev->py_frames (ev->py_depth of them,
+ * ev->py_status why the walk ended), mixed into the user stack's hash: a
+ * repeat of a sample must have the same Python frames too.
+ *
+ * A global function: the verifier checks it once, apart from its callers (each
+ * of the many paths out of the native walk would otherwise walk it again:
+ * inlined, it more than doubled the object's load time).
+ */
+__noinline int walk_python(struct bistouri_stack_event *ev)
+{
+	struct task_struct *task = bpf_get_current_task_btf();
+	struct py_walk w = { .ev = ev };
+	__u64 tstate = 0, frame = 0, fsbase;
+	__u32 zero = 0;
+
+	if (!ev)
+		return 0;
+	ev->py_depth = 0;
+	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
+	w.pp = bpf_map_lookup_elem(&python_procs, &ev->pid);
+	if (!w.pp)
+		return 0;
+	w.s = bpf_map_lookup_elem(&py_scratch, &zero);
+	if (!w.s)
+		return 0;
+#if defined(__TARGET_ARCH_x86)
+	fsbase = BPF_CORE_READ(task, thread.fsbase);
+#else
+	ev->py_status = BISTOURI_PY_STATUS_NO_ARCH;
+	return 0;
+#endif
+	ev->py_status = BISTOURI_PY_STATUS_NO_THREAD;
+	if (!fsbase || bpf_probe_read_user(&tstate, sizeof(tstate), (const void *)(fsbase + w.pp->tstate_slot)) ||
+	    !tstate)
+		return 0;
+	if (bpf_probe_read_user(&frame, sizeof(frame), (const void *)(tstate + w.pp->tstate_frame)))
+		return 0;
+	if (w.pp->cframe_frame >= 0 && frame &&
+	    bpf_probe_read_user(&frame, sizeof(frame), (const void *)(frame + w.pp->cframe_frame)))
+		return 0;
+	w.frame = frame;
+	w.size = w.pp->frame_size;
+	w.hash = ev->user_key.hash;
+	ev->py_status = BISTOURI_PY_STATUS_DEPTH;
+	bpf_loop(PY_MAX_STEPS, py_step, &w, 0);
+	ev->py_depth = w.n;
+	ev->user_key.hash = w.hash;
+	return 0;
+}
+
+#endif /* BISTOURI_PYTHON_BPF_H */

@@ -1,0 +1,363 @@
+"""The BPF walk of CPython frames (bpf/python.bpf.h) on the real interpreters: pyenv's 3.8-3.13 and
+Debian's static 3.11, each running a busy loop (`hot_loop` under `driver`) and a thread compressing
+without the GIL (`z_inner` under `z_outer`), sampled on-CPU.
+
+The walk's frames are checked against the process itself: the hot function's code address in nearly
+every sample, the GIL-released thread's own function in its samples, every sampled frame on CPython's own
+line, the checksum the one user space computes, the C activations marked where each version puts them,
+and the mixed stacks (cpython/splice.py): every eval-loop frame takes its Python frames, libz under the
+Python function that called zlib.compress.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bistouri.bpf import abi
+from bistouri.capture.events import StackSample, split_stacks
+from bistouri.capture.profiler import Profiler, ProfilerOptions
+from bistouri.cpython import discover
+from bistouri.cpython.naming import CodeNamer
+from bistouri.cpython.splice import PyFrame, decode, splice
+from bistouri.host.procmaps import FrameStatus
+from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow]  # each interpreter sampled for seconds
+
+
+def _frames(sample: StackSample) -> list[tuple[int, int, int]]:
+    """(code address with its entry bit, offset, checksum), innermost first: the raw records."""
+    return list(abi.PY_FRAME.iter_unpack(sample.python))
+
+
+@pytest.fixture(params=CPYTHONS)
+def hot_target(request) -> Iterator[tuple[str, subprocess.Popen[str], dict]]:
+    exe = cpython(request.param)
+    if exe is None:
+        pytest.skip(f"CPython {request.param} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "hot", "zlib"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield request.param, proc, json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target):
+    which, proc, dump = hot_target
+    interp = discover.describe(proc.pid)
+    assert isinstance(interp, discover.Interpreter), interp
+    opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+    samples: list[StackSample] = []
+    with Profiler(opts) as profiler:
+        profiler.start()
+        profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # describes it, pushes its record
+        assert profiler.python.interpreter(proc.pid) == interp
+        # The unwind tables of libpython and libz loaded: native stacks whole from then on.
+        assert profiler.unwind.wait_idle(60)
+        samples.clear()
+        profiler.take()
+        # 200 samples of its main thread (the kernel counts repeats: a sample's weight), 15 s at most on
+        # two shared cores.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and sum(s.weight for s in samples if s.tid == proc.pid) < 200:
+            profiler.check_thread()
+            samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample)]
+        profiler.close()
+        samples += [e for e in profiler.take() if isinstance(e, StackSample)]
+        maps = profiler.maps
+    main = [s for s in samples if s.pid == proc.pid and s.tid == proc.pid]
+    total = sum(s.weight for s in main)
+    assert total >= 100, f"{total} samples of the busy loop"
+
+    hot = dump["hot"]
+    found = sum(s.weight for s in main if any(code & ~1 == hot for code, _, _ in _frames(s)))
+    assert found >= 0.95 * total, f"{which}: hot_loop in {found} of {total} samples"
+    # The thread that released the GIL is walked too: its own thread state, from its key slot.
+    z = [s for s in samples if s.pid == proc.pid and s.tid == dump["z_tid"]]
+    z_total = sum(s.weight for s in z)
+    z_found = sum(s.weight for s in z if any(code & ~1 == dump["z_inner"] for code, _, _ in _frames(s)))
+    assert z_total >= 20 and z_found >= 0.95 * z_total, f"{which}: z_inner in {z_found} of {z_total} samples"
+
+    # Every sampled frame of a dumped code object (hot_loop, driver) on CPython's own line for its offset.
+    cpython_lines = {c["id"]: dict(map(tuple, c["lines"])) for c in dump["codes"]}
+    checked = 0
+    with CodeNamer(interp) as namer:
+        for s in main:
+            for code, offset, got in _frames(s):
+                lines = cpython_lines.get(code & ~1)
+                if lines is not None:
+                    unit = -1 if offset == abi.PY_NO_OFFSET else offset
+                    assert namer.name(code & ~1, got).line(unit) == lines[unit]
+                    checked += 1
+    assert checked >= total
+
+    # Mixed stacks: every eval-loop frame of the native stack takes its Python frames; libz's frames
+    # are under z_inner, the Python function that called zlib.compress.
+    def in_eval(frame: tuple[int, int, int]) -> bool:
+        status, file_id, offset = frame
+        return (
+            status == FrameStatus.FILE
+            and maps.file(file_id).build_id == interp.build_id
+            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+        )
+
+    # Of the samples whose native walk reached the outermost frame (the others stopped early: the
+    # unwinder's business, their Python frames still go at the root end), every one spliced whole.
+    complete = [s for s in main if s.walk[2] == abi.Counter.WALK_END]
+    whole = sum(
+        s.weight
+        for s in complete
+        if not splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).leftover
+    )
+    assert whole >= 0.99 * sum(s.weight for s in complete) > 0.5 * total, f"{which}: spliced whole: {whole}"
+    under = 0
+    for s in z:
+        mixed = splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).frames
+        at = next(
+            (i for i, f in enumerate(mixed) if isinstance(f, PyFrame) and f.code == dump["z_inner"]), -1
+        )
+        under += s.weight * any(
+            not isinstance(f, PyFrame) and f[0] == FrameStatus.FILE and "libz" in maps.file(f[1]).name
+            for f in mixed[:at]
+        )
+    assert under >= 0.8 * z_total, f"{which}: libz under z_inner in {under} of {z_total} samples"
+
+    with CodeNamer(interp) as namer:
+        want = namer.checksum(hot)
+        for s in main:
+            frames = _frames(s)
+            if not frames:
+                continue
+            code, offset, got = frames[0]
+            if code & ~1 != hot:
+                continue
+            assert got == want, "BPF's checksum differs from user space's (layouts.checksum)"
+            named = namer.name(hot, got)
+            assert named.name == "hot_loop"
+            line = named.line(None if offset == abi.PY_NO_OFFSET else offset)
+            assert line in set(cpython_lines[hot].values())
+            # The oldest frame (<module>) was called from C; on <= 3.10 every frame was.
+            entries = [bool(c & abi.PY_FRAME_ENTRY) for c, _, _ in frames]
+            assert entries[-1]
+            if interp.version < (3, 11):
+                assert all(entries)
+            else:
+                assert not entries[0]  # hot_loop was called by driver's bytecode, inline
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_a_sleeping_threads_stack_names_its_python_caller(which):
+    """The episode's interruptible-sleep stacks (taken at sched_switch, the sleeper current) carry the
+    sleeping thread's own Python frames: `nap`, in time.sleep without the GIL, under `sleeper`."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        interp = discover.describe(proc.pid)
+        assert isinstance(interp, discover.Interpreter), interp
+        sleeps: list[StackSample] = []
+        with Profiler(ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0)) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and len(sleeps) < 10:
+                profiler.check_thread()
+                sleeps += [
+                    e
+                    for e in profiler.take(timeout=0.1)
+                    if isinstance(e, StackSample)
+                    and e.kind == abi.EpisodeKind.SLEEP
+                    and e.tid == dump["nap_tid"]
+                ]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(sleeps) >= 10, f"{len(sleeps)} sleep stacks of the napping thread"
+    named = [s for s in sleeps if [f.code for f in decode(s.python)][:1] == [dump["nap"]]]
+    assert len(named) == len(sleeps), f"{which}: nap innermost in {len(named)} of {len(sleeps)} sleep stacks"
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_an_asyncio_coroutine_is_named_under_the_event_loop(which):
+    """A running coroutine's frame is on its thread's chain: `hot_loop` under the coroutine `spin`, which the
+    event loop (C: the Task's step, then coro.send) re-entered the eval loop to run; spliced whole."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "async"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(
+            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+        ) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            interp = profiler.python.interpreter(proc.pid)
+            assert interp is not None
+            assert profiler.unwind.wait_idle(60)
+            profiler.take()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+            maps = profiler.maps
+    finally:
+        proc.kill()
+        proc.wait()
+    total = sum(s.weight for s in samples)
+    assert total >= 50, f"{total} samples"
+
+    def in_eval(frame: tuple[int, int, int]) -> bool:
+        status, file_id, offset = frame
+        return (
+            status == FrameStatus.FILE
+            and maps.file(file_id).build_id == interp.build_id
+            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+        )
+
+    both = whole = complete = 0
+    for s in samples:
+        codes = [f.code for f in decode(s.python)]
+        if (
+            dump["hot"] in codes
+            and dump["spin"] in codes
+            and codes.index(dump["hot"]) < codes.index(dump["spin"])
+        ):
+            both += s.weight
+        if s.walk[2] == abi.Counter.WALK_END:
+            complete += s.weight
+            whole += s.weight * (
+                splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).leftover == 0
+            )
+    assert both >= 0.9 * total, f"{which}: hot_loop under spin in {both} of {total} samples"
+    assert whole >= 0.99 * complete > 0.5 * total, (
+        f"{which}: spliced whole in {whole} of {complete} complete walks"
+    )
+
+
+@pytest.mark.parametrize("which", ["3.12", "3.13"])
+def test_perf_trampolines_do_not_double_the_python_frames(which):
+    """A 3.12+ process started with `-X perf` runs each C entry of the eval loop through a trampoline the
+    perf map names `py::<function>`: with the Python frames spliced in, those are left out (no double
+    frames), and the Python frames are the same as without the flag."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), "-X", "perf", str(CPYTHON_TARGET), "hot"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    mixed = []
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(
+            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
+        ) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            interp = profiler.python.interpreter(proc.pid)
+            assert interp is not None
+            assert profiler.unwind.wait_idle(60)
+            profiler.take()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+            maps = profiler.maps
+
+            def jit(frame: tuple[int, int, int]) -> str:
+                status, _, ip = frame
+                return (maps.jit_name(proc.pid, ip) or "") if status == FrameStatus.ANON else ""
+
+            def in_eval(frame: tuple[int, int, int]) -> bool:
+                status, file_id, offset = frame
+                return (
+                    status == FrameStatus.FILE
+                    and maps.file(file_id).build_id == interp.build_id
+                    and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+                )
+
+            trampolines = 0
+            for s in samples:  # named while the process and its perf map live
+                native = split_stacks(s.stacks, s.kernel_len)[1]
+                trampolines += any(jit(f).startswith("py::") for f in native)
+                out = splice(native, decode(s.python), in_eval, lambda f: jit(f).startswith("py::"))
+                mixed.append((s, out.frames))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert trampolines >= len(samples) // 2, "the trampolines were not in the native stacks: nothing tested"
+    total = sum(s.weight for s, _ in mixed)
+    named = sum(
+        s.weight
+        for s, frames in mixed
+        if any(isinstance(f, PyFrame) and f.code == dump["hot"] for f in frames)
+    )
+    assert total >= 50 and named >= 0.95 * total, f"{which}: hot_loop in {named} of {total} samples"
+    doubled = [
+        frames
+        for _, frames in mixed
+        if any(not isinstance(f, PyFrame) and f[0] == FrameStatus.ANON for f in frames)
+    ]
+    assert not doubled, f"{len(doubled)} spliced stacks still hold a trampoline frame"
+
+
+@pytest.mark.parametrize("which", ["3.8", "3.11", "3.13"])
+def test_a_deep_stack_keeps_its_innermost_frames_up_to_the_bound(which):
+    """100 Python calls deep: the walk keeps the innermost abi.PY_MAX_DEPTH frames (hot_loop first)."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), str(CPYTHON_TARGET), "deep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        dump = json.loads(proc.stdout.readline())
+        samples: list[StackSample] = []
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as profiler:
+            profiler.start()
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
+                profiler.check_thread()
+                samples += [
+                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
+                ]
+    finally:
+        proc.kill()
+        proc.wait()
+    total = sum(s.weight for s in samples)
+    full = sum(s.weight for s in samples if len(decode(s.python)) == abi.PY_MAX_DEPTH)
+    hot = sum(s.weight for s in samples if decode(s.python)[:1] and decode(s.python)[0].code == dump["hot"])
+    assert total >= 50 and full >= 0.95 * total, f"{which}: {full} of {total} samples 64 frames deep"
+    assert hot >= 0.8 * total, f"{which}: hot_loop innermost in {hot} of {total} samples"
