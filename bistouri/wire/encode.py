@@ -11,7 +11,9 @@ from typing import Any
 import msgpack
 
 from .model import (
+    BATCH_VERSION,
     FRAME_JIT,
+    FRAME_PYTHON,
     FRAME_RESOLVED,
     MAX_FRAMES_PER_REQUEST,
     MAX_SESSION_OBJECTS,
@@ -19,6 +21,7 @@ from .model import (
     MAX_STACKS_PER_REQUEST,
     TRIGGER_PSI,
     VERSION,
+    VERSION_WITHOUT_PYTHON,
     WAIT_D,
     Session,
     UserFrame,
@@ -33,6 +36,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     """Dictionary-encode a session into plain msgpack-able values."""
     mappings: dict[tuple[bytes, str], int] = {}
     jit_names: dict[str, int] = {}
+    # (v4) Python functions by (name, file index) and their files: a frame is [4, function, line].
+    py_files: dict[str, int] = {}
+    py_functions: dict[tuple[str, int], int] = {}
     kframes: dict[int, int] = {}
     uframes: dict[UserFrame, int] = {}
     stacks: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -61,6 +67,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
                     m = mappings.setdefault((f.build_id, f.name), len(mappings))
                 elif f.kind == FRAME_JIT:
                     m = jit_names.setdefault(f.name, len(jit_names))
+                elif f.kind == FRAME_PYTHON:
+                    fn = (f.name, py_files.setdefault(f.file, len(py_files)))
+                    m = py_functions.setdefault(fn, len(py_functions))
                 i = uframes[f] = len(uframe_list)
                 uframe_list.append([f.kind, m, f.address])
             uidx.append(i)
@@ -100,8 +109,10 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     }
     if s.kernel.boot_id:  # absent when unknown, as from agents before it existed
         kernel["boot"] = s.kernel.boot_id
+    # Version 4 only for what version 3 cannot say: any other session stays readable by older symbolizers.
+    python = bool(py_functions or s.unwind.python)
     out: dict[str, Any] = {
-        "v": VERSION,
+        "v": VERSION if python else VERSION_WITHOUT_PYTHON,
         "id": s.session_id,
         "tenant": s.tenant,
         "service": s.service,
@@ -117,16 +128,17 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "mappings": [bid for bid, _ in sorted(mappings, key=mappings.__getitem__)],
         "mapping_names": [name for _, name in sorted(mappings, key=mappings.__getitem__)],
         "jit_names": sorted(jit_names, key=jit_names.__getitem__),
-        "kframes": kframe_list,
-        "uframes": uframe_list,
-        "stacks": stack_list,
-        "threads": thread_list,
-        "traces": traces,
     }
+    if py_functions:
+        out["py_files"] = list(py_files)  # dicts keep insertion order: index order
+        out["py_functions"] = [[name, file] for name, file in py_functions]
+    out.update(
+        kframes=kframe_list, uframes=uframe_list, stacks=stack_list, threads=thread_list, traces=traces
+    )
     if pre_traces:
         out["pre_traces"] = pre_traces
         out["pre_trigger_ns"] = s.pre_trigger_ns
-    if s.unwind.frames or s.unwind.walks:
+    if s.unwind.frames or s.unwind.walks or s.unwind.python:
         out["unwind"] = s.unwind.to_json()
     if s.episode is not None:
         out["episode"] = {
@@ -184,7 +196,9 @@ def work_of(m: Any) -> tuple[int, int, int]:
     for st in stacks:
         if isinstance(st, list):
             entries += sum(len(part) for part in st if isinstance(part, list))
-    return len(listed("kframes")) + len(listed("uframes")), len(stacks), entries
+    # (v4) a Python function costs no lookup but is a frame of the profile all the same
+    frames = len(listed("kframes")) + len(listed("uframes")) + len(listed("py_functions"))
+    return frames, len(stacks), entries
 
 
 def _overshoot(m: dict[str, Any], max_objects: int) -> float:
@@ -217,7 +231,7 @@ def encode_session_to_fit(s: Session, max_objects: int = 0) -> tuple[bytes, int]
 def encode_batch(encoded_sessions: Iterable[bytes]) -> bytes:
     """A request body from already-encoded sessions, without re-encoding them."""
     items = list(encoded_sessions)
-    head = _pack({"v": VERSION, "sessions": None})
+    head = _pack({"v": BATCH_VERSION, "sessions": None})
     # Replace the nil placeholder by an array header followed by the raw sessions.
     assert head.endswith(b"\xc0")
     n = len(items)
