@@ -449,3 +449,14 @@ def test_python_limits_pass_at_their_limit_and_a_v3_session_ignores_python_keys(
     m3 = wire.session_to_wire(sample_session())
     m3.update(py_files=7, py_functions=None, unwind={"python": "junk"})
     assert wire.session_from_wire(m3).unwind.python == {}
+
+
+def test_a_reader_of_version_3_takes_the_batch_and_its_v3_sessions_and_refuses_the_v4_one_alone(monkeypatch):
+    """What an older symbolizer does with a newer agent's batch (its READABLE_VERSIONS were (1, 2, 3))."""
+    monkeypatch.setattr(wire_decode, "READABLE_VERSIONS", (1, 2, 3))
+    body = wire.encode_batch([wire.encode_session(sample_session()), wire.encode_session(python_session())])
+    v3, v4 = wire.decode_batch(body)  # the envelope says 3: read
+    assert wire.session_from_wire(v3) == sample_session()
+    with pytest.raises(WireError) as e:
+        wire.session_from_wire(v4)
+    assert e.value.reason == "unsupported_version"
