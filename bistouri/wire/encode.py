@@ -16,6 +16,9 @@ from .model import (
     FRAME_PYTHON,
     FRAME_RESOLVED,
     MAX_FRAMES_PER_REQUEST,
+    MAX_PY_FILE_CHARS,
+    MAX_PY_LINE,
+    MAX_PY_NAME_CHARS,
     MAX_SESSION_OBJECTS,
     MAX_STACK_ENTRIES_PER_REQUEST,
     MAX_STACKS_PER_REQUEST,
@@ -62,16 +65,19 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         for f in t.user:
             i = uframes.get(f)
             if i is None:
-                m = -1
+                m, address = -1, f.address
                 if f.kind == FRAME_RESOLVED:
                     m = mappings.setdefault((f.build_id, f.name), len(mappings))
                 elif f.kind == FRAME_JIT:
                     m = jit_names.setdefault(f.name, len(jit_names))
                 elif f.kind == FRAME_PYTHON:
-                    fn = (f.name, py_files.setdefault(f.file, len(py_files)))
-                    m = py_functions.setdefault(fn, len(py_functions))
+                    # Within what the decoder takes: names read from a process are the process's to choose,
+                    # and one past a limit would have the whole session refused.
+                    file = py_files.setdefault(f.file[:MAX_PY_FILE_CHARS], len(py_files))
+                    m = py_functions.setdefault((f.name[:MAX_PY_NAME_CHARS], file), len(py_functions))
+                    address = address if 0 <= address <= MAX_PY_LINE else 0  # 0: line unknown
                 i = uframes[f] = len(uframe_list)
-                uframe_list.append([f.kind, m, f.address])
+                uframe_list.append([f.kind, m, address])
             uidx.append(i)
         key = (tuple(kidx), tuple(uidx))
         si = stacks.get(key)

@@ -460,3 +460,16 @@ def test_a_reader_of_version_3_takes_the_batch_and_its_v3_sessions_and_refuses_t
     with pytest.raises(WireError) as e:
         wire.session_from_wire(v4)
     assert e.value.reason == "unsupported_version"
+
+
+def test_python_names_and_lines_past_the_limits_are_cut_not_the_session():
+    """Names come from the target's memory: one too long (or a line out of range) must not have the
+    symbolizer refuse the whole session."""
+    s = python_session()
+    huge = python_frame("n" * (wire.MAX_PY_NAME_CHARS + 5), "/" + "d" * wire.MAX_PY_FILE_CHARS, -1)
+    far = python_frame("far", "/w.py", wire.MAX_PY_LINE + 1)
+    s.traces[-1] = dataclasses.replace(s.traces[-1], user=(huge, far, *s.traces[-1].user))
+    back = wire.decode_session(wire.encode_session(s))
+    got_huge, got_far = back.traces[-1].user[:2]
+    assert got_huge.name == "n" * wire.MAX_PY_NAME_CHARS and len(got_huge.file) == wire.MAX_PY_FILE_CHARS
+    assert (got_huge.address, got_far.address) == (0, 0)
