@@ -396,7 +396,7 @@ def symbolize(
     known, stats = _name(
         session, keys, names, cache, open_resolver, kernel_key, debug_dirs, progress, kallsyms
     )
-    # The other frames (vDSO, JIT, unknown, files without a build id) are labels: no file to read.
+    # The other frames (vDSO, JIT, Python, unknown, files without a build id) are labels: no file to read.
     stats.addresses += len(other_keys)
     stats.labels = len(other_keys)
 

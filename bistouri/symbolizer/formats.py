@@ -17,6 +17,7 @@ from typing import Any
 from .model import (
     KIND_JIT,
     KIND_KERNEL,
+    KIND_PYTHON,
     KIND_UNKNOWN,
     KIND_USER,
     KIND_VDSO,
@@ -51,10 +52,15 @@ def sample_value(s: Sample, value: str) -> int:
     return s.off_cpu_ns
 
 
-def display_name(f: Frame) -> str:
-    """A frame's name in the text formats: kernel, vDSO and inlined frames keep a visible mark."""
+def display_name(f: Frame, location: bool = False) -> str:
+    """A frame's name in the text formats: kernel, vDSO and inlined frames keep a visible mark. With
+    `location`, a Python frame's file and line follow its name, as py-spy writes them: `f (w.py:6)`
+    (the formats without a field of their own for them: folded)."""
+    name = f.name or "[unknown]"
+    if location and f.kind == KIND_PYTHON and f.file:
+        name += f" ({f.file}:{f.line})" if f.line > 0 else f" ({f.file})"
     # `;` separates frames and a line break ends a folded line: neither may appear inside a name.
-    name = (f.name or "[unknown]").replace(";", ":")
+    name = name.replace(";", ":")
     if not name.isprintable():
         name = "".join(c if c.isprintable() else "?" for c in name)
     name += _KIND_SUFFIX.get(f.kind, "")
@@ -70,7 +76,7 @@ def display_name(f: Frame) -> str:
 def folded(profile: Profile, value: str = "on_cpu") -> str:
     """Brendan Gregg's collapsed format: `root;...;leaf N` per distinct stack, sorted."""
     check_value(value)
-    names = [display_name(f) for f in profile.frames]
+    names = [display_name(f, location=True) for f in profile.frames]
     acc: dict[str, int] = {}
     for s in profile.samples:
         v = sample_value(s, value)
@@ -96,16 +102,21 @@ _Tree = list[Any]
 
 
 class _Keys:
-    """One small int per distinct (name, kind, inlined): the identity of a node among its siblings."""
+    """One small int per distinct (name, kind, inlined[, file, line]): the identity of a node among its
+    siblings. A Python frame is one node per file and line, as py-spy draws them: its line is what
+    the flamegraph tells (a native node merges its addresses, its line is the first frame's)."""
 
     def __init__(self) -> None:
-        self.ids: dict[tuple[str, str, bool], int] = {}
-        self.order: list[tuple[str, str, bool]] = []
+        self.ids: dict[tuple[str, str, bool, str, int], int] = {}
+        self.order: list[tuple[str, str, bool, str, int]] = []
 
     def of(self, profile: Profile) -> list[int]:
         out = []
         for f in profile.frames:
-            key = (f.name, f.kind, f.inlined)
+            if f.kind == KIND_PYTHON:
+                key = (f.name, f.kind, f.inlined, f.file, f.line)
+            else:
+                key = (f.name, f.kind, f.inlined, "", 0)
             i = self.ids.get(key)
             if i is None:
                 i = self.ids[key] = len(self.order)
@@ -657,6 +668,7 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
 
 __all__ = [
     "KIND_KERNEL",
+    "KIND_PYTHON",
     "KIND_UNKNOWN",
     "KIND_USER",
     "KIND_VDSO",

@@ -19,15 +19,16 @@ KIND_KERNEL = "kernel"
 KIND_USER = "user"
 KIND_VDSO = "vdso"
 KIND_JIT = "jit"  # JIT or interpreter code named by the process's perf map
+KIND_PYTHON = "python"  # a CPython function, named by the agent (wire v4): file and line are its source's
 KIND_UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    name: str  # demangled function name; `module+0xoffset` when it cannot be named
-    module: str = ""  # ELF file name (basename), "vmlinux" or a kernel module name
-    file: str = ""  # source file from DWARF, "" when unknown
-    line: int = 0  # source line from DWARF, 0 when unknown
+    name: str  # demangled function name; `module+0xoffset` when it cannot be named; Python: qualified name
+    module: str = ""  # ELF file name (basename), "vmlinux" or a kernel module name, "[python]"
+    file: str = ""  # source file from DWARF (Python: co_filename), "" when unknown
+    line: int = 0  # source line from DWARF (Python: the line being run), 0 when unknown
     kind: str = KIND_USER
     inlined: bool = False  # inlined into the frame that follows it toward the root
 
@@ -84,7 +85,8 @@ class SessionMeta:
     pre_off_cpu: int = 0
     pre_off_cpu_ns: int = 0
     # How the user stacks were walked (wire.UnwindSummary.to_json()): frames by table or
-    # frame pointer, samples by why their walk ended. Empty for agents before it.
+    # frame pointer, samples by why their walk ended, (v4) CPython samples by what their Python
+    # walk gave. Empty for agents before it.
     unwind: dict[str, dict[str, int]] = field(default_factory=dict)
     # (v3) The episode report as GET /v1/sessions/{id} shows it (rows of episode.py, ranked).
     victims: list[dict[str, Any]] = field(default_factory=list)

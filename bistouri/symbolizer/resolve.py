@@ -99,7 +99,8 @@ class _Metrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.lookups = Counter(
             "bistouri_symbolizer_frame_lookups_total",
-            "Stack frames looked up (before de-duplication), by kind (user, kernel, vdso, jit, unknown)",
+            "Stack frames looked up (before de-duplication), "
+            "by kind (user, kernel, vdso, jit, python, unknown)",
             ["kind"],
             registry=registry,
         )
@@ -601,7 +602,7 @@ class Resolver:
                     else:
                         hits[0] += 1
                         answers[fid] = got
-                else:  # a file without a build id, the vDSO, JIT code, unknown: a label
+                else:  # a file without a build id, the vDSO, JIT code, Python, unknown: a label
                     answers[fid] = (intern(label(f)),)
         kernel_todo: list[tuple[int, bool]] = []
         k: _Kernel | None = None
@@ -641,7 +642,7 @@ class Resolver:
         # 3. Root-first stacks.
         profile = stacks.profile(user, kernel)
 
-        kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "unknown": 0}
+        kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "python": 0, "unknown": 0}
         for t in stacks.distinct:
             for f in t.user:
                 if f.kind == wire.FRAME_RESOLVED and (f.build_id or f.name):
@@ -650,6 +651,8 @@ class Resolver:
                     kinds["vdso"] += 1
                 elif f.kind == wire.FRAME_JIT:
                     kinds["jit"] += 1
+                elif f.kind == wire.FRAME_PYTHON:
+                    kinds["python"] += 1
                 else:
                     kinds["unknown"] += 1
             kinds["kernel"] += len(t.kernel)

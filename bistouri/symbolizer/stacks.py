@@ -29,17 +29,20 @@ ByLeaf = tuple[dict[int, Frames], dict[int, Frames]]
 
 VDSO = model.Frame("[vdso]", "[vdso]", kind=model.KIND_VDSO)
 JIT_MODULE = "[jit]"
+PYTHON_MODULE = "[python]"
 
 
 def label(f: wire.UserFrame) -> model.Frame:
     """A user frame named by what the agent sent alone, no file read: how a frame without a build id
-    (a file's name and offset, the vDSO, JIT code, an unknown address) is named."""
+    (a file's name and offset, the vDSO, JIT code, a Python function, an unknown address) is named."""
     if f.kind == wire.FRAME_RESOLVED and f.name:
         return model.Frame(f"{f.name}+0x{f.address:x}", f.name)
     if f.kind == wire.FRAME_VDSO:
         return VDSO
     if f.kind == wire.FRAME_JIT:  # named by the process's perf map on the host: the name is the answer
         return model.Frame(f.name, JIT_MODULE, kind=model.KIND_JIT)
+    if f.kind == wire.FRAME_PYTHON:  # named while the process lived (wire v4): name, file and line
+        return model.Frame(f.name, PYTHON_MODULE, f.file, f.address, kind=model.KIND_PYTHON)
     return model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
 
 

@@ -40,6 +40,7 @@ from .files import (
     unframe_session,
 )
 from .model import (
+    BATCH_VERSION,
     FRAME_JIT,
     FRAME_KINDS,
     FRAME_PYTHON,
@@ -61,6 +62,10 @@ from .model import (
     MAX_MAP_LEN,
     MAX_MAPPING_NAME_CHARS,
     MAX_NAME_CHARS,
+    MAX_PY_FILE_CHARS,
+    MAX_PY_LINE,
+    MAX_PY_NAME_CHARS,
+    MAX_PY_NOTE_KEYS,
     MAX_RELEASE_CHARS,
     MAX_SESSION_ID_CHARS,
     MAX_SESSION_OBJECTS,
@@ -76,6 +81,7 @@ from .model import (
     TRIGGER_MANUAL,
     TRIGGER_PSI,
     VERSION,
+    VERSION_WITHOUT_PYTHON,
     WAIT_D,
     WAIT_NAMES,
     WAIT_RECLAIM,
@@ -95,6 +101,7 @@ from .model import (
 )
 
 __all__ = [
+    "BATCH_VERSION",
     "FILE_HEADER",
     "FILE_HEADER_MAX",
     "FILE_MAGIC",
@@ -120,6 +127,10 @@ __all__ = [
     "MAX_MAPPING_NAME_CHARS",
     "MAX_MAP_LEN",
     "MAX_NAME_CHARS",
+    "MAX_PY_FILE_CHARS",
+    "MAX_PY_LINE",
+    "MAX_PY_NAME_CHARS",
+    "MAX_PY_NOTE_KEYS",
     "MAX_RELEASE_CHARS",
     "MAX_SESSIONS_PER_BATCH",
     "MAX_SESSION_ID_CHARS",
@@ -137,6 +148,7 @@ __all__ = [
     "TRIGGER_MANUAL",
     "TRIGGER_PSI",
     "VERSION",
+    "VERSION_WITHOUT_PYTHON",
     "WAIT_D",
     "WAIT_NAMES",
     "WAIT_RECLAIM",

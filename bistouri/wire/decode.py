@@ -16,6 +16,7 @@ from ..pressure import RESOURCES, STALLS, PressureFigures
 from .model import (
     FRAME_JIT,
     FRAME_KINDS,
+    FRAME_PYTHON,
     FRAME_RESOLVED,
     MAX_AGGRESSORS,
     MAX_ARRAY_LEN,
@@ -31,6 +32,10 @@ from .model import (
     MAX_MAP_LEN,
     MAX_MAPPING_NAME_CHARS,
     MAX_NAME_CHARS,
+    MAX_PY_FILE_CHARS,
+    MAX_PY_LINE,
+    MAX_PY_NAME_CHARS,
+    MAX_PY_NOTE_KEYS,
     MAX_RELEASE_CHARS,
     MAX_SESSION_ID_CHARS,
     MAX_SESSIONS_PER_BATCH,
@@ -189,20 +194,27 @@ def session_from_wire(m: Any) -> Session:
         raise WireError(
             "malformed", f"{where}.jit_names must be strings of at most {MAX_JIT_NAME_CHARS} characters"
         )
+    py_functions = _py_functions(m, where) if v >= 4 else []
     kframes = [_u64(ip, f"{where}.kframes") for ip in _req(m, "kframes", list, where)]
     uframes: list[UserFrame] = []
     for i, f in enumerate(_req(m, "uframes", list, where)):
-        if not (isinstance(f, list) and len(f) == 3 and f[0] in FRAME_KINDS):
+        if not (isinstance(f, list) and len(f) == 3 and f[0] in FRAME_KINDS and not isinstance(f[0], bool)):
             raise WireError("malformed", f"{where}.uframes[{i}] must be [kind, mapping, address]")
         kind, mi, addr = f
         addr = _u64(addr, f"{where}.uframes[{i}].address")
-        bid, name = b"", ""
+        bid, name, file = b"", "", ""
         if kind == FRAME_RESOLVED:
             mi = _index(mi, len(mappings), f"{where}.uframes[{i}].mapping")
             bid, name = mappings[mi], mapping_names[mi]
         elif kind == FRAME_JIT:
             name = jit_names[_index(mi, len(jit_names), f"{where}.uframes[{i}].jit name")]
-        uframes.append(UserFrame(kind, bid, addr, name))
+        elif kind == FRAME_PYTHON:
+            if v < 4:  # a reader of version 3 would refuse it too: never take it for something else
+                raise WireError("malformed", f"{where}.uframes[{i}]: a Python frame (kind 4) needs version 4")
+            if addr > MAX_PY_LINE:
+                raise WireError("malformed", f"{where}.uframes[{i}].line {addr} is past {MAX_PY_LINE}")
+            name, file = py_functions[_index(mi, len(py_functions), f"{where}.uframes[{i}].python function")]
+        uframes.append(UserFrame(kind, bid, addr, name, file))
     stacks: list[tuple[tuple[int, ...], tuple[UserFrame, ...]]] = []
     for i, st in enumerate(_req(m, "stacks", list, where)):
         if not (
@@ -271,30 +283,62 @@ def session_from_wire(m: Any) -> Session:
         threads=threads,
         traces=traces,
         pre_trigger_ns=_u64(m.get("pre_trigger_ns", 0), where + ".pre_trigger_ns"),
-        unwind=_unwind_summary(m.get("unwind"), where + ".unwind"),
+        unwind=_unwind_summary(m.get("unwind"), where + ".unwind", v),
         episode=_episode(m["episode"], where + ".episode") if v >= 3 and "episode" in m else None,
     )
+
+
+def _py_functions(m: Mapping[str, Any], where: str) -> list[tuple[str, str]]:
+    """(v4) The Python functions a session's frames name: [name, file index] rows over its file names."""
+    files = m.get("py_files", [])
+    if not (
+        isinstance(files, list) and all(isinstance(f, str) and len(f) <= MAX_PY_FILE_CHARS for f in files)
+    ):
+        raise WireError(
+            "malformed", f"{where}.py_files must be strings of at most {MAX_PY_FILE_CHARS} characters"
+        )
+    rows = m.get("py_functions", [])
+    if not isinstance(rows, list):
+        raise WireError("malformed", f"{where}.py_functions must be an array of [name, file]")
+    out = []
+    for i, row in enumerate(rows):
+        if not (
+            isinstance(row, list)
+            and len(row) == 2
+            and isinstance(row[0], str)
+            and len(row[0]) <= MAX_PY_NAME_CHARS
+        ):
+            raise WireError(
+                "malformed",
+                f"{where}.py_functions[{i}] must be [name of at most {MAX_PY_NAME_CHARS} characters, file]",
+            )
+        out.append((row[0], files[_index(row[1], len(files), f"{where}.py_functions[{i}].file")]))
+    return out
 
 
 _MAX_UNWIND_KEYS = 8  # per map of an unwind summary: a few known names, more is an attack
 _MAX_JIT_KEYS = 16  # of its `jit` notes (10 names today)
 
 
-def _unwind_summary(v: Any, where: str) -> UnwindSummary:
-    """The optional data-quality note (absent in sessions of agents before it)."""
+def _unwind_summary(v: Any, where: str, version: int) -> UnwindSummary:
+    """The optional data-quality note (absent in sessions of agents before it); its `python` counts
+    (v4) are read in a version-4 session only."""
     if v is None:
         return UnwindSummary()
     if not isinstance(v, dict):
         raise WireError("malformed", f"{where} must be a map")
     out = UnwindSummary()
-    for name, target, most in (
+    maps = [
         ("frames", out.frames, _MAX_UNWIND_KEYS),
         ("walks", out.walks, _MAX_UNWIND_KEYS),
         ("jit", out.jit, _MAX_JIT_KEYS),
-    ):
+    ]
+    if version >= 4:
+        maps.append(("python", out.python, MAX_PY_NOTE_KEYS))
+    for name, target, limit in maps:
         counts = v.get(name, {})
-        if not isinstance(counts, dict) or len(counts) > most:
-            raise WireError("malformed", f"{where}.{name} must be a map of at most {most} counts")
+        if not isinstance(counts, dict) or len(counts) > limit:
+            raise WireError("malformed", f"{where}.{name} must be a map of at most {limit} counts")
         for key, n in counts.items():
             if not isinstance(key, str) or len(key) > 32 or not isinstance(n, int):
                 raise WireError("malformed", f"{where}.{name} must map short names to counts")
@@ -351,6 +395,8 @@ _TABLES = frozenset(
         "mappings",
         "mapping_names",
         "jit_names",
+        "py_files",
+        "py_functions",
         "kframes",
         "uframes",
         "stacks",

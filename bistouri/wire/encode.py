@@ -11,14 +11,20 @@ from typing import Any
 import msgpack
 
 from .model import (
+    BATCH_VERSION,
     FRAME_JIT,
+    FRAME_PYTHON,
     FRAME_RESOLVED,
     MAX_FRAMES_PER_REQUEST,
+    MAX_PY_FILE_CHARS,
+    MAX_PY_LINE,
+    MAX_PY_NAME_CHARS,
     MAX_SESSION_OBJECTS,
     MAX_STACK_ENTRIES_PER_REQUEST,
     MAX_STACKS_PER_REQUEST,
     TRIGGER_PSI,
     VERSION,
+    VERSION_WITHOUT_PYTHON,
     WAIT_D,
     Session,
     UserFrame,
@@ -33,6 +39,9 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     """Dictionary-encode a session into plain msgpack-able values."""
     mappings: dict[tuple[bytes, str], int] = {}
     jit_names: dict[str, int] = {}
+    # (v4) Python functions by (name, file index) and their files: a frame is [4, function, line].
+    py_files: dict[str, int] = {}
+    py_functions: dict[tuple[str, int], int] = {}
     kframes: dict[int, int] = {}
     uframes: dict[UserFrame, int] = {}
     stacks: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
@@ -56,13 +65,19 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         for f in t.user:
             i = uframes.get(f)
             if i is None:
-                m = -1
+                m, address = -1, f.address
                 if f.kind == FRAME_RESOLVED:
                     m = mappings.setdefault((f.build_id, f.name), len(mappings))
                 elif f.kind == FRAME_JIT:
                     m = jit_names.setdefault(f.name, len(jit_names))
+                elif f.kind == FRAME_PYTHON:
+                    # Within what the decoder takes: names read from a process are the process's to choose,
+                    # and one past a limit would have the whole session refused.
+                    file = py_files.setdefault(f.file[:MAX_PY_FILE_CHARS], len(py_files))
+                    m = py_functions.setdefault((f.name[:MAX_PY_NAME_CHARS], file), len(py_functions))
+                    address = address if 0 <= address <= MAX_PY_LINE else 0  # 0: line unknown
                 i = uframes[f] = len(uframe_list)
-                uframe_list.append([f.kind, m, f.address])
+                uframe_list.append([f.kind, m, address])
             uidx.append(i)
         key = (tuple(kidx), tuple(uidx))
         si = stacks.get(key)
@@ -100,8 +115,10 @@ def session_to_wire(s: Session) -> dict[str, Any]:
     }
     if s.kernel.boot_id:  # absent when unknown, as from agents before it existed
         kernel["boot"] = s.kernel.boot_id
+    # Version 4 only for what version 3 cannot say: any other session stays readable by older symbolizers.
+    python = bool(py_functions or s.unwind.python)
     out: dict[str, Any] = {
-        "v": VERSION,
+        "v": VERSION if python else VERSION_WITHOUT_PYTHON,
         "id": s.session_id,
         "tenant": s.tenant,
         "service": s.service,
@@ -117,12 +134,13 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         "mappings": [bid for bid, _ in sorted(mappings, key=mappings.__getitem__)],
         "mapping_names": [name for _, name in sorted(mappings, key=mappings.__getitem__)],
         "jit_names": sorted(jit_names, key=jit_names.__getitem__),
-        "kframes": kframe_list,
-        "uframes": uframe_list,
-        "stacks": stack_list,
-        "threads": thread_list,
-        "traces": traces,
     }
+    if py_functions:
+        out["py_files"] = list(py_files)  # dicts keep insertion order: index order
+        out["py_functions"] = [[name, file] for name, file in py_functions]
+    out.update(
+        kframes=kframe_list, uframes=uframe_list, stacks=stack_list, threads=thread_list, traces=traces
+    )
     if pre_traces:
         out["pre_traces"] = pre_traces
         out["pre_trigger_ns"] = s.pre_trigger_ns
@@ -184,7 +202,9 @@ def work_of(m: Any) -> tuple[int, int, int]:
     for st in stacks:
         if isinstance(st, list):
             entries += sum(len(part) for part in st if isinstance(part, list))
-    return len(listed("kframes")) + len(listed("uframes")), len(stacks), entries
+    # (v4) a Python function costs no lookup but is a frame of the profile all the same
+    frames = len(listed("kframes")) + len(listed("uframes")) + len(listed("py_functions"))
+    return frames, len(stacks), entries
 
 
 def _overshoot(m: dict[str, Any], max_objects: int) -> float:
@@ -217,7 +237,7 @@ def encode_session_to_fit(s: Session, max_objects: int = 0) -> tuple[bytes, int]
 def encode_batch(encoded_sessions: Iterable[bytes]) -> bytes:
     """A request body from already-encoded sessions, without re-encoding them."""
     items = list(encoded_sessions)
-    head = _pack({"v": VERSION, "sessions": None})
+    head = _pack({"v": BATCH_VERSION, "sessions": None})
     # Replace the nil placeholder by an array header followed by the raw sessions.
     assert head.endswith(b"\xc0")
     n = len(items)

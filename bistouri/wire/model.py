@@ -9,9 +9,17 @@ from typing import Protocol
 
 from ..pressure import PressureFigures
 
-VERSION = 3
-# v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4
+# A session is written in VERSION only when it holds what version 3 cannot say (Python frames, a Python
+# note); any other is written as version 3, byte for byte as before, so that a symbolizer that reads up
+# to 3 still takes every session of an agent that sampled no Python (docs/wire-format.md, Compatibility).
+VERSION_WITHOUT_PYTHON = 3
+# The request envelope's `v` says how the envelope reads, and it has not changed since 3: each session
+# carries its own. A reader checks it against the versions it reads, so a 4 here would make a version-3
+# symbolizer refuse a whole batch of version-3 sessions.
+BATCH_VERSION = 3
+# v1: no mapping names, no JIT frames (old spool files); v2: no episode, no wait states; v3: no Python
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 # User frame kinds, as sent on the wire.
 FRAME_RESOLVED = 0  # mapping index (build id, file name) + file offset
@@ -72,6 +80,10 @@ MAX_RELEASE_CHARS = 256  # uname -r; the kernel's is 64
 MAX_SESSION_ID_CHARS = 64
 MAX_MAPPING_NAME_CHARS = 256  # a mapped file's base name (NAME_MAX is 255)
 MAX_JIT_NAME_CHARS = 1024  # a perf-map name (node's carry the script path and position)
+MAX_PY_NAME_CHARS = 1024  # (v4) a Python function's qualified name (Class.method.<locals>.f)
+MAX_PY_FILE_CHARS = 4096  # (v4) a Python code object's file name (co_filename: a path, PATH_MAX)
+MAX_PY_LINE = (1 << 31) - 1  # (v4) a Python frame's line (CPython's are C ints)
+MAX_PY_NOTE_KEYS = 16  # (v4) names in unwind.python: "named" and the reasons (a few known ones)
 
 
 @dataclass(frozen=True, slots=True)

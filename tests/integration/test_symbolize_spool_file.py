@@ -60,6 +60,23 @@ def test_symbolize_reads_a_real_spool_file(tmp_path: Path, demo_binary: DemoBina
     assert r.stdout == "main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k] 5\n"
 
 
+def test_symbolize_names_the_python_frames_of_a_version_4_spool_file(
+    tmp_path: Path, demo_binary: DemoBinary
+) -> None:
+    """`bistouri symbolize FILE` on a session with Python frames: each with its file and line."""
+    from tests.integration.test_symbolizer_python import APP, python_session
+
+    spool = Spool(str(tmp_path / "spool"), 1 << 20, registry=None, kernel_build_id=KERNEL_BUILD_ID)
+    name = spool.put("py-1", wire.encode_session(python_session("py-1", demo_binary)))
+    assert name is not None
+    kallsyms = tmp_path / "kallsyms"
+    kallsyms.write_bytes(KALLSYMS)
+    base = ("symbolize", str(tmp_path / "spool" / name), "--binary-dir", str(demo_binary.dir))
+    r = _run(*base, "--kallsyms", str(kallsyms), "--format", "folded")
+    assert r.returncode == 0, r.stderr
+    assert f"main;middle_step;<module> ({APP}:12);driver ({APP}:9);Worker.hot_loop ({APP}:7) 4\n" in r.stdout
+
+
 def test_a_damaged_spool_file_is_a_clear_error(tmp_path: Path, demo_binary: DemoBinary) -> None:
     path = _spooled(tmp_path, "spooled-2", demo_binary)
     raw = path.read_bytes()

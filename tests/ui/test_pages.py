@@ -126,6 +126,10 @@ def test_session_page_zoom_search_views(page, symbolizer_url, stored, screenshot
     # The data-quality note: how the user stacks were walked.
     assert "97% whole (to the entry), cut short: 3% no frame pointer" in meta, meta
     assert "frames: 90% .eh_frame, 10% frame pointer" in meta, meta
+    # (wire v4) CPython samples: named, or why not.
+    note = page.evaluate("() => Bistouri.unwindNote({python: {named: 47, version_unknown: 3}})")
+    assert note == "Python: 94% named, not: 6% version unknown", note
+    assert page.locator(".fg-legend .lg-python").is_visible()
 
     # Kernel frames are drawn in another colour family than user frames, and say so in the legend.
     assert page.locator(_frame("hrtimer_interrupt")).get_attribute("data-kind") == "kernel"

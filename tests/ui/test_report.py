@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from bistouri.symbolizer import formats
-from bistouri.symbolizer.model import KIND_JIT, KIND_KERNEL, KIND_VDSO, Frame, Profile, Sample, SessionMeta
+from bistouri.symbolizer.model import (
+    KIND_JIT,
+    KIND_KERNEL,
+    KIND_PYTHON,
+    KIND_VDSO,
+    Frame,
+    Profile,
+    Sample,
+    SessionMeta,
+)
 from bistouri.symbolizer.report import flamegraph_html
 
 # URLs that appear in the vendored d3 as XML namespace names and in its banner comment: not references.
@@ -37,6 +46,7 @@ def _profile() -> Profile:
         Frame(TRICKY, "app"),
         Frame("décode_µs", "app"),
         Frame("JS:*hotLoop", "[jit]", kind=KIND_JIT),
+        Frame("Worker.hot_loop", "[python]", "w.py", 6, kind=KIND_PYTHON),
     ]
     samples = [
         Sample((0, 1, 2), on_cpu=60),
@@ -46,6 +56,7 @@ def _profile() -> Profile:
         Sample((0, 7), on_cpu=5),
         Sample((0, 8), on_cpu=3),
         Sample((0, 9), on_cpu=2),
+        Sample((0, 10), on_cpu=4),
     ]
     meta = SessionMeta(
         "rec-1",
@@ -140,6 +151,18 @@ def test_report_renders_offline_from_file(browser, tmp_path: Path, screenshots: 
         user_fill = page.locator('g.frame[name="serve"] rect').evaluate("r => getComputedStyle(r).fill")
         r, g, b = (int(x) for x in re.findall(r"\d+", fill)[:3])
         assert g > r and g > b and fill != user_fill, fill  # green, unlike the warm user frames
+        # A Python function too: its own kind and colour (teal), its file:line in the tooltip.
+        py = page.locator('g.frame[name="Worker.hot_loop"]')
+        assert py.get_attribute("data-kind") == "python"
+        assert "Python" in page.locator(".fg-legend").inner_text()
+        py_fill = py.locator("rect").evaluate("r => getComputedStyle(r).fill")
+        r, g, b = (int(x) for x in re.findall(r"\d+", py_fill)[:3])
+        assert g > r and b > r and py_fill not in (fill, user_fill), py_fill
+        py.hover()
+        tip = page.locator(".fg-tip")
+        tip.wait_for()
+        assert "w.py:6" in tip.inner_text() and "PYTHON" in tip.inner_text().upper()
+        assert "Worker.hot_loop (w.py:6)" in page.locator(".fg-details").inner_text()
         assert page.evaluate("() => window.pwned") is None
         assert page.locator(f'g.frame[name="{TRICKY}"]').count() == 1
         # Zoom, search and views work without a server.

@@ -253,7 +253,7 @@ _frames = st.lists(
         module=st.sampled_from(["app", "libc.so.6", "vmlinux", ""]),
         file=st.sampled_from(["", "a.c", "b.h"]),
         line=st.integers(0, 5000),
-        kind=st.sampled_from(["user", "kernel", "vdso", "unknown"]),
+        kind=st.sampled_from(["user", "kernel", "vdso", "unknown", "jit", "python"]),
         inlined=st.booleans(),
     ),
     min_size=1,
@@ -323,3 +323,95 @@ def test_jit_frames_keep_their_names_in_every_format(profile_pb2: ModuleType) ->
     tree = formats.flamegraph(p, "on_cpu")
     assert tree["children"][0]["children"][0]["name"].startswith("JS:*hotLoop")
     assert tree["children"][0]["children"][0]["kind"] == "jit"
+
+
+def python_profile() -> Profile:
+    """A CPython process's stacks as the resolver makes them (wire v4): native frames, then the Python
+    functions where the eval loop was (one frame per line being run), then a C function they called."""
+    meta = SessionMeta("py-1", processes={30: "python3.11"}, period_ns=10_101_010)
+    frames = [
+        Frame("Py_RunMain", "libpython3.11.so.1.0", "Modules/main.c", 700),  # 0
+        Frame("<module>", "[python]", "w.py", 12, kind="python"),  # 1
+        Frame("driver", "[python]", "w.py", 9, kind="python"),  # 2
+        Frame("Worker.hot_loop", "[python]", "w.py", 6, kind="python"),  # 3
+        Frame("Worker.hot_loop", "[python]", "w.py", 7, kind="python"),  # 4: the same function, next line
+        Frame("compress", "[python]", "/usr/lib/python3.11/gzip.py", 0, kind="python"),  # 5: line unknown
+        Frame("deflate", "libz.so.1"),  # 6
+        Frame("run;x", "[python]", "a b.py", 3, kind="python"),  # 7: a name that would split a stack
+    ]
+    samples = [
+        Sample((0, 1, 2, 3), pid=30, tid=30, thread="python3.11", on_cpu=5),
+        Sample((0, 1, 2, 4), pid=30, tid=30, thread="python3.11", on_cpu=2),
+        Sample((0, 1, 2, 5, 6), pid=30, tid=31, thread="gz", on_cpu=3),
+        Sample((0, 7), pid=30, tid=30, thread="python3.11", on_cpu=1),
+    ]
+    return Profile(meta=meta, frames=frames, samples=samples)
+
+
+def test_python_frames_carry_their_file_and_line_in_every_format(profile_pb2: ModuleType) -> None:
+    """folded: `name (file:line)` as py-spy writes it; pprof: Function name and filename, Line.line;
+    speedscope: name, file, line; the tree: a node of kind python per line."""
+    p = python_profile()
+    assert formats.folded(p, "on_cpu") == (
+        "Py_RunMain;<module> (w.py:12);driver (w.py:9);Worker.hot_loop (w.py:6) 5\n"
+        "Py_RunMain;<module> (w.py:12);driver (w.py:9);Worker.hot_loop (w.py:7) 2\n"
+        "Py_RunMain;<module> (w.py:12);driver (w.py:9);compress (/usr/lib/python3.11/gzip.py);deflate 3\n"
+        "Py_RunMain;run:x (a b.py:3) 1\n"
+    )
+
+    msg = parse_pprof(profile_pb2, formats.pprof(p))
+    s = msg.string_table
+    functions = {f.id: f for f in msg.function}
+    locations = {loc.id: loc for loc in msg.location}
+    mappings = {m.id: m for m in msg.mapping}
+
+    def frames_of(sample: Any) -> list[tuple[str, str, int, str]]:
+        out = []
+        for lid in sample.location_id:  # leaf first
+            loc = locations[lid]
+            (line,) = loc.line
+            fn = functions[line.function_id]
+            out.append((s[fn.name], s[fn.filename], line.line, s[mappings[loc.mapping_id].filename]))
+        return out
+
+    assert frames_of(msg.sample[0]) == [
+        ("Worker.hot_loop", "w.py", 6, "[python]"),
+        ("driver", "w.py", 9, "[python]"),
+        ("<module>", "w.py", 12, "[python]"),
+        ("Py_RunMain", "Modules/main.c", 700, "libpython3.11.so.1.0"),
+    ]
+    assert frames_of(msg.sample[2])[:2] == [
+        ("deflate", "", 0, "libz.so.1"),
+        ("compress", "/usr/lib/python3.11/gzip.py", 0, "[python]"),
+    ]
+    # Lines 6 and 7 of hot_loop are one function (pprof aggregates by function unless asked for lines).
+    assert len({line.function_id for loc in msg.location for line in loc.line if line.line in (6, 7)}) == 1
+    py = next(m for m in msg.mapping if s[m.filename] == "[python]")
+    assert py.has_functions and py.has_filenames and py.has_line_numbers
+
+    doc = formats.speedscope(p)
+    shared = doc["shared"]["frames"]
+    assert {"name": "Worker.hot_loop", "file": "w.py", "line": 6} in shared
+    assert {"name": "compress", "file": "/usr/lib/python3.11/gzip.py"} in shared  # no line: none given
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, json.loads(SPEEDSCOPE_SCHEMA.read_text()))
+
+    tree = formats.flamegraph(p, "on_cpu")
+    driver = _find(tree, "Py_RunMain", "<module>", "driver")
+    assert (driver["kind"], driver["file"], driver["line"], driver["module"]) == (
+        "python",
+        "w.py",
+        9,
+        "[python]",
+    )
+    hot = [c for c in driver["children"] if c["name"] == "Worker.hot_loop"]
+    assert [(c["line"], c["value"]) for c in hot] == [(6, 5), (7, 2)]  # a node per line, as py-spy draws
+    assert formats.merge([p, p]).totals() == (22, 0, 0)
+    assert formats.profile_json(p)["frames"][3] == {
+        "name": "Worker.hot_loop",
+        "module": "[python]",
+        "file": "w.py",
+        "line": 6,
+        "kind": "python",
+        "inlined": False,
+    }

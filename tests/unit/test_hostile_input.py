@@ -114,16 +114,17 @@ def test_fuzz_itanium_shaped(tokens: list[str]) -> None:
 # msgpack shapes against the decoder
 
 
-def _session_map(**changes: Any) -> dict[str, Any]:
-    from tests.unit.test_wire import sample_session
+def _session_map(python: bool = False, **changes: Any) -> dict[str, Any]:
+    """A valid session map (python: version 4, with Python frames and note), with `changes`."""
+    from tests.unit.test_wire import python_session, sample_session
 
-    m = wire.session_to_wire(sample_session())
+    m = wire.session_to_wire(python_session() if python else sample_session())
     m.update(changes)
     return m
 
 
 def _batch(*sessions: Any) -> bytes:
-    return msgpack.packb({"v": wire.VERSION, "sessions": list(sessions)}, use_bin_type=True)
+    return msgpack.packb({"v": wire.BATCH_VERSION, "sessions": list(sessions)}, use_bin_type=True)
 
 
 def _peak_bytes(fn: Callable[[], Any]) -> int:
@@ -185,6 +186,23 @@ def test_oversized_arrays_and_strings_are_refused() -> None:
     ):
         with pytest.raises(WireError):
             wire.decode_batch(data)
+
+
+def test_python_tables_are_bounded_like_the_others() -> None:
+    """(v4) py_files and py_functions: strings within MAX_STR_BYTES, rows within MAX_ARRAY_LEN, and
+    the tables read row by row (longer than MAX_ARRAY_LEN as a whole, like every table)."""
+    for data in (
+        _batch(_session_map(python=True, py_files=["/" * (wire.MAX_STR_BYTES + 1)])),
+        _batch(_session_map(python=True, py_functions=[["f", 0, *[0] * wire.MAX_ARRAY_LEN]])),
+    ):
+        with pytest.raises(WireError) as e:
+            wire.decode_batch(data)
+        assert e.value.reason == "too_large"
+    many = 3 * wire.MAX_ARRAY_LEN
+    m = _session_map(python=True, py_files=[f"/m{i}.py" for i in range(many)])
+    m["py_functions"] = [[f"f{i}", i] for i in range(many)]
+    (back,) = wire.decode_batch(_batch(m))
+    assert len(wire.session_from_wire(back).traces) == len(m["traces"])
 
 
 def test_stack_frame_limits() -> None:
@@ -260,6 +278,7 @@ _VALUES = st.recursive(
     max_leaves=40,
 )
 _KEYS = ["v", "id", "trigger", "kernel", "mappings", "kframes", "uframes", "stacks", "threads", "traces"]
+_PY_KEYS = ["py_files", "py_functions", "unwind"]  # (v4)
 
 
 @st.composite
@@ -267,9 +286,16 @@ def _session_shapes(draw: st.DrawFn) -> Any:
     """A valid session with some fields replaced by arbitrary values, or anything at all."""
     if draw(st.booleans()):
         return draw(_VALUES)
-    m = _session_map()
-    for key in draw(st.lists(st.sampled_from(_KEYS + ["labels", "processes", "tenant"]), max_size=3)):
+    m = _session_map(python=draw(st.booleans()))
+    for key in draw(
+        st.lists(st.sampled_from(_KEYS + _PY_KEYS + ["labels", "processes", "tenant"]), max_size=3)
+    ):
         m[key] = draw(_VALUES)
+    if "py_functions" in m and draw(st.booleans()):  # a Python row or frame made wrong, the rest valid
+        table = draw(st.sampled_from(["py_files", "py_functions", "uframes"]))
+        rows = m.get(table)
+        if isinstance(rows, list) and rows:
+            rows[draw(st.integers(0, len(rows) - 1))] = draw(_VALUES)
     return m
 
 

@@ -416,6 +416,47 @@ def test_record_keeps_the_onset_and_the_wait_states_as_the_service_does(tmp_path
     assert [f.name for f in got.frames[: len(got.samples[0].stack)]][-1] == "do_syscall_64"
 
 
+def test_record_names_python_frames_as_the_service_does(tmp_path: Path) -> None:
+    """`bistouri record`'s outputs: a Python frame (wire v4) stays a python frame with its file and
+    line, between the native frames around it, and reaches folded as `name (file:line)`."""
+    from bistouri import wire
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.resolve import Resolver
+
+    build_id = b"\x42" * 20
+    store = KallsymsStore(str(tmp_path / "state"))
+    store.put(build_id, KALLSYMS)
+    user = (
+        wire.UserFrame(wire.FRAME_RESOLVED, b"\x07" * 20, 0x1234, "_zlib.so"),  # a file nowhere to be found
+        wire.UserFrame(wire.FRAME_PYTHON, b"", 6, "Worker.hot_loop", "w.py"),
+        wire.UserFrame(wire.FRAME_PYTHON, b"", 12, "<module>", "w.py"),
+        wire.UserFrame(wire.FRAME_RESOLVED, b"\x08" * 20, 0x99, "python3.11"),
+    )
+    session = wire.Session(
+        "s",
+        wire.Trigger("cpu"),
+        wire.KernelInfo("6.1", build_id, 0xFFFFFFFF81000000),
+        0,
+        1,
+        1,
+        processes={1: "python3.11"},
+        traces=[wire.Trace((0xFFFFFFFF81001010,), user, 1, 1, on_cpu=3)],
+    )
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        return Resolver(kernels=store, use_llvm=False, registry=None)
+
+    with resolver() as r:
+        want = r.symbolize(session)
+    got, stats = symcache.symbolize(session, symcache.SymbolCache(tmp_path / "c"), resolver, "k-test", [])
+    assert got.frames == want.frames and [s.stack for s in got.samples] == [s.stack for s in want.samples]
+    assert stats.labels == 2  # the Python frames: named by the agent, nothing to look up
+    assert formats.folded(got) == (
+        "python3.11+0x99;<module> (w.py:12);Worker.hot_loop (w.py:6);_zlib.so+0x1234;do_syscall_64_[k] 3\n"
+    )
+
+
 def test_a_binary_without_dwarf_is_named_from_its_cached_symbols_as_the_resolver_names_it(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ from bistouri.wire import decode as wire_decode
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "session-v3.msgpack"
 GOLDEN_V2 = GOLDEN.with_name("session-v2.msgpack")  # written by VERSION 2: no episode, no wait states
 GOLDEN_V1 = GOLDEN.with_name("session-v1.msgpack")  # written by VERSION 1: old spool files must still decode
+GOLDEN_V4 = GOLDEN.with_name("session-v4.msgpack")  # a session with Python frames (VERSION 4)
 
 
 def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False, v2: bool = False) -> wire.Session:
@@ -81,6 +82,50 @@ def sample_session(n_stacks: int = 3, repeat: int = 1, v1: bool = False, v2: boo
         traces=traces,
         episode=episode,
     )
+
+
+def python_frame(name: str, file: str, line: int) -> wire.UserFrame:
+    return wire.UserFrame(wire.FRAME_PYTHON, b"", line, name, file)
+
+
+def python_session() -> wire.Session:
+    """sample_session's, with a CPython process's stacks: Python frames where the eval loop's native
+    frame was, under a C function (libz) and over the interpreter's main, and the Python note."""
+    s = sample_session(n_stacks=2)
+    libpython, libz = bytes(range(40, 60)), bytes(range(60, 80))
+    main = wire.UserFrame(wire.FRAME_RESOLVED, libpython, 0x2A0F1, "libpython3.11.so.1.0")
+    module = python_frame("<module>", "/srv/app/w.py", 12)
+    driver = python_frame("driver", "/srv/app/w.py", 9)
+    traces = [
+        wire.Trace(
+            kernel=(),
+            user=(python_frame("Worker.hot_loop", "/srv/app/w.py", 6), driver, module, main),
+            pid=300,
+            tid=300,
+            on_cpu=40,
+        ),
+        wire.Trace(
+            kernel=(0xFFFFFFFF81000000,),
+            user=(
+                wire.UserFrame(wire.FRAME_RESOLVED, libz, 0x3310, "libz.so.1"),
+                python_frame("compress", "/usr/lib/python3.11/gzip.py", 0),  # line unknown
+                driver,
+                module,
+                main,
+            ),
+            pid=300,
+            tid=301,
+            on_cpu=7,
+            off_cpu=2,
+            off_cpu_ns=3_000_000,
+            wait=wire.WAIT_S,
+        ),
+    ]
+    s.traces = [*s.traces, *traces]
+    s.processes = {**s.processes, 300: "python3.11"}
+    s.threads = {**s.threads, 300: "python3.11", 301: "compressor"}
+    s.unwind = wire.UnwindSummary({"table": 120}, {"entry": 49}, {"named": 47, "version_unknown": 2})
+    return s
 
 
 def test_round_trip_is_exact():
@@ -193,7 +238,7 @@ def test_repeated_stacks_cost_under_20_bytes_per_sample():
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda m: m.update(v=4), "unsupported_version"),
+        (lambda m: m.update(v=5), "unsupported_version"),
         (lambda m: m["uframes"].append([wire.FRAME_JIT, 5, 1]), "malformed"),
         (lambda m: m.update(v=1), "malformed"),  # v1 knows no JIT frame (nor an empty build id)
         (lambda m: m["mapping_names"].pop(), "malformed"),
@@ -293,3 +338,155 @@ def test_a_session_over_the_symbolization_work_of_one_request_is_cut_to_fit():
     frames = wire.work_of(msgpack.unpackb(data, raw=False))[0]
     assert left_out > 0 and frames <= wire.MAX_FRAMES_PER_REQUEST
     assert frames > 0.8 * wire.MAX_FRAMES_PER_REQUEST, "no more left out than needed"
+
+
+def test_python_frames_round_trip_in_version_4():
+    s = python_session()
+    m = wire.session_to_wire(s)
+    assert m["v"] == 4
+    # One row per function, its file once: a frame is [4, function, line].
+    assert m["py_files"] == ["/srv/app/w.py", "/usr/lib/python3.11/gzip.py"]
+    assert m["py_functions"] == [["Worker.hot_loop", 0], ["driver", 0], ["<module>", 0], ["compress", 1]]
+    assert [f for f in m["uframes"] if f[0] == wire.FRAME_PYTHON] == [
+        [4, 0, 6],
+        [4, 1, 9],
+        [4, 2, 12],
+        [4, 3, 0],
+    ]
+    assert m["unwind"]["python"] == {"named": 47, "version_unknown": 2}
+    back = wire.decode_session(wire.encode_session(s))
+    assert back == s
+    hot = back.traces[-2].user[0]
+    assert (hot.kind, hot.name, hot.file, hot.address) == (
+        wire.FRAME_PYTHON,
+        "Worker.hot_loop",
+        "/srv/app/w.py",
+        6,
+    )
+
+
+def test_golden_bytes_of_version_4_are_stable():
+    data = wire.encode_session(python_session())
+    if not GOLDEN_V4.exists():  # first run writes it; the file is committed
+        GOLDEN_V4.write_bytes(data)
+    assert data == GOLDEN_V4.read_bytes(), (
+        "the wire format changed: bump VERSION and update docs/wire-format.md"
+    )
+    assert wire.decode_session(GOLDEN_V4.read_bytes()) == python_session()
+
+
+def test_a_session_without_python_stays_version_3_and_a_python_note_alone_makes_it_4():
+    """So that a symbolizer that reads up to 3 takes every session of an agent that sampled no Python."""
+    m = wire.session_to_wire(sample_session())
+    assert m["v"] == 3 and "py_files" not in m and "py_functions" not in m
+    s = sample_session()
+    s.unwind = wire.UnwindSummary(python={"no_thread_key": 5})
+    m = wire.session_to_wire(s)
+    assert (
+        m["v"] == 4
+        and "py_functions" not in m
+        and m["unwind"] == {"frames": {}, "walks": {}, "python": {"no_thread_key": 5}}
+    )
+    assert wire.decode_session(wire.encode_session(s)) == s
+
+
+def test_the_batch_envelope_stays_version_3_whatever_its_sessions():
+    """Each session says its own version; a 4 on the envelope would make an older symbolizer refuse
+    a whole batch, its version-3 sessions with it."""
+    body = wire.encode_batch([wire.encode_session(sample_session()), wire.encode_session(python_session())])
+    assert msgpack.unpackb(body, raw=False)["v"] == wire.BATCH_VERSION == 3
+    assert [m["v"] for m in wire.decode_batch(body)] == [3, 4]
+    v4_envelope = msgpack.packb({"v": 4, "sessions": []})
+    assert wire.decode_batch(v4_envelope) == []  # read: 1 to 4
+
+
+def test_python_tables_count_in_the_work_of_a_session():
+    m = wire.session_to_wire(python_session())
+    frames = wire.work_of(m)[0]
+    assert frames == len(m["kframes"]) + len(m["uframes"]) + len(m["py_functions"])
+    n = wire.count_objects(m)
+    data = msgpack.packb(m, use_bin_type=True)
+    wire_decode._Reader(data, max_objects=n).session()  # the new tables counted as the decoder counts
+    with pytest.raises(WireError, match="msgpack values"):
+        wire_decode._Reader(data, max_objects=n - 1).session()
+
+
+def test_a_python_session_too_large_for_one_request_is_cut_to_fit():
+    s = python_session()
+    many = [
+        dataclasses.replace(t, user=(python_frame(f"f{i}", f"/m{i}.py", 1 + i % 7), *t.user))
+        for i, t in enumerate(s.traces[-1:] * 400)
+    ]
+    s.traces = many
+    whole = wire.count_objects(wire.session_to_wire(s))
+    data, left_out = wire.encode_session_to_fit(s, max_objects=whole // 3)
+    assert 0 < left_out < 400
+    m = msgpack.unpackb(data, raw=False)
+    assert wire.count_objects(m) <= whole // 3 and len(m["py_functions"]) < 400
+    assert len(wire.decode_session(data).traces) == 400 - left_out
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m.update(v=3),  # kind 4 in a session below version 4
+        lambda m: m["uframes"].append([wire.FRAME_PYTHON, 99, 1]),  # no such function
+        lambda m: m["uframes"].append([wire.FRAME_PYTHON, 0, wire.MAX_PY_LINE + 1]),
+        lambda m: m["uframes"].append([wire.FRAME_PYTHON, 0, -1]),
+        lambda m: m["uframes"].append([True, 0, 1]),
+        lambda m: m["py_functions"].append(["f", 9]),  # no such file
+        lambda m: m["py_functions"].append(["f"]),
+        lambda m: m["py_functions"].append([7, 0]),
+        lambda m: m["py_functions"].append(["x" * (wire.MAX_PY_NAME_CHARS + 1), 0]),
+        lambda m: m["py_files"].append("/" * (wire.MAX_PY_FILE_CHARS + 1)),
+        lambda m: m["py_files"].append(b"/w.py"),
+        lambda m: m.update(py_files={}),
+        lambda m: m.update(py_functions="f"),
+        lambda m: m["unwind"].update(python={f"r{i}": 1 for i in range(wire.MAX_PY_NOTE_KEYS + 1)}),
+        lambda m: m["unwind"].update(python={"named": -1}),
+        lambda m: m["unwind"].update(python=[]),
+    ],
+)
+def test_invalid_python_frames_are_malformed(mutate):
+    m = wire.session_to_wire(python_session())
+    mutate(m)
+    with pytest.raises(WireError) as e:
+        wire.session_from_wire(msgpack.unpackb(msgpack.packb(m, use_bin_type=True), raw=False))
+    assert e.value.reason == "malformed"
+
+
+def test_python_limits_pass_at_their_limit_and_a_v3_session_ignores_python_keys():
+    m = wire.session_to_wire(python_session())
+    m["py_files"][0] = "/" * wire.MAX_PY_FILE_CHARS
+    m["py_functions"][0][0] = "f" * wire.MAX_PY_NAME_CHARS
+    m["uframes"].append([wire.FRAME_PYTHON, 0, wire.MAX_PY_LINE])
+    s = wire.session_from_wire(m)
+    assert len(s.traces[-2].user[0].file) == wire.MAX_PY_FILE_CHARS
+    # A version-3 session is read as a version-3 reader reads it: keys it does not know are ignored.
+    m3 = wire.session_to_wire(sample_session())
+    m3.update(py_files=7, py_functions=None, unwind={"python": "junk"})
+    assert wire.session_from_wire(m3).unwind.python == {}
+
+
+def test_a_reader_of_version_3_takes_the_batch_and_its_v3_sessions_and_refuses_the_v4_one_alone(monkeypatch):
+    """What an older symbolizer does with a newer agent's batch (its READABLE_VERSIONS were (1, 2, 3))."""
+    monkeypatch.setattr(wire_decode, "READABLE_VERSIONS", (1, 2, 3))
+    body = wire.encode_batch([wire.encode_session(sample_session()), wire.encode_session(python_session())])
+    v3, v4 = wire.decode_batch(body)  # the envelope says 3: read
+    assert wire.session_from_wire(v3) == sample_session()
+    with pytest.raises(WireError) as e:
+        wire.session_from_wire(v4)
+    assert e.value.reason == "unsupported_version"
+
+
+def test_python_names_and_lines_past_the_limits_are_cut_not_the_session():
+    """Names come from the target's memory: one too long (or a line out of range) must not have the
+    symbolizer refuse the whole session."""
+    s = python_session()
+    huge = python_frame("n" * (wire.MAX_PY_NAME_CHARS + 5), "/" + "d" * wire.MAX_PY_FILE_CHARS, -1)
+    far = python_frame("far", "/w.py", wire.MAX_PY_LINE + 1)
+    s.traces[-1] = dataclasses.replace(s.traces[-1], user=(huge, far, *s.traces[-1].user))
+    back = wire.decode_session(wire.encode_session(s))
+    got_huge, got_far = back.traces[-1].user[:2]
+    assert got_huge.name == "n" * wire.MAX_PY_NAME_CHARS and len(got_huge.file) == wire.MAX_PY_FILE_CHARS
+    assert (got_huge.address, got_far.address) == (0, 0)

@@ -122,6 +122,28 @@ def test_frames_the_service_cannot_open_still_say_which_file_and_jit_frames_keep
     ]
 
 
+def test_python_frames_need_no_symbolization_and_keep_their_file_and_line(
+    symfix: Path, tmp_path: Path
+) -> None:
+    """A Python frame (wire v4) was named by the agent: it stays a frame of its own kind, with its
+    function's file and the line being run, between the native frames around it."""
+    bid, off = _c(symfix)
+    user = (
+        U(bid, off["exported_die"]),  # a C function the Python code called
+        wire.UserFrame(wire.FRAME_PYTHON, b"", 6, "Worker.hot_loop", "/srv/w.py"),
+        wire.UserFrame(wire.FRAME_PYTHON, b"", 0, "<module>", "/srv/w.py"),  # line unknown
+        U(bid, off["exported_fail_fast"] + 1),
+    )
+    with _resolver(symfix, tmp_path) as r:
+        p = r.symbolize(_session([wire.Trace((), user, pid=42, tid=43, on_cpu=1)]))
+    frames = [p.frames[x] for x in p.samples[0].stack]
+    assert [(f.name, f.kind, f.module, f.file, f.line) for f in frames[1:3]] == [
+        ("<module>", "python", "[python]", "/srv/w.py", 0),
+        ("Worker.hot_loop", "python", "[python]", "/srv/w.py", 6),
+    ]
+    assert frames[0].name == "exported_fail_fast" and frames[-1].name == "exported_die"
+
+
 def test_return_addresses_are_looked_up_one_byte_back(symfix: Path, tmp_path: Path) -> None:
     """exported_fail_fast ends with a call to a noreturn function: its return address is past its end."""
     bid, off = _c(symfix)

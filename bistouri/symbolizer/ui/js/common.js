@@ -278,7 +278,9 @@
     const walks = (u && u.walks) || {};
     const nWalks = Object.values(walks).reduce((a, b) => a + b, 0);
     const nFrames = (frames.table || 0) + (frames.frame_pointer || 0);
-    if (!nWalks && !nFrames && !B.jitNotes(u && u.jit).length) return "";
+    const python = (u && u.python) || {};
+    const nPython = Object.values(python).reduce((a, b) => a + b, 0);
+    if (!nWalks && !nFrames && !nPython && !B.jitNotes(u && u.jit).length) return "";
     const pct = (n, of) => Math.round((100 * n) / of) + "%";
     const parts = [];
     if (nWalks) {
@@ -292,6 +294,12 @@
     if (nFrames) {
       parts.push("frames: " + pct(frames.table || 0, nFrames) + " .eh_frame, " +
         pct(frames.frame_pointer || 0, nFrames) + " frame pointer");
+    }
+    if (nPython) {
+      // CPython samples: with Python frames ("named"), or why not (the process's or the walk's reason).
+      const not = Object.entries(python).filter(([k, n]) => k !== "named" && n)
+        .sort((a, b) => b[1] - a[1]).map(([k, n]) => pct(n, nPython) + " " + k.replace(/_/g, " "));
+      parts.push("Python: " + pct(python.named || 0, nPython) + " named" + (not.length ? ", not: " + not.join(", ") : ""));
     }
     parts.push(...B.jitNotes(u && u.jit));
     return parts.join(" · ");

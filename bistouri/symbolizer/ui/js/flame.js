@@ -23,7 +23,9 @@
   const B = (global.Bistouri = global.Bistouri || {});
   const d3 = global.d3;
 
-  const KIND_LABEL = { kernel: "kernel", user: "user", vdso: "vDSO", jit: "JIT", unknown: "unknown", root: "root" };
+  const KIND_LABEL = {
+    kernel: "kernel", user: "user", vdso: "vDSO", jit: "JIT", python: "Python", unknown: "unknown", root: "root",
+  };
 
   // Stable small hash of a function name, in [0, 1).
   function hash01(name) {
@@ -38,8 +40,8 @@
   }
 
   // Kernel frames are cool (blue), user frames warm (red→yellow), vDSO violet, JIT
-  // code (named by a perf map) green, unknown grey. Lightness stays high enough for
-  // black labels.
+  // code (named by a perf map) green, Python functions teal (between the two), unknown
+  // grey. Lightness stays high enough for black labels.
   B.frameColor = function (kind, name) {
     const v = hash01(name);
     switch (kind) {
@@ -49,6 +51,8 @@
         return "hsl(" + Math.round(268 + 20 * v) + ", 55%, " + Math.round(74 + 8 * v) + "%)";
       case "jit":
         return "hsl(" + Math.round(100 + 35 * v) + ", 52%, " + Math.round(62 + 10 * v) + "%)";
+      case "python":
+        return "hsl(" + Math.round(160 + 16 * v) + ", 58%, " + Math.round(56 + 10 * v) + "%)";
       case "unknown":
         return "hsl(30, 4%, " + Math.round(72 + 10 * v) + "%)";
       case "root":
@@ -222,6 +226,7 @@
         legendItem("lg-kernel", B.frameColor("kernel", "schedule"), "kernel"),
         legendItem("lg-vdso", B.frameColor("vdso", "clock_gettime"), "vDSO"),
         legendItem("lg-jit", B.frameColor("jit", "JS:*hotLoop"), "JIT (perf map)"),
+        legendItem("lg-python", B.frameColor("python", "main"), "Python"),
         legendItem("lg-unknown", B.frameColor("unknown", "?"), "unknown"),
         B.el("span", { class: "lg-item lg-inlined", title: "Inlined into its caller (from DWARF)" },
           B.el("span", { class: "lg-swatch lg-swatch-inlined" }), B.el("i", null, "inlined")),
@@ -246,6 +251,12 @@
       let s = B.fmtValue(state.view, v);
       if (state.view === "on_cpu" && opts.periodNs && v > 0) s += " ≈ " + B.fmtNs(v * opts.periodNs) + " CPU";
       return s;
+    }
+
+    // A Python function's place, as py-spy writes it: " (w.py:6)"; other frames say it in the tooltip.
+    function where(data) {
+      if (data.kind !== "python" || !data.file) return "";
+      return " (" + data.file + (data.line ? ":" + data.line : "") + ")";
     }
 
     function tipHtml(d) {
@@ -467,7 +478,7 @@
         .setDetailsHandler((text) => {
           details.textContent = text || "";
         })
-        .setLabelHandler((d) => d.data.name + " — " + fmtV(d.data.value))
+        .setLabelHandler((d) => d.data.name + where(d.data) + " — " + fmtV(d.data.value))
         .onClick((d) => {
           state.focus = d.depth === 0 ? null : d;
           updateCrumbs();
