@@ -298,8 +298,11 @@ class GoPclnTab:
         for pc, val, nxt in self._runs(table, entry):
             if len(starts) >= MAX_DECODED_RUNS:
                 return _TOO_LONG  # kept as a mark: walked each time, never held
-            starts.append(pc)
-            values.append(val)
+            try:
+                starts.append(pc)
+                values.append(val)
+            except OverflowError:  # a damaged table's PC or value past 64 bits: walked each time instead
+                return _TOO_LONG
             cur = nxt
         return starts, values, cur
 
