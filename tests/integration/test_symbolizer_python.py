@@ -66,7 +66,7 @@ def python_session(sid: str, binary: DemoBinary) -> wire.Session:
     ]
     s.processes = {**s.processes, 200: "python3.11"}
     s.threads = {**s.threads, 200: "python3.11", 201: "gz"}
-    s.unwind = wire.UnwindSummary({"table": 50}, {"entry": 40}, {"named": 40, "version_unknown": 3})
+    s.unwind = wire.UnwindSummary({"table": 50}, {"entry": 40}, python={"named": 40, "version_unknown": 3})
     return s
 
 

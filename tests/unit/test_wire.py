@@ -124,7 +124,7 @@ def python_session() -> wire.Session:
     s.traces = [*s.traces, *traces]
     s.processes = {**s.processes, 300: "python3.11"}
     s.threads = {**s.threads, 300: "python3.11", 301: "compressor"}
-    s.unwind = wire.UnwindSummary({"table": 120}, {"entry": 49}, {"named": 47, "version_unknown": 2})
+    s.unwind = wire.UnwindSummary({"table": 120}, {"entry": 49}, python={"named": 47, "version_unknown": 2})
     return s
 
 
