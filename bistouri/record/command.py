@@ -16,9 +16,11 @@ attached and its targets armed (`loader.ObjectLoad` with `sampler_first` and
 without parsing the kernel's BTF. The profiler, the capture code, the metrics and
 the symbolizer are imported after, while the ring buffer already holds samples;
 the table-walking sampler and the off-CPU program load meanwhile into a second
-object sharing the maps, and the first sampler hands over to the second
-(`Profiler.attach_rest`). A command target is started only once both are
-attached.
+object sharing the maps, and the first sampler hands over to the second as soon
+as it is loaded. The target's unwind tables are built (or read from the disk
+cache) and loaded from `Profiler.start()` on, while the first sampler runs, so
+the table walk has them from its first sample. The off-CPU program is attached
+by `Profiler.attach_rest`; a command target is started only once it is.
 """
 
 from __future__ import annotations

@@ -384,6 +384,7 @@ class UnwindTables:
             log.info("No unwind table for %s: %s", where.name, e)
             return None
         used = time.thread_time() - cpu
+        log.debug("Unwind table built. file=%s rows=%d cpu_s=%.3f", where.name, t.row_count, used)
         self.stats.built += 1
         self.stats.build_cpu_s += used
         if cached:
@@ -530,6 +531,7 @@ class UnwindTables:
             proc.write(self._mappings_map, self._procs_map, pid)
             self._tables_changed()
             self.stats.procs = len(self._procs)
+        log.debug("Unwind tables published. pid=%d files=%d", pid, len(entries))
 
     def _drop_proc(self, pid: int) -> None:
         with self._lock:
