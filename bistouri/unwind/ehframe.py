@@ -24,6 +24,7 @@ with a reason (`UnwindTableError.reason`, counted by the unwind builder).
 from __future__ import annotations
 
 import bisect
+import itertools
 import struct
 from dataclasses import dataclass
 
@@ -105,38 +106,6 @@ class _Budget:
         self.entries -= 1
         if self.entries < 0:
             raise CfiBoundError("too_many_entries", self.limits.max_entries)
-
-
-class _Rows:
-    """One FDE's rows as the program runs, packed (`ROW`): the last one of a PC kept, runs of one
-    rule merged, nothing at or past the FDE's end; each row kept is taken from the budget."""
-
-    __slots__ = ("budget", "buf", "end", "last_pc", "last_rule")
-
-    def __init__(self, budget: _Budget, end: int) -> None:
-        self.budget = budget
-        self.end = end
-        self.buf = bytearray()
-        self.last_pc = -1
-        self.last_rule: Rule | None = None
-
-    def add(self, pc: int, rule: Rule) -> None:
-        if pc >= self.end:
-            return
-        if pc == self.last_pc:
-            del self.buf[-ROW.size :]
-            self.budget.rows += 1
-            self.last_pc = -1
-            self.last_rule = ROW.unpack_from(self.buf, len(self.buf) - ROW.size)[1:] if self.buf else None
-        if rule == self.last_rule:
-            return
-        if not 0 <= pc <= 0xFFFF_FFFF:
-            raise ValueError(f"PC 0x{pc:x} does not fit the 32-bit rows")
-        self.budget.rows -= 1
-        if self.budget.rows < 0:
-            raise CfiBoundError("too_many_rows", self.budget.limits.max_rows)
-        self.buf += ROW.pack(pc, *rule)
-        self.last_pc, self.last_rule = pc, rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,156 +265,342 @@ _END: Rule = (0, 0, CfaKind.END, RbpKind.UNCHANGED)
 _OTHER: Rule = (0, 0, CfaKind.OTHER, RbpKind.OTHER)
 
 
-def _rule(st: _State, signal: bool) -> Rule:
+def _rule_bits(rule: Rule) -> int:
+    """A rule as the 8 bytes after the PC in ROW, read as one little-endian integer."""
+    return int.from_bytes(ROW.pack(0, *rule)[4:], "little")
+
+
+class _Packer:
+    """FDEs' rows packed into ROW records, one struct.pack call an FDE."""
+
+    __slots__ = ("structs",)
+
+    def __init__(self) -> None:
+        self.structs: dict[int, struct.Struct] = {}  # rows -> "<IQ" that many times (ROW's layout)
+
+    def pack(self, start: int, pcs: list[int], rules: list[int]) -> bytes:
+        """ROW records of (start + pc, rule) each."""
+        n = len(pcs)
+        st = self.structs.get(n)
+        if st is None:
+            st = self.structs[n] = struct.Struct("<" + "IQ" * n)
+        flat: list[int] = [0] * (2 * n)
+        flat[0::2] = [start + pc for pc in pcs] if start else pcs
+        flat[1::2] = rules
+        return st.pack(*flat)
+
+
+# A rule as the CFA program leaves it: (kind, n) for RBP and the return address.
+_SAME = ("same", 0)
+_RA_AT_CFA_MINUS_8 = ("offset", -8)
+_NO_END = 1 << 64  # rows wherever the program puts them (relative ones, cut per FDE)
+_MEMO_PROGRAM_BYTES = 256  # FDE programs up to this long are evaluated once per file (_Programs)
+_MEMO_MAX_BYTES = 16 << 20  # what those evaluations may hold, about
+_RULES_CACHED = 4096  # distinct rule sets remembered per file (_run's rules_of)
+
+
+def _rule(
+    cfa_reg: int,
+    cfa_off: int,
+    cfa_expr: Buffer | None,
+    rbp: tuple[str, int],
+    ra: tuple[str, int],
+    signal: bool,
+) -> Rule:
     if signal:
         return _SIGNAL
-    if st.ra[0] == "undefined":
+    if ra[0] == "undefined":
         return _END
-    if st.ra != ("offset", -8):
+    if ra != _RA_AT_CFA_MINUS_8:
         return _OTHER
-    if st.cfa_expr is not None:
-        n = _plt_threshold(st.cfa_expr)
+    if cfa_expr is not None:
+        n = _plt_threshold(cfa_expr)
         kind, off = (CfaKind.PLT, n) if n is not None else (CfaKind.OTHER, 0)
-    elif st.cfa_reg == REG_RSP and 0 <= st.cfa_off <= _MAX_OFFSET:
-        kind, off = CfaKind.RSP, st.cfa_off
-    elif st.cfa_reg == REG_RBP and 0 <= st.cfa_off <= _MAX_OFFSET:
-        kind, off = CfaKind.RBP, st.cfa_off
+    elif cfa_reg == REG_RSP and 0 <= cfa_off <= _MAX_OFFSET:
+        kind, off = CfaKind.RSP, cfa_off
+    elif cfa_reg == REG_RBP and 0 <= cfa_off <= _MAX_OFFSET:
+        kind, off = CfaKind.RBP, cfa_off
     else:
         kind, off = CfaKind.OTHER, 0
-    rule, n = st.rbp
-    if rule == "same":
+    how, n = rbp
+    if how == "same":
         return (off, 0, kind, RbpKind.UNCHANGED)
-    if rule == "offset" and -32768 <= n <= 32767:
+    if how == "offset" and -32768 <= n <= 32767:
         return (off, n, kind, RbpKind.AT_CFA)
     return (off, 0, kind, RbpKind.OTHER)
 
 
+def _uleb(data: Buffer, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return result, pos
+
+
+def _sleb(data: Buffer, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            if b & 0x40:
+                result -= 1 << shift
+            return result, pos
+
+
+@dataclass(slots=True)
+class _Evaluated:
+    """What a CFA program run leaves: the rule set after it, and its rows (see _run)."""
+
+    state: _State
+    pcs: list[int]
+    rules: list[int]  # as _rule_bits
+    relative: bool  # no set_loc: the rows' PCs are the start's plus what the program advanced
+
+
 def _run(
-    cie: _Cie, program: Buffer, start: int, initial: _State | None, rows: _Rows | None, budget: _Budget
-) -> _State:
-    """Run a CFA program from `start`; add a row at each advance to `rows` (None: CIE initial rules)."""
-    st = initial.copy() if initial is not None else _State()
-    init = initial if initial is not None else st
-    stack: list[_State] = []
-    r = _Reader(program)
-    loc = start
-    n = len(program)
+    cie: _Cie,
+    program: Buffer,
+    start: int,
+    initial: _State | None,
+    budget: _Budget,
+    end: int = -1,
+    rules_of: dict[tuple[object, ...], int] | None = None,
+) -> _Evaluated:
+    """Run a CFA program from `start`, a row at each advance while the PC is below `end` (none
+    by default: the CIE's initial rules): the last row of a PC kept, runs of one rule merged.
+    The rows' rules are in ROW's bytes after the PC (`_rule_bits`). `rules_of`: those already
+    worked out, by rule set (a file has few distinct ones).
+
+    One loop with the rule set in locals (the hottest code of a table build): a file's CFI has
+    hundreds of thousands of instructions."""
+    if initial is None:
+        cfa_reg, cfa_off, cfa_expr, rbp, ra = REG_RSP, 8, None, _SAME, _RA_AT_CFA_MINUS_8
+    else:
+        cfa_reg, cfa_off, cfa_expr, rbp, ra = (
+            initial.cfa_reg,
+            initial.cfa_off,
+            initial.cfa_expr,
+            initial.rbp,
+            initial.ra,
+        )
     limits = budget.limits
     ops = min(limits.max_ops, budget.ops)
+    budget_ops = budget.ops
+    stack: list[tuple[int, int, Buffer | None, tuple[str, int], tuple[str, int]]] = []
+    pcs: list[int] = []
+    rules: list[int] = []
+    last_pc = -1
+    last_rule = -1
+    rule = -1  # of the current rule set, once computed; -1 after any change
+    relative = True
+    if rules_of is None:
+        rules_of = {}
+    code_align, data_align, ra_reg, signal = cie.code_align, cie.data_align, cie.ra_reg, cie.signal
+    loc = start
+    pos = 0
+    n = len(program)
+    data = program
+    while True:
+        advance = -1
+        if pos < n:
+            ops -= 1
+            if ops < 0:
+                budget.ops = budget_ops - (min(limits.max_ops, budget_ops) - ops)
+                raise CfiBoundError("program_too_long", limits.max_ops)
+            op = data[pos]
+            pos += 1
+            hi = op & 0xC0
+            if hi == 0x40:
+                advance = op & 0x3F
+            elif hi == 0x80:
+                v = data[pos]
+                if v < 0x80:
+                    pos += 1
+                else:
+                    v, pos = _uleb(data, pos)
+                reg = op & 0x3F
+                if reg == REG_RBP:
+                    rbp = ("offset", v * data_align)
+                elif reg == ra_reg:
+                    ra = ("offset", v * data_align)
+                rule = -1
+                continue
+            elif hi == 0xC0:
+                if initial is not None:
+                    reg = op & 0x3F
+                    if reg == REG_RBP:
+                        rbp = initial.rbp
+                    elif reg == ra_reg:
+                        ra = initial.ra
+                    rule = -1
+                continue
+            elif op == 0x0E:  # def_cfa_offset
+                cfa_off = data[pos]
+                if cfa_off < 0x80:
+                    pos += 1
+                else:
+                    cfa_off, pos = _uleb(data, pos)
+                rule = -1
+                continue
+            elif op == 0x00:
+                continue
+            elif op == 0x02:
+                advance = data[pos]
+                pos += 1
+            elif op == 0x0A:
+                if len(stack) >= limits.max_states:
+                    raise CfiBoundError("too_many_states", limits.max_states)
+                stack.append((cfa_reg, cfa_off, cfa_expr, rbp, ra))
+                continue
+            elif op == 0x0B:
+                if stack:  # the whole row comes back, CFA rules too (DWARF 5 6.4.2.4)
+                    cfa_reg, cfa_off, cfa_expr, rbp, ra = stack.pop()
+                    rule = -1
+                continue
+            elif op == 0x0C:
+                cfa_reg, pos = _uleb(data, pos)
+                cfa_off, pos = _uleb(data, pos)
+                cfa_expr = None
+                rule = -1
+                continue
+            elif op == 0x0D:
+                cfa_reg, pos = _uleb(data, pos)
+                cfa_expr = None
+                rule = -1
+                continue
+            else:
+                pos, advance, new_loc, state = _rare_op(
+                    cie, data, pos, op, (cfa_reg, cfa_off, cfa_expr, rbp, ra), initial, limits
+                )
+                cfa_reg, cfa_off, cfa_expr, rbp, ra = state
+                rule = -1
+                if new_loc is None:
+                    if advance < 0:
+                        continue
+                else:  # set_loc: a row at the old PC, then the new one
+                    relative = False
+                    advance = -2
+        # A row at loc (an advance, a set_loc, or the end of the program), then the PC moves.
+        if loc < end:
+            if rule < 0:
+                rule_set = (cfa_reg, cfa_off, cfa_expr, rbp, ra, signal)
+                rule = rules_of.get(rule_set, -1)
+                if rule < 0:
+                    rule = _rule_bits(_rule(cfa_reg, cfa_off, cfa_expr, rbp, ra, signal))
+                    if len(rules_of) < _RULES_CACHED:
+                        rules_of[rule_set] = rule
+            if loc == last_pc:
+                pcs.pop()
+                rules.pop()
+                last_rule = rules[-1] if rules else -1
+                last_pc = -1
+            if rule != last_rule:
+                if end != _NO_END and not 0 <= loc <= 0xFFFF_FFFF:
+                    raise ValueError(f"PC 0x{loc:x} does not fit the 32-bit rows")
+                pcs.append(loc)
+                rules.append(rule)
+                last_pc, last_rule = loc, rule
+        if advance >= 0:
+            loc += advance * code_align
+        elif advance == -2:
+            loc = new_loc  # type: ignore[assignment]
+        else:
+            break
+    budget.ops = budget_ops - (min(limits.max_ops, budget_ops) - ops)
+    return _Evaluated(_State(cfa_reg, cfa_off, cfa_expr, rbp, ra), pcs, rules, relative)
+
+
+_RuleSet = tuple[int, int, "Buffer | None", tuple[str, int], tuple[str, int]]
+
+
+def _rare_op(
+    cie: _Cie, data: Buffer, pos: int, op: int, state: _RuleSet, initial: _State | None, limits: CfiLimits
+) -> tuple[int, int, int | None, _RuleSet]:
+    """The instructions _run's loop leaves out: (position after, advance or -1, set_loc's new PC
+    or None, the rule set after)."""
+    cfa_reg, cfa_off, cfa_expr, rbp, ra = state
+    advance = -1
+    new_loc = None
 
     def set_reg(reg: int, rule: tuple[str, int]) -> None:
+        nonlocal rbp, ra
         if reg == REG_RBP:
-            st.rbp = rule
+            rbp = rule
         elif reg == cie.ra_reg:
-            st.ra = rule
+            ra = rule
 
-    def restore(reg: int) -> None:
-        if reg == REG_RBP:
-            st.rbp = init.rbp
-        elif reg == cie.ra_reg:
-            st.ra = init.ra
-
-    def advance(delta: int) -> None:
-        nonlocal loc
-        if rows is not None:
-            rows.add(loc, _rule(st, cie.signal))
-        loc += delta * cie.code_align
-
-    while r.pos < n:
-        ops -= 1
-        if ops < 0:
-            raise CfiBoundError("program_too_long", limits.max_ops)
-        budget.ops -= 1
-        op = r.u8()
-        hi, low = op & 0xC0, op & 0x3F
-        if hi == 0x40:
-            advance(low)
-        elif hi == 0x80:
-            set_reg(low, ("offset", r.uleb() * cie.data_align))
-        elif hi == 0xC0:
-            restore(low)
-        elif op == 0x00:
-            pass
-        elif op == 0x01:  # set_loc
-            new = r.encoded(cie.fde_encoding & 0x0F) if cie.has_z else r.unpack("<Q", 8)
-            if rows is not None:
-                rows.add(loc, _rule(st, cie.signal))
-            loc = new
-        elif op == 0x02:
-            advance(r.u8())
-        elif op == 0x03:
-            advance(r.unpack("<H", 2))
-        elif op == 0x04:
-            advance(r.unpack("<I", 4))
-        elif op == 0x05:
-            reg = r.uleb()
-            set_reg(reg, ("offset", r.uleb() * cie.data_align))
-        elif op == 0x06:
-            restore(r.uleb())
-        elif op == 0x07:
-            set_reg(r.uleb(), ("undefined", 0))
-        elif op == 0x08:
-            set_reg(r.uleb(), ("same", 0))
-        elif op == 0x09:
-            reg = r.uleb()
-            r.uleb()
-            set_reg(reg, ("other", 0))
-        elif op == 0x0A:
-            if len(stack) >= limits.max_states:
-                raise CfiBoundError("too_many_states", limits.max_states)
-            stack.append(st.copy())
-        elif op == 0x0B:
-            if stack:
-                saved = stack.pop()
-                # restore_state keeps the CFA rules too (DWARF 5 6.4.2.4): the whole row comes back
-                st.cfa_reg, st.cfa_off, st.cfa_expr, st.rbp, st.ra = (
-                    saved.cfa_reg,
-                    saved.cfa_off,
-                    saved.cfa_expr,
-                    saved.rbp,
-                    saved.ra,
-                )
-        elif op == 0x0C:
-            st.cfa_reg = r.uleb()
-            st.cfa_off = r.uleb()
-            st.cfa_expr = None
-        elif op == 0x0D:
-            st.cfa_reg = r.uleb()
-            st.cfa_expr = None
-        elif op == 0x0E:
-            st.cfa_off = r.uleb()
-        elif op == 0x0F:
-            size = r.uleb()
-            st.cfa_expr = program[r.pos : r.pos + size]
-            r.pos += size
-        elif op == 0x10 or op == 0x16:  # expression, val_expression
-            reg = r.uleb()
-            size = r.uleb()
-            r.pos += size
-            set_reg(reg, ("other", 0))
-        elif op == 0x11:
-            reg = r.uleb()
-            set_reg(reg, ("offset", r.sleb() * cie.data_align))
-        elif op == 0x12:
-            st.cfa_reg = r.uleb()
-            st.cfa_off = r.sleb() * cie.data_align
-            st.cfa_expr = None
-        elif op == 0x13:
-            st.cfa_off = r.sleb() * cie.data_align
-        elif op == 0x14 or op == 0x15:  # val_offset(_sf): a value, not a save slot
-            reg = r.uleb()
-            r.uleb() if op == 0x14 else r.sleb()
-            set_reg(reg, ("other", 0))
-        elif op == 0x2E:  # GNU_args_size
-            r.uleb()
-        elif op == 0x2F:  # GNU_negative_offset_extended
-            reg = r.uleb()
-            set_reg(reg, ("offset", -r.uleb() * cie.data_align))
-        else:
-            raise ValueError(f"unknown DW_CFA opcode 0x{op:02x}")
-    if rows is not None:
-        rows.add(loc, _rule(st, cie.signal))
-    return st
+    if op == 0x01:  # set_loc
+        r = _Reader(data, pos)
+        new_loc = r.encoded(cie.fde_encoding & 0x0F) if cie.has_z else r.unpack("<Q", 8)
+        pos = r.pos
+    elif op == 0x03:
+        advance = struct.unpack_from("<H", data, pos)[0]
+        pos += 2
+    elif op == 0x04:
+        advance = struct.unpack_from("<I", data, pos)[0]
+        pos += 4
+    elif op == 0x05:
+        reg, pos = _uleb(data, pos)
+        v, pos = _uleb(data, pos)
+        set_reg(reg, ("offset", v * cie.data_align))
+    elif op == 0x06:
+        reg, pos = _uleb(data, pos)
+        if initial is not None:
+            if reg == REG_RBP:
+                rbp = initial.rbp
+            elif reg == cie.ra_reg:
+                ra = initial.ra
+    elif op == 0x07:
+        reg, pos = _uleb(data, pos)
+        set_reg(reg, ("undefined", 0))
+    elif op == 0x08:
+        reg, pos = _uleb(data, pos)
+        set_reg(reg, _SAME)
+    elif op == 0x09:
+        reg, pos = _uleb(data, pos)
+        _, pos = _uleb(data, pos)
+        set_reg(reg, ("other", 0))
+    elif op == 0x0F:
+        size, pos = _uleb(data, pos)
+        cfa_expr = bytes(data[pos : pos + size])  # hashable: _run looks rules up by state
+        pos += size
+    elif op == 0x10 or op == 0x16:  # expression, val_expression
+        reg, pos = _uleb(data, pos)
+        size, pos = _uleb(data, pos)
+        pos += size
+        set_reg(reg, ("other", 0))
+    elif op == 0x11:
+        reg, pos = _uleb(data, pos)
+        v, pos = _sleb(data, pos)
+        set_reg(reg, ("offset", v * cie.data_align))
+    elif op == 0x12:
+        cfa_reg, pos = _uleb(data, pos)
+        v, pos = _sleb(data, pos)
+        cfa_off = v * cie.data_align
+        cfa_expr = None
+    elif op == 0x13:
+        v, pos = _sleb(data, pos)
+        cfa_off = v * cie.data_align
+    elif op == 0x14 or op == 0x15:  # val_offset(_sf): a value, not a save slot
+        reg, pos = _uleb(data, pos)
+        _, pos = _uleb(data, pos) if op == 0x14 else _sleb(data, pos)
+        set_reg(reg, ("other", 0))
+    elif op == 0x2E:  # GNU_args_size
+        _, pos = _uleb(data, pos)
+    elif op == 0x2F:  # GNU_negative_offset_extended
+        reg, pos = _uleb(data, pos)
+        v, pos = _uleb(data, pos)
+        set_reg(reg, ("offset", -v * cie.data_align))
+    else:
+        raise ValueError(f"unknown DW_CFA opcode 0x{op:02x}")
+    return pos, advance, new_loc, (cfa_reg, cfa_off, cfa_expr, rbp, ra)
 
 
 def _parse_cie(r: _Reader, view: memoryview, end: int, debug_frame: bool) -> _Cie:
@@ -505,6 +660,7 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
     budget.ops = len(data) + limits.max_ops
     cies: dict[int, _Cie] = {}
     initial: dict[int, _State] = {}
+    programs = _Programs(budget)
     out: list[Fde] = []
     pos = 0
     size = len(data)
@@ -534,7 +690,7 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
         if is_cie:
             cie = _parse_cie(r, view, end, debug_frame)
             cies[start] = cie
-            initial[start] = _run(cie, cie.instructions, 0, None, None, budget)
+            initial[start] = _run(cie, cie.instructions, 0, None, budget).state
         else:
             cie_at = cie_id if debug_frame else body - cie_id
             cie_or_none = cies.get(cie_at)
@@ -545,7 +701,7 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
                 cr = _Reader(data, cie_at + 4 + idsize, address)
                 cie_or_none = _parse_cie(cr, view, cie_at + 4 + cr_len, debug_frame)
                 cies[cie_at] = cie_or_none
-                initial[cie_at] = _run(cie_or_none, cie_or_none.instructions, 0, None, None, budget)
+                initial[cie_at] = _run(cie_or_none, cie_or_none.instructions, 0, None, budget).state
             cie = cie_or_none
             if debug_frame:
                 pc_begin = r.unpack("<Q", 8)
@@ -556,11 +712,55 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
             if cie.has_z:
                 r.pos += r.uleb()  # augmentation data (LSDA pointer)
             if pc_range:
-                rows = _Rows(budget, pc_begin + pc_range)
-                _run(cie, view[r.pos : end], pc_begin, initial[cie_at], rows, budget)
-                out.append(Fde(pc_begin, pc_begin + pc_range, bytes(rows.buf)))
+                out.append(programs.fde(cie, cie_at, initial[cie_at], view[r.pos : end], pc_begin, pc_range))
         pos = end
     return out
+
+
+class _Programs:
+    """FDEs evaluated, each distinct short program once per CIE (`_MEMO_PROGRAM_BYTES`).
+
+    Most FDEs of a large binary run a program another one has (cc1plus: 49 000 FDEs, 20 000
+    programs): its rows are kept relative to the FDE's start and moved to each FDE's, cut at its
+    end (rows only ever advance, so the rows before the end are those a run from that start gives).
+    Bounded in bytes (`_MEMO_MAX_BYTES`): a hostile file of distinct programs is only run
+    uncached. Every FDE's rows count against the budget, cached or not."""
+
+    __slots__ = ("budget", "bytes", "memo", "packer", "rules_of")
+
+    def __init__(self, budget: _Budget) -> None:
+        self.budget = budget
+        self.packer = _Packer()
+        self.memo: dict[tuple[int, bytes], tuple[list[int], list[int]]] = {}
+        self.bytes = 0
+        self.rules_of: dict[tuple[object, ...], int] = {}
+
+    def fde(self, cie: _Cie, cie_at: int, initial: _State, program: Buffer, start: int, size: int) -> Fde:
+        rows = None
+        if len(program) <= _MEMO_PROGRAM_BYTES:
+            key = (cie_at, bytes(program))
+            rows = self.memo.get(key)
+            if rows is None and self.bytes < _MEMO_MAX_BYTES:
+                ev = _run(cie, key[1], 0, initial, self.budget, _NO_END, self.rules_of)
+                if ev.relative:  # no set_loc in it
+                    rows = self.memo[key] = (ev.pcs, ev.rules)
+                    self.bytes += len(key[1]) + 16 * len(ev.pcs) + 100
+        if rows is None:
+            ev = _run(cie, program, start, initial, self.budget, start + size, self.rules_of)
+            pcs, bits, base = ev.pcs, ev.rules, 0
+        else:
+            pcs, bits = rows
+            if pcs and pcs[-1] >= size:
+                cut = bisect.bisect_left(pcs, size)
+                pcs, bits = pcs[:cut], bits[:cut]
+            if pcs and start + pcs[-1] > 0xFFFF_FFFF:
+                raise ValueError(f"PC 0x{start + pcs[-1]:x} does not fit the 32-bit rows")
+            base = start
+        budget = self.budget
+        budget.rows -= len(pcs)
+        if budget.rows < 0:
+            raise CfiBoundError("too_many_rows", budget.limits.max_rows)
+        return Fde(start, start + size, self.packer.pack(base, pcs, bits))
 
 
 def file_fdes(elf: ElfFile, limits: CfiLimits | None = None) -> list[Fde]:
@@ -604,7 +804,19 @@ def _compile(fdes: list[Fde]) -> bytearray:
         if last is not None and last[0] >= f.start and last[3] == CfaKind.NONE:
             del out[-size:]  # the previous FDE's end marker: this one starts there
             last = ROW.unpack_from(out, len(out) - size) if out else None
-        for row in (*ROW.iter_unpack(f.packed), (f.end, 0, 0, CfaKind.NONE, RbpKind.UNCHANGED)):
+        marker = (f.end, 0, 0, CfaKind.NONE, RbpKind.UNCHANGED)
+        rows = f.packed
+        for i, row in enumerate(itertools.chain(ROW.iter_unpack(rows), (marker,))):
+            if i == 1 and last is not None and last[0] < row[0]:
+                # An FDE's own rows rise in PC with no rule twice in a row, and its end is past
+                # them, the marker's rule (NONE) none of them: past its first row, all go in as
+                # they are (the rest of this loop would keep every one).
+                if f.end > 0xFFFF_FFFF:
+                    raise ValueError(f"PC 0x{f.end:x} does not fit the 32-bit rows")
+                out += rows[size:]
+                out += ROW.pack(*marker)
+                last = marker
+                break
             if last is not None and last[0] == row[0]:
                 del out[-size:]
                 last = ROW.unpack_from(out, len(out) - size) if out else None
