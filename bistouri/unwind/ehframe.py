@@ -26,9 +26,11 @@ with a reason (`UnwindTableError.reason`, counted by the unwind builder).
 
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..bpf.abi import CfaKind, RbpKind
@@ -107,7 +109,7 @@ class _Packer:
     def __init__(self) -> None:
         self.structs: dict[int, struct.Struct] = {}  # rows -> "<IQ" that many times (ROW's layout)
 
-    def pack(self, start: int, pcs: list[int], rules: list[int]) -> bytes:
+    def pack(self, start: int, pcs: Sequence[int], rules: Sequence[int]) -> bytes:
         """ROW records of (start + pc, rule) each."""
         n = len(pcs)
         st = self.structs.get(n)
@@ -240,14 +242,15 @@ class _Programs:
     programs): its rows are kept relative to the FDE's start and moved to each FDE's, cut at its
     end (rows only ever advance, so the rows before the end are those a run from that start gives).
     Bounded in bytes (`_MEMO_MAX_BYTES`): a hostile file of distinct programs is only run
-    uncached. Every FDE's rows count against the budget, cached or not."""
+    uncached; rows are kept as arrays (12 bytes each, not two int objects). Every FDE's rows count
+    against the budget, cached or not."""
 
     __slots__ = ("budget", "bytes", "memo", "packer", "rules_of")
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
         self.packer = _Packer()
-        self.memo: dict[tuple[int, bytes], tuple[list[int], list[int]]] = {}
+        self.memo: dict[tuple[int, bytes], tuple[array.array[int], array.array[int]]] = {}
         self.bytes = 0
         self.rules_of: dict[tuple[object, ...], int] = {}
 
@@ -258,9 +261,11 @@ class _Programs:
             rows = self.memo.get(key)
             if rows is None and self.bytes < _MEMO_MAX_BYTES:
                 ev = run_program(cie, key[1], 0, initial, self.budget, NO_END, self.rules_of)
-                if ev.relative:  # no set_loc in it
-                    rows = self.memo[key] = (ev.pcs, ev.rules)
-                    self.bytes += len(key[1]) + 16 * len(ev.pcs) + 100
+                if ev.relative and (not ev.pcs or ev.pcs[-1] <= 0xFFFF_FFFF):  # no set_loc in it
+                    rows = self.memo[key] = (array.array("I", ev.pcs), array.array("Q", ev.rules))
+                    self.bytes += len(key[1]) + 12 * len(ev.pcs) + 250  # and the entry's objects
+        pcs: Sequence[int]
+        bits: Sequence[int]
         if rows is None:
             ev = run_program(cie, program, start, initial, self.budget, start + size, self.rules_of)
             pcs, bits, base = ev.pcs, ev.rules, 0

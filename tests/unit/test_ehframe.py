@@ -205,6 +205,45 @@ def test_remember_restore_state_and_pcrel_encoding() -> None:
     ]
 
 
+def test_fdes_that_share_a_program_get_its_rows_at_their_start_cut_at_their_end() -> None:
+    """A program is run once per CIE (ehframe._Programs) and its rows moved to every FDE that has
+    it: each FDE gets the rows a run from its own start gives, none at or past its end."""
+    cie = _cie()
+    program = bytes([0x41, 0x0E, 16, 0x48, 0x0E, 24, 0x44, 0x0E, 8])  # +1: 16, +8: 24, +4: 8
+    data = bytearray(cie)
+    for pc, size in ((0x1000, 0x20), (0x2000, 0x9), (0x3000, 0x1)):
+        data += _fde(0, len(data), pc, size, program)
+    fdes = parse_fdes(bytes(data + b"\0\0\0\0"), 0)
+    assert [f.rows for f in fdes] == [
+        [
+            Row(0x1000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+            Row(0x1001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+            Row(0x1009, CfaKind.RSP, 24, RbpKind.UNCHANGED, 0),
+            Row(0x100D, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+        ],
+        [
+            Row(0x2000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+            Row(0x2001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+        ],
+        [Row(0x3000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0)],
+    ]
+
+
+def test_a_program_that_sets_the_pc_keeps_its_own_pcs() -> None:
+    """DW_CFA_set_loc names an absolute PC (sdata4 here): such a program's rows are not moved to
+    the start of another FDE that has the same program, as the other programs' are."""
+    cie = _cie()
+    program = bytes([0x41, 0x0E, 16, 0x01]) + (0x1010).to_bytes(4, "little") + bytes([0x0E, 24])
+    data = bytearray(cie)
+    for pc in (0x1000, 0x2000):
+        data += _fde(0, len(data), pc, 0x20, program)
+    fdes = parse_fdes(bytes(data + b"\0\0\0\0"), 0)
+    assert [[(r.pc, r.cfa_off) for r in f.rows] for f in fdes] == [
+        [(0x1000, 8), (0x1001, 16), (0x1010, 24)],
+        [(0x2000, 8), (0x2001, 16), (0x1010, 24)],
+    ]
+
+
 def test_malformed_cfi_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
     bad = os.path.join(tmp_path, "bad.so")
     with open(LIBC, "rb") as f:
