@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -111,7 +112,10 @@ def python_case(tree: Path, obj: Path | None, cache: Path, work: Path) -> dict:
 
 def cxx_case(tree: Path, obj: Path | None, work: Path, source: Path) -> dict:
     """A first run on cc1plus, perf --call-graph dwarf on it in the same window."""
-    gxx = subprocess.Popen(["g++", "-O2", "-c", str(source), "-o", "/dev/null"], cwd=work)
+    # Its own process group: killing g++ alone would leave cc1plus compiling for minutes.
+    gxx = subprocess.Popen(
+        ["g++", "-O2", "-c", str(source), "-o", "/dev/null"], cwd=work, start_new_session=True
+    )
     try:
         pid = 0
         for _ in range(100):
@@ -120,6 +124,8 @@ def cxx_case(tree: Path, obj: Path | None, work: Path, source: Path) -> dict:
             if found.stdout.strip():
                 pid = int(found.stdout.split()[0])
                 break
+        if not pid:
+            raise RuntimeError("g++ started no cc1plus")
         time.sleep(1.5)  # past its start-up: the busy middle of a compilation
         data = work / "perf.data"
         perf = subprocess.Popen(
@@ -131,7 +137,7 @@ def cxx_case(tree: Path, obj: Path | None, work: Path, source: Path) -> dict:
         try:
             r = record(tree, obj, pid, 5, 99, cache, work)
         finally:
-            perf.send_signal(2)
+            perf.send_signal(signal.SIGINT)
             perf.wait(60)
         shutil.rmtree(cache, ignore_errors=True)
         script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True)
@@ -139,7 +145,7 @@ def cxx_case(tree: Path, obj: Path | None, work: Path, source: Path) -> dict:
         r["perf_whole"], r["perf_samples"] = perf_whole_share(script.stdout)
         return r
     finally:
-        gxx.kill()
+        os.killpg(gxx.pid, signal.SIGKILL)
         gxx.wait()
 
 
