@@ -49,6 +49,10 @@ from .cfa import (
     run_program,
 )
 
+_PCREL_SDATA4 = 0x1B  # DW_EH_PE_pcrel | DW_EH_PE_sdata4: the FDE pointers of gcc's and clang's .eh_frame
+_SDATA4_PAIR = struct.Struct("<ii")  # an FDE's PC begin and range in that encoding
+_ADDRESS_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
 # Programs up to this long are evaluated once per CIE (_Programs), what those evaluations may hold.
 _MEMO_PROGRAM_BYTES = 256
 _MEMO_MAX_BYTES = 16 << 20
@@ -224,11 +228,18 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget) -> list
             if debug_frame:
                 pc_begin = r.unpack("<Q", 8)
                 pc_range = r.unpack("<Q", 8)
+            elif cie.fde_encoding == _PCREL_SDATA4:  # gcc's and clang's: read inline, as r.encoded would
+                at = r.pos
+                begin, pc_range = _SDATA4_PAIR.unpack_from(data, at)
+                pc_begin = (address + at + begin) & _ADDRESS_MASK
+                pc_range &= _ADDRESS_MASK
+                r.pos = at + 8
             else:
                 pc_begin = r.encoded(cie.fde_encoding)
                 pc_range = r.encoded(cie.fde_encoding & 0x0F)
             if cie.has_z:
-                r.pos += r.uleb()  # augmentation data (LSDA pointer)
+                aug_len = r.uleb()  # augmentation data (LSDA pointer): skipped, after its length
+                r.pos += aug_len
             if pc_range:
                 out.append(programs.fde(cie, cie_at, initial[cie_at], view[r.pos : end], pc_begin, pc_range))
         pos = end

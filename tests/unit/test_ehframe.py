@@ -256,3 +256,26 @@ def test_malformed_cfi_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
         f.write(data)
     with pytest.raises(UnwindTableError, match="malformed call frame information"):
         build_table(bad)
+
+
+def test_an_fdes_augmentation_data_is_skipped_whole() -> None:
+    """A "zLR" CIE's FDEs carry an LSDA pointer before their program: the program starts after
+    it (the walk skipped its length byte but started one byte early, on the pointer's last byte,
+    which happened to be a nop or a rule for a register no row holds in every file tried)."""
+    body = b"\0\0\0\0" + b"\x01" + b"zLR\0" + b"\x01" + b"\x78" + b"\x10" + b"\x02" + b"\x1b" + b"\x1b"
+    body += bytes([0x0C, 7, 8, 0x90, 1])
+    body += b"\0" * (-(len(body) + 4) % 8)
+    cie = len(body).to_bytes(4, "little") + body
+    at = len(cie)
+    # An LSDA pointer ending in 0x0D (def_cfa_register): run, it would take the program's first
+    # byte for a register number. The program proper: advance 1, cfa rsp+16.
+    lsda = bytes([4]) + bytes([0x00, 0x00, 0x00, 0x0D])
+    fde = (at + 4).to_bytes(4, "little") + (0x1000 - (at + 8)).to_bytes(4, "little", signed=True)
+    fde += (0x20).to_bytes(4, "little") + lsda + bytes([0x41, 0x0E, 16])
+    fde += b"\0" * (-(len(fde) + 4) % 8)
+    data = cie + len(fde).to_bytes(4, "little") + fde + b"\0\0\0\0"
+    (parsed,) = parse_fdes(data, 0)
+    assert parsed.rows == [
+        Row(0x1000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+        Row(0x1001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+    ]
