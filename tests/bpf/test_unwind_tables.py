@@ -117,3 +117,21 @@ def test_a_watched_process_is_prepared_once_not_at_every_walk(tmp_path: Path) ->
         agent.unwind.prepare([(pid, starttime + 1)])  # another process under the same pid
         assert agent.unwind.wait_idle(120)
         assert agent.unwind.stats.prepared == 2
+
+
+def test_rows_are_written_through_a_mapping_of_the_array_entry_for_entry() -> None:
+    """unwind_rows is mmapable: Map.update_array copies into it (12-byte rows at the kernel's
+    16-byte stride, a window at a time), and each row reads back as written, its neighbours
+    untouched."""
+    from bistouri.unwind.ehframe import ROW
+
+    with Profiler(_opts()) as agent:
+        rows = agent._require().maps["unwind_rows"]
+        n = (3 << 20) // 16 + 5  # past three 1 MiB windows
+        values = b"".join(ROW.pack(i, -i, i % 7, i % 5, i % 3) for i in range(n))
+        rows.update_array(1, ROW.pack(1, 2, 3, 4, 5) * 2, ROW.size)
+        rows.update_array(3, values, ROW.size)  # not at a page boundary
+        for i in [*range(0, n, 4099), n - 1]:
+            assert rows.lookup(struct.pack("<I", 3 + i)) == values[i * ROW.size : (i + 1) * ROW.size]
+        assert rows.lookup(struct.pack("<I", 2)) == ROW.pack(1, 2, 3, 4, 5)
+        assert rows.lookup(struct.pack("<I", 3 + n)) == bytes(ROW.size)
