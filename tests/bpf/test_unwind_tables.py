@@ -135,3 +135,32 @@ def test_rows_are_written_through_a_mapping_of_the_array_entry_for_entry() -> No
             assert rows.lookup(struct.pack("<I", 3 + i)) == values[i * ROW.size : (i + 1) * ROW.size]
         assert rows.lookup(struct.pack("<I", 2)) == ROW.pack(1, 2, 3, 4, 5)
         assert rows.lookup(struct.pack("<I", 3 + n)) == bytes(ROW.size)
+
+
+def test_each_table_is_published_as_soon_as_it_is_loaded_libc_and_the_executable_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large binary's table takes seconds to build: the process's mappings are published
+    after each new table, not once all are in; libc's and the executable's come first."""
+    from bistouri.unwind.tables import UnwindTables
+
+    published: list[tuple[list[bytes], bool]] = []
+    write_proc = UnwindTables._write_proc
+
+    def spy(self, pid, entries, source):  # type: ignore[no-untyped-def]
+        published.append(([e[-1] for e in entries], source is not None))
+        write_proc(self, pid, entries, source)
+
+    monkeypatch.setattr(UnwindTables, "_write_proc", spy)
+    with _spinning(PY) as pid, Profiler(_opts()) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120)
+        files = agent.unwind.stats.built
+    assert files >= 3
+    *partial, (final, whole) = published
+    assert whole and not any(done for _, done in partial)
+    assert [len(keys) for keys, _ in partial] == list(range(1, files + 1))
+    libc = build_id(Path("/lib/x86_64-linux-gnu/libc.so.6"))
+    assert {k.hex() for k in partial[1][0]} == {libc, build_id(Path(PY[0]))}
+    assert set(final) == set(partial[-1][0])
