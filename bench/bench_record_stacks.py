@@ -90,12 +90,12 @@ def record(
     argv = [*launcher, "record", "--pid", str(pid), "-d", str(seconds), "-F", str(freq)]
     argv += ["-o", str(out), "--format", "folded,summary", "--cache-dir", str(cache)]
     env = dict(os.environ, BISTOURI_BPF_OBJECT=str(obj)) if obj else None
-    launch, cpu, _, _ = run_measured(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    m = run_measured(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((out / "summary.json").read_text())
     whole, short, samples = whole_share(out / "profile.folded")
     shutil.rmtree(out)
-    first = (summary["capture"]["first_sample_monotonic_ns"] - launch) / 1e6
-    return {"whole": whole, "short": short, "samples": samples, "first_sample_ms": first, "cpu_s": cpu}
+    first = (summary["capture"]["first_sample_monotonic_ns"] - m.launch_ns) / 1e6
+    return {"whole": whole, "short": short, "samples": samples, "first_sample_ms": first, "cpu_s": m.cpu_s}
 
 
 def python_case(tree: Path, obj: Path | None, cache: Path, work: Path) -> dict:
