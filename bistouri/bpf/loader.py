@@ -66,7 +66,8 @@ class ProfilerOptions:
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
-    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
+    # Rows of .eh_frame tables in BPF (12 bytes each, kept 16 apart by the kernel: 16 MiB); postgres
+    # and its 40 libraries need 535 k.
     unwind_rows: int = 1 << 20  # 0: frame pointers only
     unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
     unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
@@ -147,7 +148,7 @@ FIRST_SAMPLER = "handle_perf_fp"
 # Maps only the companion's programs use, and Profiler only once they are attached: with
 # sampler_first the first object leaves them to the companion, which lends them back (load_companion).
 # Not the unwind tables (unwind_rows and the three beside it): the first object creates them (~3 ms
-# of its load: 12 MiB of rows zeroed) so that Profiler.start() can fill them while the first sampler
+# of its load: 16 MiB of rows zeroed) so that Profiler.start() can fill them while the first sampler
 # runs, and the table walk has the target's tables from its first sample on (issue 27: created
 # with the companion, they were filled only ~0.3 s into a capture, every sample until then cut short).
 COMPANION_MAPS = (
