@@ -17,6 +17,7 @@ BENCHES = (
     "bench.bench_agent_attacks",
     "bench.bench_service_limits",
     "bench.bench_record",
+    "bench.bench_record_stacks",
     "bench.bench_episode",
     "bench.bench_recorder_designs",
     "bench.bench_verifier",

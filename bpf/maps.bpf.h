@@ -196,6 +196,9 @@ struct {
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1 << 19);
+	/* Written by a copy into a mapping of it: a batch update of a large binary's 600 000 rows
+	 * took 0.13 s of CPU (0.26 s of wall) while its samples waited for them. */
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
 	__type(value, struct bistouri_unwind_row);
 } unwind_rows SEC(".maps");

@@ -129,6 +129,7 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map__delete_elem", c_int, [map_p, c_void_p, c_size_t, c_uint64]),
     ("bpf_map__get_next_key", c_int, [map_p, c_void_p, c_void_p, c_size_t]),
     ("bpf_map__max_entries", c_uint32, [map_p]),
+    ("bpf_map__map_flags", c_uint32, [map_p]),
     # (fd, in_batch, out_batch, keys, values, count in/out, opts): every entry in a few syscalls.
     (
         "bpf_map_lookup_and_delete_batch",

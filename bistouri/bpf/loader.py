@@ -66,7 +66,8 @@ class ProfilerOptions:
     exec_discovery: bool = True
     ring_bytes: int = 0  # 0: sized from CPUs x frequency
     proc_root: str = "/proc"
-    # Rows of .eh_frame tables in BPF (12 bytes each: 12 MiB); postgres and its 40 libraries need 535 k.
+    # Rows of .eh_frame tables in BPF (12 bytes each, kept 16 apart by the kernel: 16 MiB); postgres
+    # and its 40 libraries need 535 k.
     unwind_rows: int = 1 << 20  # 0: frame pointers only
     unwind_cache_dir: str | None = None  # tables on disk per build id; None: built again by each agent
     unwind_cpu_share: float = 0.25  # of a core, at most, for building tables
@@ -149,12 +150,11 @@ SAMPLER = "handle_perf"
 FIRST_SAMPLER = "handle_perf_fp"
 # Maps only the companion's programs use, and Profiler only once they are attached: with
 # sampler_first the first object leaves them to the companion, which lends them back (load_companion).
-# Creating them (the 12 MiB of unwind rows zeroed, among others) was 3.5 ms of the first's 9.
+# Not the unwind tables (unwind_rows and the three beside it): the first object creates them (~3 ms
+# of its load: 16 MiB of rows zeroed) so that Profiler.start() can fill them while the first sampler
+# runs, and the table walk has the target's tables from its first sample on (issue 27: created
+# with the companion, they were filled only ~0.3 s into a capture, every sample until then cut short).
 COMPANION_MAPS = (
-    "unwind_rows",
-    "unwind_procs",
-    "unwind_mappings",
-    "unwind_generation",
     "rule_cache",
     "stack_copies",
     "offcpu_pending",
@@ -320,7 +320,12 @@ def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int])
 
 class ObjectLoad:
     """load_object() (or, given `first`, load_companion()) on its own thread; result() hands
-    the object over, once."""
+    the object over, once.
+
+    With sampler_first, the companion's load starts on its own thread as soon as the first is
+    loaded and armed (take_companion() hands it over), and the companion takes over the first's
+    samples as soon as it is loaded (hand_over): the table walk waits for neither the caller's
+    imports nor attach_rest()."""
 
     def __init__(
         self,
@@ -333,6 +338,7 @@ class ObjectLoad:
         self._first = first
         self._arm = arm
         self._loaded: LoadedObject | None = None
+        self._companion: ObjectLoad | None = None
         self._error: BaseException | None = None
         self._thread = threads.start("load", self._run)
 
@@ -343,7 +349,10 @@ class ObjectLoad:
     def _run(self) -> None:
         try:
             if self._first is not None:
-                self._loaded = load_companion(self._first, self.options)
+                loaded = load_companion(self._first, self.options)
+                self._loaded = loaded  # close() releases it, even if the hand-over failed
+                hand_over(self._first.obj, loaded)
+                log.debug("Companion loaded, samples handed over. to=%s", loaded.handoff or "-")
             else:
                 loaded = load_object(self.options)
                 if self._arm is not None:
@@ -353,6 +362,8 @@ class ObjectLoad:
                         loaded.obj.close()
                         raise
                 self._loaded = loaded
+                if loaded.pending:  # the rest loads at once, while the first samples
+                    self._companion = ObjectLoad(self.options, first=loaded)
         except BaseException as e:  # raised again by result(), on the caller's thread
             self._error = e
 
@@ -365,9 +376,18 @@ class ObjectLoad:
             raise BistouriError("the BPF object was already handed over")
         return loaded
 
-    def close(self) -> None:
-        """Release the object if it was not handed over."""
+    def take_companion(self) -> ObjectLoad | None:
+        """The companion's load started after this one (sampler_first), handed over once."""
         self._thread.join()
+        companion, self._companion = self._companion, None
+        return companion
+
+    def close(self) -> None:
+        """Release the object (and the companion's) if it was not handed over."""
+        self._thread.join()
+        if self._companion is not None:  # first: it shares the first object's maps
+            self._companion.close()
+            self._companion = None
         if self._loaded is not None:
             for link in self._loaded.sampler_links:
                 link.close()

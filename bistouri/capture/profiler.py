@@ -33,7 +33,6 @@ from ..bpf.loader import (
     ObjectLoad,
     ProfilerOptions,
     default_object_path,
-    hand_over,
     kernel_tracepoints,
     load_object,
     ring_size,
@@ -130,6 +129,8 @@ class Profiler:
         o = self.options
         loading, self._loading = self._loading, None
         loaded = loading.result() if loading is not None else load_object(o)
+        # sampler_first: the rest, loading since the first was (close() releases it from here on)
+        self._companion = loading.take_companion() if loading is not None else None
         obj = self._obj = loaded.obj
         self.object_path = loaded.path
         if o.unwind_rows:
@@ -142,7 +143,7 @@ class Profiler:
             )
 
         self._attach(loaded)
-        if loaded.pending:  # sampler_first: the rest loads while the sampler samples
+        if loaded.pending and self._companion is None:  # sampler_first: the rest loads while it samples
             self._companion = ObjectLoad(o, first=loaded)
 
         self._rb = RingBuffer(
@@ -173,16 +174,14 @@ class Profiler:
 
     def attach_rest(self) -> None:
         """With sampler_first: wait for the other programs (off-CPU, discovery, episode hooks)
-        and attach them. Without it, or called again: nothing to do."""
+        and attach them; the first sampler already hands its samples on to the table walk (the
+        loading thread did it). Without it, or called again: nothing to do."""
         companion, self._companion = self._companion, None
         if companion is None:
             return
         loaded = companion.result()
         self._companion_obj = loaded.obj
         self._attach(loaded)
-        hand_over(self._require(), loaded)
-        if self._thread is not None:  # start() left it for now
-            self.unwind.start()
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
         )
@@ -195,8 +194,8 @@ class Profiler:
         self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
         self.jvm.start()
-        if self._companion is None:  # else its maps come with the companion
-            self.unwind.start()
+        # With sampler_first too: the tables are in the first object, filled while it samples.
+        self.unwind.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop the table builder and the drain thread, which drains the rings a last time. The maps

@@ -9,7 +9,10 @@ caller's RBP was saved. On x86-64 the return address is at CFA - 8; a file
 whose CFI says otherwise gets rows the walk treats as "no table here".
 
 Stdlib only (the agent's core has no compiled dependency); the ELF sections
-come from `bistouri.elf`, which is pure Python too.
+come from `bistouri.elf`, which is pure Python too. This module finds the CIEs and
+FDEs; `cfa.py` runs their programs. A distinct short FDE program is run once per
+CIE and its rows moved to every FDE that has it (`_Programs`: cc1plus's 49 000 FDEs
+have 20 000 programs), and the FDEs' rows are joined into one table (`_compile`).
 
 Row kinds (`CfaKind`) mirror `enum bistouri_cfa_kind` in bpf/bistouri.h.
 
@@ -23,32 +26,37 @@ with a reason (`UnwindTableError.reason`, counted by the unwind builder).
 
 from __future__ import annotations
 
+import array
 import bisect
+import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..bpf.abi import CfaKind, RbpKind
 from ..elf import ElfFile, ElfFormatError, Section
 from ..errors import BistouriError
+from .cfa import (
+    NO_END,
+    ROW,
+    Budget,
+    Buffer,
+    CfiBoundError,
+    CfiLimits,
+    Cie,
+    Reader,
+    State,
+    run_program,
+)
 from .goframes import go_functions
 
-# x86-64 DWARF register numbers.
-REG_RBP = 6
-REG_RSP = 7
-REG_RA = 16
+_PCREL_SDATA4 = 0x1B  # DW_EH_PE_pcrel | DW_EH_PE_sdata4: the FDE pointers of gcc's and clang's .eh_frame
+_SDATA4_PAIR = struct.Struct("<ii")  # an FDE's PC begin and range in that encoding
+_ADDRESS_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
-
-# One row as the BPF program reads it (struct bistouri_unwind_row).
-ROW = struct.Struct("<IihBB")
-
-# The two CFA expressions of .plt entries (binutils): RSP + 8 + ((RIP & 15) >= N) << 3.
-_PLT_EXPR_HEAD = bytes([0x77, 0x08, 0x80, 0x00, 0x3F, 0x1A])
-_PLT_EXPR_TAIL = bytes([0x2A, 0x33, 0x24, 0x22])
-_DW_OP_LIT0 = 0x30
-
-_MAX_OFFSET = (1 << 31) - 1
-
-Buffer = bytes | memoryview  # programs and expressions: slices of the section, not copies
+# Programs up to this long are evaluated once per CIE (_Programs), what those evaluations may hold.
+_MEMO_PROGRAM_BYTES = 256
+_MEMO_MAX_BYTES = 16 << 20
 
 
 class UnwindTableError(BistouriError):
@@ -61,26 +69,6 @@ class UnwindTableError(BistouriError):
         super().__init__(f"cannot build an unwind table for {path}: {why}")
 
 
-class CfiBoundError(ValueError):
-    """Parsing stopped at a bound of `CfiLimits`."""
-
-    def __init__(self, reason: str, bound: int) -> None:
-        super().__init__(f"{reason.replace('_', ' ')} (bound {bound})")
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class CfiLimits:
-    """What parsing one file may cost. The defaults hold every file of a Debian system (libc has
-    28 000 rows, python3.11 65 000) and keep the worst case to tens of MiB."""
-
-    max_rows: int = 1 << 20  # the whole file's rows: what the BPF array holds (unwind_rows)
-    max_entries: int = 1 << 17  # CIEs and FDEs
-    max_ops: int = 1 << 16  # instructions of one CIE's or FDE's program
-    max_states: int = 64  # remember_state depth
-    max_section_bytes: int = 64 << 20  # .eh_frame or .debug_frame
-
-
 # Why a file's table was refused beyond "malformed" (UnwindTableError.reason).
 BOUND_REASONS = (
     "too_many_rows",
@@ -89,55 +77,6 @@ BOUND_REASONS = (
     "too_many_states",
     "section_too_large",
 )
-
-
-class _Budget:
-    """What is left of a file's `CfiLimits` as parsing goes."""
-
-    __slots__ = ("entries", "limits", "ops", "rows")
-
-    def __init__(self, limits: CfiLimits) -> None:
-        self.limits = limits
-        self.rows = limits.max_rows
-        self.entries = limits.max_entries
-        self.ops = 0  # instructions left for the section being parsed (see _parse)
-
-    def entry(self) -> None:
-        self.entries -= 1
-        if self.entries < 0:
-            raise CfiBoundError("too_many_entries", self.limits.max_entries)
-
-
-class _Rows:
-    """One FDE's rows as the program runs, packed (`ROW`): the last one of a PC kept, runs of one
-    rule merged, nothing at or past the FDE's end; each row kept is taken from the budget."""
-
-    __slots__ = ("budget", "buf", "end", "last_pc", "last_rule")
-
-    def __init__(self, budget: _Budget, end: int) -> None:
-        self.budget = budget
-        self.end = end
-        self.buf = bytearray()
-        self.last_pc = -1
-        self.last_rule: Rule | None = None
-
-    def add(self, pc: int, rule: Rule) -> None:
-        if pc >= self.end:
-            return
-        if pc == self.last_pc:
-            del self.buf[-ROW.size :]
-            self.budget.rows += 1
-            self.last_pc = -1
-            self.last_rule = ROW.unpack_from(self.buf, len(self.buf) - ROW.size)[1:] if self.buf else None
-        if rule == self.last_rule:
-            return
-        if not 0 <= pc <= 0xFFFF_FFFF:
-            raise ValueError(f"PC 0x{pc:x} does not fit the 32-bit rows")
-        self.budget.rows -= 1
-        if self.budget.rows < 0:
-            raise CfiBoundError("too_many_rows", self.budget.limits.max_rows)
-        self.buf += ROW.pack(pc, *rule)
-        self.last_pc, self.last_rule = pc, rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,296 +99,34 @@ class Fde:
 
     start: int
     end: int
-    packed: bytes  # ROW each, in PC order, runs merged
+    packed: bytes  # ROW each: PCs rising from `start`, all below `end`, no rule twice in a row
 
     @property
     def rows(self) -> list[Row]:
         return unpack_rows(self.packed)
 
 
-@dataclass(slots=True)
-class _Cie:
-    code_align: int
-    data_align: int
-    ra_reg: int
-    fde_encoding: int
-    lsda_encoding: int
-    signal: bool
-    has_z: bool
-    instructions: Buffer
-    address_size: int
+class _Packer:
+    """FDEs' rows packed into ROW records, one struct.pack call an FDE."""
+
+    __slots__ = ("structs",)
+
+    def __init__(self) -> None:
+        self.structs: dict[int, struct.Struct] = {}  # rows -> "<IQ" that many times (ROW's layout)
+
+    def pack(self, start: int, pcs: Sequence[int], rules: Sequence[int]) -> bytes:
+        """ROW records of (start + pc, rule) each."""
+        n = len(pcs)
+        st = self.structs.get(n)
+        if st is None:
+            st = self.structs[n] = struct.Struct("<" + "IQ" * n)
+        flat: list[int] = [0] * (2 * n)
+        flat[0::2] = [start + pc for pc in pcs] if start else pcs
+        flat[1::2] = rules
+        return st.pack(*flat)
 
 
-@dataclass(slots=True)
-class _State:
-    """The rule set as the CFA program runs: CFA (register, offset or expression) and RBP/RA rules."""
-
-    cfa_reg: int = REG_RSP
-    cfa_off: int = 8
-    cfa_expr: Buffer | None = None
-    rbp: tuple[str, int] = ("same", 0)  # ("same"|"offset"|"other", n)
-    ra: tuple[str, int] = ("offset", -8)
-
-    def copy(self) -> _State:
-        return _State(self.cfa_reg, self.cfa_off, self.cfa_expr, self.rbp, self.ra)
-
-
-class _Reader:
-    __slots__ = ("base", "data", "pos")
-
-    def __init__(self, data: Buffer, pos: int = 0, base: int = 0) -> None:
-        self.data = data
-        self.pos = pos
-        self.base = base  # address of data[0] when loaded (for pcrel)
-
-    def u8(self) -> int:
-        v = self.data[self.pos]
-        self.pos += 1
-        return v
-
-    def unpack(self, fmt: str, size: int) -> int:
-        v: int = struct.unpack_from(fmt, self.data, self.pos)[0]
-        self.pos += size
-        return v
-
-    def uleb(self) -> int:
-        result = shift = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return result
-
-    def sleb(self) -> int:
-        result = shift = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                if b & 0x40:
-                    result -= 1 << shift
-                return result
-
-    def cstr(self) -> bytes:
-        """A NUL-terminated string of at most 255 bytes (an augmentation)."""
-        head = bytes(self.data[self.pos : self.pos + 256])
-        s = head[: head.index(b"\0")]
-        self.pos += len(s) + 1
-        return s
-
-    def encoded(self, enc: int, data_base: int = 0) -> int:
-        """A pointer in DW_EH_PE encoding `enc` (application bits: pcrel, datarel; absptr otherwise)."""
-        if enc == 0xFF:
-            return 0
-        at = self.base + self.pos
-        fmt = enc & 0x0F
-        if fmt == 0x00:
-            v = self.unpack("<Q", 8)
-        elif fmt == 0x01:
-            v = self.uleb()
-        elif fmt == 0x02:
-            v = self.unpack("<H", 2)
-        elif fmt == 0x03:
-            v = self.unpack("<I", 4)
-        elif fmt == 0x04:
-            v = self.unpack("<Q", 8)
-        elif fmt == 0x09:
-            v = self.sleb()
-        elif fmt == 0x0A:
-            v = self.unpack("<h", 2)
-        elif fmt == 0x0B:
-            v = self.unpack("<i", 4)
-        elif fmt == 0x0C:
-            v = self.unpack("<q", 8)
-        else:
-            raise ValueError(f"pointer encoding 0x{enc:02x}")
-        app = enc & 0x70
-        if app == 0x10:
-            v += at
-        elif app == 0x30:
-            v += data_base
-        elif app not in (0x00,):
-            raise ValueError(f"pointer application 0x{enc:02x}")
-        return v & 0xFFFF_FFFF_FFFF_FFFF
-
-
-def _encoded_size(enc: int) -> int:
-    return {0x00: 8, 0x02: 2, 0x03: 4, 0x04: 8, 0x0A: 2, 0x0B: 4, 0x0C: 8}.get(enc & 0x0F, 8)
-
-
-def _plt_threshold(expr: Buffer) -> int | None:
-    """N of the .plt CFA expression RSP + 8 + (((RIP & 15) >= N) << 3), or None."""
-    if len(expr) == 11 and expr[:6] == _PLT_EXPR_HEAD and expr[7:] == _PLT_EXPR_TAIL:
-        lit = expr[6] - _DW_OP_LIT0
-        if 0 <= lit < 32:
-            return lit
-    return None
-
-
-# A rule as ROW packs it after the PC: CFA offset, RBP offset, CFA kind, RBP kind.
-Rule = tuple[int, int, int, int]
-_SIGNAL: Rule = (0, 0, CfaKind.SIGNAL, RbpKind.OTHER)
-_END: Rule = (0, 0, CfaKind.END, RbpKind.UNCHANGED)
-_OTHER: Rule = (0, 0, CfaKind.OTHER, RbpKind.OTHER)
-
-
-def _rule(st: _State, signal: bool) -> Rule:
-    if signal:
-        return _SIGNAL
-    if st.ra[0] == "undefined":
-        return _END
-    if st.ra != ("offset", -8):
-        return _OTHER
-    if st.cfa_expr is not None:
-        n = _plt_threshold(st.cfa_expr)
-        kind, off = (CfaKind.PLT, n) if n is not None else (CfaKind.OTHER, 0)
-    elif st.cfa_reg == REG_RSP and 0 <= st.cfa_off <= _MAX_OFFSET:
-        kind, off = CfaKind.RSP, st.cfa_off
-    elif st.cfa_reg == REG_RBP and 0 <= st.cfa_off <= _MAX_OFFSET:
-        kind, off = CfaKind.RBP, st.cfa_off
-    else:
-        kind, off = CfaKind.OTHER, 0
-    rule, n = st.rbp
-    if rule == "same":
-        return (off, 0, kind, RbpKind.UNCHANGED)
-    if rule == "offset" and -32768 <= n <= 32767:
-        return (off, n, kind, RbpKind.AT_CFA)
-    return (off, 0, kind, RbpKind.OTHER)
-
-
-def _run(
-    cie: _Cie, program: Buffer, start: int, initial: _State | None, rows: _Rows | None, budget: _Budget
-) -> _State:
-    """Run a CFA program from `start`; add a row at each advance to `rows` (None: CIE initial rules)."""
-    st = initial.copy() if initial is not None else _State()
-    init = initial if initial is not None else st
-    stack: list[_State] = []
-    r = _Reader(program)
-    loc = start
-    n = len(program)
-    limits = budget.limits
-    ops = min(limits.max_ops, budget.ops)
-
-    def set_reg(reg: int, rule: tuple[str, int]) -> None:
-        if reg == REG_RBP:
-            st.rbp = rule
-        elif reg == cie.ra_reg:
-            st.ra = rule
-
-    def restore(reg: int) -> None:
-        if reg == REG_RBP:
-            st.rbp = init.rbp
-        elif reg == cie.ra_reg:
-            st.ra = init.ra
-
-    def advance(delta: int) -> None:
-        nonlocal loc
-        if rows is not None:
-            rows.add(loc, _rule(st, cie.signal))
-        loc += delta * cie.code_align
-
-    while r.pos < n:
-        ops -= 1
-        if ops < 0:
-            raise CfiBoundError("program_too_long", limits.max_ops)
-        budget.ops -= 1
-        op = r.u8()
-        hi, low = op & 0xC0, op & 0x3F
-        if hi == 0x40:
-            advance(low)
-        elif hi == 0x80:
-            set_reg(low, ("offset", r.uleb() * cie.data_align))
-        elif hi == 0xC0:
-            restore(low)
-        elif op == 0x00:
-            pass
-        elif op == 0x01:  # set_loc
-            new = r.encoded(cie.fde_encoding & 0x0F) if cie.has_z else r.unpack("<Q", 8)
-            if rows is not None:
-                rows.add(loc, _rule(st, cie.signal))
-            loc = new
-        elif op == 0x02:
-            advance(r.u8())
-        elif op == 0x03:
-            advance(r.unpack("<H", 2))
-        elif op == 0x04:
-            advance(r.unpack("<I", 4))
-        elif op == 0x05:
-            reg = r.uleb()
-            set_reg(reg, ("offset", r.uleb() * cie.data_align))
-        elif op == 0x06:
-            restore(r.uleb())
-        elif op == 0x07:
-            set_reg(r.uleb(), ("undefined", 0))
-        elif op == 0x08:
-            set_reg(r.uleb(), ("same", 0))
-        elif op == 0x09:
-            reg = r.uleb()
-            r.uleb()
-            set_reg(reg, ("other", 0))
-        elif op == 0x0A:
-            if len(stack) >= limits.max_states:
-                raise CfiBoundError("too_many_states", limits.max_states)
-            stack.append(st.copy())
-        elif op == 0x0B:
-            if stack:
-                saved = stack.pop()
-                # restore_state keeps the CFA rules too (DWARF 5 6.4.2.4): the whole row comes back
-                st.cfa_reg, st.cfa_off, st.cfa_expr, st.rbp, st.ra = (
-                    saved.cfa_reg,
-                    saved.cfa_off,
-                    saved.cfa_expr,
-                    saved.rbp,
-                    saved.ra,
-                )
-        elif op == 0x0C:
-            st.cfa_reg = r.uleb()
-            st.cfa_off = r.uleb()
-            st.cfa_expr = None
-        elif op == 0x0D:
-            st.cfa_reg = r.uleb()
-            st.cfa_expr = None
-        elif op == 0x0E:
-            st.cfa_off = r.uleb()
-        elif op == 0x0F:
-            size = r.uleb()
-            st.cfa_expr = program[r.pos : r.pos + size]
-            r.pos += size
-        elif op == 0x10 or op == 0x16:  # expression, val_expression
-            reg = r.uleb()
-            size = r.uleb()
-            r.pos += size
-            set_reg(reg, ("other", 0))
-        elif op == 0x11:
-            reg = r.uleb()
-            set_reg(reg, ("offset", r.sleb() * cie.data_align))
-        elif op == 0x12:
-            st.cfa_reg = r.uleb()
-            st.cfa_off = r.sleb() * cie.data_align
-            st.cfa_expr = None
-        elif op == 0x13:
-            st.cfa_off = r.sleb() * cie.data_align
-        elif op == 0x14 or op == 0x15:  # val_offset(_sf): a value, not a save slot
-            reg = r.uleb()
-            r.uleb() if op == 0x14 else r.sleb()
-            set_reg(reg, ("other", 0))
-        elif op == 0x2E:  # GNU_args_size
-            r.uleb()
-        elif op == 0x2F:  # GNU_negative_offset_extended
-            reg = r.uleb()
-            set_reg(reg, ("offset", -r.uleb() * cie.data_align))
-        else:
-            raise ValueError(f"unknown DW_CFA opcode 0x{op:02x}")
-    if rows is not None:
-        rows.add(loc, _rule(st, cie.signal))
-    return st
-
-
-def _parse_cie(r: _Reader, view: memoryview, end: int, debug_frame: bool) -> _Cie:
+def _parse_cie(r: Reader, view: memoryview, end: int, debug_frame: bool) -> Cie:
     version = r.u8()
     aug = r.cstr()
     address_size = 8
@@ -485,7 +162,7 @@ def _parse_cie(r: _Reader, view: memoryview, end: int, debug_frame: bool) -> _Ci
         r.pos = aug_end
     elif aug not in (b"", b"eh"):
         raise ValueError(f"CIE augmentation {aug!r} without 'z'")
-    return _Cie(
+    return Cie(
         code_align, data_align, ra_reg, fde_enc, lsda_enc, signal, has_z, view[r.pos : end], address_size
     )
 
@@ -494,18 +171,19 @@ def parse_fdes(
     data: bytes, address: int, *, debug_frame: bool = False, limits: CfiLimits | None = None
 ) -> list[Fde]:
     """Every FDE of one `.eh_frame` (loaded at `address`) or `.debug_frame` section, evaluated."""
-    return _parse(data, address, debug_frame, _Budget(limits or CfiLimits()))
+    return _parse(data, address, debug_frame, Budget(limits or CfiLimits()))
 
 
-def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> list[Fde]:
+def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget) -> list[Fde]:
     limits = budget.limits
     if len(data) > limits.max_section_bytes:
         raise CfiBoundError("section_too_large", limits.max_section_bytes)
     # An honest section runs at most one instruction per byte (entries do not overlap); a CIE
     # "parsed where it lies" lets a hostile one run the same bytes again and again.
     budget.ops = len(data) + limits.max_ops
-    cies: dict[int, _Cie] = {}
-    initial: dict[int, _State] = {}
+    cies: dict[int, Cie] = {}
+    initial: dict[int, State] = {}
+    programs = _Programs(budget)
     out: list[Fde] = []
     pos = 0
     size = len(data)
@@ -530,12 +208,12 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
         wide = hdr == 12
         cie_id = struct.unpack_from("<Q" if wide else "<I", data, body)[0]
         idsize = 8 if wide else 4
-        r = _Reader(data, body + idsize, address)
+        r = Reader(data, body + idsize, address)
         is_cie = (cie_id == (0xFFFF_FFFF_FFFF_FFFF if wide else 0xFFFF_FFFF)) if debug_frame else cie_id == 0
         if is_cie:
             cie = _parse_cie(r, view, end, debug_frame)
             cies[start] = cie
-            initial[start] = _run(cie, cie.instructions, 0, None, None, budget)
+            initial[start] = run_program(cie, cie.instructions, 0, None, budget).state
         else:
             cie_at = cie_id if debug_frame else body - cie_id
             cie_or_none = cies.get(cie_at)
@@ -543,31 +221,85 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: _Budget) -> lis
                 # A CIE after its FDE is legal though rare: parse it where it lies.
                 budget.entry()
                 cr_len = struct.unpack_from("<I", data, cie_at)[0]
-                cr = _Reader(data, cie_at + 4 + idsize, address)
+                cr = Reader(data, cie_at + 4 + idsize, address)
                 cie_or_none = _parse_cie(cr, view, cie_at + 4 + cr_len, debug_frame)
                 cies[cie_at] = cie_or_none
-                initial[cie_at] = _run(cie_or_none, cie_or_none.instructions, 0, None, None, budget)
+                initial[cie_at] = run_program(cie_or_none, cie_or_none.instructions, 0, None, budget).state
             cie = cie_or_none
             if debug_frame:
                 pc_begin = r.unpack("<Q", 8)
                 pc_range = r.unpack("<Q", 8)
+            elif cie.fde_encoding == _PCREL_SDATA4:  # gcc's and clang's: read inline, as r.encoded would
+                at = r.pos
+                begin, pc_range = _SDATA4_PAIR.unpack_from(data, at)
+                pc_begin = (address + at + begin) & _ADDRESS_MASK
+                pc_range &= _ADDRESS_MASK
+                r.pos = at + 8
             else:
                 pc_begin = r.encoded(cie.fde_encoding)
                 pc_range = r.encoded(cie.fde_encoding & 0x0F)
             if cie.has_z:
-                r.pos += r.uleb()  # augmentation data (LSDA pointer)
+                aug_len = r.uleb()  # augmentation data (LSDA pointer): skipped, after its length
+                r.pos += aug_len
             if pc_range:
-                rows = _Rows(budget, pc_begin + pc_range)
-                _run(cie, view[r.pos : end], pc_begin, initial[cie_at], rows, budget)
-                out.append(Fde(pc_begin, pc_begin + pc_range, bytes(rows.buf)))
+                out.append(programs.fde(cie, cie_at, initial[cie_at], view[r.pos : end], pc_begin, pc_range))
         pos = end
     return out
+
+
+class _Programs:
+    """FDEs evaluated, each distinct short program once per CIE (`_MEMO_PROGRAM_BYTES`).
+
+    Most FDEs of a large binary run a program another one has (cc1plus: 49 000 FDEs, 20 000
+    programs): its rows are kept relative to the FDE's start and moved to each FDE's, cut at its
+    end (rows only ever advance, so the rows before the end are those a run from that start gives).
+    Bounded in bytes (`_MEMO_MAX_BYTES`): a hostile file of distinct programs is only run
+    uncached; rows are kept as arrays (12 bytes each, not two int objects). Every FDE's rows count
+    against the budget, cached or not."""
+
+    __slots__ = ("budget", "bytes", "memo", "packer", "rules_of")
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.packer = _Packer()
+        self.memo: dict[tuple[int, bytes], tuple[array.array[int], array.array[int]]] = {}
+        self.bytes = 0
+        self.rules_of: dict[tuple[object, ...], int] = {}
+
+    def fde(self, cie: Cie, cie_at: int, initial: State, program: Buffer, start: int, size: int) -> Fde:
+        rows = None
+        if len(program) <= _MEMO_PROGRAM_BYTES:
+            key = (cie_at, bytes(program))
+            rows = self.memo.get(key)
+            if rows is None and self.bytes < _MEMO_MAX_BYTES:
+                ev = run_program(cie, key[1], 0, initial, self.budget, NO_END, self.rules_of)
+                if ev.relative and (not ev.pcs or ev.pcs[-1] <= 0xFFFF_FFFF):  # no set_loc in it
+                    rows = self.memo[key] = (array.array("I", ev.pcs), array.array("Q", ev.rules))
+                    self.bytes += len(key[1]) + 12 * len(ev.pcs) + 250  # and the entry's objects
+        pcs: Sequence[int]
+        bits: Sequence[int]
+        if rows is None:
+            ev = run_program(cie, program, start, initial, self.budget, start + size, self.rules_of)
+            pcs, bits, base = ev.pcs, ev.rules, 0
+        else:
+            pcs, bits = rows
+            if pcs and pcs[-1] >= size:
+                cut = bisect.bisect_left(pcs, size)
+                pcs, bits = pcs[:cut], bits[:cut]
+            if pcs and start + pcs[-1] > 0xFFFF_FFFF:
+                raise ValueError(f"PC 0x{start + pcs[-1]:x} does not fit the 32-bit rows")
+            base = start
+        budget = self.budget
+        budget.rows -= len(pcs)
+        if budget.rows < 0:
+            raise CfiBoundError("too_many_rows", budget.limits.max_rows)
+        return Fde(start, start + size, self.packer.pack(base, pcs, bits))
 
 
 def file_fdes(elf: ElfFile, limits: CfiLimits | None = None, debug_frame: bool = True) -> list[Fde]:
     """FDEs of `.eh_frame`, plus (`debug_frame`) those of `.debug_frame` covering PCs `.eh_frame`
     leaves out. Both sections share one budget of `limits`."""
-    budget = _Budget(limits or CfiLimits())
+    budget = Budget(limits or CfiLimits())
     fdes: list[Fde] = []
     sec = elf.section(".eh_frame")
     try:
@@ -605,7 +337,19 @@ def _compile(fdes: list[Fde]) -> bytearray:
         if last is not None and last[0] >= f.start and last[3] == CfaKind.NONE:
             del out[-size:]  # the previous FDE's end marker: this one starts there
             last = ROW.unpack_from(out, len(out) - size) if out else None
-        for row in (*ROW.iter_unpack(f.packed), (f.end, 0, 0, CfaKind.NONE, RbpKind.UNCHANGED)):
+        marker = (f.end, 0, 0, CfaKind.NONE, RbpKind.UNCHANGED)
+        rows = f.packed
+        for i, row in enumerate(itertools.chain(ROW.iter_unpack(rows), (marker,))):
+            if i == 1 and last is not None and last[0] < row[0]:
+                # An FDE's own rows rise in PC with no rule twice in a row, and its end is past
+                # them, the marker's rule (NONE) none of them: past its first row, all go in as
+                # they are (the rest of this loop would keep every one).
+                if f.end > 0xFFFF_FFFF:
+                    raise ValueError(f"PC 0x{f.end:x} does not fit the 32-bit rows")
+                out += rows[size:]
+                out += ROW.pack(*marker)
+                last = marker
+                break
             if last is not None and last[0] == row[0]:
                 del out[-size:]
                 last = ROW.unpack_from(out, len(out) - size) if out else None

@@ -8,7 +8,8 @@ module owns that:
 - `want(pid)` queues a process; the builder thread (`bistouri-unwind`)
   reads its executable file mappings, builds the tables it lacks under a CPU
   budget (it sleeps in proportion to the CPU it used: at most `cpu_share` of a
-  core), loads them and publishes the process's mappings. Until then its frames
+  core), loads them and publishes the process's mappings, after each new table
+  (libc's and the executable's first, `_build_order`). Until then its frames
   are walked by frame pointer: a never-seen binary costs a bounded delay.
 - `prepare(pids)` builds tables to the disk cache only, for processes that are
   watched but not sampled yet (the 30 s walk knows them): the first capture
@@ -102,11 +103,16 @@ class _Loaded:
     segments: tuple[tuple[int, int, int], ...]
 
 
+# _MAPPING's fields and the file's build id
+_Entry = tuple[int, int, int, int, int, int, int, int, int, bytes]
+# ((start, end), pgoff, path to open, build id) of an executable file mapping
+_FileMapping = tuple[tuple[int, int], int, MappedPath | None, bytes]
+
+
 @dataclass(slots=True)
 class _Proc:
     slot: int
-    # _MAPPING's fields and the file's build id, sorted by start
-    entries: list[tuple[int, int, int, int, int, int, int, int, int, bytes]] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)  # sorted by start
     source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read
 
     def write(self, mappings: Map, procs: Map, pid: int) -> None:
@@ -304,7 +310,7 @@ class UnwindTables:
                 self._idle.set()
 
     # -- files -------------------------------------------------------------------------
-    def _file_mappings(self, pid: int) -> list[tuple[tuple[int, int], int, MappedPath | None, bytes]]:
+    def _file_mappings(self, pid: int) -> list[_FileMapping]:
         """((start, end), pgoff, path to open, build id) of each executable file mapping."""
         base = f"{self.proc_root}/{pid}"
         try:
@@ -312,7 +318,7 @@ class UnwindTables:
                 data = f.read()
         except OSError:
             return []
-        out: list[tuple[tuple[int, int], int, MappedPath | None, bytes]] = []
+        out: list[_FileMapping] = []
         ids = self._build_ids
         if len(ids) > 8192:
             ids.clear()
@@ -384,6 +390,7 @@ class UnwindTables:
             log.info("No unwind table for %s: %s", where.name, e)
             return None
         used = time.thread_time() - cpu
+        log.debug("Unwind table built. file=%s rows=%d cpu_s=%.3f", where.name, t.row_count, used)
         self.stats.built += 1
         self.stats.build_cpu_s += used
         if cached:
@@ -434,7 +441,7 @@ class UnwindTables:
         if n == 0 or n > min(self.capacity, _MAX_TABLE_ROWS):
             self.stats.too_large += n > 0
             return None
-        pcs = [pc for (pc,) in struct.iter_unpack("<I8x", t.rows)]
+        pcs = memoryview(t.rows).cast("I")[:: ROW.size // 4].tolist()  # each row's first field
         # Buckets of 2^shift bytes of code holding ~_ROWS_PER_BUCKET rows on average.
         shift = min(max((((pcs[-1] - pcs[0] + 1) * _ROWS_PER_BUCKET) // n).bit_length() - 1, 4), 16)
         bucket_base = pcs[0] >> shift
@@ -489,19 +496,21 @@ class UnwindTables:
 
     def _publish(self, pid: int) -> None:
         mappings = self._file_mappings(pid)
+        source = [(m[0], m[3]) for m in mappings]
         published = self._procs.get(pid)
         if (
             published is not None
-            and published.source == [(m[0], m[3]) for m in mappings]
+            and published.source == source
             and all(self._loaded.get(e[-1]) is not None for e in published.entries)
         ):
             return  # the same files, still loaded (the maps changed elsewhere: heap, JIT)
-        entries = []
+        entries: list[_Entry] = []
         keep = {m[3] for m in mappings}
-        for (start, end), pgoff, where, key in mappings:
+        for (start, end), pgoff, where, key in _build_order(mappings):
             if self._stop.is_set():
                 return
-            t = None if key in self._loaded else self._table(where, key)
+            new = key not in self._loaded
+            t = self._table(where, key) if new else None
             loaded = self._loaded.get(key) if t is None else self._load(key, t, keep)
             if loaded is None:
                 continue
@@ -514,8 +523,21 @@ class UnwindTables:
             )  # fmt: skip
             if len(entries) == abi.UNWIND_MAPPINGS:
                 break
+            if new:  # the walk has this table before the next one is built (a large one takes seconds)
+                self._write_proc(pid, entries, None)
+        self._write_proc(pid, entries, source)
+        log.debug("Unwind tables published. pid=%d files=%d", pid, len(entries))
+
+    def _write_proc(
+        self,
+        pid: int,
+        entries: list[_Entry],
+        source: list[tuple[tuple[int, int], bytes]] | None,
+    ) -> None:
+        """Publish the process's mappings with a table; `source`: the file mappings they come from,
+        once all are in (None while some are still being built)."""
         # A file loaded for this process may have evicted one of its earlier files: keep only live rows.
-        entries = sorted(e for e in entries if self._loaded.get(e[-1]) is not None)
+        live = sorted(e for e in entries if self._loaded.get(e[-1]) is not None)
         with self._lock:
             if self._closed:
                 return
@@ -525,8 +547,8 @@ class UnwindTables:
                     self._drop_proc_locked(next(iter(self._procs)))
                 proc = self._procs[pid] = _Proc(self._free_slots.pop())
             self._procs.move_to_end(pid)
-            proc.entries = entries
-            proc.source = [(m[0], m[3]) for m in mappings]
+            proc.entries = live
+            proc.source = source or []
             proc.write(self._mappings_map, self._procs_map, pid)
             self._tables_changed()
             self.stats.procs = len(self._procs)
@@ -560,3 +582,23 @@ def _bias(segments: tuple[tuple[int, int, int], ...], start: int, pgoff: int) ->
         if offset <= pgoff < offset + max(filesz, 1) or (pgoff < offset and offset - pgoff < 0x1000):
             return start - pgoff + offset - vaddr
     return None
+
+
+def _build_order(
+    mappings: list[_FileMapping],
+) -> list[_FileMapping]:
+    """The order in which a process's tables are built and published, each as soon as it is in:
+    the executable (the lowest file mapping) and libc first, which every stack of a C program
+    crosses to its entry (`__libc_start_call_main`), then the rest, the smallest code first. A
+    large binary's table takes seconds under load: samples that stay in the small files are
+    whole meanwhile."""
+    if not mappings:
+        return mappings
+    exe = mappings[0][3]
+
+    def key(m: _FileMapping) -> tuple[bool, int]:
+        (start, end), _, where, build_id = m
+        libc = where is not None and os.path.basename(where.name).startswith(("libc.so", "libc-"))
+        return (build_id != exe and not libc, end - start)
+
+    return sorted(mappings, key=key)

@@ -19,6 +19,7 @@ from bistouri.capture.events import ExecMatch, SentSamples, StackSample, split_s
 from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, ProfilerOptions
 from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
+from bistouri.unwind.tables import UnwindTables
 from testkit.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -449,9 +450,9 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
 
 def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads, tmp_path):
     """`record`'s start-up: a frame-pointer sampler is loaded, attached and armed on the loading
-    thread; the table-walking sampler and the off-CPU program load after in a second object, whose
-    waits come through the first's maps (filter, ring), and from attach_rest() on every sample goes
-    through the table walk: one capture, whatever loaded it."""
+    thread; the table-walking sampler and the off-CPU program load right after in a second object,
+    whose waits come through the first's maps (filter, ring), and once it is loaded every sample
+    goes through the table walk: one capture, whatever loaded it."""
     before_fds = _fd_count()
     options = ProfilerOptions(
         freq_hz=99, offcpu=True, exec_discovery=False, episode=False, unwind_rows=0, sampler_first=True
@@ -462,21 +463,16 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
     try:
         loading = ObjectLoad(options, arm={burner.pid: flags, fsyncer.pid: flags})
         loading.wait()
-        assert len(own_prog_ids()) == 1  # the first sampler alone
         with Profiler(options, loading=loading) as agent:
-            # The maps only the rest uses are not created yet (the unwind rows: 12 MiB to zero)...
-            with pytest.raises(BpfError):
-                agent._require().maps["unwind_generation"].fd  # noqa: B018 - the property is the check
             # Armed on the loading thread: sampling before anything else is set up.
             assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] > 0, 10)
-            handed = time.monotonic_ns()
             agent.start()
             agent.attach_rest()
             handed_over = time.monotonic_ns()
             # + handle_perf (reached by the tail call) and the off-CPU pair, from the second object
             assert len(own_prog_ids()) == 4
-            # ...and the second object's are the first's too.
-            assert agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0)) is not None
+            # The maps only the rest uses were created by the second object, and are the first's too.
+            assert agent._require().maps["offcpu_skipped"].fd >= 0
             agent.attach_rest()  # nothing left: a no-op
             for pid in (burner.pid, fsyncer.pid):
                 agent.set_pid_filter(pid, flags)
@@ -494,11 +490,15 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
         for p in (burner, fsyncer):
             p.kill()
             p.wait()
-    on_cpu = [e for e in seen if e.kind == abi.EventKind.ON_CPU and e.pid == burner.pid]
+    on_cpu = sorted(
+        (e for e in seen if e.kind == abi.EventKind.ON_CPU and e.pid == burner.pid),
+        key=lambda e: e.timestamp_ns,
+    )
     # The first sampler's walks say no reason they ended (the kernel's frame-pointer walk); the table
-    # walk always says one: every sample before the hand-over is the first's, every one after is not.
-    early = [e for e in on_cpu if e.timestamp_ns < handed]
-    assert early and all(e.walk[2] == 0 for e in early), [e.walk for e in early]
+    # walk always says one. The companion took over at one moment: none of the first's samples after
+    # one of the table walk's, and every sample once attach_rest() returned is the table walk's.
+    walked = [e.walk[2] != 0 for e in on_cpu]
+    assert walked == sorted(walked), [e.walk for e in on_cpu]
     late = [e for e in on_cpu if e.timestamp_ns > handed_over]
     assert late and all(e.walk[2] != 0 for e in late), [e.walk for e in late]
     assert not own_prog_ids()
@@ -509,6 +509,48 @@ def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads
     never_opened.close()
     assert not own_prog_ids()
     assert _fd_count() == before_fds
+
+
+def test_the_targets_tables_are_loaded_and_walked_before_attach_rest(tmp_path):
+    """Issue 27: with sampler_first, the target's unwind tables are loaded from Profiler.start() on,
+    into maps of the first object, while the first sampler samples; and the table walk takes over
+    as soon as the companion is loaded, not at attach_rest() (which the capture calls only after
+    its own set-up: ~0.3 s of cut-short stacks of a frameless program before)."""
+    options = ProfilerOptions(
+        freq_hz=99,
+        offcpu=False,
+        exec_discovery=False,
+        episode=False,
+        sampler_first=True,
+        unwind_cache_dir=str(tmp_path / "unwind"),
+        unwind_cpu_share=1.0,
+        unwind_nice=0,
+    )
+    script = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\nwhile True:\n    fib(20)\n"
+    busy = subprocess.Popen(["/usr/bin/python3", "-c", script])  # Debian's: no frame pointers
+    try:
+        loading = ObjectLoad(options, arm={busy.pid: abi.FilterFlags.ON_CPU})
+        with Profiler(options, loading=loading) as agent:
+            agent.set_pid_filter(busy.pid, abi.FilterFlags.ON_CPU)
+            agent.start()
+            tables = agent.unwind
+            assert isinstance(tables, UnwindTables)
+            assert tables.wait_idle(120), "tables loaded"
+            assert tables.stats.procs == 1 and tables.stats.loaded_rows > 1000, tables.stats
+            assert agent._require().maps["unwind_procs"].lookup(struct.pack("<I", busy.pid)) is not None
+            seen: list = []
+
+            def walked_by_table() -> bool:
+                agent.check_thread()
+                seen.extend(e for e in agent.take(timeout=0.2) if isinstance(e, StackSample))
+                return sum(e.walk[0] > 2 for e in seen) >= 5
+
+            assert wait_until(walked_by_table, 30), [e.walk for e in seen][-20:]
+            assert agent._companion is not None, "attach_rest() was not called: the walk did not wait for it"
+            agent.attach_rest()
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_the_first_sampler_loads_without_the_kernels_btf(caplog):

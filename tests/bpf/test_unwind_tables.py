@@ -117,3 +117,50 @@ def test_a_watched_process_is_prepared_once_not_at_every_walk(tmp_path: Path) ->
         agent.unwind.prepare([(pid, starttime + 1)])  # another process under the same pid
         assert agent.unwind.wait_idle(120)
         assert agent.unwind.stats.prepared == 2
+
+
+def test_rows_are_written_through_a_mapping_of_the_array_entry_for_entry() -> None:
+    """unwind_rows is mmapable: Map.update_array copies into it (12-byte rows at the kernel's
+    16-byte stride, a window at a time), and each row reads back as written, its neighbours
+    untouched."""
+    from bistouri.unwind.ehframe import ROW
+
+    with Profiler(_opts()) as agent:
+        rows = agent._require().maps["unwind_rows"]
+        n = (3 << 20) // 16 + 5  # past three 1 MiB windows
+        values = b"".join(ROW.pack(i, -i, i % 7, i % 5, i % 3) for i in range(n))
+        rows.update_array(1, ROW.pack(1, 2, 3, 4, 5) * 2, ROW.size)
+        rows.update_array(3, values, ROW.size)  # not at a page boundary
+        for i in [*range(0, n, 4099), n - 1]:
+            assert rows.lookup(struct.pack("<I", 3 + i)) == values[i * ROW.size : (i + 1) * ROW.size]
+        assert rows.lookup(struct.pack("<I", 2)) == ROW.pack(1, 2, 3, 4, 5)
+        assert rows.lookup(struct.pack("<I", 3 + n)) == bytes(ROW.size)
+
+
+def test_each_table_is_published_as_soon_as_it_is_loaded_libc_and_the_executable_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large binary's table takes seconds to build: the process's mappings are published
+    after each new table, not once all are in; libc's and the executable's come first."""
+    from bistouri.unwind.tables import UnwindTables
+
+    published: list[tuple[list[bytes], bool]] = []
+    write_proc = UnwindTables._write_proc
+
+    def spy(self, pid, entries, source):  # type: ignore[no-untyped-def]
+        published.append(([e[-1] for e in entries], source is not None))
+        write_proc(self, pid, entries, source)
+
+    monkeypatch.setattr(UnwindTables, "_write_proc", spy)
+    with _spinning(PY) as pid, Profiler(_opts()) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120)
+        files = agent.unwind.stats.built
+    assert files >= 3
+    *partial, (final, whole) = published
+    assert whole and not any(done for _, done in partial)
+    assert [len(keys) for keys, _ in partial] == list(range(1, files + 1))
+    libc = build_id(Path("/lib/x86_64-linux-gnu/libc.so.6"))
+    assert {k.hex() for k in partial[1][0]} == {libc, build_id(Path(PY[0]))}
+    assert set(final) == set(partial[-1][0])

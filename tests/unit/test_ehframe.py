@@ -205,6 +205,45 @@ def test_remember_restore_state_and_pcrel_encoding() -> None:
     ]
 
 
+def test_fdes_that_share_a_program_get_its_rows_at_their_start_cut_at_their_end() -> None:
+    """A program is run once per CIE (ehframe._Programs) and its rows moved to every FDE that has
+    it: each FDE gets the rows a run from its own start gives, none at or past its end."""
+    cie = _cie()
+    program = bytes([0x41, 0x0E, 16, 0x48, 0x0E, 24, 0x44, 0x0E, 8])  # +1: 16, +8: 24, +4: 8
+    data = bytearray(cie)
+    for pc, size in ((0x1000, 0x20), (0x2000, 0x9), (0x3000, 0x1)):
+        data += _fde(0, len(data), pc, size, program)
+    fdes = parse_fdes(bytes(data + b"\0\0\0\0"), 0)
+    assert [f.rows for f in fdes] == [
+        [
+            Row(0x1000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+            Row(0x1001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+            Row(0x1009, CfaKind.RSP, 24, RbpKind.UNCHANGED, 0),
+            Row(0x100D, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+        ],
+        [
+            Row(0x2000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+            Row(0x2001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+        ],
+        [Row(0x3000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0)],
+    ]
+
+
+def test_a_program_that_sets_the_pc_keeps_its_own_pcs() -> None:
+    """DW_CFA_set_loc names an absolute PC (sdata4 here): such a program's rows are not moved to
+    the start of another FDE that has the same program, as the other programs' are."""
+    cie = _cie()
+    program = bytes([0x41, 0x0E, 16, 0x01]) + (0x1010).to_bytes(4, "little") + bytes([0x0E, 24])
+    data = bytearray(cie)
+    for pc in (0x1000, 0x2000):
+        data += _fde(0, len(data), pc, 0x20, program)
+    fdes = parse_fdes(bytes(data + b"\0\0\0\0"), 0)
+    assert [[(r.pc, r.cfa_off) for r in f.rows] for f in fdes] == [
+        [(0x1000, 8), (0x1001, 16), (0x1010, 24)],
+        [(0x2000, 8), (0x2001, 16), (0x1010, 24)],
+    ]
+
+
 def test_malformed_cfi_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
     bad = os.path.join(tmp_path, "bad.so")
     with open(LIBC, "rb") as f:
@@ -217,3 +256,26 @@ def test_malformed_cfi_is_a_clear_error(tmp_path: os.PathLike[str]) -> None:
         f.write(data)
     with pytest.raises(UnwindTableError, match="malformed call frame information"):
         build_table(bad)
+
+
+def test_an_fdes_augmentation_data_is_skipped_whole() -> None:
+    """A "zLR" CIE's FDEs carry an LSDA pointer before their program: the program starts after
+    it (the walk skipped its length byte but started one byte early, on the pointer's last byte,
+    which happened to be a nop or a rule for a register no row holds in every file tried)."""
+    body = b"\0\0\0\0" + b"\x01" + b"zLR\0" + b"\x01" + b"\x78" + b"\x10" + b"\x02" + b"\x1b" + b"\x1b"
+    body += bytes([0x0C, 7, 8, 0x90, 1])
+    body += b"\0" * (-(len(body) + 4) % 8)
+    cie = len(body).to_bytes(4, "little") + body
+    at = len(cie)
+    # An LSDA pointer ending in 0x0D (def_cfa_register): run, it would take the program's first
+    # byte for a register number. The program proper: advance 1, cfa rsp+16.
+    lsda = bytes([4]) + bytes([0x00, 0x00, 0x00, 0x0D])
+    fde = (at + 4).to_bytes(4, "little") + (0x1000 - (at + 8)).to_bytes(4, "little", signed=True)
+    fde += (0x20).to_bytes(4, "little") + lsda + bytes([0x41, 0x0E, 16])
+    fde += b"\0" * (-(len(fde) + 4) % 8)
+    data = cie + len(fde).to_bytes(4, "little") + fde + b"\0\0\0\0"
+    (parsed,) = parse_fdes(data, 0)
+    assert parsed.rows == [
+        Row(0x1000, CfaKind.RSP, 8, RbpKind.UNCHANGED, 0),
+        Row(0x1001, CfaKind.RSP, 16, RbpKind.UNCHANGED, 0),
+    ]

@@ -85,3 +85,28 @@ def test_rows_within_the_bounds_are_what_they_were(tmp_path):
     n = len(parse_fdes(data, EH_FRAME_ADDR))
     table = build_table(str(path))
     assert n > 5 and len(table) // 12 > 1000 * n // 2
+
+
+def test_the_cache_of_programs_is_bounded_and_changes_no_row(monkeypatch):
+    """Distinct short programs are each run once and cached (ehframe._Programs) up to a bound in
+    bytes; past it they are run uncached, with the same rows."""
+    from bistouri.unwind import ehframe
+
+    head = cie()
+    data = bytearray(head)
+    for i in range(2000):  # 700 distinct programs: CFA offsets 16 + 8 * (i % 14), 16, then i % 50 on
+        program = bytes([0x41, 0x0E, 16 + 8 * (i % 14), 0x42, 0x0E, 16, 0x40 + i % 50])
+        data += fde(0, len(data), 0x10000 + 0x100 * i, 0x80, program)
+    section = bytes(data + b"\0\0\0\0")
+    whole = parse_fdes(section, 0)
+    held = []
+    fde_of = ehframe._Programs.fde
+
+    def watched(self, *args):
+        held.append(self.bytes)
+        return fde_of(self, *args)
+
+    monkeypatch.setattr(ehframe, "_MEMO_MAX_BYTES", 10_000)
+    monkeypatch.setattr(ehframe._Programs, "fde", watched)
+    assert parse_fdes(section, 0) == whole
+    assert max(held) < 10_000 + 1_000  # one entry past the bound at most
