@@ -16,6 +16,7 @@ from .model import (
     FRAME_PYTHON,
     FRAME_RESOLVED,
     MAX_FRAMES_PER_REQUEST,
+    MAX_JIT_NAME_CHARS,
     MAX_PY_FILE_CHARS,
     MAX_PY_LINE,
     MAX_PY_NAME_CHARS,
@@ -69,7 +70,8 @@ def session_to_wire(s: Session) -> dict[str, Any]:
                 if f.kind == FRAME_RESOLVED:
                     m = mappings.setdefault((f.build_id, f.name), len(mappings))
                 elif f.kind == FRAME_JIT:
-                    m = jit_names.setdefault(f.name, len(jit_names))
+                    # Cut to what the decoder takes, as the Python names below: the perf map is the process's
+                    m = jit_names.setdefault(f.name[:MAX_JIT_NAME_CHARS], len(jit_names))
                 elif f.kind == FRAME_PYTHON:
                     # Within what the decoder takes: names read from a process are the process's to choose,
                     # and one past a limit would have the whole session refused.

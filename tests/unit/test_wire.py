@@ -490,3 +490,15 @@ def test_python_names_and_lines_past_the_limits_are_cut_not_the_session():
     got_huge, got_far = back.traces[-1].user[:2]
     assert got_huge.name == "n" * wire.MAX_PY_NAME_CHARS and len(got_huge.file) == wire.MAX_PY_FILE_CHARS
     assert (got_huge.address, got_far.address) == (0, 0)
+
+
+def test_a_jit_name_past_its_limit_is_cut_not_the_session():
+    """A perf map is the target's file: one name longer than the decoder takes must not have the
+    symbolizer refuse the whole session."""
+    s = python_session()
+    jit = wire.UserFrame(
+        wire.FRAME_JIT, b"", 0x7F00_0000_1000, "LazyCompile:" + "x" * wire.MAX_JIT_NAME_CHARS
+    )
+    s.traces[-1] = dataclasses.replace(s.traces[-1], user=(jit, *s.traces[-1].user))
+    back = wire.decode_session(wire.encode_session(s))
+    assert back.traces[-1].user[0].name == jit.name[: wire.MAX_JIT_NAME_CHARS]
