@@ -1,0 +1,64 @@
+"""The process bench_python_frames profiles, run by each interpreter under test (3.8+; no newer syntax).
+
+Usage: python_target.py COUNTER DEPTH. COUNTER is an 8-byte file this process maps shared and where it
+counts the calls of `hot_loop` done so far (the bench reads it to tell how much work was done in a window,
+without a pipe or a signal disturbing the loop). `hot_loop` runs under `driver`, itself under `deep`
+recursed until the Python stack is DEPTH frames deep at `hot_loop` (at least 4: `<module>`, `main`,
+`driver`, `hot_loop`).
+
+Prints one JSON line first: the pid, the address of `hot_loop`'s code object, and for every code object
+on that stack CPython's own line for each instruction offset (tests/fixtures/workloads/cpython_target.py's
+`_describe`: `PyCode_Addr2Line`, what tracebacks and `f_lineno` use), the truth both profilers' lines are
+held to.
+"""
+
+import json
+import mmap
+import os
+import struct
+import sys
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "workloads")
+)
+
+from cpython_target import _describe
+
+_FIXED = 4  # <module>, main, driver, hot_loop
+
+
+def hot_loop(n):
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def driver(counter):
+    done = 0
+    while True:
+        hot_loop(2000)
+        done += 1
+        struct.pack_into("<Q", counter, 0, done)
+
+
+def deep(n, counter):
+    return driver(counter) if n == 0 else deep(n - 1, counter)
+
+
+def main():
+    with open(sys.argv[1], "r+b") as f:
+        counter = mmap.mmap(f.fileno(), 8)
+    depth = int(sys.argv[2])
+    module = sys._getframe().f_back.f_code
+    codes = [module, main.__code__, deep.__code__, driver.__code__, hot_loop.__code__]
+    out = {"pid": os.getpid(), "hot": id(hot_loop.__code__), "codes": [_describe(co) for co in codes]}
+    print(json.dumps(out), flush=True)
+    sys.setrecursionlimit(max(1000, depth + 100))
+    if depth > _FIXED:
+        deep(depth - _FIXED - 1, counter)
+    driver(counter)
+
+
+if __name__ == "__main__":
+    main()
