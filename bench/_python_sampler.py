@@ -9,7 +9,7 @@ one JSON line:
 - samples of the target's main thread, the share whose Python frames name `hot_loop`, native and Python
   frames per sample;
 - with --truth (the target's JSON line), the share of sampled frames on CPython's own line for their
-  instruction offset, and `hot_loop`'s samples by line;
+  instruction offset, and the samples of each of its code objects by line;
 - the CPU of this process over the window less this bench's own checks of each sample (thread CPU time
   around them), of its ring thread (the drain and decoding) and of naming the frames (around
   `python.name`);
@@ -99,15 +99,15 @@ def main() -> int:
     from bistouri.cpython.splice import decode
 
     truth: dict[int, dict[int, int | None]] = {}
-    hot_code = 0
+    names: dict[int, str] = {}
     if args.truth:
         dump = json.loads(Path(args.truth).read_text())
         truth = {c["id"]: {u: line for u, line in c["lines"]} for c in dump["codes"]}
-        hot_code = dump["hot"]
+        names = {c["id"]: c["name"] for c in dump["codes"]}
 
     opts = ProfilerOptions(freq_hz=args.freq, offcpu=False, exec_discovery=False)
     samples = hot = native = python = frames = exact = 0
-    hot_lines: Counter[int] = Counter()
+    code_lines: dict[str, Counter[int]] = {}  # the truth's code objects' samples by line, by name
     naming_ns = bookkeeping_ns = 0  # this bench's own checks, not an agent's work: taken out below
     with Profiler(opts) as agent:
         agent.start()
@@ -140,10 +140,9 @@ def main() -> int:
                 python += w * len(named)
                 hot += w * any(f.name == "hot_loop" for f in named)
                 for raw, name in zip(decode(e.python), named, strict=True):
-                    if raw.code == hot_code:
-                        hot_lines[name.line] += w
                     lines = truth.get(raw.code)
                     if lines is not None:
+                        code_lines.setdefault(names[raw.code], Counter())[name.line] += w
                         frames += w
                         exact += w * (name.line == (lines.get(-1 if raw.offset is None else raw.offset) or 0))
                 bookkeeping_ns += time.thread_time_ns() - c1
@@ -163,7 +162,7 @@ def main() -> int:
                 "python_frames": python / n,
                 "frames_checked": frames,
                 "lines_exact": exact / frames if frames else None,
-                "hot_lines": dict(hot_lines),
+                "code_lines": {k: dict(v) for k, v in code_lines.items()},
                 "bpf_ns_per_run": (ns1 - ns0) / max(1, cnt1 - cnt0),
                 "bpf_ns_per_sample": (ns1 - ns0) / n,
                 "bpf_ns_per_sample_net": (ns1 - ns0 - early_ns * max(0, cnt1 - cnt0 - samples)) / n,

@@ -154,14 +154,17 @@ class PySpy:
         return out
 
 
-def pyspy_names_and_lines(spy: PySpy, dump: dict, exact_hot_lines: dict[str, int]) -> dict:
+def pyspy_names_and_lines(spy: PySpy, dump: dict, exact: dict[str, dict[str, int]]) -> dict:
+    """py-spy's main-thread samples: the hot share, and its lines held to what can be checked without
+    the instruction offset (which py-spy does not give): a line no instruction of that code has, and
+    each code object's samples by line against `exact` (bistouri's, each frame on CPython's line)."""
     codes = {(c["name"], os.path.basename(c["filename"])): c for c in dump["codes"]}
     valid = {k: {line for _, line in c["lines"] if line is not None} for k, c in codes.items()}
     stacks = spy.stacks()
     samples = sum(stacks.values())
     hot = sum(n for s, n in stacks.items() if any(f[0] == "hot_loop" for f in s))
     frames = impossible = 0
-    hot_lines: Counter[int] = Counter()
+    code_lines: dict[str, Counter[int]] = {}
     for s, n in stacks.items():
         for name, file, line in s:
             lines = valid.get((name, file))
@@ -169,15 +172,15 @@ def pyspy_names_and_lines(spy: PySpy, dump: dict, exact_hot_lines: dict[str, int
                 continue
             frames += n
             impossible += n * (line not in lines)
-            if name == "hot_loop":
-                hot_lines[line] += n
+            code_lines.setdefault(name, Counter())[line] += n
+    truth = {name: Counter({int(k): v for k, v in lines.items()}) for name, lines in exact.items()}
     return {
         "samples": samples,
         "hot_share": hot / samples if samples else 0.0,
         "frames_checked": frames,
         "lines_impossible": impossible / frames if frames else None,
-        "hot_lines": dict(hot_lines),
-        "hot_lines_distance": distance(hot_lines, Counter({int(k): v for k, v in exact_hot_lines.items()})),
+        "code_lines": {k: dict(v) for k, v in code_lines.items()},
+        "distance": {k: distance(v, truth.get(k, Counter())) for k, v in code_lines.items()},
     }
 
 
@@ -198,7 +201,7 @@ def names_and_lines(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
         spy = PySpy(t.pid, freq, seconds + 3, tmp / "names.raw", nonblocking=False)
         said = spy.finish()
         bistouri = sampled(ours, seconds)
-        theirs = pyspy_names_and_lines(spy, t.dump, bistouri["hot_lines"])
+        theirs = pyspy_names_and_lines(spy, t.dump, bistouri["code_lines"])
         theirs["said"] = said.strip().splitlines()[-2:]
     return {"bistouri": bistouri, "py-spy": theirs}
 
@@ -226,8 +229,8 @@ def overhead(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
         before = t.rate(seconds)
         argv = ("--counter", str(t.counter), "--truth", str(t.truth))
         bistouri = sampled(sampler(t.pid, seconds, freq, *argv), seconds)
-        blocking = pyspy_window(t, freq, seconds, tmp, False, bistouri["hot_lines"])
-        nonblocking = pyspy_window(t, freq, seconds, tmp, True, bistouri["hot_lines"])
+        blocking = pyspy_window(t, freq, seconds, tmp, False, bistouri["code_lines"])
+        nonblocking = pyspy_window(t, freq, seconds, tmp, True, bistouri["code_lines"])
         after = t.rate(seconds)
     out: dict = {"baseline": [before, after]}
     base = {k: (before[k] + after[k]) / 2 for k in before}
@@ -311,20 +314,32 @@ def tables(results: dict) -> str:
     out += [
         "",
         "| interpreter | bistouri on CPython's line (≥ 99.5 %) | py-spy on a line its code has not |"
-        " py-spy's `hot_loop` line shares off the exact ones by | `hot_loop` lines, bistouri / py-spy |",
+        " `checksum` on the call's line: bistouri / py-spy | `hot_loop` lines, bistouri / py-spy"
+        " (their distance) |",
         "|---|---|---|---|---|",
     ]
     for k, v in rows.items():
         b, s = v["overhead"]["bistouri"], v["overhead"]["py-spy"]
-        nb, ns = sum(b["hot_lines"].values()) or 1, sum(s["hot_lines"].values()) or 1
-        lines = sorted({int(x) for x in b["hot_lines"]} | {int(x) for x in s["hot_lines"]})
-        bl, sl = b["hot_lines"], s["hot_lines"]  # JSON keys (bistouri's) and ints (py-spy's)
-        shares = ", ".join(
-            f"{x}: {100 * bl.get(str(x), 0) / nb:.1f} / {100 * sl.get(x, 0) / ns:.1f} %" for x in lines
+        bl = {name: Counter({int(x): n for x, n in lines.items()}) for name, lines in b["code_lines"].items()}
+        sl = {name: Counter({int(x): n for x, n in lines.items()}) for name, lines in s["code_lines"].items()}
+
+        def share(c: Counter[int], line: int) -> str:
+            return f"{100 * c[line] / max(1, c.total()):.1f} %"
+
+        # The call's line: where CPython puts nearly all of checksum's samples (bistouri's frames are
+        # each on CPython's line: the column before).
+        call = bl["checksum"].most_common(1)[0][0]
+        others = ", ".join(f"{x}: {share(sl['checksum'], x)}" for x in sorted(sl["checksum"]) if x != call)
+        hot = ", ".join(
+            f"{x}: {share(bl['hot_loop'], x)} / {share(sl['hot_loop'], x)}"
+            for x in sorted(bl["hot_loop"] | sl["hot_loop"])
+            if bl["hot_loop"][x] + sl["hot_loop"][x] > 10
         )
         out.append(
             f"| {k} | {pct(b['lines_exact'], 2)} ({b['frames_checked']}) | {pct(s['lines_impossible'], 2)}"
-            f" ({s['frames_checked']}) | {pct(s['hot_lines_distance'])} | {shares} |"
+            f" ({s['frames_checked']}) | line {call}: {share(bl['checksum'], call)} /"
+            f" **{share(sl['checksum'], call)}**{f' ({others})' if others else ''} | {hot}"
+            f" ({pct(s['distance']['hot_loop'])}) |"
         )
     out += [
         "",

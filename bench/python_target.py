@@ -1,10 +1,10 @@
 """The process bench_python_frames profiles, run by each interpreter under test (3.8+; no newer syntax).
 
 Usage: python_target.py COUNTER DEPTH. COUNTER is an 8-byte file this process maps shared and where it
-counts the calls of `hot_loop` done so far (the bench reads it to tell how much work was done in a window,
-without a pipe or a signal disturbing the loop). `hot_loop` runs under `driver`, itself under `deep`
-recursed until the Python stack is DEPTH frames deep at `hot_loop` (at least 4: `<module>`, `main`,
-`driver`, `hot_loop`).
+counts the rounds done so far (the bench reads it to tell how much work was done in a window, without a
+pipe or a signal disturbing the loop). A round is `hot_loop` (most of the time) then `checksum`
+(`zlib.crc32`, a call written over three lines), under `driver`, itself under `deep` recursed until the
+Python stack is DEPTH frames deep at `hot_loop` (at least 4: `<module>`, `main`, `driver`, `hot_loop`).
 
 Prints one JSON line first: the pid, the address of `hot_loop`'s code object, and for every code object
 on that stack CPython's own line for each instruction offset (tests/fixtures/workloads/cpython_target.py's
@@ -17,6 +17,7 @@ import mmap
 import os
 import struct
 import sys
+import zlib
 
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "workloads")
@@ -34,10 +35,18 @@ def hot_loop(n):
     return total
 
 
+def checksum(data):
+    # The call's own line is not its argument's: from 3.12 the CALL starts a new entry of the line table
+    # after the argument's, the boundary where a line lookup off by one unit names the argument's line.
+    return zlib.crc32(data)
+
+
 def driver(counter):
+    blob = bytes(1 << 16)
     done = 0
     while True:
         hot_loop(2000)
+        checksum(blob)
         done += 1
         struct.pack_into("<Q", counter, 0, done)
 
@@ -51,7 +60,7 @@ def main():
         counter = mmap.mmap(f.fileno(), 8)
     depth = int(sys.argv[2])
     module = sys._getframe().f_back.f_code
-    codes = [module, main.__code__, deep.__code__, driver.__code__, hot_loop.__code__]
+    codes = [module, main.__code__, deep.__code__, driver.__code__, hot_loop.__code__, checksum.__code__]
     out = {"pid": os.getpid(), "hot": id(hot_loop.__code__), "codes": [_describe(co) for co in codes]}
     print(json.dumps(out), flush=True)
     sys.setrecursionlimit(max(1000, depth + 100))
