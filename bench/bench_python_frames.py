@@ -56,13 +56,14 @@ _FRAME = re.compile(r"^(.*) \((.*):(\d+)\)$")
 
 
 class Target:
-    """bench/python_target.py under `exe`, `depth` Python frames deep at hot_loop; killed on exit."""
+    """bench/python_target.py under `exe`, `depth` Python frames deep at hot_loop, `more` its other
+    arguments; killed on exit."""
 
-    def __init__(self, exe: Path, depth: int, tmp: Path) -> None:
+    def __init__(self, exe: Path, depth: int, tmp: Path, *more: str) -> None:
         self.counter = tmp / f"counter-{time.monotonic_ns()}"
         self.counter.write_bytes(bytes(8))
         self.proc = subprocess.Popen(
-            [str(exe), str(TARGET), str(self.counter), str(depth)], stdout=subprocess.PIPE, text=True
+            [str(exe), str(TARGET), str(self.counter), str(depth), *more], stdout=subprocess.PIPE, text=True
         )
         assert self.proc.stdout is not None
         self.dump = json.loads(self.proc.stdout.readline())
@@ -193,6 +194,7 @@ def distance(a: Counter[int], b: Counter[int]) -> float | None:
 
 
 def names_and_lines(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
+    """The plain loop (hot_loop alone under driver), both profilers at once."""
     with Target(exe, 4, tmp) as t:
         time.sleep(0.5)
         ours = sampler(t.pid, seconds, freq, "--truth", str(t.truth))
@@ -224,7 +226,7 @@ def pyspy_window(t: Target, freq: int, seconds: float, tmp: Path, nonblocking: b
 
 
 def overhead(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
-    with Target(exe, 4, tmp) as t:
+    with Target(exe, 4, tmp, "checksum") as t:
         time.sleep(0.5)
         before = t.rate(seconds)
         argv = ("--counter", str(t.counter), "--truth", str(t.truth))
@@ -281,7 +283,7 @@ def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
 
 def measure(exe: Path, seconds: float, tmp: Path) -> dict:
     return {
-        "names": names_and_lines(exe, seconds, 99, tmp),
+        "names": names_and_lines(exe, 2 * seconds, 99, tmp),  # 99 Hz: twice as long for as many samples
         "overhead": overhead(exe, seconds, 999, tmp),
         "bpf": bpf_time(exe, seconds, 999, tmp),
         "record": record_rss(exe, seconds, tmp),
