@@ -1,29 +1,32 @@
 """CPython frames from BPF (issue 21), side by side with py-spy on the same process, per interpreter.
 
 For each interpreter of the host (pyenv 3.8-3.13, Debian's /usr/bin/python3.11), on
-bench/python_target.py (`hot_loop` under `driver`, its work counted in a shared file):
+bench/python_target.py (`hot_loop` under `driver`, its rounds counted in a shared file):
 
-1. names and lines: bistouri (`bench/_python_sampler.py`, a Profiler in its own process that names
-   every sample's Python frames as the capture does) and `py-spy record --format raw -t` sample the same
-   process at the same rate at the same time. Hot share = samples of the main thread whose stack has
-   `hot_loop`. Lines: bistouri's frames against CPython's own line for their instruction offset
-   (`PyCode_Addr2Line`, dumped by the target); py-spy gives a line but no offset, so its frames are held
-   to what can be checked: lines no instruction of that code has, and the distance between its
-   `hot_loop` line shares and the exact ones bistouri measured in the same window (the share of samples
-   at least that are on another line);
-2. overhead at 999 Hz: the target's work per second with nothing attached (before and after), with
-   bistouri sampling it, with py-spy (default mode, which stops the process at each sample, and
-   `--nonblocking`); the profiler's CPU over the window (bistouri: its process + its BPF run time; py-spy:
-   its process), and bistouri's ring thread and naming apart;
+1. names: bistouri (`bench/_python_sampler.py`, a Profiler in its own process that names every
+   sample's Python frames as the capture does) and `py-spy record --format raw -t` (default mode) sample
+   the plain loop at 99 Hz at the same time. Hot share = samples of the main thread whose stack has
+   `hot_loop`;
+2. overhead at 999 Hz, the loop also calling `checksum` (a call written over three lines): the target's
+   work per second of its own time (wall less run-queue waits), of CPU time and of wall time, with
+   nothing attached (before and after), with bistouri, with py-spy (default mode, which stops the process
+   at each sample) and with `py-spy --nonblocking`; the profiler's CPU over the window (bistouri: its
+   process less the bench's own checks, + its BPF run time; py-spy: its process), bistouri's ring thread
+   and naming apart. Lines, from the same windows: bistouri's frames against CPython's own line for their
+   instruction offset (`PyCode_Addr2Line`, dumped by the target); py-spy gives a line but no offset, so
+   its frames are held to what can be checked from outside: lines no instruction of that code has, the
+   call's line for `checksum` (the line-table boundary where a lookup off by one unit names the
+   argument's line), and the distance between its `hot_loop` line shares and bistouri's exact ones;
 3. BPF time per sample (run_time_ns / run_cnt of the perf_event program, bpf_enable_stats, net of
    other processes' runs) of a 30-deep Python stack (the target recursed), with the Python walk and
    without it (the record deleted from `python_procs`), against bench_sampling's frameless C program
    (~30 native frames, the .eh_frame walk) measured once in the same run;
 4. `bistouri record`'s peak RSS on the target, the whole run with its helpers (bench_record's
-   measure), cache directory empty.
+   measure), twice: its cache directory empty, then holding what the first run put there.
 
-Run as root: `python -m bench.bench_python_frames [--seconds S] [--only 3.11,debian-3.11]`. Prints a
-JSON line per interpreter and the tables; writes bench/results/python_frames.json.
+Needs py-spy next to this interpreter (`pip install py-spy`). The tables and what they showed:
+docs/benchmarks.md. Run as root: `python -m bench.bench_python_frames [--seconds S] [--only 3.11,...]`.
+Prints a JSON line per interpreter and the tables; writes bench/results/python_frames.json.
 """
 
 from __future__ import annotations
