@@ -50,6 +50,7 @@ BY_MODULE = {
     "tests/integration/test_agent_log.py": _AGENT,
     "tests/integration/test_agent_jvm.py": _AGENT,
     "tests/integration/test_agent_reload.py": _AGENT,
+    "tests/integration/test_cgroup_labels.py": _AGENT,
     "tests/integration/test_end_to_end.py": _AGENT,
     "tests/integration/test_flight_recorder.py": _AGENT,
     "tests/integration/test_hostile_target_files.py": _AGENT,
