@@ -69,6 +69,7 @@ BY_MODULE = {
     "tests/integration/test_symbolizer_episode.py": _SYMBOLIZER,
     "tests/integration/test_symbolizer_episode_report.py": _SYMBOLIZER,
     "tests/integration/test_symbolizer_service.py": _SYMBOLIZER,
+    "tests/integration/test_symbolizer_labels.py": _SYMBOLIZER,
     "tests/integration/test_symbolizer_python.py": _SYMBOLIZER,
     "tests/integration/test_symbolizer_token.py": _SYMBOLIZER,
     "tests/integration/test_symbolizer_tokens.py": _SYMBOLIZER,
