@@ -72,6 +72,14 @@ def test_sessions_are_listed_and_filtered_by_unit_and_container(
     one = requests.get(url + "/v1/sessions/docker", timeout=10).json()
     assert one["unit"] == f"docker-{ID}.scope"
     assert one["container"] == {"id": ID, "runtime": "docker", "pod": ""}
+    # PostgreSQL text refuses NUL: such a unit or container is refused alone (a 4xx, never a 500).
+    for i, (unit, container) in enumerate(
+        [("a\x00.service", None), ("", wire.Container("ab\x00", "docker")), ("", wire.Container(ID, "x\x00"))]
+    ):
+        r = post_sessions(url, [_labelled(f"nul-{i}", demo_binary, t0 + 10 + i, unit, container)])
+        assert r.status_code == 400 and r.json()["rejected"][0]["reason"] == "malformed", r.text
+    assert requests.get(url + "/v1/sessions", params={"unit": "x\x00"}, timeout=10).status_code == 400
+    assert "Traceback" not in url.log_path.read_text()
     # The merged profile takes the same filters.
     merged = requests.get(url + "/v1/profile/folded", params={"container": ID[:12]}, timeout=10)
     assert merged.status_code == 200 and merged.text
