@@ -16,7 +16,9 @@ Pure: a path in, names out; no file is read. The path is a cgroup's, from the ro
 
 Hostile-safe: below a delegated cgroup (a container, `user@.service`) the names are its owner's to
 choose, so the outermost match wins (the one the host's systemd or runtime made), ids must have their
-runtime's exact form (64 hex digits), and a path is read at most MAX_DEPTH levels deep.
+runtime's exact form (64 hex digits), and a path is read at most MAX_DEPTH levels deep. A container
+read below a user's manager (rootless podman or docker, under `user@UID.service`, the unit then) is that
+user's word: the user names the cgroups there.
 """
 
 from __future__ import annotations
