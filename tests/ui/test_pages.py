@@ -109,7 +109,9 @@ def test_sessions_list_filters_and_pick_for_diff(page, symbolizer_url, stored, s
     io = page.locator(f'tr[data-id="{stored["io"]}"]')
     io.wait_for()
     assert page.locator(f'tr[data-id="{stored["new"]}"] .unit').inner_text() == "checkout.service"
-    assert io.locator(".unit").inner_text() == f"docker-{data.CONTAINER_ID}.scope"
+    # A container's scope is shown with the short id, whole in its title.
+    assert io.locator(".unit").inner_text() == f"docker-{data.CONTAINER_ID[:12]}….scope"
+    assert io.locator(".unit").get_attribute("title") == f"systemd unit docker-{data.CONTAINER_ID}.scope"
     pill = io.locator("a.container")
     assert pill.inner_text() == f"docker {data.CONTAINER_ID[:12]}"
     assert data.CONTAINER_ID in (pill.get_attribute("title") or "")

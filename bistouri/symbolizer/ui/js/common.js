@@ -267,6 +267,12 @@
     if (!c || !c.id) return null;
     return (B.RUNTIME_LABEL[c.runtime] || c.runtime || "container") + " " + c.id.slice(0, 12);
   };
+  // A unit as a list shows it: a runtime's 64-digit id cut to the 12 `docker ps` shows
+  // ("docker-4f1b9c2e7a6d….scope"), any other long name cut in the middle; the whole name in a title.
+  B.shortUnit = function (u) {
+    const s = (u || "").replace(/[0-9a-f]{64}/, (id) => id.slice(0, 12) + "…");
+    return s.length > 48 ? s.slice(0, 32) + "…" + s.slice(-15) : s;
+  };
   B.containerTitle = function (c) {
     return "container " + c.id + (c.runtime ? " (" + c.runtime + ")" : "") + (c.pod ? " · pod " + c.pod : "");
   };

@@ -91,7 +91,7 @@
   // filters the list by it).
   function serviceCell(m) {
     const cell = el("td", { class: "service" }, m.service || el("span", { class: "dim" }, "–"));
-    if (m.unit) cell.append(el("div", { class: "dim mono unit", title: "systemd unit" }, m.unit));
+    if (m.unit) cell.append(el("div", { class: "dim mono unit", title: "systemd unit " + m.unit }, B.shortUnit(m.unit)));
     const c = B.containerText(m.container);
     if (c) {
       cell.append(el("div", null, el("a", { class: "pill container", title: B.containerTitle(m.container),
