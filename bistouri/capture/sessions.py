@@ -33,6 +33,7 @@ from .. import wire
 from ..bpf import abi
 from ..cpython.processes import PythonFrame
 from ..cpython.splice import EvalLoop, splice
+from ..host import cgroupnames
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
 from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProbe
@@ -562,6 +563,7 @@ class SessionCapture:
                 )
             )
         unwind.jit = jit_notes(self._filter.maps, traces)
+        names = cgroupnames.names_of(s.trigger.cgroup)  # what people call the target: unit, container
         return wire.Session(
             session_id=s.session_id,
             trigger=s.trigger,
@@ -581,6 +583,8 @@ class SessionCapture:
             pre_trigger_ns=s.pre_trigger_ns,
             unwind=unwind,
             episode=episode,
+            unit=names.unit,
+            container=names.container,
         )
 
     # -- user frames ----------------------------------------------------------------

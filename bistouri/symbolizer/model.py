@@ -91,6 +91,11 @@ class SessionMeta:
     # (v3) The episode report as GET /v1/sessions/{id} shows it (rows of episode.py, ranked).
     victims: list[dict[str, Any]] = field(default_factory=list)
     aggressors: list[dict[str, Any]] = field(default_factory=list)
+    # What the trigger's cgroup names (wire.Session.unit, .container); "" from agents before them.
+    unit: str = ""
+    container_id: str = ""
+    runtime: str = ""
+    pod: str = ""
 
     @classmethod
     def from_wire(cls, s: wire.Session) -> SessionMeta:
@@ -126,6 +131,10 @@ class SessionMeta:
             unwind=s.unwind.to_json() if s.unwind else {},
             victims=[victim_json(v) for v in s.episode.victims] if s.episode else [],
             aggressors=[aggressor_json(a) for a in s.episode.aggressors] if s.episode else [],
+            unit=s.unit,
+            container_id=s.container.id if s.container else "",
+            runtime=s.container.runtime if s.container else "",
+            pod=s.container.pod if s.container else "",
         )
 
     @property
@@ -148,6 +157,12 @@ class SessionMeta:
             "comm": self.comm,
             "pid": self.pid,
             "processes": [{"pid": p, "comm": c} for p, c in self.processes.items()],
+            "unit": self.unit,
+            "container": (
+                {"id": self.container_id, "runtime": self.runtime, "pod": self.pod}
+                if self.container_id
+                else None
+            ),
             "trigger": {
                 "kind": self.trigger_kind,
                 "resource": self.resource,

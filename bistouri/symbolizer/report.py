@@ -36,7 +36,7 @@ _STYLES = ("css/bistouri.css",)
 _KNOWN_META = frozenset(
     {
         "id", "tenant", "service", "host", "labels", "comm", "pid", "processes", "trigger",
-        "start_ns", "duration_ns", "period_ns", "kernel_release", "samples",
+        "start_ns", "duration_ns", "period_ns", "kernel_release", "samples", "unit", "container",
     }
 )  # fmt: skip
 

@@ -24,6 +24,7 @@ from .model import (
     MAX_BIN_LEN,
     MAX_CGROUP_CHARS,
     MAX_COMM_CHARS,
+    MAX_CONTAINER_ID_CHARS,
     MAX_JIT_NAME_CHARS,
     MAX_KERNEL_FRAMES,
     MAX_LABEL_KEY_CHARS,
@@ -32,15 +33,18 @@ from .model import (
     MAX_MAP_LEN,
     MAX_MAPPING_NAME_CHARS,
     MAX_NAME_CHARS,
+    MAX_POD_CHARS,
     MAX_PY_FILE_CHARS,
     MAX_PY_LINE,
     MAX_PY_NAME_CHARS,
     MAX_PY_NOTE_KEYS,
     MAX_RELEASE_CHARS,
+    MAX_RUNTIME_CHARS,
     MAX_SESSION_ID_CHARS,
     MAX_SESSIONS_PER_BATCH,
     MAX_STR_BYTES,
     MAX_U64,
+    MAX_UNIT_CHARS,
     MAX_USER_FRAMES,
     MAX_VICTIMS,
     READABLE_VERSIONS,
@@ -49,6 +53,7 @@ from .model import (
     WAIT_D,
     WAIT_STATES,
     Aggressor,
+    Container,
     Episode,
     KernelInfo,
     Session,
@@ -285,7 +290,21 @@ def session_from_wire(m: Any) -> Session:
         pre_trigger_ns=_u64(m.get("pre_trigger_ns", 0), where + ".pre_trigger_ns"),
         unwind=_unwind_summary(m.get("unwind"), where + ".unwind", v),
         episode=_episode(m["episode"], where + ".episode") if v >= 3 and "episode" in m else None,
+        unit=_str(m, "unit", where, MAX_UNIT_CHARS),
+        container=_container(m.get("container"), where + ".container"),
     )
+
+
+def _container(m: Any, where: str) -> Container | None:
+    """The optional container of a session's target (any version: older readers ignore the key)."""
+    if m is None:
+        return None
+    if not isinstance(m, dict):
+        raise WireError("malformed", f"{where} must be a map with id and runtime")
+    cid = _str(m, "id", where, MAX_CONTAINER_ID_CHARS)
+    if not cid:
+        raise WireError("malformed", f"{where}.id must not be empty")
+    return Container(cid, _str(m, "runtime", where, MAX_RUNTIME_CHARS), _str(m, "pod", where, MAX_POD_CHARS))
 
 
 def _py_functions(m: Mapping[str, Any], where: str) -> list[tuple[str, str]]:

@@ -148,6 +148,12 @@ def session_to_wire(s: Session) -> dict[str, Any]:
         out["pre_trigger_ns"] = s.pre_trigger_ns
     if s.unwind:
         out["unwind"] = s.unwind.to_json()
+    # Optional, as the trigger's `kind`: read by no reader before them, and not by version 3's rule.
+    if s.unit:
+        out["unit"] = s.unit
+    if s.container is not None:
+        c = s.container
+        out["container"] = {"id": c.id, "runtime": c.runtime, **({"pod": c.pod} if c.pod else {})}
     if s.episode is not None:
         out["episode"] = {
             "victims": [

@@ -84,6 +84,14 @@ MAX_PY_NAME_CHARS = 1024  # (v4) a Python function's qualified name (Class.metho
 MAX_PY_FILE_CHARS = 4096  # (v4) a Python code object's file name (co_filename: a path, PATH_MAX)
 MAX_PY_LINE = (1 << 31) - 1  # (v4) a Python frame's line (CPython's are C ints)
 MAX_PY_NOTE_KEYS = 16  # (v4) names in unwind.python: "named" and the reasons (a few known ones)
+MAX_UNIT_CHARS = 256  # a systemd unit's name (systemd's UNIT_NAME_MAX)
+MAX_CONTAINER_ID_CHARS = 128  # the runtimes' ids are 64 hex digits
+MAX_RUNTIME_CHARS = 32
+MAX_POD_CHARS = 64  # a Kubernetes pod's uid (36 characters)
+
+# Container runtimes a cgroup path names (host/cgroupnames.py). A reader takes any other name of at most
+# MAX_RUNTIME_CHARS as it is, so that a runtime added later needs no new version.
+RUNTIMES = ("docker", "containerd", "podman", "crio")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +232,15 @@ class UnwindSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class Container:
+    """The container a session's target cgroup is, or is in (host/cgroupnames.py)."""
+
+    id: str  # the runtime's id (64 hex digits)
+    runtime: str  # RUNTIMES
+    pod: str = ""  # the Kubernetes pod's uid, when the path names one
+
+
+@dataclass(frozen=True, slots=True)
 class KernelInfo:
     release: str = ""
     build_id: bytes = b""
@@ -251,6 +268,10 @@ class Session:
     pre_trigger_ns: int = 0
     unwind: UnwindSummary = field(default_factory=UnwindSummary)
     episode: Episode | None = None  # (v3) absent from older sessions and manual ones without it
+    # What the trigger's cgroup names (host/cgroupnames.py): its systemd unit, its container; absent
+    # from sessions of agents before them, and from a system-wide one
+    unit: str = ""
+    container: Container | None = None
 
     @property
     def total_samples(self) -> int:

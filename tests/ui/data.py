@@ -9,6 +9,7 @@ kallsyms text uploaded for a made-up kernel build id, the way the agent uploads
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import os
 import time
@@ -152,6 +153,7 @@ def _session(
         unwind=wire.UnwindSummary(
             frames={"table": 900, "frame_pointer": 100}, walks={"entry": 97, "no_frame_pointer": 3}
         ),
+        unit=f"{service}.service",  # as the agent names the trigger's cgroup (host/cgroupnames.py)
     )
 
 
@@ -197,7 +199,14 @@ def fsyncer_session(sid: str, start_ns: int) -> wire.Session:
         _trace([main, ws], write, pid, on=35),
         _trace([main, ws], fsync, pid, on=12),
     ]
-    return _session(sid, "storage", "db-01", "fsyncer", pid, "io", start_ns, (38.5, 21.0, 9.4), traces)
+    s = _session(sid, "storage", "db-01", "fsyncer", pid, "io", start_ns, (38.5, 21.0, 9.4), traces)
+    # It runs in a docker container: the trigger's cgroup is the container's scope.
+    s.trigger = dataclasses.replace(s.trigger, cgroup=f"/system.slice/docker-{CONTAINER_ID}.scope")
+    s.unit, s.container = f"docker-{CONTAINER_ID}.scope", wire.Container(CONTAINER_ID, "docker")
+    return s
+
+
+CONTAINER_ID = "4f1b9c2e7a6d5038b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e"
 
 
 WORKLOADS = Path(__file__).resolve().parents[1] / "fixtures" / "build" / "workloads"

@@ -8,6 +8,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from tests.ui import data
+
 pytestmark = pytest.mark.slow
 
 HUE = re.compile(r"hsl\((\d+(?:\.\d+)?)")
@@ -101,6 +103,32 @@ def test_sessions_list_filters_and_pick_for_diff(page, symbolizer_url, stored, s
     assert page.locator("#filters select[name=range]").input_value() == "15m"
     since = parse_qs(urlsplit(page.locator("#merged-link").get_attribute("href") or "").query)["since"]
     assert since[0].isdigit()
+
+    # What the target's cgroup names: the unit under the service, the container as a pill that filters.
+    page.goto(symbolizer_url + "/ui/")
+    io = page.locator(f'tr[data-id="{stored["io"]}"]')
+    io.wait_for()
+    assert page.locator(f'tr[data-id="{stored["new"]}"] .unit').inner_text() == "checkout.service"
+    # A container's scope is shown with the short id, whole in its title.
+    assert io.locator(".unit").inner_text() == f"docker-{data.CONTAINER_ID[:12]}….scope"
+    assert io.locator(".unit").get_attribute("title") == f"systemd unit docker-{data.CONTAINER_ID}.scope"
+    pill = io.locator("a.container")
+    assert pill.inner_text() == f"docker {data.CONTAINER_ID[:12]}"
+    assert data.CONTAINER_ID in (pill.get_attribute("title") or "")
+    pill.click()
+    page.wait_for_function("() => document.querySelectorAll('table.sessions tbody tr').length === 1")
+    assert _query(page)["container"] == [data.CONTAINER_ID[:12]]
+    assert page.locator("#filters input[name=container]").input_value() == data.CONTAINER_ID[:12]
+    assert "container=" in (page.locator("#merged-link").get_attribute("href") or "")
+    page.fill("#filters input[name=container]", "")
+    page.fill("#filters input[name=unit]", "checkout.service")
+    page.click("#filters button[type=submit]")
+    page.wait_for_function("() => document.querySelectorAll('table.sessions tbody tr').length === 2")
+    assert page.locator(f'tr[data-id="{stored["io"]}"]').count() == 0
+    page.goto(symbolizer_url + "/ui/?runtime=docker")
+    page.locator("table.sessions tbody tr").first.wait_for()
+    assert page.locator("table.sessions tbody tr").count() == 1
+    assert page.locator("#filters select[name=runtime]").input_value() == "docker"
 
     # Pick two sessions: A is the older one whatever the click order.
     page.goto(symbolizer_url + "/ui/?resource=cpu")
@@ -209,6 +237,11 @@ def test_io_session_offcpu_first(page, symbolizer_url, stored) -> None:
     page.locator(_frame("jbd2_log_wait_commit")).first.wait_for()
     assert page.locator("#flame .seg-btn.active").get_attribute("data-view") == "off_cpu_ns"
     assert "I/O" in page.locator("#meta .res").inner_text()
+    # Its unit and container, the whole id and the runtime in the title.
+    assert page.locator("#meta .v.unit").inner_text() == f"docker-{data.CONTAINER_ID}.scope"
+    container = page.locator("#meta .v.container")
+    assert container.inner_text() == f"docker {data.CONTAINER_ID[:12]}"
+    assert data.CONTAINER_ID in (container.locator("span").get_attribute("title") or "")
 
 
 def test_diff_page_colours_growth_and_shrink(page, symbolizer_url, stored, screenshots: Path) -> None:

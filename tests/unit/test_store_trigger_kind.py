@@ -38,10 +38,14 @@ def test_kind_filter_and_the_migration_that_fills_it(tmp_path: Path) -> None:
     conn = sqlite3.connect(path)
     conn.execute("DROP INDEX sessions_kind_start")
     conn.execute("ALTER TABLE sessions DROP COLUMN trigger_kind")
-    conn.execute("DROP TABLE upload_files")  # and what came after it (versions 4 to 7)
+    conn.execute("DROP TABLE upload_files")  # and what came after it (versions 4 to 9)
     conn.execute("DROP TABLE pending_builds")
     conn.execute("DROP TABLE upload_parts")  # version 6
     conn.execute("ALTER TABLE sessions DROP COLUMN summary")  # version 7
+    for index in ("sessions_unit_start", "sessions_container_start"):  # version 9
+        conn.execute(f"DROP INDEX {index}")
+    for column in ("unit", "container_id", "runtime"):
+        conn.execute(f"ALTER TABLE sessions DROP COLUMN {column}")
     conn.execute("DELETE FROM schema_version WHERE version >= 3")
     conn.commit()
     conn.close()

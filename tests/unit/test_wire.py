@@ -502,3 +502,62 @@ def test_a_jit_name_past_its_limit_is_cut_not_the_session():
     s.traces[-1] = dataclasses.replace(s.traces[-1], user=(jit, *s.traces[-1].user))
     back = wire.decode_session(wire.encode_session(s))
     assert back.traces[-1].user[0].name == jit.name[: wire.MAX_JIT_NAME_CHARS]
+
+
+GOLDEN_CONTAINER = GOLDEN.with_name("session-v3-container.msgpack")  # version 3 with unit and container
+CONTAINER_ID = "4f1b9c2e7a6d5038b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e"
+
+
+def container_session() -> wire.Session:
+    s = sample_session()
+    s.trigger = dataclasses.replace(s.trigger, cgroup=f"/system.slice/docker-{CONTAINER_ID}.scope")
+    s.unit = f"docker-{CONTAINER_ID}.scope"
+    s.container = wire.Container(CONTAINER_ID, "containerd", "8d9a4c2b-5e6f-4a1b-9c3d-2e1f0a9b8c7d")
+    return s
+
+
+def test_unit_and_container_round_trip_as_optional_keys_of_any_version():
+    s = container_session()
+    m = wire.session_to_wire(s)
+    assert m["v"] == 3  # no bump: a reader before them ignores two keys it does not know
+    assert m["unit"] == s.unit
+    assert m["container"] == {"id": CONTAINER_ID, "runtime": "containerd", "pod": s.container.pod}
+    assert wire.decode_session(wire.encode_session(s)) == s
+    s.container = wire.Container(CONTAINER_ID, "docker")  # no pod: no key
+    assert wire.session_to_wire(s)["container"] == {"id": CONTAINER_ID, "runtime": "docker"}
+    assert wire.decode_session(wire.encode_session(s)) == s
+    py = python_session()
+    py.unit, py.container = "app.service", wire.Container(CONTAINER_ID, "podman")
+    assert wire.decode_session(wire.encode_session(py)) == py
+    # Without them: not written, so every session before them encodes byte for byte as before.
+    assert not {"unit", "container"} & set(wire.session_to_wire(sample_session()))
+    # A runtime this build does not know is taken as it is (a later agent may name more).
+    s.container = wire.Container(CONTAINER_ID, "lxc")
+    assert wire.decode_session(wire.encode_session(s)).container == s.container
+
+
+def test_golden_bytes_with_unit_and_container_are_stable():
+    data = wire.encode_session(container_session())
+    if not GOLDEN_CONTAINER.exists():  # first run writes it; the file is committed
+        GOLDEN_CONTAINER.write_bytes(data)
+    assert data == GOLDEN_CONTAINER.read_bytes()
+    assert wire.decode_session(GOLDEN_CONTAINER.read_bytes()) == container_session()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"unit": 3},
+        {"unit": "u" * (wire.MAX_UNIT_CHARS + 1)},
+        {"container": "abc"},
+        {"container": {"runtime": "docker"}},
+        {"container": {"id": "", "runtime": "docker"}},
+        {"container": {"id": "x" * (wire.MAX_CONTAINER_ID_CHARS + 1), "runtime": "docker"}},
+        {"container": {"id": "abc", "runtime": "r" * (wire.MAX_RUNTIME_CHARS + 1)}},
+        {"container": {"id": "abc", "runtime": "docker", "pod": ["p"]}},
+    ],
+)
+def test_a_bad_unit_or_container_is_refused(bad):
+    m = {**wire.session_to_wire(sample_session()), **bad}
+    with pytest.raises(WireError, match="malformed"):
+        wire.decode_session(msgpack.packb(m, use_bin_type=True))

@@ -67,7 +67,9 @@ def log_failure(what: str, e: BaseException, **fields: object) -> None:
 
 def _nul_problem(s: wire.Session) -> str:
     """Why a session's text cannot be stored (PostgreSQL text refuses NUL), or ""."""
-    texts = [s.session_id, s.tenant, s.service, s.host, s.trigger.cgroup, s.kernel.release]
+    texts = [s.session_id, s.tenant, s.service, s.host, s.trigger.cgroup, s.kernel.release, s.unit]
+    if s.container is not None:
+        texts += (s.container.id, s.container.runtime, s.container.pod)
     texts += s.processes.values()
     texts += s.threads.values()
     for k, v in s.labels.items():

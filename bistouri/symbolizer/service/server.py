@@ -70,6 +70,7 @@ DEFAULT_MERGE_LIMIT = 500
 # operator or a restart to clear it, short enough that spools do not pile up.
 RETRY_AFTER_S = 15
 _BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")  # fullmatch: "$" would let a trailing newline through
+_HEX = re.compile(r"[0-9a-f]+")  # a container id's prefix (fullmatch)
 
 
 @dataclass
@@ -156,6 +157,13 @@ def _filter(args: Any, prefix: str = "") -> Filter:
     if kind and kind not in wire.TRIGGER_KINDS:
         kinds = ", ".join(wire.TRIGGER_KINDS)
         raise ApiError(400, "bad_parameter", f"{prefix}kind={kind!r} is not one of {kinds}")
+    container = g("container")
+    if container and not (len(container) <= wire.MAX_CONTAINER_ID_CHARS and _HEX.fullmatch(container)):
+        raise ApiError(
+            400,
+            "bad_parameter",
+            f"{prefix}container={container[:80]!r} is not a container id or its prefix (hex)",
+        )
     return Filter(
         service=g("service"),
         host=g("host"),
@@ -163,6 +171,9 @@ def _filter(args: Any, prefix: str = "") -> Filter:
         comm=g("comm"),
         tenant=g("tenant"),
         kind=kind,
+        unit=g("unit"),
+        container=container,
+        runtime=g("runtime"),
         since_ns=_parse_time(prefix + "since", since) if since else None,
         until_ns=_parse_time(prefix + "until", until) if until else None,
     )

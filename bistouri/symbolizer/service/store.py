@@ -36,7 +36,7 @@ from .store_uploads import UploadRows
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 9
 _INT64_MAX = (1 << 63) - 1
 _BUSY_TIMEOUT_S = 30.0
 _RETENTION_BATCH = 500
@@ -165,6 +165,18 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
     # What a session list shows: the metadata without the episode's rows (up to ~1 MB a session),
     # so that listing 1000 sessions parses kilobytes, not a gigabyte. '' for sessions stored before.
     (7, ["ALTER TABLE sessions ADD COLUMN summary TEXT NOT NULL DEFAULT ''"]),
+    # (8 is the export queue's.) What the target's cgroup names, which the list filters by: its
+    # systemd unit and its container. '' for sessions stored before, and from agents before them.
+    (
+        9,
+        [
+            "ALTER TABLE sessions ADD COLUMN unit TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE sessions ADD COLUMN container_id TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE sessions ADD COLUMN runtime TEXT NOT NULL DEFAULT ''",
+            "CREATE INDEX sessions_unit_start ON sessions (unit, start_ns)",
+            "CREATE INDEX sessions_container_start ON sessions (container_id, start_ns)",
+        ],
+    ),
 ]
 
 
@@ -182,6 +194,9 @@ class Filter:
     comm: str = ""
     tenant: str = ""
     kind: str = ""  # trigger kind: wire.TRIGGER_PSI or wire.TRIGGER_MANUAL
+    unit: str = ""  # the systemd unit, exactly
+    container: str = ""  # a container id or its prefix (`docker ps` shows 12 digits): hex digits only
+    runtime: str = ""  # docker | containerd | podman | crio
     since_ns: int | None = None
     until_ns: int | None = None
 
@@ -420,8 +435,8 @@ class Store(UploadRows):
         n = self._exec(
             """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
                  ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind,
-                 summary)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                 summary, unit, container_id, runtime)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                ON CONFLICT (id) DO NOTHING""",
             (
                 m.session_id,
@@ -441,6 +456,9 @@ class Store(UploadRows):
                 size,
                 m.trigger_kind,
                 summary_to_text(m),
+                m.unit,
+                m.container_id,
+                m.runtime,
             ),
         )
         return size if n else 0
@@ -509,7 +527,7 @@ class Store(UploadRows):
     def _where(f: Filter) -> tuple[str, list[Any]]:
         clauses: list[str] = []
         params: list[Any] = []
-        for col in ("service", "host", "resource", "comm", "tenant"):
+        for col in ("service", "host", "resource", "comm", "tenant", "unit", "runtime"):
             v = getattr(f, col)
             if v:
                 clauses.append(f"{col} = ?")
@@ -517,6 +535,11 @@ class Store(UploadRows):
         if f.kind:
             clauses.append("trigger_kind = ?")
             params.append(f.kind)
+        if f.container:
+            if not all(c in "0123456789abcdef" for c in f.container):  # no LIKE wildcard gets in
+                raise ValueError(f"container {f.container!r}: hex digits only")
+            clauses.append("container_id LIKE ?")
+            params.append(f.container + "%")
         if f.since_ns is not None:
             clauses.append("start_ns >= ?")
             params.append(_i64(max(f.since_ns, 0)))

@@ -232,7 +232,7 @@
   }
 
   // Filters the list, merged and diff pages share.
-  B.FILTER_KEYS = ["service", "host", "resource", "comm", "kind", "since", "until"];
+  B.FILTER_KEYS = ["service", "host", "resource", "comm", "kind", "unit", "container", "runtime", "since", "until"];
 
   B.filtersFrom = function (params, prefix) {
     const out = {};
@@ -252,10 +252,29 @@
 
   B.describeFilters = function (f) {
     const parts = [];
-    for (const k of ["service", "host", "comm", "resource", "kind"]) if (f[k]) parts.push(k + "=" + f[k]);
+    for (const k of ["service", "host", "comm", "resource", "kind", "unit", "container", "runtime"]) {
+      if (f[k]) parts.push(k + "=" + f[k]);
+    }
     if (f.since) parts.push("since " + B.fmtBound(f.since));
     if (f.until) parts.push("until " + B.fmtBound(f.until));
     return parts.length ? parts.join(", ") : "all sessions";
+  };
+
+  // What the target's cgroup names (docs/api.md): "docker 4f1b9c2e7a6d" (the short id `docker ps` shows),
+  // the whole id and the pod in its title; null without a container.
+  B.RUNTIME_LABEL = { docker: "docker", containerd: "containerd", podman: "podman", crio: "CRI-O" };
+  B.containerText = function (c) {
+    if (!c || !c.id) return null;
+    return (B.RUNTIME_LABEL[c.runtime] || c.runtime || "container") + " " + c.id.slice(0, 12);
+  };
+  // A unit as a list shows it: a runtime's 64-digit id cut to the 12 `docker ps` shows
+  // ("docker-4f1b9c2e7a6d….scope"), any other long name cut in the middle; the whole name in a title.
+  B.shortUnit = function (u) {
+    const s = (u || "").replace(/[0-9a-f]{64}/, (id) => id.slice(0, 12) + "…");
+    return s.length > 48 ? s.slice(0, 32) + "…" + s.slice(-15) : s;
+  };
+  B.containerTitle = function (c) {
+    return "container " + c.id + (c.runtime ? " (" + c.runtime + ")" : "") + (c.pod ? " · pod " + c.pod : "");
   };
 
   // ---- a session's metadata (session page and the self-contained report) ----
@@ -330,6 +349,9 @@
       t.resource ? metaItem("Trigger", t.kind === "manual" ? "manual (capture now) · " +
         (B.RESOURCE_LABEL[t.resource] || t.resource) : B.fmtTrigger(t)) : null,
       t.resource ? metaItem("Cgroup", t.cgroup || "/", "mono") : null,
+      m.unit ? metaItem("Unit", m.unit, "mono unit") : null,
+      m.container && m.container.id ? metaItem("Container", B.el("span", { title: B.containerTitle(m.container) },
+        B.containerText(m.container) + (m.container.pod ? " · pod " + m.container.pod : "")), "mono container") : null,
       metaItem(t.kind === "manual" ? "Asked at" : t.resource ? "Triggered at" : "Started at",
         B.fmtTime(t.time_ns || m.start_ns)),
       metaItem("Duration", B.fmtNs(m.duration_ns)),

@@ -5,6 +5,7 @@
   const el = B.el;
   const PAGE = 50;
   const RANGES = { "15m": 900, "1h": 3600, "6h": 21600, "24h": 86400, "7d": 604800 };
+  const FORM_KEYS = ["service", "host", "comm", "resource", "kind", "unit", "container", "runtime"];
 
   const form = document.getElementById("filters");
   const list = document.getElementById("list");
@@ -39,7 +40,7 @@
   }
 
   function fillForm(s) {
-    for (const k of ["service", "host", "comm", "resource", "kind"]) form.elements[k].value = s.filters[k] || "";
+    for (const k of FORM_KEYS) form.elements[k].value = s.filters[k] || "";
     form.elements.range.value = RANGES[s.range] || s.range === "custom" ? s.range : "";
     form.elements.since.value = s.range === "custom" ? toLocalInput(s.filters.since) : "";
     form.elements.until.value = s.range === "custom" ? toLocalInput(s.filters.until) : "";
@@ -54,7 +55,7 @@
   // The URL keeps a relative range as `range=1h`; the API gets absolute seconds.
   function urlParamsFromForm() {
     const p = {};
-    for (const k of ["service", "host", "comm", "resource", "kind"]) p[k] = form.elements[k].value.trim();
+    for (const k of FORM_KEYS) p[k] = form.elements[k].value.trim();
     const range = form.elements.range.value;
     if (range === "custom") {
       p.since = fromLocalInput(form.elements.since.value);
@@ -82,6 +83,19 @@
     if (procs.length > 1) {
       cell.append(el("span", { class: "pill", title: procs.map((p) => p.comm + " (" + p.pid + ")").join(", ") },
         "+" + (procs.length - 1)));
+    }
+    return cell;
+  }
+
+  // The service, and under it what the target's cgroup names: its unit, its container (a link that
+  // filters the list by it).
+  function serviceCell(m) {
+    const cell = el("td", { class: "service" }, m.service || el("span", { class: "dim" }, "–"));
+    if (m.unit) cell.append(el("div", { class: "dim mono unit", title: "systemd unit " + m.unit }, B.shortUnit(m.unit)));
+    const c = B.containerText(m.container);
+    if (c) {
+      cell.append(el("div", null, el("a", { class: "pill container", title: B.containerTitle(m.container),
+        href: B.qs({ container: m.container.id.slice(0, 12) }) }, c)));
     }
     return cell;
   }
@@ -152,7 +166,7 @@
         el("td", { class: "time", title: B.fmtIsoUtc(m.start_ns || t.time_ns) },
           el("a", { href: href, class: "session-link" }, B.fmtTime(m.start_ns || t.time_ns))),
         el("td", null, m.host || "–"),
-        el("td", null, m.service || el("span", { class: "dim" }, "–")),
+        serviceCell(m),
         processCell(m),
         el("td", { class: "trigger", title: (t.cgroup ? "cgroup " + t.cgroup : "") }, B.resourceBadge(t.resource),
           " ", B.manualBadge(t), " ", el("span", { class: "dim" }, B.fmtTrigger(t).replace(/^\S+ /, ""))),
