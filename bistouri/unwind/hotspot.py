@@ -32,7 +32,9 @@ SAVED_RBP_OFF = -16  # the caller's RBP, from the CFA (pushed right below the re
 # (stubs: no stack bang, frame made first); a stack bang then a lone push (a 16-byte frame).
 _PUSH_SUB8 = re.compile(rb"\x55\x48\x83\xec(.)", re.DOTALL)
 _PUSH_SUB32 = re.compile(rb"\x55\x48\x81\xec(....)", re.DOTALL)
-_SUB_SPILL = re.compile(rb"\x48\x81\xec(....)\x48\x89\xac\x24(....)", re.DOTALL)
+_SUB_SPILL = re.compile(
+    rb"\x48(?:\x83\xec(.)|\x81\xec(....))\x48\x89(?:\x6c\x24(.)|\xac\x24(....))", re.DOTALL
+)
 _BANG_PUSH = re.compile(rb"\x89\x84\x24....\x55", re.DOTALL)
 # `mov %rsp,%rbp` (both encodings) after the push: a frame pointer kept (-XX:+PreserveFramePointer,
 # stubs), which the walk follows without rows.
@@ -66,9 +68,11 @@ def find_prologue(code: bytes) -> Prologue | None:
         if n < 1 << 20 and n % 8 == 0:
             found.append((m.start(), Prologue(m.start() + 1, m.end(), n + 16, True)))
     if m := _SUB_SPILL.search(head):
-        n, at = int.from_bytes(m.group(1), "little"), int.from_bytes(m.group(2), "little")
-        if n < 1 << 20 and n % 8 == 0 and at == n - 8:
-            found.append((m.start(), Prologue(m.end(), m.start() + 7, n + 8, False)))
+        n = int.from_bytes(m.group(1) or m.group(2), "little")
+        at = int.from_bytes(m.group(3) or m.group(4), "little")
+        if n < 1 << 20 and n % 8 == 0 and at == n - 8 and (m.group(2) or n < 0x80):
+            sub_end = m.start() + (4 if m.group(1) else 7)
+            found.append((m.start(), Prologue(m.end(), sub_end, n + 8, False)))
     if (
         (m := _BANG_PUSH.search(head))
         and not any(at == m.end() - 1 for at, _ in found)
@@ -149,25 +153,23 @@ def jit_rows(
         p = find_prologue(code)
         if p is None:
             continue
-        stats.framed += 1
         body: Rule = (p.frame, SAVED_RBP_OFF, CfaKind.RSP, RbpKind.AT_CFA)
-        if lo > covered:
-            row(covered - start, _NONE)
-        row(lo - start, _ENTRY)
+        mine: list[tuple[int, Rule]] = [(0, _ENTRY)]  # offsets in the entry
         if p.pushed:
-            row(lo - start + p.push_end, _PUSHED)
-            row(lo - start + p.frame_at, body)
+            mine += [(p.push_end, _PUSHED), (p.frame_at, body)]
         else:
-            row(lo - start + p.frame_at, (p.frame, 0, CfaKind.RSP, RbpKind.UNCHANGED))
-            row(lo - start + p.push_end, body)
+            mine += [(p.frame_at, (p.frame, 0, CfaKind.RSP, RbpKind.UNCHANGED)), (p.push_end, body)]
         for added, popped, returned in _epilogues(code, p.frame, p.frame_at):
-            row(lo - start + added, _PUSHED)
-            row(lo - start + popped, _ENTRY)
-            row(lo - start + returned, body)
-        covered = hi
-        if len(rows) + 1 >= lim.max_rows:
+            mine += [(added, _PUSHED), (popped, _ENTRY), (returned, body)]
+        if len(rows) + len(mine) + 2 > lim.max_rows:  # with the rows before and after it
             stats.over_bound = True
             break
+        stats.framed += 1
+        if lo > covered:
+            row(covered - start, _NONE)
+        for at, rule in mine:
+            row(lo - start + at, rule)
+        covered = hi
     if rows and covered < end:
         row(covered - start, _NONE)
     return b"".join(ROW.pack(pc, *rule) for pc, rule in rows), stats
