@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from bistouri.bpf import abi
+from bistouri.capture.profiler import Profiler, ProfilerOptions
+from bistouri.host import jvm
+from bistouri.unwind.tables import UnwindTables
+from testkit.helpers import wait_until
 from tests.bpf.test_jit_names import JDKS, _hot_jvm, _jdk
 from tests.integration.test_record import record
 
@@ -62,3 +67,34 @@ def test_with_frame_pointers_the_walk_is_the_same(tmp_path: Path):
     assert r.returncode == 0, r.stdout + r.stderr
     total, chain, whole = _shares(out / "profile.folded")
     assert total >= 100 and chain >= 0.9 and whole >= 0.9, (total, chain, whole)
+
+
+def test_each_perf_map_replaces_the_jvm_code_tables(tmp_path: Path):
+    """The rows of a JVM's code cache follow its perf map: built when the profiler's request is
+    answered, kept while the map says the same, built again when it changes, the older rows freed
+    (not piled up in unwind_rows)."""
+    with (
+        _hot_jvm(_jdk("openjdk17"), tmp_path, DONTINLINE, program="Callers", method="outer") as proc,
+        Profiler(ProfilerOptions(freq_hz=99, offcpu=False, exec_discovery=False)) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+        unwind = agent.unwind
+        assert isinstance(unwind, UnwindTables)
+        stats = unwind.stats
+        assert wait_until(lambda: stats.jit_tables >= 1 and unwind.wait_idle(0), 60.0), stats
+        assert stats.jit_framed >= 500, stats  # most of its ~1 000 compiled methods
+        assert agent.jvm.attempt(proc.pid) == jvm.OK  # as at a session's start
+        assert unwind.wait_idle(30.0)
+        built, rows, keys = stats.jit_tables, stats.loaded_rows, set(unwind._jit_keys[proc.pid])
+        # A map that no longer lists its last method (code freed): that mapping's table is replaced.
+        read = unwind.jit_code
+        assert read is not None
+        unwind.jit_code = lambda pid: read(pid)[:-1]
+        unwind.want(proc.pid)
+        assert unwind.wait_idle(30.0)
+        now = unwind._jit_keys[proc.pid]
+        assert stats.jit_tables == built + 1 and len(now - keys) == 1, (built, stats)
+        assert not any(k in unwind._loaded for k in keys - now)  # the old table's rows are free
+        assert abs(stats.loaded_rows - rows) < 64, (rows, stats)
+        agent.check_thread()
