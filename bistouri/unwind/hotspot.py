@@ -4,9 +4,11 @@ JIT code has no CFI, and C2 uses RBP as a register unless the JVM runs with
 `-XX:+PreserveFramePointer`: a frame-pointer walk stops at the first compiled frame. But a
 compiled frame has a fixed size once its prologue ran, and HotSpot's x86-64 prologues take few
 forms (MacroAssembler::verified_entry, C1's build_frame), after an inline-cache check and a stack
-bang: `push %rbp; sub $N,%rsp` (CFA = RSP + N + 16), a bare `push %rbp` (N = 0), or, for stubs
-that bang no stack, `sub $N,%rsp; mov %rbp,N-8(%rsp)` (CFA = RSP + N + 8). The return address
-is at CFA - 8 and the caller's RBP at CFA - 16, what the walk's table rows already express.
+bang: `push %rbp; sub $N,%rsp` (CFA = RSP + N + 16), a bare `push %rbp` (N = 0), or, for code
+that bangs no stack, `sub $N,%rsp; mov %rbp,N-8(%rsp)` (CFA = RSP + N + 8): C2's runtime stubs
+(`_new_array_Java`, `_complete_monitor_locking_Java`, ...) through which compiled code calls the
+JVM's allocation and locking slow paths, so a sample in libjvm walks back into Java. The return
+address is at CFA - 8 and the caller's RBP at CFA - 16, what the walk's table rows already express.
 
 For each perf-map entry of a code-cache mapping, the first bytes of its code (read from
 /proc/PID/mem) give the prologue; the epilogues (`add $N,%rsp; pop %rbp; ...; ret`, the same N)
@@ -33,7 +35,7 @@ SAVED_RBP_OFF = -16  # the caller's RBP, from the CFA (pushed right below the re
 _PUSH_SUB8 = re.compile(rb"\x55\x48\x83\xec(.)", re.DOTALL)
 _PUSH_SUB32 = re.compile(rb"\x55\x48\x81\xec(....)", re.DOTALL)
 _SUB_SPILL = re.compile(
-    rb"\x48(?:\x83\xec(.)|\x81\xec(....))\x48\x89(?:\x6c\x24(.)|\xac\x24(....))", re.DOTALL
+    rb"\x48(?:\x83\xec(.)|\x81\xec(....))\x48\x89(?:\x6c\x24(.)|\xac\x24(....)|\x2c\x24)", re.DOTALL
 )
 _BANG_PUSH = re.compile(rb"\x89\x84\x24....\x55", re.DOTALL)
 # `mov %rsp,%rbp` (both encodings) after the push: a frame pointer kept (-XX:+PreserveFramePointer,
@@ -69,7 +71,7 @@ def find_prologue(code: bytes) -> Prologue | None:
             found.append((m.start(), Prologue(m.start() + 1, m.end(), n + 16, True)))
     if m := _SUB_SPILL.search(head):
         n = int.from_bytes(m.group(1) or m.group(2), "little")
-        at = int.from_bytes(m.group(3) or m.group(4), "little")
+        at = int.from_bytes(m.group(3) or m.group(4) or b"", "little")  # mov %rbp,(%rsp): 0
         if n < 1 << 20 and n % 8 == 0 and at == n - 8 and (m.group(2) or n < 0x80):
             sub_end = m.start() + (4 if m.group(1) else 7)
             found.append((m.start(), Prologue(m.end(), sub_end, n + 8, False)))

@@ -26,6 +26,9 @@ def test_prologues_of_hotspot_compiled_code():
     assert find_prologue(SPILL) == Prologue(push_end=12, frame_at=7, frame=0x18 + 8, pushed=False)
     # The same with 8-bit immediates (a small frame: Object.<init> in OpenJDK 17).
     assert find_prologue(bytes.fromhex("4883ec18 48896c2410")) == Prologue(9, 4, 0x18 + 8, False)
+    # C2's runtime stubs (_new_array_Java): sub $0x8,%rsp (imm32); mov %rbp,(%rsp)
+    stub = bytes.fromhex("4881ec08000000 48892c24 4989a790020000")
+    assert find_prologue(stub) == Prologue(11, 7, 16, False)
     # A 16-byte frame: nothing subtracted after the push.
     assert find_prologue(BANG + b"\x55\x4c\x8b\xc6") == Prologue(8, 8, 16, True)
 
