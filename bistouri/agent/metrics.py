@@ -178,6 +178,7 @@ class BpfCountersCollector(Collector):
         built.add_metric(["built"], u.built)
         built.add_metric(["disk_cache"], u.cache_hits)
         built.add_metric(["failed"], u.failed)
+        built.add_metric(["jvm_jit"], u.jit_tables)  # a JVM's code cache (unwind/hotspot.py)
         yield built
         refused = CounterMetricFamily(
             "bistouri_unwind_tables_refused",

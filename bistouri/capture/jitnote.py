@@ -3,7 +3,8 @@ or were cut short, and what their user can do about it.
 
 A session's `unwind.jit` counts its processes by note (wire-format.md): for a JVM, the outcome of
 the agent's last perf-map request (`jvm_<reason>`, host/jvm.py) and `jvm_cut_in_jit` when its
-stacks stop at JIT code (no `-XX:+PreserveFramePointer`: only the leaf is named); for node,
+stacks stop at JIT code (no `-XX:+PreserveFramePointer`, and no unwind rows for that code: compiled
+after the last perf map, or a stub of a kind unwind/hotspot.py does not size); for node,
 `node_unnamed` when it writes no perf map (no `--perf-basic-prof`). `note_lines` says them in words
 (`record` prints them; the UI's session page says the same, ui/js/common.js).
 """
@@ -29,8 +30,9 @@ _WORDS = {
     "jvm_refused": "a JVM's attach socket or file was not its own: not asked for its perf map",
     "jvm_failed": "a JVM's perf-map request failed (see the log): its JIT frames may be unnamed",
     JVM_NOT_ASKED: "a JVM's JIT frames are unnamed: run `jcmd PID Compiler.perfmap` during the capture",
-    CUT_IN_JIT: "Java stacks stop at the first JIT frame (only the leaf is named): start the JVM with "
-    "-XX:+PreserveFramePointer to see the callers of JIT code",
+    CUT_IN_JIT: "Java stacks stop at JIT code the agent could not size (compiled after the JVM's last perf "
+    "map, or a stub): the leaf is named, its callers are lost. Start the JVM with -XX:+PreserveFramePointer "
+    "and every JIT frame is walked, whatever its perf map holds",
     NODE_UNNAMED: "node's JIT frames are unnamed: start node with --perf-basic-prof (or --perf-prof) "
     "to name them",
 }

@@ -105,7 +105,7 @@ class Profiler:
             self.jvm = JvmPerfMaps(
                 options.proc_root,
                 min_interval_s=options.jvm_perf_map_interval_s,
-                on_result=self.maps.perf_map_requested,
+                on_result=self._perf_map_written,
             )
         # The CPython processes among the sampled ones (their record in `python_procs`, where the BPF
         # walk reads it); their frames are named by it as they arrive. Under _python_lock: described
@@ -141,6 +141,7 @@ class Profiler:
                 cpu_share=o.unwind_cpu_share,
                 nice=o.unwind_nice,
             )
+            self.unwind.jit_code = self.maps.jit_code  # a JVM's compiled frames get rows (unwind/hotspot.py)
 
         self._attach(loaded)
         if loaded.pending and self._companion is None:  # sampler_first: the rest loads while it samples
@@ -348,6 +349,13 @@ class Profiler:
         its processes' flight recorder still had in the kernel (up to a slow drain interval old)."""
         if self._rb is not None and self._thread is not None:
             self.drain()
+
+    def _perf_map_written(self, pid: int, outcome: str) -> None:
+        """A perf-map request to a JVM ended (on the bistouri-jvm thread): its names are read anew,
+        and its code cache gets unwind rows for what the new map lists."""
+        self.maps.perf_map_requested(pid, outcome)
+        if outcome == "ok" and pid in self._filtered:
+            self.unwind.want(pid)
 
     def _maps_reread(self, pid: int) -> None:
         """A sampled process's mappings changed (dlopen, exec): tables for its new files, and after an

@@ -387,11 +387,32 @@ class ProcMaps:
             if pm is None:
                 pm = t.perf = self._perf_map(pid)
             name = _perf_name(pm, ip)
-            if name is not None or self._clock() - pm.checked_at < self.perf_map_interval_s:
+            if name is not None:
                 return name
+        self._read_perf_map(pm)
+        with self._lock:
+            return _perf_name(pm, ip)
+
+    def jit_code(self, pid: int) -> list[tuple[int, int, str]]:
+        """The perf map of a tracked process as (start, end, name), sorted, read again if it grew
+        (rate-limited as for names): the unwind tables' rows for a JVM's code (unwind/hotspot.py)."""
+        with self._lock:
+            t = self._tables.get(pid)
+            if t is None:
+                return []
+            pm = t.perf
+            if pm is None:
+                pm = t.perf = self._perf_map(pid)
+        self._read_perf_map(pm)
+        with self._lock:
+            return list(zip(pm.starts, pm.ends, pm.names, strict=True))
+
+    def _read_perf_map(self, pm: _PerfMap) -> None:
+        """What was appended to the perf map since it was last read, at most every perf_map_interval_s."""
+        with self._lock:
+            if self._clock() - pm.checked_at < self.perf_map_interval_s or pm.truncated:
+                return
             pm.checked_at = self._clock()
-            if pm.truncated:
-                return None
             offset = pm.read_bytes
         # The process writes that file: read outside the lock (see safeopen), parsed under it.
         got = self._read_perf_file(pm, offset)
@@ -401,7 +422,6 @@ class ProcMaps:
                 self._parse_perf_map(pm, *got)
                 self._bytes += pm.nbytes - before
                 self._evict()
-            return _perf_name(pm, ip)
 
     def perf_map_requested(self, pid: int, outcome: str) -> None:
         """A perf-map request to the JVM `pid` ended (jvm.py; on its worker thread). Written: the

@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .. import atomicfile, threads
@@ -41,6 +41,7 @@ from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath
 from .ehframe import ROW, CfaKind, CfiLimits, RbpKind, UnwindTableError, build_table
+from .hotspot import JitLimits, jit_rows
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ _ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
 # sub $8,%rsp; call *%rcx; add $8,%rsp; ret. One row describes every copy of a region.
 PY_TRAMPOLINE = bytes.fromhex("4883ec08ffd14883c408c3")
 _PY_TRAMPOLINE_KEY = b"cpython-perf-trampoline"
+# A JVM's code-cache mapping: its table comes from the perf map and the code (hotspot.py), keyed by
+# the process, the mapping and what the perf map said (a new map, a new table).
+_JIT_KEY = b"hotspot-jit:"
+_JIT_SEGMENTS = ((0, 0, 1),)  # bias = the mapping's start
+
+# The perf map of a process as (start, end, name), sorted (ProcMaps.jit_code).
+JitCode = Callable[[int], Sequence[tuple[int, int, str]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,9 @@ class UnwindStats:
     procs: int = 0  # processes with published mappings
     requests_dropped: int = 0  # want/prepare/forget requests lost to a full queue
     prepared: int = 0  # processes whose files were looked at for the disk cache
+    jit_tables: int = 0  # JVM code-cache tables built (hotspot.py)
+    jit_framed: int = 0  # ... the compiled methods in them with rows, last built
+    jit_unframed: int = 0  # ... the perf-map entries without (interpreter, stubs, unknown prologues)
 
 
 @dataclass(slots=True)
@@ -232,6 +243,11 @@ class UnwindTables:
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
         self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
+        # A JVM's perf map (set by the profiler): its code cache gets rows (hotspot.py). None: none.
+        self.jit_code: JitCode | None = None
+        self.jit_limits = JitLimits(max_rows=min(self.capacity // 4, JitLimits().max_rows))
+        self._jit_pending: dict[bytes, Table] = {}  # built by _file_mappings, loaded by _publish
+        self._jit_keys: dict[int, set[bytes]] = {}  # pid -> its code-cache tables loaded
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
@@ -310,8 +326,9 @@ class UnwindTables:
                 self._idle.set()
 
     # -- files -------------------------------------------------------------------------
-    def _file_mappings(self, pid: int) -> list[_FileMapping]:
-        """((start, end), pgoff, path to open, build id) of each executable file mapping."""
+    def _file_mappings(self, pid: int, *, jit: bool = False) -> list[_FileMapping]:
+        """((start, end), pgoff, path to open, build id) of each executable file mapping; with `jit`,
+        and the JVM's code cache when its perf map names code there (a table built for it now)."""
         base = f"{self.proc_root}/{pid}"
         try:
             with open(f"{base}/maps", "rb") as f:
@@ -343,6 +360,57 @@ class UnwindTables:
             if key:
                 out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), where, key))
         out.extend((rng, 0, None, _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))
+        if jit and self.jit_code is not None and anonymous and b"/libjvm.so" in data:  # a JVM: its code cache
+            out.extend(self._jit_tables(pid, anonymous))
+        return out
+
+    def _jit_tables(self, pid: int, regions: list[tuple[int, int]]) -> list[_FileMapping]:
+        """The code-cache mappings of a JVM its perf map names code in, each with a table built from
+        it (hotspot.py), under the CPU budget; the table is reused while the perf map is the same."""
+        assert self.jit_code is not None
+        entries = self.jit_code(pid)
+        if not entries:
+            return []
+        out: list[_FileMapping] = []
+        starts = [e[0] for e in entries]
+        fd = -1
+        try:
+            for lo, hi in regions:
+                first, last = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+                if first == last:
+                    continue
+                inside = entries[first:last]
+                key = _JIT_KEY + struct.pack("<IQQ", pid, lo, hash(tuple(inside)) & (1 << 64) - 1)
+                out.append(((lo, hi), 0, None, key))
+                self._jit_keys.setdefault(pid, set()).add(key)
+                if key in self._loaded or key in self._jit_pending:
+                    continue
+                if fd < 0:
+                    fd = os.open(f"{self.proc_root}/{pid}/mem", os.O_RDONLY)
+
+                def read(at: int, size: int, fd: int = fd) -> bytes:
+                    try:
+                        return os.pread(fd, size, at)
+                    except OSError:
+                        return b""
+
+                cpu = time.thread_time()
+                rows, st = jit_rows(lo, hi, inside, read, self.jit_limits)
+                used = time.thread_time() - cpu
+                self.stats.jit_tables += 1
+                self.stats.jit_framed += st.framed
+                self.stats.jit_unframed += st.entries - st.framed
+                log.debug("JIT unwind rows built. pid=%d entries=%d framed=%d rows=%d cpu_s=%.3f",
+                          pid, st.entries, st.framed, len(rows) // ROW.size, used)  # fmt: skip
+                self._jit_pending[key] = Table(_JIT_SEGMENTS, rows)
+                self.stats.build_cpu_s += used
+                if self.cpu_share < 1:  # the same budget as the files' tables
+                    self._stop.wait(used * (1 / self.cpu_share - 1))
+        except OSError:
+            pass  # the process is gone: its other mappings' tables still go in
+        finally:
+            if fd >= 0:
+                os.close(fd)
         return out
 
     def _py_trampolines(self, pid: int, regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -371,6 +439,8 @@ class UnwindTables:
     def _table(self, where: MappedPath | None, key: bytes) -> Table | None:
         if key == _PY_TRAMPOLINE_KEY:
             return _PY_TRAMPOLINE_TABLE
+        if key.startswith(_JIT_KEY):
+            return self._jit_pending.pop(key, None)
         cached = self._cache_path(key)
         if cached:
             t = read_cached(cached)
@@ -495,7 +565,7 @@ class UnwindTables:
         return True
 
     def _publish(self, pid: int) -> None:
-        mappings = self._file_mappings(pid)
+        mappings = self._file_mappings(pid, jit=True)
         source = [(m[0], m[3]) for m in mappings]
         published = self._procs.get(pid)
         if (
@@ -526,7 +596,20 @@ class UnwindTables:
             if new:  # the walk has this table before the next one is built (a large one takes seconds)
                 self._write_proc(pid, entries, None)
         self._write_proc(pid, entries, source)
+        self._drop_jit(pid, {m[3] for m in mappings if m[3].startswith(_JIT_KEY)})
         log.debug("Unwind tables published. pid=%d files=%d", pid, len(entries))
+
+    def _drop_jit(self, pid: int, keep: set[bytes]) -> None:
+        """Free the rows of the process's code-cache tables not in `keep` (an older perf map's, or all
+        once it is gone): no other process maps them, and its mappings no longer name them."""
+        old = self._jit_keys.pop(pid, set())
+        for key in old - keep:
+            self._jit_pending.pop(key, None)
+            loaded = self._loaded.pop(key, None)
+            if loaded is not None:
+                self.stats.loaded_rows -= loaded.count
+        if keep:
+            self._jit_keys[pid] = keep
 
     def _write_proc(
         self,
@@ -556,6 +639,7 @@ class UnwindTables:
     def _drop_proc(self, pid: int) -> None:
         with self._lock:
             self._drop_proc_locked(pid)
+        self._drop_jit(pid, set())
 
     def _drop_proc_locked(self, pid: int) -> None:
         if self._closed:

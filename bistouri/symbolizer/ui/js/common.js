@@ -333,7 +333,7 @@
       jvm_refused: "a JVM's attach socket was not its own: not asked for its perf map",
       jvm_failed: "a JVM's perf-map request failed: JIT frames may be unnamed",
       jvm_not_asked: "a JVM's JIT frames unnamed: run jcmd PID Compiler.perfmap during the capture",
-      jvm_cut_in_jit: "Java stacks stop at JIT code: -XX:+PreserveFramePointer shows their callers",
+      jvm_cut_in_jit: "Java stacks stop at JIT code the agent could not size: -XX:+PreserveFramePointer walks every JIT frame",
       node_unnamed: "node's JIT frames unnamed: start it with --perf-basic-prof",
     };
     return Object.keys(words).filter((k) => jit && jit[k]).map((k) => words[k]);
