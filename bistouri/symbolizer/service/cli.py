@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "BISTOURI_SYMBOLIZER_"
 DEFAULT_LISTEN = "0.0.0.0:8470"
 DEFAULT_STATE_DIR = "/var/lib/bistouri-symbolizer"
-FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph")
+FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph", "otlp")
 THREADS_PER_WORKER = 8
 
 
@@ -762,6 +762,10 @@ def _symbolize(args: argparse.Namespace) -> int:
             out = json.dumps(formats.speedscope(profile)).encode()
         elif args.format == "flamegraph":
             out = formats.tree_json(formats.flamegraph(profile, args.value)).encode()
+        elif args.format == "otlp":
+            from .. import otlp
+
+            out = otlp.export_request(profile)
         else:
             out = json.dumps(formats.profile_json(profile), indent=1).encode()
         if args.output and args.output != "-":
