@@ -121,10 +121,11 @@ class _Dictionary:
     location_msgs: list[bytes]
     stacks: dict[tuple[int, ...], int]
     stack_msgs: list[bytes]
+    kind_attrs: dict[str, bytes]  # a location's attribute_indices field, by frame kind
 
     @classmethod
     def new(cls) -> _Dictionary:
-        return cls(Strings(), {}, [b""], {}, [b""], {}, [b""], {}, [b""], {}, [b""])
+        return cls(Strings(), {}, [b""], {}, [b""], {}, [b""], {}, [b""], {}, [b""], {})
 
     def attribute(self, k: str, v: Any, unit: str = "") -> int:
         key = (k, v, unit)
@@ -166,11 +167,14 @@ class _Dictionary:
                 )
                 for j in group
             )
-            attrs = [
-                self.attribute("profile.frame.type", _FRAME_TYPE.get(kind, kind)),
-                self.attribute("bistouri.frame.kind", kind),
-            ]
-            body = uint_field(1, self.mapping(_mapping_name(outer))) + lines + packed(4, attrs)
+            attrs = self.kind_attrs.get(kind)
+            if attrs is None:
+                ids = [
+                    self.attribute("profile.frame.type", _FRAME_TYPE.get(kind, kind)),
+                    self.attribute("bistouri.frame.kind", kind),
+                ]
+                attrs = self.kind_attrs[kind] = packed(4, ids)
+            body = uint_field(1, self.mapping(_mapping_name(outer))) + lines + attrs
             self.location_msgs.append(body)
         return i
 
@@ -229,8 +233,20 @@ def export_request(profile: Profile) -> bytes:
     # A sample's stack and attributes, shared by the profiles of each sample type.
     stack_of: list[int] = []
     attrs_of: list[bytes] = []
+    has_inlined = any(f.inlined for f in frames)
+    single = [0] * len(frames)  # location index of a frame that is a location on its own
     for s in profile.samples:
-        stack_of.append(d.stack(tuple(d.location(g, frames) for g in _groups(s.stack, frames))))
+        if has_inlined:
+            locations = tuple(d.location(g, frames) for g in _groups(s.stack, frames))
+        else:
+            ids = []
+            for i in reversed(s.stack):
+                loc = single[i]
+                if not loc:
+                    loc = single[i] = d.location((i,), frames)
+                ids.append(loc)
+            locations = tuple(ids)
+        stack_of.append(d.stack(locations))
         attrs: list[int] = []
         if s.pid:
             attrs.append(d.attribute("process.pid", s.pid))
