@@ -42,6 +42,7 @@ def test_kind_filter_and_the_migration_that_fills_it(tmp_path: Path) -> None:
     conn.execute("DROP TABLE pending_builds")
     conn.execute("DROP TABLE upload_parts")  # version 6
     conn.execute("ALTER TABLE sessions DROP COLUMN summary")  # version 7
+    conn.execute("DROP TABLE export_queue")  # version 8
     conn.execute("DELETE FROM schema_version WHERE version >= 3")
     conn.commit()
     conn.close()
