@@ -137,3 +137,10 @@ def test_the_sender_sends_retries_and_drops_by_the_answer(store: Store) -> None:
         sender.run_once()
         assert metrics.exports_dropped.labels(OTLP, "session_gone")._value.get() == 1
         sender.close()
+
+
+def test_a_session_missing_symbols_is_due_later(store: Store) -> None:
+    store.insert(record("pending"), export_to=(EP,), export_after_ns=60 * 10**9)
+    store.insert(record("named"), export_to=(EP,))
+    assert [c.session_id for c in store.claim_exports(EP, "A", 10**9, 10)] == ["named"]
+    assert store.export_backlog()[EP].rows == 2
