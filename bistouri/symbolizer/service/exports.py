@@ -149,6 +149,9 @@ def pyroscope_query(profile: Profile) -> str:
     return f"name={name}&from={start}&until={until}&format=pprof&spyName=bistouri"
 
 
+_ENCODERS: dict[str, Callable[[Profile], bytes]] = {OTLP: otlp_payload, PYROSCOPE: formats.pprof}
+
+
 # ---------------------------------------------------------------------------
 # The sender
 
@@ -196,10 +199,6 @@ class Exporter:
         self._failures = {e.key: 0 for e in config.endpoints}
         self._next_bounds = 0.0
         self._thread: threading.Thread | None = None
-        self._encode: dict[str, Callable[[Profile], bytes]] = {
-            OTLP: otlp_payload,
-            PYROSCOPE: lambda p: formats.pprof(p),
-        }
 
     def start(self) -> None:
         if self._thread is None and self.config.endpoints:
@@ -219,6 +218,7 @@ class Exporter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the round: a session queued during it wakes the next at once
             try:
                 busy = self.run_once()
             except StoreError as e:
@@ -229,7 +229,6 @@ class Exporter:
                 busy = False
             if not busy:
                 self._wake.wait(POLL_S)
-                self._wake.clear()
 
     def run_once(self) -> bool:
         """One round: the bounds when due, then a batch per endpoint not paused. True if it sent any."""
@@ -280,7 +279,7 @@ class Exporter:
             self._drop(ep, row, "session_gone")
             return True
         try:
-            body = self._encode[ep.kind](profile)
+            body = _ENCODERS[ep.kind](profile)
         except Exception as e:
             log.error("cannot encode a session for export. session=%s error=%s: %s", sid, type(e).__name__, e)
             self._drop(ep, row, "encode_failed")
