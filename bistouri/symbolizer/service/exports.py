@@ -195,6 +195,13 @@ class Exporter:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._http = requests.Session()
+        # The environment's proxies and CA bundle, read once per endpoint: requests reads them (every
+        # variable of the environment) on each request otherwise, a fifth of a send's CPU.
+        self._env = {
+            e.key: self._http.merge_environment_settings(e.url, {}, None, None, None)
+            for e in config.endpoints
+        }
+        self._http.trust_env = False
         self._disabled_until = {e.key: 0.0 for e in config.endpoints}
         self._failures = {e.key: 0 for e in config.endpoints}
         self._next_bounds = 0.0
@@ -329,7 +336,11 @@ class Exporter:
             headers["Content-Type"] = "application/octet-stream"
         try:
             resp = self._http.post(
-                url, data=body, headers=headers, timeout=(CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S)
+                url,
+                data=body,
+                headers=headers,
+                timeout=(CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S),
+                **self._env[ep.key],
             )
         except requests.Timeout:
             raise _Failed("timeout") from None
