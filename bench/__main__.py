@@ -22,6 +22,7 @@ BENCHES = (
     "bench.bench_recorder_designs",
     "bench.bench_verifier",
     "bench.bench_python_frames",
+    "bench.bench_export",
 )
 
 

@@ -62,6 +62,7 @@ BY_MODULE = {
     "tests/integration/test_unit_targets.py": {"root"},
     "tests/integration/test_attacks_input.py": _SYMBOLIZER,
     "tests/integration/test_ingest_failures.py": _SYMBOLIZER,
+    "tests/integration/test_exports.py": _SYMBOLIZER,
     "tests/integration/test_postgres.py": _SYMBOLIZER,
     "tests/integration/test_slow_clients.py": _SYMBOLIZER,
     "tests/integration/test_spool_recovery.py": _SYMBOLIZER,

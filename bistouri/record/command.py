@@ -7,7 +7,7 @@ capture code as the agent, symbolizes in-process with the symbolizer's resolver
 and the binaries of this host (through the persistent symbol cache,
 `symcache.py`), and writes the outputs chosen with `--format`: flamegraph.html,
 profile.pb.gz (pprof), profile.folded (+ profile.offcpu.folded),
-profile.speedscope.json, summary.json.
+profile.speedscope.json, summary.json, profile.otlp.pb (OTLP Profiles).
 
 Start-up is on the critical path (someone looks at a process *now*). Only what
 loading needs is imported first; then the on-CPU sampler alone is loaded,
@@ -63,6 +63,7 @@ FORMATS = {
     "folded": "profile.folded",  # and profile.offcpu.folded when off-CPU waits were seen
     "speedscope": "profile.speedscope.json",
     "summary": "summary.json",
+    "otlp": "profile.otlp.pb",  # an OTLP Profiles ExportProfilesServiceRequest (also a ProfilesData)
 }
 DEFAULT_FORMATS = ("html", "pprof", "folded", "speedscope")
 # How long the capture's set-up waits for the target's unwind tables (see _capture): a first
@@ -695,6 +696,10 @@ def _write_outputs(
             out.write("profile.offcpu.folded", formats.folded(profile, "off_cpu_ns"))
     if "speedscope" in want:
         out.write(FORMATS["speedscope"], json.dumps(formats.speedscope(profile, title)))
+    if "otlp" in want:
+        from ..symbolizer import otlp
+
+        out.write(FORMATS["otlp"], otlp.export_request(profile))
     usage.symbolize_rss_bytes = _peak_rss()
     t = os.times()
     usage.cpu_s, usage.children_cpu_s = t.user + t.system, t.children_user + t.children_system

@@ -26,11 +26,16 @@ from .model import (
     Sample,
     SessionMeta,
 )
+from .protobuf import Strings as _Strings
+from .protobuf import bytes_field as _bytes
+from .protobuf import clamp as _clamp
+from .protobuf import packed as _packed
+from .protobuf import uint_field as _int
+from .protobuf import varint as _varint
 
 # The three sample values a profile carries, in pprof's sample_type order.
 VALUES = ("on_cpu", "off_cpu", "off_cpu_ns")
 _PPROF_TYPES = (("on_cpu", "count"), ("off_cpu", "count"), ("off_cpu_time", "nanoseconds"))
-_INT64_MAX = (1 << 63) - 1
 
 # flamegraph.pl's annotations: it colours `_[k]` frames as kernel and `_[i]` as inlined.
 _KIND_SUFFIX = {KIND_KERNEL: "_[k]", KIND_VDSO: "_[v]", KIND_JIT: "_[j]"}
@@ -472,63 +477,6 @@ def speedscope(profile: Profile, name: str = "") -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------
 # pprof: a hand-written encoder for perftools.profiles.Profile (google/pprof proto/profile.proto)
-
-
-def _varint_slow(n: int) -> bytes:
-    if n < 0:
-        n &= (1 << 64) - 1  # int64 negatives are ten-byte two's complement varints
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-# Ids, string indexes and small counts dominate a profile: their encodings are precomputed.
-_VARINTS = [_varint_slow(i) for i in range(1 << 14)]
-
-
-def _varint(n: int) -> bytes:
-    if 0 <= n < 16384:
-        return _VARINTS[n]
-    return _varint_slow(n)
-
-
-def _key(field: int, wire_type: int) -> bytes:
-    return _varint(field << 3 | wire_type)
-
-
-def _int(field: int, n: int) -> bytes:
-    """A varint field; zero is the proto3 default and is left out."""
-    return _key(field, 0) + _varint(n) if n else b""
-
-
-def _bytes(field: int, data: bytes) -> bytes:
-    return _key(field, 2) + _varint(len(data)) + data
-
-
-def _packed(field: int, values: Sequence[int]) -> bytes:
-    if not values:
-        return b""
-    return _bytes(field, b"".join(_varint(v) for v in values))
-
-
-def _clamp(n: int) -> int:
-    return min(n, _INT64_MAX)
-
-
-class _Strings:
-    def __init__(self) -> None:
-        self.index: dict[str, int] = {"": 0}
-        self.table: list[str] = [""]
-
-    def __call__(self, s: str) -> int:
-        i = self.index.get(s)
-        if i is None:
-            i = self.index[s] = len(self.table)
-            self.table.append(s)
-        return i
 
 
 def _mapping_name(f: Frame) -> str:

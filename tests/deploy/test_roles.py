@@ -3,8 +3,10 @@ and ansible-lint passes."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,75 @@ def test_symbolizer_preflight_refuses_the_sample_token(
     assert ("the sample value of the example inventory" in out) == refused, out[-3000:]
     if refused:
         assert r.returncode != 0
+
+
+def test_symbolizer_role_templates_the_export_endpoints(
+    tmp_path: Path, ansible_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The role's environment file, rendered by Ansible, configures the service's forwarding."""
+    playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
+    if not playbook.exists():
+        pytest.skip("ansible-playbook is not installed: make venv")
+    role = ROLES / "bistouri_symbolizer"
+    env_file = tmp_path / "symbolizer.env"
+    overrides = {
+        "bistouri_symbolizer_otlp_endpoints": ["http://c1:4318/v1development/profiles", "https://c2/p"],
+        "bistouri_symbolizer_otlp_headers": {"Authorization": "Bearer s3cret"},
+        "bistouri_symbolizer_pyroscope_url": "http://pyroscope:4040",
+        "bistouri_symbolizer_pyroscope_tenant": "team-a",
+        "bistouri_symbolizer_export_max_sessions": 5000,
+        "bistouri_symbolizer_export_max_bytes": "2G",
+    }
+    play = tmp_path / "env.yml"
+    task = {
+        "ansible.builtin.template": {
+            "src": str(role / "templates" / "bistouri-symbolizer.env.j2"),
+            "dest": str(env_file),
+        }
+    }
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [str(role / "defaults" / "main.yml")],
+                    "tasks": [task],
+                }
+            ]
+        )
+    )
+    # Extra vars: above the defaults (vars_files). The modules run with this Python: whatever interpreter
+    # discovery finds may be absent.
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({**overrides, "ansible_python_interpreter": sys.executable}))
+    cmd = [str(playbook), "-i", "localhost,", "-e", f"@{extra}", str(play)]
+    r = subprocess.run(cmd, env=ansible_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    env = dict(
+        line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#")
+    )
+    assert env["BISTOURI_SYMBOLIZER_OTLP_HEADERS_FILE"] == "/etc/bistouri/symbolizer-otlp.headers"
+    assert "s3cret" not in env_file.read_text()  # tokens only in the headers file (0640)
+    # The service reads that environment: its forwarding configuration.
+    import argparse
+
+    from bistouri.symbolizer.service import cli
+
+    headers = tmp_path / "otlp.headers"
+    headers.write_text("Authorization: Bearer s3cret\n")
+    env["BISTOURI_SYMBOLIZER_OTLP_HEADERS_FILE"] = str(headers)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["symbolizer"])
+    cli.apply_env(args, args._env_parser)
+    config = cli.export_config(args)
+    assert [(e.kind, e.url, e.headers) for e in config.endpoints] == [
+        ("otlp", "http://c1:4318/v1development/profiles", {"Authorization": "Bearer s3cret"}),
+        ("otlp", "https://c2/p", {"Authorization": "Bearer s3cret"}),
+        ("pyroscope", "http://pyroscope:4040", {"X-Scope-OrgID": "team-a"}),
+    ]
+    assert config.max_rows == 5000 and config.max_bytes == 2 << 30

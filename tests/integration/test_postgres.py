@@ -30,7 +30,7 @@ def fresh_db(postgres: PgServer) -> str:
     with psycopg.connect(postgres.url, autocommit=True) as conn:
         conn.execute(
             "DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, upload_chunks, upload_files, "
-            "upload_parts, schema_version"
+            "upload_parts, export_queue, schema_version"
         )
     return postgres.url
 

@@ -174,6 +174,30 @@ def test_format_chooses_the_outputs(tmp_path, workloads):
     assert r.returncode == 2 and "unknown format 'svg'" in r.stderr and "choose among html" in r.stderr
 
 
+def test_otlp_output_carries_the_true_shares(tmp_path, workloads):
+    """`--format otlp` writes an OTLP Profiles request, read here by opentelemetry-proto's classes."""
+    pb = pytest.importorskip("opentelemetry.proto.profiles.v1development.profiles_pb2")
+    out = tmp_path / "o"
+    r = record("-F", "999", "--format", "otlp", "-o", str(out), "--", str(workloads / "shares"), "4")
+    assert r.returncode == 0, r.stderr
+    data = pb.ProfilesData()
+    data.ParseFromString((out / "profile.otlp.pb").read_bytes())
+    d, s = data.dictionary, list(data.dictionary.string_table)
+    on_cpu = next(
+        p
+        for p in data.resource_profiles[0].scope_profiles[0].profiles
+        if s[p.sample_type.type_strindex] == "on_cpu"
+    )
+    leaf: dict[str, int] = {}
+    for smp in on_cpu.samples:
+        loc = d.location_table[d.stack_table[smp.stack_index].location_indices[0]]
+        name = s[d.function_table[loc.lines[0].function_index].name_strindex]
+        leaf[name] = leaf.get(name, 0) + smp.values[0]
+    total = sum(leaf.values())
+    for fn, want in (("work_seventy", 70), ("work_twenty", 20), ("work_ten", 10)):
+        assert abs(100 * leaf.get(fn, 0) / total - want) <= 5, (fn, leaf)
+
+
 def test_progress_only_on_a_terminal_or_when_asked(tmp_path, workloads):
     # 3 s: the capture line is drawn each second, so at least once before the command ends.
     cmd = ("-o", str(tmp_path / "a"), "--no-cache", "--", str(workloads / "shares"), "3")

@@ -60,6 +60,20 @@ def test_symbolize_reads_a_real_spool_file(tmp_path: Path, demo_binary: DemoBina
     assert r.stdout == "main;entry_SYSCALL_64_[k];ksys_read_[k];io_schedule_[k] 5\n"
 
 
+def test_symbolize_writes_otlp(tmp_path: Path, demo_binary: DemoBinary) -> None:
+    pb = pytest.importorskip("opentelemetry.proto.profiles.v1development.profiles_pb2")
+    path = _spooled(tmp_path, "spooled-otlp", demo_binary)
+    out = tmp_path / "s.otlp.pb"
+    r = _run("symbolize", str(path), "--binary-dir", str(demo_binary.dir), "--format", "otlp", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    data = pb.ProfilesData()
+    data.ParseFromString(out.read_bytes())
+    s = list(data.dictionary.string_table)
+    profiles = data.resource_profiles[0].scope_profiles[0].profiles
+    totals = {s[p.sample_type.type_strindex]: sum(x.values[0] for x in p.samples) for p in profiles}
+    assert totals == {"on_cpu": 53, "off_cpu": 5, "off_cpu_time": 7_000_000}  # make_session's counts
+
+
 def test_symbolize_names_the_python_frames_of_a_version_4_spool_file(
     tmp_path: Path, demo_binary: DemoBinary
 ) -> None:

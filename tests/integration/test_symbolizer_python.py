@@ -97,7 +97,7 @@ def test_python_frames_are_stored_and_rendered_in_every_format(
         with psycopg.connect(pg.url, autocommit=True) as conn:
             conn.execute(
                 "DROP TABLE IF EXISTS sessions, kernels, uploads, pending_builds, upload_chunks, "
-                "upload_files, upload_parts, schema_version"
+                "upload_files, upload_parts, export_queue, schema_version"
             )
         flags["db"] = pg.url
     url = symbolizer_server(tmp_path, **flags)

@@ -42,6 +42,7 @@ def test_kind_filter_and_the_migration_that_fills_it(tmp_path: Path) -> None:
     conn.execute("DROP TABLE pending_builds")
     conn.execute("DROP TABLE upload_parts")  # version 6
     conn.execute("ALTER TABLE sessions DROP COLUMN summary")  # version 7
+    conn.execute("DROP TABLE export_queue")  # version 8
     for index in ("sessions_unit_start", "sessions_container_start"):  # version 9
         conn.execute(f"DROP INDEX {index}")
     for column in ("unit", "container_id", "runtime"):

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "BISTOURI_SYMBOLIZER_"
 DEFAULT_LISTEN = "0.0.0.0:8470"
 DEFAULT_STATE_DIR = "/var/lib/bistouri-symbolizer"
-FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph")
+FORMATS = ("folded", "pprof", "speedscope", "json", "flamegraph", "otlp")
 THREADS_PER_WORKER = 8
 
 
@@ -90,6 +90,10 @@ def _days(text: str) -> float:
     return _positive(text, float, "a number of days")
 
 
+def _hours(text: str) -> float:
+    return _positive(text, float, "a number of hours")
+
+
 def _add_source_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("debug-info sources")
     g.add_argument(
@@ -106,6 +110,82 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="DIR",
         help="directory of binaries, indexed by their build ids (repeatable)",
+    )
+
+
+def _add_export_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("forwarding (docs/deployment.md)")
+    g.add_argument(
+        "--otlp-endpoint",
+        action="append",
+        metavar="URL",
+        help="send every stored session as OTLP Profiles (OTLP/HTTP protobuf) to this URL, in full "
+        "(e.g. http://collector:4318/v1development/profiles); repeatable",
+    )
+    g.add_argument(
+        "--otlp-headers-file", metavar="PATH", help="headers for the OTLP endpoints, 'Name: value' a line"
+    )
+    g.add_argument(
+        "--pyroscope-url", metavar="URL", help="push every stored session as pprof to this Pyroscope server"
+    )
+    g.add_argument("--pyroscope-tenant", metavar="TENANT", help="Pyroscope tenant (X-Scope-OrgID)")
+    g.add_argument(
+        "--pyroscope-headers-file",
+        metavar="PATH",
+        help="headers for Pyroscope (e.g. 'Authorization: Bearer …'), 'Name: value' a line",
+    )
+    g.add_argument(
+        "--export-max-sessions",
+        type=_positive_int,
+        metavar="N",
+        help="sessions waiting per endpoint; past it the oldest are dropped (default 100000)",
+    )
+    g.add_argument(
+        "--export-max-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="stored bytes of the sessions waiting per endpoint; past it the oldest are dropped (default 1G)",
+    )
+    g.add_argument(
+        "--export-max-age-hours",
+        type=_hours,
+        metavar="HOURS",
+        help="a session not sent within this is dropped (default 24)",
+    )
+
+
+def export_config(args: argparse.Namespace) -> Any:
+    """The forwarding configuration of the flags; headers files are read here (UsageError if bad)."""
+    from .exports import OTLP, PYROSCOPE, Endpoint, ExportConfig, read_headers
+
+    def headers(flag: str, path: str | None) -> dict[str, str]:
+        if not path:
+            return {}
+        try:
+            return read_headers(path)
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot read it: {e.strerror}")
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}")
+
+    def url(flag: str, text: str) -> str:
+        if not text.startswith(("http://", "https://")):
+            raise UsageError(f"{flag} {text!r}: an http:// or https:// URL")
+        return text
+
+    otlp_headers = headers("--otlp-headers-file", args.otlp_headers_file)
+    endpoints = [Endpoint(OTLP, url("--otlp-endpoint", u), otlp_headers) for u in args.otlp_endpoint]
+    if args.pyroscope_url:
+        ph = headers("--pyroscope-headers-file", args.pyroscope_headers_file)
+        if args.pyroscope_tenant:
+            ph["X-Scope-OrgID"] = args.pyroscope_tenant
+        endpoints.append(Endpoint(PYROSCOPE, url("--pyroscope-url", args.pyroscope_url), ph))
+    defaults = ExportConfig()
+    return ExportConfig(
+        endpoints=tuple(endpoints),
+        max_rows=args.export_max_sessions or defaults.max_rows,
+        max_bytes=args.export_max_bytes or defaults.max_bytes,
+        max_age_s=args.export_max_age_hours * 3600 if args.export_max_age_hours else defaults.max_age_s,
     )
 
 
@@ -202,6 +282,7 @@ def register(subparsers: Any) -> None:
         metavar="BYTES",
         help="above this, delete unused kallsyms, then uploads (least recently used), then old sessions",
     )
+    _add_export_flags(p)
     p.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)"
     )
@@ -270,6 +351,13 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         "retention_days": (_days, None),
         "max_db_bytes": (_size, None),
         "log_level": (str, "info"),
+        "otlp_headers_file": (str, None),
+        "pyroscope_url": (str, None),
+        "pyroscope_tenant": (str, None),
+        "pyroscope_headers_file": (str, None),
+        "export_max_sessions": (_positive_int, None),
+        "export_max_bytes": (_size, None),
+        "export_max_age_hours": (_hours, None),
     }
     for name in ("TOKEN_FILE", "WRITE_TOKENS_FILE", "READ_TOKEN_FILE", "ADMIN_TOKEN_FILE"):
         if getattr(args, name.lower()) is None and os.environ.get(ENV_PREFIX + name) == "":
@@ -282,6 +370,8 @@ def apply_env(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         if getattr(args, dest, None) is None:
             text = _env(dest.upper())
             setattr(args, dest, typed(dest.upper(), conv, text) if text is not None else default)
+    if args.otlp_endpoint is None:
+        args.otlp_endpoint = _env_list("OTLP_ENDPOINT") or []
     if args.read_token is None:
         text = _env("READ_TOKEN")
         args.read_token = text is not None and text.lower() in ("1", "true", "yes", "on")
@@ -562,6 +652,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
             retention_days=args.retention_days,
             max_db_bytes=args.max_db_bytes,
             metrics_port=args.metrics_port,
+            export=export_config(args),
         )
         # Migrate once, here in the master, before any worker opens the database.
         store = Store.for_state_dir(config.db, state_dir)
@@ -573,7 +664,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
     log.info(
         "symbolizer starting. listen=%s workers=%d db=%s state_dir=%s cache_dir=%s schema_from=%d token=%s "
         "read_token=%s write_tokens=%d read_tokens=%d admin_tokens=%d debug_dirs=%s binary_dirs=%s "
-        "debuginfod=%s",
+        "debuginfod=%s export=%s",
         ",".join(binds),
         args.workers,
         store.display,
@@ -588,6 +679,7 @@ def run_symbolizer(args: argparse.Namespace) -> int:
         args.debug_dir,
         args.binary_dir,
         args.debuginfod_url,
+        ",".join(e.key for e in config.export.endpoints) or "none",  # URLs only: headers hold tokens
     )
     if not access.writes_need_token and not _is_loopback(host):
         log.warning(
@@ -670,6 +762,10 @@ def _symbolize(args: argparse.Namespace) -> int:
             out = json.dumps(formats.speedscope(profile)).encode()
         elif args.format == "flamegraph":
             out = formats.tree_json(formats.flamegraph(profile, args.value)).encode()
+        elif args.format == "otlp":
+            from .. import otlp
+
+            out = otlp.export_request(profile)
         else:
             out = json.dumps(formats.profile_json(profile), indent=1).encode()
         if args.output and args.output != "-":

@@ -23,6 +23,7 @@ from ...errors import WireError
 from ..kallsyms import KallsymsError, KallsymsIndex, KallsymsStore, kernel_key
 from ..model import Profile
 from ..tenants import upload_scope
+from .exports import PENDING_DELAY_S
 from .metrics import Metrics
 from .store import Store, StoredSession, StoreError
 from .uploads import Uploads
@@ -143,8 +144,13 @@ class Ingest:
         *,
         retention: bool,
         uploads: Uploads | None = None,
+        export_to: tuple[str, ...] = (),
+        on_queued: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        # Export endpoints (exports.py) each stored session is queued for, and who to tell.
+        self._export_to = export_to
+        self._on_queued = on_queued
         self.kallsyms = kallsyms
         self.uploads = uploads
         self.metrics = metrics
@@ -332,7 +338,10 @@ class Ingest:
                     raw=msgpack.packb(item, use_bin_type=True),
                     kernel_build_id=kernel_hex,
                     kernel_pending=pending,
-                )
+                ),
+                export_to=self._export_to,
+                # Missing symbols usually arrive within seconds: sent after, it goes out named.
+                export_after_ns=int(PENDING_DELAY_S * 1e9) if pending or waits else 0,
             )
         except Exception as e:
             log_failure("session not stored", e, session=sid, reason=stage)
@@ -344,6 +353,8 @@ class Ingest:
         if not stored:
             return None
         self.metrics.stored_bytes.inc(stored)
+        if self._export_to and self._on_queued is not None:
+            self._on_queued()
         if waits:
             try:
                 self.store.add_pending_builds(sid, waits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -73,6 +74,33 @@ class Metrics:
         )
         self.frames = counter("frames_total", "Distinct frames symbolized, by kind", "kind")
         self.stored_bytes = counter("stored_bytes_total", "Compressed bytes written to the database")
+        # Forwarding (exports.py); `exporter` is otlp or pyroscope.
+        self.exports_sent = counter(
+            "exports_sent_total", "Sessions an export endpoint accepted, by exporter", "exporter"
+        )
+        self.exported_bytes = counter(
+            "exported_bytes_total", "Bytes of the payloads export endpoints accepted, by exporter", "exporter"
+        )
+        self.exports_failed = counter(
+            "exports_failed_total",
+            "Sends that failed (retried, or dropped when refused), by exporter and reason",
+            "exporter",
+            "reason",
+        )
+        self.exports_dropped = counter(
+            "exports_dropped_total",
+            "Sessions that will not be sent, by exporter and reason (queue_full, expired, refused, "
+            "session_gone, encode_failed)",
+            "exporter",
+            "reason",
+        )
+        self.export_latency = Histogram(
+            "bistouri_symbolizer_export_duration_seconds",
+            "Time an export endpoint took to accept one session",
+            ["exporter"],
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "bistouri_symbolizer_symbolize_duration_seconds",
             "Time to symbolize one session",
@@ -80,6 +108,7 @@ class Metrics:
             registry=self.registry,
         )
         self._store = store
+        self.exporters: tuple[str, ...] = ()  # the kinds configured: their backlog is read at scrape time
 
     def exposition(self) -> bytes:
         from prometheus_client import CollectorRegistry, generate_latest
@@ -97,9 +126,18 @@ class Metrics:
         # Database size is read at scrape time: it is shared by every worker and instance.
         try:
             n, used = self._store().stats()
+            backlog = self._store().export_backlog() if self.exporters else {}
         except Exception as e:
             log.warning("cannot read database stats for /metrics. error=%s", e)
             return text
+        # The export backlog by exporter, every configured one (zero when empty).
+        queued = {kind: [0, 0, 0] for kind in self.exporters}
+        now = time.time_ns()
+        for key, b in backlog.items():
+            q = queued.setdefault(key.split(" ", 1)[0], [0, 0, 0])
+            q[0] += b.rows
+            q[1] += b.bytes
+            q[2] = max(q[2], now - b.oldest_ns if b.rows else 0)
         extra = CollectorRegistry()
 
         class _Db:
@@ -110,6 +148,29 @@ class Metrics:
                 yield GaugeMetricFamily(
                     "bistouri_symbolizer_db_bytes", "Compressed session bytes in the database", value=used
                 )
+                yield from self._backlog()
+
+            def _backlog(self) -> Iterable[Any]:
+                rows = GaugeMetricFamily(
+                    "bistouri_symbolizer_export_queue_sessions",
+                    "Sessions waiting to be sent, by exporter",
+                    labels=["exporter"],
+                )
+                size = GaugeMetricFamily(
+                    "bistouri_symbolizer_export_queue_bytes",
+                    "Stored bytes of the sessions waiting to be sent, by exporter",
+                    labels=["exporter"],
+                )
+                age = GaugeMetricFamily(
+                    "bistouri_symbolizer_export_queue_oldest_seconds",
+                    "Age of the oldest session waiting to be sent, by exporter (0: none waits)",
+                    labels=["exporter"],
+                )
+                for kind, (r, b, a) in sorted(queued.items()):
+                    rows.add_metric([kind], r)
+                    size.add_metric([kind], b)
+                    age.add_metric([kind], a / 1e9)
+                return [rows, size, age] if queued else []
 
         extra.register(_Db())
         return text + generate_latest(extra)

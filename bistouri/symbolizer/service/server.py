@@ -42,6 +42,7 @@ from ..kallsyms import (
 )
 from ..model import PARTS, STATES, Profile
 from ..report import UI_DIR
+from .exports import ExportConfig, Exporter
 from .ingest import Ingest, ResolverFactory, echo, log_failure
 from .metrics import Metrics
 from .store import Filter, Store, StoreError
@@ -89,6 +90,7 @@ class ServerConfig:
     upload_quota: Quota = field(default_factory=Quota)
     claim_lease_s: float = CLAIM_LEASE_S
     ui_dir: Path = UI_DIR
+    export: ExportConfig = field(default_factory=ExportConfig)  # OTLP and Pyroscope endpoints
 
     @property
     def max_decompressed_bytes(self) -> int:
@@ -268,6 +270,11 @@ class SymbolizerApp:
             claim_lease_s=config.claim_lease_s,
             on_evict=lambda reason, n: self.metrics.uploads_evicted.labels(reason).inc(n),
         )
+        # Forwarding: this worker's sender thread, fed by the queue ingest writes (exports.py).
+        # Its own connection: a slow query of the sender never holds the lock of ingest's.
+        export_store = Store.for_state_dir(config.db, config.state_dir)
+        self.exporter = Exporter(export_store, config.export, self.metrics)
+        self.metrics.exporters = tuple(sorted({e.kind for e in config.export.endpoints}))
         self.ingest = Ingest(
             self.store,
             self.kallsyms,
@@ -275,7 +282,10 @@ class SymbolizerApp:
             self.metrics,
             retention=config.retention_days is not None or config.max_db_bytes is not None,
             uploads=self.uploads,
+            export_to=config.export.keys,
+            on_queued=self.exporter.wake,
         )
+        self.exporter.start()
         self.url_map = Map(
             [
                 Rule("/", endpoint="root", methods=["GET"]),
@@ -300,7 +310,9 @@ class SymbolizerApp:
         )
 
     def close(self) -> None:
-        """Release the resolver (its llvm-symbolizer processes) and the database connection."""
+        """Stop the sender, release the resolver (its llvm-symbolizer processes) and the database
+        connection."""
+        self.exporter.close()
         self.ingest.close()
         self.store.close()
 

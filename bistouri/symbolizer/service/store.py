@@ -32,6 +32,7 @@ from ... import wire
 from ...errors import BistouriError
 from ...pressure import PressureFigures
 from ..model import Frame, Profile, Sample, SessionMeta
+from .store_exports import INSERT_EXPORT, ExportRows
 from .store_uploads import UploadRows
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,27 @@ _MIGRATIONS: list[tuple[int, list[str]]] = [
     # What a session list shows: the metadata without the episode's rows (up to ~1 MB a session),
     # so that listing 1000 sessions parses kilobytes, not a gigabyte. '' for sessions stored before.
     (7, ["ALTER TABLE sessions ADD COLUMN summary TEXT NOT NULL DEFAULT ''"]),
-    # (8 is the export queue's.) What the target's cgroup names, which the list filters by: its
+    # Sessions still to send to each export endpoint (exports.py, store_exports.py). size_bytes is the
+    # session's as stored, what the queue's byte bound counts.
+    (
+        8,
+        [
+            """CREATE TABLE export_queue (
+                session_id TEXT NOT NULL,
+                endpoint TEXT NOT NULL,
+                enqueued_ns {bigint} NOT NULL,
+                next_ns {bigint} NOT NULL,
+                size_bytes {bigint} NOT NULL,
+                attempts INTEGER NOT NULL,
+                lease_until_ns {bigint} NOT NULL,
+                claimant TEXT NOT NULL,
+                PRIMARY KEY (session_id, endpoint)
+            )""",
+            "CREATE INDEX export_queue_due ON export_queue (endpoint, next_ns)",
+            "CREATE INDEX export_queue_age ON export_queue (endpoint, enqueued_ns)",
+        ],
+    ),
+    # What the target's cgroup names, which the list filters by: its
     # systemd unit and its container. '' for sessions stored before, and from agents before them.
     (
         9,
@@ -279,7 +300,7 @@ def _i64(n: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-class Store(UploadRows):
+class Store(UploadRows, ExportRows):
     """A session database. Connections are per process and opened on first use."""
 
     def __init__(
@@ -423,45 +444,87 @@ class Store(UploadRows):
 
     # -- writes -------------------------------------------------------------
 
-    def insert(self, rec: StoredSession, received_ns: int | None = None) -> int:
+    def insert(
+        self,
+        rec: StoredSession,
+        received_ns: int | None = None,
+        export_to: Sequence[str] = (),
+        export_after_ns: int = 0,
+    ) -> int:
         """Store a session unless its id exists. Returns the bytes stored, 0 for a duplicate.
 
-        `received_ns` (default: now) is what retention goes by.
+        `received_ns` (default: now) is what retention goes by. A session stored is queued, in the same
+        transaction, for each endpoint of `export_to`, due `export_after_ns` from now.
         """
         m = rec.meta
         profile = profile_to_blob(rec.profile)
         raw = zlib.compress(rec.raw, 6)
         size = len(profile) + len(raw)
-        n = self._exec(
-            """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
-                 ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes, trigger_kind,
-                 summary, unit, container_id, runtime)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-               ON CONFLICT (id) DO NOTHING""",
-            (
-                m.session_id,
-                m.tenant,
-                m.service,
-                m.host,
-                m.resource,
-                m.comm,
-                _i64(m.start_ns),
-                _i64(m.duration_ns),
-                time.time_ns() if received_ns is None else received_ns,
-                rec.kernel_build_id,
-                int(rec.kernel_pending),
-                meta_to_text(m),
-                profile,
-                raw,
-                size,
-                m.trigger_kind,
-                summary_to_text(m),
-                m.unit,
-                m.container_id,
-                m.runtime,
-            ),
+        now = time.time_ns()
+        row = (
+            m.session_id,
+            m.tenant,
+            m.service,
+            m.host,
+            m.resource,
+            m.comm,
+            _i64(m.start_ns),
+            _i64(m.duration_ns),
+            now if received_ns is None else received_ns,
+            rec.kernel_build_id,
+            int(rec.kernel_pending),
+            meta_to_text(m),
+            profile,
+            raw,
+            size,
+            m.trigger_kind,
+            summary_to_text(m),
+            m.unit,
+            m.container_id,
+            m.runtime,
         )
+        statements: list[tuple[str, Sequence[Any]]] = [
+            (
+                """INSERT INTO sessions (id, tenant, service, host, resource, comm, start_ns, duration_ns,
+                     ingested_ns, kernel_build_id, kernel_pending, meta, profile, raw, size_bytes,
+                     trigger_kind, summary, unit, container_id, runtime)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (id) DO NOTHING""",
+                row,
+            )
+        ]
+        statements += [
+            (INSERT_EXPORT, (m.session_id, endpoint, now, now + export_after_ns, size))
+            for endpoint in export_to
+        ]
+        n = self._transaction(statements)
         return size if n else 0
+
+    def _transaction(self, statements: list[tuple[str, Sequence[Any]]]) -> int:
+        """Run statements in one transaction; the ones after the first only if the first changed a row.
+        Returns the first one's row count."""
+        if len(statements) == 1:
+            return self._exec(*statements[0])
+        with self._lock:
+            conn = self._c()
+            try:
+                conn.execute("BEGIN IMMEDIATE" if not self.postgres else "BEGIN")
+                n = int(conn.execute(self._sql(statements[0][0]), tuple(statements[0][1])).rowcount or 0)
+                if n:
+                    for q, params in statements[1:]:
+                        conn.execute(self._sql(q), tuple(params))
+                conn.execute("COMMIT")
+                return n
+            except BaseException as e:
+                try:
+                    conn.execute("ROLLBACK")
+                except Exception:
+                    pass
+                if isinstance(e, self._operational_errors()):
+                    if self.postgres:
+                        self.close()
+                    raise StoreError(f"database {self.display} unavailable: {e}".strip())
+                raise
 
     def update_profile(self, session_id: str, profile: Profile, kernel_pending: bool) -> None:
         self._exec(

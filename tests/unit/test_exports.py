@@ -1,0 +1,152 @@
+"""The export queue on SQLite (claims, leases, bounds) and the sender's handling of answers."""
+
+from __future__ import annotations
+
+import gzip
+import time
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
+from bistouri.symbolizer.service import exports
+from bistouri.symbolizer.service.exports import OTLP, PYROSCOPE, Endpoint, ExportConfig, Exporter
+from bistouri.symbolizer.service.metrics import Metrics
+from bistouri.symbolizer.service.store import Store, StoredSession
+from testkit.sink import Sink
+
+EP = "otlp http://collector/v1development/profiles"
+
+
+def record(sid: str, service: str = "api") -> StoredSession:
+    meta = SessionMeta(
+        sid, service=service, host="h", processes={1: "app"}, start_ns=10**18, duration_ns=10**9
+    )
+    profile = Profile(meta, [Frame("main", "app")], [Sample((0,), pid=1, on_cpu=3)])
+    return StoredSession(meta, profile, raw=b"r" * 50)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(str(tmp_path / "db"))
+    s.migrate()
+    return s
+
+
+def test_a_session_is_queued_once_per_endpoint_in_the_transaction_that_stores_it(store: Store) -> None:
+    assert store.insert(record("a"), export_to=(EP, "pyroscope http://p")) > 0
+    assert store.insert(record("a"), export_to=(EP,)) == 0  # a duplicate queues nothing
+    backlog = store.export_backlog()
+    assert {k: b.rows for k, b in backlog.items()} == {EP: 1, "pyroscope http://p": 1}
+    assert backlog[EP].bytes > 0
+
+
+def test_claims_never_overlap_and_leases_expire(store: Store) -> None:
+    for sid in ("a", "b", "c"):
+        store.insert(record(sid), export_to=(EP,))
+    a = store.claim_exports(EP, "A", 60 * 10**9, 2)
+    b = store.claim_exports(EP, "B", 60 * 10**9, 5)
+    assert [c.session_id for c in a] == ["a", "b"] and [c.session_id for c in b] == ["c"]
+    assert store.claim_exports(EP, "C", 60 * 10**9, 5) == []
+    assert not store.finish_export("a", EP, "B")  # not B's claim
+    assert store.finish_export("a", EP, "A")
+    # Given back with a backoff: not due yet; then due, its attempt counted.
+    store.retry_export("b", EP, "A", time.time_ns() + 60 * 10**9, failed=True)
+    assert store.claim_exports(EP, "C", 60 * 10**9, 5) == []
+    store.retry_export("c", EP, "B", 0, failed=False)
+    assert [c.session_id for c in store.claim_exports(EP, "C", 1, 5)] == ["c"]
+    time.sleep(0.01)  # C's lease (1 ns) is over: another takes the row
+    again = store.claim_exports(EP, "D", 60 * 10**9, 5)
+    assert [(c.session_id, c.attempts) for c in again] == [("c", 0)]
+
+
+def test_bounds_drop_the_oldest_and_count_them(store: Store) -> None:
+    for i in range(5):
+        store.insert(record(f"s{i}"), export_to=(EP,))
+    dropped = store.drop_exports(max_rows=3, max_bytes=1 << 30, max_age_ns=10**12)
+    assert dropped == {f"{EP}\nqueue_full": 2}
+    assert sorted(c.session_id for c in store.claim_exports(EP, "A", 10**9, 10)) == ["s2", "s3", "s4"]
+    size = store.export_backlog()[EP].bytes // 3
+    assert store.drop_exports(max_rows=10, max_bytes=size * 2, max_age_ns=10**12) == {f"{EP}\nqueue_full": 1}
+    time.sleep(0.01)
+    assert store.drop_exports(max_rows=10, max_bytes=1 << 30, max_age_ns=1) == {f"{EP}\nexpired": 2}
+    assert store.export_backlog() == {}
+
+
+def test_headers_file(tmp_path: Path) -> None:
+    f = tmp_path / "h"
+    f.write_text("# token\nAuthorization: Bearer abc:def\n\nX-Scope-OrgID: t1\n")
+    assert exports.read_headers(str(f)) == {"Authorization": "Bearer abc:def", "X-Scope-OrgID": "t1"}
+    f.write_text("no colon here\n")
+    with pytest.raises(ValueError, match=":1: not a 'Name: value'"):
+        exports.read_headers(str(f))
+
+
+def test_pyroscope_name_and_labels_stay_parsable() -> None:
+    p = record("s{1}", service="my app").profile
+    p.meta.cgroup = "/system.slice/db.service"
+    p.meta.labels = {"env": "prod,eu", "team-x": "a=b"}
+    p.meta.unit, p.meta.container_id, p.meta.runtime = "db.service", "cd" * 32, "podman"
+    q = dict(kv.split("=", 1) for kv in exports.pyroscope_query(p).split("&"))
+    name = unquote(q["name"])
+    assert name.startswith("my_app{") and name.endswith("}")
+    labels = dict(kv.split("=", 1) for kv in name[len("my_app{") : -1].split(","))
+    assert labels["cgroup"] == "/system.slice/db.service" and labels["env"] == "prod_eu"
+    assert labels["team_x"] == "a_b" and labels["session_id"] == "s_1_"
+    assert (labels["systemd_unit"], labels["container_id"], labels["container_runtime"]) == (
+        "db.service",
+        "cd" * 32,
+        "podman",
+    )
+    assert q["from"] == str(10**9) and q["until"] == str(10**9 + 1) and q["format"] == "pprof"
+
+
+def test_backoff_doubles_to_its_cap() -> None:
+    assert 0.8 <= exports.backoff_s(1) <= 1.2
+    assert 6.4 <= exports.backoff_s(4) <= 9.6
+    assert exports.backoff_s(50) <= exports.MAX_BACKOFF_S * 1.2
+
+
+def test_the_sender_sends_retries_and_drops_by_the_answer(store: Store) -> None:
+    with Sink() as sink:
+        otlp_ep = Endpoint(OTLP, sink.url + "/v1development/profiles", {"Authorization": "Bearer t"})
+        pyro_ep = Endpoint(PYROSCOPE, sink.url + "/pyro")
+        config = ExportConfig((otlp_ep, pyro_ep))
+        metrics = Metrics(lambda: store)
+        sender = Exporter(store, config, metrics)
+        store.insert(record("ok"), export_to=config.keys)
+        sink.status = 429
+        sender.run_once()
+        # 429 without Retry-After: both endpoints paused, the rows kept with an attempt counted.
+        assert metrics.exports_failed.labels(OTLP, "status_429")._value.get() == 1
+        assert {k: b.rows for k, b in store.export_backlog().items()} == {k: 1 for k in config.keys}
+        assert not sender.run_once()  # paused: nothing claimed
+        sink.status = 200
+        sender._disabled_until = dict.fromkeys(sender._disabled_until, 0.0)
+        store._exec("UPDATE export_queue SET next_ns = 0")
+        assert sender.run_once()
+        assert store.export_backlog() == {}
+        assert metrics.exports_sent.labels(OTLP)._value.get() == 1
+        got = {r.path: r for r in sink.accepted()}
+        assert got["/v1development/profiles"].headers["Authorization"] == "Bearer t"
+        assert gzip.decompress(got["/pyro/ingest"].body)  # pprof, gzip'd
+        # A refusal a retry cannot change: dropped and counted.
+        sink.status = 400
+        store.insert(record("bad"), export_to=(otlp_ep.key,))
+        sender.run_once()
+        assert store.export_backlog() == {}
+        assert metrics.exports_dropped.labels(OTLP, "refused")._value.get() == 1
+        # Deleted by retention before it was sent.
+        store.insert(record("gone"), export_to=(otlp_ep.key,))
+        store._exec("DELETE FROM sessions WHERE id = 'gone'")
+        sender.run_once()
+        assert metrics.exports_dropped.labels(OTLP, "session_gone")._value.get() == 1
+        sender.close()
+
+
+def test_a_session_missing_symbols_is_due_later(store: Store) -> None:
+    store.insert(record("pending"), export_to=(EP,), export_after_ns=60 * 10**9)
+    store.insert(record("named"), export_to=(EP,))
+    assert [c.session_id for c in store.claim_exports(EP, "A", 10**9, 10)] == ["named"]
+    assert store.export_backlog()[EP].rows == 2
