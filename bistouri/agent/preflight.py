@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bpf import perf
+from ..bpf import features, perf
 from ..host import kernel, mounts
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -28,7 +28,7 @@ CAP_BPF = 39
 CAP_DAC_OVERRIDE = 1
 CAP_SYS_PTRACE = 19
 
-MIN_KERNEL = (5, 8)  # BPF ring buffer, bpf_ringbuf_query, tp_btf, CAP_BPF/CAP_PERFMON
+MIN_KERNEL = features.FLOOR  # the oldest kernel bistouri runs on (features.py says why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class Host:
 
     proc: str = "/proc"
     sys: str = "/sys"
+    release: str = ""  # the kernel's (uname -r); "" for the running one's
 
 
 def effective_caps(proc: str = "/proc") -> int:
@@ -59,19 +60,29 @@ def _has(caps: int, bit: int) -> bool:
 
 
 def check_kernel(host: Host) -> Result:
-    release = platform.release()
-    try:
-        version = tuple(int(x) for x in release.split("-")[0].split(".")[:2])
-    except ValueError:
+    release = host.release or platform.release()
+    if features.parse_release(release) is None:
         return Result(WARN, "kernel", f"cannot parse release {release!r}")
-    if version < MIN_KERNEL:
-        return Result(
-            FAIL,
-            "kernel",
-            f"{release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}",
-            "upgrade the kernel: BPF ring buffers and tp_btf programs need 5.8 or newer",
-        )
-    return Result(OK, "kernel", f"{release} (>= {MIN_KERNEL[0]}.{MIN_KERNEL[1]})")
+    refused = features.below_floor(release)
+    if refused:
+        return Result(FAIL, "kernel", refused, f"upgrade the kernel to {features.FLOOR_TEXT} or newer")
+    return Result(OK, "kernel", f"{release} (>= {features.FLOOR_TEXT})")
+
+
+def check_kernel_features(host: Host, kernel: features.KernelFeatures | None = None) -> list[Result]:
+    """What this kernel's BPF lacks and what it costs (features.py): a warning each, never a refusal."""
+    if kernel is None:
+        from ..bpf.loader import kernel_features
+
+        kernel = kernel_features(str(Path(host.sys, "kernel/btf/vmlinux")))
+    if not kernel.compat:
+        return [
+            Result(OK, "kernel features", "bpf_loop, bpf_task_pt_regs: user stacks walked from unwind tables")
+        ]
+    return [
+        Result(WARN, f"degraded {name}", text, "a kernel >= 5.17 has the full walk")
+        for name, text in kernel.costs()
+    ]
 
 
 def check_btf(host: Host) -> Result:
@@ -269,10 +280,12 @@ def check_kernel_symbols(host: Host) -> list[Result]:
 
 def check_bpf_object(host: Host) -> Result:
     from ..bpf.handles import BpfObject
+    from ..bpf.loader import kernel_features
     from ..capture.profiler import default_object_path
     from ..errors import BpfError
 
     path = default_object_path()
+    kernel = kernel_features()
     try:
         with BpfObject(path) as obj:
             from ..bpf import abi
@@ -280,11 +293,16 @@ def check_bpf_object(host: Host) -> Result:
             problems = abi.abi_mismatches(obj.btf)
             if problems:
                 return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
+            # The programs this kernel runs: each stack-taking one or its compat twin, not both.
+            chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_compat(n)}
+            for name, prog in obj.programs.items():
+                prog.set_autoload(name in chosen)
             obj.load()
     except BpfError as e:
         first = str(e).splitlines()[0]
         return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
-    return Result(OK, "bpf object", f"{path} loads ({len(obj.programs)} programs)")
+    which = ", compat: frame pointers only" if kernel.compat else ""
+    return Result(OK, "bpf object", f"{path} loads ({len(chosen)} programs{which})")
 
 
 def check_config(path: str) -> Result:
@@ -316,6 +334,7 @@ CHECKS: list[Callable[[Host], Result | list[Result]]] = [
     check_kernel,
     check_btf,
     check_libbpf,
+    check_kernel_features,
     check_psi,
     check_cgroup2,
     check_capabilities,

@@ -84,13 +84,17 @@ class KernelFeatures:
         """Whether the compat programs are loaded instead of the full ones."""
         return bool(self.degraded)
 
-    def lines(self) -> list[str]:
-        """Each degradation and its cost, for `check` and `record`."""
+    def costs(self) -> list[tuple[str, str]]:
+        """(name, what is missing and what it costs) of each degradation, for `check` and `record`."""
+        forced = f", forced by {FORCE_ENV} for testing" if self.forced else ""
         out = []
         for name in self.degraded:
             d = DEGRADATIONS[name]
-            out.append(f"{name} (bpf_{d.helper}, kernel {d.since}): {d.cost}")
+            out.append((name, f"no bpf_{d.helper} (kernel < {d.since}{forced}): {d.cost}"))
         return out
+
+    def lines(self) -> list[str]:
+        return [f"{name}: {text}" for name, text in self.costs()]
 
 
 FULL = KernelFeatures()
@@ -122,6 +126,10 @@ def from_btf(btf: Btf | None) -> KernelFeatures:
     ids = btf.enum("bpf_func_id") if btf is not None else None
     helpers = {n.removeprefix("BPF_FUNC_") for n in ids} if ids else {d.helper for d in DEGRADATIONS.values()}
     return from_helpers(helpers, forced_degradations())
+
+
+def is_compat(name: str) -> bool:
+    return name.endswith(COMPAT_SUFFIX) and name.removesuffix(COMPAT_SUFFIX) in STACK_PROGRAMS
 
 
 def program_for(name: str, features: KernelFeatures) -> str:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Collection
 
 from .. import threads
-from ..bpf import abi, perf
+from ..bpf import abi, features, perf
 from ..bpf.handles import BpfObject, Link, RingBuffer
 from ..bpf.loader import (
     EPISODE_PROGRAMS,
@@ -85,6 +85,7 @@ class Profiler:
         self._notify = notify
         self._obj: BpfObject | None = None
         self.object_path: str | None = None  # the object's file, once loaded
+        self.kernel_features = features.FULL  # once loaded: what the kernel lacks (its programs are compat)
         self._companion: ObjectLoad | None = None  # sampler_first: the other programs, loading
         self._companion_obj: BpfObject | None = None  # ... and loaded (sharing _obj's maps)
         self._links: list[Link] = []
@@ -133,6 +134,7 @@ class Profiler:
         self._companion = loading.take_companion() if loading is not None else None
         obj = self._obj = loaded.obj
         self.object_path = loaded.path
+        self.kernel_features = loaded.kernel
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps,
