@@ -20,9 +20,10 @@
  *   handle_exec                   exec discovery: comms matching a rule are reported;
  *   handle_episode_*, handle_*reclaim_*, handle_compaction_*
  *                                 the episode report: a victim's time by state.
- * Those that take a stack have a *_compat twin taking it by frame pointers
- * only (fill_stacks: STACK_FP), which the loader chooses on a kernel without
- * the table walk's features (bistouri/bpf/features.py).
+ * Those that take a stack have two twins for kernels without the table walk's
+ * features, which the loader chooses (bistouri/bpf/features.py): *_bounded
+ * (5.12-5.16: the same walks as bounded loops) and *_compat (5.10, 5.11: frame
+ * pointers only); fill_stacks' STACK_BOUNDED and STACK_FP.
  * All are blind until user space fills the maps: the pid filter (which tgids
  * to sample, and how) and the comm trie (which comms to report at exec).
  */
@@ -112,11 +113,17 @@ int handle_perf(struct bpf_perf_event_data *ctx)
 	return sample_on_cpu(ctx, STACK_TABLES);
 }
 
-/* handle_perf for a kernel without the table walk's features (fill_stacks: STACK_FP). */
+/* handle_perf for kernels without the table walk's features (fill_stacks: STACK_FP, STACK_BOUNDED). */
 SEC("perf_event")
 int handle_perf_compat(struct bpf_perf_event_data *ctx)
 {
 	return sample_on_cpu(ctx, STACK_FP);
+}
+
+SEC("perf_event")
+int handle_perf_bounded(struct bpf_perf_event_data *ctx)
+{
+	return sample_on_cpu(ctx, STACK_BOUNDED);
 }
 
 /*
@@ -151,6 +158,15 @@ int BPF_PROG(handle_sched_switch_compat, bool preempt, struct task_struct *prev,
 {
 	if (!preempt)
 		start_wait(ctx, prev, bpf_ktime_get_ns(), STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_sched_switch_bounded, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	if (!preempt)
+		start_wait(ctx, prev, bpf_ktime_get_ns(), STACK_BOUNDED);
 	return 0;
 }
 
@@ -270,6 +286,13 @@ int BPF_PROG(handle_episode_switch_compat, bool preempt, struct task_struct *pre
 	return episode_switch(ctx, preempt, prev, next, STACK_FP);
 }
 
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_episode_switch_bounded, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	return episode_switch(ctx, preempt, prev, next, STACK_BOUNDED);
+}
+
 SEC("tp_btf/sched_wakeup")
 int BPF_PROG(handle_episode_wakeup, struct task_struct *p)
 {
@@ -298,6 +321,13 @@ int BPF_PROG(handle_direct_reclaim_begin_compat)
 	return 0;
 }
 
+SEC("tp_btf/mm_vmscan_direct_reclaim_begin")
+int BPF_PROG(handle_direct_reclaim_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
+	return 0;
+}
+
 SEC("tp_btf/mm_vmscan_direct_reclaim_end")
 int BPF_PROG(handle_direct_reclaim_end)
 {
@@ -320,6 +350,13 @@ int BPF_PROG(handle_memcg_reclaim_begin_compat)
 	return 0;
 }
 
+SEC("tp_btf/mm_vmscan_memcg_reclaim_begin")
+int BPF_PROG(handle_memcg_reclaim_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
+	return 0;
+}
+
 SEC("tp_btf/mm_vmscan_memcg_reclaim_end")
 int BPF_PROG(handle_memcg_reclaim_end)
 {
@@ -338,6 +375,13 @@ SEC("tp_btf/mm_compaction_begin")
 int BPF_PROG(handle_compaction_begin_compat)
 {
 	reclaim_begin(ctx, STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/mm_compaction_begin")
+int BPF_PROG(handle_compaction_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
 	return 0;
 }
 

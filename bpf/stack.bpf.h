@@ -63,21 +63,62 @@ static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct
 }
 
 /*
+ * x86-64's kernel stack size (THREAD_SIZE, 16 KiB; 32 KiB under KASAN) and the
+ * user registers at its top (task_pt_regs(): no padding on x86-64).
+ */
+#define KERNEL_STACK_SIZE (16 << 10)
+
+/*
+ * The user registers of the current task without bpf_task_pt_regs (< 5.15):
+ * at the interrupt if it hit user mode, else the pt_regs its kernel entry
+ * saved at the top of its kernel stack, taken only if they are user mode's.
+ */
+static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, struct unwind_regs *out)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct pt_regs *regs;
+	void *stack;
+
+	if (in_user_mode(ctx)) {
+		out->ip = ctx->regs.ip;
+		out->sp = ctx->regs.sp;
+		out->bp = ctx->regs.bp;
+		return true;
+	}
+	/* Field by field (probe reads): a struct copied whole let clang merge it with the ctx path above. */
+	stack = BPF_CORE_READ(task, stack);
+	if (!stack)
+		return false;
+	regs = (struct pt_regs *)(stack + KERNEL_STACK_SIZE) - 1;
+	if ((BPF_CORE_READ(regs, cs) & SELECTOR_RPL_MASK) != USER_RPL)
+		return false;
+	out->ip = BPF_CORE_READ(regs, ip);
+	out->sp = BPF_CORE_READ(regs, sp);
+	out->bp = BPF_CORE_READ(regs, bp);
+	return true;
+}
+
+/*
  * How a program takes the user stack, a constant of each program (its code is
- * inlined once per value):
+ * inlined once per value); bistouri/bpf/features.py chooses the programs:
  *   STACK_TABLES   walk_user (.eh_frame tables, frame pointers elsewhere) and
  *                  the Python frames: needs bpf_loop (5.17), bpf_task_pt_regs
  *                  (5.15) and global functions taking pointers (5.12);
+ *   STACK_BOUNDED  the same walks as bounded loops, BOUNDED_DEPTH native and
+ *                  PY_BOUNDED_STEPS Python frames, the registers of a thread
+ *                  in the kernel read from its kernel stack: the *_bounded
+ *                  programs, for 5.12 to 5.16;
  *   STACK_FP       the kernel's frame-pointer walk, the address space read as
- *                  for STACK_TABLES: the *_compat programs, for kernels without
- *                  those (bistouri/bpf/features.py chooses), which cut a stack
- *                  short at the first frameless function and take no Python frame;
+ *                  above: the *_compat programs, for 5.10 and 5.11, which cut a
+ *                  stack short at the first frameless function and take no
+ *                  Python frame;
  *   STACK_FP_BARE  the same walk, no kernel struct read (no CO-RE relocation):
  *                  record's first sampler, handle_perf_fp.
  */
 #define STACK_TABLES 0
 #define STACK_FP 1
 #define STACK_FP_BARE 2
+#define STACK_BOUNDED 3
 
 static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
 					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, int how)
@@ -123,7 +164,9 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	}
 	if (how == STACK_TABLES) {
 		/* Kernel threads have no user stack: not an error. */
-		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1) : 0;
+		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1, false) : 0;
+	} else if (how == STACK_BOUNDED) {
+		n = mm && user_regs_bounded(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1, true) : 0;
 	} else {
 		/* The kernel finds the user registers itself (task_pt_regs), on-CPU or off. */
 		n = bpf_get_stack(ctx, ev->user_stack, sizeof(ev->user_stack), BPF_F_USER_STACK);
@@ -141,6 +184,8 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
 	if (how == STACK_TABLES)
 		walk_python(ev);
+	else if (how == STACK_BOUNDED)
+		walk_python_bounded(ev);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,

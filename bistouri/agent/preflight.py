@@ -294,14 +294,14 @@ def check_bpf_object(host: Host) -> Result:
             if problems:
                 return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
             # The programs this kernel runs: each stack-taking one or its compat twin, not both.
-            chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_compat(n)}
+            chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_twin(n)}
             for name, prog in obj.programs.items():
                 prog.set_autoload(name in chosen)
             obj.load()
     except BpfError as e:
         first = str(e).splitlines()[0]
         return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
-    which = ", compat: frame pointers only" if kernel.compat else ""
+    which = f", the {kernel.suffix[1:]} twins" if kernel.compat else ""
     return Result(OK, "bpf object", f"{path} loads ({len(chosen)} programs{which})")
 
 

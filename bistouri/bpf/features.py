@@ -1,9 +1,10 @@
 """What the running kernel offers the BPF programs: the floor, and what an older kernel costs.
 
-The object holds each program that takes a stack twice: the full one (the user stack walked from
-.eh_frame tables, the Python frames) and its `*_compat` twin (frame pointers only, bpf/stack.bpf.h:
-STACK_FP). The full ones need bpf_loop (5.17), bpf_task_pt_regs (5.15), bpf_get_current_task_btf
-(5.11) and global functions taking pointers (5.12); the twins only what 5.10 has. `from_btf()`
+The object holds each program that takes a stack three times (bpf/stack.bpf.h): the full one (the
+user stack walked from .eh_frame tables by bpf_loop, 5.17; a blocked thread's registers by
+bpf_task_pt_regs, 5.15; the Python frames), its `*_bounded` twin (the same walks as bounded loops,
+fewer frames, the registers read from the kernel stack: needs global functions taking pointers,
+5.12) and its `*_compat` twin (frame pointers only, no Python frames: what 5.10 has). `from_btf()`
 reads which helpers the kernel has from its BTF (enum bpf_func_id: no privilege, no program loaded;
 loader.kernel_features() parses it once) and names each missing one a degradation, with what it
 costs; the loader then loads the twins (`program_for`), and `bistouri check`, `record` and each
@@ -34,33 +35,42 @@ FORCE_ENV = "BISTOURI_FORCE_DEGRADED"
 
 @dataclass(frozen=True, slots=True)
 class Degradation:
-    helper: str  # the BPF helper (enum bpf_func_id's name without BPF_FUNC_)
+    helper: str  # the BPF helper (enum bpf_func_id's name without BPF_FUNC_) whose absence it is
     since: str  # the kernel that brought it
     cost: str  # what its absence costs, in the user's words
 
 
-# name -> the helper whose absence it is; every one of them makes the loader take the compat twins.
+# Frames of the bounded walks (bpf/unwind.bpf.h BOUNDED_DEPTH, bpf/python.bpf.h PY_BOUNDED_STEPS).
+BOUNDED_DEPTH = 32
+PY_BOUNDED_STEPS = 32
+
 DEGRADATIONS: Mapping[str, Degradation] = {
+    # The *_bounded programs (5.12-5.16).
     "no_bpf_loop": Degradation(
         "loop",
         "5.17",
-        "user stacks walked by frame pointers only (no .eh_frame tables): a stack stops at the first "
-        "function built without them (most of Debian's binaries and libraries); no Python frames",
+        f"user stacks walked from the unwind tables to {BOUNDED_DEPTH} frames and Python stacks to "
+        f"{PY_BOUNDED_STEPS} (bounded loops, which the verifier checks iteration by iteration): deeper "
+        "stacks are cut (walk end max_depth)",
     ),
     "no_task_pt_regs": Degradation(
         "task_pt_regs",
         "5.15",
-        "off-CPU user stacks walked by frame pointers only (the kernel finds the blocked thread's "
-        "registers itself)",
+        "the user registers of a thread in the kernel (off-CPU, or sampled in a system call) read from "
+        "the top of its 16 KiB kernel stack: none on a kernel with larger stacks (KASAN)",
     ),
-    "no_current_task_btf": Degradation(
-        "get_current_task_btf",
-        "5.11",
-        "no Python frames (the thread's TLS base is not read)",
+    # The *_compat programs (5.10, 5.11). bpf_check_mtu stands for its kernel, 5.12, which also let
+    # global BPF functions take pointers: the bounded walks need that.
+    "no_global_func_args": Degradation(
+        "check_mtu",
+        "5.12",
+        "user stacks walked by frame pointers only (no unwind tables): a stack stops at the first "
+        "function built without them (most of Debian's binaries and libraries); no Python frames",
     ),
 }
 
-# The programs that take a stack: each has a `<name>_compat` twin (bpf/bistouri.bpf.c).
+# The programs that take a stack: each has a `<name>_bounded` and a `<name>_compat` twin
+# (bpf/bistouri.bpf.c).
 STACK_PROGRAMS = frozenset(
     {
         "handle_perf",
@@ -71,6 +81,7 @@ STACK_PROGRAMS = frozenset(
         "handle_compaction_begin",
     }
 )
+BOUNDED_SUFFIX = "_bounded"
 COMPAT_SUFFIX = "_compat"
 
 
@@ -81,8 +92,15 @@ class KernelFeatures:
 
     @property
     def compat(self) -> bool:
-        """Whether the compat programs are loaded instead of the full ones."""
+        """Whether twins are loaded instead of the full programs."""
         return bool(self.degraded)
+
+    @property
+    def suffix(self) -> str:
+        """The twins' suffix: "" (the full programs), BOUNDED_SUFFIX or COMPAT_SUFFIX."""
+        if "no_global_func_args" in self.degraded:
+            return COMPAT_SUFFIX
+        return BOUNDED_SUFFIX if self.degraded else ""
 
     def costs(self) -> list[tuple[str, str]]:
         """(name, what is missing and what it costs) of each degradation, for `check` and `record`."""
@@ -128,13 +146,16 @@ def from_btf(btf: Btf | None) -> KernelFeatures:
     return from_helpers(helpers, forced_degradations())
 
 
-def is_compat(name: str) -> bool:
-    return name.endswith(COMPAT_SUFFIX) and name.removesuffix(COMPAT_SUFFIX) in STACK_PROGRAMS
+def is_twin(name: str) -> bool:
+    """Whether `name` is a twin (bounded or compat) of a program taking a stack."""
+    return any(
+        name.endswith(x) and name.removesuffix(x) in STACK_PROGRAMS for x in (BOUNDED_SUFFIX, COMPAT_SUFFIX)
+    )
 
 
 def program_for(name: str, features: KernelFeatures) -> str:
-    """The program to load for `name` on a kernel with `features`."""
-    return name + COMPAT_SUFFIX if features.compat and name in STACK_PROGRAMS else name
+    """The program to load for `name` (a full one's name) on a kernel with `features`."""
+    return name + features.suffix if name in STACK_PROGRAMS else name
 
 
 def parse_release(release: str) -> tuple[int, int] | None:

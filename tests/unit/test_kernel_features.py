@@ -17,37 +17,45 @@ def test_a_kernel_with_every_helper_runs_the_full_programs(monkeypatch):
     assert features.program_for("handle_perf", k) == "handle_perf"
 
 
-def test_debian_11s_helpers_make_each_stack_program_its_compat_twin():
-    k = features.from_helpers(ALL_HELPERS - {"loop", "task_pt_regs", "get_current_task_btf"})
-    assert k.degraded == ("no_bpf_loop", "no_task_pt_regs", "no_current_task_btf") and not k.forced
+def test_debian_11s_510_takes_the_frame_pointer_twins():
+    k = features.from_helpers(ALL_HELPERS - {"loop", "task_pt_regs", "check_mtu"})
+    assert k.degraded == ("no_bpf_loop", "no_task_pt_regs", "no_global_func_args") and not k.forced
     assert features.program_for("handle_perf", k) == "handle_perf_compat"
     assert features.program_for("handle_episode_switch", k) == "handle_episode_switch_compat"
     assert features.program_for("handle_exec", k) == "handle_exec"  # takes no stack: one version
     assert features.program_for("handle_perf_fp", k) == "handle_perf_fp"
     # Each degradation says what is missing, since when, and what it costs.
-    assert any("frame pointers only" in line and "5.17" in line for line in k.lines())
+    assert any("frame pointers only" in line and "5.12" in line for line in k.lines())
 
 
-def test_ubuntu_22_04s_515_lacks_only_bpf_loop_and_still_takes_the_twins():
+def test_ubuntu_22_04s_515_lacks_only_bpf_loop_and_takes_the_bounded_twins():
     k = features.from_helpers(ALL_HELPERS - {"loop"})
     assert k.degraded == ("no_bpf_loop",) and k.compat
+    assert features.program_for("handle_sched_switch", k) == "handle_sched_switch_bounded"
+    assert f"to {features.BOUNDED_DEPTH} frames" in k.lines()[0]
+
+
+def test_a_514_kernel_reads_the_registers_from_the_kernel_stack():
+    k = features.from_helpers(ALL_HELPERS - {"loop", "task_pt_regs"})
+    assert k.suffix == features.BOUNDED_SUFFIX and "kernel stack" in k.lines()[1]
 
 
 def test_the_testing_knob_forces_degradations_and_says_so(monkeypatch):
     monkeypatch.setenv(features.FORCE_ENV, "no_bpf_loop")
     k = features.from_btf(None)
-    assert k.degraded == ("no_bpf_loop",) and k.forced
+    assert k.degraded == ("no_bpf_loop",) and k.forced and k.suffix == "_bounded"
     assert "forced by " + features.FORCE_ENV in k.lines()[0]
     monkeypatch.setenv(features.FORCE_ENV, "all")
     assert features.from_btf(None).degraded == tuple(features.DEGRADATIONS)
+    assert features.from_btf(None).suffix == "_compat"
     monkeypatch.setenv(features.FORCE_ENV, "no_such_thing")
     with pytest.raises(ValueError, match="no_such_thing"):
         features.from_btf(None)
 
 
-def test_compat_names_are_only_the_twins():
-    assert features.is_compat("handle_perf_compat")
-    assert not features.is_compat("handle_perf") and not features.is_compat("handle_exec_compat")
+def test_twins_are_only_those_of_stack_programs():
+    assert features.is_twin("handle_perf_compat") and features.is_twin("handle_perf_bounded")
+    assert not features.is_twin("handle_perf") and not features.is_twin("handle_exec_compat")
 
 
 def test_wanted_programs_are_the_twins_on_an_old_kernel(monkeypatch):
@@ -88,7 +96,7 @@ def test_check_warns_each_degradation_and_never_refuses():
     old = features.from_helpers(ALL_HELPERS - {"loop"})
     results = preflight.check_kernel_features(preflight.Host(), old)
     assert [r.name for r in results] == ["degraded no_bpf_loop"]
-    assert results[0].status == preflight.WARN and "frame pointers only" in results[0].detail
+    assert results[0].status == preflight.WARN and "to 32 frames" in results[0].detail
     assert preflight.check_kernel_features(preflight.Host(), features.FULL)[0].status == preflight.OK
     assert preflight.check_kernel_features in daemon._BLOCKING_CHECKS  # logged as warnings at start
 
