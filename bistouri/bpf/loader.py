@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import struct
+import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
@@ -106,7 +107,8 @@ KERNEL_BTF = "/sys/kernel/btf/vmlinux"
 
 def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
     """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
-    return set(names) & _kernel_facts(btf_path)[0]
+    with _kernel_facts_lock:
+        return set(names) & _kernel_facts(btf_path)[0]
 
 
 @functools.cache
@@ -125,7 +127,11 @@ def _kernel_facts(btf_path: str) -> tuple[frozenset[str], features.KernelFeature
 
 def kernel_features(btf_path: str = KERNEL_BTF) -> features.KernelFeatures:
     """What the running kernel lacks: the programs loaded are chosen by it (features.program_for)."""
-    return _kernel_facts(btf_path)[1]
+    with _kernel_facts_lock:  # record's threads ask at once: one parse, not two
+        return _kernel_facts(btf_path)[1]
+
+
+_kernel_facts_lock = threading.Lock()
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -197,13 +203,15 @@ class LoadedObject:
     pending: tuple[str, ...] = ()  # left for load_companion()
     sampler_links: tuple[Link, ...] = ()  # the sampler's, when attach_sampler() attached it already
     handoff: str = ""  # loaded, not attached: the first sampler passes its samples on to it (hand_over)
-    # What the kernel lacks, and so the compat programs loaded instead (features.py).
+    # What the kernel lacks, and so the twins loaded instead of the full programs (features.py). FULL
+    # in sampler_first's first object, which does not read it: its load_companion() does, off the
+    # path of record's first sample (the kernel's BTF takes ~15 ms to parse).
     kernel: features.KernelFeatures = features.FULL
 
 
 def wanted_programs(o: ProfilerOptions, kernel: features.KernelFeatures | None = None) -> tuple[str, ...]:
     """Every program the options ask for (of the episode hooks, those this kernel can run), each
-    the compat twin of itself where the kernel lacks the full one's features."""
+    its twin where the kernel lacks the full one's features (`kernel`: the running one's)."""
     kernel = kernel or kernel_features()
     episode: tuple[str, ...] = ()
     if o.episode:
@@ -280,8 +288,13 @@ def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | N
     except BaseException:
         obj.close()
         raise
-    kernel = kernel_features()
-    pending = tuple(p for p in wanted_programs(o, kernel) if p not in programs) if o.sampler_first else ()
+    if o.sampler_first:  # the full programs' names: load_companion() chooses among their twins
+        kernel, pending = (
+            features.FULL,
+            tuple(p for p in wanted_programs(o, features.FULL) if p not in programs),
+        )
+    else:
+        kernel, pending = kernel_features(), ()
     return LoadedObject(obj, path, cpus, ring, programs, pending, kernel=kernel)
 
 
@@ -289,7 +302,8 @@ def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     """The programs `first` left pending, in a second object from the same file whose maps are
     first's own (the kernel's, shared): they see the same filter, rings and counters. The maps
     first left to it (COMPANION_MAPS) it creates, and first's handles then share them too."""
-    programs = tuple(p for p in wanted_programs(o, first.kernel) if p in first.pending)
+    kernel = kernel_features()
+    programs = tuple(features.program_for(p, kernel) for p in first.pending)
     obj = BpfObject(first.path)
     try:
         _configure(obj, o, first.ring_bytes, len(first.cpus), programs)
@@ -302,11 +316,11 @@ def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     except BaseException:
         obj.close()
         raise
-    sampler = features.program_for(SAMPLER, first.kernel)
+    sampler = features.program_for(SAMPLER, kernel)
     attached = tuple(p for p in programs if p != sampler)
     handoff = sampler if sampler in programs else ""
     return LoadedObject(
-        obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff, kernel=first.kernel
+        obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff, kernel=kernel
     )
 
 

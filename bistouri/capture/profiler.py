@@ -33,6 +33,7 @@ from ..bpf.loader import (
     ObjectLoad,
     ProfilerOptions,
     default_object_path,
+    kernel_features,
     kernel_tracepoints,
     load_object,
     ring_size,
@@ -134,7 +135,8 @@ class Profiler:
         self._companion = loading.take_companion() if loading is not None else None
         obj = self._obj = loaded.obj
         self.object_path = loaded.path
-        self.kernel_features = loaded.kernel
+        # sampler_first's first object has not read them (LoadedObject.kernel): read (once) here.
+        self.kernel_features = kernel_features()
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps,

@@ -5,6 +5,7 @@ kernel's helpers as missing (for testing only)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,37 @@ def test_the_verifier_accepts_the_programs_chosen_for_each_kernel(kernel):
             prog.set_autoload(name in chosen)
         obj.load()
         assert all(obj.programs[n].fd > 0 for n in chosen)
+
+
+# Helpers of kernels after 5.11, which neither twin may call (the full programs do).
+NEWER_HELPERS = {"bpf_loop", "bpf_task_pt_regs", "bpf_get_current_task_btf"}
+
+
+@pytest.mark.skipif(shutil.which("bpftool") is None, reason="bpftool lists the helpers called")
+@pytest.mark.parametrize("kernel", ["5.10", "5.14"])
+def test_the_twins_call_only_what_their_kernels_have(kernel):
+    """As the kernel translated them: each helper call, and `call pc+N` for a BPF function, which
+    5.10 and 5.11 cannot take pointers in (the compat twins have none)."""
+    features_ = KERNELS[kernel]
+    calls: set[str] = set()
+    with BpfObject(loader.default_object_path()) as obj:
+        chosen = _chosen(list(obj.programs), features_)
+        for name, prog in obj.programs.items():
+            prog.set_autoload(name in chosen)
+        obj.load()
+        for name in chosen:
+            info = Path(f"/proc/self/fdinfo/{obj.programs[name].fd}").read_text()
+            prog_id = re.search(r"prog_id:\s*(\d+)", info)
+            assert prog_id, info
+            out = subprocess.run(
+                ["bpftool", "prog", "dump", "xlated", "id", prog_id.group(1)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            calls |= set(re.findall(r"call (\w+)", out))
+    assert "bpf_ringbuf_output" in calls and not calls & NEWER_HELPERS, sorted(calls)
+    assert ("pc" in calls) == (features_.suffix == features.BOUNDED_SUFFIX)
 
 
 def _folded(path: Path) -> list[tuple[list[str], int]]:
