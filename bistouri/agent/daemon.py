@@ -258,7 +258,7 @@ class Agent:
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
             on_start=self.profiler.request_perf_maps,
-            degraded=self.profiler.kernel_features.degraded,
+            degraded=self.profiler.kernel_features.names,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
             episode=EpisodeProbe(

@@ -82,6 +82,11 @@ STACK_PROGRAMS = frozenset(
     }
 )
 BOUNDED_SUFFIX = "_bounded"
+BOUNDED_REFUSED = "bounded_refused"
+BOUNDED_REFUSED_COST = (
+    "this kernel's verifier refused the bounded walks: user stacks walked by frame pointers only, "
+    "no Python frames, as on 5.10"
+)
 COMPAT_SUFFIX = "_compat"
 
 
@@ -89,6 +94,8 @@ COMPAT_SUFFIX = "_compat"
 class KernelFeatures:
     degraded: tuple[str, ...] = ()  # names of DEGRADATIONS, in its order
     forced: bool = False  # some of them by FORCE_ENV (testing)
+    # The kernel's verifier refused the bounded twins (loader._load_twins): the compat ones instead.
+    bounded_refused: bool = False
 
     @property
     def compat(self) -> bool:
@@ -98,9 +105,14 @@ class KernelFeatures:
     @property
     def suffix(self) -> str:
         """The twins' suffix: "" (the full programs), BOUNDED_SUFFIX or COMPAT_SUFFIX."""
-        if "no_global_func_args" in self.degraded:
+        if "no_global_func_args" in self.degraded or self.bounded_refused:
             return COMPAT_SUFFIX
         return BOUNDED_SUFFIX if self.degraded else ""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The degradations' names, and BOUNDED_REFUSED: what a session's note counts."""
+        return self.degraded + ((BOUNDED_REFUSED,) if self.bounded_refused else ())
 
     def costs(self) -> list[tuple[str, str]]:
         """(name, what is missing and what it costs) of each degradation, for `check` and `record`."""
@@ -109,6 +121,8 @@ class KernelFeatures:
         for name in self.degraded:
             d = DEGRADATIONS[name]
             out.append((name, f"no bpf_{d.helper} (kernel < {d.since}{forced}): {d.cost}"))
+        if self.bounded_refused:
+            out.append((BOUNDED_REFUSED, BOUNDED_REFUSED_COST))
         return out
 
     def lines(self) -> list[str]:

@@ -13,7 +13,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from .. import threads
@@ -128,10 +128,31 @@ def _kernel_facts(btf_path: str) -> tuple[frozenset[str], features.KernelFeature
 def kernel_features(btf_path: str = KERNEL_BTF) -> features.KernelFeatures:
     """What the running kernel lacks: the programs loaded are chosen by it (features.program_for)."""
     with _kernel_facts_lock:  # record's threads ask at once: one parse, not two
-        return _kernel_facts(btf_path)[1]
+        return _bounded_refused or _kernel_facts(btf_path)[1]
 
 
 _kernel_facts_lock = threading.Lock()
+_bounded_refused: features.KernelFeatures | None = None  # set by _load_twins: for the process's life
+
+
+def _load_twins(load: Callable[[features.KernelFeatures], LoadedObject]) -> LoadedObject:
+    """load(the kernel's features); if the verifier refuses the bounded twins (only 6.18's was
+    tried: features.py), load(the frame-pointer ones) instead, and say so from then on."""
+    global _bounded_refused
+    kernel = kernel_features()
+    try:
+        return load(kernel)
+    except BpfError as e:
+        if kernel.suffix != features.BOUNDED_SUFFIX:
+            raise
+        log.warning(
+            "The kernel's verifier refused the bounded stack walks: user stacks by frame pointers only. "
+            "error=%s",
+            str(e).splitlines()[0],
+        )
+        with _kernel_facts_lock:
+            _bounded_refused = replace(kernel, bounded_refused=True)
+        return load(_bounded_refused)
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -259,19 +280,23 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
     failure nothing is left behind."""
     path = os.fspath(o.object_path) if o.object_path else default_object_path()
     if not o.sampler_first:
-        return _load(o, path, wanted_programs(o), None)
+        return _load_twins(lambda kernel: _load(o, path, wanted_programs(o, kernel), None, kernel))
     try:
         # The first sampler reads no kernel struct (no CO-RE relocation, no tp_btf): libbpf need
         # not parse the kernel's BTF. record's first sample waits for this load alone: libbpf's
         # log only if it fails.
         with LibbpfSilenced(), NoKernelTypes() as btf:
-            return _load(o, path, (FIRST_SAMPLER,), btf)
+            return _load(o, path, (FIRST_SAMPLER,), btf, features.FULL)
     except (BpfError, OSError) as e:  # OSError: no memfd here (a seccomp filter, say)
         log.info("The first sampler did not load without kernel types; loading it with them. error=%s", e)
-        return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
+        # Again, with libbpf's log to explain a failure.
+        return _load(o, path, (FIRST_SAMPLER,), None, features.FULL)
 
 
-def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:
+def _load(
+    o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None, kernel: features.KernelFeatures
+) -> LoadedObject:
+    """`kernel`: what `programs` were chosen for (FULL for sampler_first's first object)."""
     obj = BpfObject(path, btf_custom_path=btf)
     try:
         problems = abi.abi_mismatches(obj.btf)
@@ -288,13 +313,10 @@ def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | N
     except BaseException:
         obj.close()
         raise
-    if o.sampler_first:  # the full programs' names: load_companion() chooses among their twins
-        kernel, pending = (
-            features.FULL,
-            tuple(p for p in wanted_programs(o, features.FULL) if p not in programs),
-        )
-    else:
-        kernel, pending = kernel_features(), ()
+    # sampler_first: the full programs' names, load_companion() chooses among their twins.
+    pending = (
+        tuple(p for p in wanted_programs(o, features.FULL) if p not in programs) if o.sampler_first else ()
+    )
     return LoadedObject(obj, path, cpus, ring, programs, pending, kernel=kernel)
 
 
@@ -302,7 +324,10 @@ def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     """The programs `first` left pending, in a second object from the same file whose maps are
     first's own (the kernel's, shared): they see the same filter, rings and counters. The maps
     first left to it (COMPANION_MAPS) it creates, and first's handles then share them too."""
-    kernel = kernel_features()
+    return _load_twins(lambda kernel: _load_companion(first, o, kernel))
+
+
+def _load_companion(first: LoadedObject, o: ProfilerOptions, kernel: features.KernelFeatures) -> LoadedObject:
     programs = tuple(features.program_for(p, kernel) for p in first.pending)
     obj = BpfObject(first.path)
     try:

@@ -135,8 +135,9 @@ class Profiler:
         self._companion = loading.take_companion() if loading is not None else None
         obj = self._obj = loaded.obj
         self.object_path = loaded.path
-        # sampler_first's first object has not read them (LoadedObject.kernel): read (once) here.
-        self.kernel_features = kernel_features()
+        # sampler_first's first object has not read them (LoadedObject.kernel): its companion has
+        # (attach_rest), or will.
+        self.kernel_features = kernel_features() if loaded.pending else loaded.kernel
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps,
@@ -185,6 +186,7 @@ class Profiler:
             return
         loaded = companion.result()
         self._companion_obj = loaded.obj
+        self.kernel_features = loaded.kernel  # the companion's programs are the ones chosen for it
         self._attach(loaded)
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"

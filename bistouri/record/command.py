@@ -531,7 +531,7 @@ def _capture(
         labels={},
         period_ns=1_000_000_000 // args.freq,
         filter_flags=flags,
-        degraded=profiler.kernel_features.degraded,
+        degraded=profiler.kernel_features.names,
         proc_root=args.proc_path,
         episode=EpisodeProbe(
             profiler.thread_times,

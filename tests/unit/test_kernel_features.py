@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from bistouri.agent import daemon, preflight
 from bistouri.bpf import features, loader
+from bistouri.errors import BpfError
 
 ALL_HELPERS = {d.helper for d in features.DEGRADATIONS.values()} | {"ringbuf_output", "get_stack"}
 
@@ -116,3 +119,29 @@ def test_the_floor_stated_is_the_floor_tested():
     for path, text in said.items():
         assert text in (root / path).read_text(), path
     assert preflight.MIN_KERNEL == features.FLOOR
+
+
+def test_a_verifier_that_refuses_the_bounded_walks_gets_the_frame_pointer_ones(monkeypatch):
+    """Only 6.18's verifier was tried on the bounded twins: an older one that refuses them costs the
+    table walk, not the agent, and the cost is said from then on."""
+    k515 = features.from_helpers(ALL_HELPERS - {"loop"})
+    monkeypatch.setattr(loader, "_kernel_facts", lambda path: (frozenset(), k515))
+    monkeypatch.setattr(loader, "_bounded_refused", None)
+    tried = []
+
+    def load(kernel: features.KernelFeatures) -> str:
+        tried.append(features.program_for("handle_perf", kernel))
+        if kernel.suffix == features.BOUNDED_SUFFIX:
+            raise BpfError("loading BPF object", errno.EACCES, log="back-edge")
+        return "loaded"
+
+    assert loader._load_twins(load) == "loaded"  # type: ignore[arg-type]
+    assert tried == ["handle_perf_bounded", "handle_perf_compat"]
+    now = loader.kernel_features()
+    assert now.bounded_refused and now.names == ("no_bpf_loop", "bounded_refused")
+    assert "refused the bounded walks" in now.lines()[-1]
+    # A failure of the full programs, or of the compat ones, is the load's own: raised.
+    monkeypatch.setattr(loader, "_bounded_refused", None)
+    monkeypatch.setattr(loader, "_kernel_facts", lambda path: (frozenset(), features.FULL))
+    with pytest.raises(BpfError):
+        loader._load_twins(lambda kernel: (_ for _ in ()).throw(BpfError("load", errno.EINVAL)))
