@@ -11,7 +11,7 @@ import errno
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..bpf import features, perf
@@ -279,7 +279,6 @@ def check_kernel_symbols(host: Host) -> list[Result]:
 
 
 def check_bpf_object(host: Host) -> Result:
-    from ..bpf.handles import BpfObject
     from ..bpf.loader import kernel_features
     from ..capture.profiler import default_object_path
     from ..errors import BpfError
@@ -287,22 +286,42 @@ def check_bpf_object(host: Host) -> Result:
     path = default_object_path()
     kernel = kernel_features()
     try:
-        with BpfObject(path) as obj:
-            from ..bpf import abi
-
-            problems = abi.abi_mismatches(obj.btf)
-            if problems:
-                return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
-            # The programs this kernel runs: each stack-taking one or its compat twin, not both.
-            chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_twin(n)}
-            for name, prog in obj.programs.items():
-                prog.set_autoload(name in chosen)
-            obj.load()
+        loaded = _load_chosen(path, kernel)
     except BpfError as e:
         first = str(e).splitlines()[0]
-        return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+        if kernel.suffix != features.BOUNDED_SUFFIX:
+            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+        # As the agent does (loader._load_twins): the frame-pointer twins instead.
+        kernel = replace(kernel, bounded_refused=True)
+        try:
+            loaded = _load_chosen(path, kernel)
+        except BpfError as e2:
+            first = str(e2).splitlines()[0]
+            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+        return Result(
+            WARN, "bpf object", f"{path} loads ({loaded} programs): {features.BOUNDED_REFUSED_COST}"
+        )
+    if isinstance(loaded, Result):
+        return loaded
     which = f", the {kernel.suffix[1:]} twins" if kernel.compat else ""
-    return Result(OK, "bpf object", f"{path} loads ({len(chosen)} programs{which})")
+    return Result(OK, "bpf object", f"{path} loads ({loaded} programs{which})")
+
+
+def _load_chosen(path: str, kernel: features.KernelFeatures) -> int | Result:
+    """Load the programs the agent would on a kernel with `kernel`: how many, or why not (ABI)."""
+    from ..bpf import abi
+    from ..bpf.handles import BpfObject
+
+    with BpfObject(path) as obj:
+        problems = abi.abi_mismatches(obj.btf)
+        if problems:
+            return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
+        # Each stack-taking program or one of its twins, not both.
+        chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_twin(n)}
+        for name, prog in obj.programs.items():
+            prog.set_autoload(name in chosen)
+        obj.load()
+    return len(chosen)
 
 
 def check_config(path: str) -> Result:
