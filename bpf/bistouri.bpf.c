@@ -20,6 +20,10 @@
  *   handle_exec                   exec discovery: comms matching a rule are reported;
  *   handle_episode_*, handle_*reclaim_*, handle_compaction_*
  *                                 the episode report: a victim's time by state.
+ * Those that take a stack have two twins for kernels without the table walk's
+ * features, which the loader chooses (bistouri/bpf/features.py): *_bounded
+ * (5.12-5.16: the same walks as bounded loops) and *_compat (5.10, 5.11: frame
+ * pointers only); fill_stacks' STACK_BOUNDED and STACK_FP.
  * All are blind until user space fills the maps: the pid filter (which tgids
  * to sample, and how) and the comm trie (which comms to report at exec).
  */
@@ -38,8 +42,8 @@
 
 /* ---- On-CPU samples ---- */
 
-/* One on-CPU sample: `walk` as in fill_stacks. */
-static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, bool walk)
+/* One on-CPU sample, its user stack taken as `how` says (fill_stacks). */
+static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
@@ -67,7 +71,7 @@ static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, bool w
 	if (!ev)
 		return 0;
 	fill_header(ev, BISTOURI_EVENT_ON_CPU, pid_tgid, bpf_ktime_get_ns());
-	fill_stacks(ctx, ev, 0, ctx, walk);
+	fill_stacks(ctx, ev, 0, ctx, how);
 	count(BISTOURI_CNT_ON_CPU_SAMPLES);
 
 	/*
@@ -106,7 +110,20 @@ static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, bool w
 SEC("perf_event")
 int handle_perf(struct bpf_perf_event_data *ctx)
 {
-	return sample_on_cpu(ctx, true);
+	return sample_on_cpu(ctx, STACK_TABLES);
+}
+
+/* handle_perf for kernels without the table walk's features (fill_stacks: STACK_FP, STACK_BOUNDED). */
+SEC("perf_event")
+int handle_perf_compat(struct bpf_perf_event_data *ctx)
+{
+	return sample_on_cpu(ctx, STACK_FP);
+}
+
+SEC("perf_event")
+int handle_perf_bounded(struct bpf_perf_event_data *ctx)
+{
+	return sample_on_cpu(ctx, STACK_BOUNDED);
 }
 
 /*
@@ -120,7 +137,7 @@ SEC("perf_event")
 int handle_perf_fp(struct bpf_perf_event_data *ctx)
 {
 	bpf_tail_call(ctx, &sampler_handoff, 0);
-	return sample_on_cpu(ctx, false); /* slot 0 still empty */
+	return sample_on_cpu(ctx, STACK_FP_BARE); /* slot 0 still empty */
 }
 
 /* ---- Off-CPU waits and exec discovery ---- */
@@ -131,7 +148,25 @@ int BPF_PROG(handle_sched_switch, bool preempt, struct task_struct *prev,
 {
 	/* In the tracepoint, current is still prev: its stack is the one to take. */
 	if (!preempt)
-		start_wait(ctx, prev, bpf_ktime_get_ns());
+		start_wait(ctx, prev, bpf_ktime_get_ns(), STACK_TABLES);
+	return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_sched_switch_compat, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	if (!preempt)
+		start_wait(ctx, prev, bpf_ktime_get_ns(), STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_sched_switch_bounded, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	if (!preempt)
+		start_wait(ctx, prev, bpf_ktime_get_ns(), STACK_BOUNDED);
 	return 0;
 }
 
@@ -175,9 +210,9 @@ int BPF_PROG(handle_exec, struct task_struct *p, pid_t old_pid, struct linux_bin
 
 /* ---- The episode report (episode.bpf.h) ---- */
 
-SEC("tp_btf/sched_switch")
-int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
-	     struct task_struct *next)
+/* The scheduler's switch for the episode report, stacks taken as `how` says. */
+static __always_inline int episode_switch(void *ctx, bool preempt, struct task_struct *prev,
+					  struct task_struct *next, int how)
 {
 	struct bistouri_thread_times *t;
 	__u32 tgid, tid, take = 0, waits = 1;
@@ -215,7 +250,7 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 			t->since_ns = now;
 			/* One call site: the stack walk is inlined once in this program. */
 			if (take)
-				take_stack(ctx, &wait_pending, take, waits, now);
+				take_stack(ctx, &wait_pending, take, waits, now, how);
 		}
 	}
 
@@ -237,6 +272,27 @@ int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
 	return 0;
 }
 
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_episode_switch, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	return episode_switch(ctx, preempt, prev, next, STACK_TABLES);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_episode_switch_compat, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	return episode_switch(ctx, preempt, prev, next, STACK_FP);
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(handle_episode_switch_bounded, bool preempt, struct task_struct *prev,
+	     struct task_struct *next)
+{
+	return episode_switch(ctx, preempt, prev, next, STACK_BOUNDED);
+}
+
 SEC("tp_btf/sched_wakeup")
 int BPF_PROG(handle_episode_wakeup, struct task_struct *p)
 {
@@ -254,7 +310,21 @@ int BPF_PROG(handle_episode_wakeup_new, struct task_struct *p)
 SEC("tp_btf/mm_vmscan_direct_reclaim_begin")
 int BPF_PROG(handle_direct_reclaim_begin)
 {
-	reclaim_begin(ctx);
+	reclaim_begin(ctx, STACK_TABLES);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_direct_reclaim_begin")
+int BPF_PROG(handle_direct_reclaim_begin_compat)
+{
+	reclaim_begin(ctx, STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_direct_reclaim_begin")
+int BPF_PROG(handle_direct_reclaim_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
 	return 0;
 }
 
@@ -269,7 +339,21 @@ int BPF_PROG(handle_direct_reclaim_end)
 SEC("tp_btf/mm_vmscan_memcg_reclaim_begin")
 int BPF_PROG(handle_memcg_reclaim_begin)
 {
-	reclaim_begin(ctx);
+	reclaim_begin(ctx, STACK_TABLES);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_memcg_reclaim_begin")
+int BPF_PROG(handle_memcg_reclaim_begin_compat)
+{
+	reclaim_begin(ctx, STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/mm_vmscan_memcg_reclaim_begin")
+int BPF_PROG(handle_memcg_reclaim_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
 	return 0;
 }
 
@@ -283,7 +367,21 @@ int BPF_PROG(handle_memcg_reclaim_end)
 SEC("tp_btf/mm_compaction_begin")
 int BPF_PROG(handle_compaction_begin)
 {
-	reclaim_begin(ctx);
+	reclaim_begin(ctx, STACK_TABLES);
+	return 0;
+}
+
+SEC("tp_btf/mm_compaction_begin")
+int BPF_PROG(handle_compaction_begin_compat)
+{
+	reclaim_begin(ctx, STACK_FP);
+	return 0;
+}
+
+SEC("tp_btf/mm_compaction_begin")
+int BPF_PROG(handle_compaction_begin_bounded)
+{
+	reclaim_begin(ctx, STACK_BOUNDED);
 	return 0;
 }
 

@@ -91,7 +91,7 @@ static __always_inline void finish_wait(struct task_struct *woken, __u64 now)
 }
 
 /* A filtered thread goes to sleep uninterruptibly: capture its stack now. */
-static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u64 now)
+static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u64 now, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32;
@@ -136,7 +136,7 @@ static __always_inline void start_wait(void *ctx, struct task_struct *prev, __u6
 		return;
 	fill_header(ev, BISTOURI_EVENT_OFF_CPU, pid_tgid, now);
 	ev->waits = 1 + (__u32)(skipped < 0xfffffffeLL ? skipped : 0xfffffffeLL);
-	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, true);
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
 	ev->blocked_ns = skipped_ns; /* carried until finish_wait adds this wait's own time */
 	/*
 	 * The wait started at the switch (fill_header's `now`), as the kernel's
@@ -315,7 +315,7 @@ static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
 }
 
 /* Take the current thread's stack into `map` (tid -> stack) for a wait of `kind` starting now. */
-static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now)
+static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pid_tgid, zero = 0;
@@ -326,7 +326,7 @@ static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 w
 		return;
 	fill_header(ev, kind, pid_tgid, now);
 	ev->waits = waits;
-	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, true);
+	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
 	ev->timestamp_ns = bpf_ktime_get_ns(); /* the wait starts now: the walk above is ours */
 	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
@@ -370,7 +370,7 @@ static __always_inline void episode_wakeup(struct task_struct *p, bool new_task)
 }
 
 /* Reclaim and compaction run on the stalled thread itself: current. */
-static __always_inline void reclaim_begin(void *ctx)
+static __always_inline void reclaim_begin(void *ctx, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
@@ -387,7 +387,7 @@ static __always_inline void reclaim_begin(void *ctx)
 	t->reclaim_start_ns = now;
 	waits = stack_due(t, now);
 	if (waits)
-		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now);
+		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now, how);
 }
 
 static __always_inline void reclaim_end(void)

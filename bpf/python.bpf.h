@@ -24,6 +24,9 @@
 #define PY_OFF_MASK 127   /* field offsets masked into the scratch: + 8 stays inside it */
 /* Frames looked at per walk: the emitted ones, plus the 3.12+ shims (one per C activation), which are not. */
 #define PY_MAX_STEPS (BISTOURI_PY_MAX_DEPTH + BISTOURI_PY_MAX_DEPTH / 2)
+#ifndef PY_BOUNDED_STEPS
+#define PY_BOUNDED_STEPS 32
+#endif
 _Static_assert((BISTOURI_PY_MAX_DEPTH & (BISTOURI_PY_MAX_DEPTH - 1)) == 0, "frame indexes are masked");
 
 static __always_inline __u64 py_u64(const __u8 *buf, __u32 off)
@@ -159,9 +162,10 @@ static long py_step(__u32 i, void *arg)
  * of the many paths out of the native walk would otherwise walk it again:
  * inlined, it more than doubled the object's load time).
  */
-__noinline int walk_python(struct bistouri_stack_event *ev)
+static __always_inline int walk_python_how(struct bistouri_stack_event *ev, bool bounded)
 {
-	struct task_struct *task = bpf_get_current_task_btf();
+	/* Read by CO-RE either way: the BTF pointer (5.11) only saves probe reads. */
+	struct task_struct *task = bounded ? (struct task_struct *)bpf_get_current_task() : bpf_get_current_task_btf();
 	struct py_walk w = { .ev = ev };
 	__u64 tstate = 0, frame = 0, fsbase;
 	__u32 zero = 0;
@@ -195,10 +199,28 @@ __noinline int walk_python(struct bistouri_stack_event *ev)
 	w.size = w.pp->frame_size;
 	w.hash = ev->user_key.hash;
 	ev->py_status = BISTOURI_PY_STATUS_DEPTH;
-	bpf_loop(PY_MAX_STEPS, py_step, &w, 0);
+	if (bounded) {
+		/* No bpf_loop (< 5.17): the verifier walks each iteration, so fewer of them. */
+		for (int i = 0; i < PY_BOUNDED_STEPS; i++)
+			if (py_step(i, &w))
+				break;
+	} else {
+		bpf_loop(PY_MAX_STEPS, py_step, &w, 0);
+	}
 	ev->py_depth = w.n;
 	ev->user_key.hash = w.hash;
 	return 0;
+}
+
+__noinline int walk_python(struct bistouri_stack_event *ev)
+{
+	return walk_python_how(ev, false);
+}
+
+/* walk_python without bpf_loop (the *_bounded programs): PY_BOUNDED_STEPS frames at most. */
+__noinline int walk_python_bounded(struct bistouri_stack_event *ev)
+{
+	return walk_python_how(ev, true);
 }
 
 #endif /* BISTOURI_PYTHON_BPF_H */

@@ -63,16 +63,69 @@ static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct
 }
 
 /*
- * `walk`: the user stack from the unwind tables (walk_user); false, the kernel's
- * frame-pointer walk, as walk_user does for a process without tables, in a
- * program the verifier checks in a fraction of the time (handle_perf_fp).
+ * x86-64's kernel stack size (THREAD_SIZE, 16 KiB; 32 KiB under KASAN) and the
+ * user registers at its top (task_pt_regs(): no padding on x86-64).
  */
+#define KERNEL_STACK_SIZE (16 << 10)
+
+/*
+ * The user registers of the current task without bpf_task_pt_regs (< 5.15):
+ * at the interrupt if it hit user mode, else the pt_regs its kernel entry
+ * saved at the top of its kernel stack, taken only if they are user mode's.
+ */
+static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, struct unwind_regs *out)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct pt_regs *regs;
+	void *stack;
+
+	if (in_user_mode(ctx)) {
+		out->ip = ctx->regs.ip;
+		out->sp = ctx->regs.sp;
+		out->bp = ctx->regs.bp;
+		return true;
+	}
+	/* Field by field (probe reads): a struct copied whole let clang merge it with the ctx path above. */
+	stack = BPF_CORE_READ(task, stack);
+	if (!stack)
+		return false;
+	regs = (struct pt_regs *)(stack + KERNEL_STACK_SIZE) - 1;
+	if ((BPF_CORE_READ(regs, cs) & SELECTOR_RPL_MASK) != USER_RPL)
+		return false;
+	out->ip = BPF_CORE_READ(regs, ip);
+	out->sp = BPF_CORE_READ(regs, sp);
+	out->bp = BPF_CORE_READ(regs, bp);
+	return true;
+}
+
+/*
+ * How a program takes the user stack, a constant of each program (its code is
+ * inlined once per value); bistouri/bpf/features.py chooses the programs:
+ *   STACK_TABLES   walk_user (.eh_frame tables, frame pointers elsewhere) and
+ *                  the Python frames: needs bpf_loop (5.17), bpf_task_pt_regs
+ *                  (5.15) and global functions taking pointers (5.12);
+ *   STACK_BOUNDED  the same walks as bounded loops, BOUNDED_DEPTH native and
+ *                  PY_BOUNDED_STEPS Python frames, the registers of a thread
+ *                  in the kernel read from its kernel stack: the *_bounded
+ *                  programs, for 5.12 to 5.16;
+ *   STACK_FP       the kernel's frame-pointer walk, the address space read as
+ *                  above: the *_compat programs, for 5.10 and 5.11, which cut a
+ *                  stack short at the first frameless function and take no
+ *                  Python frame;
+ *   STACK_FP_BARE  the same walk, no kernel struct read (no CO-RE relocation):
+ *                  record's first sampler, handle_perf_fp.
+ */
+#define STACK_TABLES 0
+#define STACK_FP 1
+#define STACK_FP_BARE 2
+#define STACK_BOUNDED 3
+
 static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
-					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, bool walk)
+					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, int how)
 {
 	struct unwind_regs regs = {};
 	struct bistouri_user_stack_key *key = &ev->user_key;
-	struct mm_struct *mm;
+	struct mm_struct *mm = NULL;
 	long n;
 
 	/* A sample that hit user mode has no kernel stack: the helper would only say so. */
@@ -96,13 +149,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->user_by_table = 0;
 	ev->user_by_fp = 0;
 	ev->user_walk_end = 0;
-	if (walk) {
-		mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
-		key->mm = (__u64)mm;
-		ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
-		/* Kernel threads have no user stack: not an error. */
-		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1) : 0;
-	} else {
+	if (how == STACK_FP_BARE) {
 		/*
 		 * No kernel struct read, so no CO-RE relocation: record loads this program
 		 * without the kernel's BTF, which libbpf takes ~11 ms to parse. The address
@@ -110,6 +157,18 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 		 */
 		key->mm = 0;
 		ev->map_count = 0;
+	} else {
+		mm = BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+		key->mm = (__u64)mm;
+		ev->map_count = mm ? BPF_CORE_READ(mm, map_count) : 0;
+	}
+	if (how == STACK_TABLES) {
+		/* Kernel threads have no user stack: not an error. */
+		n = mm && user_regs_of(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1, false) : 0;
+	} else if (how == STACK_BOUNDED) {
+		n = mm && user_regs_bounded(perf_ctx, &regs) ? walk_user(ev, &regs, perf_ctx ? 0 : 1, true) : 0;
+	} else {
+		/* The kernel finds the user registers itself (task_pt_regs), on-CPU or off. */
 		n = bpf_get_stack(ctx, ev->user_stack, sizeof(ev->user_stack), BPF_F_USER_STACK);
 		if (n < 0) {
 			report_error(BISTOURI_CNT_USER_STACK_ERROR, ev->pid, n);
@@ -123,8 +182,10 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 		key->hash = hash_ips(ev->user_stack, n);
 	ev->py_depth = 0;
 	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
-	if (walk)
+	if (how == STACK_TABLES)
 		walk_python(ev);
+	else if (how == STACK_BOUNDED)
+		walk_python_bounded(ev);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,

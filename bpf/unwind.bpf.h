@@ -62,6 +62,11 @@ struct walk {
  */
 #define UNROLLED_ROWS 16
 
+/* Frames of the bounded walk (*_bounded programs: kernels without bpf_loop). */
+#ifndef BOUNDED_DEPTH
+#define BOUNDED_DEPTH 32
+#endif
+
 /* The last mapping starting at or before ip among a process's (sorted): 6 steps cover 64. */
 #define MAPPING_STEP()                                                     \
 	do {                                                               \
@@ -140,7 +145,8 @@ static long row_search_step(__u32 index, void *data)
 	} while (0)
 
 /* The last row at or before pc among the mapping's rows, between two entries of its bucket index. */
-static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwind_mapping *m, __u32 pc)
+static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwind_mapping *m, __u32 pc,
+							     bool bounded)
 {
 	struct row_search s = { .lo = m->first, .hi = m->first + m->count, .pc = pc };
 	struct bistouri_unwind_row *row;
@@ -159,8 +165,15 @@ static __always_inline struct bistouri_unwind_row *find_row(struct bistouri_unwi
 		if (row)
 			s.hi = row->pc + 1;
 	}
-	if (s.lo + UNROLLED_ROWS < s.hi)
-		bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
+	if (s.lo + UNROLLED_ROWS < s.hi) {
+		if (bounded) { /* no bpf_loop (< 5.17): the same steps as a bounded loop */
+			for (int i = 0; i < 24; i++)
+				if (row_search_step(i, &s))
+					break;
+		} else {
+			bpf_loop(24, row_search_step, &s, 0); /* tables hold < 2^24 rows */
+		}
+	}
 	lo = s.lo;
 	hi = s.hi;
 	ROW_STEP();
@@ -193,7 +206,7 @@ struct frame_rule {
 };
 
 /* The rule from the tables: global, verified on its own (its searches' branches would multiply frame_rule's states). */
-__noinline int find_rule(struct frame_rule *r)
+static __always_inline int find_rule_how(struct frame_rule *r, bool bounded)
 {
 	struct bistouri_unwind_proc proc;
 	struct bistouri_unwind_mapping *m = NULL;
@@ -221,7 +234,7 @@ __noinline int find_rule(struct frame_rule *r)
 	/* A return address is past its call: look up the call itself. */
 	pc = r->ip - m->bias - (r->exact ? 0 : 1);
 	r->rule.bias = m->bias;
-	row = find_row(m, (__u32)pc);
+	row = find_row(m, (__u32)pc, bounded);
 	if (!row)
 		return 0;
 	/* The row's narrow fields widened once, here: the rest of the walk passes the rule whole. */
@@ -232,7 +245,18 @@ __noinline int find_rule(struct frame_rule *r)
 	return 1;
 }
 
-__noinline int frame_rule(struct frame_rule *r)
+__noinline int find_rule(struct frame_rule *r)
+{
+	return find_rule_how(r, false);
+}
+
+/* find_rule without bpf_loop, for the *_bounded programs. */
+__noinline int find_rule_bounded(struct frame_rule *r)
+{
+	return find_rule_how(r, true);
+}
+
+static __always_inline int frame_rule_how(struct frame_rule *r, bool bounded)
 {
 	struct rule_cache_entry *e;
 	__u32 at;
@@ -249,7 +273,7 @@ __noinline int frame_rule(struct frame_rule *r)
 		return e->rule.cfa_kind != BISTOURI_CFA_NONE;
 	}
 	r->cached = 0;
-	found = find_rule(r);
+	found = bounded ? find_rule_bounded(r) : find_rule(r);
 	if (e) {
 		/* Misses too: a PC no table covers (JIT code) is as frequent as any. */
 		e->ip = r->ip;
@@ -260,6 +284,16 @@ __noinline int frame_rule(struct frame_rule *r)
 		e->rule = r->rule; /* cfa_kind BISTOURI_CFA_NONE if not found (find_rule sets it first) */
 	}
 	return found;
+}
+
+__noinline int frame_rule(struct frame_rule *r)
+{
+	return frame_rule_how(r, false);
+}
+
+__noinline int frame_rule_bounded(struct frame_rule *r)
+{
+	return frame_rule_how(r, true);
 }
 
 __noinline int stack_word(struct stack_copy *copy, struct stack_window *win)
@@ -313,9 +347,8 @@ static __always_inline long unwind_read(struct walk *w, __u64 addr, __u64 *out)
 #include "unwind_step.h"
 
 /* One frame: record ip, find its rule, then step to the caller (unwind_step). 1 ends the loop. */
-static long walk_frame(__u32 index, void *data)
+static __always_inline long walk_frame_how(struct walk *w, bool bounded)
 {
-	struct walk *w = data;
 	struct frame_rule r = { .last_mapping = ~0U };
 	struct unwind_rule rule = { .cfa_kind = BISTOURI_CFA_NONE };
 
@@ -335,7 +368,7 @@ static long walk_frame(__u32 index, void *data)
 		r.generation = w->generation;
 		r.cache_base = w->cache_base;
 		/* Copied when found only: a rule known to be NONE spares the verifier the table cases. */
-		if (frame_rule(&r))
+		if (bounded ? frame_rule_bounded(&r) : frame_rule(&r))
 			rule = r.rule;
 		w->last_mapping = r.last_mapping;
 		w->cache_hits += r.cached;
@@ -343,12 +376,25 @@ static long walk_frame(__u32 index, void *data)
 	return unwind_step(w, rule);
 }
 
+/* A bpf_loop step. */
+static long walk_frame(__u32 index, void *data)
+{
+	return walk_frame_how(data, false);
+}
+
+/* A step of the bounded loop (no bpf_loop): a static function, verified at each of its calls. */
+static __noinline long walk_frame_bounded(struct walk *w)
+{
+	return walk_frame_how(w, true);
+}
+
 /*
  * The user stack as raw IPs, from .eh_frame tables where the process has them
  * and the frame pointer elsewhere. Returns the size in bytes, like bpf_get_stack.
  */
 /* Inlined, not a global function: Debian's 6.1 verifier refuses the global version (EACCES). */
-static __always_inline long walk_user(struct bistouri_stack_event *ev, struct unwind_regs *start, __u32 copy_slot)
+static __always_inline long walk_user(struct bistouri_stack_event *ev, struct unwind_regs *start, __u32 copy_slot,
+				      bool bounded)
 {
 	struct walk w = { .regs = *start, .ev = ev, .exact = true, .last_mapping = ~0U };
 	struct bistouri_unwind_proc *proc;
@@ -370,7 +416,16 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct un
 		w.generation = *generation;
 		w.cache_base = copy_slot ? RULE_CACHE_ENTRIES : 0;
 	}
-	bpf_loop(BISTOURI_MAX_DEPTH + 1, walk_frame, &w, 0);
+	if (bounded) {
+		/* Without bpf_loop the verifier walks each iteration: BOUNDED_DEPTH frames at most. */
+		for (int i = 0; i < BOUNDED_DEPTH; i++)
+			if (walk_frame_bounded(&w))
+				break;
+		if (!w.stop && w.n >= BOUNDED_DEPTH)
+			w.stop = BISTOURI_CNT_WALK_DEPTH;
+	} else {
+		bpf_loop(BISTOURI_MAX_DEPTH + 1, walk_frame, &w, 0);
+	}
 	count_add(BISTOURI_CNT_FRAMES_BY_TABLE, w.by_table);
 	count_add(BISTOURI_CNT_FRAMES_BY_FP, w.by_fp);
 	count_add(BISTOURI_CNT_RULE_CACHE_HITS, w.cache_hits);

@@ -44,6 +44,7 @@ _AGENT = {"bpf", "service"}  # the agent as a process (testkit/agent_harness.py)
 _SYMBOLIZER = {"service"}  # the symbolizer as a process (gunicorn), with PostgreSQL or HAProxy
 BY_MODULE = {
     "tests/bpf/test_check_command.py": {"bpf", "service"},  # `bistouri check` as a process
+    "tests/bpf/test_compat.py": {"bpf", "service"},  # `bistouri record` as a process, fallbacks forced
     "tests/deploy/test_roles.py": {"pure"},  # ansible-lint and syntax checks, no VM
     "tests/ui/test_token.py": {"browser", "service"},  # its own guarded symbolizer
     "tests/integration/test_agent.py": _AGENT,

@@ -57,6 +57,7 @@ _BLOCKING_CHECKS = (
     preflight.check_kernel,
     preflight.check_btf,
     preflight.check_libbpf,
+    preflight.check_kernel_features,  # warnings only: what an older kernel costs, logged
     preflight.check_psi,
     preflight.check_capabilities,
 )
@@ -257,6 +258,7 @@ class Agent:
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
             on_start=self.profiler.request_perf_maps,
+            degraded=self.profiler.kernel_features.names,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,
             episode=EpisodeProbe(

@@ -11,10 +11,10 @@ import errno
 import os
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..bpf import perf
+from ..bpf import features, perf
 from ..host import kernel, mounts
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -28,7 +28,7 @@ CAP_BPF = 39
 CAP_DAC_OVERRIDE = 1
 CAP_SYS_PTRACE = 19
 
-MIN_KERNEL = (5, 8)  # BPF ring buffer, bpf_ringbuf_query, tp_btf, CAP_BPF/CAP_PERFMON
+MIN_KERNEL = features.FLOOR  # the oldest kernel bistouri runs on (features.py says why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class Host:
 
     proc: str = "/proc"
     sys: str = "/sys"
+    release: str = ""  # the kernel's (uname -r); "" for the running one's
 
 
 def effective_caps(proc: str = "/proc") -> int:
@@ -59,19 +60,29 @@ def _has(caps: int, bit: int) -> bool:
 
 
 def check_kernel(host: Host) -> Result:
-    release = platform.release()
-    try:
-        version = tuple(int(x) for x in release.split("-")[0].split(".")[:2])
-    except ValueError:
+    release = host.release or platform.release()
+    if features.parse_release(release) is None:
         return Result(WARN, "kernel", f"cannot parse release {release!r}")
-    if version < MIN_KERNEL:
-        return Result(
-            FAIL,
-            "kernel",
-            f"{release} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}",
-            "upgrade the kernel: BPF ring buffers and tp_btf programs need 5.8 or newer",
-        )
-    return Result(OK, "kernel", f"{release} (>= {MIN_KERNEL[0]}.{MIN_KERNEL[1]})")
+    refused = features.below_floor(release)
+    if refused:
+        return Result(FAIL, "kernel", refused, f"upgrade the kernel to {features.FLOOR_TEXT} or newer")
+    return Result(OK, "kernel", f"{release} (>= {features.FLOOR_TEXT})")
+
+
+def check_kernel_features(host: Host, kernel: features.KernelFeatures | None = None) -> list[Result]:
+    """What this kernel's BPF lacks and what it costs (features.py): a warning each, never a refusal."""
+    if kernel is None:
+        from ..bpf.loader import kernel_features
+
+        kernel = kernel_features(str(Path(host.sys, "kernel/btf/vmlinux")))
+    if not kernel.compat:
+        return [
+            Result(OK, "kernel features", "bpf_loop, bpf_task_pt_regs: user stacks walked from unwind tables")
+        ]
+    return [
+        Result(WARN, f"degraded {name}", text, "a kernel >= 5.17 has the full walk")
+        for name, text in kernel.costs()
+    ]
 
 
 def check_btf(host: Host) -> Result:
@@ -268,23 +279,49 @@ def check_kernel_symbols(host: Host) -> list[Result]:
 
 
 def check_bpf_object(host: Host) -> Result:
-    from ..bpf.handles import BpfObject
+    from ..bpf.loader import kernel_features
     from ..capture.profiler import default_object_path
     from ..errors import BpfError
 
     path = default_object_path()
+    kernel = kernel_features()
     try:
-        with BpfObject(path) as obj:
-            from ..bpf import abi
-
-            problems = abi.abi_mismatches(obj.btf)
-            if problems:
-                return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
-            obj.load()
+        loaded = _load_chosen(path, kernel)
     except BpfError as e:
         first = str(e).splitlines()[0]
-        return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
-    return Result(OK, "bpf object", f"{path} loads ({len(obj.programs)} programs)")
+        if kernel.suffix != features.BOUNDED_SUFFIX:
+            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+        # As the agent does (loader._load_twins): the frame-pointer twins instead.
+        kernel = replace(kernel, bounded_refused=True)
+        try:
+            loaded = _load_chosen(path, kernel)
+        except BpfError as e2:
+            first = str(e2).splitlines()[0]
+            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+        return Result(
+            WARN, "bpf object", f"{path} loads ({loaded} programs): {features.BOUNDED_REFUSED_COST}"
+        )
+    if isinstance(loaded, Result):
+        return loaded
+    which = f", the {kernel.suffix[1:]} twins" if kernel.compat else ""
+    return Result(OK, "bpf object", f"{path} loads ({loaded} programs{which})")
+
+
+def _load_chosen(path: str, kernel: features.KernelFeatures) -> int | Result:
+    """Load the programs the agent would on a kernel with `kernel`: how many, or why not (ABI)."""
+    from ..bpf import abi
+    from ..bpf.handles import BpfObject
+
+    with BpfObject(path) as obj:
+        problems = abi.abi_mismatches(obj.btf)
+        if problems:
+            return Result(FAIL, "bpf object", "; ".join(problems), "rebuild (make bpf) or reinstall")
+        # Each stack-taking program or one of its twins, not both.
+        chosen = {features.program_for(n, kernel) for n in obj.programs if not features.is_twin(n)}
+        for name, prog in obj.programs.items():
+            prog.set_autoload(name in chosen)
+        obj.load()
+    return len(chosen)
 
 
 def check_config(path: str) -> Result:
@@ -316,6 +353,7 @@ CHECKS: list[Callable[[Host], Result | list[Result]]] = [
     check_kernel,
     check_btf,
     check_libbpf,
+    check_kernel_features,
     check_psi,
     check_cgroup2,
     check_capabilities,

@@ -8,15 +8,17 @@ rest while libbpf parses the kernel's BTF and the verifier checks the programs
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
-from collections.abc import Collection, Mapping
+import threading
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from .. import threads
 from ..errors import BistouriError, BpfError
-from . import abi, perf
+from . import abi, features, perf
 from .handles import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,52 @@ KERNEL_BTF = "/sys/kernel/btf/vmlinux"
 
 def kernel_tracepoints(names: Collection[str], btf_path: str = KERNEL_BTF) -> set[str]:
     """Those of `names` the running kernel has as BTF tracepoints (typedef btf_trace_<name>)."""
+    with _kernel_facts_lock:
+        return set(names) & _kernel_facts(btf_path)[0]
+
+
+@functools.cache
+def _kernel_facts(btf_path: str) -> tuple[frozenset[str], features.KernelFeatures]:
+    """Read from the kernel's BTF in one parse (~15 ms), once: the episode tracepoints it has (all
+    of them if unreadable: the load then says what is missing) and its features (features.py)."""
     try:
         with BtfFile(btf_path) as f:
-            return {n for n in names if f.btf.has_typedef("btf_trace_" + n)}
+            return (
+                frozenset(n for n in EPISODE_TRACEPOINTS.values() if f.btf.has_typedef("btf_trace_" + n)),
+                features.from_btf(f.btf),
+            )
     except BpfError:
-        return set(names)  # unreadable here: let the load say what is missing
+        return frozenset(EPISODE_TRACEPOINTS.values()), features.from_btf(None)
+
+
+def kernel_features(btf_path: str = KERNEL_BTF) -> features.KernelFeatures:
+    """What the running kernel lacks: the programs loaded are chosen by it (features.program_for)."""
+    with _kernel_facts_lock:  # record's threads ask at once: one parse, not two
+        return _bounded_refused or _kernel_facts(btf_path)[1]
+
+
+_kernel_facts_lock = threading.Lock()
+_bounded_refused: features.KernelFeatures | None = None  # set by _load_twins: for the process's life
+
+
+def _load_twins(load: Callable[[features.KernelFeatures], LoadedObject]) -> LoadedObject:
+    """load(the kernel's features); if the verifier refuses the bounded twins (only 6.18's was
+    tried: features.py), load(the frame-pointer ones) instead, and say so from then on."""
+    global _bounded_refused
+    kernel = kernel_features()
+    try:
+        return load(kernel)
+    except BpfError as e:
+        if kernel.suffix != features.BOUNDED_SUFFIX:
+            raise
+        log.warning(
+            "The kernel's verifier refused the bounded stack walks: user stacks by frame pointers only. "
+            "error=%s",
+            str(e).splitlines()[0],
+        )
+        with _kernel_facts_lock:
+            _bounded_refused = replace(kernel, bounded_refused=True)
+        return load(_bounded_refused)
 
 
 def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
@@ -145,7 +188,8 @@ def counts_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
 # The on-CPU sampler, which walks user stacks from the unwind tables; and `record`'s first one
 # (ProfilerOptions.sampler_first): frame pointers only and no kernel struct read, so the verifier
 # passes it ~5x sooner and libbpf needs no kernel BTF; it passes every sample on to SAMPLER once
-# the companion has loaded that (hand_over).
+# the companion has loaded that (hand_over). On a kernel without the table walk's features, SAMPLER's
+# compat twin is loaded in its place (features.program_for).
 SAMPLER = "handle_perf"
 FIRST_SAMPLER = "handle_perf_fp"
 # Maps only the companion's programs use, and Profiler only once they are attached: with
@@ -180,10 +224,16 @@ class LoadedObject:
     pending: tuple[str, ...] = ()  # left for load_companion()
     sampler_links: tuple[Link, ...] = ()  # the sampler's, when attach_sampler() attached it already
     handoff: str = ""  # loaded, not attached: the first sampler passes its samples on to it (hand_over)
+    # What the kernel lacks, and so the twins loaded instead of the full programs (features.py). FULL
+    # in sampler_first's first object, which does not read it: its load_companion() does, off the
+    # path of record's first sample (the kernel's BTF takes ~15 ms to parse).
+    kernel: features.KernelFeatures = features.FULL
 
 
-def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
-    """Every program the options ask for (of the episode hooks, those this kernel can run)."""
+def wanted_programs(o: ProfilerOptions, kernel: features.KernelFeatures | None = None) -> tuple[str, ...]:
+    """Every program the options ask for (of the episode hooks, those this kernel can run), each
+    its twin where the kernel lacks the full one's features (`kernel`: the running one's)."""
+    kernel = kernel or kernel_features()
     episode: tuple[str, ...] = ()
     if o.episode:
         present = kernel_tracepoints(EPISODE_TRACEPOINTS.values())
@@ -196,7 +246,7 @@ def wanted_programs(o: ProfilerOptions) -> tuple[str, ...]:
     programs = [SAMPLER]
     programs += ["handle_sched_switch", "handle_offcpu_wakeup"] if o.offcpu else []
     programs += ["handle_exec"] if o.exec_discovery else []
-    return (*programs, *episode)
+    return tuple(features.program_for(p, kernel) for p in (*programs, *episode))
 
 
 def _configure(
@@ -230,19 +280,23 @@ def load_object(o: ProfilerOptions) -> LoadedObject:
     failure nothing is left behind."""
     path = os.fspath(o.object_path) if o.object_path else default_object_path()
     if not o.sampler_first:
-        return _load(o, path, wanted_programs(o), None)
+        return _load_twins(lambda kernel: _load(o, path, wanted_programs(o, kernel), None, kernel))
     try:
         # The first sampler reads no kernel struct (no CO-RE relocation, no tp_btf): libbpf need
         # not parse the kernel's BTF. record's first sample waits for this load alone: libbpf's
         # log only if it fails.
         with LibbpfSilenced(), NoKernelTypes() as btf:
-            return _load(o, path, (FIRST_SAMPLER,), btf)
+            return _load(o, path, (FIRST_SAMPLER,), btf, features.FULL)
     except (BpfError, OSError) as e:  # OSError: no memfd here (a seccomp filter, say)
         log.info("The first sampler did not load without kernel types; loading it with them. error=%s", e)
-        return _load(o, path, (FIRST_SAMPLER,), None)  # again, with libbpf's log to explain a failure
+        # Again, with libbpf's log to explain a failure.
+        return _load(o, path, (FIRST_SAMPLER,), None, features.FULL)
 
 
-def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None) -> LoadedObject:
+def _load(
+    o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | None, kernel: features.KernelFeatures
+) -> LoadedObject:
+    """`kernel`: what `programs` were chosen for (FULL for sampler_first's first object)."""
     obj = BpfObject(path, btf_custom_path=btf)
     try:
         problems = abi.abi_mismatches(obj.btf)
@@ -259,15 +313,22 @@ def _load(o: ProfilerOptions, path: str, programs: tuple[str, ...], btf: str | N
     except BaseException:
         obj.close()
         raise
-    pending = tuple(p for p in wanted_programs(o) if p not in programs) if o.sampler_first else ()
-    return LoadedObject(obj, path, cpus, ring, programs, pending)
+    # sampler_first: the full programs' names, load_companion() chooses among their twins.
+    pending = (
+        tuple(p for p in wanted_programs(o, features.FULL) if p not in programs) if o.sampler_first else ()
+    )
+    return LoadedObject(obj, path, cpus, ring, programs, pending, kernel=kernel)
 
 
 def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     """The programs `first` left pending, in a second object from the same file whose maps are
     first's own (the kernel's, shared): they see the same filter, rings and counters. The maps
     first left to it (COMPANION_MAPS) it creates, and first's handles then share them too."""
-    programs = tuple(p for p in wanted_programs(o) if p in first.pending)
+    return _load_twins(lambda kernel: _load_companion(first, o, kernel))
+
+
+def _load_companion(first: LoadedObject, o: ProfilerOptions, kernel: features.KernelFeatures) -> LoadedObject:
+    programs = tuple(features.program_for(p, kernel) for p in first.pending)
     obj = BpfObject(first.path)
     try:
         _configure(obj, o, first.ring_bytes, len(first.cpus), programs)
@@ -280,9 +341,12 @@ def load_companion(first: LoadedObject, o: ProfilerOptions) -> LoadedObject:
     except BaseException:
         obj.close()
         raise
-    attached = tuple(p for p in programs if p != SAMPLER)
-    handoff = SAMPLER if SAMPLER in programs else ""
-    return LoadedObject(obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff)
+    sampler = features.program_for(SAMPLER, kernel)
+    attached = tuple(p for p in programs if p != sampler)
+    handoff = sampler if sampler in programs else ""
+    return LoadedObject(
+        obj, first.path, first.cpus, first.ring_bytes, attached, handoff=handoff, kernel=kernel
+    )
 
 
 def hand_over(first: BpfObject, companion: LoadedObject) -> None:
@@ -295,7 +359,7 @@ def hand_over(first: BpfObject, companion: LoadedObject) -> None:
 
 def sampler_of(loaded: LoadedObject) -> str:
     """The perf_event program `loaded` attaches: the first sampler if it has it."""
-    return FIRST_SAMPLER if FIRST_SAMPLER in loaded.programs else SAMPLER
+    return FIRST_SAMPLER if FIRST_SAMPLER in loaded.programs else features.program_for(SAMPLER, loaded.kernel)
 
 
 def attach_sampler(loaded: LoadedObject, freq_hz: int, armed: Mapping[int, int]) -> LoadedObject:

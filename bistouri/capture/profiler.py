@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Collection
 
 from .. import threads
-from ..bpf import abi, perf
+from ..bpf import abi, features, perf
 from ..bpf.handles import BpfObject, Link, RingBuffer
 from ..bpf.loader import (
     EPISODE_PROGRAMS,
@@ -33,6 +33,7 @@ from ..bpf.loader import (
     ObjectLoad,
     ProfilerOptions,
     default_object_path,
+    kernel_features,
     kernel_tracepoints,
     load_object,
     ring_size,
@@ -85,6 +86,7 @@ class Profiler:
         self._notify = notify
         self._obj: BpfObject | None = None
         self.object_path: str | None = None  # the object's file, once loaded
+        self.kernel_features = features.FULL  # once loaded: what the kernel lacks (its programs are compat)
         self._companion: ObjectLoad | None = None  # sampler_first: the other programs, loading
         self._companion_obj: BpfObject | None = None  # ... and loaded (sharing _obj's maps)
         self._links: list[Link] = []
@@ -133,6 +135,9 @@ class Profiler:
         self._companion = loading.take_companion() if loading is not None else None
         obj = self._obj = loaded.obj
         self.object_path = loaded.path
+        # sampler_first's first object has not read them (LoadedObject.kernel): its companion has
+        # (attach_rest), or will.
+        self.kernel_features = kernel_features() if loaded.pending else loaded.kernel
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps,
@@ -182,6 +187,7 @@ class Profiler:
             return
         loaded = companion.result()
         self._companion_obj = loaded.obj
+        self.kernel_features = loaded.kernel  # the companion's programs are the ones chosen for it
         self._attach(loaded)
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"

@@ -156,7 +156,9 @@ class SessionCapture:
         episode: EpisodeProbe | NoEpisodeProbe = NO_EPISODE_PROBE,
         catch_up: Callable[[], None] | None = None,
         on_start: Callable[[Collection[int]], None] | None = None,
+        degraded: Collection[str] = (),
     ) -> None:
+        """`degraded`: what the kernel lacks (bpf/features.py), said in each session's note."""
         self._filter = pid_filter
         # Delivers the samples still in the kernel (add_samples): before a session takes the
         # recorder's, and before sessions end.
@@ -165,6 +167,7 @@ class SessionCapture:
         self._sink = sink
         self.metrics = metrics
         self.kernel = kernel
+        self.degraded = tuple(degraded)
         self.tenant = tenant
         self.host = host
         self.labels = dict(labels)
@@ -563,6 +566,9 @@ class SessionCapture:
                 )
             )
         unwind.jit = jit_notes(self._filter.maps, traces)
+        if self.degraded:  # every sample of the session was taken without them
+            samples = sum(t.on_cpu + t.off_cpu for t in traces)
+            unwind.kernel = dict.fromkeys(self.degraded, samples)
         names = cgroupnames.names_of(s.trigger.cgroup)  # what people call the target: unit, container
         return wire.Session(
             session_id=s.session_id,

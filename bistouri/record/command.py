@@ -445,6 +445,8 @@ def cmd_record(args: argparse.Namespace) -> int:
 
         for line in note_lines(capture.session.unwind.jit):
             print(f"note: {line}")
+        for line in profiler.kernel_features.lines():
+            print(f"note: {line}")
         if capture.session.episode is not None:
             from ..capture.episode import summary_lines
 
@@ -530,6 +532,7 @@ def _capture(
         labels={},
         period_ns=1_000_000_000 // args.freq,
         filter_flags=flags,
+        degraded=profiler.kernel_features.names,
         proc_root=args.proc_path,
         episode=EpisodeProbe(
             profiler.thread_times,

@@ -351,6 +351,7 @@ def _unwind_summary(v: Any, where: str, version: int) -> UnwindSummary:
         ("frames", out.frames, _MAX_UNWIND_KEYS),
         ("walks", out.walks, _MAX_UNWIND_KEYS),
         ("jit", out.jit, _MAX_JIT_KEYS),
+        ("kernel", out.kernel, _MAX_UNWIND_KEYS),  # any version: readers before it ignore it
     ]
     if version >= 4:
         maps.append(("python", out.python, MAX_PY_NOTE_KEYS))

@@ -218,9 +218,12 @@ class UnwindSummary:
     # stack), or why not: the walk's end (no_thread_state, read_failed) or the process's reason
     # (cpython.discover.REASONS: version_unknown, free_threaded, ...); empty when none was sampled
     python: dict[str, int] = field(default_factory=dict)
+    # What the agent's kernel lacks (bpf/features.py: no_bpf_loop, ...) -> the session's samples taken
+    # without it; absent on a kernel with every feature, and ignored by readers before it
+    kernel: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.frames or self.walks or self.jit or self.python)
+        return bool(self.frames or self.walks or self.jit or self.python or self.kernel)
 
     def to_json(self) -> dict[str, dict[str, int]]:
         out = {"frames": dict(self.frames), "walks": dict(self.walks)}
@@ -228,6 +231,8 @@ class UnwindSummary:
             out["jit"] = dict(self.jit)
         if self.python:
             out["python"] = dict(self.python)
+        if self.kernel:
+            out["kernel"] = dict(self.kernel)
         return out
 
 

@@ -310,6 +310,28 @@ def test_samples_are_deduplicated_per_thread_and_counted_in_every_overlapping_se
     assert reg.get_sample_value("bistouri_samples_unmatched_total") == 1
 
 
+def test_each_session_says_what_the_kernel_lacks(tmp_path, workloads):
+    """On an older kernel (bpf/features.py) the data-quality note counts the samples taken without."""
+    maps = maps_for(tmp_path, workloads)
+    flt, sink = _Filter(maps), _Sink()
+    orch = SessionCapture(
+        flt,
+        sink,
+        AgentMetrics(CollectorRegistry()),
+        KernelMeta("5.15", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+        degraded=("no_bpf_loop",),
+    )
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "burner"}, 60)
+    orch.add_samples([decode(record(7, 7, [], [0x400100]), maps) for _ in range(3)])
+    orch.flush_all()
+    assert sid is not None and sink.sessions[sid].unwind.kernel == {"no_bpf_loop": 3}
+
+
 def test_every_user_frame_ends_named_or_counted(tmp_path, workloads):
     """A file frame carries its file name, JIT code its perf-map name; the rest is counted by reason."""
     reg = CollectorRegistry()

@@ -157,6 +157,18 @@ def test_the_jit_note_round_trips_and_older_readers_ignore_it():
         wire.decode_session(wire.encode_session(s))
 
 
+def test_the_kernel_note_round_trips_and_older_readers_ignore_it():
+    """What the agent's kernel lacks (bpf/features.py), with the samples taken without it."""
+    s = sample_session()
+    s.unwind = wire.UnwindSummary({"frame_pointer": 3}, {"entry": 1}, kernel={"no_bpf_loop": 7})
+    m = wire.session_to_wire(s)
+    assert m["unwind"]["kernel"] == {"no_bpf_loop": 7}
+    assert wire.decode_session(wire.encode_session(s)) == s
+    # A reader before it takes `frames` and `walks` by name: the extra key is left alone.
+    assert m["unwind"]["frames"] == {"frame_pointer": 3}
+    assert "kernel" not in wire.session_to_wire(sample_session()).get("unwind", {})
+
+
 def test_golden_bytes_are_stable():
     data = wire.encode_session(sample_session())
     if not GOLDEN.exists():  # first run writes it; the file is committed
