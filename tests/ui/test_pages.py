@@ -157,6 +157,12 @@ def test_session_page_zoom_search_views(page, symbolizer_url, stored, screenshot
     # (wire v4) CPython samples: named, or why not.
     note = page.evaluate("() => Bistouri.unwindNote({python: {named: 47, version_unknown: 3}})")
     assert note == "Python: 94% named, not: 6% version unknown", note
+    # What an older kernel cost (bpf/features.py), said in words.
+    note = page.evaluate("() => Bistouri.unwindNote({kernel: {no_bpf_loop: 50, no_task_pt_regs: 50}})")
+    assert note == (
+        "kernel before 5.17: user and Python stacks walked to a bounded depth · "
+        "kernel before 5.15: user registers of threads in the kernel read from its stack"
+    ), note
     assert page.locator(".fg-legend .lg-python").is_visible()
 
     # Kernel frames are drawn in another colour family than user frames, and say so in the legend.

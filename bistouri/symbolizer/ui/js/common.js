@@ -299,7 +299,8 @@
     const nFrames = (frames.table || 0) + (frames.frame_pointer || 0);
     const python = (u && u.python) || {};
     const nPython = Object.values(python).reduce((a, b) => a + b, 0);
-    if (!nWalks && !nFrames && !nPython && !B.jitNotes(u && u.jit).length) return "";
+    const kernel = B.kernelNotes(u && u.kernel);
+    if (!nWalks && !nFrames && !nPython && !kernel.length && !B.jitNotes(u && u.jit).length) return "";
     const pct = (n, of) => Math.round((100 * n) / of) + "%";
     const parts = [];
     if (nWalks) {
@@ -320,8 +321,19 @@
         .sort((a, b) => b[1] - a[1]).map(([k, n]) => pct(n, nPython) + " " + k.replace(/_/g, " "));
       parts.push("Python: " + pct(python.named || 0, nPython) + " named" + (not.length ? ", not: " + not.join(", ") : ""));
     }
-    parts.push(...B.jitNotes(u && u.jit));
+    parts.push(...B.jitNotes(u && u.jit), ...kernel);
     return parts.join(" · ");
+  };
+
+  // What the agent's kernel lacked (bpf/features.py DEGRADATIONS: `bistouri check` says the same).
+  B.kernelNotes = function (kernel) {
+    const words = {
+      no_bpf_loop: "kernel before 5.17: user and Python stacks walked to a bounded depth",
+      no_task_pt_regs: "kernel before 5.15: user registers of threads in the kernel read from its stack",
+      no_global_func_args: "kernel before 5.12: user stacks by frame pointers only, no Python frames",
+      bounded_refused: "the kernel refused the bounded walk: user stacks by frame pointers only",
+    };
+    return Object.keys(kernel || {}).map((k) => words[k] || "kernel: " + k.replace(/_/g, " "));
   };
 
   // What a session's JIT frames lack and how to get it (capture/jitnote.py says the same for `record`).
