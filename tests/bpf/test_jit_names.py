@@ -88,11 +88,16 @@ def _hot_jvm(
     """`program`.java running, its hot method compiled at tier 4 (what a long-running service is):
     the perf map asked for from now on names it. `container`: as pid 1 of its own pid namespace,
     with its own /tmp (its JIT names are found in /proc/PID/root/tmp/perf-1.map)."""
-    argv = [str(java), "-XX:+PrintCompilation", *flags, str(WORKLOADS_SRC / f"{program}.java"), "120"]
+    source = str(WORKLOADS_SRC / f"{program}.java")
+    argv = [str(java), "-XX:+PrintCompilation", *flags, source, "120"]
     if container:
         # SIGTERM to unshare: its child, the JVM, gets it too; the namespace and its /tmp go with them.
+        # The source is opened before the new /tmp hides the checkout (CI clones into /tmp) and copied
+        # into it.
         unshare = ["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
-        argv = [*unshare, "sh", "-c", 'mount -t tmpfs tmpfs /tmp && exec "$@"', "-", *argv]
+        inside = f"/tmp/{program}.java"
+        script = f'exec 3<"$0" && mount -t tmpfs tmpfs /tmp && cat <&3 > {inside} && exec 3<&- && exec "$@"'
+        argv = [*unshare, "sh", "-c", script, source, *argv[:-2], inside, "120"]
     proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE)
     done = re.compile(_COMPILED.format(program, method).encode())
     compiled = threading.Event()
