@@ -6,8 +6,9 @@ same questions, so the answers are kept:
 
 - `<build id>.frames`: the frames of every (file offset, leaf?) of one binary resolved so
   far (a binary is its build id: same id, same bytes);
-- `<build id>.symbols`: the function symbols of a binary without DWARF, so that its new
-  addresses are named without the resolver;
+- `<build id>.symbols`: the function symbols of a binary, with the ranges its DWARF describes
+  (none for a binary without DWARF; dwarfcover.py), so that its new addresses outside them are
+  named without the resolver (node: a few C files of DWARF, llvm-symbolizer's ~75 MB spared);
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import atomicfile
 from ..errors import BistouriError
-from . import symfile
+from . import dwarfcover, symfile
 from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, SymbolTable
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
@@ -454,12 +455,19 @@ def _name(
     # can be found): llvm-symbolizer has exited by then, so its memory and that of a first read
     # of /proc/kallsyms never add up.
     kernel_miss = missing.pop(b"", None) if kallsyms is not None else None
-    if cache is not None:  # binaries without DWARF whose symbols are cached: no resolver either
-        for module in [m for m in missing if m in names_only]:
-            got = _from_symbols(cache, _key(module, kernel_key), missing[module])
-            if got is not None:
-                known[module].update(got)
-                cache.add_frames(_key(module, kernel_key), got, False)
+    if cache is not None:  # named from cached symbols: without DWARF, or where no DWARF describes them
+        for module in [m for m in missing if m]:
+            dwarf = module not in names_only
+            got = _from_symbols(cache, _key(module, kernel_key), missing[module], dwarf)
+            if got is None:
+                continue
+            named, left = got
+            log.debug("Named from symbols. module=%s named=%d left=%d", module.hex(), len(named), len(left))
+            known[module].update(named)
+            cache.add_frames(_key(module, kernel_key), named, dwarf)
+            if left:
+                missing[module] = left
+            else:
                 del missing[module]
                 stats.binaries += 1
     if missing:
@@ -539,9 +547,13 @@ def _key(module: bytes, kernel_key: str) -> str:
     return module.hex() if module else kernel_key
 
 
-def _from_symbols(cache: SymbolCache, key: str, keys: list[FrameKey]) -> dict[FrameKey, Frames] | None:
-    """The frames of a binary without DWARF from its cached symbols, as the resolver names them
-    (`Resolver._resolve_user`); None when they are not cached (or damaged)."""
+def _from_symbols(
+    cache: SymbolCache, key: str, keys: list[FrameKey], dwarf: bool
+) -> tuple[dict[FrameKey, Frames], list[FrameKey]] | None:
+    """The frames of a binary's `keys` from its cached symbols, as the resolver names them
+    (`Resolver._resolve_user`), and the keys left to it: with `dwarf` (the binary has some), those
+    its DWARF describes. None when the symbols are not cached (or damaged), or `dwarf` and the
+    file has no described ranges (written before they were, or they could not be told)."""
     from ..symbolizer.demangle import demangle
     from ..symbolizer.model import Frame
 
@@ -549,10 +561,16 @@ def _from_symbols(cache: SymbolCache, key: str, keys: list[FrameKey]) -> dict[Fr
     if table is None:
         return None
     out: dict[FrameKey, Frames] = {}
+    left: list[FrameKey] = []
     label = table.label
     try:
+        if dwarf and not table.described:
+            return None
         for off, leaf in keys:
             vaddr = table.vaddr(off if leaf else off - 1) if (leaf or off) else None
+            if dwarf and vaddr is not None and table.has_dwarf(vaddr):
+                left.append((off, leaf))  # file:line, inlines: llvm-symbolizer's
+                continue
             name = table.lookup(vaddr) if vaddr is not None else None
             frame = Frame(demangle(name), label) if name is not None else Frame(f"{label}+0x{off:x}", label)
             out[(off, leaf)] = (frame,)
@@ -561,7 +579,7 @@ def _from_symbols(cache: SymbolCache, key: str, keys: list[FrameKey]) -> dict[Fr
         return None
     finally:
         table.close()
-    return out
+    return out, left
 
 
 def _remember(
@@ -572,10 +590,16 @@ def _remember(
         mod = resolver.module(module)
         if mod is not None:
             cache.add_frames(key, got, resolver.gives_lines(mod))
-            if not mod.dwarf_path and mod.go is None and not cache.has_symbols(key):
-                # Its next new addresses are named from these, without the resolver.
-                segments = [(seg.offset, seg.filesz, seg.vaddr) for seg in mod.segments]
-                cache.put_symbols(key, symfile.encode_symbols(mod.symbols.items(), segments, mod.name))
+            if mod.go is None and not cache.has_symbols(key):
+                # Its next new addresses are named from these, without the resolver, unless DWARF
+                # describes them (node: a few C files' worth), or it cannot be told which it does.
+                described: list[tuple[int, int]] | None = []
+                if mod.dwarf_path:  # no ranges found: every address stays the resolver's
+                    described = dwarfcover.covered_ranges(mod.dwarf_path) or None
+                if described is not None:
+                    segments = [(seg.offset, seg.filesz, seg.vaddr) for seg in mod.segments]
+                    parts = symfile.encode_symbols(mod.symbols.items(), segments, mod.name, described)
+                    cache.put_symbols(key, parts)
     else:
         _remember_kernel(cache, key, got)
 

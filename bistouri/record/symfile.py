@@ -16,9 +16,10 @@ Two kinds of file share the header:
   id) and the string table;
 - kallsyms (`k-<boot key>.kallsyms`): the kernel's text symbols of one boot, sorted by
   address: start, end, checksum, name and module of each;
-- symbols (`<build id>.symbols`): the function symbols of a binary without DWARF, as the
-  resolver read them (start, end, checksum, name), with its PT_LOAD segments and its
-  display name, so that its new addresses are named without the resolver.
+- symbols (`<build id>.symbols`): the function symbols of a binary, as the resolver read
+  them (start, end, checksum, name), with its PT_LOAD segments, its display name and the
+  address ranges its DWARF describes (none for a binary without DWARF; dwarfcover.py), so
+  that its new addresses outside them are named without the resolver.
 
 Files are this host's: arrays are in native byte order (a mark in the header refuses
 another). Opening a file checks the header (its checksum) and that the file is exactly as
@@ -508,16 +509,16 @@ def encode_kallsyms(rows: Iterable[tuple[int, int, str, str]], text_addr: int) -
 
 
 class SymbolTable:
-    """The function symbols of one binary without DWARF, read in place: named as the resolver names
-    such a binary's addresses (`elf.SymbolIndex.lookup`, `elf.offset_to_vaddr`). Lookups raise
-    `CorruptFile` when the symbol they read is damaged."""
+    """The function symbols of one binary, read in place: named as the resolver names the binary's
+    addresses that no DWARF describes (`elf.SymbolIndex.lookup`, `elf.offset_to_vaddr`). Lookups
+    raise `CorruptFile` when the symbol they read is damaged."""
 
-    __slots__ = ("_buf", "_crcs", "_ends", "_map", "_names", "_starts", "label", "segments")
+    __slots__ = ("_buf", "_crcs", "_ends", "_map", "_names", "_starts", "described", "label", "segments")
 
     def __init__(self, data: mmap.mmap | bytes) -> None:
         self._map = data
         self._buf = memoryview(data)
-        n, n_segments, names_bytes, label_bytes, meta_crc, *_ = _counts(self._buf, KIND_SYMBOLS)
+        n, n_segments, names_bytes, label_bytes, meta_crc, n_described, *_ = _counts(self._buf, KIND_SYMBOLS)
         sizes: list[tuple[_Code, int]] = [
             ("Q", n),  # start (virtual address)
             ("Q", n),  # end (exclusive)
@@ -526,11 +527,16 @@ class SymbolTable:
             ("Q", 3 * n_segments),  # PT_LOAD: offset, file size, virtual address
             ("B", names_bytes),
             ("B", label_bytes),
+            ("Q", 2 * n_described),  # [start, end) described by DWARF, sorted, disjoint
         ]
-        self._starts, self._ends, self._crcs, name_offs, segments, names, label = _sections(self._buf, sizes)
-        if zlib.crc32(label, zlib.crc32(segments)) != meta_crc:
+        sections = _sections(self._buf, sizes)
+        self._starts, self._ends, self._crcs, name_offs, segments, names, label, described = sections
+        if zlib.crc32(described, zlib.crc32(label, zlib.crc32(segments))) != meta_crc:
             raise CorruptFile("segments checksum")
         self.segments = [tuple(segments[i : i + 3]) for i in range(0, len(segments), 3)]
+        # Few (node: ~110): a list, bisected by start.
+        self.described = [(described[i], described[i + 1]) for i in range(0, len(described), 2)]
+        described.release()
         self.label = bytes(label).decode("utf-8", "surrogateescape")
         self._names = _Strings(name_offs, names)
         segments.release()
@@ -560,6 +566,11 @@ class SymbolTable:
             raise CorruptFile(f"symbol {i}'s checksum")
         return self._names[i]
 
+    def has_dwarf(self, vaddr: int) -> bool:
+        """Whether DWARF describes `vaddr` (llvm-symbolizer may add file:line and inlines)."""
+        i = bisect_right(self.described, (vaddr, 1 << 64)) - 1
+        return i >= 0 and vaddr < self.described[i][1]
+
     def lookup(self, vaddr: int) -> str | None:
         """The name of the function holding `vaddr`, None outside every function."""
         if not 0 <= vaddr < 1 << 64:
@@ -576,10 +587,14 @@ class SymbolTable:
 
 
 def encode_symbols(
-    rows: Iterable[tuple[int, int, str]], segments: Iterable[tuple[int, int, int]], label: str
+    rows: Iterable[tuple[int, int, str]],
+    segments: Iterable[tuple[int, int, int]],
+    label: str,
+    described: Iterable[tuple[int, int]] = (),
 ) -> Parts:
     """A symbols file of (start, end, name) rows in address order, the (offset, file size, virtual
-    address) of each PT_LOAD segment and the binary's display name."""
+    address) of each PT_LOAD segment, the binary's display name and the sorted, disjoint [start,
+    end) ranges its DWARF describes."""
     starts, ends, crcs, name_offs = array("Q"), array("Q"), array("I"), array("I", [0])
     names = bytearray()
     for start, end, name in rows:
@@ -591,6 +606,8 @@ def encode_symbols(
         name_offs.append(len(names))
     segs = array("Q", [v for seg in segments for v in seg])
     label_raw = label.encode("utf-8", "surrogateescape")
-    meta_crc = zlib.crc32(label_raw, zlib.crc32(segs.tobytes()))
-    counts = [len(starts), len(segs) // 3, len(names), len(label_raw), meta_crc]
-    return [_header(KIND_SYMBOLS, counts), starts, ends, crcs, name_offs, segs, names, label_raw]
+    dwarf = array("Q", [v for r in described for v in r])
+    # Without ranges, the same checksum as before they were added: older files stay readable.
+    meta_crc = zlib.crc32(dwarf, zlib.crc32(label_raw, zlib.crc32(segs.tobytes())))
+    counts = [len(starts), len(segs) // 3, len(names), len(label_raw), meta_crc, len(dwarf) // 2]
+    return [_header(KIND_SYMBOLS, counts), starts, ends, crcs, name_offs, segs, names, label_raw, dwarf]

@@ -23,6 +23,7 @@ module owns that:
 
 from __future__ import annotations
 
+import array
 import bisect
 import logging
 import os
@@ -141,19 +142,23 @@ _PY_TRAMPOLINE_TABLE = Table(
 
 
 def read_cached(path: str) -> Table | None:
+    """A table from the disk cache, or None for another version or a torn write (rebuilt). The
+    rows are read into their own bytes (not sliced out of the file's: node's are 4.5 MB)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            head = f.read(_CACHE_HEAD.size)
+            if len(head) < _CACHE_HEAD.size:
+                return None
+            magic, nseg, nrows = _CACHE_HEAD.unpack(head)
+            if magic != _CACHE_MAGIC:
+                return None
+            segs_data = f.read(nseg * _SEGMENT.size)
+            rows = f.read(nrows * ROW.size + 1)  # one byte more: the file must end there
     except OSError:
         return None
-    if len(data) < _CACHE_HEAD.size:
+    if len(segs_data) != nseg * _SEGMENT.size or len(rows) != nrows * ROW.size:
         return None
-    magic, nseg, nrows = _CACHE_HEAD.unpack_from(data)
-    rows_at = _CACHE_HEAD.size + nseg * _SEGMENT.size
-    if magic != _CACHE_MAGIC or len(data) != rows_at + nrows * ROW.size:
-        return None  # another version or a torn write: rebuilt
-    segs = tuple(_SEGMENT.unpack_from(data, _CACHE_HEAD.size + i * _SEGMENT.size) for i in range(nseg))
-    return Table(segs, data[rows_at:])
+    return Table(tuple(_SEGMENT.iter_unpack(segs_data)), rows)
 
 
 def compile_file(path: str, limits: CfiLimits | None = None) -> Table:
@@ -511,7 +516,8 @@ class UnwindTables:
         if n == 0 or n > min(self.capacity, _MAX_TABLE_ROWS):
             self.stats.too_large += n > 0
             return None
-        pcs = memoryview(t.rows).cast("I")[:: ROW.size // 4].tolist()  # each row's first field
+        # Each row's first field, as 4-byte integers: a list of them was 14 MB more for node.
+        pcs = array.array("I", memoryview(t.rows).cast("I")[:: ROW.size // 4].tobytes())
         # Buckets of 2^shift bytes of code holding ~_ROWS_PER_BUCKET rows on average.
         shift = min(max((((pcs[-1] - pcs[0] + 1) * _ROWS_PER_BUCKET) // n).bit_length() - 1, 4), 16)
         bucket_base = pcs[0] >> shift
@@ -531,7 +537,8 @@ class UnwindTables:
         with self._lock:
             if self._closed:
                 return None
-            self._rows_map.update_array(first, t.rows + bytes(index), ROW.size)
+            self._rows_map.update_array(first, t.rows, ROW.size)  # two writes: no copy of the rows
+            self._rows_map.update_array(first + n, bytes(index), ROW.size)
             self._tables_changed()
         loaded = self._loaded[key] = _Loaded(first, total, n, bucket_base, bucket_count, shift, t.segments)
         self.stats.loaded_rows += total

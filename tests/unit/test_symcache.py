@@ -521,3 +521,71 @@ def test_a_binary_without_dwarf_is_named_from_its_cached_symbols_as_the_resolver
         want = r.symbolize(later)
     assert render(got) == render(want) and stats.cached < stats.addresses
     assert "work_seventy" in render(got) or "main" in render(got)
+
+
+def test_a_binary_with_some_dwarf_is_named_from_its_symbols_where_no_dwarf_describes_the_address(
+    tmp_path: Path,
+) -> None:
+    """node's case: DWARF for a few files only. Its symbols go to the cache with the ranges its
+    DWARF describes; a new address outside them needs no resolver, one inside goes to it."""
+    import shutil
+    import subprocess
+
+    from bistouri import wire
+    from bistouri.elf import ElfFile
+    from bistouri.record import dwarfcover
+    from bistouri.symbolizer import formats
+    from bistouri.symbolizer.kallsyms import KallsymsStore
+    from bistouri.symbolizer.llvm import CANDIDATES
+    from bistouri.symbolizer.resolve import Resolver
+    from bistouri.symbolizer.sources import DebugSources
+
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (tmp_path / "a.c").write_text("int with_dwarf(int x) { return x * 3 + 1; }\n")
+    body = " ".join(f"s += with_dwarf(s + {i});" for i in range(40))
+    (tmp_path / "b.c").write_text(f"int with_dwarf(int);\nint main(void) {{ int s = 0; {body} return s; }}\n")
+    a, b, exe = tmp_path / "a.o", tmp_path / "b.o", bins / "partly"
+    subprocess.run(["gcc", "-g", "-O1", "-c", "-o", str(a), str(tmp_path / "a.c")], check=True)
+    subprocess.run(["gcc", "-g0", "-O1", "-c", "-o", str(b), str(tmp_path / "b.c")], check=True)
+    subprocess.run(["gcc", "-Wl,--build-id", "-o", str(exe), str(a), str(b)], check=True)
+    if not any(shutil.which(c) for c in CANDIDATES):
+        pytest.skip("no llvm-symbolizer: a binary's frames carry no file:line")
+    described = dwarfcover.covered_ranges(str(exe))
+    assert described is not None and len(described) == 1  # with_dwarf only
+    with ElfFile(exe) as elf:
+        bid = elf.build_id
+        text = next(s for s in elf.segments if s.flags & 1)
+        assert bid and elf.has_dwarf
+        found = elf.find_symbols(["main", "with_dwarf"])  # name -> (address, size)
+    main, with_dwarf = found["main"], found["with_dwarf"]
+
+    def offset(vaddr: int) -> int:
+        return vaddr - text.vaddr + text.offset
+
+    kernels = KallsymsStore(str(tmp_path / "state"))
+    asked: list[bool] = []
+
+    def resolver(file_lines: bool = True) -> Resolver:
+        asked.append(file_lines)
+        return Resolver(DebugSources([], [str(bins)], []), kernels, registry=None)
+
+    def session(offsets: list[int]) -> wire.Session:
+        traces = [
+            wire.Trace((), (wire.UserFrame(wire.FRAME_RESOLVED, bid, off, "partly"),), 1, 1, on_cpu=1)
+            for off in offsets
+        ]
+        return wire.Session("s", wire.Trigger("cpu"), wire.KernelInfo(), 0, 1, 1, traces=traces)
+
+    cache_dir = tmp_path / "c"
+    symcache.symbolize(session([offset(main[0]) + 200]), symcache.SymbolCache(cache_dir), resolver, "k", [])
+    assert asked == [True] and (cache_dir / f"{bid.hex()}.symbols").is_file()
+    later = session([offset(main[0]) + 60, offset(main[0]) + 100])  # past the neighbours cached
+    got, _ = symcache.symbolize(later, symcache.SymbolCache(cache_dir), resolver, "k", [])
+    assert asked == [True]  # no resolver
+    with resolver() as r:
+        want = r.symbolize(later)
+    assert formats.folded(got, "on_cpu") == formats.folded(want, "on_cpu") and "main" in formats.folded(got)
+    asked.clear()
+    symcache.symbolize(session([offset(with_dwarf[0])]), symcache.SymbolCache(cache_dir), resolver, "k", [])
+    assert asked == [True]  # DWARF describes it: the resolver's

@@ -183,3 +183,21 @@ def test_a_binarys_symbols_answer_like_its_symbol_index() -> None:
                 assert t.lookup(vaddr) in (None, hit[0] if hit else None)
         except CorruptFile:
             continue
+
+
+def test_a_binarys_symbols_keep_the_ranges_its_dwarf_describes() -> None:
+    rows, segments = [(0x1000, 0x1100, "f"), (0x1100, 0x1200, "g")], [(0x1000, 0x1000, 0x1000)]
+    plain = symfile.SymbolTable(symfile.joined(symfile.encode_symbols(rows, segments, "b")))
+    assert plain.described == [] and not plain.has_dwarf(0x1000)
+    good = symfile.joined(symfile.encode_symbols(rows, segments, "b", [(0x1010, 0x1020), (0x1180, 0x1190)]))
+    got = symfile.SymbolTable(good)
+    assert [a for a in (0x100F, 0x1010, 0x101F, 0x1020, 0x1185, 0x1190, 0x5000) if got.has_dwarf(a)] == [
+        0x1010,
+        0x101F,
+        0x1185,
+    ]
+    for pos in range(len(good) - 32, len(good)):  # the ranges are checked with the segments
+        raw = bytearray(good)
+        raw[pos] ^= 0x41
+        with pytest.raises(CorruptFile):
+            symfile.SymbolTable(bytes(raw))
