@@ -168,13 +168,16 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, bool
 	struct task_struct *task = bounded ? (struct task_struct *)bpf_get_current_task() : bpf_get_current_task_btf();
 	struct py_walk w = { .ev = ev };
 	__u64 tstate = 0, frame = 0, fsbase;
-	__u32 zero = 0;
+	__u32 zero = 0, pid;
 
 	if (!ev)
 		return 0;
 	ev->py_depth = 0;
 	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
-	w.pp = bpf_map_lookup_elem(&python_procs, &ev->pid);
+	/* The key from the stack: before 6.x a helper takes no key in an argument's memory (a global
+	 * function's pointer is "mem", which 6.1's verifier refuses for map keys). */
+	pid = ev->pid;
+	w.pp = bpf_map_lookup_elem(&python_procs, &pid);
 	if (!w.pp)
 		return 0;
 	w.s = bpf_map_lookup_elem(&py_scratch, &zero);
