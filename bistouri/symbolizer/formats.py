@@ -487,8 +487,8 @@ def _mapping_name(f: Frame) -> str:
     return f.module or "[unknown]"
 
 
-def _locations(stack: Sequence[int], frames: Sequence[Frame]) -> list[tuple[int, ...]]:
-    """Group a root-first stack into pprof locations, leaf first.
+def locations_of(stack: Sequence[int], frames: Sequence[Frame]) -> list[tuple[int, ...]]:
+    """Group a root-first stack into locations (pprof's, OTLP's), leaf first.
 
     A frame marked inlined belongs to the location of the frame before it (toward
     the root); a location's lines run from the innermost inlined frame to its caller.
@@ -550,7 +550,7 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
     single = [0] * len(frames)  # location id of a frame that is a location on its own
     for s in profile.samples:
         if has_inlined:
-            ids = [location_id(g) for g in _locations(s.stack, frames)]
+            ids = [location_id(g) for g in locations_of(s.stack, frames)]
         else:
             ids = []
             for i in reversed(s.stack):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
+from .formats import locations_of
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Frame, Profile, SessionMeta
 from .protobuf import Strings, bytes_field, clamp, double_field, fixed64_field, packed, uint_field
 from .protobuf import varint as _varint
@@ -203,18 +204,6 @@ def _mapping_name(f: Frame) -> str:
     return f.module or "[unknown]"
 
 
-def _groups(stack: tuple[int, ...], frames: list[Frame]) -> list[tuple[int, ...]]:
-    """A root-first stack as locations, leaf first: a frame marked inlined joins the location of
-    the frame before it (toward the root), the innermost frame first (formats._locations)."""
-    groups: list[list[int]] = []
-    for i in stack:
-        if frames[i].inlined and groups:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [tuple(reversed(g)) for g in reversed(groups)]
-
-
 def profile_id(session_id: str) -> bytes:
     """The 16 bytes naming a session's profiles: the same session always gets the same id."""
     return hashlib.sha256(session_id.encode()).digest()[:16]
@@ -234,7 +223,7 @@ def export_request(profile: Profile) -> bytes:
     single = [0] * len(frames)  # location index of a frame that is a location on its own
     for s in profile.samples:
         if has_inlined:
-            locations = tuple(d.location(g, frames) for g in _groups(s.stack, frames))
+            locations = tuple(d.location(g, frames) for g in locations_of(s.stack, frames))
         else:
             ids = []
             for i in reversed(s.stack):
