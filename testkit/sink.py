@@ -1,6 +1,7 @@
 """An HTTP endpoint that keeps what it is sent: the OTLP collector and Pyroscope server of the export
 tests and bench. It answers `status` (settable while it runs: 503 plays an outage) after `delay_s`,
-and keeps every request with the status it got, in order.
+and keeps every request with the status it got, in order. With `endless_body`, an answer says it has
+a gigabyte of body and sends it a byte at a time until the sink closes (a hostile endpoint).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Sink:
     def __init__(self) -> None:
         self.status = 200
         self.delay_s = 0.0
+        self.endless_body = False
+        self._closing = threading.Event()
         self.received: list[Received] = []
         self._lock = threading.Lock()
         sink = self
@@ -51,8 +54,14 @@ class Sink:
                 with sink._lock:
                     sink.received.append(Received(parts.path, query, dict(self.headers), body, status))
                 self.send_response(status)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(1 << 30 if sink.endless_body else 0))
                 self.end_headers()
+                while sink.endless_body and not sink._closing.wait(0.5):
+                    try:
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                    except OSError:  # the client hung up: what a client that reads no body does
+                        return
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -75,6 +84,7 @@ class Sink:
             time.sleep(0.05)
 
     def close(self) -> None:
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import threading
 import time
 from pathlib import Path
 from urllib.parse import unquote
@@ -142,6 +143,25 @@ def test_the_sender_sends_retries_and_drops_by_the_answer(store: Store) -> None:
         store._exec("DELETE FROM sessions WHERE id = 'gone'")
         sender.run_once()
         assert metrics.exports_dropped.labels(OTLP, "session_gone")._value.get() == 1
+        sender.close()
+
+
+def test_an_endpoint_that_never_ends_its_answer_does_not_hold_the_sender(store: Store) -> None:
+    """Only the status is read: a body that trickles forever (a gigabyte declared, a byte every
+    half second) must not keep the sender, whose read timeout restarts with every byte."""
+    with Sink() as sink:
+        sink.endless_body = True
+        config = ExportConfig((Endpoint(OTLP, sink.url + "/v1development/profiles"),))
+        metrics = Metrics(lambda: store)
+        sender = Exporter(store, config, metrics)
+        store.insert(record("s"), export_to=config.keys)
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (sender.run_once(), done.set()), daemon=True)
+        worker.start()
+        # A sender reading the body would never return while the sink lives: its answer never ends.
+        assert done.wait(60), "the sender is still reading the endless answer"
+        assert metrics.exports_sent.labels(OTLP)._value.get() == 1
+        assert store.export_backlog() == {}
         sender.close()
 
 

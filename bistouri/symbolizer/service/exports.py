@@ -335,13 +335,19 @@ class Exporter:
         else:
             url = f"{ep.url.rstrip('/')}/ingest?{pyroscope_query(profile)}"
             headers["Content-Type"] = "application/octet-stream"
+        env = self._env[ep.key]
         try:
             resp = self._http.post(
                 url,
                 data=body,
                 headers=headers,
                 timeout=(CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S),
-                **self._env[ep.key],
+                proxies=env["proxies"],
+                verify=env["verify"],
+                cert=env["cert"],
+                # The answer's status and headers are all we use: streamed, its body is never read, so
+                # an endpoint cannot hold a sender (or its memory) with a long one.
+                stream=True,
             )
         except requests.Timeout:
             raise _Failed("timeout") from None
