@@ -116,18 +116,28 @@ def test_sessions_list_filters_and_pick_for_diff(page, symbolizer_url, stored, s
     assert pill.inner_text() == f"docker {data.CONTAINER_ID[:12]}"
     assert data.CONTAINER_ID in (pill.get_attribute("title") or "")
     pill.click()
-    page.wait_for_function("() => document.querySelectorAll('table.sessions tbody tr').length === 1")
+    # Only that container's sessions stay (other UI modules store sessions of it too: count none).
+    page.locator(f'tr[data-id="{stored["new"]}"]').wait_for(state="detached")
+    io.wait_for()  # the filtered list drawn
+    rows = page.locator("table.sessions tbody tr")
+    for i in range(rows.count()):
+        assert rows.nth(i).locator("a.container").inner_text() == f"docker {data.CONTAINER_ID[:12]}"
     assert _query(page)["container"] == [data.CONTAINER_ID[:12]]
     assert page.locator("#filters input[name=container]").input_value() == data.CONTAINER_ID[:12]
     assert "container=" in (page.locator("#merged-link").get_attribute("href") or "")
     page.fill("#filters input[name=container]", "")
     page.fill("#filters input[name=unit]", "checkout.service")
     page.click("#filters button[type=submit]")
-    page.wait_for_function("() => document.querySelectorAll('table.sessions tbody tr').length === 2")
-    assert page.locator(f'tr[data-id="{stored["io"]}"]').count() == 0
+    io.wait_for(state="detached")
+    for role in ("old", "new"):
+        page.locator(f'tr[data-id="{stored[role]}"]').wait_for()
+    for i in range(rows.count()):
+        assert rows.nth(i).locator(".unit").inner_text() == "checkout.service"
     page.goto(symbolizer_url + "/ui/?runtime=docker")
-    page.locator("table.sessions tbody tr").first.wait_for()
-    assert page.locator("table.sessions tbody tr").count() == 1
+    io.wait_for()
+    assert page.locator(f'tr[data-id="{stored["new"]}"]').count() == 0
+    for i in range(rows.count()):
+        assert rows.nth(i).locator("a.container").inner_text().startswith("docker ")
     assert page.locator("#filters select[name=runtime]").input_value() == "docker"
 
     # Pick two sessions: A is the older one whatever the click order.
