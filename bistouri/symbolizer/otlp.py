@@ -15,15 +15,24 @@ one sample type, samples point at a stack of locations, leaf first.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 from .. import wire
 from .formats import locations_of
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Frame, Profile, SessionMeta
-from .protobuf import Strings, bytes_field, clamp, double_field, fixed64_field, packed, uint_field
-from .protobuf import varint as _varint
+from .protobuf import (
+    Strings,
+    bytes_field,
+    clamp,
+    double_field,
+    fixed64_field,
+    key,
+    packed,
+    uint_field,
+    varint,
+)
 
 SCOPE_NAME = "bistouri"
 CONTENT_TYPE = "application/x-protobuf"
@@ -104,26 +113,38 @@ def _key_value(k: str, v: Any) -> bytes:
     return bytes_field(1, k.encode()) + bytes_field(2, _any_value(v))
 
 
-@dataclass(slots=True)
-class _Dictionary:
-    """The request's ProfilesDictionary while it is built; every table's entry 0 is empty."""
+class Request:
+    """An ExportProfilesServiceRequest being built: one ResourceProfiles per session added, the
+    dictionary shared by all of them (a function, location or stack of one binary is written once per
+    request, not once per session). Every table's entry 0 is the empty value.
 
-    strings: Strings
-    attributes: dict[tuple[str, Any, str], int]
-    attribute_msgs: list[bytes]
-    mappings: dict[str, int]
-    mapping_msgs: list[bytes]
-    functions: dict[tuple[str, str], int]
-    function_msgs: list[bytes]
-    locations: dict[tuple[int, ...], int]
-    location_msgs: list[bytes]
-    stacks: dict[tuple[int, ...], int]
-    stack_msgs: list[bytes]
-    kind_attrs: dict[str, bytes]  # a location's attribute_indices field, by frame kind
+    Built for the sender's batches: per session, each distinct frame is looked up once (by value:
+    frames are interned per session, not across sessions), each sample's stack mapped by index.
+    """
 
-    @classmethod
-    def new(cls) -> _Dictionary:
-        return cls(Strings(), {}, [b""], {}, [b""], {}, [b""], {}, [b""], {}, [b""], {})
+    def __init__(self) -> None:
+        self.strings = Strings()
+        self.attributes: dict[tuple[str, Any, str], int] = {}
+        self.attribute_msgs = [b""]
+        self.mappings: dict[str, int] = {}
+        self.mapping_msgs = [b""]
+        self.functions: dict[tuple[str, str], int] = {}
+        self.function_msgs = [b""]
+        # By the frames' values (_frame_key), one or several (inlined ones first): tuples, whose
+        # hashing and comparison run in C (a Frame's run in Python, several times slower).
+        self.locations: dict[tuple[Any, ...], int] = {}
+        self.location_msgs = [b""]
+        self.stacks: dict[tuple[int, ...], int] = {}
+        self.stack_msgs = [b""]
+        self.kind_attrs: dict[str, bytes] = {}  # a location's attribute_indices field, by frame kind
+        # A sample's attribute_indices field, by (pid, executable, tid, thread, before the trigger).
+        self.sample_attrs: dict[tuple[int, str, int, str, bool], bytes] = {}
+        self.wait_attrs: dict[int, bytes] = {}
+        self.resource_profiles: list[bytes] = []
+        self.size = 0  # bytes written so far, about (what bounds a request)
+
+    def __len__(self) -> int:
+        return len(self.resource_profiles)
 
     def attribute(self, k: str, v: Any, unit: str = "") -> int:
         key = (k, v, unit)
@@ -135,14 +156,14 @@ class _Dictionary:
             self.attribute_msgs.append(body)
         return i
 
-    def mapping(self, name: str) -> int:
+    def _mapping(self, name: str) -> int:
         i = self.mappings.get(name)
         if i is None:
             i = self.mappings[name] = len(self.mapping_msgs)
             self.mapping_msgs.append(uint_field(4, self.strings(name)))
         return i
 
-    def function(self, f: Frame) -> int:
+    def _function(self, f: Frame) -> int:
         key = (f.name, f.file)
         i = self.functions.get(key)
         if i is None:
@@ -152,18 +173,16 @@ class _Dictionary:
             self.function_msgs.append(uint_field(1, name) + uint_field(2, name) + uint_field(3, st(f.file)))
         return i
 
-    def location(self, group: tuple[int, ...], frames: list[Frame]) -> int:
-        """A location of frames (innermost inlined first, the native frame last)."""
-        i = self.locations.get(group)
+    def _location(self, key: tuple[Any, ...], group: Sequence[Frame]) -> int:
+        """A location of frames (innermost inlined first, the native frame last), known by `key`."""
+        i = self.locations.get(key)
         if i is None:
-            i = self.locations[group] = len(self.location_msgs)
-            outer = frames[group[-1]]
+            i = self.locations[key] = len(self.location_msgs)
+            outer = group[-1]
             kind = outer.kind or "unknown"
             lines = b"".join(
-                bytes_field(
-                    3, uint_field(1, self.function(frames[j])) + uint_field(2, max(frames[j].line, 0))
-                )
-                for j in group
+                bytes_field(3, uint_field(1, self._function(f)) + uint_field(2, max(f.line, 0)))
+                for f in group
             )
             attrs = self.kind_attrs.get(kind)
             if attrs is None:
@@ -172,20 +191,121 @@ class _Dictionary:
                     self.attribute("bistouri.frame.kind", kind),
                 ]
                 attrs = self.kind_attrs[kind] = packed(4, ids)
-            body = uint_field(1, self.mapping(_mapping_name(outer))) + lines + attrs
+            body = uint_field(1, self._mapping(_mapping_name(outer))) + lines + attrs
             self.location_msgs.append(body)
+            self.size += len(body)
         return i
 
-    def stack(self, locations: tuple[int, ...]) -> int:
+    def _stack(self, locations: tuple[int, ...]) -> int:
         i = self.stacks.get(locations)
         if i is None:
             i = self.stacks[locations] = len(self.stack_msgs)
-            self.stack_msgs.append(packed(1, locations))
+            msg = packed(1, locations)
+            self.stack_msgs.append(msg)
+            self.size += len(msg)
         return i
 
-    def encode(self) -> bytes:
-        strings = [s.encode("utf-8", "replace") for s in self.strings.table]
+    def add(self, profile: Profile) -> None:
+        """The session as one more ResourceProfiles."""
+        meta = profile.meta
+        frames = profile.frames
+        samples = profile.samples
+        comm = meta.processes
+        # Each frame as a location on its own (an inlined one is only part of others'), looked up
+        # once per session.
+        keys = list(map(_frame_key, frames))
+        single = [0 if f.inlined else self._location(k, (f,)) for k, f in zip(keys, frames, strict=True)]
+        inlined = [f.inlined for f in frames]
+        groups: dict[tuple[int, ...], int] = {}
+        # Per sample: its stack_index and attribute_indices fields, shared by the profiles of each type.
+        heads: list[bytes] = []
+        sample_attrs = self.sample_attrs
+        for s in samples:
+            stack = s.stack
+            if any(map(inlined.__getitem__, stack)):
+                ids = []
+                for g in locations_of(stack, frames):
+                    loc = groups.get(g)
+                    if loc is None:
+                        key = tuple(keys[j] for j in g)
+                        loc = groups[g] = self._location(key, [frames[j] for j in g])
+                    ids.append(loc)
+                locations = tuple(ids)
+            else:
+                locations = tuple(map(single.__getitem__, reversed(stack)))
+            akey = (s.pid, comm.get(s.pid, ""), s.tid, s.thread, s.pre_trigger)
+            attrs = sample_attrs.get(akey)
+            if attrs is None:
+                attrs = sample_attrs[akey] = self._sample_attributes(*akey)
+            heads.append(uint_field(1, self._stack(locations)) + attrs)
+
+        profiles: list[bytes] = []
+        head = self._profile_tail(meta)
+        for type_, unit, value in SAMPLE_TYPES:
+            msgs: list[bytes] = []
+            if value == "on_cpu":
+                for h, s in zip(heads, samples, strict=True):
+                    if s.on_cpu > 0:
+                        msgs.append(_sample(h, s.on_cpu))
+            else:
+                off_ns = value == "off_cpu_ns"
+                for h, s in zip(heads, samples, strict=True):
+                    v = s.off_cpu_ns if off_ns else s.off_cpu
+                    if v > 0:
+                        # Two packed runs of one field concatenate: the sample's attributes, then its state.
+                        msgs.append(_sample(h + self._wait_attr(s.wait), v))
+                if not msgs:
+                    continue
+            st = self.strings
+            sample_type = bytes_field(1, uint_field(1, st(type_)) + uint_field(2, st(unit)))
+            profiles.append(bytes_field(2, sample_type + b"".join(msgs) + head))
+
+        resource = b"".join(
+            bytes_field(1, _key_value(k, v)) for k, get in _RESOURCE if (v := get(meta)) not in ("", None)
+        )
+        rp = bytes_field(1, resource) + bytes_field(2, _SCOPE + b"".join(profiles))
+        self.resource_profiles.append(rp)
+        self.size += len(rp)
+
+    def _sample_attributes(self, pid: int, exe: str, tid: int, thread: str, before: bool) -> bytes:
+        attrs: list[int] = []
+        if pid:
+            attrs.append(self.attribute("process.pid", pid))
+            if exe:
+                attrs.append(self.attribute("process.executable.name", exe))
+        if tid:
+            attrs.append(self.attribute("thread.id", tid))
+        if thread:
+            attrs.append(self.attribute("thread.name", thread))
+        if before:
+            attrs.append(self.attribute("bistouri.pre_trigger", True))
+        return packed(2, attrs)
+
+    def _wait_attr(self, wait: int) -> bytes:
+        """The off-CPU profiles say which state each wait was in (D, S, ...)."""
+        a = self.wait_attrs.get(wait)
+        if a is None:
+            name = wire.WAIT_NAMES.get(wait)
+            a = self.wait_attrs[wait] = packed(2, [self.attribute("thread.state", name)]) if name else b""
+        return a
+
+    def _profile_tail(self, meta: SessionMeta) -> bytes:
+        """What every Profile of a session ends with: times, period, id, the session's attributes."""
+        st = self.strings
+        period_type = bytes_field(5, uint_field(1, st("cpu")) + uint_field(2, st("nanoseconds")))
         return (
+            fixed64_field(3, meta.start_ns)
+            + uint_field(4, clamp(meta.duration_ns))
+            + period_type
+            + uint_field(6, clamp(meta.period_ns))
+            + bytes_field(7, profile_id(meta.session_id))
+            + packed(11, [self.attribute(k, v, u) for k, v, u in _session_attributes(meta)])
+        )
+
+    def encode(self) -> bytes:
+        """The request's bytes (also a ProfilesData's: same fields)."""
+        strings = [s.encode("utf-8", "replace") for s in self.strings.table]
+        dictionary = (
             b"".join(bytes_field(1, m) for m in self.mapping_msgs)
             + b"".join(bytes_field(2, m) for m in self.location_msgs)
             + b"".join(bytes_field(3, m) for m in self.function_msgs)
@@ -194,6 +314,23 @@ class _Dictionary:
             + b"".join(bytes_field(6, m) for m in self.attribute_msgs)
             + b"".join(bytes_field(7, m) for m in self.stack_msgs)
         )
+        return b"".join(bytes_field(1, rp) for rp in self.resource_profiles) + bytes_field(2, dictionary)
+
+
+# What tells frames apart in a location: all a Frame holds but its inlined flag (said by its place).
+_frame_key = attrgetter("name", "module", "file", "line", "kind")
+_SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
+
+
+def _sample(head: bytes, value: int) -> bytes:
+    """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
+    v = varint(clamp(value))
+    body = head + _VALUE_TAG + varint(len(v)) + v
+    return _SAMPLE_TAG + varint(len(body)) + body
+
+
+_VALUE_TAG = key(4, 2)
+_SAMPLE_TAG = key(2, 2)
 
 
 def _mapping_name(f: Frame) -> str:
@@ -211,78 +348,9 @@ def profile_id(session_id: str) -> bytes:
 
 def export_request(profile: Profile) -> bytes:
     """The session as a serialized ExportProfilesServiceRequest (and ProfilesData)."""
-    d = _Dictionary.new()
-    st = d.strings
-    meta = profile.meta
-    frames = profile.frames
-    comm = meta.processes
-    # A sample's stack and attributes, shared by the profiles of each sample type.
-    stack_of: list[int] = []
-    attrs_of: list[bytes] = []
-    has_inlined = any(f.inlined for f in frames)
-    single = [0] * len(frames)  # location index of a frame that is a location on its own
-    for s in profile.samples:
-        if has_inlined:
-            locations = tuple(d.location(g, frames) for g in locations_of(s.stack, frames))
-        else:
-            ids = []
-            for i in reversed(s.stack):
-                loc = single[i]
-                if not loc:
-                    loc = single[i] = d.location((i,), frames)
-                ids.append(loc)
-            locations = tuple(ids)
-        stack_of.append(d.stack(locations))
-        attrs: list[int] = []
-        if s.pid:
-            attrs.append(d.attribute("process.pid", s.pid))
-            if s.pid in comm:
-                attrs.append(d.attribute("process.executable.name", comm[s.pid]))
-        if s.tid:
-            attrs.append(d.attribute("thread.id", s.tid))
-        if s.thread:
-            attrs.append(d.attribute("thread.name", s.thread))
-        if s.pre_trigger:
-            attrs.append(d.attribute("bistouri.pre_trigger", True))
-        attrs_of.append(packed(2, attrs))
-    # The off-CPU profiles say which state each wait was in (D, S, ...).
-    wait_attr = {w: packed(2, [d.attribute("thread.state", n)]) for w, n in wire.WAIT_NAMES.items()}
-
-    session_attrs = packed(11, [d.attribute(k, v, u) for k, v, u in _session_attributes(meta)])
-    period_type = bytes_field(5, uint_field(1, st("cpu")) + uint_field(2, st("nanoseconds")))
-    head = (
-        fixed64_field(3, meta.start_ns)
-        + uint_field(4, clamp(meta.duration_ns))
-        + period_type
-        + uint_field(6, clamp(meta.period_ns))
-        + bytes_field(7, profile_id(meta.session_id))
-    )
-    profiles: list[bytes] = []
-    for type_, unit, value in SAMPLE_TYPES:
-        samples: list[bytes] = []
-        off_cpu = value != "on_cpu"
-        for i, s in enumerate(profile.samples):
-            v = s.on_cpu if value == "on_cpu" else s.off_cpu if value == "off_cpu" else s.off_cpu_ns
-            if v <= 0:
-                continue
-            attrs_field = attrs_of[i]
-            if off_cpu:
-                # Two packed runs of one field concatenate: the sample's attributes, then its state.
-                attrs_field += wait_attr.get(s.wait, b"")
-            samples.append(
-                bytes_field(2, uint_field(1, stack_of[i]) + attrs_field + bytes_field(4, _varint(clamp(v))))
-            )
-        if not samples and value != "on_cpu":
-            continue
-        sample_type = bytes_field(1, uint_field(1, st(type_)) + uint_field(2, st(unit)))
-        profiles.append(bytes_field(2, sample_type + b"".join(samples) + head + session_attrs))
-
-    resource = b"".join(
-        bytes_field(1, _key_value(k, v)) for k, get in _RESOURCE if (v := get(meta)) not in ("", None)
-    )
-    scope = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))
-    resource_profiles = bytes_field(1, resource) + bytes_field(2, scope + b"".join(profiles))
-    return bytes_field(1, resource_profiles) + bytes_field(2, d.encode())
+    req = Request()
+    req.add(profile)
+    return req.encode()
 
 
-__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "export_request", "profile_id"]
+__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "Request", "export_request", "profile_id"]

@@ -60,7 +60,11 @@ def double_field(field: int, x: float) -> bytes:
 def packed(field: int, values: Sequence[int]) -> bytes:
     if not values:
         return b""
-    return bytes_field(field, b"".join(varint(v) for v in values))
+    if min(values) >= 0 and max(values) < len(_VARINTS):
+        body = b"".join(map(_VARINTS.__getitem__, values))  # ids, the common case: no call per value
+    else:
+        body = b"".join(map(varint, values))
+    return key(field, 2) + varint(len(body)) + body
 
 
 def clamp(n: int) -> int:

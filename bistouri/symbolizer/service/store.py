@@ -28,7 +28,6 @@ from typing import Any
 
 import msgpack
 
-from ... import wire
 from ...errors import BistouriError
 from ...pressure import PressureFigures
 from ..model import Frame, Profile, Sample, SessionMeta
@@ -274,23 +273,11 @@ def profile_to_blob(p: Profile) -> bytes:
 
 
 def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
-    body = msgpack.unpackb(zlib.decompress(blob), raw=False)
-    frames = [Frame(name=f[0], module=f[1], file=f[2], line=f[3], kind=f[4], inlined=f[5]) for f in body["f"]]
-    samples = [
-        Sample(
-            stack=tuple(s[0]),
-            pid=s[1],
-            tid=s[2],
-            thread=s[3],
-            on_cpu=s[4],
-            off_cpu=s[5],
-            off_cpu_ns=s[6],
-            pre_trigger=len(s) > 7 and bool(s[7]),
-            wait=s[8] if len(s) > 8 else wire.WAIT_D,
-        )
-        for s in body["s"]
-    ]
-    return Profile(meta=meta, frames=frames, samples=samples)
+    # The blob's lists are in the order of Frame's and Sample's fields: built positionally (half the
+    # cost of keywords; the export sender reads every session it sends). A sample stored before the
+    # before-trigger flag (7 values) or the wait state (8) takes their defaults.
+    body = msgpack.unpackb(zlib.decompress(blob), raw=False, use_list=False)
+    return Profile(meta=meta, frames=[Frame(*f) for f in body["f"]], samples=[Sample(*s) for s in body["s"]])
 
 
 def _i64(n: int) -> int:

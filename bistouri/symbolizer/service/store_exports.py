@@ -71,6 +71,17 @@ class ExportRows:
         )
         return bool(n)
 
+    def finish_exports(self, session_ids: Sequence[str], endpoint: str, claimant: str) -> int:
+        """Delete rows sent together (one request) by their claimant, in one statement; how many were
+        still its own."""
+        if not session_ids:
+            return 0
+        marks = ", ".join("?" * len(session_ids))
+        return self._exec(
+            f"DELETE FROM export_queue WHERE endpoint = ? AND claimant = ? AND session_id IN ({marks})",
+            (endpoint, claimant, *session_ids),
+        )
+
     def retry_export(self, session_id: str, endpoint: str, claimant: str, next_ns: int, failed: bool) -> None:
         """Give a claimed row back, due at `next_ns`; `failed` counts an attempt."""
         self._exec(
