@@ -487,15 +487,16 @@ def _mapping_name(f: Frame) -> str:
     return f.module or "[unknown]"
 
 
-def locations_of(stack: Sequence[int], frames: Sequence[Frame]) -> list[tuple[int, ...]]:
-    """Group a root-first stack into locations (pprof's, OTLP's), leaf first.
+def locations_of(stack: Sequence[int], inlined: Sequence[bool]) -> list[tuple[int, ...]]:
+    """Group a root-first stack into locations (pprof's, OTLP's), leaf first; `inlined[i]` is
+    frame i's inlined flag.
 
     A frame marked inlined belongs to the location of the frame before it (toward
     the root); a location's lines run from the innermost inlined frame to its caller.
     """
     groups: list[list[int]] = []
     for i in stack:
-        if frames[i].inlined and groups:
+        if inlined[i] and groups:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -546,11 +547,12 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
             location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + lines))
         return lid
 
-    has_inlined = any(f.inlined for f in frames)
+    inlined = [f.inlined for f in frames]
+    has_inlined = any(inlined)
     single = [0] * len(frames)  # location id of a frame that is a location on its own
     for s in profile.samples:
         if has_inlined:
-            ids = [location_id(g) for g in locations_of(s.stack, frames)]
+            ids = [location_id(g) for g in locations_of(s.stack, inlined)]
         else:
             ids = []
             for i in reversed(s.stack):

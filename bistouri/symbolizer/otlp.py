@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from typing import Any
 
 from .. import wire
 from .formats import locations_of
-from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Frame, Profile, SessionMeta
+from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
 from .protobuf import (
+    _VARINTS,
+    INT64_MAX,
     Strings,
     bytes_field,
     clamp,
@@ -42,6 +43,17 @@ SAMPLE_TYPES = (
     ("on_cpu", "count", "on_cpu"),
     ("off_cpu", "count", "off_cpu"),
     ("off_cpu_time", "nanoseconds", "off_cpu_ns"),
+)
+
+# A frame and a sample as rows (Request.add_rows): their fields in the order of Frame's and Sample's.
+FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
+# stack, pid, tid, thread, on_cpu, off_cpu, off_cpu_ns, pre_trigger, wait
+SampleRow = tuple[Any, ...]
+_ON_CPU, _OFF_CPU, _OFF_CPU_NS = 4, 5, 6  # a SampleRow's values
+# Each SAMPLE_TYPES entry's column of a SampleRow and (type, unit).
+_COLUMNS = tuple(
+    ({"on_cpu": _ON_CPU, "off_cpu": _OFF_CPU, "off_cpu_ns": _OFF_CPU_NS}[v], (t, u))
+    for t, u, v in SAMPLE_TYPES
 )
 
 # The OpenTelemetry semantic conventions' `profile.frame.type`; a JIT frame named by a perf map
@@ -130,15 +142,15 @@ class Request:
         self.mapping_msgs = [b""]
         self.functions: dict[tuple[str, str], int] = {}
         self.function_msgs = [b""]
-        # By the frames' values (_frame_key), one or several (inlined ones first): tuples, whose
-        # hashing and comparison run in C (a Frame's run in Python, several times slower).
-        self.locations: dict[tuple[Any, ...], int] = {}
+        # By a frame's row, or a tuple of rows (inlined ones first): hashed and compared in C (a
+        # Frame's hash and comparison run in Python, several times slower).
+        self.locations: dict[Any, int] = {}
         self.location_msgs = [b""]
         self.stacks: dict[tuple[int, ...], int] = {}
         self.stack_msgs = [b""]
         self.kind_attrs: dict[str, bytes] = {}  # a location's attribute_indices field, by frame kind
-        # A sample's attribute_indices field, by (pid, executable, tid, thread, before the trigger).
-        self.sample_attrs: dict[tuple[int, str, int, str, bool], bytes] = {}
+        # A sample's attribute_indices field, by (pid, tid, thread, before the trigger, executable).
+        self.sample_attrs: dict[tuple[int, int, str, bool, str], bytes] = {}
         self.wait_attrs: dict[int, bytes] = {}
         self.resource_profiles: list[bytes] = []
         self.size = 0  # bytes written so far, about (what bounds a request)
@@ -163,25 +175,25 @@ class Request:
             self.mapping_msgs.append(uint_field(4, self.strings(name)))
         return i
 
-    def _function(self, f: Frame) -> int:
-        key = (f.name, f.file)
+    def _function(self, name: str, file: str) -> int:
+        key = (name, file)
         i = self.functions.get(key)
         if i is None:
             i = self.functions[key] = len(self.function_msgs)
             st = self.strings
-            name = st(f.name or "[unknown]")
-            self.function_msgs.append(uint_field(1, name) + uint_field(2, name) + uint_field(3, st(f.file)))
+            n = st(name or "[unknown]")
+            self.function_msgs.append(uint_field(1, n) + uint_field(2, n) + uint_field(3, st(file)))
         return i
 
-    def _location(self, key: tuple[Any, ...], group: Sequence[Frame]) -> int:
+    def _location(self, key: Any, group: Sequence[FrameRow]) -> int:
         """A location of frames (innermost inlined first, the native frame last), known by `key`."""
         i = self.locations.get(key)
         if i is None:
             i = self.locations[key] = len(self.location_msgs)
             outer = group[-1]
-            kind = outer.kind or "unknown"
+            kind = outer[4] or "unknown"
             lines = b"".join(
-                bytes_field(3, uint_field(1, self._function(f)) + uint_field(2, max(f.line, 0)))
+                bytes_field(3, uint_field(1, self._function(f[0], f[2])) + uint_field(2, max(f[3], 0)))
                 for f in group
             )
             attrs = self.kind_attrs.get(kind)
@@ -191,74 +203,81 @@ class Request:
                     self.attribute("bistouri.frame.kind", kind),
                 ]
                 attrs = self.kind_attrs[kind] = packed(4, ids)
-            body = uint_field(1, self._mapping(_mapping_name(outer))) + lines + attrs
+            body = uint_field(1, self._mapping(_mapping_name(outer[4], outer[1]))) + lines + attrs
             self.location_msgs.append(body)
             self.size += len(body)
         return i
 
     def _stack(self, locations: tuple[int, ...]) -> int:
-        i = self.stacks.get(locations)
-        if i is None:
-            i = self.stacks[locations] = len(self.stack_msgs)
-            msg = packed(1, locations)
-            self.stack_msgs.append(msg)
-            self.size += len(msg)
+        i = self.stacks[locations] = len(self.stack_msgs)
+        msg = packed(1, locations)
+        self.stack_msgs.append(msg)
+        self.size += len(msg)
         return i
 
     def add(self, profile: Profile) -> None:
         """The session as one more ResourceProfiles."""
-        meta = profile.meta
-        frames = profile.frames
-        samples = profile.samples
+        frames = [(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in profile.frames]
+        samples = [
+            (s.stack, s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait)
+            for s in profile.samples
+        ]
+        self.add_rows(profile.meta, frames, samples)
+
+    def add_rows(self, meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow]) -> None:
+        """The session as one more ResourceProfiles, from its frames and samples as rows: tuples of a
+        Frame's and a Sample's fields in order (the store's layout: no objects built to send one)."""
         comm = meta.processes
+        location = self._location
+        known = self.locations.get
         # Each frame as a location on its own (an inlined one is only part of others'), looked up
-        # once per session.
-        keys = list(map(_frame_key, frames))
-        single = [0 if f.inlined else self._location(k, (f,)) for k, f in zip(keys, frames, strict=True)]
-        inlined = [f.inlined for f in frames]
+        # once per session by its row: a tuple, hashed and compared in C.
+        single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
+        inlined = [f[5] for f in frames]
+        has_inlined = any(inlined)
         groups: dict[tuple[int, ...], int] = {}
-        # Per sample: its stack_index and attribute_indices fields, shared by the profiles of each type.
-        heads: list[bytes] = []
+        stacks = self.stacks.get
         sample_attrs = self.sample_attrs
+        wait_attr = self._wait_attr
+        # One pass: each sample's stack and attributes (its head, shared by the profile of each
+        # type), then its message in each profile it has a value for (_COLUMNS' order).
+        on_cpu: list[bytes] = []
+        off_cpu: list[bytes] = []
+        off_cpu_ns: list[bytes] = []
         for s in samples:
-            stack = s.stack
-            if any(map(inlined.__getitem__, stack)):
+            stack = s[0]
+            if has_inlined and any(map(inlined.__getitem__, stack)):
                 ids = []
-                for g in locations_of(stack, frames):
+                for g in locations_of(stack, inlined):
                     loc = groups.get(g)
                     if loc is None:
-                        key = tuple(keys[j] for j in g)
-                        loc = groups[g] = self._location(key, [frames[j] for j in g])
+                        rows = [frames[j] for j in g]
+                        loc = groups[g] = location(tuple(rows), rows)
                     ids.append(loc)
                 locations = tuple(ids)
             else:
                 locations = tuple(map(single.__getitem__, reversed(stack)))
-            akey = (s.pid, comm.get(s.pid, ""), s.tid, s.thread, s.pre_trigger)
+            stack_id = stacks(locations) or self._stack(locations)  # or a new one
+            akey = (s[1], s[2], s[3], s[7], comm.get(s[1], ""))
             attrs = sample_attrs.get(akey)
             if attrs is None:
                 attrs = sample_attrs[akey] = self._sample_attributes(*akey)
-            heads.append(uint_field(1, self._stack(locations)) + attrs)
+            head = _STACK_INDEX + varint(stack_id) + attrs
+            if s[4] > 0:
+                on_cpu.append(_sample(head, s[4]))
+            if s[5] > 0 or s[6] > 0:
+                # Two packed runs of one field concatenate: the sample's attributes, then its state.
+                head += wait_attr(s[8])
+                if s[5] > 0:
+                    off_cpu.append(_sample(head, s[5]))
+                if s[6] > 0:
+                    off_cpu_ns.append(_sample(head, s[6]))
 
         profiles: list[bytes] = []
-        head = self._profile_tail(meta)
-        for type_, unit, value in SAMPLE_TYPES:
-            msgs: list[bytes] = []
-            if value == "on_cpu":
-                for h, s in zip(heads, samples, strict=True):
-                    if s.on_cpu > 0:
-                        msgs.append(_sample(h, s.on_cpu))
-            else:
-                off_ns = value == "off_cpu_ns"
-                for h, s in zip(heads, samples, strict=True):
-                    v = s.off_cpu_ns if off_ns else s.off_cpu
-                    if v > 0:
-                        # Two packed runs of one field concatenate: the sample's attributes, then its state.
-                        msgs.append(_sample(h + self._wait_attr(s.wait), v))
-                if not msgs:
-                    continue
-            st = self.strings
-            sample_type = bytes_field(1, uint_field(1, st(type_)) + uint_field(2, st(unit)))
-            profiles.append(bytes_field(2, sample_type + b"".join(msgs) + head))
+        tail = self._profile_tail(meta)
+        for (_, type_), msgs in zip(_COLUMNS, (on_cpu, off_cpu, off_cpu_ns), strict=True):
+            if msgs or type_[0] == "on_cpu":  # an off-CPU profile only if it has samples
+                profiles.append(bytes_field(2, self._sample_type(type_) + b"".join(msgs) + tail))
 
         resource = b"".join(
             bytes_field(1, _key_value(k, v)) for k, get in _RESOURCE if (v := get(meta)) not in ("", None)
@@ -267,7 +286,11 @@ class Request:
         self.resource_profiles.append(rp)
         self.size += len(rp)
 
-    def _sample_attributes(self, pid: int, exe: str, tid: int, thread: str, before: bool) -> bytes:
+    def _sample_type(self, type_: tuple[str, str]) -> bytes:
+        st = self.strings
+        return bytes_field(1, uint_field(1, st(type_[0])) + uint_field(2, st(type_[1])))
+
+    def _sample_attributes(self, pid: int, tid: int, thread: str, before: bool, exe: str) -> bytes:
         attrs: list[int] = []
         if pid:
             attrs.append(self.attribute("process.pid", pid))
@@ -317,15 +340,14 @@ class Request:
         return b"".join(bytes_field(1, rp) for rp in self.resource_profiles) + bytes_field(2, dictionary)
 
 
-# What tells frames apart in a location: all a Frame holds but its inlined flag (said by its place).
-_frame_key = attrgetter("name", "module", "file", "line", "kind")
+_STACK_INDEX = key(1, 0)  # a Sample's stack_index (never 0: entry 0 is the empty stack)
 _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
 
 
 def _sample(head: bytes, value: int) -> bytes:
     """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
-    v = varint(clamp(value))
-    body = head + _VALUE_TAG + varint(len(v)) + v
+    v = varint(value if value < INT64_MAX else INT64_MAX)
+    body = head + _VALUE_TAG + _VARINTS[len(v)] + v
     return _SAMPLE_TAG + varint(len(body)) + body
 
 
@@ -333,12 +355,12 @@ _VALUE_TAG = key(4, 2)
 _SAMPLE_TAG = key(2, 2)
 
 
-def _mapping_name(f: Frame) -> str:
-    if f.kind == KIND_KERNEL:
+def _mapping_name(kind: str, module: str) -> str:
+    if kind == KIND_KERNEL:
         return "[kernel]"
-    if f.kind == KIND_VDSO:
+    if kind == KIND_VDSO:
         return "[vdso]"
-    return f.module or "[unknown]"
+    return module or "[unknown]"
 
 
 def profile_id(session_id: str) -> bytes:
@@ -353,4 +375,4 @@ def export_request(profile: Profile) -> bytes:
     return req.encode()
 
 
-__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "Request", "export_request", "profile_id"]
+__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "FrameRow", "Request", "SampleRow", "export_request", "profile_id"]

@@ -33,15 +33,17 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote
 
 import requests
 
 from .. import formats, otlp
-from ..model import Profile
+from ..model import Profile, SessionMeta
 from .metrics import Metrics
-from .store import Store, StoreError
+from .store import Store, StoreError, profile_from_rows
 from .store_exports import Claimed
 
 log = logging.getLogger(__name__)
@@ -109,12 +111,15 @@ def read_headers(path: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------
 # Payloads: pure functions of a profile
 
+# A session as the sender reads it: its meta, frames and samples as rows (Store.get_profile_rows).
+Stored = tuple[SessionMeta, Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]]
 
-def otlp_payload(profiles: list[Profile]) -> bytes:
+
+def otlp_payload(sessions: list[Stored]) -> bytes:
     """Sessions in one ExportProfilesServiceRequest (one dictionary), gzip'd."""
     req = otlp.Request()
-    for p in profiles:
-        req.add(p)
+    for meta, frames, samples in sessions:
+        req.add_rows(meta, frames, samples)
     return _gzip(req.encode())
 
 
@@ -257,7 +262,7 @@ class Exporter:
             self.enforce_bounds()
         busy = False
         # Sessions read in this round: the endpoints' rows name the same sessions, read once for all.
-        profiles: dict[str, Profile | None] = {}
+        sessions: dict[str, Stored | None] = {}
         for ep in self.config.endpoints:
             if self._stop.is_set():
                 break
@@ -268,11 +273,11 @@ class Exporter:
                 continue
             busy = True
             per_request = BATCH if ep.kind == OTLP else 1  # Pyroscope's /ingest takes one profile
-            self._send(ep, claimed, profiles, per_request)
+            self._send(ep, claimed, sessions, per_request)
         return busy
 
     def _send(
-        self, ep: Endpoint, rows: list[Claimed], profiles: dict[str, Profile | None], per_request: int
+        self, ep: Endpoint, rows: list[Claimed], sessions: dict[str, Stored | None], per_request: int
     ) -> bool:
         """Send claimed rows, up to `per_request` sessions a request (OTLP: up to MAX_REQUEST_BYTES
         too). False when the endpoint failed: it is paused, the rows not sent given back."""
@@ -281,27 +286,27 @@ class Exporter:
             if self._stop.is_set():
                 self._release(ep, rows[i:])
                 return True
-            batch: list[tuple[Claimed, Profile]] = []
+            batch: list[tuple[Claimed, Stored]] = []
             size = 0
             while i < len(rows) and len(batch) < per_request and size < MAX_REQUEST_BYTES:
                 row = rows[i]
                 i += 1
                 sid = row.session_id
-                if sid not in profiles:
-                    profiles[sid] = self.store.get_profile(sid)
-                profile = profiles[sid]
-                if profile is None:  # deleted by retention meanwhile
+                if sid not in sessions:
+                    sessions[sid] = self.store.get_profile_rows(sid)
+                stored = sessions[sid]
+                if stored is None:  # deleted by retention meanwhile
                     self._drop(ep, row, "session_gone")
                     continue
-                batch.append((row, profile))
-                size += sum(len(s.stack) for s in profile.samples) * 4  # its stacks and samples, about
+                batch.append((row, stored))
+                size += sum(len(s[0]) for s in stored[2]) * 4  # its stacks and samples, about
             if not batch:
                 continue
             try:
-                body = self._payload(ep, [p for _, p in batch])
+                body, query = self._payload(ep, [p for _, p in batch])
             except Exception as e:
                 if len(batch) > 1:  # which session? each alone
-                    if not self._send(ep, [r for r, _ in batch], profiles, 1):
+                    if not self._send(ep, [r for r, _ in batch], sessions, 1):
                         self._release(ep, rows[i:])
                         return False
                     continue
@@ -311,27 +316,29 @@ class Exporter:
                 )
                 self._drop(ep, batch[0][0], "encode_failed")
                 continue
-            outcome = self._deliver(ep, [r for r, _ in batch], body, batch[0][1])
+            outcome = self._deliver(ep, [r for r, _ in batch], body, query)
             if outcome == "refused" and len(batch) > 1:
                 # One session, or the request's size, may be what the endpoint refused: each alone.
-                outcome = "sent" if self._send(ep, [r for r, _ in batch], profiles, 1) else "failed"
+                outcome = "sent" if self._send(ep, [r for r, _ in batch], sessions, 1) else "failed"
             if outcome == "failed":
                 self._release(ep, rows[i:])  # the endpoint is paused: the others wait too
                 return False
         return True
 
-    def _payload(self, ep: Endpoint, profiles: list[Profile]) -> bytes:
+    def _payload(self, ep: Endpoint, sessions: list[Stored]) -> tuple[bytes, str]:
+        """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
-            return otlp_payload(profiles)
-        (profile,) = profiles
-        return pyroscope_payload(profile)
+            return otlp_payload(sessions), ""
+        ((meta, frames, samples),) = sessions
+        profile = profile_from_rows(meta, frames, samples)
+        return pyroscope_payload(profile), pyroscope_query(profile)
 
-    def _deliver(self, ep: Endpoint, rows: list[Claimed], body: bytes, first: Profile) -> str:
-        """Post one request of `rows` (`first`: the first one's profile, for Pyroscope's query) and
-        act on the answer: "sent", "refused" (the rows dropped, if alone) or "failed" (retried later)."""
+    def _deliver(self, ep: Endpoint, rows: list[Claimed], body: bytes, query: str) -> str:
+        """Post one request of `rows` and act on the answer: "sent", "refused" (the rows dropped,
+        if alone) or "failed" (retried later)."""
         started = time.monotonic()
         try:
-            self._post(ep, first, body)
+            self._post(ep, body, query)
         except _Refused as e:
             self.metrics.exports_failed.labels(ep.kind, e.reason).inc()
             if len(rows) == 1:
@@ -388,13 +395,13 @@ class Exporter:
         if self.store.finish_export(row.session_id, ep.key, self.claimant):
             self.metrics.exports_dropped.labels(ep.kind, reason).inc()
 
-    def _post(self, ep: Endpoint, profile: Profile, body: bytes) -> None:
+    def _post(self, ep: Endpoint, body: bytes, query: str) -> None:
         headers = dict(ep.headers)
         if ep.kind == OTLP:
             url = ep.url
             headers.update({"Content-Type": otlp.CONTENT_TYPE, "Content-Encoding": "gzip"})
         else:
-            url = f"{ep.url.rstrip('/')}/ingest?{pyroscope_query(profile)}"
+            url = f"{ep.url.rstrip('/')}/ingest?{query}"
             headers["Content-Type"] = "application/octet-stream"
         env = self._env[ep.key]
         try:
