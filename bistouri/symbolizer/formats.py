@@ -551,7 +551,8 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
     has_inlined = any(inlined)
     single = [0] * len(frames)  # location id of a frame that is a location on its own
     for s in profile.samples:
-        if has_inlined:
+        # Locations in order of first use, leaf first, whichever way: the same ids, the same bytes.
+        if has_inlined and any(map(inlined.__getitem__, s.stack)):
             ids = [location_id(g) for g in locations_of(s.stack, inlined)]
         else:
             ids = []

@@ -22,8 +22,8 @@ from .. import wire
 from .formats import locations_of
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
 from .protobuf import (
-    _VARINTS,
     INT64_MAX,
+    SMALL_VARINTS,
     Strings,
     bytes_field,
     clamp,
@@ -33,6 +33,7 @@ from .protobuf import (
     packed,
     uint_field,
     varint,
+    varints,
 )
 
 SCOPE_NAME = "bistouri"
@@ -210,7 +211,8 @@ class Request:
 
     def _stack(self, locations: tuple[int, ...]) -> int:
         i = self.stacks[locations] = len(self.stack_msgs)
-        msg = packed(1, locations)
+        body = varints(locations)
+        msg = _PACKED_1 + varint(len(body)) + body
         self.stack_msgs.append(msg)
         self.size += len(msg)
         return i
@@ -238,6 +240,7 @@ class Request:
         groups: dict[tuple[int, ...], int] = {}
         stacks = self.stacks.get
         sample_attrs = self.sample_attrs
+        session_attrs: dict[tuple[int, int, str, bool], bytes] = {}  # the same, without the executable
         wait_attr = self._wait_attr
         # One pass: each sample's stack and attributes (its head, shared by the profile of each
         # type), then its message in each profile it has a value for (_COLUMNS' order).
@@ -258,10 +261,14 @@ class Request:
             else:
                 locations = tuple(map(single.__getitem__, reversed(stack)))
             stack_id = stacks(locations) or self._stack(locations)  # or a new one
-            akey = (s[1], s[2], s[3], s[7], comm.get(s[1], ""))
-            attrs = sample_attrs.get(akey)
+            skey = (s[1], s[2], s[3], s[7])
+            attrs = session_attrs.get(skey)
             if attrs is None:
-                attrs = sample_attrs[akey] = self._sample_attributes(*akey)
+                akey = (*skey, comm.get(s[1], ""))
+                attrs = sample_attrs.get(akey)
+                if attrs is None:
+                    attrs = sample_attrs[akey] = self._sample_attributes(*akey)
+                session_attrs[skey] = attrs
             head = _STACK_INDEX + varint(stack_id) + attrs
             if s[4] > 0:
                 on_cpu.append(_sample(head, s[4]))
@@ -340,6 +347,7 @@ class Request:
         return b"".join(bytes_field(1, rp) for rp in self.resource_profiles) + bytes_field(2, dictionary)
 
 
+_PACKED_1 = key(1, 2)  # a Stack's location_indices
 _STACK_INDEX = key(1, 0)  # a Sample's stack_index (never 0: entry 0 is the empty stack)
 _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
 
@@ -347,7 +355,7 @@ _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles'
 def _sample(head: bytes, value: int) -> bytes:
     """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
     v = varint(value if value < INT64_MAX else INT64_MAX)
-    body = head + _VALUE_TAG + _VARINTS[len(v)] + v
+    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
     return _SAMPLE_TAG + varint(len(body)) + body
 
 

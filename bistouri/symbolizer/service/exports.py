@@ -2,20 +2,25 @@
 
 Ingest queues a session for every configured endpoint in the transaction that stores it
 (Store.insert); it never sends nor waits. One sender thread per worker process
-(`bistouri-export`) claims due rows with a lease (store_exports.py), reads each session's
-profile as stored at that moment (a session symbolized again meanwhile goes out with its
-kernel frames named), encodes it and posts it:
+(`bistouri-export`) claims due rows with a lease (store_exports.py), reads each session as
+stored at that moment, as rows (a session symbolized again meanwhile goes out with its kernel
+frames named; one sent is not sent again: the endpoints only append), once for all endpoints,
+encodes it and posts it:
 
-- OTLP: an ExportProfilesServiceRequest (otlp.py), OTLP/HTTP protobuf, gzip'd, to the URL given
-  (the collector's `/v1development/profiles`, in full).
-- Pyroscope: the pprof (formats.pprof) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`.
+- OTLP: up to BATCH sessions in one ExportProfilesServiceRequest (otlp.Request: one dictionary,
+  what the sessions share written once), OTLP/HTTP protobuf, gzip'd, to the URL given (the
+  collector's `/v1development/profiles`, in full). A request refused is sent again a session a
+  request: only the session refused is dropped.
+- Pyroscope: the pprof (formats.pprof) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`,
+  a session a request (its API takes one profile).
 
-A 2xx deletes the row. A refusal that a retry cannot change (4xx but 408 and 429) drops it; any
+A 2xx deletes the rows. A refusal that a retry cannot change (4xx but 408 and 429) drops it; any
 other failure gives it back with a backoff per row and pauses the endpoint (its `disabled_until`,
 doubling to MAX_BACKOFF_S, or the server's Retry-After). The queue is bounded in rows, bytes and
 age: past them the oldest rows go. Every outcome is counted: `exports_sent_total`,
 `exports_failed_total{reason}`, `exports_dropped_total{reason}`, and at scrape time the backlog
-(`export_queue_sessions`, `export_queue_bytes`, `export_queue_oldest_seconds`).
+(`export_queue_sessions`, `export_queue_bytes`, `export_queue_oldest_seconds`). At start-up the
+rows of endpoints no longer configured are dropped (`endpoint_removed`).
 
 Once per endpoint and session: a row is held by one claimant at a time and deleted by it after
 the endpoint took it. A sender that dies between the endpoint's answer and the delete leaves
@@ -225,6 +230,7 @@ class Exporter:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.forget_removed_endpoints()
         if self._thread is None and self.config.endpoints:
             self._thread = threading.Thread(target=self._run, name="bistouri-export", daemon=True)
             self._thread.start()
@@ -377,6 +383,23 @@ class Exporter:
         """Give back rows claimed and not tried, as they were: due at once, no attempt counted."""
         for row in rows:
             self.store.retry_export(row.session_id, ep.key, self.claimant, 0, failed=False)
+
+    def forget_removed_endpoints(self) -> None:
+        """At start-up: the rows of endpoints no longer configured are dropped (counted by reason
+        `endpoint_removed`) rather than kept until the age bound. Every instance on one database is
+        configured with the same endpoints (the role does): one's rows are never another's."""
+        try:
+            dropped = self.store.drop_exports_not_for(self.config.keys)
+        except StoreError as e:  # the rows stay; the next start tries again
+            log.warning("cannot drop the export rows of removed endpoints. error=%s", e)
+            return
+        for endpoint, n in dropped.items():
+            self.metrics.exports_dropped.labels(endpoint_kind(endpoint), "endpoint_removed").inc(n)
+            log.warning(
+                "export rows of an endpoint no longer configured dropped. endpoint=%s count=%d",
+                endpoint.split(" ", 1)[-1],
+                n,
+            )
 
     def enforce_bounds(self) -> None:
         c = self.config

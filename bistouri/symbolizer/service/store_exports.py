@@ -133,6 +133,20 @@ class ExportRows:
                 count(endpoint, "queue_full", self._delete_oldest(endpoint, over, None))
         return dropped
 
+    def drop_exports_not_for(self, endpoints: Sequence[str]) -> dict[str, int]:
+        """Delete the rows of every endpoint but `endpoints` (the ones configured): per endpoint, how
+        many. Several instances may run it at once: each counts what it deleted."""
+        keep = ", ".join("?" * len(endpoints))
+        where = f"endpoint NOT IN ({keep})" if endpoints else "1 = 1"
+        dropped: dict[str, int] = {}
+        for (endpoint,) in self._fetch(
+            f"SELECT DISTINCT endpoint FROM export_queue WHERE {where}", endpoints
+        ):
+            n = self._exec("DELETE FROM export_queue WHERE endpoint = ?", (endpoint,))
+            if n:
+                dropped[str(endpoint)] = n
+        return dropped
+
     def _delete_oldest(self, endpoint: str, n: int, before_ns: int | None) -> int:
         age = " AND enqueued_ns < ?" if before_ns is not None else ""
         params: list[Any] = [endpoint] + ([before_ns] if before_ns is not None else []) + [n]
