@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -47,6 +48,7 @@ from bistouri.symbolizer.service.exports import OTLP, PYROSCOPE, Endpoint, Expor
 from bistouri.symbolizer.service.metrics import Metrics  # noqa: E402
 from bistouri.symbolizer.service.store import Store  # noqa: E402
 from bistouri.symbolizer.sources import DEBUGINFO, DebugSources  # noqa: E402
+from testkit.pg import running_postgres  # noqa: E402
 from testkit.sink import Received, Sink  # noqa: E402
 from testkit.symbolizer import (  # noqa: E402
     KALLSYMS,
@@ -185,9 +187,9 @@ def sessions_at(sink: Sink) -> list[bytes]:
     return [p for r in sink.accepted(OTLP_PATH) for p in otlp_sessions(r)]
 
 
-def drain_in_process(sink: Sink, state: Path, ep: Endpoint, n: int) -> float:
+def drain_in_process(sink: Sink, db: str, state: Path, ep: Endpoint, n: int) -> float:
     """The sender's thread CPU per session to send `n` queued sessions to one endpoint."""
-    store = Store.for_state_dir("", state)
+    store = Store.for_state_dir(db, state)
     sender = Exporter(store, ExportConfig((ep,)), Metrics(lambda: store))
     sender._next_bounds = float("inf")  # the bounds' pass is not a send's cost
     # Due now: the failed sends' backoff, or the wait of a session missing symbols, is not measured.
@@ -215,112 +217,134 @@ def main() -> int:
         "--batch", type=int, default=20, help="sessions per ingest request when they come in bulk (a backlog)"
     )
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument(
+        "--postgres", action="store_true", help="a PostgreSQL server (as fleets run) instead of SQLite files"
+    )
     args = ap.parse_args()
     result: dict[str, Any] = {"args": vars(args), "shapes": {}}
 
-    with tempfile.TemporaryDirectory(prefix="bistouri-bench-export-") as tmp, Sink() as sink:
-        d = Path(tmp)
-        binary, bid, offsets = build_binary(d, None)
-        libs = d / "libs"
-        libs.mkdir()
-        for lib in (LIBPYTHON, LIBC):
-            os.symlink(lib, libs / os.path.basename(lib))
-        python, libc = Pool(LIBPYTHON, 3000, 1), Pool(LIBC, 600, 2)
-        bins = [binary.parent, libs]
-        common = {"workers": 1, "debug_dir": DEBUG_DIR}
-
-        def bodies(shape: str, n: int, seed: int, batch: int | None = None) -> list[bytes]:
-            if shape == "real":
-                enc = real_sessions(n, 100, seed, python, libc)
-            else:
-                enc = make_sessions(n, 50, 12, bid, offsets, seed=seed)
-            step = batch or args.batch
-            return [gzip.compress(wire.encode_batch(enc[i : i + step])) for i in range(0, n, step)]
-
-        def warm(url: SymbolizerURL, shape: str) -> None:
-            # The resolver's caches in steady state (a fleet's symbolizer has seen these binaries).
-            post_all(url, bodies(shape, 100, seed=99), args.clients)
-
-        otlp_ep = Endpoint(OTLP, sink.url + OTLP_PATH)
-        pyro_ep = Endpoint(PYROSCOPE, sink.url)
-        n = args.sessions
-        for k, shape in enumerate(args.shapes.split(",")):
-            row: dict[str, float] = {}
-            # Ingest alone: a session a request, as an agent posts each session when it ends, then in
-            # bulk (an agent back from an outage); then a session a request with both endpoints down
-            # (their queue rows written, the sends failing and backing off).
-            both = {"otlp_endpoint": otlp_ep.url, "pyroscope_url": pyro_ep.url}
-            for name, batch, flags in (
-                ("ingest", 1, {}),
-                ("ingest_bulk", args.batch, {}),
-                ("ingest_queued", 1, both),
-            ):
-                sink.status = 503
-                state = d / f"{shape}-{name}"
-                url = start(d, f"{shape}-{name}", bins, state_dir=state, **common, **flags)
-                try:
-                    warm(url, shape)
-                    work = bodies(shape, n, seed=10 * k + len(row) + 1, batch=batch)
-                    c0 = cpu_seconds(url.proc.pid)
-                    post_all(url, work, args.clients)
-                    time.sleep(1.5)  # an idle sender's poll
-                    row[name] = (cpu_seconds(url.proc.pid) - c0) / n * 1000
-                finally:
-                    stop(url)
-            # The queued sessions (and the warm-up's) sent by the service's sender, here.
-            sink.status = 200
-            queued = n + 100
-            row["otlp"] = drain_in_process(sink, state, otlp_ep, queued) * 1000
-            row["pyroscope"] = drain_in_process(sink, state, pyro_ep, queued) * 1000
-            print(
-                f"{shape}: ingest CPU a session {row['ingest']:.2f} ms one a request, "
-                f"{row['ingest_bulk']:.2f} ms {args.batch} a request, "
-                f"{row['ingest_queued']:.2f} ms one a request with the queue rows"
-            )
-            for kind in ("otlp", "pyroscope"):
-                shares = ", ".join(
-                    f"{100 * row[kind] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
-                )
-                print(f"  export {kind}: {row[kind]:.3f} ms a session = {shares} (target <= 10 %)")
-            result["shapes"][shape] = row
-
-        if args.backlog:
-            # 2. Backlog drain: queued while the endpoint is down, sent after a restart with it up.
-            sink.received.clear()
-            sink.status = 503
-            otlp_only = {"otlp_endpoint": otlp_ep.url}
-            state = d / "drain"
-            url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
-            try:
-                t0 = time.perf_counter()
-                post_all(url, bodies(args.drain_shape, args.backlog, seed=9), args.clients)
-                print(
-                    f"backlog of {args.backlog} ingested in {time.perf_counter() - t0:.1f} s, endpoint down"
-                )
-            finally:
-                stop(url)
-            sink.received.clear()
-            sink.status = 200
-            url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
-            try:
-                sink.wait_for(lambda s: bool(s.accepted()), 120, "the first session")
-                c0, t0 = cpu_seconds(url.proc.pid), time.perf_counter()
-                first = len(sessions_at(sink))
-                sink.wait_for(lambda s: len(sessions_at(s)) >= args.backlog, 1800, "the backlog")
-                wall, used = time.perf_counter() - t0, cpu_seconds(url.proc.pid) - c0
-            finally:
-                stop(url)
-            ids = sessions_at(sink)
-            rate, per_core = (args.backlog - first) / wall, (args.backlog - first) / used
-            print(
-                f"drain: {args.backlog} sessions ({args.drain_shape}) at {rate:.0f} sessions/s, "
-                f"{per_core:.0f} per CPU-second of the service (target >= 200 per core); "
-                f"{len(ids)} received, {len(set(ids))} distinct, in {len(sink.accepted())} requests"
-            )
-            result.update(drain_rate=rate, drain_per_cpu_second=per_core, drain_distinct=len(set(ids)))
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bistouri-bench-export-"))
+        sink = stack.enter_context(Sink())
+        pg = stack.enter_context(running_postgres()) if args.postgres else None
+        run(args, Path(tmp), sink, pg.url if pg else "", result)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "export.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def fresh_database(db: str) -> None:
+    """An empty PostgreSQL database for the next service (SQLite: a new state directory each)."""
+    if not db:
+        return
+    import psycopg
+
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(
+            "DROP TABLE IF EXISTS sessions, kernels, pending_builds, upload_files, upload_parts, "
+            "export_queue, schema_version"
+        )
+
+
+def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str, Any]) -> None:
+    binary, bid, offsets = build_binary(d, None)
+    libs = d / "libs"
+    libs.mkdir()
+    for lib in (LIBPYTHON, LIBC):
+        os.symlink(lib, libs / os.path.basename(lib))
+    python, libc = Pool(LIBPYTHON, 3000, 1), Pool(LIBC, 600, 2)
+    bins = [binary.parent, libs]
+    common: dict[str, Any] = {"workers": 1, "debug_dir": DEBUG_DIR, "db": db or None}
+
+    def bodies(shape: str, n: int, seed: int, batch: int | None = None) -> list[bytes]:
+        if shape == "real":
+            enc = real_sessions(n, 100, seed, python, libc)
+        else:
+            enc = make_sessions(n, 50, 12, bid, offsets, seed=seed)
+        step = batch or args.batch
+        return [gzip.compress(wire.encode_batch(enc[i : i + step])) for i in range(0, n, step)]
+
+    def warm(url: SymbolizerURL, shape: str) -> None:
+        # The resolver's caches in steady state (a fleet's symbolizer has seen these binaries).
+        post_all(url, bodies(shape, 100, seed=99), args.clients)
+
+    otlp_ep = Endpoint(OTLP, sink.url + OTLP_PATH)
+    pyro_ep = Endpoint(PYROSCOPE, sink.url)
+    n = args.sessions
+    for k, shape in enumerate(args.shapes.split(",")):
+        row: dict[str, float] = {}
+        # Ingest alone: a session a request, as an agent posts each session when it ends, then in
+        # bulk (an agent back from an outage); then a session a request with both endpoints down
+        # (their queue rows written, the sends failing and backing off).
+        both = {"otlp_endpoint": otlp_ep.url, "pyroscope_url": pyro_ep.url}
+        for name, batch, flags in (
+            ("ingest", 1, {}),
+            ("ingest_bulk", args.batch, {}),
+            ("ingest_queued", 1, both),
+        ):
+            sink.status = 503
+            state = d / f"{shape}-{name}"
+            fresh_database(db)
+            url = start(d, f"{shape}-{name}", bins, state_dir=state, **common, **flags)
+            try:
+                warm(url, shape)
+                work = bodies(shape, n, seed=10 * k + len(row) + 1, batch=batch)
+                c0 = cpu_seconds(url.proc.pid)
+                post_all(url, work, args.clients)
+                time.sleep(1.5)  # an idle sender's poll
+                row[name] = (cpu_seconds(url.proc.pid) - c0) / n * 1000
+            finally:
+                stop(url)
+        # The queued sessions (and the warm-up's) sent by the service's sender, here.
+        sink.status = 200
+        queued = n + 100
+        row["otlp"] = drain_in_process(sink, db, state, otlp_ep, queued) * 1000
+        row["pyroscope"] = drain_in_process(sink, db, state, pyro_ep, queued) * 1000
+        print(
+            f"{shape}: ingest CPU a session {row['ingest']:.2f} ms one a request, "
+            f"{row['ingest_bulk']:.2f} ms {args.batch} a request, "
+            f"{row['ingest_queued']:.2f} ms one a request with the queue rows"
+        )
+        for kind in ("otlp", "pyroscope"):
+            shares = ", ".join(
+                f"{100 * row[kind] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
+            )
+            print(f"  export {kind}: {row[kind]:.3f} ms a session = {shares} (target <= 10 %)")
+        result["shapes"][shape] = row
+
+    if args.backlog:
+        # 2. Backlog drain: queued while the endpoint is down, sent after a restart with it up.
+        sink.received.clear()
+        sink.status = 503
+        otlp_only = {"otlp_endpoint": otlp_ep.url}
+        state = d / "drain"
+        fresh_database(db)
+        url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
+        try:
+            t0 = time.perf_counter()
+            post_all(url, bodies(args.drain_shape, args.backlog, seed=9), args.clients)
+            print(f"backlog of {args.backlog} ingested in {time.perf_counter() - t0:.1f} s, endpoint down")
+        finally:
+            stop(url)
+        sink.received.clear()
+        sink.status = 200
+        url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
+        try:
+            sink.wait_for(lambda s: bool(s.accepted()), 120, "the first session")
+            c0, t0 = cpu_seconds(url.proc.pid), time.perf_counter()
+            first = len(sessions_at(sink))
+            sink.wait_for(lambda s: len(sessions_at(s)) >= args.backlog, 1800, "the backlog")
+            wall, used = time.perf_counter() - t0, cpu_seconds(url.proc.pid) - c0
+        finally:
+            stop(url)
+        ids = sessions_at(sink)
+        rate, per_core = (args.backlog - first) / wall, (args.backlog - first) / used
+        print(
+            f"drain: {args.backlog} sessions ({args.drain_shape}) at {rate:.0f} sessions/s, "
+            f"{per_core:.0f} per CPU-second of the service (target >= 200 per core); "
+            f"{len(ids)} received, {len(set(ids))} distinct, in {len(sink.accepted())} requests"
+        )
+        result.update(drain_rate=rate, drain_per_cpu_second=per_core, drain_distinct=len(set(ids)))
 
 
 if __name__ == "__main__":

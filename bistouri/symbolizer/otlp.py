@@ -147,7 +147,7 @@ class Request:
         # Frame's hash and comparison run in Python, several times slower).
         self.locations: dict[Any, int] = {}
         self.location_msgs = [b""]
-        self.stacks: dict[tuple[int, ...], int] = {}
+        self.stacks: dict[bytes, int] = {}  # by the packed run of their location indices
         self.stack_msgs = [b""]
         self.kind_attrs: dict[str, bytes] = {}  # a location's attribute_indices field, by frame kind
         # A sample's attribute_indices field, by (pid, tid, thread, before the trigger, executable).
@@ -209,10 +209,10 @@ class Request:
             self.size += len(body)
         return i
 
-    def _stack(self, locations: tuple[int, ...]) -> int:
-        i = self.stacks[locations] = len(self.stack_msgs)
-        body = varints(locations)
-        msg = _PACKED_1 + varint(len(body)) + body
+    def _stack(self, run: bytes) -> int:
+        """A new stack, of the packed run of its location indices (leaf first)."""
+        i = self.stacks[run] = len(self.stack_msgs)
+        msg = _PACKED_1 + varint(len(run)) + run
         self.stack_msgs.append(msg)
         self.size += len(msg)
         return i
@@ -235,6 +235,7 @@ class Request:
         # Each frame as a location on its own (an inlined one is only part of others'), looked up
         # once per session by its row: a tuple, hashed and compared in C.
         single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
+        encoded = list(map(varint, single))  # as a stack's packed run holds them
         inlined = [f[5] for f in frames]
         has_inlined = any(inlined)
         groups: dict[tuple[int, ...], int] = {}
@@ -257,10 +258,10 @@ class Request:
                         rows = [frames[j] for j in g]
                         loc = groups[g] = location(tuple(rows), rows)
                     ids.append(loc)
-                locations = tuple(ids)
+                run = varints(ids)
             else:
-                locations = tuple(map(single.__getitem__, reversed(stack)))
-            stack_id = stacks(locations) or self._stack(locations)  # or a new one
+                run = b"".join(map(encoded.__getitem__, reversed(stack)))
+            stack_id = stacks(run) or self._stack(run)  # or a new one
             skey = (s[1], s[2], s[3], s[7])
             attrs = session_attrs.get(skey)
             if attrs is None:

@@ -274,7 +274,10 @@ class Exporter:
                 break
             if time.monotonic() < self._disabled_until[ep.key]:
                 continue
-            claimed = self.store.claim_exports(ep.key, self.claimant, int(LEASE_S * 1e9), BATCH)
+            # An endpoint that failed is tried with one session until it answers again: an outage
+            # costs one session's encoding per attempt, not a batch's (nor a batch's claim given back).
+            limit = 1 if self._failures[ep.key] else BATCH
+            claimed = self.store.claim_exports(ep.key, self.claimant, int(LEASE_S * 1e9), limit)
             if not claimed:
                 continue
             busy = True
