@@ -271,7 +271,7 @@ def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str
     otlp_ep = Endpoint(OTLP, sink.url + OTLP_PATH)
     pyro_ep = Endpoint(PYROSCOPE, sink.url)
     n = args.sessions
-    for k, shape in enumerate(args.shapes.split(",")):
+    for k, shape in enumerate(filter(None, args.shapes.split(","))):
         row: dict[str, float] = {}
         # Ingest alone: a session a request, as an agent posts each session when it ends, then in
         # bulk (an agent back from an outage); then a session a request with both endpoints down
