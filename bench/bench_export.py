@@ -16,7 +16,11 @@
    and started again with the endpoint up; from the first session accepted to the last, sessions per
    second and per CPU-second of the service. Target: at least 200 sessions/s per core.
 
-    .venv/bin/python -m bench.bench_export --sessions 500 --backlog 10000
+   With `--postgres`, the services share a PostgreSQL server started here (as fleets run) instead of
+   SQLite files; its own processes' CPU is not counted, for ingest as for export.
+
+    .venv/bin/python -m bench.bench_export --sessions 300 --backlog 0           # the CPU comparison
+    .venv/bin/python -m bench.bench_export --shapes "" --backlog 10000          # the drain
 """
 
 from __future__ import annotations
