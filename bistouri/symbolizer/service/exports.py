@@ -393,8 +393,8 @@ class Exporter:
         configured with the same endpoints (the role does): one's rows are never another's."""
         try:
             dropped = self.store.drop_exports_not_for(self.config.keys)
-        except StoreError as e:  # the rows stay; the next start tries again
-            log.warning("cannot drop the export rows of removed endpoints. error=%s", e)
+        except Exception as e:  # never a reason not to start: the rows stay, the next start tries again
+            log.warning("cannot drop the export rows of removed endpoints. error=%s: %s", type(e).__name__, e)
             return
         for endpoint, n in dropped.items():
             self.metrics.exports_dropped.labels(endpoint_kind(endpoint), "endpoint_removed").inc(n)
