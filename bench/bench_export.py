@@ -1,21 +1,36 @@
 """Forwarding cost and backlog drain of the symbolizer (issue 24 targets).
 
-1. Export CPU per session against ingest CPU per session: the same sessions posted to a service
-   without endpoints, then to a fresh one sending OTLP and Pyroscope to a local endpoint (kept in
-   this process: its CPU is not the service's); the difference of the service's CPU per session is
-   what forwarding costs. Target: at most 10 % of ingest.
+1. Export CPU per session against ingest CPU per session, for each session shape:
+   - ingest: the service's CPU per session (all of it: HTTP, gunzip, decode, checks, symbolization,
+     store) with no endpoint configured; then with OTLP and Pyroscope endpoints down (503), which
+     adds what ingest does for forwarding (a queue row per endpoint, in the session's transaction);
+   - export: that service's queue drained by the service's own sender (exports.Exporter, the same
+     code) run in this process against the same database, its thread's CPU time only (the endpoint,
+     kept in this process too, runs in other threads): reading each session, encoding, compressing,
+     posting, the queue's writes. OTLP alone, then Pyroscope alone.
+   Shapes: `real` (default), stacks of real programs (libpython3.11 under libc, with libc's DWARF:
+   file:line and inlined frames), 100 distinct stacks of 8-40 frames under 0-6 kernel frames, drawn
+   from a Zipf law over 3 600 addresses; `small`, bench_ingest's (50 stacks of 12 frames of a tiny C
+   binary). Target: at most 10 % of ingest.
 2. Backlog drain: a service ingests `--backlog` sessions while its endpoint answers 503, is stopped,
    and started again with the endpoint up; from the first session accepted to the last, sessions per
    second and per CPU-second of the service. Target: at least 200 sessions/s per core.
 
-    .venv/bin/python -m bench.bench_export --sessions 1000 --backlog 10000
+   With `--postgres`, the services share a PostgreSQL server started here (as fleets run) instead of
+   SQLite files; its own processes' CPU is not counted, for ingest as for export.
+
+    .venv/bin/python -m bench.bench_export --sessions 300 --backlog 0           # the CPU comparison
+    .venv/bin/python -m bench.bench_export --shapes "" --backlog 10000          # the drain
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
+import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -30,11 +45,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_ingest import build_binary, cpu_seconds, make_sessions  # noqa: E402
+from bench.bench_symbolize import _pick  # noqa: E402
 from bistouri import wire  # noqa: E402
-from testkit.sink import Sink  # noqa: E402
+from bistouri.elf import PF_X, ElfFile  # noqa: E402
+from bistouri.symbolizer.service.exports import OTLP, PYROSCOPE, Endpoint, ExportConfig, Exporter  # noqa: E402
+from bistouri.symbolizer.service.metrics import Metrics  # noqa: E402
+from bistouri.symbolizer.service.store import Store  # noqa: E402
+from bistouri.symbolizer.sources import DEBUGINFO, DebugSources  # noqa: E402
+from testkit.pg import running_postgres  # noqa: E402
+from testkit.sink import Received, Sink  # noqa: E402
 from testkit.symbolizer import (  # noqa: E402
     KALLSYMS,
     KERNEL_BUILD_ID,
+    KERNEL_IPS,
     SymbolizerURL,
     clean_env,
     free_port,
@@ -44,12 +67,80 @@ from testkit.symbolizer import (  # noqa: E402
 )
 
 RESULTS = REPO / "bench" / "results"
+OTLP_PATH = "/v1development/profiles"
+DEBUG_DIR = "/usr/lib/debug"
+# Real programs: (path, addresses drawn from); libc's DWARF from libc6-dbg gives file:line and inlines.
+LIBPYTHON = "/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0"
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
 
-def start(d: Path, name: str, binary_dir: Path, **flags: Any) -> SymbolizerURL:
+class Pool:
+    """Addresses inside a real binary's functions, drawn with a Zipf law (a profile's hot few)."""
+
+    def __init__(self, path: str, n: int, seed: int) -> None:
+        with ElfFile(path) as f:
+            bid = f.build_id
+            segments = [s for s in f.segments if s.flags & PF_X and s.filesz]
+        assert bid, path
+        self.build_id = bid
+        dbg = DebugSources([DEBUG_DIR], [], debuginfod_urls=[]).find(bid, DEBUGINFO)
+        with ElfFile(dbg.path if dbg else path) as f:
+            index = f.symbol_index()
+        _, self.offsets = _pick(index, segments, n, seed)
+        random.Random(seed).shuffle(self.offsets)
+        total, self.cum = 0.0, []
+        for r in range(n):
+            total += 1.0 / (r + 1) ** 1.1
+            self.cum.append(total)
+
+    def frames(self, rng: random.Random, k: int) -> list[wire.UserFrame]:
+        return [
+            wire.UserFrame(0, self.build_id, o) for o in rng.choices(self.offsets, cum_weights=self.cum, k=k)
+        ]
+
+
+def real_sessions(n: int, stacks: int, seed: int, python: Pool, libc: Pool) -> list[bytes]:
+    """Sessions of a Python service: interpreter frames under libc's, under kernel frames."""
+    rng = random.Random(seed)
+    kips = list(KERNEL_IPS.values())
+    out = []
+    for i in range(n):
+        traces = []
+        for j in range(stacks):
+            user = tuple(libc.frames(rng, rng.randint(0, 3)) + python.frames(rng, rng.randint(8, 40)))
+            kernel = tuple(rng.choice(kips) for _ in range(rng.randint(0, 6)))
+            off = rng.randint(0, 3)
+            traces.append(
+                wire.Trace(
+                    kernel,
+                    user,
+                    100 + j % 4,
+                    100 + j % 16,
+                    on_cpu=rng.randint(1, 30),
+                    off_cpu=off,
+                    off_cpu_ns=off * rng.randint(10**5, 10**7),
+                )
+            )
+        s = wire.Session(
+            session_id=f"real-{seed}-{i}",
+            trigger=wire.Trigger("cpu"),
+            kernel=wire.KernelInfo("6.18", KERNEL_BUILD_ID, 0xFFFFFFFF81000000),
+            start_ns=time.time_ns() - i,
+            duration_ns=10**10,
+            period_ns=52_631_578,
+            service="bench",
+            host=f"h{i % 10}",
+            processes={100 + k: "python3" for k in range(4)},
+            traces=traces,
+        )
+        out.append(wire.encode_session(s))
+    return out
+
+
+def start(d: Path, name: str, binary_dirs: list[Path], **flags: Any) -> SymbolizerURL:
     port = free_port()
     cmd = symbolizer_command(
-        listen_addr=f"127.0.0.1:{port}", binary_dir=binary_dir, log_level="warning", **flags
+        listen_addr=f"127.0.0.1:{port}", binary_dir=binary_dirs, log_level="warning", **flags
     )
     log = d / f"{name}.log"
     with open(log, "ab") as out:
@@ -85,97 +176,179 @@ def post_all(url: str, bodies: list[bytes], clients: int) -> None:
         t.join()
 
 
-def wait_sent(sink: Sink, n: int, timeout_s: float) -> None:
-    sink.wait_for(lambda s: len(s.accepted()) >= n, timeout_s, f"{n} sessions at the endpoint")
+def otlp_sessions(r: Received) -> list[bytes]:
+    """The profile ids of the sessions in one OTLP request, read with the official classes."""
+    from opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2 import (
+        ExportProfilesServiceRequest,
+    )
+
+    req = ExportProfilesServiceRequest()
+    req.ParseFromString(r.body)
+    return [rp.scope_profiles[0].profiles[0].profile_id for rp in req.resource_profiles]
+
+
+def sessions_at(sink: Sink) -> list[bytes]:
+    return [p for r in sink.accepted(OTLP_PATH) for p in otlp_sessions(r)]
+
+
+def drain_in_process(sink: Sink, db: str, state: Path, ep: Endpoint, n: int) -> float:
+    """The sender's thread CPU per session to send `n` queued sessions to one endpoint."""
+    store = Store.for_state_dir(db, state)
+    sender = Exporter(store, ExportConfig((ep,)), Metrics(lambda: store))
+    sender._next_bounds = float("inf")  # the bounds' pass is not a send's cost
+    # Due now: the failed sends' backoff, or the wait of a session missing symbols, is not measured.
+    store._exec("UPDATE export_queue SET next_ns = 0, attempts = 0")
+    sink.received.clear()
+    c0 = time.thread_time()
+    while sender.run_once():
+        pass
+    used = time.thread_time() - c0
+    left = store.export_backlog()
+    sender.close()
+    assert not left.get(ep.key), f"{ep.kind}: {left}"
+    got = len(set(sessions_at(sink))) if ep.kind == OTLP else len(sink.accepted("/ingest"))
+    assert got == n, f"{ep.kind}: {got} of {n} sessions at the endpoint"
+    return used / n
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=1000, help="sessions of the CPU comparison")
-    ap.add_argument("--backlog", type=int, default=10_000, help="sessions of the drain")
-    ap.add_argument("--traces", type=int, default=50, help="distinct stacks per session")
-    ap.add_argument("--depth", type=int, default=12, help="user frames per stack")
-    ap.add_argument("--batch", type=int, default=20)
-    ap.add_argument("--workers", type=int, default=1, help="worker processes (1: per-core figures)")
+    ap.add_argument("--sessions", type=int, default=500, help="sessions of each CPU comparison")
+    ap.add_argument("--backlog", type=int, default=10_000, help="sessions of the drain (0: skip it)")
+    ap.add_argument("--shapes", default="real,small", help="session shapes of the comparison: real, small")
+    ap.add_argument("--drain-shape", default="real", help="session shape of the drain")
+    ap.add_argument(
+        "--batch", type=int, default=20, help="sessions per ingest request when they come in bulk (a backlog)"
+    )
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument(
+        "--postgres", action="store_true", help="a PostgreSQL server (as fleets run) instead of SQLite files"
+    )
     args = ap.parse_args()
-    result: dict[str, Any] = {"args": vars(args)}
+    result: dict[str, Any] = {"args": vars(args), "shapes": {}}
 
-    with tempfile.TemporaryDirectory(prefix="bistouri-bench-export-") as tmp, Sink() as sink:
-        d = Path(tmp)
-        binary, bid, offsets = build_binary(d, None)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bistouri-bench-export-"))
+        sink = stack.enter_context(Sink())
+        pg = stack.enter_context(running_postgres()) if args.postgres else None
+        run(args, Path(tmp), sink, pg.url if pg else "", result)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "export.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
-        def bodies(n: int, seed: int) -> list[bytes]:
-            enc = make_sessions(n, args.traces, args.depth, bid, offsets, seed=seed)
-            return [
-                gzip.compress(wire.encode_batch(enc[i : i + args.batch])) for i in range(0, n, args.batch)
-            ]
 
-        # 1. CPU per session, without and with forwarding (OTLP and Pyroscope: two sends a session).
-        cpu = {}
-        for name, flags in (
-            ("ingest", {}),
-            (
-                "ingest+export",
-                {"otlp_endpoint": sink.url + "/v1development/profiles", "pyroscope_url": sink.url},
-            ),
+def fresh_database(db: str) -> None:
+    """An empty PostgreSQL database for the next service (SQLite: a new state directory each)."""
+    if not db:
+        return
+    import psycopg
+
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(
+            "DROP TABLE IF EXISTS sessions, kernels, pending_builds, upload_files, upload_parts, "
+            "export_queue, schema_version"
+        )
+
+
+def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str, Any]) -> None:
+    binary, bid, offsets = build_binary(d, None)
+    libs = d / "libs"
+    libs.mkdir()
+    for lib in (LIBPYTHON, LIBC):
+        os.symlink(lib, libs / os.path.basename(lib))
+    python, libc = Pool(LIBPYTHON, 3000, 1), Pool(LIBC, 600, 2)
+    bins = [binary.parent, libs]
+    common: dict[str, Any] = {"workers": 1, "debug_dir": DEBUG_DIR, "db": db or None}
+
+    def bodies(shape: str, n: int, seed: int, batch: int | None = None) -> list[bytes]:
+        if shape == "real":
+            enc = real_sessions(n, 100, seed, python, libc)
+        else:
+            enc = make_sessions(n, 50, 12, bid, offsets, seed=seed)
+        step = batch or args.batch
+        return [gzip.compress(wire.encode_batch(enc[i : i + step])) for i in range(0, n, step)]
+
+    def warm(url: SymbolizerURL, shape: str) -> None:
+        # The resolver's caches in steady state (a fleet's symbolizer has seen these binaries).
+        post_all(url, bodies(shape, 100, seed=99), args.clients)
+
+    otlp_ep = Endpoint(OTLP, sink.url + OTLP_PATH)
+    pyro_ep = Endpoint(PYROSCOPE, sink.url)
+    n = args.sessions
+    for k, shape in enumerate(filter(None, args.shapes.split(","))):
+        row: dict[str, float] = {}
+        # Ingest alone: a session a request, as an agent posts each session when it ends, then in
+        # bulk (an agent back from an outage); then a session a request with both endpoints down
+        # (their queue rows written, the sends failing and backing off).
+        both = {"otlp_endpoint": otlp_ep.url, "pyroscope_url": pyro_ep.url}
+        for name, batch, flags in (
+            ("ingest", 1, {}),
+            ("ingest_bulk", args.batch, {}),
+            ("ingest_queued", 1, both),
         ):
-            url = start(d, name, binary.parent, state_dir=d / name, workers=args.workers, **flags)
+            sink.status = 503
+            state = d / f"{shape}-{name}"
+            fresh_database(db)
+            url = start(d, f"{shape}-{name}", bins, state_dir=state, **common, **flags)
             try:
-                work = bodies(args.sessions, seed=len(cpu) + 1)
+                warm(url, shape)
+                work = bodies(shape, n, seed=10 * k + len(row) + 1, batch=batch)
                 c0 = cpu_seconds(url.proc.pid)
                 post_all(url, work, args.clients)
-                if flags:
-                    wait_sent(sink, 2 * args.sessions, 600)
-                    time.sleep(1.5)  # an idle sender's poll, as the ingest-only service idles too
-                else:
-                    time.sleep(1.5)
-                cpu[name] = (cpu_seconds(url.proc.pid) - c0) / args.sessions
+                time.sleep(1.5)  # an idle sender's poll
+                row[name] = (cpu_seconds(url.proc.pid) - c0) / n * 1000
             finally:
                 stop(url)
-        export_ms = (cpu["ingest+export"] - cpu["ingest"]) * 1000
-        ingest_ms = cpu["ingest"] * 1000
-        otlp_bytes = [len(r.body) for r in sink.accepted("/v1development")]
-        print(f"ingest CPU per session: {ingest_ms:.2f} ms")
-        share = 100 * export_ms / ingest_ms
+        # The queued sessions (and the warm-up's) sent by the service's sender, here.
+        sink.status = 200
+        queued = n + 100
+        row["otlp"] = drain_in_process(sink, db, state, otlp_ep, queued) * 1000
+        row["pyroscope"] = drain_in_process(sink, db, state, pyro_ep, queued) * 1000
         print(
-            f"export CPU per session (OTLP + Pyroscope): {export_ms:.2f} ms = {share:.1f} % of ingest "
-            f"(target <= 10 %); OTLP payload {sum(otlp_bytes) / len(otlp_bytes) / 1024:.1f} KiB"
+            f"{shape}: ingest CPU a session {row['ingest']:.2f} ms one a request, "
+            f"{row['ingest_bulk']:.2f} ms {args.batch} a request, "
+            f"{row['ingest_queued']:.2f} ms one a request with the queue rows"
         )
-        result.update(ingest_cpu_ms=ingest_ms, export_cpu_ms=export_ms, export_share=export_ms / ingest_ms)
+        for kind in ("otlp", "pyroscope"):
+            shares = ", ".join(
+                f"{100 * row[kind] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
+            )
+            print(f"  export {kind}: {row[kind]:.3f} ms a session = {shares} (target <= 10 %)")
+        result["shapes"][shape] = row
 
+    if args.backlog:
         # 2. Backlog drain: queued while the endpoint is down, sent after a restart with it up.
         sink.received.clear()
         sink.status = 503
-        otlp_only = {"otlp_endpoint": sink.url + "/v1development/profiles"}
+        otlp_only = {"otlp_endpoint": otlp_ep.url}
         state = d / "drain"
-        url = start(d, "drain", binary.parent, state_dir=state, workers=args.workers, **otlp_only)
+        fresh_database(db)
+        url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
         try:
             t0 = time.perf_counter()
-            post_all(url, bodies(args.backlog, seed=9), args.clients)
+            post_all(url, bodies(args.drain_shape, args.backlog, seed=9), args.clients)
             print(f"backlog of {args.backlog} ingested in {time.perf_counter() - t0:.1f} s, endpoint down")
         finally:
             stop(url)
         sink.received.clear()
         sink.status = 200
-        url = start(d, "drain", binary.parent, state_dir=state, workers=args.workers, **otlp_only)
+        url = start(d, "drain", bins, state_dir=state, **common, **otlp_only)
         try:
             sink.wait_for(lambda s: bool(s.accepted()), 120, "the first session")
             c0, t0 = cpu_seconds(url.proc.pid), time.perf_counter()
-            wait_sent(sink, args.backlog, 1800)
+            first = len(sessions_at(sink))
+            sink.wait_for(lambda s: len(sessions_at(s)) >= args.backlog, 1800, "the backlog")
             wall, used = time.perf_counter() - t0, cpu_seconds(url.proc.pid) - c0
         finally:
             stop(url)
-        got = len({r.body for r in sink.accepted()})
-        rate, per_core = args.backlog / wall, args.backlog / used
+        ids = sessions_at(sink)
+        rate, per_core = (args.backlog - first) / wall, (args.backlog - first) / used
         print(
-            f"drain: {args.backlog} sessions in {wall:.1f} s = {rate:.0f} sessions/s, "
-            f"{per_core:.0f} per CPU-second of the service (target >= 200 per core); distinct payloads {got}"
+            f"drain: {args.backlog} sessions ({args.drain_shape}) at {rate:.0f} sessions/s, "
+            f"{per_core:.0f} per CPU-second of the service (target >= 200 per core); "
+            f"{len(ids)} received, {len(set(ids))} distinct, in {len(sink.accepted())} requests"
         )
-        result.update(drain_rate=rate, drain_per_cpu_second=per_core, drain_distinct=got)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "export.json").write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+        result.update(drain_rate=rate, drain_per_cpu_second=per_core, drain_distinct=len(set(ids)))
 
 
 if __name__ == "__main__":

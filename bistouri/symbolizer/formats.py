@@ -487,15 +487,16 @@ def _mapping_name(f: Frame) -> str:
     return f.module or "[unknown]"
 
 
-def locations_of(stack: Sequence[int], frames: Sequence[Frame]) -> list[tuple[int, ...]]:
-    """Group a root-first stack into locations (pprof's, OTLP's), leaf first.
+def locations_of(stack: Sequence[int], inlined: Sequence[bool]) -> list[tuple[int, ...]]:
+    """Group a root-first stack into locations (pprof's, OTLP's), leaf first; `inlined[i]` is
+    frame i's inlined flag.
 
     A frame marked inlined belongs to the location of the frame before it (toward
     the root); a location's lines run from the innermost inlined frame to its caller.
     """
     groups: list[list[int]] = []
     for i in stack:
-        if frames[i].inlined and groups:
+        if inlined[i] and groups:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -535,44 +536,53 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
             mname = _mapping_name(outer)
             mid = mappings.setdefault(mname, len(mappings) + 1)
             seen = mapping_kinds.setdefault(mname, set())
+            lines = []
             for i in group:
-                if frames[i].file:
+                f = frames[i]
+                if f.file:
                     seen.add("file")
-                if frames[i].inlined:
+                if f.inlined:
                     seen.add("inline")
-            lines = b"".join(
-                _bytes(4, _int(1, function_id(frames[i])) + _int(2, max(frames[i].line, 0))) for i in group
-            )
-            location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + lines))
+                lines.append(_bytes(4, _int(1, function_id(f)) + _int(2, max(f.line, 0))))
+            location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + b"".join(lines)))
         return lid
 
-    has_inlined = any(f.inlined for f in frames)
+    inlined = [f.inlined for f in frames]
+    has_inlined = any(inlined)
     single = [0] * len(frames)  # location id of a frame that is a location on its own
+    labels_of: dict[tuple[int, int, str, bool], bytes] = {}
     for s in profile.samples:
-        if has_inlined:
-            ids = [location_id(g) for g in locations_of(s.stack, frames)]
+        # Locations in order of first use, leaf first, whichever way: the same ids, the same bytes.
+        if has_inlined and any(map(inlined.__getitem__, s.stack)):
+            ids = [location_id(g) for g in locations_of(s.stack, inlined)]
         else:
             ids = []
             for i in reversed(s.stack):
                 lid = single[i] or location_id((i,))
                 single[i] = lid
                 ids.append(lid)
-        labels = []
-        if s.pid:
-            labels.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(s.pid))))
-            if s.pid in comm:
-                labels.append(_bytes(3, _int(1, k_comm) + _int(2, st(comm[s.pid]))))
-        if s.tid:
-            labels.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(s.tid))))
-        if s.thread:
-            labels.append(_bytes(3, _int(1, k_thread) + _int(2, st(s.thread))))
-        if s.pre_trigger:
-            # `go tool pprof -tagfocus trigger=before` shows the onset; the strings are added only
-            # when used, so a profile without the flight recorder stays byte for byte the same.
-            labels.append(_bytes(3, _int(1, st("trigger")) + _int(2, st("before"))))
+        # A sample's labels, the same for its (pid, tid, thread, flag) in the whole profile: built once
+        # (the strings they add are added at their first use either way).
+        lkey = (s.pid, s.tid, s.thread, s.pre_trigger)
+        labels = labels_of.get(lkey)
+        if labels is None:
+            parts = []
+            if s.pid:
+                parts.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(s.pid))))
+                if s.pid in comm:
+                    parts.append(_bytes(3, _int(1, k_comm) + _int(2, st(comm[s.pid]))))
+            if s.tid:
+                parts.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(s.tid))))
+            if s.thread:
+                parts.append(_bytes(3, _int(1, k_thread) + _int(2, st(s.thread))))
+            if s.pre_trigger:
+                # `go tool pprof -tagfocus trigger=before` shows the onset; the strings are added only
+                # when used, so a profile without the flight recorder stays byte for byte the same.
+                parts.append(_bytes(3, _int(1, st("trigger")) + _int(2, st("before"))))
+            labels = labels_of[lkey] = b"".join(parts)
         # Values are packed and always three long, zeros included, as pprof requires.
         vals = _bytes(2, b"".join(_varint(_clamp(v)) for v in (s.on_cpu, s.off_cpu, s.off_cpu_ns)))
-        sample_msgs.append(_bytes(2, _packed(1, ids) + vals + b"".join(labels)))
+        sample_msgs.append(_bytes(2, _packed(1, ids) + vals + labels))
 
     mapping_msgs = []
     for mname, mid in mappings.items():

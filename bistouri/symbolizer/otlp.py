@@ -15,15 +15,26 @@ one sample type, samples point at a stack of locations, leaf first.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import wire
 from .formats import locations_of
-from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Frame, Profile, SessionMeta
-from .protobuf import Strings, bytes_field, clamp, double_field, fixed64_field, packed, uint_field
-from .protobuf import varint as _varint
+from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
+from .protobuf import (
+    INT64_MAX,
+    SMALL_VARINTS,
+    Strings,
+    bytes_field,
+    clamp,
+    double_field,
+    fixed64_field,
+    key,
+    packed,
+    uint_field,
+    varint,
+    varints,
+)
 
 SCOPE_NAME = "bistouri"
 CONTENT_TYPE = "application/x-protobuf"
@@ -33,6 +44,17 @@ SAMPLE_TYPES = (
     ("on_cpu", "count", "on_cpu"),
     ("off_cpu", "count", "off_cpu"),
     ("off_cpu_time", "nanoseconds", "off_cpu_ns"),
+)
+
+# A frame and a sample as rows (Request.add_rows): their fields in the order of Frame's and Sample's.
+FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
+# stack, pid, tid, thread, on_cpu, off_cpu, off_cpu_ns, pre_trigger, wait
+SampleRow = tuple[Any, ...]
+_ON_CPU, _OFF_CPU, _OFF_CPU_NS = 4, 5, 6  # a SampleRow's values
+# Each SAMPLE_TYPES entry's column of a SampleRow and (type, unit).
+_COLUMNS = tuple(
+    ({"on_cpu": _ON_CPU, "off_cpu": _OFF_CPU, "off_cpu_ns": _OFF_CPU_NS}[v], (t, u))
+    for t, u, v in SAMPLE_TYPES
 )
 
 # The OpenTelemetry semantic conventions' `profile.frame.type`; a JIT frame named by a perf map
@@ -104,26 +126,38 @@ def _key_value(k: str, v: Any) -> bytes:
     return bytes_field(1, k.encode()) + bytes_field(2, _any_value(v))
 
 
-@dataclass(slots=True)
-class _Dictionary:
-    """The request's ProfilesDictionary while it is built; every table's entry 0 is empty."""
+class Request:
+    """An ExportProfilesServiceRequest being built: one ResourceProfiles per session added, the
+    dictionary shared by all of them (a function, location or stack of one binary is written once per
+    request, not once per session). Every table's entry 0 is the empty value.
 
-    strings: Strings
-    attributes: dict[tuple[str, Any, str], int]
-    attribute_msgs: list[bytes]
-    mappings: dict[str, int]
-    mapping_msgs: list[bytes]
-    functions: dict[tuple[str, str], int]
-    function_msgs: list[bytes]
-    locations: dict[tuple[int, ...], int]
-    location_msgs: list[bytes]
-    stacks: dict[tuple[int, ...], int]
-    stack_msgs: list[bytes]
-    kind_attrs: dict[str, bytes]  # a location's attribute_indices field, by frame kind
+    Built for the sender's batches: per session, each distinct frame is looked up once (by value:
+    frames are interned per session, not across sessions), each sample's stack mapped by index.
+    """
 
-    @classmethod
-    def new(cls) -> _Dictionary:
-        return cls(Strings(), {}, [b""], {}, [b""], {}, [b""], {}, [b""], {}, [b""], {})
+    def __init__(self) -> None:
+        self.strings = Strings()
+        self.attributes: dict[tuple[str, Any, str], int] = {}
+        self.attribute_msgs = [b""]
+        self.mappings: dict[str, int] = {}
+        self.mapping_msgs = [b""]
+        self.functions: dict[tuple[str, str], int] = {}
+        self.function_msgs = [b""]
+        # By a frame's row, or a tuple of rows (inlined ones first): hashed and compared in C (a
+        # Frame's hash and comparison run in Python, several times slower).
+        self.locations: dict[Any, int] = {}
+        self.location_msgs = [b""]
+        self.stacks: dict[bytes, int] = {}  # by the packed run of their location indices
+        self.stack_msgs = [b""]
+        self.kind_attrs: dict[str, bytes] = {}  # a location's attribute_indices field, by frame kind
+        # A sample's attribute_indices field, by (pid, tid, thread, before the trigger, executable).
+        self.sample_attrs: dict[tuple[int, int, str, bool, str], bytes] = {}
+        self.wait_attrs: dict[int, bytes] = {}
+        self.resource_profiles: list[bytes] = []
+        self.size = 0  # bytes written so far, about (what bounds a request)
+
+    def __len__(self) -> int:
+        return len(self.resource_profiles)
 
     def attribute(self, k: str, v: Any, unit: str = "") -> int:
         key = (k, v, unit)
@@ -135,35 +169,33 @@ class _Dictionary:
             self.attribute_msgs.append(body)
         return i
 
-    def mapping(self, name: str) -> int:
+    def _mapping(self, name: str) -> int:
         i = self.mappings.get(name)
         if i is None:
             i = self.mappings[name] = len(self.mapping_msgs)
             self.mapping_msgs.append(uint_field(4, self.strings(name)))
         return i
 
-    def function(self, f: Frame) -> int:
-        key = (f.name, f.file)
+    def _function(self, name: str, file: str) -> int:
+        key = (name, file)
         i = self.functions.get(key)
         if i is None:
             i = self.functions[key] = len(self.function_msgs)
             st = self.strings
-            name = st(f.name or "[unknown]")
-            self.function_msgs.append(uint_field(1, name) + uint_field(2, name) + uint_field(3, st(f.file)))
+            n = st(name or "[unknown]")
+            self.function_msgs.append(uint_field(1, n) + uint_field(2, n) + uint_field(3, st(file)))
         return i
 
-    def location(self, group: tuple[int, ...], frames: list[Frame]) -> int:
-        """A location of frames (innermost inlined first, the native frame last)."""
-        i = self.locations.get(group)
+    def _location(self, key: Any, group: Sequence[FrameRow]) -> int:
+        """A location of frames (innermost inlined first, the native frame last), known by `key`."""
+        i = self.locations.get(key)
         if i is None:
-            i = self.locations[group] = len(self.location_msgs)
-            outer = frames[group[-1]]
-            kind = outer.kind or "unknown"
+            i = self.locations[key] = len(self.location_msgs)
+            outer = group[-1]
+            kind = outer[4] or "unknown"
             lines = b"".join(
-                bytes_field(
-                    3, uint_field(1, self.function(frames[j])) + uint_field(2, max(frames[j].line, 0))
-                )
-                for j in group
+                bytes_field(3, uint_field(1, self._function(f[0], f[2])) + uint_field(2, max(f[3], 0)))
+                for f in group
             )
             attrs = self.kind_attrs.get(kind)
             if attrs is None:
@@ -172,20 +204,139 @@ class _Dictionary:
                     self.attribute("bistouri.frame.kind", kind),
                 ]
                 attrs = self.kind_attrs[kind] = packed(4, ids)
-            body = uint_field(1, self.mapping(_mapping_name(outer))) + lines + attrs
+            body = uint_field(1, self._mapping(_mapping_name(outer[4], outer[1]))) + lines + attrs
             self.location_msgs.append(body)
+            self.size += len(body)
         return i
 
-    def stack(self, locations: tuple[int, ...]) -> int:
-        i = self.stacks.get(locations)
-        if i is None:
-            i = self.stacks[locations] = len(self.stack_msgs)
-            self.stack_msgs.append(packed(1, locations))
+    def _stack(self, run: bytes) -> int:
+        """A new stack, of the packed run of its location indices (leaf first)."""
+        i = self.stacks[run] = len(self.stack_msgs)
+        msg = _PACKED_1 + varint(len(run)) + run
+        self.stack_msgs.append(msg)
+        self.size += len(msg)
         return i
+
+    def add(self, profile: Profile) -> None:
+        """The session as one more ResourceProfiles."""
+        frames = [(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in profile.frames]
+        samples = [
+            (s.stack, s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait)
+            for s in profile.samples
+        ]
+        self.add_rows(profile.meta, frames, samples)
+
+    def add_rows(self, meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow]) -> None:
+        """The session as one more ResourceProfiles, from its frames and samples as rows: tuples of a
+        Frame's and a Sample's fields in order (the store's layout: no objects built to send one)."""
+        comm = meta.processes
+        location = self._location
+        known = self.locations.get
+        # Each frame as a location on its own (an inlined one is only part of others'), looked up
+        # once per session by its row: a tuple, hashed and compared in C.
+        single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
+        encoded = list(map(varint, single))  # as a stack's packed run holds them
+        inlined = [f[5] for f in frames]
+        has_inlined = any(inlined)
+        groups: dict[tuple[int, ...], int] = {}
+        stacks = self.stacks.get
+        sample_attrs = self.sample_attrs
+        session_attrs: dict[tuple[int, int, str, bool], bytes] = {}  # the same, without the executable
+        wait_attr = self._wait_attr
+        # One pass: each sample's stack and attributes (its head, shared by the profile of each
+        # type), then its message in each profile it has a value for (_COLUMNS' order).
+        on_cpu: list[bytes] = []
+        off_cpu: list[bytes] = []
+        off_cpu_ns: list[bytes] = []
+        for s in samples:
+            stack = s[0]
+            if has_inlined and any(map(inlined.__getitem__, stack)):
+                ids = []
+                for g in locations_of(stack, inlined):
+                    loc = groups.get(g)
+                    if loc is None:
+                        rows = [frames[j] for j in g]
+                        loc = groups[g] = location(tuple(rows), rows)
+                    ids.append(loc)
+                run = varints(ids)
+            else:
+                run = b"".join(map(encoded.__getitem__, reversed(stack)))
+            stack_id = stacks(run) or self._stack(run)  # or a new one
+            skey = (s[1], s[2], s[3], s[7])
+            attrs = session_attrs.get(skey)
+            if attrs is None:
+                akey = (*skey, comm.get(s[1], ""))
+                attrs = sample_attrs.get(akey)
+                if attrs is None:
+                    attrs = sample_attrs[akey] = self._sample_attributes(*akey)
+                session_attrs[skey] = attrs
+            head = _STACK_INDEX + varint(stack_id) + attrs
+            if s[4] > 0:
+                on_cpu.append(_sample(head, s[4]))
+            if s[5] > 0 or s[6] > 0:
+                # Two packed runs of one field concatenate: the sample's attributes, then its state.
+                head += wait_attr(s[8])
+                if s[5] > 0:
+                    off_cpu.append(_sample(head, s[5]))
+                if s[6] > 0:
+                    off_cpu_ns.append(_sample(head, s[6]))
+
+        profiles: list[bytes] = []
+        tail = self._profile_tail(meta)
+        for (_, type_), msgs in zip(_COLUMNS, (on_cpu, off_cpu, off_cpu_ns), strict=True):
+            if msgs or type_[0] == "on_cpu":  # an off-CPU profile only if it has samples
+                profiles.append(bytes_field(2, self._sample_type(type_) + b"".join(msgs) + tail))
+
+        resource = b"".join(
+            bytes_field(1, _key_value(k, v)) for k, get in _RESOURCE if (v := get(meta)) not in ("", None)
+        )
+        rp = bytes_field(1, resource) + bytes_field(2, _SCOPE + b"".join(profiles))
+        self.resource_profiles.append(rp)
+        self.size += len(rp)
+
+    def _sample_type(self, type_: tuple[str, str]) -> bytes:
+        st = self.strings
+        return bytes_field(1, uint_field(1, st(type_[0])) + uint_field(2, st(type_[1])))
+
+    def _sample_attributes(self, pid: int, tid: int, thread: str, before: bool, exe: str) -> bytes:
+        attrs: list[int] = []
+        if pid:
+            attrs.append(self.attribute("process.pid", pid))
+            if exe:
+                attrs.append(self.attribute("process.executable.name", exe))
+        if tid:
+            attrs.append(self.attribute("thread.id", tid))
+        if thread:
+            attrs.append(self.attribute("thread.name", thread))
+        if before:
+            attrs.append(self.attribute("bistouri.pre_trigger", True))
+        return packed(2, attrs)
+
+    def _wait_attr(self, wait: int) -> bytes:
+        """The off-CPU profiles say which state each wait was in (D, S, ...)."""
+        a = self.wait_attrs.get(wait)
+        if a is None:
+            name = wire.WAIT_NAMES.get(wait)
+            a = self.wait_attrs[wait] = packed(2, [self.attribute("thread.state", name)]) if name else b""
+        return a
+
+    def _profile_tail(self, meta: SessionMeta) -> bytes:
+        """What every Profile of a session ends with: times, period, id, the session's attributes."""
+        st = self.strings
+        period_type = bytes_field(5, uint_field(1, st("cpu")) + uint_field(2, st("nanoseconds")))
+        return (
+            fixed64_field(3, meta.start_ns)
+            + uint_field(4, clamp(meta.duration_ns))
+            + period_type
+            + uint_field(6, clamp(meta.period_ns))
+            + bytes_field(7, profile_id(meta.session_id))
+            + packed(11, [self.attribute(k, v, u) for k, v, u in _session_attributes(meta)])
+        )
 
     def encode(self) -> bytes:
+        """The request's bytes (also a ProfilesData's: same fields)."""
         strings = [s.encode("utf-8", "replace") for s in self.strings.table]
-        return (
+        dictionary = (
             b"".join(bytes_field(1, m) for m in self.mapping_msgs)
             + b"".join(bytes_field(2, m) for m in self.location_msgs)
             + b"".join(bytes_field(3, m) for m in self.function_msgs)
@@ -194,14 +345,31 @@ class _Dictionary:
             + b"".join(bytes_field(6, m) for m in self.attribute_msgs)
             + b"".join(bytes_field(7, m) for m in self.stack_msgs)
         )
+        return b"".join(bytes_field(1, rp) for rp in self.resource_profiles) + bytes_field(2, dictionary)
 
 
-def _mapping_name(f: Frame) -> str:
-    if f.kind == KIND_KERNEL:
+_PACKED_1 = key(1, 2)  # a Stack's location_indices
+_STACK_INDEX = key(1, 0)  # a Sample's stack_index (never 0: entry 0 is the empty stack)
+_SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
+
+
+def _sample(head: bytes, value: int) -> bytes:
+    """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
+    v = varint(value if value < INT64_MAX else INT64_MAX)
+    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
+    return _SAMPLE_TAG + varint(len(body)) + body
+
+
+_VALUE_TAG = key(4, 2)
+_SAMPLE_TAG = key(2, 2)
+
+
+def _mapping_name(kind: str, module: str) -> str:
+    if kind == KIND_KERNEL:
         return "[kernel]"
-    if f.kind == KIND_VDSO:
+    if kind == KIND_VDSO:
         return "[vdso]"
-    return f.module or "[unknown]"
+    return module or "[unknown]"
 
 
 def profile_id(session_id: str) -> bytes:
@@ -211,78 +379,9 @@ def profile_id(session_id: str) -> bytes:
 
 def export_request(profile: Profile) -> bytes:
     """The session as a serialized ExportProfilesServiceRequest (and ProfilesData)."""
-    d = _Dictionary.new()
-    st = d.strings
-    meta = profile.meta
-    frames = profile.frames
-    comm = meta.processes
-    # A sample's stack and attributes, shared by the profiles of each sample type.
-    stack_of: list[int] = []
-    attrs_of: list[bytes] = []
-    has_inlined = any(f.inlined for f in frames)
-    single = [0] * len(frames)  # location index of a frame that is a location on its own
-    for s in profile.samples:
-        if has_inlined:
-            locations = tuple(d.location(g, frames) for g in locations_of(s.stack, frames))
-        else:
-            ids = []
-            for i in reversed(s.stack):
-                loc = single[i]
-                if not loc:
-                    loc = single[i] = d.location((i,), frames)
-                ids.append(loc)
-            locations = tuple(ids)
-        stack_of.append(d.stack(locations))
-        attrs: list[int] = []
-        if s.pid:
-            attrs.append(d.attribute("process.pid", s.pid))
-            if s.pid in comm:
-                attrs.append(d.attribute("process.executable.name", comm[s.pid]))
-        if s.tid:
-            attrs.append(d.attribute("thread.id", s.tid))
-        if s.thread:
-            attrs.append(d.attribute("thread.name", s.thread))
-        if s.pre_trigger:
-            attrs.append(d.attribute("bistouri.pre_trigger", True))
-        attrs_of.append(packed(2, attrs))
-    # The off-CPU profiles say which state each wait was in (D, S, ...).
-    wait_attr = {w: packed(2, [d.attribute("thread.state", n)]) for w, n in wire.WAIT_NAMES.items()}
-
-    session_attrs = packed(11, [d.attribute(k, v, u) for k, v, u in _session_attributes(meta)])
-    period_type = bytes_field(5, uint_field(1, st("cpu")) + uint_field(2, st("nanoseconds")))
-    head = (
-        fixed64_field(3, meta.start_ns)
-        + uint_field(4, clamp(meta.duration_ns))
-        + period_type
-        + uint_field(6, clamp(meta.period_ns))
-        + bytes_field(7, profile_id(meta.session_id))
-    )
-    profiles: list[bytes] = []
-    for type_, unit, value in SAMPLE_TYPES:
-        samples: list[bytes] = []
-        off_cpu = value != "on_cpu"
-        for i, s in enumerate(profile.samples):
-            v = s.on_cpu if value == "on_cpu" else s.off_cpu if value == "off_cpu" else s.off_cpu_ns
-            if v <= 0:
-                continue
-            attrs_field = attrs_of[i]
-            if off_cpu:
-                # Two packed runs of one field concatenate: the sample's attributes, then its state.
-                attrs_field += wait_attr.get(s.wait, b"")
-            samples.append(
-                bytes_field(2, uint_field(1, stack_of[i]) + attrs_field + bytes_field(4, _varint(clamp(v))))
-            )
-        if not samples and value != "on_cpu":
-            continue
-        sample_type = bytes_field(1, uint_field(1, st(type_)) + uint_field(2, st(unit)))
-        profiles.append(bytes_field(2, sample_type + b"".join(samples) + head + session_attrs))
-
-    resource = b"".join(
-        bytes_field(1, _key_value(k, v)) for k, get in _RESOURCE if (v := get(meta)) not in ("", None)
-    )
-    scope = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))
-    resource_profiles = bytes_field(1, resource) + bytes_field(2, scope + b"".join(profiles))
-    return bytes_field(1, resource_profiles) + bytes_field(2, d.encode())
+    req = Request()
+    req.add(profile)
+    return req.encode()
 
 
-__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "export_request", "profile_id"]
+__all__ = ["CONTENT_TYPE", "SAMPLE_TYPES", "FrameRow", "Request", "SampleRow", "export_request", "profile_id"]

@@ -256,3 +256,26 @@ def test_a_session_with_kernel_frames_goes_out_at_once_when_its_kernel_is_known(
 
     assert post_sessions(url, [make_session("k-1", demo_binary)]).status_code == 200
     sink.wait_for(lambda s: received_ids(s) == Counter({"k-1": 1}), 20, "the session with kernel frames")
+
+
+def test_rows_of_an_endpoint_no_longer_configured_are_dropped_at_start_up(
+    symbolizer_server: Callable[..., SymbolizerURL], tmp_path: Path, sink: Sink, demo_binary: DemoBinary
+) -> None:
+    sink.status = 503  # down: the sessions stay queued
+    state_dir = tmp_path / "state"
+    url = start_exporting(symbolizer_server, tmp_path, sink, demo_binary, state_dir=state_dir)
+    ids = ["gone-1", "gone-2"]
+    assert post_sessions(url, [shares_session(x, demo_binary) for x in ids]).status_code == 200
+    stop(url)
+    # The OTLP endpoint removed, Pyroscope added: the old rows go at start-up, counted; new sessions go out.
+    sink.status = 200
+    url = symbolizer_server(
+        tmp_path, binary_dir=demo_binary.dir, state_dir=state_dir, pyroscope_url=sink.url + "/pyro"
+    )
+    metrics = requests.get(url + "/metrics", timeout=10).text
+    dropped = {"exporter": "otlp", "reason": "endpoint_removed"}
+    assert metric_value(metrics, "bistouri_symbolizer_exports_dropped_total", dropped) == 2
+    assert metric_value(metrics, "bistouri_symbolizer_export_queue_sessions") == 0
+    assert post_sessions(url, [shares_session("new-1", demo_binary)]).status_code == 200
+    sink.wait_for(lambda s: len(s.accepted("/pyro")) == 1, 30, "the new session at Pyroscope")
+    assert not sink.accepted(OTLP_PATH)

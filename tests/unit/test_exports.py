@@ -170,3 +170,68 @@ def test_a_session_missing_symbols_is_due_later(store: Store) -> None:
     store.insert(record("named"), export_to=(EP,))
     assert [c.session_id for c in store.claim_exports(EP, "A", 10**9, 10)] == ["named"]
     assert store.export_backlog()[EP].rows == 2
+
+
+def _otlp_ids(body: bytes) -> list[str]:
+    pb = pytest.importorskip("opentelemetry.proto.collector.profiles.v1development.profiles_service_pb2")
+    req = pb.ExportProfilesServiceRequest()
+    req.ParseFromString(gzip.decompress(body))
+    d = req.dictionary
+    ids = []
+    for rp in req.resource_profiles:
+        for i in rp.scope_profiles[0].profiles[0].attribute_indices:
+            a = d.attribute_table[i]
+            if d.string_table[a.key_strindex] == "bistouri.session.id":
+                ids.append(a.value.string_value)
+    return ids
+
+
+def test_otlp_sessions_go_in_one_request_and_a_refused_one_alone(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued sessions leave in one request (BATCH at most); a request refused is sent again a
+    session a request, so only the session refused is dropped."""
+    monkeypatch.setattr(exports, "BATCH", 4)
+    config = ExportConfig((Endpoint(OTLP, "http://collector/v1development/profiles"),))
+    metrics = Metrics(lambda: store)
+    sender = Exporter(store, config, metrics)
+    requests_seen: list[list[str]] = []
+
+    def post(ep: Endpoint, body: bytes, query: str) -> None:
+        ids = _otlp_ids(body)
+        requests_seen.append(ids)
+        if "bad" in ids:
+            raise exports._Refused("status_400")
+
+    monkeypatch.setattr(sender, "_post", post)
+    for sid in ("a", "b", "c", "d", "e"):
+        store.insert(record(sid), export_to=config.keys)
+    assert sender.run_once() and sender.run_once()
+    assert sorted(map(sorted, requests_seen)) == [["a", "b", "c", "d"], ["e"]]
+    assert metrics.exports_sent.labels(OTLP)._value.get() == 5
+
+    requests_seen.clear()
+    for sid in ("f", "bad", "g"):
+        store.insert(record(sid), export_to=config.keys)
+    sender.run_once()
+    assert sorted(requests_seen[0]) == ["bad", "f", "g"]
+    assert sorted(ids[0] for ids in requests_seen[1:]) == ["bad", "f", "g"]  # then each alone
+    assert store.export_backlog() == {}
+    assert metrics.exports_sent.labels(OTLP)._value.get() == 7
+    assert metrics.exports_dropped.labels(OTLP, "refused")._value.get() == 1
+    sender.close()
+
+
+def test_rows_of_an_endpoint_no_longer_configured_are_dropped_at_start_up(store: Store) -> None:
+    kept = Endpoint(OTLP, "http://collector/v1development/profiles")
+    store.insert(record("s"), export_to=(kept.key, "pyroscope http://old", "otlp http://older"))
+    metrics = Metrics(lambda: store)
+    sender = Exporter(store, ExportConfig((kept,)), metrics)
+    sender.forget_removed_endpoints()
+    assert set(store.export_backlog()) == {kept.key}
+    assert metrics.exports_dropped.labels(PYROSCOPE, "endpoint_removed")._value.get() == 1
+    assert metrics.exports_dropped.labels(OTLP, "endpoint_removed")._value.get() == 1
+    # No endpoint left: the queue empties (no sender runs to bound it).
+    Exporter(store, ExportConfig(), metrics).forget_removed_endpoints()
+    assert store.export_backlog() == {}
+    sender.close()

@@ -162,3 +162,50 @@ def test_the_same_bytes_are_a_profiles_data() -> None:
     pd.ParseFromString(data)
     assert len(pd.resource_profiles) == 1 and pd.dictionary.string_table[0] == ""
     assert otlp.export_request(sample_profile()) == data  # deterministic
+
+
+def _session_view(dec: Decoded, rp: Any) -> dict[str, Any]:
+    """What one ResourceProfiles says, read through the request's dictionary: no index left."""
+    out: dict[str, Any] = {"resource": {kv.key: value_of(kv.value) for kv in rp.resource.attributes}}
+    for p in rp.scope_profiles[0].profiles:
+        samples = sorted(
+            (tuple(dec.frames(s)), tuple(sorted(dec.attrs(s.attribute_indices).items())), tuple(s.values))
+            for s in p.samples
+        )
+        out[dec.s[p.sample_type.type_strindex]] = (samples, sorted(dec.attrs(p.attribute_indices).items()))
+    return out
+
+
+def test_sessions_batched_in_one_request_read_as_each_alone() -> None:
+    """A request of several sessions shares one dictionary; each ResourceProfiles says what the
+    session's own request says, whatever came before it."""
+    shares = Profile(
+        SessionMeta("s-3", service="api", processes={5: "app"}),
+        [Frame("main", "app"), Frame("hot", "app"), Frame("parse_header", "app", "parse.h", 7, inlined=True)],
+        [Sample((0, 1), pid=5, on_cpu=70), Sample((0, 1, 2), pid=5, tid=6, off_cpu=2, off_cpu_ns=9)],
+    )
+    profiles = [sample_profile(), python_profile(), shares, sample_profile()]
+    req = otlp.Request()
+    for p in profiles:
+        req.add(p)
+    assert len(req) == 4
+    batch = Decoded(req.encode())
+    assert len(batch.req.resource_profiles) == 4
+    for p, rp in zip(profiles, batch.req.resource_profiles, strict=True):
+        alone = Decoded(otlp.export_request(p))
+        assert _session_view(batch, rp) == _session_view(alone, alone.req.resource_profiles[0])
+    # Shared: the two copies of sample_profile add nothing to the dictionary.
+    again = otlp.Request()
+    for p in profiles[:3]:
+        again.add(p)
+    assert len(Decoded(again.encode()).d.location_table) == len(batch.d.location_table)
+
+
+def test_rows_as_stored_encode_as_the_profile_does() -> None:
+    """The sender encodes the store's rows (Request.add_rows): the same bytes as from the objects."""
+    from bistouri.symbolizer.service.store import profile_rows, profile_to_blob
+
+    for p in (sample_profile(), python_profile()):
+        by_rows = otlp.Request()
+        by_rows.add_rows(p.meta, *profile_rows(profile_to_blob(p)))
+        assert by_rows.encode() == otlp.export_request(p)

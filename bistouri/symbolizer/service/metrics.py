@@ -90,7 +90,7 @@ class Metrics:
         self.exports_dropped = counter(
             "exports_dropped_total",
             "Sessions that will not be sent, by exporter and reason (queue_full, expired, refused, "
-            "session_gone, encode_failed)",
+            "session_gone, encode_failed, endpoint_removed)",
             "exporter",
             "reason",
         )

@@ -22,13 +22,12 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from ... import wire
 from ...errors import BistouriError
 from ...pressure import PressureFigures
 from ..model import Frame, Profile, Sample, SessionMeta
@@ -273,24 +272,31 @@ def profile_to_blob(p: Profile) -> bytes:
     return zlib.compress(msgpack.packb(body, use_bin_type=True), 6)
 
 
+def profile_rows(blob: bytes) -> tuple[Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]]:
+    """A stored profile's frames and samples as rows: tuples of Frame's and Sample's fields in order
+    (what the export encodes from: otlp.Request.add_rows). A sample stored before the before-trigger
+    flag (7 values) or the wait state (8) gets Sample's defaults for them."""
+    body = msgpack.unpackb(zlib.decompress(blob), raw=False, use_list=False)
+    samples = body["s"]
+    if samples and min(map(len, samples)) < len(_SAMPLE_DEFAULTS):
+        samples = [s + _SAMPLE_DEFAULTS[len(s) :] for s in samples]
+    return body["f"], samples
+
+
+_SAMPLE_DEFAULTS = tuple(
+    f.default if f.default is not MISSING else () for f in fields(Sample)
+)  # a sample row's values when absent (the stack has none: never absent)
+
+
+def profile_from_rows(
+    meta: SessionMeta, frames: Sequence[Sequence[Any]], samples: Sequence[Sequence[Any]]
+) -> Profile:
+    # Positional: half the cost of keywords (the export sender reads every session it sends).
+    return Profile(meta=meta, frames=[Frame(*f) for f in frames], samples=[Sample(*s) for s in samples])
+
+
 def profile_from_blob(blob: bytes, meta: SessionMeta) -> Profile:
-    body = msgpack.unpackb(zlib.decompress(blob), raw=False)
-    frames = [Frame(name=f[0], module=f[1], file=f[2], line=f[3], kind=f[4], inlined=f[5]) for f in body["f"]]
-    samples = [
-        Sample(
-            stack=tuple(s[0]),
-            pid=s[1],
-            tid=s[2],
-            thread=s[3],
-            on_cpu=s[4],
-            off_cpu=s[5],
-            off_cpu_ns=s[6],
-            pre_trigger=len(s) > 7 and bool(s[7]),
-            wait=s[8] if len(s) > 8 else wire.WAIT_D,
-        )
-        for s in body["s"]
-    ]
-    return Profile(meta=meta, frames=frames, samples=samples)
+    return profile_from_rows(meta, *profile_rows(blob))
 
 
 def _i64(n: int) -> int:
@@ -560,6 +566,15 @@ class Store(UploadRows, ExportRows):
         if not rows:
             return None
         return profile_from_blob(bytes(rows[0][1]), meta_from_text(rows[0][0]))
+
+    def get_profile_rows(
+        self, session_id: str
+    ) -> tuple[SessionMeta, Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]] | None:
+        """A session's meta, frames and samples as rows (profile_rows), None if it is gone."""
+        rows = self._fetch("SELECT meta, profile FROM sessions WHERE id = ?", (session_id,))
+        if not rows:
+            return None
+        return (meta_from_text(rows[0][0]), *profile_rows(bytes(rows[0][1])))
 
     def get_raw(self, session_id: str) -> bytes | None:
         rows = self._fetch("SELECT raw FROM sessions WHERE id = ?", (session_id,))

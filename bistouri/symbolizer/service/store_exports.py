@@ -71,6 +71,17 @@ class ExportRows:
         )
         return bool(n)
 
+    def finish_exports(self, session_ids: Sequence[str], endpoint: str, claimant: str) -> int:
+        """Delete rows sent together (one request) by their claimant, in one statement; how many were
+        still its own."""
+        if not session_ids:
+            return 0
+        marks = ", ".join("?" * len(session_ids))
+        return self._exec(
+            f"DELETE FROM export_queue WHERE endpoint = ? AND claimant = ? AND session_id IN ({marks})",
+            (endpoint, claimant, *session_ids),
+        )
+
     def retry_export(self, session_id: str, endpoint: str, claimant: str, next_ns: int, failed: bool) -> None:
         """Give a claimed row back, due at `next_ns`; `failed` counts an attempt."""
         self._exec(
@@ -120,6 +131,20 @@ class ExportRows:
                 over = max(over, n)
             if over > 0:
                 count(endpoint, "queue_full", self._delete_oldest(endpoint, over, None))
+        return dropped
+
+    def drop_exports_not_for(self, endpoints: Sequence[str]) -> dict[str, int]:
+        """Delete the rows of every endpoint but `endpoints` (the ones configured): per endpoint, how
+        many. Several instances may run it at once: each counts what it deleted."""
+        keep = ", ".join("?" * len(endpoints))
+        where = f"endpoint NOT IN ({keep})" if endpoints else "1 = 1"
+        dropped: dict[str, int] = {}
+        for (endpoint,) in self._fetch(
+            f"SELECT DISTINCT endpoint FROM export_queue WHERE {where}", endpoints
+        ):
+            n = self._exec("DELETE FROM export_queue WHERE endpoint = ?", (endpoint,))
+            if n:
+                dropped[str(endpoint)] = n
         return dropped
 
     def _delete_oldest(self, endpoint: str, n: int, before_ns: int | None) -> int:
