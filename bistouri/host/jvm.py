@@ -493,16 +493,6 @@ class NoJvmPerfMaps:
     def request(self, pid: int) -> None:
         pass
 
-    def _may_ask(self, last: tuple[float, str, int], since: float) -> bool:
-        """Whether a process whose last attempt ended so, `since` seconds ago, may be asked again
-        (`since` = inf: at once, if its outcome allows it)."""
-        _when, outcome, timeouts = last
-        if outcome in _FINAL:
-            return False
-        if outcome == ATTACH_TIMEOUT:
-            return timeouts < MAX_ATTACH_TIMEOUTS and since >= self.retry_after_s
-        return since >= self.min_interval_s
-
     def outcome(self, pid: int) -> str | None:
         return None
 
