@@ -32,6 +32,7 @@ Results go to bench/results/bench_symbolize-<time>.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -320,6 +321,7 @@ def bench_go(name: str, path: str, n: int, depth: int, stream: int, zipf: float)
                 with Clock() as c:
                     r.module(file_id)
                 out[f"{label}_module_load_ms"] = round(c.wall * 1e3, 1)
+                gc.collect()  # what the path before left is not collected on this one's time
                 with Clock() as c:
                     p = r.symbolize(sess)
                 out[f"{kind}_{label}_cold"] = _rate(nframes, c, distinct)
@@ -331,6 +333,7 @@ def bench_go(name: str, path: str, n: int, depth: int, stream: int, zipf: float)
                 )
                 out[f"{kind}_{label}_inlined_frames"] = sum(f.inlined for f in p.frames)
                 r.close()
+                del r, p
             finally:
                 resolve.read_pclntab = read
     if llvm:  # the unique addresses through llvm-symbolizer alone, one batch, as for ELF targets

@@ -299,7 +299,7 @@ class GoPclnTab:
         """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
         if t is None:
             return None
-        if pc >= t.pc:  # not decoded that far yet
+        if pc >= t.pc:  # not decoded that far yet (else the one test on the way of most lookups)
             if t.done:
                 return None
             with self._lock:
@@ -407,16 +407,17 @@ class GoPclnTab:
     def chain(self, pc: int) -> tuple[GoFrame, ...]:
         """`frames` as a tuple, shared by the addresses of one line of one inlined call: () if
         unknown. A function's tables are decoded once for all its addresses (_PcTable)."""
-        i = self._index(pc)
-        if i is None:
+        i = bisect.bisect_right(self._entries, pc) - 1
+        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
             return ()
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            fileno = self._value(fn.file, pc)
-            line = self._value(fn.line, pc) or 0
-            ix = self._value(fn.inl, pc) if fn.tree is not None else None
+            value = self._value
+            fileno = value(fn.file, pc)
+            line = value(fn.line, pc) or 0
+            ix = value(fn.inl, pc) if fn.tree is not None else None
             key = (i, -1 if fileno is None else fileno, line, -1 if ix is None else ix)
             got = self._answers.get(key)
             if got is None:
