@@ -279,6 +279,41 @@ def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     assert tab._value(t, TEXT + 10**7) is None and t.done and len(t.starts) == MAX_PCVALUE_STEPS
 
 
+def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
+    """A pc-value table read the plain way, from the entry each time (the layout's definition)."""
+    pos, val, cur = 0, -1, entry
+    for step in range(MAX_PCVALUE_STEPS):
+        try:
+            uv, pos = gopclntab._uvarint(table, pos, len(table))
+            if uv == 0 and step:
+                return None
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            delta, pos = gopclntab._uvarint(table, pos, len(table))
+        except GoPclnError:
+            return None
+        if not (-(2**63) <= val < 2**63 and cur < 2**63):
+            return None  # a table past 64 bits ends there
+        if cur <= pc < cur + delta:
+            return val
+        cur += delta
+    return None
+
+
+@FUZZ
+@given(st.binary(max_size=96), st.lists(st.integers(0, 1 << 12), min_size=1, max_size=24))
+def test_fuzz_tables_decoded_as_far_as_asked_answer_as_the_plain_walk(
+    table: bytes, offsets: list[int]
+) -> None:
+    """Any bytes, any order of lookups: a table decoded in pieces and bisected answers as the walk
+    from the entry, and never holds more runs than its bound."""
+    data, inl = build_table_bytes((1, 18))
+    tab = GoPclnTab(data + table, TEXT, inl)
+    t = tab._table(len(data) - tab._pctab, TEXT)
+    for off in offsets:
+        assert tab._value(t, TEXT + off) == _reference_value(table, TEXT, TEXT + off), off
+    assert t is not None and len(t.starts) == len(t.values) <= MAX_PCVALUE_STEPS
+
+
 def test_what_lookups_keep_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past its bounds the decoded state is dropped whole, and lookups answer as before."""
     data, inl = build_table_bytes((1, 20))
