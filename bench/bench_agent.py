@@ -170,8 +170,23 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
     }
 
 
-def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0) -> dict:
+# The idle JVMs of bench_idle_jvms: a class that sleeps, compiled once (javac) into the bench's directory.
+IDLE_JAVA = """public class Idle {
+    public static void main(String[] a) throws Exception { Thread.sleep(Long.parseLong(a[0]) * 1000L); }
+}
+"""
+JDKS = (Path("/usr/lib/jvm/java-17-openjdk-amd64"), Path("/usr/lib/jvm/temurin-25-jdk-amd64"))
+# Small and quiet: a 16 MB heap, one GC thread, one compiler thread.
+JVM_FLAGS = ("-Xms16m", "-Xmx16m", "-XX:+UseSerialGC", "-XX:CICompilerCount=2", "-XX:TieredStopAtLevel=1")
+
+
+def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jvms: int = -1) -> dict:
+    """`jvms` >= 0: one more cgroup, watched by its own rule (memory only: never triggers), holding
+    that many idle JVMs (OpenJDK 17 and Temurin 25 in turn), or with 0 as many sleepers as the JVM
+    run of the same round has JVMs: the agent's cost of watching JVMs, against watching plain processes."""
     cgs = [Cgroup.create(prefix="bistouri-bench-idle") for _ in range(n)]
+    jvm_cg = Cgroup.create(prefix="bistouri-bench-jvm") if jvms >= 0 else None
+    java: list[int] = []
     # A private copy of sleep with its own comm: other tenants' `sleep`s must not wake the agent.
     sleeper = Path(tempfile.mkdtemp()) / "idlebench"
     shutil.copy("/bin/sleep", sleeper)
@@ -180,6 +195,8 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0) ->
     try:
         for i, cg in enumerate(cgs):
             cg.spawn([str(spinner), "0"] if i < busy else [str(sleeper), "600"])
+        if jvm_cg is not None:
+            java = _java_members(jvm_cg, jvms, sleeper)
         # Memory only when some burn: their CPU stall must not start sessions (not idle then).
         resources = "{resource: memory, threshold: 90}" if busy else "{resource: cpu, threshold: 50}"
         cfg = (
@@ -189,21 +206,43 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0) ->
             "  - rule: {type: Exact, comm: idlespin}\n    service_id: spin\n"
             "    resources: [{resource: memory, threshold: 90}]\n"
         )
+        if jvm_cg is not None:
+            cfg += (
+                f"  - cgroup: {jvm_cg.rel}\n    service_id: jvms\n"
+                "    resources: [{resource: memory, threshold: 90}]\n"
+            )
         extra = () if recorder else ("--recorder-max-bytes", "0")
         with tempfile.TemporaryDirectory() as d:
             agent = AgentProcess(Path(d), cfg, *extra, walk_interval=30).start()
             try:
                 wait_until(lambda: f"cgroup=/{cgs[-1].path.name}" in agent.log(), 20)
                 time.sleep(2)
+                if jvm_cg is not None:  # the walk found them: every one of them watched
+                    wait_until(lambda: _matched(agent.metrics()) >= n + len(java), 60)
+                    time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
                 c0, b0 = proc_cpu_ns(pid), bpf_runtime_ns()
                 time.sleep(seconds)
                 c1, b1 = proc_cpu_ns(pid), bpf_runtime_ns()
                 rss = proc_rss_mb(pid)
+                metrics = agent.metrics()
             finally:
                 agent.stop()
+        jvm_part = {}
+        if jvm_cg is not None:
+            jvm_part = {
+                "jvms": jvms,
+                "jvm_processes": len(java),
+                "processes_matched": _matched(metrics),
+                "perf_maps": {
+                    k.partition('reason="')[2].rstrip('"}'): v
+                    for k, v in metrics.items()
+                    if k.startswith("bistouri_jvm_perf_maps_total{")
+                },
+            }
         return {
+            **jvm_part,
             "watched_cgroups": n,
             "recorder": recorder,
             "busy_processes": busy,
@@ -214,8 +253,37 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0) ->
             "agent_rss_mb": rss,
         }
     finally:
-        for cg in cgs:
+        for cg in cgs if jvm_cg is None else [*cgs, jvm_cg]:
             cg.remove()
+        for pid in java if jvms > 0 else ():  # killed: what a JVM removes at its exit stays
+            for left in (f"/tmp/perf-{pid}.map", f"/tmp/.java_pid{pid}"):
+                Path(left).unlink(missing_ok=True)
+
+
+def _java_members(cg: Cgroup, jvms: int, sleeper: Path) -> list[int]:
+    """`jvms` idle JVMs in `cg` (0: sleepers, as many as JVM_COUNT), started and settled before the agent."""
+    if jvms == 0:
+        return [cg.spawn([str(sleeper), "600"]).pid for _ in range(JVM_COUNT)]
+    jdks = [j for j in JDKS if (j / "bin/java").exists()]
+    classes = Path(tempfile.mkdtemp(prefix="bench-idle-jvm-"))
+    (classes / "Idle.java").write_text(IDLE_JAVA)
+    subprocess.run([str(jdks[0] / "bin/javac"), "-d", str(classes), str(classes / "Idle.java")], check=True)
+    pids = []
+    for i in range(jvms):
+        java = jdks[i % len(jdks)] / "bin/java"
+        p = cg.spawn([str(java), *JVM_FLAGS, "-cp", str(classes), "Idle", "900"])
+        pids.append(p.pid)
+        time.sleep(0.3)  # not all at once on a shared 2-core machine
+    # Settled: their start's CPU spent (each JVM's stall must be over before the agent looks).
+    time.sleep(10)
+    return pids
+
+
+JVM_COUNT = 20
+
+
+def _matched(metrics: dict[str, float]) -> float:
+    return metrics.get("bistouri_processes_matched", -1.0)
 
 
 def main() -> int:
@@ -226,19 +294,23 @@ def main() -> int:
     ap.add_argument("--freqs", default="19,99,999")
     ap.add_argument("--out", default=str(ROOT / "bench/results/agent.json"))
     ap.add_argument("--idle-only", action="store_true", help="only the idle cases (flight recorder off/on)")
+    ap.add_argument(
+        "--jvm-idle-only",
+        action="store_true",
+        help=f"only the idle cases with {JVM_COUNT} JVMs watched, each against the same with sleepers",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_agent needs root (BPF, cgroups)", file=sys.stderr)
         return 2
     stats_fd = enable_bpf_stats()
-    freqs = [] if args.idle_only else [f for f in args.freqs.split(",") if f]
+    freqs = [] if args.idle_only or args.jvm_idle_only else [f for f in args.freqs.split(",") if f]
+    idle = [] if args.jvm_idle_only else [(busy, rec, -1) for busy in (0, 2) for rec in (False, True)]
+    # 20 JVMs watched, each case right after the same without them (20 sleepers in their place).
+    idle += [(0, recorder, jvms) for recorder in (False, True) for jvms in (0, JVM_COUNT)]
     results = {
         "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in freqs],
-        "idle": [
-            bench_idle(100, args.idle_seconds, recorder, busy)
-            for busy in (0, 2)
-            for recorder in (False, True)
-        ],
+        "idle": [bench_idle(100, args.idle_seconds, rec, busy, jvms) for busy, rec, jvms in idle],
         "bpf_stats": stats_fd >= 0,
     }
     if stats_fd >= 0:
@@ -261,6 +333,12 @@ def main() -> int:
             f"recorder {'on ' if i['recorder'] else 'off'}, {i['busy_processes']} busy: "
             f"{i['agent_cpu_share_of_one_core']:.3%} of a core (+ BPF {i['bpf_cpu_share_of_one_core']:.3%}), "
             f"RSS {i['agent_rss_mb']:.1f} MB"
+            + (
+                f", {i['jvm_processes']} {'JVMs' if i['jvms'] else 'sleepers'} in the JVM cgroup "
+                f"(matched {i['processes_matched']:.0f}, perf maps {i['perf_maps']})"
+                if "jvms" in i
+                else ""
+            )
         )
     print(
         "(targets: < 1 % of one core at 999 Hz for agent + BPF; idle < 0.05 %, RSS < 40 MB; "

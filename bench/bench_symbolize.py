@@ -6,7 +6,10 @@ Targets are real binaries found on this machine (skipped when absent):
   libc       /usr/lib/x86_64-linux-gnu/libc.so.6 with /usr/lib/debug (package libc6-dbg):
              C, split and compressed DWARF, found through the .build-id tree
   libLLVM    /usr/lib/llvm-19/lib/libLLVM.so.19.1: big stripped C++, names from .dynsym only
-plus any `--elf` given (a path, optionally `:debug-dir`).
+plus any `--elf` given (a path, optionally `:debug-dir`), and Go binaries:
+  go         `cmd/go` of the Go on PATH, built here (`go build`: .symtab, DWARF and .gopclntab,
+             no GNU build id), or `--go PATH`
+  prometheus /usr/bin/prometheus (Debian's: .gopclntab only, stripped to a debuglink)
 
 For each: a pool of N random addresses inside functions (weighted by size) is
 turned into file offsets and packed into sessions of D-frame stacks:
@@ -16,14 +19,20 @@ turned into file offsets and packed into sessions of D-frame stacks:
   *_names_warm  the same session again: every lookup a cache hit
   *_lines_cold  a fresh Resolver with llvm-symbolizer: DWARF parsed on first touch
   llvm_alone    `llvm-symbolizer-19 --obj=… -i --no-demangle` on the pool, one batch
+A Go binary's same sessions go through each path the symbolizer has for it, in the same run:
+  *_symtab_*    names only, from .symtab (the pclntab hidden: what any ELF file gets)
+  *_pclntab_*   names, file:line and inlined calls from .gopclntab (no llvm)
+  *_dwarf_*     the same from DWARF through llvm-symbolizer (what a Go binary with DWARF gets)
 Sessions go through wire encode/decode first, as the service receives them.
-Rates are per CPU-second of this process plus its children (one core), and wall.
+Rates are per CPU-second of this process plus its children (one core; the llvm-symbolizer pool's
+time read from /proc while it runs), and wall.
 Results go to bench/results/bench_symbolize-<time>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -40,6 +49,8 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import wire
 from bistouri.elf import PF_X, ElfFile
+from bistouri.gopclntab import read_pclntab
+from bistouri.symbolizer import resolve
 from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.sources import DEBUGINFO, DebugSources
 
@@ -47,7 +58,9 @@ DEFAULT_TARGETS = (
     ("libc", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/debug"),
     ("libLLVM", "/usr/lib/llvm-19/lib/libLLVM.so.19.1", ""),
 )
+GO_TARGETS = (("prometheus", "/usr/bin/prometheus"),)
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+GO_CACHE = os.path.join(os.path.dirname(RESULTS_DIR), "..", "tests", "fixtures", "build")
 
 
 @dataclass
@@ -69,8 +82,26 @@ class Clock:
 
 
 def _children_cpu() -> float:
+    """Children's CPU: those waited for, and those still running (the resolver's llvm-symbolizer
+    pool lives on between sessions: its time is in no rusage until it exits)."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+    return ru.ru_utime + ru.ru_stime + _live_children_cpu()
+
+
+def _live_children_cpu() -> float:
+    me = os.getpid()
+    ticks = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:  # ppid; then utime and stime, fields 14 and 15 of stat
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _pick(idx: Any, segments: list[Any], n: int, seed: int) -> tuple[list[int], list[int]]:
@@ -217,6 +248,110 @@ def bench_target(
     return out
 
 
+def build_go_cmd(out_dir: str) -> str | None:
+    """`cmd/go` built from the Go on PATH into out_dir (a plain build: .symtab and DWARF kept)."""
+    go = shutil.which("go")
+    if go is None:
+        print("# go: no `go` on PATH, skipped", file=sys.stderr)
+        return None
+    out = os.path.join(out_dir, "go-cmd")
+    env = {
+        **os.environ,
+        # The tests' build cache (testkit/gobuild.py): a cold build of cmd/go takes ~1 min.
+        "GOCACHE": os.path.abspath(os.path.join(GO_CACHE, "gocache")),
+        "GOPATH": os.path.abspath(os.path.join(GO_CACHE, "gopath")),
+        "GOTOOLCHAIN": "local",
+        "CGO_ENABLED": "0",
+    }
+    subprocess.run([go, "build", "-o", out, "cmd/go"], env=env, check=True, capture_output=True, timeout=600)
+    return out
+
+
+def bench_go(name: str, path: str, n: int, depth: int, stream: int, zipf: float) -> dict[str, Any] | None:
+    """The same addresses of one Go binary through each path the symbolizer has for it."""
+    if not os.path.exists(path):
+        print(f"# {name}: {path} is missing, skipped", file=sys.stderr)
+        return None
+    with ElfFile(path) as f:
+        file_id = f.file_id
+        segments = [s for s in f.segments if s.flags & PF_X and s.filesz]
+        tab = read_pclntab(f)
+        has_symtab = f.section(".symtab") is not None
+        has_dwarf = f.has_dwarf
+    if tab is None or not file_id:
+        print(f"# {name}: {path} has no pclntab this reader knows, skipped", file=sys.stderr)
+        return None
+    bin_dir = tempfile.mkdtemp(prefix="bench-sym-")
+    os.symlink(os.path.realpath(path), os.path.join(bin_dir, os.path.basename(path)))
+    idx = tab.symbols()
+    vaddrs, offsets = _pick(idx, segments, n, 1)
+    sessions = {
+        "unique": unique_session(file_id, offsets, depth),
+        "zipf": zipf_session(file_id, offsets, stream, depth, zipf),
+    }
+    out: dict[str, Any] = {
+        "target": name,
+        "path": path,
+        "go": ".".join(map(str, tab.version)) + "+",
+        "symbols": len(idx),
+        "symtab": has_symtab,
+        "dwarf": has_dwarf,
+        "addresses": n,
+        "depth": depth,
+        "zipf_s": zipf,
+    }
+    llvm = has_dwarf and shutil.which("llvm-symbolizer-19") is not None
+    paths = [("pclntab", False, False)] + ([("symtab", False, True)] if has_symtab else [])
+    paths += [("dwarf", True, False)] if llvm else []
+    for kind, sess in sessions.items():
+        nframes = sum(len(t.user) for t in sess.traces)
+        distinct = len({(f.address, j == 0) for t in sess.traces for j, f in enumerate(t.user)})
+        out[f"{kind}_frames"] = nframes
+        out[f"{kind}_distinct"] = distinct
+        for label, use_llvm, hide_pclntab in paths:
+            read = resolve.read_pclntab
+            if hide_pclntab:  # the module loads as any ELF file's: names from .symtab
+                resolve.read_pclntab = lambda _f: None  # type: ignore[assignment]
+            try:
+                r = Resolver(
+                    DebugSources([], [bin_dir], debuginfod_urls=[]),
+                    use_llvm=use_llvm,
+                    registry=CollectorRegistry(),
+                )
+                with Clock() as c:
+                    r.module(file_id)
+                out[f"{label}_module_load_ms"] = round(c.wall * 1e3, 1)
+                gc.collect()  # what the path before left is not collected on this one's time
+                with Clock() as c:
+                    p = r.symbolize(sess)
+                out[f"{kind}_{label}_cold"] = _rate(nframes, c, distinct)
+                with Clock() as c:
+                    r.symbolize(sess)
+                out[f"{kind}_{label}_warm"] = _rate(nframes, c, distinct)
+                out[f"{kind}_{label}_with_line_fraction"] = round(
+                    sum(bool(f.line) for f in p.frames) / len(p.frames), 4
+                )
+                out[f"{kind}_{label}_inlined_frames"] = sum(f.inlined for f in p.frames)
+                r.close()
+                del r, p
+            finally:
+                resolve.read_pclntab = read
+    if llvm:  # the unique addresses through llvm-symbolizer alone, one batch, as for ELF targets
+        data = "".join(f"0x{v:x}\n" for v in vaddrs).encode()
+        argv = ["llvm-symbolizer-19", f"--obj={path}", "--output-style=JSON", "-i", "--no-demangle"]
+        with Clock() as c:
+            subprocess.run(argv, input=data, stdout=subprocess.DEVNULL, check=True)
+        out["llvm_alone"] = _rate(n, c, n)
+    for kind in sessions:
+        base = out.get(f"{kind}_symtab_cold")
+        if base:
+            # The issue's figure: Go frames against the same binary's names from .symtab, per CPU-second.
+            out[f"{kind}_pclntab_vs_symtab"] = round(
+                base["distinct_per_cpu_s"] / max(1, out[f"{kind}_pclntab_cold"]["distinct_per_cpu_s"]), 2
+            )
+    return out
+
+
 def _rate(count: int, c: Clock, distinct: int) -> dict[str, float]:
     return {
         "count": count,
@@ -232,9 +367,10 @@ def _rate(count: int, c: Clock, distinct: int) -> dict[str, float]:
 def print_table(results: list[dict[str, Any]]) -> None:
     rows = [("target", "measure", "frames", "distinct", "wall s", "cpu s", "frames/cpu-s", "distinct/cpu-s")]
     keys = [
-        f"{k}_{m}"
+        f"{k}_{m}_{t}"
         for k in ("unique", "zipf")
-        for m in ("names_cold", "names_warm", "lines_cold", "lines_warm")
+        for m in ("names", "lines", "symtab", "pclntab", "dwarf")
+        for t in ("cold", "warm")
     ]
     for r in results:
         for key in [*keys, "llvm_alone"]:
@@ -263,8 +399,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
         extra = {
             k: r[k]
-            for k in ("symbols", "module_load_ms", "named_fraction", "frames_with_line_fraction")
-            if k in r
+            for k in r
+            if k in ("symbols", "go", "module_load_ms", "named_fraction", "frames_with_line_fraction")
+            or k.endswith(("_vs_symtab", "_load_ms"))
         }
         print(f"# {r['target']}: {extra}")
 
@@ -277,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the stream")
     ap.add_argument("--depth", type=int, default=20, help="frames per stack")
     ap.add_argument("--only", action="append", default=[], help="run only these targets (by name)")
+    ap.add_argument(
+        "--go", action="append", default=[], metavar="PATH", help="a Go binary (instead of cmd/go)"
+    )
     args = ap.parse_args(argv)
     targets = list(DEFAULT_TARGETS)
     for spec in args.elf:
@@ -287,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         res = bench_target(name, path, dbg, args.addresses, args.depth, args.frames, args.zipf)
+        if res is not None:
+            results.append(res)
+    go_targets = [(os.path.basename(p), p) for p in args.go] + list(GO_TARGETS)
+    if not args.go and (not args.only or "go" in args.only):
+        built = build_go_cmd(tempfile.mkdtemp(prefix="bench-sym-go-"))
+        go_targets += [("go", built)] if built else []
+    for name, path in go_targets:
+        if args.only and name not in args.only:
+            continue
+        res = bench_go(name, path, args.addresses, args.depth, args.frames, args.zipf)
         if res is not None:
             results.append(res)
     print_table(results)

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import bisect
 import struct
+import threading
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
 
@@ -43,10 +45,12 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-# pc-value tables kept decoded, and runs a table may have to be kept: 16 bytes a run, so at most
-# 8 MiB a binary whatever its tables hold (a real function's tables have a few to a few hundred runs).
-MAX_DECODED = 1024
-MAX_DECODED_RUNS = 512
+# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each), functions' records
+# and answers (~0.3-0.5 KB each). Past any bound, all of it is dropped (only speed is lost): at most
+# ~30 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs).
+MAX_HELD_RUNS = 1 << 20
+MAX_HELD_FUNCS = 1 << 14
+MAX_HELD_ANSWERS = 1 << 16
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -57,10 +61,6 @@ _FLAGS_116 = {
     "runtime.rt0_go": FLAG_TOPFRAME,
 }
 
-_Decoded = tuple["array[int]", "array[int]", int]  # run starts, run values, end of the last run
-_UNSEEN: _Decoded = (array("q"), array("q"), -1)  # a table never looked at (by identity)
-_TOO_LONG: _Decoded = (array("q"), array("q"), -2)  # a table too long to keep decoded
-
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
 _NO_FUNCDATA = 0xFFFFFFFF
@@ -70,28 +70,76 @@ class GoPclnError(ValueError):
     """The table is not one this reader understands, or it is damaged."""
 
 
-@dataclass(frozen=True, slots=True)
-class GoFrame:
-    """One frame of an address, innermost first in a list (as llvm.SourceFrame)."""
+class GoFrame(NamedTuple):
+    """One frame of an address, innermost first in a list (as llvm.SourceFrame). A tuple: chains
+    of them are dictionary keys (the resolver's answer per chain)."""
 
     function: str
     file: str
     line: int
 
 
+class _PcTable:
+    """One pc-value table, decoded as far as lookups have needed and never twice: the start PC and
+    value of each run so far (bisected), where decoding stopped (byte, PC, value, runs), and whether
+    the table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses
+    share its tables whatever order they come in; a large function is never walked from its entry
+    again (the walk per address was most of the cost: one function of prometheus has 13 832 runs)."""
+
+    __slots__ = ("done", "pc", "pos", "starts", "steps", "val", "values")
+
+    def __init__(self, pos: int, entry: int) -> None:
+        self.starts = array("q")
+        self.values = array("q")
+        self.pos = pos
+        self.pc = entry  # runs cover [entry, pc)
+        self.val = -1
+        self.steps = 0
+        self.done = False
+
+
+class _Func:
+    """What every lookup in one function needs, read once: its entry, name, CU, three tables and
+    inline tree."""
+
+    __slots__ = ("cu", "entry", "file", "inl", "line", "name", "tree")
+
+    def __init__(
+        self,
+        entry: int,
+        name: str,
+        cu: int,
+        file: _PcTable | None,
+        line: _PcTable | None,
+        inl: _PcTable | None,
+        tree: _Tree | None,
+    ) -> None:
+        self.entry = entry
+        self.name = name
+        self.cu = cu
+        self.file = file
+        self.line = line
+        self.inl = inl
+        self.tree = tree
+
+
 class GoPclnTab:
     """A copy of one binary's pclntab (and the inline trees it points to), looked up by address."""
 
     __slots__ = (
+        "_answers",
         "_cutab",
         "_data",
-        "_decoded",
         "_entries",
+        "_files",
         "_filetab",
         "_ftab",
         "_funcdata_base",
         "_funcnames",
+        "_funcs",
+        "_held",
         "_inl",
+        "_lock",
         "_nfunc",
         "_pcln",
         "_pctab",
@@ -131,9 +179,13 @@ class GoPclnTab:
         self._pcln = pcln
         self._ftab = pcln  # the function table opens the pcln area
         self._inl = inline
-        # (table, entry) -> its decoded runs, or None when looked at once: a function's second new
-        # address decodes its tables whole (MAX_DECODED*), later ones bisect them.
-        self._decoded: dict[tuple[int, int], _Decoded | None] = {}
+        # Kept between lookups (bounded by MAX_HELD_*, dropped whole): each function's record and
+        # tables, the frames of each (function, file, line, inline index), file names by CU slot.
+        self._funcs: dict[int, _Func] = {}
+        self._answers: dict[tuple[int, int, int, int], tuple[GoFrame, ...]] = {}
+        self._files: dict[int, str] = {}
+        self._held = 0  # runs decoded into self._funcs' tables
+        self._lock = threading.Lock()  # one thread decodes at a time (lookups may be concurrent)
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -240,71 +292,69 @@ class GoPclnTab:
             return None
         return i
 
-    def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
-        """The value a pc-value table (at `table` in pctab) gives `pc`, or None."""
-        if not table:
+    def _table(self, table: int, entry: int) -> _PcTable | None:
+        return _PcTable(self._pctab + table, entry) if table else None
+
+    def _value(self, t: _PcTable | None, pc: int) -> int | None:
+        """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
+        if t is None:
             return None
+        if pc >= t.pc:  # not decoded that far yet (else the one test on the way of most lookups)
+            if t.done:
+                return None
+            with self._lock:
+                self._extend(t, pc)
+            if pc >= t.pc:
+                return None
+        # Runs are appended before t.pc moves past them: a concurrent reader sees them all.
+        i = bisect.bisect_right(t.starts, pc) - 1
+        return t.values[i] if i >= 0 else None
+
+    def _extend(self, t: _PcTable, pc: int) -> None:
+        """Decode `t` on until a run covers `pc` or the table ends. Under self._lock."""
+        if t.done or pc < t.pc:
+            return
         d = self._data
-        pos = self._pctab + table
         end = len(d)
         quantum = self._quantum
-        val = -1
-        cur = entry
-        # Most varints are one byte: read inline, the function only for longer ones (3x faster).
-        for step in range(MAX_PCVALUE_STEPS):
-            if pos + 2 <= end and d[pos] < 0x80:
+        starts, values = t.starts, t.values
+        add_start, add_value = starts.append, values.append
+        pos, cur, val, first = t.pos, t.pc, t.val, t.steps
+        steps = first
+        n0 = len(starts)
+        try:
+            # Most varints are one byte: read inline, the function only for longer ones; the end
+            # of the data is the IndexError of a read past it.
+            for steps in range(first, MAX_PCVALUE_STEPS):  # steps: where it stopped
+                if cur > pc:
+                    break
                 uv = d[pos]
                 pos += 1
-            else:
-                uv, pos = _uvarint(d, pos, end)
-            if uv == 0 and step:
-                return None
-            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
-            if pos < end and d[pos] < 0x80:
+                if uv >= 0x80:
+                    uv, pos = _uvarint(d, pos - 1, end)
+                if uv == 0 and steps:
+                    t.done = True
+                    break
+                val += (uv >> 1) ^ -(uv & 1)  # zigzag
                 delta = d[pos]
                 pos += 1
+                if delta >= 0x80:
+                    delta, pos = _uvarint(d, pos - 1, end)
+                add_value(val)
+                add_start(cur)
+                cur += delta * quantum
             else:
-                delta, pos = _uvarint(d, pos, end)
-            cur += delta * quantum
-            if pc < cur:
-                return val
-        return None
+                t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
+        except (GoPclnError, IndexError, OverflowError):  # damaged, or a PC or value past 64 bits
+            t.done = True
+            del values[len(starts) :]  # a value whose start PC did not fit
+        t.pos, t.val, t.steps = pos, val, steps
+        t.pc = cur  # last: the runs it covers are in the arrays
+        self._held += len(starts) - n0
 
-    def _value(self, table: int, entry: int, pc: int) -> int | None:
-        """`_pcvalue`, through the decoded tables of the functions looked at more than once."""
-        if not table:
-            return None
-        key = (table, entry)
-        got = self._decoded.get(key, _UNSEEN)
-        if got is None:  # the second look: decode it whole
-            got = self._decoded[key] = self._decode(table, entry)
-        if got is _TOO_LONG:
-            return self._pcvalue(table, entry, pc)
-        if got is _UNSEEN:
-            if len(self._decoded) >= MAX_DECODED:
-                self._decoded = {}  # only speed is lost (a plain dict: safe under concurrent lookups)
-            self._decoded[key] = None
-            return self._pcvalue(table, entry, pc)
-        starts, values, end = got
-        if pc >= end or pc < entry:
-            return None
-        return values[bisect.bisect_right(starts, pc) - 1]
-
-    def _decode(self, table: int, entry: int) -> _Decoded:
-        """A pc-value table whole: the start PC and value of each run, and where the last ends."""
-        starts = array("q")
-        values = array("q")
-        cur = entry
-        for pc, val, nxt in self._runs(table, entry):
-            if len(starts) >= MAX_DECODED_RUNS:
-                return _TOO_LONG  # kept as a mark: walked each time, never held
-            try:
-                starts.append(pc)
-                values.append(val)
-            except OverflowError:  # a damaged table's PC or value past 64 bits: walked each time instead
-                return _TOO_LONG
-            cur = nxt
-        return starts, values, cur
+    def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
+        """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
+        return self._value(self._table(table, entry), pc)
 
     def _runs(self, table: int, entry: int) -> Iterator[tuple[int, int, int]]:
         """(start, value, end) of each run of a pc-value table, at most MAX_PCVALUE_STEPS."""
@@ -326,8 +376,14 @@ class GoPclnTab:
         """A file name, "" when unknown (no value at this PC: alignment padding past the code)."""
         if fileno is None or fileno < 0:
             return ""
-        off = self._u32(self._cutab + (cu + fileno) * 4)
-        return "" if off == 0xFFFFFFFF else self._cstr(self._filetab + off)
+        slot = cu + fileno
+        got = self._files.get(slot)
+        if got is None:
+            off = self._u32(self._cutab + slot * 4)
+            got = "" if off == 0xFFFFFFFF else self._cstr(self._filetab + off)
+            if len(self._files) < MAX_HELD_FUNCS:
+                self._files[slot] = got
+        return got
 
     def _funcname(self, nameoff: int) -> str:
         return self._cstr(self._funcnames + nameoff) if nameoff >= 0 else ""
@@ -346,35 +402,76 @@ class GoPclnTab:
 
     def frames(self, pc: int) -> list[GoFrame]:
         """The frames of `pc`, innermost first: inlined calls, then the function. [] if unknown."""
-        i = self._index(pc)
-        if i is None:
-            return []
-        try:
-            return self._frames(i, pc)
-        except (GoPclnError, struct.error, IndexError):
-            return []
+        return list(self.chain(pc))
 
-    def _frames(self, i: int, pc: int) -> list[GoFrame]:
+    def chain(self, pc: int) -> tuple[GoFrame, ...]:
+        """`frames` as a tuple, shared by the addresses of one line of one inlined call: () if
+        unknown. A function's tables are decoded once for all its addresses (_PcTable)."""
+        i = bisect.bisect_right(self._entries, pc) - 1
+        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
+            return ()
+        try:
+            fn = self._funcs.get(i)
+            if fn is None:
+                fn = self._func_record(i)
+            value = self._value
+            fileno = value(fn.file, pc)
+            line = value(fn.line, pc) or 0
+            ix = value(fn.inl, pc) if fn.tree is not None else None
+            key = (i, -1 if fileno is None else fileno, line, -1 if ix is None else ix)
+            got = self._answers.get(key)
+            if got is None:
+                got = self._frames(fn, fileno, line, ix)
+                if len(self._answers) < MAX_HELD_ANSWERS:
+                    self._answers[key] = got
+            return got
+        except (GoPclnError, struct.error, IndexError):
+            return ()
+
+    def _func_record(self, i: int) -> _Func:
+        if (
+            len(self._funcs) >= MAX_HELD_FUNCS
+            or self._held >= MAX_HELD_RUNS
+            or len(self._answers) >= MAX_HELD_ANSWERS
+        ):
+            with self._lock:  # a plain new dict for concurrent readers; the old goes with its last one
+                self._funcs, self._answers, self._held = {}, {}, 0
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
-        file = self._file(cu, self._value(pcfile, entry, pc))
-        line = self._value(pcln, entry, pc) or 0
-        out: list[GoFrame] = []
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
+        inl = None
         if tree is not None and npcdata > _PCDATA_INLTREE_INDEX:
-            table = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
-            ix = self._value(table, entry, pc)
+            inl = self._table(self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4), entry)
+        else:
+            tree = None
+        fn = _Func(
+            entry,
+            self._funcname(nameoff),
+            cu,
+            self._table(pcfile, entry),
+            self._table(pcln, entry),
+            inl,
+            tree,
+        )
+        self._funcs[i] = fn
+        return fn
+
+    def _frames(self, fn: _Func, fileno: int | None, line: int, ix: int | None) -> tuple[GoFrame, ...]:
+        file = self._file(fn.cu, fileno)
+        out: list[GoFrame] = []
+        if fn.tree is not None:
+            entry = fn.entry
             seen = 0
             while ix is not None and ix >= 0 and seen < MAX_INLINE_DEPTH:
                 seen += 1
-                name, parent, parent_pc = tree.call(ix)
+                name, parent, parent_pc = fn.tree.call(ix)
                 out.append(GoFrame(name, file, max(line, 0)))
                 at = entry + parent_pc
-                file = self._file(cu, self._value(pcfile, entry, at))
-                line = self._value(pcln, entry, at) or 0
-                ix = parent if parent is not None else self._value(table, entry, at)
-        out.append(GoFrame(self._funcname(nameoff), file, max(line, 0)))
-        return out
+                file = self._file(fn.cu, self._value(fn.file, at))
+                line = self._value(fn.line, at) or 0
+                ix = parent if parent is not None else self._value(fn.inl, at)
+        out.append(GoFrame(fn.name, file, max(line, 0)))
+        return tuple(out)
 
     def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> _Tree | None:
         if self._inl is None or nfuncdata <= _FUNCDATA_INLTREE or npcdata > 1024:

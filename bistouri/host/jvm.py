@@ -16,8 +16,10 @@ following a link, must be a socket owned by the JVM's user or root, is connected
 descriptor, and its peer must be the JVM itself (SO_PEERCRED); every wait and read is bounded.
 Attaches run on one worker thread (`JvmPerfMaps`), at most one per process every
 `min_interval_s` (a process found at its exec maps libjvm.so a moment later: asked again at its
-next session); one that cannot be attached to (too old, no answer to the signal) is not tried
-again, and none still starting is signalled (no "Signal Dispatcher" thread yet).
+next session); one too old is not tried again, one that did not answer the signal (a JVM stalled
+in a long pause, or -XX:+DisableAttachMechanism, which prints a thread dump instead) is tried
+again at most MAX_ATTACH_TIMEOUTS times in all, `retry_after_s` apart; none still starting is
+signalled (no "Signal Dispatcher" thread yet).
 Outcomes are counted by reason (`RESULTS`).
 """
 
@@ -54,7 +56,10 @@ REASONS = (OK, NOT_JVM, OLD_JVM, NO_SIGQUIT_HANDLER, ATTACH_TIMEOUT, REFUSED, FA
 # Not tried again for the same process: nothing will change while it lives.
 # (no_sigquit_handler is looked at again, which sends nothing: a JVM found early in its start has
 # mapped libjvm.so but not yet installed its handlers.)
-_FINAL = frozenset((OLD_JVM, ATTACH_TIMEOUT))
+_FINAL = frozenset((OLD_JVM,))
+# A signal that got no answer: tried again later, a few times in all (each one is a SIGQUIT, which
+# a JVM without the attach mechanism answers with a thread dump on its stdout).
+MAX_ATTACH_TIMEOUTS = 3
 RESULTS: Counter[str] = Counter()  # read at scrape time, like safeopen.REFUSED
 
 _SIGQUIT_BIT = 1 << (signal.SIGQUIT - 1)
@@ -351,7 +356,8 @@ class JvmPerfMaps:
     """Perf-map requests for the watched processes, done on the `bistouri-jvm` thread.
 
     `request(pid)` never blocks (a full queue drops the request); each process is attached to at
-    most once every `min_interval_s`, and never again after a final outcome (`_FINAL`).
+    most once every `min_interval_s`, never again after a final outcome (`_FINAL`), and after an
+    attach timeout only `retry_after_s` later (default: ten intervals), MAX_ATTACH_TIMEOUTS in all.
     `on_result(pid, reason)` is called on the worker thread after each attempt.
     """
 
@@ -363,19 +369,21 @@ class JvmPerfMaps:
         proc_root: str = "/proc",
         *,
         min_interval_s: float = 60.0,
+        retry_after_s: float | None = None,
         on_result: Callable[[int, str], None] | None = None,
         attach: Callable[[int], AttachResult] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.proc_root = proc_root
         self.min_interval_s = min_interval_s
+        self.retry_after_s = 10 * min_interval_s if retry_after_s is None else retry_after_s
         self.on_result = on_result
         self._attach = attach or (lambda pid: attach_perf_map(pid, proc_root))
         self._clock = clock
         self._queue: queue.Queue[int] = queue.Queue(self._QUEUE)
         self._lock = threading.Lock()
-        # (pid, start time) -> (when last asked, its outcome or "" while queued)
-        self._last: OrderedDict[tuple[int, int], tuple[float, str]] = OrderedDict()
+        # (pid, start time) -> (when last asked, its outcome or "" while queued, attach timeouts so far)
+        self._last: OrderedDict[tuple[int, int], tuple[float, str, int]] = OrderedDict()
         self._attaching = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -402,18 +410,26 @@ class JvmPerfMaps:
         now = self._clock()
         with self._lock:
             last = self._last.get(key)
-            if last is not None and (
-                last[1] in _FINAL or last[1] == "" or now - last[0] < self.min_interval_s
-            ):
+            if last is not None and (last[1] == "" or not self._may_ask(last, now - last[0])):
                 return
             try:
                 self._queue.put_nowait(pid)
             except queue.Full:
                 return  # asked again at its next session
-            self._last[key] = (now, "")
+            self._last[key] = (now, "", last[2] if last is not None else 0)
             self._last.move_to_end(key)
             while len(self._last) > self._REMEMBERED:
                 self._last.popitem(last=False)
+
+    def _may_ask(self, last: tuple[float, str, int], since: float) -> bool:
+        """Whether a process whose last attempt ended so, `since` seconds ago, may be asked again
+        (`since` = inf: at once, if its outcome allows it)."""
+        _when, outcome, timeouts = last
+        if outcome in _FINAL:
+            return False
+        if outcome == ATTACH_TIMEOUT:
+            return timeouts < MAX_ATTACH_TIMEOUTS and since >= self.retry_after_s
+        return since >= self.min_interval_s
 
     def outcome(self, pid: int) -> str | None:
         """The last outcome for this process, None if never attempted."""
@@ -427,8 +443,14 @@ class JvmPerfMaps:
         compiled during the capture."""
         for pid in pids:
             # Not a JVM when first asked may be a JVM now (`java` maps libjvm.so after its start);
-            # a process gone meanwhile keeps its last outcome.
-            if self.outcome(pid) not in _FINAL and os.path.exists(f"{self.proc_root}/{pid}/maps"):
+            # a process gone meanwhile keeps its last outcome. No rate limit, but the bounds on
+            # what is never asked again, or only a few times (attach timeouts).
+            key = (pid, _start_time(self.proc_root, pid))
+            with self._lock:
+                last = self._last.get(key)
+            if last is not None and last[1] and not self._may_ask(last, float("inf")):
+                continue
+            if os.path.exists(f"{self.proc_root}/{pid}/maps"):
                 self.attempt(pid)
 
     def _run(self) -> None:
@@ -449,7 +471,9 @@ class JvmPerfMaps:
             result = AttachResult(FAILED, repr(e))
         RESULTS[result.reason] += 1
         with self._lock:
-            self._last[key] = (self._clock(), result.reason)
+            last = self._last.get(key)
+            timeouts = (last[2] if last is not None else 0) + (result.reason == ATTACH_TIMEOUT)
+            self._last[key] = (self._clock(), result.reason, timeouts)
         if result.reason not in (OK, NOT_JVM):
             log.info("JVM perf map not written. pid=%d reason=%s %s", pid, result.reason, result.detail)
         if self.on_result is not None:
@@ -487,6 +511,7 @@ def _start_time(proc_root: str, pid: int) -> int:
 
 
 __all__ = [
+    "MAX_ATTACH_TIMEOUTS",
     "REASONS",
     "RESULTS",
     "AttachResult",

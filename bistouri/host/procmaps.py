@@ -71,6 +71,7 @@ _USER_MAX = 0x7FFF_FFFF_FFFF  # x86_64, 4-level paging
 _MAPPING_BYTES = 120  # estimated Python memory of one mapping in a table
 _TABLE_BYTES = 600
 _PERF_ENTRY_BYTES = 100  # + the name
+_PERF_MARK_BYTES = 64  # of a perf map's parsed part, compared at each read (a rewrite changes them)
 _KNOWN_BYTES = 150  # one remembered address: dict slot, int key, 16-byte bytes
 _KNOWN_MAX = 16384  # remembered addresses per table, then forgotten all at once
 _NAMES_MAX = 1 << 17  # interned JIT names, then forgotten all at once
@@ -113,6 +114,10 @@ class _PerfMap:
     path: str  # inside that root
     owners: frozenset[int]  # who may own it: the process's user, root
     read_bytes: int = 0  # of the file, parsed so far
+    # What tells a rewrite from an append: the file's inode and the last bytes parsed (a file
+    # only appended to still has them where they were; `jcmd Compiler.perfmap` rewrites it whole).
+    ino: int = -1
+    mark: bytes = b""
     checked_at: float = -1e9
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
@@ -129,6 +134,7 @@ class ProcMapsStats:
     evicted: int = 0  # tables dropped to stay within the byte bound
     perf_map_reads: int = 0
     perf_map_truncated: int = 0  # perf maps that hit their byte bound
+    perf_map_rewrites: int = 0  # perf maps found rewritten (not appended to): read from their start
     files_over_bound: int = 0  # mappings of files past max_files: named by offset only
     mappings_over_bound: int = 0  # executable mappings past max_mappings in one read: not kept
 
@@ -413,13 +419,19 @@ class ProcMaps:
             if self._clock() - pm.checked_at < self.perf_map_interval_s or pm.truncated:
                 return
             pm.checked_at = self._clock()
-            offset = pm.read_bytes
+            offset, ino, mark = pm.read_bytes, pm.ino, pm.mark
         # The process writes that file: read outside the lock (see safeopen), parsed under it.
-        got = self._read_perf_file(pm, offset)
+        got = self._read_perf_file(pm, offset, ino, mark)
         with self._lock:
             if got is not None and pm.read_bytes == offset:
                 before = pm.nbytes
-                self._parse_perf_map(pm, *got)
+                size, data, new_ino, rewritten = got
+                if rewritten:  # by someone else's jcmd, or another process with the same pid
+                    self.stats.perf_map_rewrites += 1
+                    pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
+                    pm.mark, pm.truncated = b"", False
+                pm.ino = new_ino
+                self._parse_perf_map(pm, size, data)
                 self._bytes += pm.nbytes - before
                 self._evict()
 
@@ -436,7 +448,7 @@ class ProcMaps:
             if outcome == "ok" and pm is not None:  # where it is stays known, its content goes
                 self._bytes -= pm.nbytes
                 pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
-                pm.checked_at, pm.truncated = -1e9, False
+                pm.checked_at, pm.truncated, pm.mark = -1e9, False, b""
 
     def runtime(self, pid: int) -> tuple[str, str, bool]:
         """What runs JIT code in `pid`, as its maps say: ("jvm" | "node" | "", the outcome of
@@ -480,8 +492,12 @@ class ProcMaps:
             pass
         return _PerfMap(root, f"tmp/perf-{nspid}.map", owners)
 
-    def _read_perf_file(self, pm: _PerfMap, offset: int) -> tuple[int, bytes] | None:
-        """(size of the file, its bytes from `offset` up to the bound), None if it cannot be read."""
+    def _read_perf_file(
+        self, pm: _PerfMap, offset: int, ino: int, mark: bytes
+    ) -> tuple[int, bytes, int, bool] | None:
+        """(size of the file, its bytes from `offset` up to the bound, its inode, whether it was
+        rewritten since it was read up to `offset`: then its bytes are from its start), None if it
+        cannot be read. Rewritten: another inode, or the bytes before `offset` are not `mark`."""
         try:
             root = safeopen.open_root(pm.root)
             try:
@@ -491,26 +507,31 @@ class ProcMaps:
         except OSError:  # absent, gone with its process, or refused (counted by safeopen)
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            rewritten = offset > 0 and (
+                st.st_ino != ino or size < offset or os.pread(fd, len(mark), offset - len(mark)) != mark
+            )
+            if rewritten:
+                offset = 0
             if size <= offset:
-                return size, b""
-            return size, os.pread(fd, min(size, self.perf_map_max_bytes) - offset, offset)
+                return size, b"", st.st_ino, rewritten
+            data = os.pread(fd, min(size, self.perf_map_max_bytes) - offset, offset)
+            return size, data, st.st_ino, rewritten
         except OSError:
             return None
         finally:
             os.close(fd)
 
     def _parse_perf_map(self, pm: _PerfMap, size: int, data: bytes) -> None:
-        """Parse what was appended since the last read (the file only grows)."""
-        if size < pm.read_bytes:  # rewritten (a new process with the same pid): start over
-            pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
-            return  # read from its start next time
+        """Parse what was appended since the last read (a rewrite was found by _read_perf_file)."""
         if not data:
             return
         self.stats.perf_map_reads += 1
         # A partial last line waits for the next read.
         complete = data.rfind(b"\n") + 1
         pm.read_bytes += complete
+        pm.mark = (pm.mark + data[:complete])[-_PERF_MARK_BYTES:]
         if size > self.perf_map_max_bytes:  # what lies past the bound is never read
             pm.truncated = True
             self.stats.perf_map_truncated += 1

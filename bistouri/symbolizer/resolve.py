@@ -36,7 +36,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
-from ..gopclntab import GoPclnTab, read_pclntab
+from ..gopclntab import GoFrame, GoPclnTab, read_pclntab
 from . import model
 from .demangle import demangle
 from .gunzip import GZIP_MAGIC, gunzip
@@ -74,8 +74,10 @@ class _Module:
     complete: bool  # has DWARF: never worth looking for again
     loaded_at: float
     named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
-    # A Go binary without DWARF: names, file:line and inlined calls from its pclntab.
+    # A Go binary without DWARF: names, file:line and inlined calls from its pclntab, and the
+    # frames of each chain it gave (the addresses of one line share them).
     go: GoPclnTab | None = None
+    go_chains: dict[tuple[GoFrame, ...], _Frames] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -476,22 +478,52 @@ class Resolver:
         for off, leaf in todo:
             v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
             vaddrs.append(v)
-        dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
         if mod.go is not None and not (mod.dwarf_path and self.llvm is not None):
-            go = mod.go
-            dwarf = [_go_frames(go, v) if v is not None else None for v in vaddrs]
-        elif mod.dwarf_path and self.llvm is not None:
+            return [
+                self._go_user_frames(mod, mod.go, off, v)
+                for (off, _leaf), v in zip(todo, vaddrs, strict=True)
+            ]
+        dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
+        if mod.dwarf_path and self.llvm is not None:
             wanted = [i for i, v in enumerate(vaddrs) if v is not None]
             answers = self.llvm.symbolize(mod.dwarf_path, [vaddrs[i] or 0 for i in wanted])
             for i, ans in zip(wanted, answers, strict=True):
                 dwarf[i] = ans
         out: list[_Frames | _Uncached] = []
-        final = not mod.dwarf_path or self.llvm is None or not self.llvm.available or mod.go is not None
+        final = not mod.dwarf_path or self.llvm is None or not self.llvm.available
         for (off, _leaf), v, src in zip(todo, vaddrs, dwarf, strict=True):
             frames = self._user_frames(mod, off, v, src)
             # A names-only answer where DWARF exists is not final: llvm may have failed this time.
             out.append(frames if final or src is not None or v is None else _Uncached(frames))
         return out
+
+    def _go_user_frames(self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None) -> _Frames:
+        """A Go address's frames from its pclntab: one answer per chain (function, file:line and
+        inlined calls), shared by the addresses that give it."""
+        chain = go.chain(vaddr) if vaddr is not None else ()
+        if not chain:
+            return self._user_frames(mod, off, vaddr, None)
+        got = mod.go_chains.get(chain)
+        if got is None:
+            # As _user_frames makes them from llvm's answer, root first; Go's names are not mangled.
+            last = len(chain) - 1
+            got = tuple(
+                self._intern(
+                    model.Frame(
+                        f.function or f"{mod.name}+0x{off:x}",
+                        mod.name,
+                        _path(f.file),
+                        f.line,
+                        model.KIND_USER,
+                        i != last,
+                    )
+                )
+                for i, f in reversed(list(enumerate(chain)))
+            )
+            # Not kept when a frame is labelled by this address (an inlined call without a name).
+            if len(mod.go_chains) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
+                mod.go_chains[chain] = got
+        return got
 
     def gives_lines(self, mod: _Module) -> bool:
         """True when this module's frames carry file:line (DWARF with llvm-symbolizer, or Go's pclntab)."""
@@ -742,9 +774,3 @@ def symbolize_file(
         return resolver.symbolize_file(path)
     with Resolver(**options) as r:
         return r.symbolize_file(path)
-
-
-def _go_frames(go: GoPclnTab, vaddr: int) -> list[SourceFrame] | None:
-    """A Go address's frames as llvm would give them (innermost first), or None if unknown."""
-    got = go.frames(vaddr)
-    return [SourceFrame(f.function, f.file, f.line) for f in got] if got else None

@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri import wire
@@ -210,6 +211,40 @@ def test_jit_names_come_from_the_perf_map_through_the_process_root(tmp_path, wor
     assert maps.jit_name(7, 0x7F0000000305) == "JS:~warm /app/x.js:9:1"
     assert maps.jit_name(7, 0x7F0000000205) == "Stub"
     assert maps.stats.perf_map_reads == 2
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["truncated_and_rewritten", "replaced"])
+def test_a_perf_map_rewritten_by_someone_elses_jcmd_is_read_from_its_start(tmp_path, workloads, replace):
+    """`jcmd PID Compiler.perfmap` run by someone else rewrites the file whole, maybe larger: what
+    lies at the offset read so far is not an append (code moved, freed, compiled since)."""
+    now = [0.0]
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    (tmp_path / "7" / "root").unlink()
+    (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
+    perf_map = tmp_path / "7" / "root" / "tmp" / "perf-7.map"
+    perf_map.write_text("7f0000000100 40 Hot::old\n7f0000000200 10 Stub\n")
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0])
+    maps.track(7)
+    assert maps.jit_name(7, 0x7F0000000120) == "Hot::old"
+    rewrite = "7f0000000100 20 Hot::moved\n7f0000000200 10 Stub\n7f0000000300 40 Hot::new\n"
+    if replace:  # another file put in its place
+        new = perf_map.with_suffix(".tmp")
+        new.write_text(rewrite)
+        new.replace(perf_map)
+    else:  # the JVM's own way: the same file truncated and written again
+        with perf_map.open("r+") as f:
+            f.truncate(0)
+            f.write(rewrite)
+    now[0] += 1
+    assert maps.jit_name(7, 0x7F0000000305) == "Hot::new"
+    assert maps.jit_name(7, 0x7F0000000105) == "Hot::moved"
+    assert maps.jit_name(7, 0x7F0000000130) is None  # past the moved method's new end
+    assert maps.stats.perf_map_rewrites == 1
+    with perf_map.open("a") as f:  # appended to afterwards: read on from where it was
+        f.write("7f0000000400 10 Hot::later\n")
+    now[0] += 1
+    assert maps.jit_name(7, 0x7F0000000405) == "Hot::later"
+    assert maps.stats.perf_map_rewrites == 1 and maps.jit_name(7, 0x7F0000000305) == "Hot::new"
 
 
 def test_a_perf_map_is_bounded_in_bytes(tmp_path, workloads):

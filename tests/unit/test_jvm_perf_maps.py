@@ -19,9 +19,9 @@ def test_java_major_from_a_release_file():
     assert jvm.java_major(b"") is None
 
 
-def test_each_process_is_asked_at_most_once_an_interval_and_never_after_a_final_outcome(tmp_path):
+def test_each_process_is_asked_at_most_once_an_interval_and_an_old_jvm_never_again(tmp_path):
     now = [100.0]
-    outcomes = {1: jvm.OK, 2: jvm.ATTACH_TIMEOUT}
+    outcomes = {1: jvm.OK, 2: jvm.OLD_JVM}
     asked: list[int] = []
 
     def attach(pid: int) -> jvm.AttachResult:
@@ -44,16 +44,57 @@ def test_each_process_is_asked_at_most_once_an_interval_and_never_after_a_final_
     for pid in (1, 2, 1, 2):
         maps.request(pid)
     run_queued()
-    assert asked == [1, 2] and told == [(1, jvm.OK), (2, jvm.ATTACH_TIMEOUT)]
+    assert asked == [1, 2] and told == [(1, jvm.OK), (2, jvm.OLD_JVM)]
     assert maps.outcome(1) == jvm.OK and maps.outcome(3) is None
     now[0] += 30
     maps.request(1)  # a session starts 30 s later: too soon
     run_queued()
     now[0] += 31
     maps.request(1)
-    maps.request(2)  # signalled once for nothing: never again
+    maps.request(2)  # no Compiler.perfmap: never again
     run_queued()
     assert asked == [1, 2, 1]
+
+
+def test_an_attach_that_timed_out_is_tried_again_later_a_few_times_in_all(tmp_path):
+    """A JVM that did not answer the signal (a long pause) may later: asked again after
+    retry_after_s, by a session or by record's refresh, MAX_ATTACH_TIMEOUTS times in all."""
+    now = [100.0]
+    answers = [jvm.ATTACH_TIMEOUT, jvm.ATTACH_TIMEOUT, jvm.OK, jvm.ATTACH_TIMEOUT, jvm.ATTACH_TIMEOUT]
+    asked: list[int] = []
+
+    def attach(pid: int) -> jvm.AttachResult:
+        asked.append(pid)
+        return jvm.AttachResult(answers[len(asked) - 1])
+
+    maps = jvm.JvmPerfMaps(
+        str(tmp_path), min_interval_s=60, retry_after_s=600, attach=attach, clock=lambda: now[0]
+    )
+
+    def ask() -> None:
+        maps.request(1)
+        while not maps._queue.empty():
+            maps.attempt(maps._queue.get_nowait())
+
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "maps").write_text("")  # alive, for refresh
+    before = jvm.RESULTS[jvm.ATTACH_TIMEOUT]
+    ask()
+    now[0] += 120  # past the interval, not the retry delay
+    ask()
+    assert len(asked) == 1 and maps.outcome(1) == jvm.ATTACH_TIMEOUT
+    now[0] += 600
+    ask()  # the second timeout
+    now[0] += 600
+    ask()  # answered
+    assert len(asked) == 3 and maps.outcome(1) == jvm.OK
+    now[0] += 60
+    ask()  # the third timeout: the last one
+    now[0] += 600
+    ask()
+    maps.refresh([1])  # record's refresh keeps the bound too
+    assert len(asked) == 4 and maps.outcome(1) == jvm.ATTACH_TIMEOUT
+    assert jvm.RESULTS[jvm.ATTACH_TIMEOUT] - before == jvm.MAX_ATTACH_TIMEOUTS == 3
 
 
 def test_a_full_queue_drops_requests_instead_of_blocking(tmp_path):

@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bistouri import wire
+from bistouri import gopclntab, wire
 from bistouri.bpf.abi import CfaKind
 from bistouri.elf import GO_ID_LEN, ElfFile, go_file_id, is_go_file_id, read_build_id
 from bistouri.gopclntab import (
     FLAG_TOPFRAME,
-    MAX_DECODED_RUNS,
     MAX_INLINE_DEPTH,
+    MAX_PCVALUE_STEPS,
     GoFrame,
     GoPclnError,
     GoPclnTab,
@@ -272,10 +272,75 @@ def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     t0 = time.process_time()
     assert tab._pcvalue(at - tab._pctab, TEXT, TEXT + 10**7) is None
     assert time.process_time() - t0 < 2.0
-    # Looked at again, it is too long to be kept decoded: marked, and walked each time.
-    for _ in range(3):
-        assert tab._value(at - tab._pctab, TEXT, TEXT + 5) == 5
-    assert all(len(v[0]) <= MAX_DECODED_RUNS for v in tab._decoded.values() if v is not None)
+    # Kept decoded, it is decoded as far as asked and no further, and never past its bound.
+    t = tab._table(at - tab._pctab, TEXT)
+    assert tab._value(t, TEXT + 5) == 5 and t is not None and len(t.starts) == 6
+    assert tab._value(t, TEXT + 3) == 3 and len(t.starts) == 6  # bisected, not decoded again
+    assert tab._value(t, TEXT + 10**7) is None and t.done and len(t.starts) == MAX_PCVALUE_STEPS
+
+
+def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
+    """A pc-value table read the plain way, from the entry each time (the layout's definition)."""
+    pos, val, cur = 0, -1, entry
+    for step in range(MAX_PCVALUE_STEPS):
+        try:
+            uv, pos = gopclntab._uvarint(table, pos, len(table))
+            if uv == 0 and step:
+                return None
+            val += -((uv >> 1) + 1) if uv & 1 else uv >> 1
+            delta, pos = gopclntab._uvarint(table, pos, len(table))
+        except GoPclnError:
+            return None
+        if not (-(2**63) <= val < 2**63 and cur < 2**63):
+            return None  # a table past 64 bits ends there
+        if cur <= pc < cur + delta:
+            return val
+        cur += delta
+    return None
+
+
+@FUZZ
+@given(st.binary(max_size=96), st.lists(st.integers(0, 1 << 12), min_size=1, max_size=24))
+def test_fuzz_tables_decoded_as_far_as_asked_answer_as_the_plain_walk(
+    table: bytes, offsets: list[int]
+) -> None:
+    """Any bytes, any order of lookups: a table decoded in pieces and bisected answers as the walk
+    from the entry, and never holds more runs than its bound."""
+    data, inl = build_table_bytes((1, 18))
+    tab = GoPclnTab(data + table, TEXT, inl)
+    t = tab._table(len(data) - tab._pctab, TEXT)
+    for off in offsets:
+        assert tab._value(t, TEXT + off) == _reference_value(table, TEXT, TEXT + off), off
+    assert t is not None and len(t.starts) == len(t.values) <= MAX_PCVALUE_STEPS
+
+
+def test_what_lookups_keep_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its bounds the decoded state is dropped whole, and lookups answer as before."""
+    data, inl = build_table_bytes((1, 20))
+    want = {pc: GoPclnTab(data, TEXT, inl).frames(pc) for pc in range(TEXT, TEXT + 0x60)}
+    monkeypatch.setattr(gopclntab, "MAX_HELD_FUNCS", 1)
+    monkeypatch.setattr(gopclntab, "MAX_HELD_ANSWERS", 2)
+    tab = GoPclnTab(data, TEXT, inl)
+    for _ in range(2):
+        for pc, frames in want.items():
+            assert tab.frames(pc) == frames, hex(pc)
+            assert len(tab._funcs) <= 1 and len(tab._answers) <= 2
+
+
+def test_a_damaged_run_ends_its_table_and_keeps_the_runs_before_it() -> None:
+    data, inl = build_table_bytes((1, 18))
+    at = len(data)
+    # Two runs, then a varint that never ends (the data's end): the two still answer.
+    tab = GoPclnTab(data + b"\x02\x04\x02\x04" + b"\xff" * 12, TEXT, inl)
+    t = tab._table(at - tab._pctab, TEXT)
+    assert tab._value(t, TEXT + 100) is None and t is not None and t.done
+    assert [tab._value(t, TEXT + pc) for pc in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    # A start PC past 64 bits: the table ends before it.
+    big = b"\x02" + b"\xff" * 8 + b"\x7f" + b"\x02\x01\x00"
+    tab = GoPclnTab(data + big, TEXT, inl)
+    t = tab._table(at - tab._pctab, TEXT)
+    assert tab._value(t, TEXT + 2**64) is None and t is not None and t.done
+    assert len(t.starts) == len(t.values) == 1 and tab._value(t, TEXT) == 0
 
 
 # --- real Go programs --------------------------------------------------------------------------
@@ -486,14 +551,17 @@ def test_a_pie_is_named_from_its_relocated_table(gobins: dict[str, Path]) -> Non
 
 
 def test_decoded_tables_answer_as_the_walk_from_the_entry(gobins: dict[str, Path]) -> None:
-    """A function looked at twice has its tables decoded whole and bisected: same answers."""
+    """A function's tables are decoded once for all its addresses, in any order: the same answers
+    as a first look at each address."""
     with ElfFile(gobins["stripped"]) as f:
         cold, warm = read_pclntab(f), read_pclntab(f)
     assert cold is not None and warm is not None
     pcs = [pc for s, e, _ in list(cold.symbols().items())[:300] for pc in range(s, e)]
+    random.Random(3).shuffle(pcs)
     for pc in pcs:
         warm.frames(pc)
-    assert warm._decoded and all(v is not None for v in list(warm._decoded.values())[:50])
+    assert warm._funcs and warm._answers
     for pc in pcs:
-        cold._decoded.clear()  # every look a first one: walked from the entry
+        cold._funcs.clear()  # every look a first one: decoded from the entry
+        cold._answers.clear()
         assert warm.frames(pc) == cold.frames(pc), hex(pc)
