@@ -39,6 +39,16 @@ def _on_cpu_ns(pid: int) -> int:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 
+def _collect_on_cpu(agent: Profiler, pid: int, since_ns: int, seconds: float) -> list:
+    """Collect until `pid` has run `seconds` on a CPU since `since_ns` (its schedstat): a window
+    of CPU time, not of wall time, so a busy host gives as many samples, later (at most 60 s)."""
+    events = []
+    deadline = time.monotonic() + 60
+    while _on_cpu_ns(pid) - since_ns < seconds * 1e9 and time.monotonic() < deadline:
+        events.extend(_collect(agent, 0.25))
+    return events
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
@@ -60,7 +70,7 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
     burner = workloads / "burner"
     bid = bytes.fromhex(build_id(burner))
     syms = symbols(burner)
-    proc = subprocess.Popen([str(burner), "6"])
+    proc = subprocess.Popen([str(burner), "60"])  # killed at the end: runs as long as the window needs
     try:
         opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
         with Profiler(opts) as agent:
@@ -68,9 +78,9 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
             on_cpu_before = _on_cpu_ns(proc.pid)
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
             # The tables of the burner and libc loaded (the walk reaches _start from then on),
-            # then 3 s more: every sample of the window is counted below.
+            # then 3 s more on a CPU: every sample of the window is counted below.
             assert agent.unwind is not None and agent.unwind.wait_idle(60)
-            events = _collect(agent, 3.0)
+            events = _collect_on_cpu(agent, proc.pid, _on_cpu_ns(proc.pid), 3.0)
             # Stopped, the burner takes no more samples: its CPU time is the window's, and
             # closing the agent drains every count the kernel still holds.
             _stop(proc)
@@ -420,7 +430,7 @@ def test_a_divisor_in_the_filter_keeps_one_sample_in_n(workloads):
             agent.start()
             before = _on_cpu_ns(proc.pid)
             agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 4))
-            events = _collect(agent, 4.0)
+            events = _collect_on_cpu(agent, proc.pid, before, 3.0)
             _stop(proc)
             on_cpu = (_on_cpu_ns(proc.pid) - before) / 1e9
             agent.close()

