@@ -18,8 +18,9 @@ Two kinds of file share the header:
   address: start, end, checksum, name and module of each;
 - symbols (`<build id>.symbols`): the function symbols of a binary, as the resolver read
   them (start, end, checksum, name), with its PT_LOAD segments, its display name and the
-  address ranges its DWARF describes (none for a binary without DWARF; dwarfcover.py), so
-  that its new addresses outside them are named without the resolver.
+  address ranges its DWARF describes (none for a binary without DWARF;
+  `symbolizer.dwarf.covered_ranges`), so that its new addresses outside them are named
+  without the resolver.
 
 Files are this host's: arrays are in native byte order (a mark in the header refuses
 another). Opening a file checks the header (its checksum) and that the file is exactly as
