@@ -39,7 +39,7 @@ from .llvm import SourceFrame
 MAX_INFLATED_BYTES = 256 << 20  # one compressed section, inflated
 MAX_UNITS = 1 << 20
 MAX_DIES = 4_000_000  # DIEs read per file and run: a few units of a large C++ binary
-MAX_ROWS = 4_000_000  # line rows per file and run
+MAX_ROWS = 2_000_000  # line rows per file and run (16 bytes each)
 MAX_DEPTH = 256  # DIE nesting
 MAX_RANGES = 1 << 16  # entries of one range list
 MAX_HOPS = 16  # DW_AT_abstract_origin / DW_AT_specification followed for a name
@@ -284,7 +284,7 @@ class _LineTable:
     lines: array[int]
 
 
-def _uleb(b: memoryview, pos: int) -> tuple[int, int]:
+def _uleb(b: bytes | memoryview, pos: int) -> tuple[int, int]:
     byte = b[pos]
     if byte < 0x80:
         return byte, pos + 1
@@ -300,7 +300,7 @@ def _uleb(b: memoryview, pos: int) -> tuple[int, int]:
             raise _Bad("LEB128 too long")
 
 
-def _sleb(b: memoryview, pos: int) -> tuple[int, int]:
+def _sleb(b: bytes | memoryview, pos: int) -> tuple[int, int]:
     val, shift = 0, 0
     while True:
         byte = b[pos]
@@ -371,6 +371,8 @@ class DwarfFile:
         self._ranges: list[tuple[int, int, int]] = []
         self._abbrevs: dict[tuple[int, int, int], _Abbrevs] = {}
         self._lines: dict[int, _LineTable] = {}
+        self._names: dict[int, str] = {}  # a subroutine DIE's name, by offset
+        self._paths: dict[tuple[int, int], str] = {}  # a file's path, by (line table, index)
         self.dies = 0
         self.rows = 0
 
@@ -770,6 +772,12 @@ class DwarfFile:
     def _name(self, u: _Unit, die: _Die) -> str:
         """llvm's getSubroutineName(LinkageName): a linkage name, else the name, from the DIE or
         those its DW_AT_abstract_origin and DW_AT_specification name (last pushed, first read)."""
+        name = self._names.get(die.offset)
+        if name is None:
+            name = self._names[die.offset] = self._find_name(u, die)
+        return name
+
+    def _find_name(self, u: _Unit, die: _Die) -> str:
         for wanted in ((AT_MIPS_LINKAGE_NAME, AT_LINKAGE_NAME), (AT_NAME,)):
             todo: list[tuple[_Unit, _Die]] = [(u, die)]
             seen = {die.offset}
@@ -1017,66 +1025,71 @@ class DwarfFile:
         opcode_base: int,
         std_lengths: bytes,
     ) -> _LineTable:
+        # Every row takes at least a byte of program: bounding the bytes bounds the rows.
+        if end - pos > MAX_ROWS - self.rows:
+            raise Unsupported("over the line row budget")
+        prog = bytes(b[pos:end])
         addrs, files_of, lines = array("Q"), array("I"), array("i")
+        add_addr, add_file, add_line = addrs.append, files_of.append, lines.append
         seqs: list[tuple[int, int, int, int]] = []
         addr, file, line = 0, 1, 1
         seq_first = 0
         const_add = (255 - opcode_base) // line_range * min_inst
-        budget = MAX_ROWS - self.rows
-        rows = 0
-        mask = (1 << 64) - 1
+        # Each special opcode's address and line advance, looked up rather than computed.
+        step = [0] * 256
+        lstep = [0] * 256
+        for op in range(opcode_base, 256):
+            step[op] = (op - opcode_base) // line_range * min_inst
+            lstep[op] = line_base + (op - opcode_base) % line_range
+        pos, end = 0, len(prog)
+        # Out of range values (a damaged program) raise OverflowError in the appends.
         while pos < end:
-            op = b[pos]
+            op = prog[pos]
             pos += 1
             if op >= opcode_base:
-                adj = op - opcode_base
-                addr = (addr + adj // line_range * min_inst) & mask
-                line += line_base + adj % line_range
-                addrs.append(addr)
-                files_of.append(file & 0xFFFFFFFF)
-                lines.append(max(min(line, 0x7FFFFFFF), -0x80000000))
-                rows += 1
+                addr += step[op]
+                line += lstep[op]
+                add_addr(addr)
+                add_file(file)
+                add_line(line)
             elif op == 0:  # extended
-                n, pos = _uleb(b, pos)
+                n, pos = _uleb(prog, pos)
                 if n == 0:
                     continue
-                sub, body = b[pos], pos + 1
+                sub, body = prog[pos], pos + 1
                 pos += n
                 if sub == 1:  # end_sequence
-                    addrs.append(addr)
-                    files_of.append(file & 0xFFFFFFFF)
-                    lines.append(max(min(line, 0x7FFFFFFF), -0x80000000))
-                    rows += 1
+                    add_addr(addr)
+                    add_file(file)
+                    add_line(line)
                     low = addrs[seq_first]
-                    if low < addr and len(addrs) - seq_first >= 2 and low != mask:
+                    if low < addr and len(addrs) - seq_first >= 2 and low != (1 << 64) - 1:
                         seqs.append((low, addr, seq_first, len(addrs)))
                     seq_first = len(addrs)
                     addr, file, line = 0, 1, 1
                 elif sub == 2:  # set_address
-                    addr = _uint(b, body, min(n - 1, 8))
+                    addr = int.from_bytes(prog[body : body + min(n - 1, 8)], "little")
             elif op == 1:  # copy
-                addrs.append(addr)
-                files_of.append(file & 0xFFFFFFFF)
-                lines.append(max(min(line, 0x7FFFFFFF), -0x80000000))
-                rows += 1
+                add_addr(addr)
+                add_file(file)
+                add_line(line)
             elif op == 2:  # advance_pc
-                n, pos = _uleb(b, pos)
-                addr = (addr + n * min_inst) & mask
+                n, pos = _uleb(prog, pos)
+                addr += n * min_inst
             elif op == 3:  # advance_line
-                n, pos = _sleb(b, pos)
+                n, pos = _sleb(prog, pos)
                 line += n
             elif op == 4:  # set_file
-                file, pos = _uleb(b, pos)
+                file, pos = _uleb(prog, pos)
             elif op == 8:  # const_add_pc
-                addr = (addr + const_add) & mask
+                addr += const_add
             elif op == 9:  # fixed_advance_pc
-                addr = (addr + _uint(b, pos, 2)) & mask
+                addr += int.from_bytes(prog[pos : pos + 2], "little")
                 pos += 2
             else:  # set_column and the rest: skip their operands
                 for _ in range(std_lengths[op - 1] if op - 1 < len(std_lengths) else 0):
-                    _, pos = _uleb(b, pos)
-            if rows > budget:
-                raise Unsupported("over the line row budget")
+                    _, pos = _uleb(prog, pos)
+        rows = len(addrs)
         self.rows += rows
         # The rows of a sequence are in the order written; llvm orders sequences by their end.
         seqs.sort(key=lambda s: s[1])
@@ -1084,6 +1097,13 @@ class DwarfFile:
         return _LineTable(version, dirs, files, seqs, [s[1] for s in seqs], addrs, files_of, lines)
 
     def _file_name(self, u: _Unit, t: _LineTable, index: int) -> str:
+        key = (u.stmt_list or 0, index)
+        path = self._paths.get(key)
+        if path is None:
+            path = self._paths[key] = self._path(u, t, index)
+        return path
+
+    def _path(self, u: _Unit, t: _LineTable, index: int) -> str:
         """llvm's getFileNameByIndex with AbsoluteFilePath ("" when the index names no file)."""
         if t.version >= 5:
             if not 0 <= index < len(t.files):
@@ -1102,8 +1122,8 @@ class DwarfFile:
         elif 0 < d <= len(t.dirs):
             include = t.dirs[d - 1]
         comp = ""
-        # llvm 19 prepends the unit's directory to a relative one, DWARF 5's entry 0 included.
-        if u.comp_dir and not include.startswith("/"):
+        # As llvm 19 (14 also prepended it to DWARF 5's directory 0, the unit's own).
+        if (t.version < 5 or d != 0) and u.comp_dir and not include.startswith("/"):
             comp = u.comp_dir
         return _join(comp, include, name)
 
@@ -1163,7 +1183,7 @@ class DwarfFile:
                 if self._prepare(u).split:
                     raise Unsupported("split DWARF")
                 got = self._unit_frames(u, [addrs[k] for k in wanted])
-            except (_Bad, IndexError, struct.error, KeyError, ValueError, RecursionError):
+            except (_Bad, IndexError, struct.error, KeyError, ValueError, OverflowError):
                 got = [None] * len(wanted)
             except Unsupported:
                 got = [None] * len(wanted)
