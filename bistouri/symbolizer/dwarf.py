@@ -167,6 +167,7 @@ class DwarfFile:
         self.path = path
         self._views: dict[str, memoryview] = {}
         self._mm: mmap.mmap | None = None
+        self._inflated: list[mmap.mmap] = []  # sections inflated into anonymous maps
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size < 64:
@@ -211,9 +212,11 @@ class DwarfFile:
                     view = whole[sec.offset : sec.offset + sec.size]
                     if sec.flags & SHF_COMPRESSED:
                         try:
-                            self._views[sec.name] = memoryview(_inflate(view, sec.name))
+                            inflated = _inflate(view, sec.name)
                         finally:
                             view.release()
+                        self._inflated.append(inflated)
+                        self._views[sec.name] = memoryview(inflated)
                     else:
                         self._views[sec.name] = view
             finally:
@@ -233,6 +236,9 @@ class DwarfFile:
         for v in self._views.values():
             v.release()
         self._views.clear()
+        for m in self._inflated:
+            m.close()
+        self._inflated.clear()
         if self._mm is not None:
             self._mm.close()
             self._mm = None
@@ -836,22 +842,44 @@ def _const(attrs: dict[int, tuple[int, int]], attr: int, default: int) -> int:
     return default if got is None else got[1]
 
 
-def _inflate(data: memoryview, name: str) -> bytes:
-    """An SHF_COMPRESSED section's bytes, up to MAX_INFLATED_BYTES."""
+def _inflate(data: memoryview, name: str) -> mmap.mmap:
+    """An SHF_COMPRESSED section's bytes, up to MAX_INFLATED_BYTES, in an anonymous map: unmapped
+    when the file is closed, its memory is the system's again (freed heap memory of that size
+    stays with the process, and would add to the peak of what record does next)."""
     if len(data) < 24:
         raise Unsupported(f"{name}: compressed header")
     ch_type, _res, size = struct.unpack_from("<IIQ", data)
     if ch_type != ELFCOMPRESS_ZLIB:
         raise Unsupported(f"{name}: compression {ch_type}")
-    if size > MAX_INFLATED_BYTES:
-        raise Unsupported(f"{name}: {size} bytes inflated, over the bound")
+    if not 0 < size <= MAX_INFLATED_BYTES:
+        raise Unsupported(f"{name}: {size} bytes inflated, out of bounds")
+    out = mmap.mmap(-1, size)
     d = zlib.decompressobj()
+    pos = 0
     try:
-        out = d.decompress(data[24:], size)
+        for start in range(24, len(data), 1 << 20):
+            todo: bytes | memoryview = data[start : start + (1 << 20)]
+            while todo:
+                # A megabyte at a time; one byte more than the claim: then the claim was false.
+                chunk = d.decompress(todo, min(1 << 20, size - pos + 1))
+                if pos + len(chunk) > size:
+                    raise Unsupported(f"{name}: inflates past its {size} bytes")
+                out[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+                todo = d.unconsumed_tail
+                if d.eof:
+                    break
+            if d.eof:
+                break
     except zlib.error as e:
+        out.close()
         raise Unsupported(f"{name}: {e}") from e
-    if len(out) != size:
-        raise Unsupported(f"{name}: inflates to {len(out)} bytes, not {size}")
+    except Unsupported:
+        out.close()
+        raise
+    if pos != size:
+        out.close()
+        raise Unsupported(f"{name}: inflates to {pos} bytes, not {size}")
     return out
 
 
