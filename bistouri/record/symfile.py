@@ -349,15 +349,19 @@ def encode_frames(
         newest = sorted(chosen, key=lambda k: chosen[k][0], reverse=True)[:max_entries]
         chosen = {k: chosen[k] for k in newest}
     entries: dict[FrameKey, tuple[int, list[int]]] = {}  # key -> (generation, frame ids)
+    renumbered: dict[int, int] = {}  # an old frame id -> its id here (entries share frames)
     for key, (stamp, what) in chosen.items():
         if isinstance(what, int):
             assert old is not None
-            _, old_rows = old._checked(what, key)
+            old_ids, old_rows = old._checked(what, key)
             s = old._strings
-            entries[key] = (
-                stamp,
-                [frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5])) for r in old_rows],
-            )
+            ids = []
+            for fid, r in zip(old_ids, old_rows, strict=True):
+                got = renumbered.get(fid)
+                if got is None:
+                    got = renumbered[fid] = frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5]))
+                ids.append(got)
+            entries[key] = (stamp, ids)
         else:
             entries[key] = (
                 stamp,
