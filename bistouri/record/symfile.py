@@ -355,13 +355,13 @@ def encode_frames(
             assert old is not None
             old_ids, old_rows = old._checked(what, key)
             s = old._strings
-            ids = []
+            here = []
             for fid, r in zip(old_ids, old_rows, strict=True):
                 got = renumbered.get(fid)
                 if got is None:
                     got = renumbered[fid] = frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5]))
-                ids.append(got)
-            entries[key] = (stamp, ids)
+                here.append(got)
+            entries[key] = (stamp, here)
         else:
             entries[key] = (
                 stamp,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zlib
 from bisect import bisect_left, bisect_right
@@ -168,10 +169,11 @@ class DwarfFile:
         self._views: dict[str, memoryview] = {}
         self._mm: mmap.mmap | None = None
         self._inflated: list[mmap.mmap] = []  # sections inflated into anonymous maps
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block us
         try:
-            if os.fstat(fd).st_size < 64:
-                raise Unsupported("too small for an ELF file")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < 64:
+                raise Unsupported("not a regular file, or too small for an ELF file")
             self._mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -183,8 +185,8 @@ class DwarfFile:
         self._units: list[_Unit] | None = None
         self._complete = True  # every unit that may describe code was read
         self._unit_starts: list[int] = []
-        self._lo: list[int] = []  # unit ranges sorted by start: (start, end, unit number)
-        self._ranges: list[tuple[int, int, int]] = []
+        self._ranges: list[tuple[int, int, int]] = []  # units' (start, end, number), by start
+        self._lo: list[int] = []  # their starts, bisected
         self._abbrevs: dict[tuple[int, int, int], Abbrevs] = {}
         self._lines: dict[int, LineTable] = {}
         self._names: dict[int, str] = {}  # a subroutine DIE's name, by offset
@@ -780,10 +782,8 @@ class DwarfFile:
                 if self._prepare(u).split:
                     raise Unsupported("split DWARF")
                 got = self._unit_frames(u, [addrs[k] for k in wanted])
-            except (Malformed, IndexError, struct.error, KeyError, ValueError, OverflowError):
-                got = [None] * len(wanted)
-            except Unsupported:
-                got = [None] * len(wanted)
+            except (Unsupported, Malformed, IndexError, struct.error, KeyError, ValueError, OverflowError):
+                got = [None] * len(wanted)  # llvm-symbolizer's, if it can
             for k, g in zip(wanted, got, strict=True):
                 out[k] = g
         return out
