@@ -2,9 +2,9 @@
 
 pyenv's libpython 3.12 (DWARF 5, deep inlining), libc's debug file from libc6-dbg (zlib-compressed
 sections, found by build id under /usr/lib/debug), the C fixture built with -g and node (DWARF for
-a few files among 60 MB of code): addresses drawn at random inside their functions must get the
-same frames (names, files, lines, inline chains) as llvm-symbolizer gives for ≥ 99 % of them
-(measured: all of them).
+a few files among 60 MB of code), and a Go program built here: addresses drawn at random inside
+their functions must get the same frames (names, files, lines, inline chains) as llvm-symbolizer
+gives for ≥ 99 % of them (measured: all of them).
 """
 
 from __future__ import annotations
@@ -57,4 +57,19 @@ def test_a_real_binary_is_named_as_llvm_names_it(label: str, binary: str, debug:
     addrs = sorted({rng.randrange(*rng.choice(functions)) for _ in range(2000)})
     share, differ = agreement(debug, addrs)
     print(f"{label}: {share:.2%} of {len(addrs)} addresses as llvm-symbolizer")
+    assert share >= 0.99, differ[:5]
+
+
+@needs_llvm
+def test_a_go_program_s_dwarf_is_named_as_llvm_names_it(tmp_path: Path) -> None:
+    """Go writes DWARF 4 in zlib-compressed sections, its own way (the resolver reads it when
+    llvm-symbolizer is installed, else Go's pclntab)."""
+    from testkit.gobuild import go_build
+
+    binary = go_build("gohot", tmp_path)
+    with ElfFile(binary) as elf:
+        functions = [(s, e) for s, e, _ in elf.symbol_index().items() if e > s]
+    rng = random.Random(27)
+    addrs = sorted({rng.randrange(*rng.choice(functions)) for _ in range(2000)})
+    share, differ = agreement(str(binary), addrs)
     assert share >= 0.99, differ[:5]
