@@ -2,9 +2,9 @@
 
 Each tool profiles the same running workload by pid for the same time at the same
 frequency, in interleaved rounds, on each workload in turn: the `shares` fixture
-(70 / 20 / 10 % of its CPU in three functions), Debian's python3.11 and node
-running a busy loop (real programs: large binaries, a large symbol table for
-node). Measured per run, launch to the last byte written:
+(70 / 20 / 10 % of its CPU in three functions), Debian's python3.11, pyenv's
+python3.12 (libpython with full DWARF) and node running a busy loop (real
+programs: large binaries, a large symbol table for node). Measured per run, launch to the last byte written:
 
 - launch -> first sample: CLOCK_MONOTONIC read just before the tool is started,
   against the timestamp of its first sample of the workload (bistouri: its
@@ -67,9 +67,13 @@ function seventy(n) { return twenty(n) * 3 + ten(n) + JSON.stringify({a: [n, n]}
 const end = Date.now() + 1000 * Number(process.argv[1]);
 while (Date.now() < end) seventy(20000);
 """
+# pyenv's 3.12: a shared libpython with full DWARF 5 (~14 MB of .debug_info), what a Python built
+# from source has; Debian's python3.11 has none installed.
+PYENV_312 = next(iter(sorted(Path("/root/.pyenv/versions").glob("3.12*/bin/python3.12"))), None)
 WORKLOADS = {
     "shares": lambda secs: [str(SHARES), str(secs)],
     "python3.11": lambda secs: ["/usr/bin/python3.11", "-S", "-c", PY_LOOP, str(secs)],
+    "pyenv3.12": lambda secs: [str(PYENV_312), "-S", "-c", PY_LOOP, str(secs)],
     "node": lambda secs: ["/usr/bin/node", "-e", NODE_LOOP, str(secs)],
 }
 DOC_START = "<!-- bench_record: start -->"
@@ -490,7 +494,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("bench_record needs root (BPF, perf events)", file=sys.stderr)
         return 2
-    workloads = args.workload or list(WORKLOADS)
+    workloads = args.workload or [w for w in WORKLOADS if w != "pyenv3.12" or PYENV_312 is not None]
     have_perf = shutil.which("perf") is not None
     have_bpftrace = shutil.which("bpftrace") is not None
     results: dict = {"rounds": args.rounds, "seconds": args.seconds, "freq_hz": args.freq, "workloads": {}}

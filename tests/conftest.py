@@ -84,6 +84,7 @@ BY_MODULE = {
     "tests/integration/test_symbolizer_bounds.py": {"service", "root"},
     "tests/integration/test_kernel_snapshots.py": {"service", "bpf"},
     "tests/integration/test_resolve.py": {"pure"},  # llvm and a debuginfod server in this process
+    "tests/integration/test_dwarf_llvm.py": {"pure"},  # the host's binaries against llvm-symbolizer
     "tests/integration/test_cpython.py": {"pure"},  # the host's interpreters, as our children
 }
 # Tests that need other than their module, by module.

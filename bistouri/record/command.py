@@ -623,9 +623,9 @@ def _symbolize(
         from typing import cast
 
         from ..symbolizer.kallsyms import KallsymsStore
-        from ..symbolizer.llvm import LlvmPool
         from ..symbolizer.resolve import Resolver
         from ..symbolizer.sources import DebugSources
+        from .dwarfpool import DwarfFirstPool
 
         sources = DebugSources(
             debug_dirs,
@@ -635,8 +635,9 @@ def _symbolize(
             registry=None,
         )
         # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
-        # Found on first use: the binaries that miss may all be without DWARF, and finding it runs it twice.
-        llvm = LlvmPool(debug_dirs=[os.path.dirname(d) for d in sources.debug_dirs], registry=None, lazy=True)
+        # DWARF is read in process (dwarfpool.py); llvm-symbolizer is found on first use, for what that
+        # reader leaves: most runs start none (finding it runs it twice).
+        llvm = DwarfFirstPool(debug_dirs=[os.path.dirname(d) for d in sources.debug_dirs], registry=None)
         kallsyms = cast(KallsymsStore, kernels)
         resolver = Resolver(
             sources, kallsyms, llvm if file_lines else None, use_llvm=file_lines, registry=None

@@ -1,14 +1,15 @@
 """What `bistouri record` has named before, kept on disk: a persistent, bounded symbol cache.
 
-Naming costs more than capturing: parsing /proc/kallsyms in Python takes ~0.4 s, and
-a binary with DWARF starts `llvm-symbolizer`. A rerun on the same binaries asks the
-same questions, so the answers are kept:
+Naming costs more than capturing: parsing /proc/kallsyms in Python takes ~0.4 s, and a
+binary with DWARF has its compile units read (symbolizer/dwarf.py; llvm-symbolizer for what
+that reader leaves). A rerun on the same binaries asks the same questions, so the answers
+are kept:
 
 - `<build id>.frames`: the frames of every (file offset, leaf?) of one binary resolved so
   far (a binary is its build id: same id, same bytes);
 - `<build id>.symbols`: the function symbols of a binary, with the ranges its DWARF describes
-  (none for a binary without DWARF; dwarfcover.py), so that its new addresses outside them are
-  named without the resolver (node: a few C files of DWARF, llvm-symbolizer's ~75 MB spared);
+  (none for a binary without DWARF; `symbolizer.dwarf.covered_ranges`), so that its new
+  addresses outside them are named without reading DWARF (node: a few C files of it);
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import atomicfile
 from ..errors import BistouriError
-from . import dwarfcover, symfile
+from . import symfile
 from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, SymbolTable
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
@@ -595,7 +596,9 @@ def _remember(
                 # describes them (node: a few C files' worth), or it cannot be told which it does.
                 described: list[tuple[int, int]] | None = []
                 if mod.dwarf_path:  # no ranges found: every address stays the resolver's
-                    described = dwarfcover.covered_ranges(mod.dwarf_path) or None
+                    from ..symbolizer.dwarf import covered_ranges
+
+                    described = covered_ranges(mod.dwarf_path) or None
                 if described is not None:
                     segments = [(seg.offset, seg.filesz, seg.vaddr) for seg in mod.segments]
                     parts = symfile.encode_symbols(mod.symbols.items(), segments, mod.name, described)

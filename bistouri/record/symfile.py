@@ -18,8 +18,9 @@ Two kinds of file share the header:
   address: start, end, checksum, name and module of each;
 - symbols (`<build id>.symbols`): the function symbols of a binary, as the resolver read
   them (start, end, checksum, name), with its PT_LOAD segments, its display name and the
-  address ranges its DWARF describes (none for a binary without DWARF; dwarfcover.py), so
-  that its new addresses outside them are named without the resolver.
+  address ranges its DWARF describes (none for a binary without DWARF;
+  `symbolizer.dwarf.covered_ranges`), so that its new addresses outside them are named
+  without the resolver.
 
 Files are this host's: arrays are in native byte order (a mark in the header refuses
 another). Opening a file checks the header (its checksum) and that the file is exactly as
@@ -348,15 +349,19 @@ def encode_frames(
         newest = sorted(chosen, key=lambda k: chosen[k][0], reverse=True)[:max_entries]
         chosen = {k: chosen[k] for k in newest}
     entries: dict[FrameKey, tuple[int, list[int]]] = {}  # key -> (generation, frame ids)
+    renumbered: dict[int, int] = {}  # an old frame id -> its id here (entries share frames)
     for key, (stamp, what) in chosen.items():
         if isinstance(what, int):
             assert old is not None
-            _, old_rows = old._checked(what, key)
+            old_ids, old_rows = old._checked(what, key)
             s = old._strings
-            entries[key] = (
-                stamp,
-                [frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5])) for r in old_rows],
-            )
+            here = []
+            for fid, r in zip(old_ids, old_rows, strict=True):
+                got = renumbered.get(fid)
+                if got is None:
+                    got = renumbered[fid] = frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5]))
+                here.append(got)
+            entries[key] = (stamp, here)
         else:
             entries[key] = (
                 stamp,

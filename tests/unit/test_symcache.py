@@ -533,8 +533,8 @@ def test_a_binary_with_some_dwarf_is_named_from_its_symbols_where_no_dwarf_descr
 
     from bistouri import wire
     from bistouri.elf import ElfFile
-    from bistouri.record import dwarfcover
     from bistouri.symbolizer import formats
+    from bistouri.symbolizer.dwarf import covered_ranges
     from bistouri.symbolizer.kallsyms import KallsymsStore
     from bistouri.symbolizer.llvm import CANDIDATES
     from bistouri.symbolizer.resolve import Resolver
@@ -551,7 +551,7 @@ def test_a_binary_with_some_dwarf_is_named_from_its_symbols_where_no_dwarf_descr
     subprocess.run(["gcc", "-Wl,--build-id", "-o", str(exe), str(a), str(b)], check=True)
     if not any(shutil.which(c) for c in CANDIDATES):
         pytest.skip("no llvm-symbolizer: a binary's frames carry no file:line")
-    described = dwarfcover.covered_ranges(str(exe))
+    described = covered_ranges(str(exe))
     assert described is not None and len(described) == 1  # with_dwarf only
     with ElfFile(exe) as elf:
         bid = elf.build_id
