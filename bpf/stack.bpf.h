@@ -247,6 +247,102 @@ static __always_inline bool emit_stack(struct bistouri_stack_event *ev, __u64 fl
 	return true;
 }
 
+/*
+ * ---- Raw stack copies (BISTOURI_FILTER_RAW_STACK) ----
+ * A sample whose user walk was cut short while its process asked for copies
+ * (record, until its tables are published) goes to raw_stacks instead of
+ * stack_events: the walk's registers, the event as walked, and the top
+ * BISTOURI_RAW_STACK_BYTES of the user stack, walked again by user space once
+ * the tables are in (bistouri/capture/rawstacks.py).
+ */
+
+/* Whether the user walk of a sample was cut short: not at the entry, not at the depth limit. */
+static __always_inline bool walk_cut_short(struct bistouri_stack_event *ev, int how)
+{
+	if (how == STACK_FP_BARE) /* the kernel's walk says nothing of how it ended */
+		return ev->user_stack_size >= 0;
+	return ev->user_walk_end != BISTOURI_CNT_WALK_END && ev->user_walk_end != BISTOURI_CNT_WALK_DEPTH;
+}
+
+/* The user registers of an on-CPU sample, as `how` finds them; the bare program has only the interrupt's. */
+static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int how, struct unwind_regs *regs)
+{
+	if (how == STACK_TABLES)
+		return user_regs_of(ctx, regs);
+	if (how == STACK_BOUNDED)
+		return user_regs_bounded(ctx, regs);
+	if (how == STACK_FP_BARE && in_user_mode(ctx)) {
+		regs->ip = ctx->regs.ip;
+		regs->sp = ctx->regs.sp;
+		regs->bp = ctx->regs.bp;
+		return true;
+	}
+	return false;
+}
+
+/*
+ * The user stack from sp up, in chunks aligned so that none crosses a page: the
+ * copy ends at the first chunk that cannot be read (the stack's top, a page not
+ * present). Returns the bytes copied.
+ */
+static __always_inline __u32 copy_user_stack(struct bistouri_raw_stack *raw, __u64 sp)
+{
+	__u64 at = sp, size;
+	__u32 off = 0;
+
+	for (int i = 0; i <= BISTOURI_RAW_STACK_BYTES / RAW_STACK_CHUNK; i++) {
+		if (off >= BISTOURI_RAW_STACK_BYTES)
+			break;
+		size = RAW_STACK_CHUNK - (at & (RAW_STACK_CHUNK - 1));
+		if (size > BISTOURI_RAW_STACK_BYTES - off)
+			size = BISTOURI_RAW_STACK_BYTES - off;
+		/* Masked: a chunk at any offset below the end stays in raw_scratch (its room). */
+		if (bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
+			break;
+		off += size;
+		at += size;
+	}
+	return off;
+}
+
+/* Send the sample as a raw copy; false (the caller sends it as walked) without registers or room. */
+static __always_inline bool emit_raw_stack(struct bpf_perf_event_data *ctx, struct bistouri_stack_event *ev,
+					   int how, bool wake)
+{
+	struct unwind_regs regs = {};
+	struct bistouri_raw_stack *raw;
+	struct raw_scratch *s;
+	__u32 zero = 0, n;
+	__u64 flags = BPF_RB_NO_WAKEUP;
+
+	if (!raw_stack_regs(ctx, how, &regs) || !regs.sp || regs.ip > USER_TOP)
+		return false;
+	s = bpf_map_lookup_elem(&raw_scratch, &zero);
+	if (!s)
+		return false;
+	raw = &s->raw;
+	raw->ip = regs.ip;
+	raw->sp = regs.sp;
+	raw->bp = regs.bp;
+	raw->reserved = 0;
+	/* One helper call copies the event (~3 KiB) where the record needs it. */
+	if (bpf_probe_read_kernel(&raw->event, sizeof(raw->event), ev))
+		return false;
+	n = copy_user_stack(raw, regs.sp);
+	if (n > BISTOURI_RAW_STACK_BYTES)
+		n = BISTOURI_RAW_STACK_BYTES;
+	raw->stack_size = n;
+	/* Woken as stack_events is: at once for a process's first sample, else past a quarter of the ring. */
+	if (wake || bpf_ringbuf_query(&raw_stacks, BPF_RB_AVAIL_DATA) >= bpf_ringbuf_query(&raw_stacks, BPF_RB_RING_SIZE) / 4)
+		flags = BPF_RB_FORCE_WAKEUP;
+	if (bpf_ringbuf_output(&raw_stacks, raw, __builtin_offsetof(struct bistouri_raw_stack, stack) + n, flags)) {
+		count(BISTOURI_CNT_RAW_STACK_LOST);
+		return false;
+	}
+	count(BISTOURI_CNT_RAW_STACKS);
+	return true;
+}
+
 /* Send a pending wait's stack that ends at `now`, timed from when it was taken. */
 static __always_inline bool emit_wait(struct bistouri_stack_event *pending, __u64 now)
 {
