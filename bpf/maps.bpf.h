@@ -190,15 +190,16 @@ struct {
 } raw_stacks SEC(".maps");
 
 /*
- * Where a raw copy is built: the record, then a chunk of room, so that a
- * chunk read at any offset below BISTOURI_RAW_STACK_BYTES stays in the value
- * (the verifier checks the offset and size it can bound, not the loop's end).
+ * Where a raw copy is built: the record, then a page of room, so that a page
+ * read at any offset below BISTOURI_RAW_STACK_BYTES stays in the value (the
+ * verifier checks the offset and size it can bound, not the loop's end).
  */
-#define RAW_STACK_CHUNK 1024
+#define RAW_STACK_PAGE 4096
+#define RAW_STACK_PAGES (BISTOURI_RAW_STACK_BYTES / RAW_STACK_PAGE + 1)
 
 struct raw_scratch {
 	struct bistouri_raw_stack raw;
-	__u8 room[RAW_STACK_CHUNK];
+	__u8 room[RAW_STACK_PAGE];
 };
 
 struct {

@@ -281,23 +281,22 @@ static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int 
 }
 
 /*
- * The user stack from sp up, in chunks aligned so that none crosses a page: the
- * copy ends at the first chunk that cannot be read (the stack's top, a page not
- * present). Returns the bytes copied.
+ * The user stack from sp up, a page at a time (a read may not cross into a page
+ * that is not there): the copy ends at the first page that cannot be read (the
+ * stack's top). Three reads cover BISTOURI_RAW_STACK_BYTES from any sp. Returns
+ * the bytes copied.
  */
 static __always_inline __u32 copy_user_stack(struct bistouri_raw_stack *raw, __u64 sp)
 {
 	__u64 at = sp, size;
 	__u32 off = 0;
 
-	for (int i = 0; i <= BISTOURI_RAW_STACK_BYTES / RAW_STACK_CHUNK; i++) {
-		if (off >= BISTOURI_RAW_STACK_BYTES)
-			break;
-		size = RAW_STACK_CHUNK - (at & (RAW_STACK_CHUNK - 1));
+	for (int i = 0; i < RAW_STACK_PAGES; i++) {
+		size = RAW_STACK_PAGE - (at & (RAW_STACK_PAGE - 1));
 		if (size > BISTOURI_RAW_STACK_BYTES - off)
 			size = BISTOURI_RAW_STACK_BYTES - off;
-		/* Masked: a chunk at any offset below the end stays in raw_scratch (its room). */
-		if (bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
+		/* Masked: a page read at any offset below the end stays in raw_scratch (its room). */
+		if (!size || bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
 			break;
 		off += size;
 		at += size;
