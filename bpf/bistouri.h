@@ -248,7 +248,8 @@ struct bistouri_stack_event {
  * raw_stacks ring, up to the stack_size bytes copied.
  */
 #ifndef BISTOURI_RAW_STACK_BYTES
-#define BISTOURI_RAW_STACK_BYTES 8192 /* perf's default --call-graph dwarf copy */
+/* Twice perf's --call-graph dwarf default: 8 KiB copies of cc1plus's parser stacks end short. */
+#define BISTOURI_RAW_STACK_BYTES 16384
 #endif
 
 struct bistouri_raw_stack {

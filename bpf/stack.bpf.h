@@ -283,8 +283,8 @@ static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int 
 /*
  * The user stack from sp up, a page at a time (a read may not cross into a page
  * that is not there): the copy ends at the first page that cannot be read (the
- * stack's top). Three reads cover BISTOURI_RAW_STACK_BYTES from any sp. Returns
- * the bytes copied.
+ * stack's top). RAW_STACK_PAGES reads cover BISTOURI_RAW_STACK_BYTES from any
+ * sp. Returns the bytes copied.
  */
 static __always_inline __u32 copy_user_stack(struct bistouri_raw_stack *raw, __u64 sp)
 {

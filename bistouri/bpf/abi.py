@@ -209,7 +209,7 @@ class StackEvent(Structure):
 
 # A raw stack copy (struct bistouri_raw_stack): the registers, the event as walked, then the top of
 # the user stack from sp, sent up to the stack_size bytes copied.
-RAW_STACK_BYTES = 8192
+RAW_STACK_BYTES = 16384
 
 
 class RawStack(Structure):
