@@ -28,10 +28,14 @@ static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
 
 /*
  * cs is word 17 of the UAPI struct pt_regs (arch/x86/include/uapi/asm/ptrace.h:
- * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs ...),
- * and the low two bits of a segment selector are its privilege level: 3 is user mode.
+ * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags
+ * rsp ss), and the low two bits of a segment selector are its privilege level: 3 is
+ * user mode. rbp, rip and rsp by word too, for the program that reads no kernel type.
  */
 #define PT_REGS_CS_WORD 17
+#define PT_REGS_BP_WORD 4
+#define PT_REGS_IP_WORD 16
+#define PT_REGS_SP_WORD 19
 #define SELECTOR_RPL_MASK 3
 #define USER_RPL 3
 
@@ -272,9 +276,10 @@ static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int 
 	if (how == STACK_BOUNDED)
 		return user_regs_bounded(ctx, regs);
 	if (how == STACK_FP_BARE && in_user_mode(ctx)) {
-		regs->ip = ctx->regs.ip;
-		regs->sp = ctx->regs.sp;
-		regs->bp = ctx->regs.bp;
+		/* Plain offsets, as in_user_mode(): ctx->regs would be a CO-RE relocation (the kernel's BTF). */
+		regs->ip = ((const __u64 *)ctx)[PT_REGS_IP_WORD];
+		regs->sp = ((const __u64 *)ctx)[PT_REGS_SP_WORD];
+		regs->bp = ((const __u64 *)ctx)[PT_REGS_BP_WORD];
 		return true;
 	}
 	return false;
