@@ -15,6 +15,7 @@ as the BPF walk left them; every outcome is counted (`RawStackStats`).
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 
 from ..bpf import abi
@@ -41,6 +42,7 @@ class RawStackStats:
     left_copy: int = 0  # ... of which ended at a word outside the copy (cut short)
     unwalked: int = 0  # released as the BPF walk left them: the tables were not in by the end
     dropped: int = 0  # over the bounds: sent on at once as the BPF walk left them
+    walk_cpu_s: float = 0.0  # the ring thread's CPU in the walks (rules looked up in the maps included)
 
 
 def pid_of(record: bytes) -> int:
@@ -114,7 +116,9 @@ class RawStacks:
 
     def walk(self, record: bytes, rule_of: RuleOf) -> bytes:
         """The copy walked into a stack event (counted)."""
+        cpu = time.thread_time()
         event, w = walked_event(record, rule_of)
+        self.stats.walk_cpu_s += time.thread_time() - cpu
         self.stats.walked += 1
         self.stats.whole += w.stop == abi.Counter.WALK_END
         self.stats.left_copy += w.left_copy

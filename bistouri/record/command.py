@@ -601,9 +601,10 @@ def _capture(
     raw = profiler.raw.stats
     if raw.received:
         log.info(
-            "Raw stack copies. received=%d walked=%d whole=%d left_copy=%d unwalked=%d dropped=%d lost=%d",
+            "Raw stack copies. received=%d walked=%d whole=%d left_copy=%d unwalked=%d dropped=%d lost=%d "
+            "walk_cpu_s=%.3f",
             raw.received, raw.walked, raw.whole, raw.left_copy, raw.unwalked, raw.dropped,
-            profiler.counters()[abi.Counter.RAW_STACK_LOST],
+            profiler.counters()[abi.Counter.RAW_STACK_LOST], raw.walk_cpu_s,
         )  # fmt: skip
     session = sessions.finish_session(sid)
     profiler.close()
