@@ -302,6 +302,7 @@ class Profiler:
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                self._raw_ready.discard(pid)  # a process under this pid later waits for its own tables
                 self._require().maps["python_procs"].delete(key)
                 with self._python_lock:
                     self.python.remove(pid)
