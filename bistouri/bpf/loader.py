@@ -175,9 +175,9 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
 
 
 def raw_ring_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
-    """A power of two between 1 and 16 MiB holding 1.5 drain intervals of raw copies (~11 KiB each,
-    only while a process's tables are missing). Past that a copy is lost and its sample is sent as
-    walked (Counter.RAW_STACK_LOST)."""
+    """A power of two between 1 and 16 MiB holding 1.5 drain intervals of raw copies (at most ~19 KiB
+    each, fewer bytes when the stack's top is near; only while a process's tables are missing). Past
+    that a copy is lost and its sample is sent as walked (Counter.RAW_STACK_LOST)."""
     want = int(ncpus * freq_hz * ctypes.sizeof(abi.RawStack) * drain_interval_s * 1.5)
     size = 1 << 20
     while size < want and size < (16 << 20):

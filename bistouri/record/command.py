@@ -594,7 +594,10 @@ def _capture(
     if len(profiler.raw):
         progress.update(f"Waiting for the unwind tables of {len(profiler.raw)} samples", force=True)
         t1 = time.monotonic()
-        done = profiler.wait_raw_stacks(_TABLES_LAST_S)
+        stops = len(stop)  # one more Ctrl-C: no more waiting, those samples stay cut short
+        done = False
+        while not done and len(stop) == stops and time.monotonic() - t1 < _TABLES_LAST_S:
+            done = profiler.wait_raw_stacks(0.1)
         log.debug("Unwind tables waited for. seconds=%.2f done=%s", time.monotonic() - t1, done)
     profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
     count([ev for ev in profiler.take() if type(ev) is StackSample])
