@@ -51,7 +51,7 @@ static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, int ho
 	struct bistouri_stack_event *ev;
 	__u32 slot = SCRATCH_ON_CPU;
 	__u64 zero = 0, *seen;
-	bool marked = false, wake;
+	bool marked = false, wake, changed;
 	__u8 one = 1;
 	__u32 *flags, divisor;
 
@@ -73,13 +73,24 @@ static __always_inline int sample_on_cpu(struct bpf_perf_event_data *ctx, int ho
 	fill_header(ev, BISTOURI_EVENT_ON_CPU, pid_tgid, bpf_ktime_get_ns());
 	fill_stacks(ctx, ev, 0, ctx, how);
 	count(BISTOURI_CNT_ON_CPU_SAMPLES);
+	changed = maps_changed(ev, &wake);
+
+	/*
+	 * Cut short while the process asks for raw copies (its tables are not in
+	 * yet): sent as a copy of its stack, never counted as a repeat (the
+	 * truncated stacks of many paths hash alike). The compat twin has no user
+	 * registers to send.
+	 */
+	if (how != STACK_FP && (*flags & BISTOURI_FILTER_RAW_STACK) && walk_cut_short(ev, how) &&
+	    emit_raw_stack(ctx, ev, how, wake))
+		return 0;
 
 	/*
 	 * A repeat of a sample user space holds (same thread, kernel stack and
 	 * user stack) only adds to a count: a CPU-bound loop then costs user
 	 * space one event per distinct stack instead of one per sample.
 	 */
-	if (maps_changed(ev, &wake)) {
+	if (changed) {
 		/* Sent whole (not counted) and, unless it happens all the time, with a wakeup. */
 		emit_stack(ev, wake ? BPF_RB_FORCE_WAKEUP : wakeup_flags());
 		return 0;

@@ -32,6 +32,9 @@ enum bistouri_event_kind {
 enum bistouri_filter_flags {
 	BISTOURI_FILTER_ON_CPU = 1,
 	BISTOURI_FILTER_OFF_CPU = 2,
+	/* On-CPU samples whose user walk is cut short are also sent as raw stack copies
+	 * (struct bistouri_raw_stack), walked by user space once the tables are in. */
+	BISTOURI_FILTER_RAW_STACK = 8,
 };
 #define BISTOURI_FILTER_DIVISOR_SHIFT 8
 #define BISTOURI_FILTER_SEEN_SHIFT 16
@@ -57,7 +60,9 @@ enum bistouri_counter {
 	BISTOURI_CNT_WALK_DEPTH = 16,          /* walks stopped at BISTOURI_MAX_DEPTH frames */
 	BISTOURI_CNT_WALK_BAD_FRAME = 17,      /* walks stopped: the next frame is not above this one on the stack */
 	BISTOURI_CNT_RULE_CACHE_HITS = 18,     /* user frames whose unwind rule came from the per-CPU rule cache */
-	BISTOURI_CNT_MAX = 19,
+	BISTOURI_CNT_RAW_STACKS = 19,          /* samples sent as raw stack copies (BISTOURI_FILTER_RAW_STACK) */
+	BISTOURI_CNT_RAW_STACK_LOST = 20,      /* raw stack copies lost to a full raw_stacks ring: sent as walked */
+	BISTOURI_CNT_MAX = 21,
 };
 
 /* How a row finds the CFA (bistouri/unwind/ehframe.py CfaKind). */
@@ -232,6 +237,29 @@ struct bistouri_stack_event {
 	__u64 user_stack[BISTOURI_MAX_DEPTH]; /* raw IPs: user space maps them to files (bistouri/host/procmaps.py) */
 	struct bistouri_py_frame py_frames[BISTOURI_PY_MAX_DEPTH]; /* innermost first; the record ends after
 								    * the py_depth taken (emit_stack) */
+};
+
+/*
+ * An on-CPU sample of a process that asked for them (BISTOURI_FILTER_RAW_STACK)
+ * whose user walk was cut short (no table for a PC yet: `record`'s first
+ * seconds on a large binary): the walk's registers and the top of the user
+ * stack, which user space walks with the same rows once they are in
+ * (bistouri/unwind/rawwalk.py), as perf does with its copies. Sent to the
+ * raw_stacks ring, up to the stack_size bytes copied.
+ */
+#ifndef BISTOURI_RAW_STACK_BYTES
+/* Twice perf's --call-graph dwarf default: 8 KiB copies of cc1plus's parser stacks end short. */
+#define BISTOURI_RAW_STACK_BYTES 16384
+#endif
+
+struct bistouri_raw_stack {
+	__u64 ip;              /* the user registers the walk started from */
+	__u64 sp;
+	__u64 bp;
+	__u32 stack_size;      /* bytes of stack copied from sp (the copy stops at a page not present) */
+	__u32 reserved;
+	struct bistouri_stack_event event; /* the sample as the BPF walk left it */
+	__u8 stack[BISTOURI_RAW_STACK_BYTES];
 };
 
 /* A process whose new comm matched a rule of the LPM trie at exec. */

@@ -27,6 +27,7 @@ const volatile struct bistouri_config cfg = {
  */
 struct bistouri_exec_event abi_anchor_exec_event SEC(".bss");
 struct bistouri_error_event abi_anchor_error_event SEC(".bss");
+struct bistouri_raw_stack abi_anchor_raw_stack SEC(".bss");
 enum bistouri_event_kind abi_anchor_event_kind SEC(".bss");
 enum bistouri_filter_flags abi_anchor_filter_flags SEC(".bss");
 enum bistouri_counter abi_anchor_counter SEC(".bss");
@@ -177,6 +178,36 @@ struct {
 	__type(key, __u32);
 	__type(value, struct bistouri_stack_event);
 } scratch SEC(".maps");
+
+/*
+ * Raw stack copies (struct bistouri_raw_stack) of the processes that ask for
+ * them, drained with stack_events. Resized at load: a page unless the
+ * profiler wants them (ProfilerOptions.raw_stacks, `record`'s).
+ */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 2 << 20);
+} raw_stacks SEC(".maps");
+
+/*
+ * Where a raw copy is built: the record, then a page of room, so that a page
+ * read at any offset below BISTOURI_RAW_STACK_BYTES stays in the value (the
+ * verifier checks the offset and size it can bound, not the loop's end).
+ */
+#define RAW_STACK_PAGE 4096
+#define RAW_STACK_PAGES (BISTOURI_RAW_STACK_BYTES / RAW_STACK_PAGE + 1)
+
+struct raw_scratch {
+	struct bistouri_raw_stack raw;
+	__u8 room[RAW_STACK_PAGE];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct raw_scratch);
+} raw_scratch SEC(".maps");
 
 /* Slot 0: handle_perf, once loaded, for handle_perf_fp to hand every sample on to. */
 struct {

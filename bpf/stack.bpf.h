@@ -28,10 +28,14 @@ static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
 
 /*
  * cs is word 17 of the UAPI struct pt_regs (arch/x86/include/uapi/asm/ptrace.h:
- * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs ...),
- * and the low two bits of a segment selector are its privilege level: 3 is user mode.
+ * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags
+ * rsp ss), and the low two bits of a segment selector are its privilege level: 3 is
+ * user mode. rbp, rip and rsp by word too, for the program that reads no kernel type.
  */
 #define PT_REGS_CS_WORD 17
+#define PT_REGS_BP_WORD 4
+#define PT_REGS_IP_WORD 16
+#define PT_REGS_SP_WORD 19
 #define SELECTOR_RPL_MASK 3
 #define USER_RPL 3
 
@@ -244,6 +248,102 @@ static __always_inline bool emit_stack(struct bistouri_stack_event *ev, __u64 fl
 		report_error(BISTOURI_CNT_STACK_RESERVE_FAILED, ev->pid, 0);
 		return false;
 	}
+	return true;
+}
+
+/*
+ * ---- Raw stack copies (BISTOURI_FILTER_RAW_STACK) ----
+ * A sample whose user walk was cut short while its process asked for copies
+ * (record, until its tables are published) goes to raw_stacks instead of
+ * stack_events: the walk's registers, the event as walked, and the top
+ * BISTOURI_RAW_STACK_BYTES of the user stack, walked again by user space once
+ * the tables are in (bistouri/capture/rawstacks.py).
+ */
+
+/* Whether the user walk of a sample was cut short: not at the entry, not at the depth limit. */
+static __always_inline bool walk_cut_short(struct bistouri_stack_event *ev, int how)
+{
+	if (how == STACK_FP_BARE) /* the kernel's walk says nothing of how it ended */
+		return ev->user_stack_size >= 0;
+	return ev->user_walk_end != BISTOURI_CNT_WALK_END && ev->user_walk_end != BISTOURI_CNT_WALK_DEPTH;
+}
+
+/* The user registers of an on-CPU sample, as `how` finds them; the bare program has only the interrupt's. */
+static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int how, struct unwind_regs *regs)
+{
+	if (how == STACK_TABLES)
+		return user_regs_of(ctx, regs);
+	if (how == STACK_BOUNDED)
+		return user_regs_bounded(ctx, regs);
+	if (how == STACK_FP_BARE && in_user_mode(ctx)) {
+		/* Plain offsets, as in_user_mode(): ctx->regs would be a CO-RE relocation (the kernel's BTF). */
+		regs->ip = ((const __u64 *)ctx)[PT_REGS_IP_WORD];
+		regs->sp = ((const __u64 *)ctx)[PT_REGS_SP_WORD];
+		regs->bp = ((const __u64 *)ctx)[PT_REGS_BP_WORD];
+		return true;
+	}
+	return false;
+}
+
+/*
+ * The user stack from sp up, a page at a time (a read may not cross into a page
+ * that is not there): the copy ends at the first page that cannot be read (the
+ * stack's top). RAW_STACK_PAGES reads cover BISTOURI_RAW_STACK_BYTES from any
+ * sp. Returns the bytes copied.
+ */
+static __always_inline __u32 copy_user_stack(struct bistouri_raw_stack *raw, __u64 sp)
+{
+	__u64 at = sp, size;
+	__u32 off = 0;
+
+	for (int i = 0; i < RAW_STACK_PAGES; i++) {
+		size = RAW_STACK_PAGE - (at & (RAW_STACK_PAGE - 1));
+		if (size > BISTOURI_RAW_STACK_BYTES - off)
+			size = BISTOURI_RAW_STACK_BYTES - off;
+		/* Masked: a page read at any offset below the end stays in raw_scratch (its room). */
+		if (!size || bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
+			break;
+		off += size;
+		at += size;
+	}
+	return off;
+}
+
+/* Send the sample as a raw copy; false (the caller sends it as walked) without registers or room. */
+static __always_inline bool emit_raw_stack(struct bpf_perf_event_data *ctx, struct bistouri_stack_event *ev,
+					   int how, bool wake)
+{
+	struct unwind_regs regs = {};
+	struct bistouri_raw_stack *raw;
+	struct raw_scratch *s;
+	__u32 zero = 0, n;
+	__u64 flags = BPF_RB_NO_WAKEUP;
+
+	if (!raw_stack_regs(ctx, how, &regs) || !regs.sp || regs.ip > USER_TOP)
+		return false;
+	s = bpf_map_lookup_elem(&raw_scratch, &zero);
+	if (!s)
+		return false;
+	raw = &s->raw;
+	raw->ip = regs.ip;
+	raw->sp = regs.sp;
+	raw->bp = regs.bp;
+	raw->reserved = 0;
+	/* One helper call copies the event (~3 KiB) where the record needs it. */
+	if (bpf_probe_read_kernel(&raw->event, sizeof(raw->event), ev))
+		return false;
+	n = copy_user_stack(raw, regs.sp);
+	if (n > BISTOURI_RAW_STACK_BYTES)
+		n = BISTOURI_RAW_STACK_BYTES;
+	raw->stack_size = n;
+	/* Woken as stack_events is: at once for a process's first sample, else past a quarter of the ring. */
+	if (wake || bpf_ringbuf_query(&raw_stacks, BPF_RB_AVAIL_DATA) >= bpf_ringbuf_query(&raw_stacks, BPF_RB_RING_SIZE) / 4)
+		flags = BPF_RB_FORCE_WAKEUP;
+	if (bpf_ringbuf_output(&raw_stacks, raw, __builtin_offsetof(struct bistouri_raw_stack, stack) + n, flags)) {
+		count(BISTOURI_CNT_RAW_STACK_LOST);
+		return false;
+	}
+	count(BISTOURI_CNT_RAW_STACKS);
 	return true;
 }
 

@@ -51,6 +51,9 @@ class EventKind(IntEnum):
 class FilterFlags(IntEnum):
     ON_CPU = 1
     OFF_CPU = 2
+    # On-CPU samples cut short are also sent as raw stack copies (RawStack), walked in user space
+    # once the process's tables are in (`record`: capture/rawstacks.py).
+    RAW_STACK = 8
 
 
 FILTER_DIVISOR_SHIFT = 8  # bits 8-15 of a pid filter value: one on-CPU sample kept in this many
@@ -84,9 +87,11 @@ class Counter(IntEnum):
     WALK_DEPTH = 16
     WALK_BAD_FRAME = 17
     RULE_CACHE_HITS = 18
+    RAW_STACKS = 19  # samples sent as raw stack copies (FilterFlags.RAW_STACK)
+    RAW_STACK_LOST = 20  # raw copies lost to a full raw_stacks ring: sent as the BPF walk left them
 
 
-COUNTER_MAX = 19
+COUNTER_MAX = 21
 
 # Why a user walk ended (a stack event's user_walk_end, a WALK_* counter): the names that
 # metrics and sessions use.
@@ -199,6 +204,23 @@ class StackEvent(Structure):
         ("kernel_stack", c_uint64 * MAX_DEPTH),
         ("user_stack", c_uint64 * MAX_DEPTH),
         ("py_frames", PyFrame * PY_MAX_DEPTH),
+    ]
+
+
+# A raw stack copy (struct bistouri_raw_stack): the registers, the event as walked, then the top of
+# the user stack from sp, sent up to the stack_size bytes copied.
+RAW_STACK_BYTES = 16384
+
+
+class RawStack(Structure):
+    _fields_ = [
+        ("ip", c_uint64),
+        ("sp", c_uint64),
+        ("bp", c_uint64),
+        ("stack_size", c_uint32),
+        ("reserved", c_uint32),
+        ("event", StackEvent),
+        ("stack", c_uint8 * RAW_STACK_BYTES),
     ]
 
 
@@ -325,6 +347,7 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_stack_key": UserStackKey,
     "bistouri_sample_key": SampleKey,
     "bistouri_stack_event": StackEvent,
+    "bistouri_raw_stack": RawStack,
     "bistouri_exec_event": ExecEvent,
     "bistouri_error_event": ErrorEvent,
     "bistouri_comm_key": CommKey,
@@ -363,6 +386,9 @@ KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset
 STACK_EVENT_SIZE = ctypes.sizeof(StackEvent)
 PY_FRAME = struct.Struct("<QII")  # a PyFrame: code (| PY_FRAME_ENTRY), offset, checksum
+RAW_STACK_HEAD = struct.Struct("<QQQI4x")  # ip, sp, bp, stack_size
+RAW_EVENT_OFFSET = RawStack.event.offset
+RAW_BYTES_OFFSET = RawStack.stack.offset
 EXEC_EVENT = struct.Struct("<IIQ16s")
 ERROR_EVENT = struct.Struct("<IIqQ")
 

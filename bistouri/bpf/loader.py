@@ -8,6 +8,7 @@ rest while libbpf parses the kernel's BTF and the verifier checks the programs
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -85,6 +86,10 @@ class ProfilerOptions:
     # Ask each watched JVM for its perf map (host/jvm.py), at most once a minute per process.
     jvm_perf_maps: bool = True
     jvm_perf_map_interval_s: float = 60.0
+    # `record`: room for raw stack copies (the raw_stacks ring, sized by raw_ring_size), which the
+    # processes whose pid filter has FilterFlags.RAW_STACK send until their tables are in. Off: a
+    # page, never written (the agent never asks for copies).
+    raw_stacks: bool = False
 
 
 # The episode hooks (bpf/episode.bpf.h) -> their tracepoint. The scheduler
@@ -165,6 +170,17 @@ def ring_size(ncpus: int, freq_hz: int, drain_interval_s: float = 0.2) -> int:
     want = int(ncpus * freq_hz * abi.STACK_EVENT_SIZE * drain_interval_s * 1.5)
     size = 512 << 10
     while size < want and size < (64 << 20):
+        size <<= 1
+    return size
+
+
+def raw_ring_size(ncpus: int, freq_hz: int, drain_interval_s: float) -> int:
+    """A power of two between 1 and 16 MiB holding 1.5 drain intervals of raw copies (at most ~19 KiB
+    each, fewer bytes when the stack's top is near; only while a process's tables are missing). Past
+    that a copy is lost and its sample is sent as walked (Counter.RAW_STACK_LOST)."""
+    want = int(ncpus * freq_hz * ctypes.sizeof(abi.RawStack) * drain_interval_s * 1.5)
+    size = 1 << 20
+    while size < want and size < (16 << 20):
         size <<= 1
     return size
 
@@ -271,6 +287,8 @@ def _configure(
     for name in deferred:
         obj.maps[name].set_autocreate(False)
     obj.maps["stack_events"].set_max_entries(ring)
+    raw = raw_ring_size(ncpus, o.freq_hz, o.drain_interval_s) if o.raw_stacks else os.sysconf("SC_PAGE_SIZE")
+    obj.maps["raw_stacks"].set_max_entries(raw)
     obj.maps["on_cpu_counts"].set_max_entries(counts_size(ncpus, o.freq_hz, o.drain_interval_s))
     obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
 

@@ -10,8 +10,10 @@ eventfd, with a bounded timeout, consumes in bounded batches, reads the on-CPU
 counts the kernel kept since the last drain (`events.py` says how records and
 counts become samples), maps user IPs to files (`procmaps.py`; a sample whose process's
 mappings changed wakes this thread at once, which re-reads them while the process
-lives), and hands decoded
-events to a bounded queue. A full queue drops the event and counts it: the kernel side is never blocked.
+lives), and hands decoded events to a bounded queue. A full queue drops the event and
+counts it: the kernel side is never blocked. Raw stack copies (`record`'s samples taken
+before their tables were in) wait in `rawstacks.RawStacks` until the tables are, then
+come out as ordinary stack events.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Collection
 
 from .. import threads
 from ..bpf import abi, features, perf
-from ..bpf.handles import BpfObject, Link, RingBuffer
+from ..bpf.handles import BpfObject, Link, Map, RingBuffer
 from ..bpf.loader import (
     EPISODE_PROGRAMS,
     LoadedObject,
@@ -44,6 +46,7 @@ from ..cpython.processes import PythonProcesses, PythonStack
 from ..errors import BistouriError, BpfError
 from ..host.jvm import JvmPerfMaps, NoJvmPerfMaps
 from ..host.procmaps import ProcMaps
+from ..unwind.rawwalk import MappedRules
 from ..unwind.tables import NoUnwind, UnwindTables
 from .events import (
     Event,
@@ -54,6 +57,7 @@ from .events import (
     decode_exec,
     decode_stack,
 )
+from .rawstacks import RawStacks, event_of, pid_of
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,12 @@ class Profiler:
         self._python_lock = threading.Lock()
         self._describe_again: set[int] = set()  # sampled processes whose mappings changed (an exec?)
         self.maps.on_reread = self._maps_reread
+        # Raw stack copies (ProfilerOptions.raw_stacks): held on the ring thread until the tables of
+        # their process are in (_raw_ready, added to by the unwind thread), then walked.
+        self.raw = RawStacks()
+        self._raw_ready: set[int] = set()
+        self._raw_filters: dict[int, int] = {}  # pid -> its filter value, while it asks for copies
+        self._raw_rules: dict[int, MappedRules] = {}  # the ring thread's, for one drain
 
     # -- lifecycle --------------------------------------------------------------
     def open(self) -> None:
@@ -147,18 +157,21 @@ class Profiler:
                 nice=o.unwind_nice,
             )
             self.unwind.jit_code = self.maps.jit_code  # a JVM's compiled frames get rows (unwind/hotspot.py)
+            if o.raw_stacks:
+                self.unwind.on_published = self._tables_in
 
         self._attach(loaded)
         if loaded.pending and self._companion is None:  # sampler_first: the rest loads while it samples
             self._companion = ObjectLoad(o, first=loaded)
 
-        self._rb = RingBuffer(
-            [
-                (obj.maps["stack_events"], self._on_stack),
-                (obj.maps["exec_events"], self._on_exec),
-                (obj.maps["error_events"], self._on_error),
-            ]
-        )
+        rings: list[tuple[Map, Callable[[bytes], None]]] = [
+            (obj.maps["stack_events"], self._on_stack),
+            (obj.maps["exec_events"], self._on_exec),
+            (obj.maps["error_events"], self._on_error),
+        ]
+        if o.raw_stacks:
+            rings.append((obj.maps["raw_stacks"], self._on_raw_stack))
+        self._rb = RingBuffer(rings)
         log.info(
             "BPF programs loaded and attached. object=%s freq_hz=%d offcpu=%s cpus=%d",
             loaded.path,
@@ -270,6 +283,12 @@ class Profiler:
         key = struct.pack("<I", pid)
         with self._filter_lock:
             before = self._poll_ms
+            if flags & abi.FilterFlags.RAW_STACK and not isinstance(self.unwind, UnwindTables):
+                flags &= ~abi.FilterFlags.RAW_STACK  # no tables to walk copies with, ever
+            if flags & abi.FilterFlags.RAW_STACK:
+                self._raw_filters[pid] = flags  # until its tables are in (_tables_in)
+            else:
+                self._raw_filters.pop(pid, None)
             if flags:
                 if pid not in self._filtered:
                     # Waits skipped in an earlier capture must not be weighed into this one.
@@ -283,12 +302,28 @@ class Profiler:
             else:
                 m.delete(key)
                 self._filtered.discard(pid)
+                self._raw_ready.discard(pid)  # a process under this pid later waits for its own tables
                 self._require().maps["python_procs"].delete(key)
                 with self._python_lock:
                     self.python.remove(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
             self._set_poll_ms(before)
+
+    def _tables_in(self, pid: int) -> None:
+        """The unwind thread published every table of `pid`: its samples need no more raw copies, and
+        those held are walked at the next drain."""
+        with self._filter_lock:
+            flags = self._raw_filters.pop(pid, None)
+            if flags is not None and pid in self._filtered and self._obj is not None:
+                value = flags & ~abi.FilterFlags.RAW_STACK
+                self._obj.maps["pid_filter"].update(struct.pack("<I", pid), struct.pack("<I", value))
+        self._raw_ready.add(pid)
+
+    def wait_raw_stacks(self, timeout: float) -> bool:
+        """With raw stack copies held: wait up to `timeout` for the tables they wait for (the next
+        drain walks them; stop() drains last). Whether none is left waiting."""
+        return not len(self.raw) or self.unwind.wait_idle(timeout)
 
     def request_perf_maps(self, pids: Collection[int]) -> None:
         """The JVMs among `pids` write their perf maps (on the `bistouri-jvm` thread, at most once a
@@ -466,6 +501,36 @@ class Profiler:
             # The kernel counts this sample's repeats under its key: keep it to weigh them on.
             self.sent.remember(key, sample)
 
+    def _on_raw_stack(self, data: bytes) -> None:
+        self.raw.stats.received += 1
+        pid = pid_of(data)
+        if pid in self._raw_ready:  # sent before the filter was cleared
+            self._on_walked(self.raw.walk(data, self._rules(pid)))
+        elif not self.raw.hold(data):
+            self._on_walked(event_of(data))
+
+    def _on_walked(self, event: bytes) -> None:
+        """A stack event from a raw copy: never counted in the kernel, so not remembered."""
+        self._batch.append(decode_stack(event, self.maps, self.resolved, self._name_python))
+
+    def _rules(self, pid: int) -> MappedRules:
+        rules = self._raw_rules.get(pid)
+        if rules is None:
+            assert self._obj is not None
+            rules = self._raw_rules[pid] = MappedRules(self._obj.maps, pid)
+        return rules
+
+    def _walk_raw(self, final: bool) -> None:
+        """Walk the copies whose tables are in; with `final`, send the rest on as they came."""
+        for pid in self.raw.held_pids() & self._raw_ready:
+            rules = self._rules(pid)
+            for copy in self.raw.take(pid):
+                self._on_walked(self.raw.walk(copy, rules))
+        if final:
+            for event in self.raw.release():
+                self._on_walked(event)
+        self._raw_rules.clear()  # the tables may change before the next drain
+
     def _on_exec(self, data: bytes) -> None:
         self._batch.append(decode_exec(data))
 
@@ -492,16 +557,17 @@ class Profiler:
             pass
         return out
 
-    def drain(self) -> int:
-        """Consume everything available now, in bounded batches. Returns records handled."""
+    def drain(self, final: bool = False) -> int:
+        """Consume everything available now, in bounded batches. Returns records handled. `final`:
+        the last drain, raw stack copies still held are sent on as they are."""
         rb = self._rb
         if rb is None:
             return 0
         with self._drain_lock:
             self.drains += 1
-            return self._drain(rb)
+            return self._drain(rb, final)
 
-    def _drain(self, rb: RingBuffer) -> int:
+    def _drain(self, rb: RingBuffer, final: bool = False) -> int:
         total = 0
         try:
             while True:
@@ -511,6 +577,8 @@ class Profiler:
                 if n < self.options.batch_budget:
                     break
             total += self._take_counts()
+            if len(self.raw) or self._raw_rules:
+                self._walk_raw(final)
             return total
         finally:
             self._flush_batch()
@@ -559,7 +627,7 @@ class Profiler:
                     except BlockingIOError:
                         pass
                 if any(fd == self._stop_fd for fd, _ in ready):
-                    self.drain()  # what is already in the ring is not lost at shutdown
+                    self.drain(final=True)  # what is already in the ring is not lost at shutdown
                     if self._notify:
                         self._notify()
                     return

@@ -69,6 +69,10 @@ DEFAULT_FORMATS = ("html", "pprof", "folded", "speedscope")
 # How long the capture's set-up waits for the target's unwind tables (see _capture): a first
 # run on a 35 MB C++ binary builds them in ~0.5 s of CPU.
 _TABLES_FIRST_S = 1.5
+# How long the end of a capture waits for the tables its raw stack copies need (the samples taken
+# before the tables were in, kept as copies of their stacks: capture/rawstacks.py). Under load a
+# large binary's table came ~7 s into a 5 s capture; perf's own copies wait for `perf script`.
+_TABLES_LAST_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,8 +369,11 @@ class Capture:
 
 
 def _filter_flags(args: argparse.Namespace) -> int:
-    """What the targets are sampled for: on-CPU, and off-CPU unless --no-offcpu."""
-    return abi.FilterFlags.ON_CPU | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
+    """What the targets are sampled for: on-CPU, and off-CPU unless --no-offcpu; the on-CPU samples
+    cut short before their tables are in sent as raw stack copies (the profiler clears that bit
+    once they are)."""
+    on_cpu = abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK
+    return on_cpu | (abi.FilterFlags.OFF_CPU if args.offcpu else 0)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -394,6 +401,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         # the off-CPU program after (with --on-pressure, sampling starts at the pressure instead).
         sampler_first=not args.on_pressure,
         jvm_perf_maps=args.jvm_perfmap,
+        raw_stacks=True,
     )
     progress = Progress(show=args.progress)
     cgroup_root = mounts.find_cgroup2_mount(args.proc_path)
@@ -582,9 +590,25 @@ def _capture(
             )
     tree.add(list(known))
     profiler.refresh_perf_maps(list(known))  # what the JVMs compiled during the capture named too
+    seconds = time.monotonic() - t0
+    if len(profiler.raw):
+        progress.update(f"Waiting for the unwind tables of {len(profiler.raw)} samples", force=True)
+        t1 = time.monotonic()
+        stops = len(stop)  # one more Ctrl-C: no more waiting, those samples stay cut short
+        done = False
+        while not done and len(stop) == stops and time.monotonic() - t1 < _TABLES_LAST_S:
+            done = profiler.wait_raw_stacks(0.1)
+        log.debug("Unwind tables waited for. seconds=%.2f done=%s", time.monotonic() - t1, done)
     profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
     count([ev for ev in profiler.take() if type(ev) is StackSample])
-    seconds = time.monotonic() - t0
+    raw = profiler.raw.stats
+    if raw.received:
+        log.info(
+            "Raw stack copies. received=%d walked=%d whole=%d left_copy=%d unwalked=%d dropped=%d lost=%d "
+            "walk_cpu_s=%.3f",
+            raw.received, raw.walked, raw.whole, raw.left_copy, raw.unwalked, raw.dropped,
+            profiler.counters()[abi.Counter.RAW_STACK_LOST], raw.walk_cpu_s,
+        )  # fmt: skip
     session = sessions.finish_session(sid)
     profiler.close()
     return Capture(session if session.traces else None, n_samples, first_ns, seconds, len(known))

@@ -253,6 +253,9 @@ class UnwindTables:
         self.jit_limits = JitLimits(max_rows=min(self.capacity // 4, JitLimits().max_rows))
         self._jit_pending: dict[bytes, Table] = {}  # built by _file_mappings, loaded by _publish
         self._jit_keys: dict[int, set[bytes]] = {}  # pid -> its code-cache tables loaded
+        # Called (on this thread) once every table of a process wanted is published: raw stack
+        # copies of its samples wait for that (capture/rawstacks.py).
+        self.on_published: Callable[[int], None] | None = None
 
     # -- requests (any thread) ---------------------------------------------------------
     def want(self, pid: int) -> None:
@@ -580,6 +583,7 @@ class UnwindTables:
             and published.source == source
             and all(self._loaded.get(e[-1]) is not None for e in published.entries)
         ):
+            self._published(pid)
             return  # the same files, still loaded (the maps changed elsewhere: heap, JIT)
         entries: list[_Entry] = []
         keep = {m[3] for m in mappings}
@@ -605,6 +609,11 @@ class UnwindTables:
         self._write_proc(pid, entries, source)
         self._drop_jit(pid, {m[3] for m in mappings if m[3].startswith(_JIT_KEY)})
         log.debug("Unwind tables published. pid=%d files=%d", pid, len(entries))
+        self._published(pid)
+
+    def _published(self, pid: int) -> None:
+        if self.on_published is not None:
+            self.on_published(pid)
 
     def _drop_jit(self, pid: int, keep: set[bytes]) -> None:
         """Free the rows of the process's code-cache tables not in `keep` (an older perf map's, or all

@@ -525,3 +525,63 @@ def test_a_change_of_tables_retires_every_cached_rule() -> None:
         changed = time.monotonic_ns()  # a sample stamped later read the new generation
         after = _samples_after(agent, proc.pid, changed, 200)
     assert all(s.walk[0] <= 1 for s in after), Counter(s.walk[0] for s in after)
+
+
+LATE_S = 1.5  # how long the tables are held back in the raw-copies test
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz not installed")
+def test_samples_taken_before_the_tables_are_in_come_whole_from_raw_stack_copies(monkeypatch) -> None:
+    """`record`'s way (FilterFlags.RAW_STACK): the tables of a frameless program published late on
+    purpose, every sample cut short until then is sent as a copy of its stack and walked in user
+    space once they are in. Counted: nearly all the samples taken before the tables reach the
+    entry, no copy is sent once the tables are in, every copy received is walked."""
+    held: list[int] = []  # when the first table was about to be written
+    published: list[int] = []
+    publish = UnwindTables._publish
+
+    def late(self: UnwindTables, pid: int) -> None:
+        if not held:
+            time.sleep(LATE_S)
+            held.append(time.monotonic_ns())
+        publish(self, pid)  # each file's table walked as soon as it is in, the last one's a moment later
+        published.append(time.monotonic_ns())
+
+    monkeypatch.setattr(UnwindTables, "_publish", late)
+    files = _Files()
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0, raw_stacks=True
+    )
+    with (
+        open("/dev/urandom", "rb") as endless,
+        _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
+        Profiler(opts) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK)
+        assert wait_until(lambda: published, 60), "tables published"
+        files.learn(proc.pid)
+        events: list = []
+        assert wait_until(lambda: events.extend(agent.take()) or len(agent.raw) == 0, 10), "copies walked"
+        sent = agent.counters()[abi.Counter.RAW_STACKS]
+        after = published[0] + 200_000_000  # copies already in the ring when the filter changed
+        assert wait_until(
+            lambda: (
+                events.extend(agent.take())
+                or sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > after)
+                >= 200
+            ),
+            60,
+        ), "samples after the tables"
+        assert agent.counters()[abi.Counter.RAW_STACKS] == sent, "no copy once the tables are in"
+        agent.stop()
+        events.extend(agent.take())
+        stats = agent.raw.stats
+        lost = agent.counters()[abi.Counter.RAW_STACK_LOST]
+        before = _our_chains(agent, [e for e in events if e.timestamp_ns < held[0]], proc.pid, 0, files)
+    print(f"{len(before)} samples before any table, raw copies: {stats}, lost {lost}")
+    assert len(before) >= 50, "samples taken while the tables were held back"
+    assert stats.received == sent and lost == 0
+    assert stats.walked == stats.received and stats.unwalked == stats.dropped == 0
+    assert stats.walked >= len(before) * 0.9, "the samples before the tables came as copies"
+    assert sum(_reaches_entry(c, files) for c in before) / len(before) >= REACH_ENTRY
