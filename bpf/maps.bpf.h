@@ -362,9 +362,10 @@ struct py_scratch {
 	__u8 stack[PY_STACK_WINDOW + PY_READ_MAX + 8];
 };
 
+/* Slot 0 for the perf_event program, 1 for the tracepoints (which it may interrupt): as stack_copies. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, struct py_scratch);
 } py_scratch SEC(".maps");

@@ -13,15 +13,16 @@
  * Strings and line tables are never read here: unbounded, and user space has time.
  *
  * Every read is bpf_probe_read_user (a fault is a failed read, never a crash),
- * ~100 ns each whatever its size up to a few KB: the walk is counted in reads.
+ * whose cost is mostly the call's, not the bytes': the walk is counted in reads.
  * A frame or a code object is read in one call into per-CPU scratch, and its
  * fields taken at masked offsets. Per frame, at most: the frame, except where
  * it lies in the thread's frame stack (3.11+: one read takes its newest
  * PY_STACK_WINDOW bytes, most frames of a stack); the code object's window,
  * except when this walk read that code object already (recursion); the name's
- * hash, except where the code object has a co_version (3.12+). The chain is walked by bpf_loop (5.17+; an
- * older kernel needs another way: docs/python-frames.md). Its maps (python_procs, py_scratch) are in
- * maps.bpf.h. Included after maps.bpf.h and before stack.bpf.h.
+ * hash, except where the code object has a co_version (3.12+). The chain is
+ * walked by bpf_loop (5.17+; before, walk_python_bounded: PY_BOUNDED_STEPS
+ * unrolled). Its maps (python_procs, py_scratch) are in maps.bpf.h. Included
+ * after maps.bpf.h and before stack.bpf.h.
  */
 #ifndef BISTOURI_PYTHON_BPF_H
 #define BISTOURI_PYTHON_BPF_H
@@ -196,7 +197,9 @@ static long py_step(__u32 i, void *arg)
  * The newest PY_STACK_WINDOW bytes of the thread's frame stack (3.11+: the
  * frames of its C activations, innermost at the top) into s->stack, in one
  * read: up to the top, down to the chunk's start at most (memory below it may
- * not be mapped, and a read of a page that is not fails whole).
+ * not be mapped, and a read of a page that is not fails whole). Whatever the
+ * bounds, the window is a copy of the process's memory at the sample: a frame
+ * inside it reads as it would alone (wrong bounds would only cost reads).
  */
 static __always_inline void py_stack_window(struct py_walk *w, __u64 tstate)
 {
@@ -224,13 +227,13 @@ static __always_inline void py_stack_window(struct py_walk *w, __u64 tstate)
  * of the many paths out of the native walk would otherwise walk it again:
  * inlined, it more than doubled the object's load time).
  */
-static __always_inline int walk_python_how(struct bistouri_stack_event *ev, bool bounded)
+static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u32 slot, bool bounded)
 {
 	/* Read by CO-RE either way: the BTF pointer (5.11) only saves probe reads. */
 	struct task_struct *task = bounded ? (struct task_struct *)bpf_get_current_task() : bpf_get_current_task_btf();
 	struct py_walk w = { .ev = ev };
 	__u64 tstate = 0, frame = 0, fsbase;
-	__u32 zero = 0, pid;
+	__u32 key = slot, pid;
 
 	if (!ev)
 		return 0;
@@ -242,7 +245,8 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, bool
 	w.pp = bpf_map_lookup_elem(&python_procs, &pid);
 	if (!w.pp)
 		return 0;
-	w.s = bpf_map_lookup_elem(&py_scratch, &zero);
+	/* Its own scratch: a perf sample may interrupt a tracepoint's walk on this CPU. */
+	w.s = bpf_map_lookup_elem(&py_scratch, &key);
 	if (!w.s)
 		return 0;
 #if defined(__TARGET_ARCH_x86)
@@ -281,15 +285,15 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, bool
 	return 0;
 }
 
-__noinline int walk_python(struct bistouri_stack_event *ev)
+__noinline int walk_python(struct bistouri_stack_event *ev, __u32 slot)
 {
-	return walk_python_how(ev, false);
+	return walk_python_how(ev, slot, false);
 }
 
 /* walk_python without bpf_loop (the *_bounded programs): PY_BOUNDED_STEPS frames at most. */
-__noinline int walk_python_bounded(struct bistouri_stack_event *ev)
+__noinline int walk_python_bounded(struct bistouri_stack_event *ev, __u32 slot)
 {
-	return walk_python_how(ev, true);
+	return walk_python_how(ev, slot, true);
 }
 
 #endif /* BISTOURI_PYTHON_BPF_H */

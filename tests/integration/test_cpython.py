@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from bistouri.cpython import discover
+from bistouri.cpython.layouts import LAYOUTS
 from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
@@ -103,3 +104,37 @@ def test_an_interpreter_in_another_mount_namespace_is_described(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+_DATASTACK_PROBE = """
+import ctypes, sys
+datastack, tstate_frame, cframe_frame = map(int, sys.argv[1:])
+get = ctypes.pythonapi.PyThreadState_Get
+get.restype = ctypes.c_void_p
+tstate = get()
+chunk, top = (ctypes.c_uint64.from_address(tstate + datastack + i).value for i in (0, 8))
+frame = ctypes.c_uint64.from_address(tstate + tstate_frame).value
+if cframe_frame >= 0:
+    frame = ctypes.c_uint64.from_address(frame + cframe_frame).value
+print(chunk < frame < top)
+"""
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_the_frames_are_where_the_layout_says_the_data_stack_is(which):
+    """3.11+: the walk reads the newest bytes of the thread's data stack at once (bpf/python.bpf.h); with
+    wrong offsets it would read them apart again (never wrongly: any window is a copy of the memory)."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    minor = subprocess.run(
+        [str(exe), "-c", "import sys; print(sys.version_info[1])"], capture_output=True, text=True
+    )
+    lay = LAYOUTS[3, int(minor.stdout)]
+    if lay.tstate_datastack < 0:
+        pytest.skip("frames are heap objects before 3.11")
+    argv = [str(lay.tstate_datastack), str(lay.tstate_frame), str(lay.cframe_frame)]
+    out = subprocess.run(
+        [str(exe), "-c", _DATASTACK_PROBE, *argv], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "True"
