@@ -158,7 +158,7 @@ static long py_step(__u32 i, void *arg)
 		ev->py_status = BISTOURI_PY_STATUS_READ_FAILED;
 		return 1;
 	}
-	if (w->frame >= w->lo && w->frame + size <= w->hi) {
+	if (w->frame >= w->lo && w->frame < w->hi && w->hi - w->frame >= size) {
 		/* In the stack window: no read (frame - lo < PY_STACK_WINDOW, the mask for the verifier). */
 		f = s->stack + ((w->frame - w->lo) & (PY_STACK_WINDOW - 1));
 	} else {
