@@ -251,11 +251,16 @@ def overhead(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
 
 
 def bpf_time(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
+    """The 30-deep stack sampled with the Python walk and without it; and the same depth made of
+    distinct functions (the recursion repeats one code object 26 times, which a walk reads once)."""
     with Target(exe, DEEP, tmp) as t:
         time.sleep(0.5)
         walk = sampled(sampler(t.pid, seconds, freq, "--truth", str(t.truth)), seconds)
         native = sampled(sampler(t.pid, seconds, freq, "--no-walk"), seconds)
-    return {"python_walk": walk, "native_only": native}
+    with Target(exe, DEEP, tmp, "distinct") as t:
+        time.sleep(0.5)
+        distinct = sampled(sampler(t.pid, seconds, freq), seconds)
+    return {"python_walk": walk, "native_only": native, "distinct": distinct}
 
 
 def native_walk(seconds: float, freq: int, tmp: Path) -> dict:
@@ -284,7 +289,9 @@ def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
     return out
 
 
-def measure(exe: Path, seconds: float, tmp: Path) -> dict:
+def measure(exe: Path, seconds: float, tmp: Path, bpf_only: bool = False) -> dict:
+    if bpf_only:
+        return {"bpf": bpf_time(exe, seconds, 999, tmp)}
     return {
         "names": names_and_lines(exe, 2 * seconds, 99, tmp),  # 99 Hz: twice as long for as many samples
         "overhead": overhead(exe, seconds, 999, tmp),
@@ -299,6 +306,7 @@ def pct(x: float | None, digits: int = 1) -> str:
 
 def tables(results: dict) -> str:
     rows = {k: v for k, v in results.items() if k in CPYTHONS and "names" in v}
+    timed = {k: v for k, v in results.items() if k in CPYTHONS and "bpf" in v}
 
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.3f}" if b else "n/a"
@@ -371,20 +379,25 @@ def tables(results: dict) -> str:
     out += [
         "",
         f"| interpreter | BPF µs/sample, {DEEP}-deep Python stack (net) | without the Python walk |"
-        " native + Python frames | ratio to the native walk (≤ 2) | sampler CPU (ring + naming) |",
-        "|---|---|---|---|---|---|",
+        " native + Python frames | ratio to the native walk (≤ 2) | distinct functions: µs, ratio |"
+        " sampler CPU (ring + naming) |",
+        "|---|---|---|---|---|---|---|",
     ]
     if native:
         out.append(
             f"| frameless C (native walk) | {native['bpf_ns_per_sample_net'] / 1e3:.2f} | | "
-            f"{native['native_frames']:.1f} + 0 | 1 | {pct(native['cpu_share_of_one_core'], 2)} |"
+            f"{native['native_frames']:.1f} + 0 | 1 | | {pct(native['cpu_share_of_one_core'], 2)} |"
         )
-    for k, v in rows.items():
-        w, n = v["bpf"]["python_walk"], v["bpf"]["native_only"]
-        times = w["bpf_ns_per_sample_net"] / native["bpf_ns_per_sample_net"] if native else float("nan")
+    for k, v in timed.items():
+        w, n, d = v["bpf"]["python_walk"], v["bpf"]["native_only"], v["bpf"].get("distinct")
+        base = native["bpf_ns_per_sample_net"] if native else float("nan")
+        dn = d["bpf_ns_per_sample_net"] if d else 0.0
+        other = f"{dn / 1e3:.2f}, {dn / base:.2f}" if d else ""
         out.append(
             f"| {k} | {w['bpf_ns_per_sample_net'] / 1e3:.2f} | {n['bpf_ns_per_sample_net'] / 1e3:.2f} | "
-            f"{w['native_frames']:.1f} + {w['python_frames']:.1f} | {times:.2f} | "
+            f"{w['native_frames']:.1f} + {w['python_frames']:.1f} | "
+            f"{w['bpf_ns_per_sample_net'] / base:.2f} | "
+            f"{other} | "
             f"{pct(w['cpu_share_of_one_core'], 2)} ({pct(w['ring_share_of_one_core'], 2)} + "
             f"{pct(w['naming_share_of_one_core'], 2)}) |"
         )
@@ -405,6 +418,7 @@ def tables(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=4.0, help="each window (default 4)")
+    ap.add_argument("--bpf-only", action="store_true", help="only the BPF times per sample")
     ap.add_argument(
         "--only", default="", help="interpreters, comma-separated (default: all of " + ",".join(CPYTHONS)
     )
@@ -427,7 +441,7 @@ def main() -> int:
                 if exe is None:
                     print(f"{which:>12}: not installed", flush=True)
                     continue
-                results[which] = measure(exe, args.seconds, tmp)
+                results[which] = measure(exe, args.seconds, tmp, args.bpf_only)
                 print(f"{which:>12}: {json.dumps(results[which])}", flush=True)
     finally:
         os.close(stats_fd)

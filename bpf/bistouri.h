@@ -202,7 +202,9 @@ struct bistouri_python_proc {
 	__u8 shim_owner;
 	__u8 reserved;
 	__u16 version;         /* major << 8 | minor, for diagnostics */
-	__u16 str_hash;        /* a str's cached hash (the name's goes into the checksum) */
+	__u16 str_hash;        /* a str's cached hash (the name's goes into the checksum without a co_version) */
+	__s16 tstate_datastack;/* tstate -> datastack_chunk, then datastack_top: the frames' stack (3.11+); -1: none */
+	__s16 code_version;    /* co_version's offset in the code window (3.12+; into the checksum); -1: none */
 };
 
 /* One Python frame of a stack event. */

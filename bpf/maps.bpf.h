@@ -377,16 +377,26 @@ struct {
 } python_procs SEC(".maps");
 
 #define PY_READ_MAX 128 /* bytes of a frame or a code window read at once */
+#define PY_STACK_WINDOW 4096 /* bytes of a thread's frame stack read at once (3.11+); a power of 2 */
+#define PY_SEEN 8 /* code objects a walk remembers the checksum of (direct-mapped); a power of 2 */
 
-/* A frame and a code object read whole, their fields then taken at masked offsets (+ 8: room for the last). */
+/*
+ * A frame and a code object read whole, their fields then taken at masked offsets (+ 8: room for the
+ * last); the newest PY_STACK_WINDOW bytes of the thread's frame stack (+ a frame's read past a masked
+ * offset into it); the checksums of the code objects this walk read (seen_code 0: none).
+ */
 struct py_scratch {
 	__u8 frame[PY_READ_MAX + 8];
 	__u8 code[PY_READ_MAX + 8];
+	__u64 seen_code[PY_SEEN];
+	__u32 seen_sum[PY_SEEN];
+	__u8 stack[PY_STACK_WINDOW + PY_READ_MAX + 8];
 };
 
+/* Slot 0 for the perf_event program, 1 for the tracepoints (which it may interrupt): as stack_copies. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
+	__uint(max_entries, 2);
 	__type(key, __u32);
 	__type(value, struct py_scratch);
 } py_scratch SEC(".maps");

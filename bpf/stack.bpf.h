@@ -187,9 +187,9 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->py_depth = 0;
 	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
 	if (how == STACK_TABLES)
-		walk_python(ev);
+		walk_python(ev, perf_ctx ? 0 : 1);
 	else if (how == STACK_BOUNDED)
-		walk_python_bounded(ev);
+		walk_python_bounded(ev, perf_ctx ? 0 : 1);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,

@@ -173,6 +173,8 @@ class PythonProc(Structure):
         ("reserved", c_uint8),
         ("version", c_uint16),
         ("str_hash", c_uint16),
+        ("tstate_datastack", c_int16),
+        ("code_version", c_int16),
     ]
 
 

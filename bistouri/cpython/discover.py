@@ -127,6 +127,8 @@ def record(interp: Interpreter) -> abi.PythonProc:
         shim_owner=SHIM_OWNER,
         version=lay.version[0] << 8 | lay.version[1],
         str_hash=STR_HASH,
+        tstate_datastack=lay.tstate_datastack,
+        code_version=lay.code_version - window if lay.code_version >= 0 else -1,
     )
 
 

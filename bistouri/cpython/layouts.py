@@ -35,6 +35,8 @@ class Layout:
     tstate_interp: int
     tstate_thread_id: int  # pthread_self() of the thread (== its fsbase on x86-64 glibc)
     tstate_frame: int  # the innermost frame, or the _PyCFrame pointer when `cframe_frame` >= 0
+    # datastack_chunk, then datastack_top: where the frames live (3.11+), -1 before
+    tstate_datastack: int
     cframe_frame: int  # _PyCFrame.current_frame (3.11, 3.12), -1 when tstate_frame is the frame itself
     # the frame (PyFrameObject ≤3.10, _PyInterpreterFrame 3.11+)
     frame_previous: int
@@ -47,6 +49,7 @@ class Layout:
     code_argcount: int
     code_flags: int
     code_firstlineno: int
+    code_version: int  # co_version (3.12+), -1 before: a number no other code object of the process has
     code_filename: int
     code_name: int
     code_qualname: int  # -1 before 3.11
@@ -63,9 +66,11 @@ class Layout:
         return max(self.code_linetable, self.code_qualname, self.code_code) + 8
 
     @property
-    def checksum_fields(self) -> tuple[int, int, int, int]:
-        """Offsets of the fields the checksum mixes: filename, name, line table (pointers), first line."""
-        return self.code_filename, self.code_name, self.code_linetable, self.code_firstlineno
+    def checksum_fields(self) -> tuple[int, ...]:
+        """Offsets of the fields the checksum mixes: filename, name, line table (pointers), first line,
+        and co_version where there is one."""
+        fields = (self.code_filename, self.code_name, self.code_linetable, self.code_firstlineno)
+        return (*fields, self.code_version) if self.code_version >= 0 else fields
 
 
 # Each version is the one before with what changed (dataclasses.replace): the differences are the table.
@@ -78,6 +83,7 @@ _38 = Layout(
     tstate_interp=16,
     tstate_thread_id=176,
     tstate_frame=24,
+    tstate_datastack=-1,
     cframe_frame=-1,
     frame_previous=24,
     frame_code=32,
@@ -88,6 +94,7 @@ _38 = Layout(
     code_argcount=16,
     code_flags=36,
     code_firstlineno=40,
+    code_version=-1,
     code_filename=104,
     code_name=112,
     code_qualname=-1,
@@ -107,6 +114,7 @@ _311 = replace(
     interp_threads_head=16,
     tstate_thread_id=152,
     tstate_frame=56,
+    tstate_datastack=296,
     cframe_frame=8,
     frame_previous=48,
     frame_code=32,
@@ -130,6 +138,7 @@ _312 = replace(
     runtime_tss_key=1544,
     interp_threads_head=72,
     tstate_thread_id=136,
+    tstate_datastack=232,
     cframe_frame=0,
     frame_previous=8,
     frame_code=0,
@@ -137,6 +146,7 @@ _312 = replace(
     entry_kind=EntryKind.SHIM,
     code_argcount=52,
     code_firstlineno=68,
+    code_version=92,
     code_adaptive=192,
     str_ascii_data=40,
     str_data=56,
@@ -158,18 +168,20 @@ _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads the pointers' bits ove
 _U64 = (1 << 64) - 1
 
 
-def checksum(filename: int, name: int, linetable: int, firstlineno: int, name_hash: int) -> int:
+def checksum(filename: int, name: int, linetable: int, firstlineno: int, ident: int) -> int:
     """The 32-bit identity of a code object (bpf/python.bpf.h computes the same at the sample).
 
     Its fields never change while the code object lives: the addresses of its filename, name and line
-    table objects, its first line, and its name's cached hash (a function's name is interned, so its hash
-    is always computed). The hash is there because addresses alone do not tell two code objects apart:
-    code made and dropped in a loop (exec, templates) frees a code object with its name, file name and
-    line table, and the allocator gives the next one the same addresses for all four. A different name
-    then differs in its hash. Not told apart: code of one name and first line, made again at one address
-    from another file name or body. Never 0: 0 says BPF could not read the fields."""
+    table objects, its first line, and `ident`: its co_version (3.12+), or its name's cached hash where
+    there is none (before 3.12, or once the version counter ran out: 0). Addresses alone do not tell two
+    code objects apart: code made and dropped in a loop (exec, templates) frees a code object with its
+    name, file name and line table, and the allocator gives the next one the same addresses for all
+    four. co_version is a counter CPython gives each new code object, read with the fields (no read
+    more); a different name differs in its hash, the name's object read apart. Not told apart with the
+    hash: code of one name and first line, made again at one address from another file name or body.
+    Never 0: 0 says BPF could not read the fields."""
     x = filename ^ _rotl(name, 21) ^ _rotl(linetable, 42) ^ (firstlineno & 0xFFFF_FFFF)
-    x ^= _rotl(name_hash, 11)
+    x ^= _rotl(ident, 11)
     c = ((x * _MIX) & _U64) >> 32
     return c or 1
 

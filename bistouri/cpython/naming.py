@@ -101,7 +101,8 @@ class CodeNamer:
 
         firstlineno = struct.unpack_from("<i", head, lay.code_firstlineno)[0]
         filename, name, table = ptr(lay.code_filename), ptr(lay.code_name), ptr(lay.code_linetable)
-        have = checksum(filename, name, table, firstlineno, mem.u64(name + STR_HASH))
+        version = struct.unpack_from("<I", head, lay.code_version)[0] if lay.code_version >= 0 else 0
+        have = checksum(filename, name, table, firstlineno, version or mem.u64(name + STR_HASH))
 
         def text(obj: int) -> str:
             return mem.str_object(

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -24,10 +25,12 @@ from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.cpython import discover
 from bistouri.cpython.naming import CodeNamer
 from bistouri.cpython.splice import PyFrame, decode, splice
-from bistouri.host.procmaps import FrameStatus
+from bistouri.host.procmaps import FrameStatus, ProcMaps
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]  # each interpreter sampled for seconds
+
+FAST = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
 
 
 def _frames(sample: StackSample) -> list[tuple[int, int, int]]:
@@ -35,58 +38,105 @@ def _frames(sample: StackSample) -> list[tuple[int, int, int]]:
     return list(abi.PY_FRAME.iter_unpack(sample.python))
 
 
-@pytest.fixture(params=CPYTHONS)
-def hot_target(request) -> Iterator[tuple[str, subprocess.Popen[str], dict]]:
-    exe = cpython(request.param)
+def _weight(samples: list[StackSample]) -> int:
+    return sum(s.weight for s in samples)
+
+
+@contextmanager
+def _target(
+    which: str, *args: str, flags: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen[str], dict]]:
+    """CPYTHON_TARGET run by `which` with `args` (the interpreter's `flags` before it), and the JSON
+    line it printed first (its pid, code addresses, thread ids); killed on exit."""
+    exe = cpython(which)
     if exe is None:
-        pytest.skip(f"CPython {request.param} is not installed")
+        pytest.skip(f"CPython {which} is not installed")
     proc = subprocess.Popen(
-        [str(exe), str(CPYTHON_TARGET), "hot", "zlib"],
+        [str(exe), *flags, str(CPYTHON_TARGET), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout is not None
-        yield request.param, proc, json.loads(proc.stdout.readline())
+        yield proc, json.loads(proc.stdout.readline())
     finally:
         proc.kill()
         proc.wait()
+
+
+def _sample(
+    pid: int,
+    opts: ProfilerOptions,
+    keep: Callable[[StackSample], bool],
+    enough: Callable[[list[StackSample]], bool],
+    flags: int = abi.FilterFlags.ON_CPU,
+    tables: bool = True,
+) -> tuple[list[StackSample], discover.Interpreter | None, ProcMaps]:
+    """`pid`'s stack samples that `keep` keeps, until there are `enough` (15 s at most on two shared
+    cores); with `tables`, only from when the unwind tables of its libraries are loaded (native stacks
+    whole from then on). With the process's description and the profiler's maps (for file names)."""
+    samples: list[StackSample] = []
+    with Profiler(opts) as profiler:
+        profiler.start()
+        profiler.set_pid_filter(pid, flags)  # describes it, pushes its record
+        interp = profiler.python.interpreter(pid)
+        if tables:
+            assert profiler.unwind.wait_idle(60)
+            profiler.take()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not enough(samples):
+            profiler.check_thread()
+            samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and keep(e)]
+        return samples, interp, profiler.maps
+
+
+def _hundred(samples: list[StackSample]) -> bool:
+    return _weight(samples) >= 100
+
+
+def _in_eval(maps: ProcMaps, interp: discover.Interpreter) -> Callable[[tuple[int, int, int]], bool]:
+    """Whether a native frame is in the interpreter's eval loop (where splice puts Python frames)."""
+
+    def in_eval(frame: tuple[int, int, int]) -> bool:
+        status, file_id, offset = frame
+        return (
+            status == FrameStatus.FILE
+            and maps.file(file_id).build_id == interp.build_id
+            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
+        )
+
+    return in_eval
+
+
+@pytest.fixture(params=CPYTHONS)
+def hot_target(request) -> Iterator[tuple[str, subprocess.Popen[str], dict]]:
+    with _target(request.param, "hot", "zlib") as (proc, dump):
+        yield request.param, proc, dump
 
 
 def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target):
     which, proc, dump = hot_target
     interp = discover.describe(proc.pid)
     assert isinstance(interp, discover.Interpreter), interp
-    opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
-    samples: list[StackSample] = []
-    with Profiler(opts) as profiler:
-        profiler.start()
-        profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # describes it, pushes its record
-        assert profiler.python.interpreter(proc.pid) == interp
-        # The unwind tables of libpython and libz loaded: native stacks whole from then on.
-        assert profiler.unwind.wait_idle(60)
-        samples.clear()
-        profiler.take()
-        # 200 samples of its main thread (the kernel counts repeats: a sample's weight), 15 s at most on
-        # two shared cores.
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and sum(s.weight for s in samples if s.tid == proc.pid) < 200:
-            profiler.check_thread()
-            samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample)]
-        profiler.close()
-        samples += [e for e in profiler.take() if isinstance(e, StackSample)]
-        maps = profiler.maps
-    main = [s for s in samples if s.pid == proc.pid and s.tid == proc.pid]
-    total = sum(s.weight for s in main)
+    # 200 samples of its main thread (the kernel counts repeats: a sample's weight).
+    samples, described, maps = _sample(
+        proc.pid,
+        FAST,
+        lambda e: e.pid == proc.pid,
+        lambda got: _weight([s for s in got if s.tid == proc.pid]) >= 200,
+    )
+    assert described == interp
+    main = [s for s in samples if s.tid == proc.pid]
+    total = _weight(main)
     assert total >= 100, f"{total} samples of the busy loop"
 
     hot = dump["hot"]
     found = sum(s.weight for s in main if any(code & ~1 == hot for code, _, _ in _frames(s)))
     assert found >= 0.95 * total, f"{which}: hot_loop in {found} of {total} samples"
     # The thread that released the GIL is walked too: its own thread state, from its key slot.
-    z = [s for s in samples if s.pid == proc.pid and s.tid == dump["z_tid"]]
-    z_total = sum(s.weight for s in z)
+    z = [s for s in samples if s.tid == dump["z_tid"]]
+    z_total = _weight(z)
     z_found = sum(s.weight for s in z if any(code & ~1 == dump["z_inner"] for code, _, _ in _frames(s)))
     assert z_total >= 20 and z_found >= 0.95 * z_total, f"{which}: z_inner in {z_found} of {z_total} samples"
 
@@ -105,14 +155,7 @@ def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target
 
     # Mixed stacks: every eval-loop frame of the native stack takes its Python frames; libz's frames
     # are under z_inner, the Python function that called zlib.compress.
-    def in_eval(frame: tuple[int, int, int]) -> bool:
-        status, file_id, offset = frame
-        return (
-            status == FrameStatus.FILE
-            and maps.file(file_id).build_id == interp.build_id
-            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
-        )
-
+    in_eval = _in_eval(maps, interp)
     # Of the samples whose native walk reached the outermost frame (the others stopped early: the
     # unwinder's business, their Python frames still go at the root end), every one spliced whole.
     complete = [s for s in main if s.walk[2] == abi.Counter.WALK_END]
@@ -121,7 +164,7 @@ def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target
         for s in complete
         if not splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).leftover
     )
-    assert whole >= 0.99 * sum(s.weight for s in complete) > 0.5 * total, f"{which}: spliced whole: {whole}"
+    assert whole >= 0.99 * _weight(complete) > 0.5 * total, f"{which}: spliced whole: {whole}"
     under = 0
     for s in z:
         mixed = splice(split_stacks(s.stacks, s.kernel_len)[1], decode(s.python), in_eval).frames
@@ -161,34 +204,17 @@ def test_python_frames_of_a_busy_loop_and_of_a_thread_without_the_gil(hot_target
 def test_a_sleeping_threads_stack_names_its_python_caller(which):
     """The episode's interruptible-sleep stacks (taken at sched_switch, the sleeper current) carry the
     sleeping thread's own Python frames: `nap`, in time.sleep without the GIL, under `sleeper`."""
-    exe = cpython(which)
-    if exe is None:
-        pytest.skip(f"CPython {which} is not installed")
-    proc = subprocess.Popen(
-        [str(exe), str(CPYTHON_TARGET), "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        dump = json.loads(proc.stdout.readline())
+    with _target(which, "sleep") as (proc, dump):
         interp = discover.describe(proc.pid)
         assert isinstance(interp, discover.Interpreter), interp
-        sleeps: list[StackSample] = []
-        with Profiler(ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0)) as profiler:
-            profiler.start()
-            profiler.set_pid_filter(proc.pid, int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON))
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and len(sleeps) < 10:
-                profiler.check_thread()
-                sleeps += [
-                    e
-                    for e in profiler.take(timeout=0.1)
-                    if isinstance(e, StackSample)
-                    and e.kind == abi.EpisodeKind.SLEEP
-                    and e.tid == dump["nap_tid"]
-                ]
-    finally:
-        proc.kill()
-        proc.wait()
+        sleeps, _, _ = _sample(
+            proc.pid,
+            ProfilerOptions(freq_hz=49, unwind_nice=0, unwind_cpu_share=1.0),
+            lambda e: e.kind == abi.EpisodeKind.SLEEP and e.tid == dump["nap_tid"],
+            lambda got: len(got) >= 10,
+            flags=int(abi.FilterFlags.ON_CPU | abi.EpisodeFilter.ON),
+            tables=False,
+        )
     assert len(sleeps) >= 10, f"{len(sleeps)} sleep stacks of the napping thread"
     named = [s for s in sleeps if [f.code for f in decode(s.python)][:1] == [dump["nap"]]]
     assert len(named) == len(sleeps), f"{which}: nap innermost in {len(named)} of {len(sleeps)} sleep stacks"
@@ -198,46 +224,12 @@ def test_a_sleeping_threads_stack_names_its_python_caller(which):
 def test_an_asyncio_coroutine_is_named_under_the_event_loop(which):
     """A running coroutine's frame is on its thread's chain: `hot_loop` under the coroutine `spin`, which the
     event loop (C: the Task's step, then coro.send) re-entered the eval loop to run; spliced whole."""
-    exe = cpython(which)
-    if exe is None:
-        pytest.skip(f"CPython {which} is not installed")
-    proc = subprocess.Popen(
-        [str(exe), str(CPYTHON_TARGET), "async"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        dump = json.loads(proc.stdout.readline())
-        samples: list[StackSample] = []
-        with Profiler(
-            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
-        ) as profiler:
-            profiler.start()
-            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            interp = profiler.python.interpreter(proc.pid)
-            assert interp is not None
-            assert profiler.unwind.wait_idle(60)
-            profiler.take()
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
-                profiler.check_thread()
-                samples += [
-                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
-                ]
-            maps = profiler.maps
-    finally:
-        proc.kill()
-        proc.wait()
-    total = sum(s.weight for s in samples)
+    with _target(which, "async") as (proc, dump):
+        samples, interp, maps = _sample(proc.pid, FAST, lambda e: e.tid == proc.pid, _hundred)
+    assert interp is not None
+    total = _weight(samples)
     assert total >= 50, f"{total} samples"
-
-    def in_eval(frame: tuple[int, int, int]) -> bool:
-        status, file_id, offset = frame
-        return (
-            status == FrameStatus.FILE
-            and maps.file(file_id).build_id == interp.build_id
-            and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
-        )
-
+    in_eval = _in_eval(maps, interp)
     both = whole = complete = 0
     for s in samples:
         codes = [f.code for f in decode(s.python)]
@@ -263,58 +255,22 @@ def test_perf_trampolines_do_not_double_the_python_frames(which):
     """A 3.12+ process started with `-X perf` runs each C entry of the eval loop through a trampoline the
     perf map names `py::<function>`: with the Python frames spliced in, those are left out (no double
     frames), and the Python frames are the same as without the flag."""
-    exe = cpython(which)
-    if exe is None:
-        pytest.skip(f"CPython {which} is not installed")
-    proc = subprocess.Popen(
-        [str(exe), "-X", "perf", str(CPYTHON_TARGET), "hot"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     mixed = []
-    try:
-        assert proc.stdout is not None
-        dump = json.loads(proc.stdout.readline())
-        samples: list[StackSample] = []
-        with Profiler(
-            ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
-        ) as profiler:
-            profiler.start()
-            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            interp = profiler.python.interpreter(proc.pid)
-            assert interp is not None
-            assert profiler.unwind.wait_idle(60)
-            profiler.take()
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
-                profiler.check_thread()
-                samples += [
-                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
-                ]
-            maps = profiler.maps
+    with _target(which, "hot", flags=("-X", "perf")) as (proc, dump):
+        samples, interp, maps = _sample(proc.pid, FAST, lambda e: e.tid == proc.pid, _hundred)
+        assert interp is not None
 
-            def jit(frame: tuple[int, int, int]) -> str:
-                status, _, ip = frame
-                return (maps.jit_name(proc.pid, ip) or "") if status == FrameStatus.ANON else ""
+        def jit(frame: tuple[int, int, int]) -> str:
+            status, _, ip = frame
+            return (maps.jit_name(proc.pid, ip) or "") if status == FrameStatus.ANON else ""
 
-            def in_eval(frame: tuple[int, int, int]) -> bool:
-                status, file_id, offset = frame
-                return (
-                    status == FrameStatus.FILE
-                    and maps.file(file_id).build_id == interp.build_id
-                    and any(lo <= offset < hi for lo, hi in interp.eval_ranges)
-                )
-
-            trampolines = 0
-            for s in samples:  # named while the process and its perf map live
-                native = split_stacks(s.stacks, s.kernel_len)[1]
-                trampolines += any(jit(f).startswith("py::") for f in native)
-                out = splice(native, decode(s.python), in_eval, lambda f: jit(f).startswith("py::"))
-                mixed.append((s, out.frames))
-    finally:
-        proc.kill()
-        proc.wait()
+        in_eval = _in_eval(maps, interp)
+        trampolines = 0
+        for s in samples:  # named while the process and its perf map live
+            native = split_stacks(s.stacks, s.kernel_len)[1]
+            trampolines += any(jit(f).startswith("py::") for f in native)
+            out = splice(native, decode(s.python), in_eval, lambda f: jit(f).startswith("py::"))
+            mixed.append((s, out.frames))
     assert trampolines >= len(samples) // 2, "the trampolines were not in the native stacks: nothing tested"
     total = sum(s.weight for s, _ in mixed)
     named = sum(
@@ -334,29 +290,15 @@ def test_perf_trampolines_do_not_double_the_python_frames(which):
 @pytest.mark.parametrize("which", ["3.8", "3.11", "3.13"])
 def test_a_deep_stack_keeps_its_innermost_frames_up_to_the_bound(which):
     """100 Python calls deep: the walk keeps the innermost abi.PY_MAX_DEPTH frames (hot_loop first)."""
-    exe = cpython(which)
-    if exe is None:
-        pytest.skip(f"CPython {which} is not installed")
-    proc = subprocess.Popen(
-        [str(exe), str(CPYTHON_TARGET), "deep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        dump = json.loads(proc.stdout.readline())
-        samples: list[StackSample] = []
-        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as profiler:
-            profiler.start()
-            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and sum(s.weight for s in samples) < 100:
-                profiler.check_thread()
-                samples += [
-                    e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and e.tid == proc.pid
-                ]
-    finally:
-        proc.kill()
-        proc.wait()
-    total = sum(s.weight for s in samples)
+    with _target(which, "deep") as (proc, dump):
+        samples, _, _ = _sample(
+            proc.pid,
+            ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0),
+            lambda e: e.tid == proc.pid,
+            _hundred,
+            tables=False,
+        )
+    total = _weight(samples)
     full = sum(s.weight for s in samples if len(decode(s.python)) == abi.PY_MAX_DEPTH)
     hot = sum(s.weight for s in samples if decode(s.python)[:1] and decode(s.python)[0].code == dump["hot"])
     assert total >= 50 and full >= 0.95 * total, f"{which}: {full} of {total} samples 64 frames deep"

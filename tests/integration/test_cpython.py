@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from bistouri.cpython import discover
+from bistouri.cpython.layouts import LAYOUTS
 from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
@@ -100,6 +101,89 @@ def test_an_interpreter_in_another_mount_namespace_is_described(tmp_path):
         found = discover.describe(pid)
         assert isinstance(found, discover.Interpreter), found
         assert found.path == f"{where}/python3" and found.version[:2] == (3, 11)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_DATASTACK_PROBE = """
+import ctypes, sys
+datastack, tstate_frame, cframe_frame = map(int, sys.argv[1:])
+get = ctypes.pythonapi.PyThreadState_Get
+get.restype = ctypes.c_void_p
+tstate = get()
+chunk, top = (ctypes.c_uint64.from_address(tstate + datastack + i).value for i in (0, 8))
+frame = ctypes.c_uint64.from_address(tstate + tstate_frame).value
+if cframe_frame >= 0:
+    frame = ctypes.c_uint64.from_address(frame + cframe_frame).value
+print(chunk < frame < top)
+"""
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_the_frames_are_where_the_layout_says_the_data_stack_is(which):
+    """3.11+: the walk reads the newest bytes of the thread's data stack at once (bpf/python.bpf.h); with
+    wrong offsets it would read them apart again (never wrongly: any window is a copy of the memory)."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    minor = subprocess.run(
+        [str(exe), "-c", "import sys; print(sys.version_info[1])"], capture_output=True, text=True
+    )
+    lay = LAYOUTS[3, int(minor.stdout)]
+    if lay.tstate_datastack < 0:
+        pytest.skip("frames are heap objects before 3.11")
+    argv = [str(lay.tstate_datastack), str(lay.tstate_frame), str(lay.cframe_frame)]
+    out = subprocess.run(
+        [str(exe), "-c", _DATASTACK_PROBE, *argv], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "True"
+
+
+_REUSE = """
+import sys
+for i in range(int(sys.argv[1])):
+    co = compile("def f_%d():\\n    return %d\\n" % (i, i), "<gen %d>" % i, "exec").co_consts[0]
+    print(id(co), flush=True)
+    sys.stdin.readline()  # the parent has read it
+    del co
+"""
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_a_freed_and_reused_address_is_never_named_after_the_new_code(which):
+    """Functions made and dropped in a loop in each interpreter (its allocator gives a freed code object's
+    address to the next): the checksum tells the old from the new, with co_version on 3.12+ and the
+    name's hash before (tests/unit/test_cpython.py does the same in this process only)."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), "-c", _REUSE, "500"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        addr = int(proc.stdout.readline())
+        interp = discover.describe(proc.pid)
+        assert isinstance(interp, discover.Interpreter), interp
+        seen: dict[int, tuple[str, int]] = {}
+        reused = 0
+        with CodeNamer(interp) as namer:
+            for i in range(500):
+                if i:
+                    addr = int(proc.stdout.readline())
+                have = namer.checksum(addr)
+                assert namer.name(addr, have).name == f"f_{i}"
+                if addr in seen:
+                    old_name, old_sum = seen[addr]
+                    assert old_sum != have, f"{which}: f_{i} has {old_name}'s checksum"
+                    with CodeNamer(interp) as fresh:
+                        assert fresh.name(addr, old_sum) is FREED
+                    reused += 1
+                seen[addr] = (f"f_{i}", have)
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+        assert reused > 100
     finally:
         proc.kill()
         proc.wait()
