@@ -73,9 +73,10 @@ def _sample(
     flags: int = abi.FilterFlags.ON_CPU,
     tables: bool = True,
 ) -> tuple[list[StackSample], discover.Interpreter | None, ProcMaps]:
-    """`pid`'s stack samples that `keep` keeps, until there are `enough` (15 s at most on two shared
-    cores); with `tables`, only from when the unwind tables of its libraries are loaded (native stacks
-    whole from then on). With the process's description and the profiler's maps (for file names)."""
+    """`pid`'s stack samples that `keep` keeps, until there are `enough` (at most 60 s: a busy host
+    gives the target less CPU, so the samples come later, not fewer); with `tables`, only from when
+    the unwind tables of its libraries are loaded (native stacks whole from then on). With the
+    process's description and the profiler's maps (for file names)."""
     samples: list[StackSample] = []
     with Profiler(opts) as profiler:
         profiler.start()
@@ -84,7 +85,7 @@ def _sample(
         if tables:
             assert profiler.unwind.wait_idle(60)
             profiler.take()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not enough(samples):
             profiler.check_thread()
             samples += [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample) and keep(e)]

@@ -80,9 +80,10 @@ def _capture(
 
 
 def _feed(profiler: Profiler, capture: SessionCapture, done: Callable[[list[StackSample]], bool]) -> None:
-    """Samples into the capture until `done` says enough arrived (15 s at most on shared cores)."""
+    """Samples into the capture until `done` says enough arrived (at most 60 s: a busy host gives the
+    target less CPU, so the samples come later, not fewer)."""
     seen: list[StackSample] = []
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not done(seen):
         profiler.check_thread()
         batch = [e for e in profiler.take(timeout=0.1) if isinstance(e, StackSample)]
