@@ -1,10 +1,12 @@
 # Included by the top Makefile.
 #   make ansible-lint     lint the roles, playbooks and scenarios
 #   make molecule         the default scenario (one qemu TCG VM, ~10 min on 2 busy cores)
-#   make molecule-all     default, preflight and upgrade, one after the other (never two VMs at once)
+#   make molecule-all     default, preflight, upgrade, kernel-5.10 and kernel-6.12, one after the
+#                         other (never two VMs at once)
 # The VM image is built once by ansible/molecule/image/build-image.sh and cached under
-# .cache/vm-image/<hash of the script>.
-MOLECULE_SCENARIOS ?= default preflight upgrade
+# .cache/vm-image/<hash of the script>; the kernel-* scenarios boot its variant with Debian 11's
+# 5.10 and a 6.12 kernel added (build-kernels-image.sh, built by run-scenario.sh when needed).
+MOLECULE_SCENARIOS ?= default preflight upgrade kernel-5.10 kernel-6.12
 
 .PHONY: ansible-lint molecule molecule-all molecule-image
 

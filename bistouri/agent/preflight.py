@@ -71,6 +71,8 @@ def check_kernel(host: Host) -> Result:
 
 def check_kernel_features(host: Host, kernel: features.KernelFeatures | None = None) -> list[Result]:
     """What this kernel's BPF lacks and what it costs (features.py): a warning each, never a refusal."""
+    if kernel is None and not _kernel_btf(host).exists():
+        return []  # read from the BTF: check_btf says why there is none
     if kernel is None:
         from ..bpf.loader import kernel_features
 
@@ -85,14 +87,24 @@ def check_kernel_features(host: Host, kernel: features.KernelFeatures | None = N
     ]
 
 
+def _kernel_btf(host: Host) -> Path:
+    return Path(host.sys, "kernel/btf/vmlinux")
+
+
+NO_BTF = "no kernel BTF: the BPF object is not loaded (see btf)"
+
+
 def check_btf(host: Host) -> Result:
-    path = Path(host.sys, "kernel/btf/vmlinux")
+    path = _kernel_btf(host)
     if not path.exists():
         return Result(
             FAIL,
             "btf",
-            f"{path} is missing",
-            "use a kernel built with CONFIG_DEBUG_INFO_BTF=y (most distribution kernels since 2021)",
+            f"{path} is missing: this kernel was built without CONFIG_DEBUG_INFO_BTF=y, and the BPF "
+            "object needs its BTF (its programs attach to BTF tracepoints and are relocated to the "
+            "kernel's structures, CO-RE)",
+            "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y: Debian >= 11, Ubuntu >= 20.10, "
+            "RHEL >= 8.2, Fedora and Amazon Linux 2's 5.10 kernels have it",
         )
     return Result(OK, "btf", f"{path} ({path.stat().st_size // 1024} KiB)")
 
@@ -284,6 +296,9 @@ def check_bpf_object(host: Host) -> Result:
     from ..errors import BpfError
 
     path = default_object_path()
+    if not _kernel_btf(host).exists():
+        # libbpf would only say ESRCH ("failed to find valid kernel BTF").
+        return Result(FAIL, "bpf object", NO_BTF)
     kernel = kernel_features()
     try:
         loaded = _load_chosen(path, kernel)

@@ -81,3 +81,13 @@ def test_unreadable_kallsyms_names_the_cause(tmp_path, monkeypatch):
     r = results["kernel _text"]
     assert r.status == preflight.WARN and "kallsyms cannot be read" in r.detail
     assert "ProtectKernelTunables" in r.fix
+
+
+def test_a_kernel_without_btf_is_refused_with_the_reason_and_nothing_else_is_tried(tmp_path):
+    host = _host(tmp_path, 0)  # its sys tree has no kernel/btf/vmlinux
+    r = preflight.check_btf(host)
+    assert r.status == preflight.FAIL and "CONFIG_DEBUG_INFO_BTF=y" in r.detail and "Debian >= 11" in r.fix
+    # Not "full walk" from a BTF that is not there, nor libbpf's bare ESRCH.
+    assert preflight.check_kernel_features(host) == []
+    r = preflight.check_bpf_object(host)
+    assert r.status == preflight.FAIL and r.detail == preflight.NO_BTF
