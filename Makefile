@@ -20,7 +20,8 @@ BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -Ibpf
 APT_BUILD := clang llvm libbpf-dev libbpf1 bpftool gcc g++ make binutils elfutils
 APT_SYMBOLIZER := llvm-19 postgresql libc6-dbg
 APT_UI := chromium
-APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-client \
+# qemu-system-arm and qemu-user-static: the arm64 scenario's VM and its image build (make molecule-arm64).
+APT_DEPLOY := qemu-system-x86 qemu-system-arm qemu-user-static qemu-utils debootstrap systemd-container openssh-client \
 	dpkg-dev lintian rpm rpmlint fakeroot
 # promtool checks the shipped alert rules (tests/unit/test_monitoring.py).
 APT_MONITORING := prometheus
