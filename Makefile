@@ -6,20 +6,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-ARCH := x86
 CLANG ?= clang
+# One object per architecture, each from its own vmlinux.h (bpf/vmlinux/ARCH): x86-64's keeps its
+# old name, arm64's is bistouri.arm64.bpf.o (bistouri/bpf/loader.py picks by the machine).
 BPF_OBJ := bistouri/bpf/_bpfobj/bistouri.bpf.o
+BPF_OBJ_ARM64 := bistouri/bpf/_bpfobj/bistouri.arm64.bpf.o
 BPF_SRC := bpf/bistouri.bpf.c
 # Every header under bpf/ (bistouri.h, unwind_step.h, *.bpf.h): the object rebuilds when any changes.
 BPF_HDR := $(wildcard bpf/*.h)
-BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -D__TARGET_ARCH_$(ARCH) \
-	-Ibpf -Ibpf/vmlinux/$(ARCH)
+BPF_CFLAGS := -target bpf -O2 -g -Wall -Werror -Werror=undef -Ibpf
 
 # Debian packages, by purpose. `make deps` installs the missing ones.
 APT_BUILD := clang llvm libbpf-dev libbpf1 bpftool gcc g++ make binutils elfutils
 APT_SYMBOLIZER := llvm-19 postgresql libc6-dbg
 APT_UI := chromium
-APT_DEPLOY := qemu-system-x86 qemu-utils debootstrap systemd-container openssh-client \
+# qemu-system-arm and qemu-user-static: the arm64 scenario's VM and its image build (make molecule-arm64).
+APT_DEPLOY := qemu-system-x86 qemu-system-arm qemu-user-static qemu-utils debootstrap systemd-container openssh-client \
 	dpkg-dev lintian rpm rpmlint fakeroot
 # promtool checks the shipped alert rules (tests/unit/test_monitoring.py).
 APT_MONITORING := prometheus
@@ -104,11 +106,15 @@ venv: $(VENV)/.stamp
 venv-runtime: $(VENV)/.stamp-runtime
 
 # --- BPF object (precompiled, shipped inside the package) ----------------------
-$(BPF_OBJ): $(BPF_SRC) $(BPF_HDR) | deps-demo
+$(BPF_OBJ): $(BPF_SRC) $(BPF_HDR) bpf/vmlinux/x86/vmlinux.h | deps-demo
 	@mkdir -p $(dir $@)
-	$(CLANG) $(BPF_CFLAGS) -c $< -o $@
+	$(CLANG) $(BPF_CFLAGS) -D__TARGET_ARCH_x86 -Ibpf/vmlinux/x86 -c $< -o $@
 
-bpf: $(BPF_OBJ)
+$(BPF_OBJ_ARM64): $(BPF_SRC) $(BPF_HDR) bpf/vmlinux/arm64/vmlinux.h | deps-demo
+	@mkdir -p $(dir $@)
+	$(CLANG) $(BPF_CFLAGS) -D__TARGET_ARCH_arm64 -Ibpf/vmlinux/arm64 -c $< -o $@
+
+bpf: $(BPF_OBJ) $(BPF_OBJ_ARM64)
 
 # --- tests ---------------------------------------------------------------------
 fixtures: | deps-demo
@@ -156,7 +162,7 @@ demo: bpf venv-runtime fixtures
 	$(VPY) -m tests.demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(BPF_OBJ) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(BPF_OBJ) $(BPF_OBJ_ARM64) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	$(MAKE) -s -C tests/fixtures clean
 
 -include packaging/packaging.mk

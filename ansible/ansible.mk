@@ -3,12 +3,15 @@
 #   make molecule         the default scenario (one qemu TCG VM, ~10 min on 2 busy cores)
 #   make molecule-all     default, preflight, upgrade, kernel-5.10 and kernel-6.12, one after the
 #                         other (never two VMs at once)
+#   make molecule-arm64   the arm64 scenario alone: qemu-system-aarch64 (TCG), the arm64 packages; its
+#                         image by ansible/molecule/arm64/build-image-arm64.sh (debootstrap's second stage
+#                         under qemu-user in a private user namespace), cached under .cache/vm-image-arm64
 # The VM image is built once by ansible/molecule/image/build-image.sh and cached under
 # .cache/vm-image/<hash of the script>; the kernel-* scenarios boot its variant with Debian 11's
 # 5.10 and a 6.12 kernel added (build-kernels-image.sh, built by run-scenario.sh when needed).
 MOLECULE_SCENARIOS ?= default preflight upgrade kernel-5.10 kernel-6.12
 
-.PHONY: ansible-lint molecule molecule-all molecule-image
+.PHONY: ansible-lint molecule molecule-all molecule-image molecule-arm64
 
 ansible-lint: venv
 	cd ansible && ../$(VENV)/bin/ansible-lint
@@ -21,3 +24,7 @@ molecule: package molecule-image
 
 molecule-all: package molecule-image
 	set -e; for s in $(MOLECULE_SCENARIOS); do ansible/molecule/run-scenario.sh $$s; done
+
+# run-scenario.sh with the arm64 image (it checks that the amd64 packages exist: `package` builds them).
+molecule-arm64: package package-arm64 | deps
+	BISTOURI_VM_IMAGE=$$(ansible/molecule/arm64/build-image-arm64.sh) ansible/molecule/run-scenario.sh arm64

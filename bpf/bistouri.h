@@ -84,6 +84,20 @@ enum bistouri_rbp_kind {
 	BISTOURI_RBP_OTHER = 2,  /* unknown: the caller's RBP is taken as unchanged */
 };
 
+/*
+ * Where the return address is, in bits 2-3 of a row's rbp_kind byte (the low
+ * two are enum bistouri_rbp_kind): always 0 on x86-64, where the call pushed it
+ * at CFA - 8. On aarch64 "RBP" is x29 and the return address is the link
+ * register x30 until a prologue saves it (bistouri/unwind/cfa.py RaKind).
+ */
+enum bistouri_ra_kind {
+	BISTOURI_RA_CFA = 0,    /* x86-64: CFA - 8; aarch64: CFA + rbp_off + 8 (stp x29, x30) */
+	BISTOURI_RA_LR = 1,     /* aarch64: still in x30 (a leaf, or before the prologue saved it) */
+	BISTOURI_RA_AT_OFF = 2, /* aarch64: saved alone at CFA + rbp_off, x29 unchanged */
+};
+#define BISTOURI_RBP_KIND_MASK 3
+#define BISTOURI_RA_KIND_SHIFT 2
+
 #ifndef BISTOURI_UNWIND_MAPPINGS
 #define BISTOURI_UNWIND_MAPPINGS 64 /* mappings with a table per process */
 #endif

@@ -33,6 +33,7 @@ enum bistouri_filter_flags abi_anchor_filter_flags SEC(".bss");
 enum bistouri_counter abi_anchor_counter SEC(".bss");
 enum bistouri_cfa_kind abi_anchor_cfa_kind SEC(".bss");
 enum bistouri_rbp_kind abi_anchor_rbp_kind SEC(".bss");
+enum bistouri_ra_kind abi_anchor_ra_kind SEC(".bss");
 enum bistouri_episode_kind abi_anchor_episode_kind SEC(".bss");
 enum bistouri_thread_state abi_anchor_thread_state SEC(".bss");
 enum bistouri_episode_counter abi_anchor_episode_counter SEC(".bss");

@@ -266,6 +266,7 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 #if defined(__TARGET_ARCH_x86)
 	fsbase = BPF_CORE_READ(task, thread.fsbase);
 #else
+	(void)task; /* the thread pointer of other architectures is not read yet */
 	ev->py_status = BISTOURI_PY_STATUS_NO_ARCH;
 	return 0;
 #endif

@@ -26,24 +26,79 @@ static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
 	return h;
 }
 
+#if defined(__TARGET_ARCH_arm64)
+/*
+ * pstate is word 33 of the UAPI struct user_pt_regs (arch/arm64/include/uapi/asm/ptrace.h:
+ * regs[31] sp pc pstate), and its mode bits (PSR_MODE_MASK) are 0 in user mode (EL0t).
+ * Both the perf context's registers and the kernel's pt_regs begin with that layout.
+ */
+#define PT_REGS_MODE_WORD 33
+#define PSR_MODE_MASK 0xf
+#define PSR_MODE_EL0T 0
+#define REG_FP 29 /* x29, the frame pointer */
+#define REG_LR 30 /* x30, the link register */
+
+static __always_inline bool user_mode_word(__u64 pstate)
+{
+	return (pstate & PSR_MODE_MASK) == PSR_MODE_EL0T;
+}
+
+/* The walk's registers from the perf context's (bpf_user_pt_regs_t is struct user_pt_regs). */
+#define USER_REGS_FROM_CTX(ctx, out)                   \
+	do {                                           \
+		(out)->ip = (ctx)->regs.pc;            \
+		(out)->sp = (ctx)->regs.sp;            \
+		(out)->bp = (ctx)->regs.regs[REG_FP];  \
+		(out)->lr = (ctx)->regs.regs[REG_LR];  \
+	} while (0)
+/* The same from a kernel struct pt_regs, field by field (CO-RE probe reads). */
+#define USER_REGS_FROM_KERNEL(regs, out)                               \
+	do {                                                           \
+		(out)->ip = BPF_CORE_READ(regs, pc);                   \
+		(out)->sp = BPF_CORE_READ(regs, sp);                   \
+		(out)->bp = BPF_CORE_READ(regs, regs[REG_FP]);         \
+		(out)->lr = BPF_CORE_READ(regs, regs[REG_LR]);         \
+	} while (0)
+#define KERNEL_REGS_USER_MODE(regs) user_mode_word(BPF_CORE_READ(regs, pstate))
+#else
 /*
  * cs is word 17 of the UAPI struct pt_regs (arch/x86/include/uapi/asm/ptrace.h:
  * r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags
  * rsp ss), and the low two bits of a segment selector are its privilege level: 3 is
  * user mode. rbp, rip and rsp by word too, for the program that reads no kernel type.
  */
-#define PT_REGS_CS_WORD 17
+#define PT_REGS_MODE_WORD 17
 #define PT_REGS_BP_WORD 4
 #define PT_REGS_IP_WORD 16
 #define PT_REGS_SP_WORD 19
 #define SELECTOR_RPL_MASK 3
 #define USER_RPL 3
 
-/* Whether a perf sample interrupted user mode (pt_regs.cs); false without one. */
+static __always_inline bool user_mode_word(__u64 cs)
+{
+	return (cs & SELECTOR_RPL_MASK) == USER_RPL;
+}
+
+#define USER_REGS_FROM_CTX(ctx, out)           \
+	do {                                   \
+		(out)->ip = (ctx)->regs.ip;    \
+		(out)->sp = (ctx)->regs.sp;    \
+		(out)->bp = (ctx)->regs.bp;    \
+	} while (0)
+#define USER_REGS_FROM_KERNEL(regs, out)               \
+	do {                                           \
+		(out)->ip = BPF_CORE_READ(regs, ip);   \
+		(out)->sp = BPF_CORE_READ(regs, sp);   \
+		(out)->bp = BPF_CORE_READ(regs, bp);   \
+	} while (0)
+#define KERNEL_REGS_USER_MODE(regs) user_mode_word(BPF_CORE_READ(regs, cs))
+#endif
+
+/* Whether a perf sample interrupted user mode (pt_regs.cs, pstate on aarch64); false without one. */
 static __always_inline bool in_user_mode(struct bpf_perf_event_data *ctx)
 {
 	/* regs is the UAPI pt_regs at the context's start: a plain offset, not a CO-RE relocation. */
-	return ctx && (((const __u64 *)ctx)[PT_REGS_CS_WORD] & SELECTOR_RPL_MASK) == USER_RPL;
+	return ctx && user_mode_word(((const __u64 *)ctx)[PT_REGS_MODE_WORD]);
 }
 
 /* The user registers of the current task: at the interrupt if it hit user mode, else at its kernel entry. */
@@ -52,23 +107,19 @@ static __always_inline bool user_regs_of(struct bpf_perf_event_data *ctx, struct
 	struct pt_regs *regs;
 
 	if (in_user_mode(ctx)) {
-		out->ip = ctx->regs.ip;
-		out->sp = ctx->regs.sp;
-		out->bp = ctx->regs.bp;
+		USER_REGS_FROM_CTX(ctx, out);
 		return true;
 	}
 	regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
 	if (!regs)
 		return false;
-	out->ip = BPF_CORE_READ(regs, ip);
-	out->sp = BPF_CORE_READ(regs, sp);
-	out->bp = BPF_CORE_READ(regs, bp);
+	USER_REGS_FROM_KERNEL(regs, out);
 	return true;
 }
 
 /*
- * x86-64's kernel stack size (THREAD_SIZE, 16 KiB; 32 KiB under KASAN) and the
- * user registers at its top (task_pt_regs(): no padding on x86-64).
+ * The kernel stack size (THREAD_SIZE, 16 KiB on x86-64 and arm64; 32 KiB under
+ * KASAN) and the user registers at its top (task_pt_regs(): no padding on either).
  */
 #define KERNEL_STACK_SIZE (16 << 10)
 
@@ -84,9 +135,7 @@ static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, s
 	void *stack;
 
 	if (in_user_mode(ctx)) {
-		out->ip = ctx->regs.ip;
-		out->sp = ctx->regs.sp;
-		out->bp = ctx->regs.bp;
+		USER_REGS_FROM_CTX(ctx, out);
 		return true;
 	}
 	/* Field by field (probe reads): a struct copied whole let clang merge it with the ctx path above. */
@@ -94,11 +143,9 @@ static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, s
 	if (!stack)
 		return false;
 	regs = (struct pt_regs *)(stack + KERNEL_STACK_SIZE) - 1;
-	if ((BPF_CORE_READ(regs, cs) & SELECTOR_RPL_MASK) != USER_RPL)
+	if (!KERNEL_REGS_USER_MODE(regs))
 		return false;
-	out->ip = BPF_CORE_READ(regs, ip);
-	out->sp = BPF_CORE_READ(regs, sp);
-	out->bp = BPF_CORE_READ(regs, bp);
+	USER_REGS_FROM_KERNEL(regs, out);
 	return true;
 }
 
@@ -271,6 +318,9 @@ static __always_inline bool walk_cut_short(struct bistouri_stack_event *ev, int 
 /* The user registers of an on-CPU sample, as `how` finds them; the bare program has only the interrupt's. */
 static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int how, struct unwind_regs *regs)
 {
+#if defined(__TARGET_ARCH_arm64)
+	return false; /* no copies: user space walks x86-64 rows only (unwind/rawwalk.py) */
+#else
 	if (how == STACK_TABLES)
 		return user_regs_of(ctx, regs);
 	if (how == STACK_BOUNDED)
@@ -283,6 +333,7 @@ static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int 
 		return true;
 	}
 	return false;
+#endif
 }
 
 /*

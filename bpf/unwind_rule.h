@@ -2,7 +2,8 @@
 /*
  * The types of the user-stack walk that both its BPF side and its user-space
  * test build share: the registers a walk carries, one unwind rule, and the
- * x86-64 frame layout the rules rely on, each number with where it comes from.
+ * frame layout the rules rely on (x86-64's, or aarch64's under
+ * __TARGET_ARCH_arm64), each number with where it comes from.
  * Pure C (bistouri.h's __u* types only): see unwind_step.h.
  */
 #ifndef BISTOURI_UNWIND_RULE_H
@@ -10,7 +11,45 @@
 
 #include "bistouri.h"
 
-/* The highest user address on x86-64 (4-level paging): above it, not a user frame. */
+#if defined(__TARGET_ARCH_arm64)
+/*
+ * aarch64 (the walk's "ip/sp/bp" are pc, sp and x29, and lr is x30).
+ * The highest user address with 48-bit virtual addresses (Debian's arm64 kernels).
+ */
+#define USER_TOP 0xffffffffffffULL
+
+/*
+ * Bits of a saved x30 that are an address: pointer authentication signs the
+ * top bits of a return address it saves; masked, the address itself.
+ */
+#define RA_ADDRESS_MASK USER_TOP
+
+/*
+ * Where the interrupted registers are in a signal frame: SP at the signal
+ * trampoline (__kernel_rt_sigreturn) points at struct rt_sigframe
+ * (arch/arm64/kernel/signal.c), a 128-byte siginfo then the ucontext
+ * (include/uapi/asm-generic/ucontext.h as arm64 lays it: uc_flags 8, uc_link 8,
+ * uc_stack 24, uc_sigmask 8, 120 unused bytes, then uc_mcontext aligned to 16:
+ * byte 176), whose struct sigcontext (arch/arm64/include/uapi/asm/sigcontext.h)
+ * holds fault_address then regs[31], sp, pc: x29 at 8 + 29 * 8 = 240 of it.
+ */
+#define UCONTEXT_MCONTEXT_OFF (128 + 176)
+#define UCONTEXT_RBP_OFF (UCONTEXT_MCONTEXT_OFF + 240) /* x29: 544 */
+#define UCONTEXT_LR_OFF (UCONTEXT_MCONTEXT_OFF + 248)  /* x30: 552 */
+#define UCONTEXT_RSP_OFF (UCONTEXT_MCONTEXT_OFF + 256) /* sp: 560 */
+#define UCONTEXT_RIP_OFF (UCONTEXT_MCONTEXT_OFF + 264) /* pc: 568 */
+
+/*
+ * The frame record (AAPCS64 6.2.3): x29 points at the caller's x29 and x30,
+ * saved side by side, so with the CFA taken as x29 + 16 (the least it can
+ * be) the caller's x29 is 16 below it and the return address 8 below.
+ */
+#define FP_CFA_OFF 16
+#define FP_SAVED_RBP_OFF (-16)
+#define CFA_RA_OFF (-8)
+#define RA_AFTER_FP 8 /* stp x29, x30: x30 is saved 8 above x29 */
+#else
+/* x86-64. The highest user address (4-level paging): above it, not a user frame. */
 #define USER_TOP 0x7fffffffffffULL
 
 /*
@@ -42,11 +81,16 @@
 #define PLT_ENTRY_MASK 15 /* .plt entries are 16 bytes */
 #define CFA_PUSHED 8
 
+#endif
+
 /* Registers a user walk starts from and carries from frame to frame. */
 struct unwind_regs {
 	__u64 ip;
 	__u64 sp;
 	__u64 bp;
+#if defined(__TARGET_ARCH_arm64)
+	__u64 lr; /* x30 where it still holds the return address (the first frame, a signal frame's); else 0 */
+#endif
 };
 
 /*

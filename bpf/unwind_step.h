@@ -34,6 +34,12 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 	__u64 ip = w->regs.ip, sp = w->regs.sp, bp = w->regs.bp, cfa, ra = 0, saved_bp;
 	__u32 kind = rule.cfa_kind, rbp_kind = rule.rbp_kind;
 	__s32 cfa_off = rule.cfa_off, rbp_off = rule.rbp_off;
+#if defined(__TARGET_ARCH_arm64)
+	__u32 ra_kind = rbp_kind >> BISTOURI_RA_KIND_SHIFT;
+
+	rbp_kind &= BISTOURI_RBP_KIND_MASK;
+	(void)ip; /* x86-64's .plt and trampoline rules only */
+#endif
 
 	w->exact = false;
 	switch (kind) {
@@ -43,6 +49,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 	case BISTOURI_CFA_RBP:
 		cfa = bp + cfa_off;
 		break;
+#if !defined(__TARGET_ARCH_arm64) /* x86-64's .plt and perf trampolines: no such rows on aarch64 */
 	case BISTOURI_CFA_PLT:
 		cfa = sp + 8 + ((ip & PLT_ENTRY_MASK) >= (__u64)cfa_off ? CFA_PUSHED : 0);
 		break;
@@ -58,6 +65,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 		rbp_kind = BISTOURI_RBP_UNCHANGED;
 		break;
 	}
+#endif
 	case BISTOURI_CFA_SIGNAL:
 		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
 		if (unwind_read(w, sp + UCONTEXT_RIP_OFF, &ra) || unwind_read(w, sp + UCONTEXT_RSP_OFF, &w->regs.sp) ||
@@ -65,6 +73,13 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
+#if defined(__TARGET_ARCH_arm64)
+		/* The interrupted function may be a leaf: its return address still in x30. */
+		if (unwind_read(w, sp + UCONTEXT_LR_OFF, &w->regs.lr)) {
+			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+			return 1;
+		}
+#endif
 		w->by_table++;
 		w->regs.ip = ra;
 		w->exact = true; /* the interrupted instruction itself */
@@ -87,8 +102,30 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 		rbp_kind = BISTOURI_RBP_AT_CFA;
 		rbp_off = FP_SAVED_RBP_OFF;
 		kind = BISTOURI_CFA_NONE;
+#if defined(__TARGET_ARCH_arm64)
+		ra_kind = BISTOURI_RA_CFA; /* the frame record: x30 beside x29 */
+#endif
 		break;
 	}
+#if defined(__TARGET_ARCH_arm64)
+	/*
+	 * A leaf's CFA may be its SP itself (no call pushed anything): only below
+	 * it is wrong. The return address is in x30, at the offset the row gives,
+	 * or beside the saved x29; pointer authentication's bits are masked off.
+	 */
+	if (cfa < sp || cfa > USER_TOP) {
+		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
+		return 1;
+	}
+	if (ra_kind == BISTOURI_RA_LR) {
+		ra = w->regs.lr;
+	} else if (unwind_read(w, cfa + (ra_kind == BISTOURI_RA_AT_OFF ? rbp_off : rbp_off + RA_AFTER_FP), &ra)) {
+		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
+		return 1;
+	}
+	ra &= RA_ADDRESS_MASK;
+	w->regs.lr = 0; /* the caller's x30 is gone: the call overwrote it */
+#else
 	if (cfa <= sp || cfa > USER_TOP) {
 		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
 		return 1;
@@ -97,6 +134,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 		return 1;
 	}
+#endif
 	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
 		if (unwind_read(w, cfa + rbp_off, &saved_bp)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;

@@ -4,7 +4,7 @@
 #
 # Environment: NFPM (default .venv/bin/nfpm), PYTHON (default .venv/bin/python),
 # BISTOURI_VERSION (default: pyproject.toml), BISTOURI_RELEASE (default 1),
-# DIST (default dist). The version can be overridden to build an "older" package for the
+# DIST (default dist), BISTOURI_ARCH (amd64 by default, or arm64: `make package-arm64`). The version can be overridden to build an "older" package for the
 # upgrade scenario.
 set -euo pipefail
 
@@ -12,7 +12,15 @@ NFPM=${NFPM:-.venv/bin/nfpm}
 PYTHON=${PYTHON:-.venv/bin/python}
 DIST=${DIST:-dist}
 stage=build/package
-bpf_obj=bistouri/bpf/_bpfobj/bistouri.bpf.o
+# The bistouri package holds the BPF object of its architecture only (bistouri/bpf/loader.py
+# object_name); bistouri-agent and bistouri-symbolizer are "all".
+export BISTOURI_ARCH=${BISTOURI_ARCH:-amd64}
+case $BISTOURI_ARCH in
+    amd64) bpf_name=bistouri.bpf.o ;;
+    arm64) bpf_name=bistouri.arm64.bpf.o ;;
+    *) echo "build-packages: BISTOURI_ARCH=$BISTOURI_ARCH: amd64 or arm64" >&2; exit 1 ;;
+esac
+bpf_obj=bistouri/bpf/_bpfobj/$bpf_name
 
 die() { echo "build-packages: $*" >&2; exit 1; }
 
@@ -23,8 +31,6 @@ die() { echo "build-packages: $*" >&2; exit 1; }
 version=${BISTOURI_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)}
 [ -n "$version" ] || die "cannot read the version from pyproject.toml"
 export BISTOURI_VERSION=$version BISTOURI_RELEASE=${BISTOURI_RELEASE:-1}
-# The BPF object is compiled for x86 (-D__TARGET_ARCH_x86): the package is amd64 only.
-export BISTOURI_ARCH=${BISTOURI_ARCH:-amd64}
 
 rm -rf "$stage"
 mkdir -p "$stage/scripts" "$DIST"
@@ -37,8 +43,9 @@ rm -rf "$stage/python/bin"
 find "$stage/python" -name __pycache__ -type d -prune -exec rm -rf {} +
 # dist-info/RECORD and INSTALLER/direct_url.json describe a pip install; dpkg/rpm own these files.
 rm -f "$stage"/python/*.dist-info/{RECORD,INSTALLER,REQUESTED,direct_url.json}
-[ -f "$stage/python/bistouri/bpf/_bpfobj/bistouri.bpf.o" ] \
+[ -f "$stage/python/bistouri/bpf/_bpfobj/$bpf_name" ] \
     || die "the BPF object did not land in the package (pyproject.toml package-data)"
+find "$stage/python/bistouri/bpf/_bpfobj" -name '*.o' ! -name "$bpf_name" -delete  # the other architectures'
 
 gzip -9n <packaging/doc/bistouri.1 >"$stage/bistouri.1.gz"
 

@@ -39,6 +39,18 @@ class RbpKind(IntEnum):
     OTHER = 2  # in another register or an expression: unknown to the walk
 
 
+class RaKind(IntEnum):
+    """Where the return address is: bits 2-3 of a row's `rbp_kind` byte (`RA_SHIFT`), 0 on x86-64."""
+
+    CFA = 0  # x86-64: CFA - 8; aarch64: CFA + rbp_off + 8, beside the saved x29 (stp x29, x30)
+    LR = 1  # aarch64: still in the link register x30 (a leaf, or before the prologue saved it)
+    AT_OFF = 2  # aarch64: saved alone at CFA + rbp_off, x29 unchanged
+
+
+RBP_KIND_MASK = 3
+RA_SHIFT = 2
+
+
 COMM_LEN = 16
 MAX_DEPTH = 127
 
@@ -369,6 +381,7 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
     "bistouri_counter": ("BISTOURI_CNT_", Counter),
     "bistouri_cfa_kind": ("BISTOURI_CFA_", CfaKind),
     "bistouri_rbp_kind": ("BISTOURI_RBP_", RbpKind),
+    "bistouri_ra_kind": ("BISTOURI_RA_", RaKind),
     "bistouri_episode_filter": ("BISTOURI_EPISODE_FILTER_", EpisodeFilter),
     "bistouri_episode_kind": ("BISTOURI_EVENT_", EpisodeKind),
     "bistouri_thread_state": ("BISTOURI_STATE_", ThreadState),

@@ -25,21 +25,32 @@ from .handles import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
 log = logging.getLogger(__name__)
 
 OBJECT_ENV = "BISTOURI_BPF_OBJECT"
-_INSTALLED_OBJECT = "/usr/lib/bistouri/bistouri.bpf.o"
+# The object of each machine (os.uname().machine, what platform.machine() says, without importing
+# platform on record's start-up path): built by `make bpf`, one per architecture's vmlinux.h.
+OBJECT_NAMES = {"aarch64": "bistouri.arm64.bpf.o", "arm64": "bistouri.arm64.bpf.o"}
+_DEFAULT_OBJECT_NAME = "bistouri.bpf.o"  # x86-64's
+_INSTALLED_DIR = "/usr/lib/bistouri"
+
+
+def object_name(machine: str | None = None) -> str:
+    """The file name of the object for `machine` (this one's by default)."""
+    return OBJECT_NAMES.get(machine or os.uname().machine, _DEFAULT_OBJECT_NAME)
 
 
 def default_object_path() -> str:
-    """The precompiled object: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
+    """The precompiled object of this machine: $BISTOURI_BPF_OBJECT, the package's copy, or the system one."""
     env = os.environ.get(OBJECT_ENV)
     if env:
         return env
+    name = object_name()
     # The package's own directory: importlib.resources would say the same, for ~8 ms of imports
     # on record's start-up path (libbpf needs a real file anyway, never one inside a zip).
     # Paths as strings: pathlib costs ~2 ms of imports before `record`'s first sample.
-    packaged = os.path.join(os.path.dirname(__file__), "_bpfobj", "bistouri.bpf.o")
-    if os.path.exists(packaged) or not os.path.exists(_INSTALLED_OBJECT):
+    packaged = os.path.join(os.path.dirname(__file__), "_bpfobj", name)
+    installed = os.path.join(_INSTALLED_DIR, name)
+    if os.path.exists(packaged) or not os.path.exists(installed):
         return packaged
-    return _INSTALLED_OBJECT
+    return installed
 
 
 @dataclass(frozen=True, slots=True)

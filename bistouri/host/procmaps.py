@@ -67,7 +67,9 @@ class Unmapped(IntEnum):
 # One mapped frame in a sample's stacks: status, file id (or reason), offset or IP.
 USER_FRAME = struct.Struct("<IIQ")
 
-_USER_MAX = 0x7FFF_FFFF_FFFF  # x86_64, 4-level paging
+# The highest user address: x86-64's with 4-level paging, aarch64's with 48-bit addresses (its
+# libraries are mapped just below it, at 0xffff...).
+_USER_MAX = 0xFFFF_FFFF_FFFF if os.uname().machine == "aarch64" else 0x7FFF_FFFF_FFFF
 _MAPPING_BYTES = 120  # estimated Python memory of one mapping in a table
 _TABLE_BYTES = 600
 _PERF_ENTRY_BYTES = 100  # + the name

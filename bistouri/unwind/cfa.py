@@ -17,12 +17,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from ..bpf.abi import CfaKind, RbpKind
+from ..bpf.abi import RA_SHIFT, CfaKind, RaKind, RbpKind
 
 # x86-64 DWARF register numbers.
 REG_RBP = 6
 REG_RSP = 7
 REG_RA = 16
+# aarch64's (DWARF for the Arm 64-bit Architecture, 4.1): x29 the frame pointer, x30 the link register.
+REG_X29 = 29
+REG_X30 = 30
+REG_SP = 31
 
 
 # One row as the BPF program reads it (struct bistouri_unwind_row).
@@ -75,6 +79,30 @@ class Budget:
             raise CfiBoundError("too_many_entries", self.limits.max_entries)
 
 
+# A rule as the CFA program leaves it: (kind, n) for RBP (x29) and the return address.
+_SAME = ("same", 0)
+_RA_AT_CFA_MINUS_8 = ("offset", -8)
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """What the rows of one architecture need: the DWARF numbers of its stack and frame pointers
+    (the rows' "RSP" and "RBP"), and the CFA and return address a function starts with."""
+
+    name: str
+    fp: int
+    sp: int
+    entry_cfa_off: int  # x86-64: 8, the call pushed the return address; aarch64: 0
+    entry_ra: tuple[str, int]  # x86-64: at CFA - 8; aarch64: in x30 ("same")
+    aarch64: bool
+
+
+X86_64 = Arch("x86-64", REG_RBP, REG_RSP, 8, _RA_AT_CFA_MINUS_8, False)
+AARCH64 = Arch("aarch64", REG_X29, REG_SP, 0, _SAME, True)
+EM_AARCH64 = 183  # ELF e_machine
+ARCH_OF_MACHINE = {EM_AARCH64: AARCH64}  # any other: x86-64's rules
+
+
 @dataclass(slots=True)
 class Cie:
     code_align: int
@@ -86,6 +114,7 @@ class Cie:
     has_z: bool
     instructions: Buffer
     address_size: int
+    arch: Arch = X86_64
 
 
 @dataclass(slots=True)
@@ -203,9 +232,6 @@ def _rule_bits(rule: Rule) -> int:
     return int.from_bytes(ROW.pack(0, *rule)[4:], "little")
 
 
-# A rule as the CFA program leaves it: (kind, n) for RBP and the return address.
-_SAME = ("same", 0)
-_RA_AT_CFA_MINUS_8 = ("offset", -8)
 NO_END = 1 << 64  # rows wherever the program puts them (relative ones, cut per FDE)
 _RULES_CACHED = 4096  # distinct rule sets remembered per file (run_program's rules_of)
 
@@ -217,11 +243,14 @@ def _rule(
     rbp: tuple[str, int],
     ra: tuple[str, int],
     signal: bool,
+    arch: Arch = X86_64,
 ) -> Rule:
     if signal:
         return _SIGNAL
     if ra[0] == "undefined":
         return _END
+    if arch.aarch64:
+        return _aarch64_rule(cfa_reg, cfa_off, cfa_expr, rbp, ra)
     if ra != _RA_AT_CFA_MINUS_8:
         return _OTHER
     if cfa_expr is not None:
@@ -239,6 +268,35 @@ def _rule(
     if how == "offset" and -32768 <= n <= 32767:
         return (off, n, kind, RbpKind.AT_CFA)
     return (off, 0, kind, RbpKind.OTHER)
+
+
+def _aarch64_rule(
+    cfa_reg: int, cfa_off: int, cfa_expr: Buffer | None, x29: tuple[str, int], x30: tuple[str, int]
+) -> Rule:
+    """An aarch64 rule: the CFA from sp or x29, and the return address in x30 (RaKind.LR), saved
+    beside x29 (RaKind.CFA: `stp x29, x30`) or saved alone (RaKind.AT_OFF, in the x29 offset's
+    place). Anything else is OTHER: the walk takes the frame record there."""
+    if cfa_expr is None and cfa_reg == REG_SP and 0 <= cfa_off <= _MAX_OFFSET:
+        kind = CfaKind.RSP
+    elif cfa_expr is None and cfa_reg == REG_X29 and 0 <= cfa_off <= _MAX_OFFSET:
+        kind = CfaKind.RBP
+    else:
+        return _OTHER
+    fp_how, fp_n = x29
+    ra_how, ra_n = x30
+    fp_saved = fp_how == "offset" and -32768 <= fp_n <= 32767
+    if ra_how == "same":
+        if fp_how == "same":
+            return (cfa_off, 0, kind, RbpKind.UNCHANGED | RaKind.LR << RA_SHIFT)
+        if fp_saved:
+            return (cfa_off, fp_n, kind, RbpKind.AT_CFA | RaKind.LR << RA_SHIFT)
+        return (cfa_off, 0, kind, RbpKind.OTHER | RaKind.LR << RA_SHIFT)
+    if ra_how == "offset":
+        if fp_saved and ra_n == fp_n + 8:
+            return (cfa_off, fp_n, kind, RbpKind.AT_CFA | RaKind.CFA << RA_SHIFT)
+        if fp_how == "same" and -32768 <= ra_n <= 32767:
+            return (cfa_off, ra_n, kind, RbpKind.UNCHANGED | RaKind.AT_OFF << RA_SHIFT)
+    return _OTHER
 
 
 def _uleb(data: Buffer, pos: int) -> tuple[int, int]:
@@ -291,8 +349,9 @@ def run_program(
 
     One loop with the rule set in locals (the hottest code of a table build): a file's CFI has
     hundreds of thousands of instructions."""
+    arch = cie.arch
     if initial is None:
-        cfa_reg, cfa_off, cfa_expr, rbp, ra = REG_RSP, 8, None, _SAME, _RA_AT_CFA_MINUS_8
+        cfa_reg, cfa_off, cfa_expr, rbp, ra = arch.sp, arch.entry_cfa_off, None, _SAME, arch.entry_ra
     else:
         cfa_reg, cfa_off, cfa_expr, rbp, ra = (
             initial.cfa_reg,
@@ -314,6 +373,7 @@ def run_program(
     if rules_of is None:
         rules_of = {}
     code_align, data_align, ra_reg, signal = cie.code_align, cie.data_align, cie.ra_reg, cie.signal
+    fp_reg = arch.fp
     loc = start
     pos = 0
     n = len(program)
@@ -337,7 +397,7 @@ def run_program(
                 else:
                     v, pos = _uleb(data, pos)
                 reg = op & 0x3F
-                if reg == REG_RBP:
+                if reg == fp_reg:
                     rbp = ("offset", v * data_align)
                 elif reg == ra_reg:
                     ra = ("offset", v * data_align)
@@ -346,7 +406,7 @@ def run_program(
             elif hi == 0xC0:
                 if initial is not None:
                     reg = op & 0x3F
-                    if reg == REG_RBP:
+                    if reg == fp_reg:
                         rbp = initial.rbp
                     elif reg == ra_reg:
                         ra = initial.ra
@@ -404,7 +464,7 @@ def run_program(
                 rule_set = (cfa_reg, cfa_off, cfa_expr, rbp, ra, signal)
                 rule = rules_of.get(rule_set, -1)
                 if rule < 0:
-                    rule = _rule_bits(_rule(cfa_reg, cfa_off, cfa_expr, rbp, ra, signal))
+                    rule = _rule_bits(_rule(cfa_reg, cfa_off, cfa_expr, rbp, ra, signal, arch))
                     if len(rules_of) < _RULES_CACHED:
                         rules_of[rule_set] = rule
             if loc == last_pc:
@@ -440,9 +500,11 @@ def _rare_op(
     advance = -1
     new_loc = None
 
+    fp_reg = cie.arch.fp
+
     def set_reg(reg: int, rule: tuple[str, int]) -> None:
         nonlocal rbp, ra
-        if reg == REG_RBP:
+        if reg == fp_reg:
             rbp = rule
         elif reg == cie.ra_reg:
             ra = rule
@@ -464,7 +526,7 @@ def _rare_op(
     elif op == 0x06:
         reg, pos = _uleb(data, pos)
         if initial is not None:
-            if reg == REG_RBP:
+            if reg == fp_reg:
                 rbp = initial.rbp
             elif reg == cie.ra_reg:
                 ra = initial.ra
@@ -503,6 +565,8 @@ def _rare_op(
         reg, pos = _uleb(data, pos)
         _, pos = _uleb(data, pos) if op == 0x14 else _sleb(data, pos)
         set_reg(reg, ("other", 0))
+    elif op == 0x2D and cie.arch.aarch64:
+        pass  # AARCH64_negate_ra_state: x30 is signed from here; the walk masks the signature off
     elif op == 0x2E:  # GNU_args_size
         _, pos = _uleb(data, pos)
     elif op == 0x2F:  # GNU_negative_offset_extended

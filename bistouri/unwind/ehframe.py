@@ -7,6 +7,9 @@ every FDE ahead of time into a table sorted by PC: for each address range, how
 to find the CFA (canonical frame address) from RSP or RBP, and where the
 caller's RBP was saved. On x86-64 the return address is at CFA - 8; a file
 whose CFI says otherwise gets rows the walk treats as "no table here".
+An aarch64 file (by its ELF machine) gets the same rows with sp and x29 in
+place of RSP and RBP, and where the return address is (x30, or saved) in
+the rbp_kind byte's upper bits (`RaKind`, cfa.py `_aarch64_rule`).
 
 Stdlib only (the agent's core has no compiled dependency); the ELF sections
 come from `bistouri.elf`, which is pure Python too. This module finds the CIEs and
@@ -33,12 +36,15 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..bpf.abi import CfaKind, RbpKind
+from ..bpf.abi import RA_SHIFT, RBP_KIND_MASK, CfaKind, RaKind, RbpKind
 from ..elf import ElfFile, ElfFormatError, Section
 from ..errors import BistouriError
 from .cfa import (
+    ARCH_OF_MACHINE,
     NO_END,
     ROW,
+    X86_64,
+    Arch,
     Budget,
     Buffer,
     CfiBoundError,
@@ -88,6 +94,7 @@ class Row:
     cfa_off: int
     rbp_kind: RbpKind
     rbp_off: int
+    ra_kind: RaKind = RaKind.CFA  # aarch64's; always CFA (at CFA - 8) on x86-64
 
     def rule(self) -> tuple[int, int, int, int]:
         return (self.cfa_kind, self.cfa_off, self.rbp_kind, self.rbp_off)
@@ -126,7 +133,7 @@ class _Packer:
         return st.pack(*flat)
 
 
-def _parse_cie(r: Reader, view: memoryview, end: int, debug_frame: bool) -> Cie:
+def _parse_cie(r: Reader, view: memoryview, end: int, debug_frame: bool, arch: Arch) -> Cie:
     version = r.u8()
     aug = r.cstr()
     address_size = 8
@@ -162,19 +169,25 @@ def _parse_cie(r: Reader, view: memoryview, end: int, debug_frame: bool) -> Cie:
         r.pos = aug_end
     elif aug not in (b"", b"eh"):
         raise ValueError(f"CIE augmentation {aug!r} without 'z'")
+    instructions = view[r.pos : end]
     return Cie(
-        code_align, data_align, ra_reg, fde_enc, lsda_enc, signal, has_z, view[r.pos : end], address_size
+        code_align, data_align, ra_reg, fde_enc, lsda_enc, signal, has_z, instructions, address_size, arch
     )
 
 
 def parse_fdes(
-    data: bytes, address: int, *, debug_frame: bool = False, limits: CfiLimits | None = None
+    data: bytes,
+    address: int,
+    *,
+    debug_frame: bool = False,
+    limits: CfiLimits | None = None,
+    arch: Arch = X86_64,
 ) -> list[Fde]:
     """Every FDE of one `.eh_frame` (loaded at `address`) or `.debug_frame` section, evaluated."""
-    return _parse(data, address, debug_frame, Budget(limits or CfiLimits()))
+    return _parse(data, address, debug_frame, Budget(limits or CfiLimits()), arch)
 
 
-def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget) -> list[Fde]:
+def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget, arch: Arch = X86_64) -> list[Fde]:
     limits = budget.limits
     if len(data) > limits.max_section_bytes:
         raise CfiBoundError("section_too_large", limits.max_section_bytes)
@@ -211,7 +224,7 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget) -> list
         r = Reader(data, body + idsize, address)
         is_cie = (cie_id == (0xFFFF_FFFF_FFFF_FFFF if wide else 0xFFFF_FFFF)) if debug_frame else cie_id == 0
         if is_cie:
-            cie = _parse_cie(r, view, end, debug_frame)
+            cie = _parse_cie(r, view, end, debug_frame, arch)
             cies[start] = cie
             initial[start] = run_program(cie, cie.instructions, 0, None, budget).state
         else:
@@ -222,7 +235,7 @@ def _parse(data: bytes, address: int, debug_frame: bool, budget: Budget) -> list
                 budget.entry()
                 cr_len = struct.unpack_from("<I", data, cie_at)[0]
                 cr = Reader(data, cie_at + 4 + idsize, address)
-                cie_or_none = _parse_cie(cr, view, cie_at + 4 + cr_len, debug_frame)
+                cie_or_none = _parse_cie(cr, view, cie_at + 4 + cr_len, debug_frame, arch)
                 cies[cie_at] = cie_or_none
                 initial[cie_at] = run_program(cie_or_none, cie_or_none.instructions, 0, None, budget).state
             cie = cie_or_none
@@ -298,18 +311,20 @@ class _Programs:
 
 def file_fdes(elf: ElfFile, limits: CfiLimits | None = None, debug_frame: bool = True) -> list[Fde]:
     """FDEs of `.eh_frame`, plus (`debug_frame`) those of `.debug_frame` covering PCs `.eh_frame`
-    leaves out. Both sections share one budget of `limits`."""
+    leaves out. Both sections share one budget of `limits`. The registers are the ELF machine's
+    (`cfa.ARCH_OF_MACHINE`: aarch64's, else x86-64's)."""
     budget = Budget(limits or CfiLimits())
+    arch = ARCH_OF_MACHINE.get(elf.machine, X86_64)
     fdes: list[Fde] = []
     sec = elf.section(".eh_frame")
     try:
         if sec is not None and sec.size:
-            fdes = _parse(_section(elf, sec, budget.limits), sec.addr, False, budget)
+            fdes = _parse(_section(elf, sec, budget.limits), sec.addr, False, budget, arch)
         dbg = elf.section(".debug_frame") if debug_frame else None
         if dbg is not None and dbg.size and dbg.type != 8:
             covered = sorted((f.start, f.end) for f in fdes)
             starts = [s for s, _ in covered]
-            for f in _parse(_section(elf, dbg, budget.limits), 0, True, budget):
+            for f in _parse(_section(elf, dbg, budget.limits), 0, True, budget, arch):
                 i = bisect.bisect_right(starts, f.start) - 1
                 if i >= 0 and covered[i][1] > f.start:
                     continue
@@ -384,7 +399,10 @@ def build_table(path: str, limits: CfiLimits | None = None) -> bytes:
 def _go_fdes(elf: ElfFile, limits: CfiLimits) -> list[Fde] | None:
     """A Go binary's FDEs from its pclntab (goframes.py), with the `.eh_frame` ones of its C code
     (cgo) outside them; None when the file is not Go. Go's own `.debug_frame` is not read: the
-    pclntab says the same, and more (the outermost frames)."""
+    pclntab says the same, and more (the outermost frames). amd64's frame layout only: another
+    machine's Go binary gets its `.eh_frame`/`.debug_frame` rows."""
+    if elf.machine in ARCH_OF_MACHINE:
+        return None
     try:
         funcs = go_functions(elf, limits.max_rows)
     except ValueError as e:
@@ -403,6 +421,13 @@ def _go_fdes(elf: ElfFile, limits: CfiLimits) -> list[Fde] | None:
 
 def unpack_rows(table: bytes) -> list[Row]:
     return [
-        Row(pc, CfaKind(kind), cfa_off, RbpKind(rbp_kind), rbp_off)
+        Row(
+            pc,
+            CfaKind(kind),
+            cfa_off,
+            RbpKind(rbp_kind & RBP_KIND_MASK),
+            rbp_off,
+            RaKind(rbp_kind >> RA_SHIFT),
+        )
         for pc, cfa_off, rbp_off, kind, rbp_kind in ROW.iter_unpack(table)
     ]

@@ -58,6 +58,8 @@ _GENERATION_KEY = struct.pack("<I", 0)
 _MAX_TABLE_ROWS = 1 << 24  # what the BPF binary search covers
 _ROWS_PER_BUCKET = 8  # the bucket index: about this many rows between two entries (BPF: 3 steps)
 _USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
+# The code-cache rows (hotspot.py) and the perf trampoline's are read from x86-64 code: none elsewhere.
+_X86_64 = os.uname().machine == "x86_64"
 _ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
 
 # CPython >= 3.12 `-X perf` copies this x86-64 trampoline (no CFI, no frame pointer) once per
@@ -368,7 +370,7 @@ class UnwindTables:
             if key:
                 out.append(((int(lo, 16), int(hi, 16)), int(parts[2], 16), where, key))
         out.extend((rng, 0, None, _PY_TRAMPOLINE_KEY) for rng in self._py_trampolines(pid, anonymous))
-        if jit and self.jit_code is not None and anonymous and b"/libjvm.so" in data:  # a JVM: its code cache
+        if jit and _X86_64 and self.jit_code is not None and anonymous and b"/libjvm.so" in data:  # a JVM
             out.extend(self._jit_tables(pid, anonymous))
         return out
 

@@ -71,6 +71,33 @@ def test_deb_payload_and_conffiles(dist: Path) -> None:
     )
 
 
+def test_deb_holds_the_bpf_object_of_its_architecture_only(dist: Path) -> None:
+    files = sh("dpkg-deb", "--contents", dist / DEBS[0])
+    assert "bistouri.arm64.bpf.o" not in files
+
+
+def test_arm64_packages_hold_the_arm64_object_and_are_lint_clean(tmp_path: Path) -> None:
+    """`make package-arm64`: the bistouri package for arm64 (aarch64 for rpm) with the arm64
+    BPF object alone, beside the same "all" service packages; lintian and rpmlint clean."""
+    need("lintian", "rpmlint", "rpm")
+    if not (ROOT / "bistouri" / "bpf" / "_bpfobj" / "bistouri.arm64.bpf.o").exists():
+        pytest.skip("the arm64 BPF object is not built: run `make bpf`")
+    env = {"DIST": str(tmp_path), "PATH": "/usr/bin:/bin", "BISTOURI_ARCH": "arm64"}
+    r = subprocess.run(["packaging/build-packages.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"build-packages.sh failed:\n{r.stdout}\n{r.stderr}"
+    deb = tmp_path / f"bistouri_{FULL_VERSION}_arm64.deb"
+    rpm = tmp_path / f"bistouri-{FULL_VERSION}.aarch64.rpm"
+    assert sh("dpkg-deb", "--field", deb, "Architecture").strip() == "arm64"
+    objects = [f for f in sh("dpkg-deb", "--contents", deb).split() if f.endswith(".o")]
+    assert objects == ["./usr/lib/bistouri/python/bistouri/bpf/_bpfobj/bistouri.arm64.bpf.o"]
+    assert sh("rpm", "-qp", "--qf", "%{ARCH}", rpm) == "aarch64"
+    assert [f for f in sh("rpm", "-qpl", rpm).split() if f.endswith(".o")] == [
+        "/usr/lib/bistouri/python/bistouri/bpf/_bpfobj/bistouri.arm64.bpf.o"
+    ]
+    r = subprocess.run(["packaging/lint-packages.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"lint failed:\n{r.stdout}\n{r.stderr}"
+
+
 def test_rpm_payload_config_and_requires(dist: Path) -> None:
     need("rpm")
     agent = dist / RPMS[1]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bistouri.bpf import abi
+from bistouri.bpf import abi, loader
 from bistouri.bpf.handles import BtfFile
 from tests.conftest import BPF_OBJECT, ROOT
 
@@ -25,6 +25,20 @@ pytestmark = pytest.mark.skipif(not BPF_OBJECT.exists(), reason=f"{BPF_OBJECT} i
 def test_every_mirror_matches_the_shipped_object():
     with BtfFile(BPF_OBJECT) as f:
         assert abi.abi_mismatches(f.btf) == []
+
+
+def test_the_arm64_object_has_the_same_abi():
+    """One wire for both architectures: the arm64 object's structs and enums are x86-64's."""
+    arm64 = BPF_OBJECT.with_name(loader.object_name("aarch64"))
+    if not arm64.exists():
+        pytest.skip(f"{arm64} is not built (run `make bpf`)")
+    with BtfFile(arm64) as f:
+        assert abi.abi_mismatches(f.btf) == []
+
+
+def test_the_object_is_chosen_by_the_machine():
+    assert loader.object_name("x86_64") == BPF_OBJECT.name
+    assert loader.object_name("aarch64") == "bistouri.arm64.bpf.o"
 
 
 def test_every_shared_struct_has_a_mirror():
