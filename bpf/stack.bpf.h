@@ -351,8 +351,16 @@ static __always_inline __u32 copy_user_stack(struct bistouri_raw_stack *raw, __u
 		size = RAW_STACK_PAGE - (at & (RAW_STACK_PAGE - 1));
 		if (size > BISTOURI_RAW_STACK_BYTES - off)
 			size = BISTOURI_RAW_STACK_BYTES - off;
+		if (!size)
+			break;
+		/*
+		 * 1..RAW_STACK_PAGE again, in a form 5.10's verifier bounds: it loses the min()
+		 * above (size up to 16 KiB, refused), and clang must not drop the mask.
+		 */
+		barrier_var(size);
+		size = ((size - 1) & (RAW_STACK_PAGE - 1)) + 1;
 		/* Masked: a page read at any offset below the end stays in raw_scratch (its room). */
-		if (!size || bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
+		if (bpf_probe_read_user(&raw->stack[off & (BISTOURI_RAW_STACK_BYTES - 1)], size, (void *)at))
 			break;
 		off += size;
 		at += size;
@@ -384,6 +392,7 @@ static __always_inline bool emit_raw_stack(struct bpf_perf_event_data *ctx, stru
 	if (bpf_probe_read_kernel(&raw->event, sizeof(raw->event), ev))
 		return false;
 	n = copy_user_stack(raw, regs.sp);
+	barrier_var(n); /* the bound below is the verifier's, not clang's to drop */
 	if (n > BISTOURI_RAW_STACK_BYTES)
 		n = BISTOURI_RAW_STACK_BYTES;
 	raw->stack_size = n;
