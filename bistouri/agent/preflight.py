@@ -13,9 +13,13 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..bpf import features, perf
 from ..host import kernel, mounts
+
+if TYPE_CHECKING:
+    from ..errors import BpfError
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -303,16 +307,14 @@ def check_bpf_object(host: Host) -> Result:
     try:
         loaded = _load_chosen(path, kernel)
     except BpfError as e:
-        first = str(e).splitlines()[0]
         if kernel.suffix != features.BOUNDED_SUFFIX:
-            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+            return _refused(path, e)
         # As the agent does (loader._load_twins): the frame-pointer twins instead.
         kernel = replace(kernel, bounded_refused=True)
         try:
             loaded = _load_chosen(path, kernel)
         except BpfError as e2:
-            first = str(e2).splitlines()[0]
-            return Result(FAIL, "bpf object", f"{path}: {first}", "see the verifier log with --verbose")
+            return _refused(path, e2)
         return Result(
             WARN, "bpf object", f"{path} loads ({loaded} programs): {features.BOUNDED_REFUSED_COST}"
         )
@@ -320,6 +322,13 @@ def check_bpf_object(host: Host) -> Result:
         return loaded
     which = f", the {kernel.suffix[1:]} twins" if kernel.compat else ""
     return Result(OK, "bpf object", f"{path} loads ({loaded} programs{which})")
+
+
+def _refused(path: str, e: BpfError) -> Result:
+    """The object's refusal, with the verifier's own last words: what it refused, and where."""
+    lines = [line for line in e.log.splitlines() if line.strip() and not line.startswith("libbpf:")]
+    why = "; ".join(lines[-3:]) if lines else "libbpf gave no verifier log"
+    return Result(FAIL, "bpf object", f"{path}: {e.strerror}", f"the verifier: {why}")
 
 
 def _load_chosen(path: str, kernel: features.KernelFeatures) -> int | Result:

@@ -91,3 +91,24 @@ def test_a_kernel_without_btf_is_refused_with_the_reason_and_nothing_else_is_tri
     assert preflight.check_kernel_features(host) == []
     r = preflight.check_bpf_object(host)
     assert r.status == preflight.FAIL and r.detail == preflight.NO_BTF
+
+
+def test_a_refused_object_is_reported_with_the_verifiers_last_words():
+    """5.10's refusal of a raw-copy read, as libbpf hands it over: the FAIL line says what the
+    verifier refused (its last lines), not a flag that does not exist."""
+    import errno
+
+    from bistouri.agent.preflight import FAIL, _refused
+    from bistouri.errors import BpfError
+
+    log = (
+        "[handle_perf_fp]\n426: (85) call bpf_probe_read_user#112\n"
+        "invalid access to map value, value_size=23672 off=19575 size=16380\n"
+        "R1 max value is outside of the allowed memory range\n"
+        "processed 478 insns (limit 1000000) max_states_per_insn 1 total_states 38\n"
+    )
+    r = _refused("/x.bpf.o", BpfError("loading BPF object /x.bpf.o", errno.EACCES, log=log))
+    assert r.status == FAIL and "Permission denied" in r.detail and "--- libbpf" not in r.detail
+    assert "invalid access to map value" in r.fix and "processed 478 insns" in r.fix
+    assert "--verbose" not in r.fix
+    assert "no verifier log" in _refused("/x", BpfError("loading", errno.EACCES)).fix
