@@ -70,8 +70,13 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
     burner = workloads / "burner"
     bid = bytes.fromhex(build_id(burner))
     syms = symbols(burner)
-    proc = subprocess.Popen([str(burner), "60"])  # killed at the end: runs as long as the window needs
+    # Killed at the end: runs as long as the window needs. Sampled once it says its loader and lazy
+    # binding are behind it (a sample in ld.so has no frame of the burner).
+    proc = subprocess.Popen(
+        [str(burner), "60"], env={**os.environ, "BURNER_READY": "1"}, stdout=subprocess.PIPE
+    )
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
         opts = ProfilerOptions(freq_hz=99, offcpu=False, unwind_nice=0, unwind_cpu_share=1.0)
         with Profiler(opts) as agent:
             agent.start()
@@ -109,7 +114,8 @@ def test_on_cpu_stacks_map_to_build_id_and_offsets_in_the_call_chain(workloads):
             for status, ref, off in user
             if status == FrameStatus.FILE and agent.maps.file(ref).build_id == bid
         ]
-        assert own, "every sample of the burner has frames of the burner"
+        frames = [(st, agent.maps.file(r).name if st == FrameStatus.FILE else r, hex(o)) for st, r, o in user]
+        assert own, ("every sample of the burner has frames of the burner", frames, s.walk, s.weight)
         names = tuple(_function_at(syms, off if i == 0 else off - 1) for i, (_, _, off) in enumerate(own))
         chains[names] += s.weight
     expected = ("hot_spin", "level2", "level1", "main")
