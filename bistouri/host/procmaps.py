@@ -418,7 +418,9 @@ class ProcMaps:
     def _read_perf_map(self, pm: _PerfMap) -> None:
         """What was appended to the perf map since it was last read, at most every perf_map_interval_s."""
         with self._lock:
-            if self._clock() - pm.checked_at < self.perf_map_interval_s or pm.truncated:
+            # A map cut at its bound is still looked at: only a rewrite (jcmd, a new process with
+            # that pid) can bring it back under the bound, and _read_perf_file reads nothing else.
+            if self._clock() - pm.checked_at < self.perf_map_interval_s:
                 return
             pm.checked_at = self._clock()
             offset, ino, mark = pm.read_bytes, pm.ino, pm.mark
@@ -534,7 +536,7 @@ class ProcMaps:
         complete = data.rfind(b"\n") + 1
         pm.read_bytes += complete
         pm.mark = (pm.mark + data[:complete])[-_PERF_MARK_BYTES:]
-        if size > self.perf_map_max_bytes:  # what lies past the bound is never read
+        if size > self.perf_map_max_bytes and not pm.truncated:  # what lies past it is never read
             pm.truncated = True
             self.stats.perf_map_truncated += 1
         entries = list(zip(pm.starts, pm.ends, pm.names, strict=True))

@@ -253,11 +253,22 @@ def test_a_perf_map_is_bounded_in_bytes(tmp_path, workloads):
     (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
     lines = "".join(f"{0x7F0000000000 + i * 16:x} 10 fn{i}\n" for i in range(1000))
     (tmp_path / "7" / "root" / "tmp" / "perf-7.map").write_text(lines)
-    maps = ProcMaps(str(tmp_path), perf_map_max_bytes=1000)
+    now = [0.0]
+    maps = ProcMaps(str(tmp_path), perf_map_max_bytes=1000, clock=lambda: now[0])
     maps.track(7)
     assert maps.jit_name(7, 0x7F0000000005) == "fn0"
     assert maps.jit_name(7, 0x7F0000000000 + 999 * 16) is None
+    now[0] += 1  # looked at again: still over its bound, counted once
+    assert maps.jit_name(7, 0x7F0000000000 + 999 * 16) is None
     assert maps.stats.perf_map_truncated == 1
+    # Rewritten under the bound (someone's jcmd): read again from its start, whole.
+    new = tmp_path / "7" / "root" / "tmp" / "perf-7.map.tmp"
+    new.write_text("7f0000100000 10 fresh\n")
+    new.replace(tmp_path / "7" / "root" / "tmp" / "perf-7.map")
+    now[0] += 1
+    assert maps.jit_name(7, 0x7F0000100004) == "fresh"
+    assert maps.jit_name(7, 0x7F0000000005) is None
+    assert maps.stats.perf_map_rewrites == 1
 
 
 def test_sent_samples_are_bounded_in_entries_and_bytes_and_forgotten_in_the_kernel(tmp_path, workloads):
