@@ -22,7 +22,8 @@ def anchors(page: Path) -> set[str]:
 
 
 def test_the_anchor_rule_is_githubs():
-    assert anchor(" Episode hooks — `python -m bench.bench_episode`") == "episode-hooks--python--m-benchbench_episode"
+    heading = " Episode hooks — `python -m bench.bench_episode`"
+    assert anchor(heading) == "episode-hooks--python--m-benchbench_episode"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
