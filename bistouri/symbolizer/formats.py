@@ -12,6 +12,7 @@ import gzip
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
+from itertools import chain, repeat
 from typing import Any
 
 from .model import (
@@ -26,12 +27,16 @@ from .model import (
     Sample,
     SessionMeta,
 )
+from .protobuf import INT64_MAX as _MAX
+from .protobuf import SMALL_VARINTS as _SMALL
 from .protobuf import Strings as _Strings
 from .protobuf import bytes_field as _bytes
 from .protobuf import clamp as _clamp
+from .protobuf import key as _key
 from .protobuf import packed as _packed
 from .protobuf import uint_field as _int
 from .protobuf import varint as _varint
+from .protobuf import varints as _varints
 
 # The three sample values a profile carries, in pprof's sample_type order.
 VALUES = ("on_cpu", "off_cpu", "off_cpu_ns")
@@ -479,12 +484,12 @@ def speedscope(profile: Profile, name: str = "") -> dict[str, Any]:
 # pprof: a hand-written encoder for perftools.profiles.Profile (google/pprof proto/profile.proto)
 
 
-def _mapping_name(f: Frame) -> str:
-    if f.kind == KIND_KERNEL:
+def _mapping_name(kind: str, module: str) -> str:
+    if kind == KIND_KERNEL:
         return "[kernel]"
-    if f.kind == KIND_VDSO:
+    if kind == KIND_VDSO:
         return "[vdso]"
-    return f.module or "[unknown]"
+    return module or "[unknown]"
 
 
 def locations_of(stack: Sequence[int], inlined: Sequence[bool]) -> list[tuple[int, ...]]:
@@ -503,102 +508,156 @@ def locations_of(stack: Sequence[int], inlined: Sequence[bool]) -> list[tuple[in
     return [tuple(reversed(g)) for g in reversed(groups)]
 
 
+# A frame and a sample as rows: their fields in the order of Frame's and Sample's (the store's layout,
+# Store.get_profile_rows; what the export encodes from, no objects built).
+FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
+# stack, pid, tid, thread, on_cpu, off_cpu, off_cpu_ns, pre_trigger, wait
+SampleRow = tuple[Any, ...]
+
+
+def frame_rows(profile: Profile) -> tuple[list[FrameRow], list[SampleRow]]:
+    """A profile's frames and samples as rows (pprof_rows, otlp.Request.add_rows)."""
+    frames = [(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in profile.frames]
+    samples = [
+        (s.stack, s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait)
+        for s in profile.samples
+    ]
+    return frames, samples
+
+
 def pprof(profile: Profile, compress: bool = True) -> bytes:
     """The profile as a gzip-compressed pprof protobuf."""
-    st = _Strings()
-    frames = profile.frames
-    sample_types = b"".join(_bytes(1, _int(1, st(t)) + _int(2, st(u))) for t, u in _PPROF_TYPES)
+    return pprof_rows(profile.meta, *frame_rows(profile), compress=compress)
 
-    mappings: dict[str, int] = {}
-    mapping_kinds: dict[str, set[str]] = {}
-    functions: dict[tuple[str, str], int] = {}
-    locations: dict[tuple[int, ...], int] = {}
-    function_msgs: list[bytes] = []
-    location_msgs: list[bytes] = []
-    sample_msgs: list[bytes] = []
-    comm = profile.meta.processes
+
+# pprof's keys, precomputed: varint fields 1-4, and the messages of Profile (sample 2, mapping 3,
+# location 4, function 5, string 6) and of its parts (Sample's location_id 1 and value 2, Location's line 4).
+_T1, _T2, _T3, _T4 = (_key(f, 0) for f in (1, 2, 3, 4))
+_SAMPLE_MSG, _LOCATION_MSG, _FUNCTION_MSG, _STRING_MSG = (_key(f, 2) for f in (2, 4, 5, 6))
+_STACK_RUN, _VALUES_RUN, _LINE_MSG = (_key(f, 2) for f in (1, 2, 4))
+
+
+def pprof_rows(
+    meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow], compress: bool = True
+) -> bytes:
+    """pprof() of a profile given as rows (frame_rows' layout): what the Pyroscope export encodes.
+
+    Built a frame at a time, not a sample at a time: a frame that is a location on its own is
+    location index + 1, its function and mapping numbered in order of first frame, its strings
+    added over all the frames at once; a sample is then its stack's ids joined. A location of an
+    inlined frame with its caller gets an id after the frames'. The same input, the same bytes."""
+    st = _Strings()
+    sample_types = b"".join(_bytes(1, _int(1, st(t)) + _int(2, st(u))) for t, u in _PPROF_TYPES)
+    comm = meta.processes
     k_pid, k_tid, k_thread, k_comm = st("pid"), st("tid"), st("thread_name"), st("comm")
 
-    def function_id(f: Frame) -> int:
-        key = (f.name, f.file)
-        fid = functions.get(key)
-        if fid is None:
-            fid = functions[key] = len(functions) + 1
-            body = _int(1, fid) + _int(2, st(f.name)) + _int(3, st(f.name)) + _int(4, st(f.file))
-            function_msgs.append(_bytes(5, body))
-        return fid
+    n = len(frames)
+    refs = sum(len(s[0]) for s in samples)
+    # Every id and string index here is below this: their varints from the table, not a call each.
+    small = 4 * n + refs + 2 * len(samples) + 64 < len(_SMALL)
+    v = _SMALL.__getitem__ if small else _varint
+    names = [f[0] for f in frames]
+    files = [f[2] for f in frames]
+    inlined = [f[5] for f in frames]
+    st.extend(names)
+    st.extend(files)
+    index = st.index
 
-    def location_id(group: tuple[int, ...]) -> int:
-        lid = locations.get(group)
+    fkeys = list(zip(names, files, strict=True))
+    function_ids = dict(zip(dict.fromkeys(fkeys), range(1, n + 1), strict=False))
+    function_msgs = []
+    for (name, file), fid in function_ids.items():
+        ni, fi = index[name], index[file]
+        body = _T1 + v(fid) + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
+        function_msgs.append(_FUNCTION_MSG + _SMALL[len(body)] + body)
+    mkeys = [(f[4], f[1]) for f in frames]
+    mapping_of = {k: _mapping_name(*k) for k in dict.fromkeys(mkeys)}
+    mnames = list(map(mapping_of.__getitem__, mkeys))
+    mapping_ids = dict(zip(dict.fromkeys(mnames), range(1, n + 1), strict=False))
+    with_files = {m for m, file in zip(mnames, files, strict=True) if file}
+    with_inlined: set[str] = set()
+
+    lines: list[bytes] = []  # each frame's Line
+    single = [b""] * n  # the id of a frame's own location, as a packed run holds it; b"": inlined
+    location_msgs: list[bytes] = []
+    ids = zip(map(function_ids.__getitem__, fkeys), map(mapping_ids.__getitem__, mnames), strict=True)
+    for i, (f, (fid, mid)) in enumerate(zip(frames, ids, strict=True)):
+        line = _T1 + v(fid) + _T2 + _varint(f[3]) if f[3] > 0 else _T1 + v(fid)
+        line = _LINE_MSG + _SMALL[len(line)] + line
+        lines.append(line)
+        if not f[5]:
+            lid = single[i] = v(i + 1)
+            body = _T1 + lid + _T2 + v(mid) + line
+            location_msgs.append(_LOCATION_MSG + _SMALL[len(body)] + body)
+    groups: dict[tuple[int, ...], int] = {}
+
+    def group_id(group: tuple[int, ...]) -> int:
+        """The location of an inlined frame with its callers (the innermost first), or of an
+        inlined frame alone at a stack's root."""
+        lid = groups.get(group)
         if lid is None:
-            lid = locations[group] = len(locations) + 1
-            outer = frames[group[-1]]
-            mname = _mapping_name(outer)
-            mid = mappings.setdefault(mname, len(mappings) + 1)
-            seen = mapping_kinds.setdefault(mname, set())
-            lines = []
-            for i in group:
-                f = frames[i]
-                if f.file:
-                    seen.add("file")
-                if f.inlined:
-                    seen.add("inline")
-                lines.append(_bytes(4, _int(1, function_id(f)) + _int(2, max(f.line, 0))))
-            location_msgs.append(_bytes(4, _int(1, lid) + _int(2, mid) + b"".join(lines)))
+            lid = groups[group] = n + 1 + len(groups)
+            outer = mnames[group[-1]]
+            with_inlined.add(outer)
+            if any(files[i] for i in group):
+                with_files.add(outer)
+            body = _T1 + v(lid) + _T2 + v(mapping_ids[outer]) + b"".join(map(lines.__getitem__, group))
+            location_msgs.append(_LOCATION_MSG + _varint(len(body)) + body)
         return lid
 
-    inlined = [f.inlined for f in frames]
     has_inlined = any(inlined)
-    single = [0] * len(frames)  # location id of a frame that is a location on its own
     labels_of: dict[tuple[int, int, str, bool], bytes] = {}
-    for s in profile.samples:
-        # Locations in order of first use, leaf first, whichever way: the same ids, the same bytes.
-        if has_inlined and any(map(inlined.__getitem__, s.stack)):
-            ids = [location_id(g) for g in locations_of(s.stack, inlined)]
+    sample_msgs: list[bytes] = []
+    for s in samples:
+        stack = s[0]
+        if has_inlined and any(map(inlined.__getitem__, stack)):
+            run = _varints(
+                [
+                    group_id(g) if len(g) > 1 or inlined[g[0]] else g[0] + 1
+                    for g in locations_of(stack, inlined)
+                ]
+            )
         else:
-            ids = []
-            for i in reversed(s.stack):
-                lid = single[i] or location_id((i,))
-                single[i] = lid
-                ids.append(lid)
-        # A sample's labels, the same for its (pid, tid, thread, flag) in the whole profile: built once
-        # (the strings they add are added at their first use either way).
-        lkey = (s.pid, s.tid, s.thread, s.pre_trigger)
+            run = b"".join(map(single.__getitem__, reversed(stack)))
+        # A sample's labels, the same for its (pid, tid, thread, flag) in the whole profile: built once.
+        lkey = (s[1], s[2], s[3], s[7])
         labels = labels_of.get(lkey)
         if labels is None:
+            pid, tid, thread, before = lkey
             parts = []
-            if s.pid:
-                parts.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(s.pid))))
-                if s.pid in comm:
-                    parts.append(_bytes(3, _int(1, k_comm) + _int(2, st(comm[s.pid]))))
-            if s.tid:
-                parts.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(s.tid))))
-            if s.thread:
-                parts.append(_bytes(3, _int(1, k_thread) + _int(2, st(s.thread))))
-            if s.pre_trigger:
+            if pid:
+                parts.append(_bytes(3, _int(1, k_pid) + _int(3, _clamp(pid))))
+                if pid in comm:
+                    parts.append(_bytes(3, _int(1, k_comm) + _int(2, st(comm[pid]))))
+            if tid:
+                parts.append(_bytes(3, _int(1, k_tid) + _int(3, _clamp(tid))))
+            if thread:
+                parts.append(_bytes(3, _int(1, k_thread) + _int(2, st(thread))))
+            if before:
                 # `go tool pprof -tagfocus trigger=before` shows the onset; the strings are added only
-                # when used, so a profile without the flight recorder stays byte for byte the same.
+                # when used, so a profile without the flight recorder has none of them.
                 parts.append(_bytes(3, _int(1, st("trigger")) + _int(2, st("before"))))
             labels = labels_of[lkey] = b"".join(parts)
         # Values are packed and always three long, zeros included, as pprof requires.
-        vals = _bytes(2, b"".join(_varint(_clamp(v)) for v in (s.on_cpu, s.off_cpu, s.off_cpu_ns)))
-        sample_msgs.append(_bytes(2, _packed(1, ids) + vals + labels))
+        vals = _varint(min(s[4], _MAX)) + _varint(min(s[5], _MAX)) + _varint(min(s[6], _MAX))
+        body = _VALUES_RUN + _SMALL[len(vals)] + vals + labels
+        if run:  # an empty packed field is left out
+            body = _STACK_RUN + _varint(len(run)) + run + body
+        sample_msgs.append(_SAMPLE_MSG + _varint(len(body)) + body)
 
     mapping_msgs = []
-    for mname, mid in mappings.items():
-        kinds = mapping_kinds[mname]
-        has_files = "file" in kinds
+    for mname, mid in mapping_ids.items():
+        has_files = mname in with_files
         body = (
             _int(1, mid)
             + _int(5, st(mname))
             + _int(7, 1)
             + _int(8, int(has_files))
             + _int(9, int(has_files))
-            + _int(10, int("inline" in kinds))
+            + _int(10, int(mname in with_inlined))
         )
         mapping_msgs.append(_bytes(3, body))
 
-    meta = profile.meta
     comments = [st(f"session {meta.session_id}")] if meta.session_id else []
     if meta.resource:
         comments.append(st(f"trigger {meta.resource} {meta.stall}"))
@@ -610,7 +669,9 @@ def pprof(profile: Profile, compress: bool = True) -> bytes:
         + _packed(13, comments)
         + _int(14, st("on_cpu"))
     )
-    strings = b"".join(_bytes(6, s.encode("utf-8", "replace")) for s in st.table)
+    encoded = [s.encode("utf-8", "replace") for s in st.table]
+    lengths = list(map(_varint, map(len, encoded)))
+    strings = b"".join(chain.from_iterable(zip(repeat(_STRING_MSG), lengths, encoded, strict=False)))
     body = (
         sample_types
         + b"".join(sample_msgs)
@@ -636,8 +697,10 @@ __all__ = [
     "display_name",
     "flamegraph",
     "folded",
+    "frame_rows",
     "merge",
     "pprof",
+    "pprof_rows",
     "profile_json",
     "speedscope",
     "tree_json",

@@ -9,7 +9,7 @@ generated classes (google/pprof's profile.proto, opentelemetry-proto).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 INT64_MAX = (1 << 63) - 1
 
@@ -102,3 +102,10 @@ class Strings:
             i = self.index[s] = len(self.table)
             self.table.append(s)
         return i
+
+    def extend(self, strings: Iterable[str]) -> None:
+        """Add the strings not in the table yet, in order: in C, not a call each."""
+        index = self.index
+        new = [s for s in dict.fromkeys(strings) if s not in index]
+        index.update(zip(new, range(len(self.table), len(self.table) + len(new)), strict=True))
+        self.table += new

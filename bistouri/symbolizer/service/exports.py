@@ -30,6 +30,7 @@ help): LEASE_S is far above a request's timeout, so a live sender never overlaps
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import os
@@ -48,7 +49,7 @@ import requests
 from .. import formats, otlp
 from ..model import Profile, SessionMeta
 from .metrics import Metrics
-from .store import Store, StoreError, profile_from_rows
+from .store import Store, StoreError
 from .store_exports import Claimed
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ PYROSCOPE = "pyroscope"
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0  # any one read of the answer
+MAX_ANSWER_BYTES = 4096  # an answer's body read (the connection kept) only up to this size
 LEASE_S = 300.0  # a claimed row is another sender's after this: far above a request's timeouts
 BATCH = 32  # rows claimed at once per endpoint: an OTLP request carries up to this many sessions
 MAX_REQUEST_BYTES = 4 << 20  # an OTLP request takes no more sessions past about this many bytes, uncompressed
@@ -128,10 +130,10 @@ def otlp_payload(sessions: list[Stored]) -> bytes:
     return _gzip(req.encode())
 
 
-def pyroscope_payload(profile: Profile) -> bytes:
-    """The session's pprof, gzip'd at the level of the OTLP requests (pprof's files use 6: a third of
-    the cost of encoding here, for a few percent of bytes)."""
-    return _gzip(formats.pprof(profile, compress=False))
+def pyroscope_payload(session: Stored) -> bytes:
+    """The session's pprof, from its rows, gzip'd at the level of the OTLP requests (pprof's files use
+    6: a third of the cost of encoding here, for a few percent of bytes)."""
+    return _gzip(formats.pprof_rows(*session, compress=False))
 
 
 def _gzip(data: bytes) -> bytes:
@@ -143,10 +145,10 @@ _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_./:@+-]")
 _LABEL_KEY_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
-def pyroscope_labels(profile: Profile) -> dict[str, str]:
-    """The labels a session is pushed with: host, cgroup, unit and container, trigger, tenant, the
-    agent's labels."""
-    m = profile.meta
+def pyroscope_labels(session: Profile | SessionMeta) -> dict[str, str]:
+    """The labels a session (a profile or its meta) is pushed with: host, cgroup, unit and container,
+    trigger, tenant, the agent's labels."""
+    m = session.meta if isinstance(session, Profile) else session
     labels = {
         "host": m.host,
         "cgroup": m.cgroup,
@@ -163,11 +165,11 @@ def pyroscope_labels(profile: Profile) -> dict[str, str]:
     return {k: _LABEL_VALUE_BAD.sub("_", v) for k, v in labels.items() if v}
 
 
-def pyroscope_query(profile: Profile) -> str:
+def pyroscope_query(session: Profile | SessionMeta) -> str:
     """The /ingest query: name=<service_name>{labels}, from/until (unix seconds), format=pprof."""
-    m = profile.meta
+    m = session.meta if isinstance(session, Profile) else session
     service = _LABEL_VALUE_BAD.sub("_", m.service or "bistouri")
-    labels = ",".join(f"{k}={v}" for k, v in sorted(pyroscope_labels(profile).items()))
+    labels = ",".join(f"{k}={v}" for k, v in sorted(pyroscope_labels(m).items()))
     start = m.start_ns // 10**9
     until = max(start + 1, (m.start_ns + m.duration_ns + 10**9 - 1) // 10**9)
     name = quote(f"{service}{{{labels}}}", safe="")
@@ -338,9 +340,8 @@ class Exporter:
         """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
             return otlp_payload(sessions), ""
-        ((meta, frames, samples),) = sessions
-        profile = profile_from_rows(meta, frames, samples)
-        return pyroscope_payload(profile), pyroscope_query(profile)
+        (session,) = sessions
+        return pyroscope_payload(session), pyroscope_query(session[0])
 
     def _deliver(self, ep: Endpoint, rows: list[Claimed], body: bytes, query: str) -> str:
         """Post one request of `rows` and act on the answer: "sent", "refused" (the rows dropped,
@@ -439,8 +440,9 @@ class Exporter:
                 proxies=env["proxies"],
                 verify=env["verify"],
                 cert=env["cert"],
-                # The answer's status and headers are all we use: streamed, its body is never read, so
-                # an endpoint cannot hold a sender (or its memory) with a long one.
+                # The answer's status and headers are all we use: streamed, its body is read only when
+                # it says it is short (_keep_alive), so an endpoint cannot hold a sender (or its
+                # memory) with a long one.
                 stream=True,
             )
         except requests.Timeout:
@@ -448,6 +450,7 @@ class Exporter:
         except requests.RequestException:
             raise _Failed("connection") from None
         with resp:
+            _keep_alive(resp)
             code = resp.status_code
             if 200 <= code < 300:
                 return
@@ -456,6 +459,17 @@ class Exporter:
                     f"status_{code // 100}xx" if code >= 500 else f"status_{code}", _retry_after(resp)
                 )
             raise _Refused(f"status_{code}")
+
+
+def _keep_alive(resp: requests.Response) -> None:
+    """Read a short answer's body (its Content-Length at most MAX_ANSWER_BYTES: OTLP's and Pyroscope's
+    are empty or a few bytes) so that its connection goes back to the pool: a new connection a request
+    costs a Pyroscope send a third of its CPU. A longer or unsized body is left unread and the
+    connection closed with the answer."""
+    length = resp.headers.get("Content-Length", "")
+    if length.isdigit() and int(length) <= MAX_ANSWER_BYTES:
+        with contextlib.suppress(requests.RequestException):
+            resp.content  # noqa: B018 (read: the connection is released when the body ends)
 
 
 def endpoint_kind(key: str) -> str:
