@@ -235,7 +235,8 @@ class Request:
         # Each frame as a location on its own (an inlined one is only part of others'), looked up
         # once per session by its row: a tuple, hashed and compared in C.
         single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
-        encoded = list(map(varint, single))  # as a stack's packed run holds them
+        # As a stack's packed run holds them (indices below 16384 from the table, not a call each).
+        encoded = list(map(SMALL_VARINTS.__getitem__ if len(self.location_msgs) < 16384 else varint, single))
         inlined = [f[5] for f in frames]
         has_inlined = any(inlined)
         groups: dict[tuple[int, ...], int] = {}
@@ -272,14 +273,20 @@ class Request:
                 session_attrs[skey] = attrs
             head = _STACK_INDEX + varint(stack_id) + attrs
             if s[4] > 0:
-                on_cpu.append(_sample(head, s[4]))
+                v = varint(min(s[4], INT64_MAX))
+                body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v  # a Sample: its one value packed
+                on_cpu.append(_SAMPLE_TAG + varint(len(body)) + body)
             if s[5] > 0 or s[6] > 0:
                 # Two packed runs of one field concatenate: the sample's attributes, then its state.
                 head += wait_attr(s[8])
                 if s[5] > 0:
-                    off_cpu.append(_sample(head, s[5]))
+                    v = varint(min(s[5], INT64_MAX))
+                    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
+                    off_cpu.append(_SAMPLE_TAG + varint(len(body)) + body)
                 if s[6] > 0:
-                    off_cpu_ns.append(_sample(head, s[6]))
+                    v = varint(min(s[6], INT64_MAX))
+                    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
+                    off_cpu_ns.append(_SAMPLE_TAG + varint(len(body)) + body)
 
         profiles: list[bytes] = []
         tail = self._profile_tail(meta)
@@ -351,13 +358,6 @@ class Request:
 _PACKED_1 = key(1, 2)  # a Stack's location_indices
 _STACK_INDEX = key(1, 0)  # a Sample's stack_index (never 0: entry 0 is the empty stack)
 _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
-
-
-def _sample(head: bytes, value: int) -> bytes:
-    """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
-    v = varint(value if value < INT64_MAX else INT64_MAX)
-    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
-    return _SAMPLE_TAG + varint(len(body)) + body
 
 
 _VALUE_TAG = key(4, 2)
