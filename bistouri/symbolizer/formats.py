@@ -36,7 +36,6 @@ from .protobuf import key as _key
 from .protobuf import packed as _packed
 from .protobuf import uint_field as _int
 from .protobuf import varint as _varint
-from .protobuf import varints as _varints
 
 # The three sample values a profile carries, in pprof's sample_type order.
 VALUES = ("on_cpu", "off_cpu", "off_cpu_ns")
@@ -536,73 +535,99 @@ _T1, _T2, _T3, _T4 = (_key(f, 0) for f in (1, 2, 3, 4))
 _SAMPLE_MSG, _LOCATION_MSG, _FUNCTION_MSG, _STRING_MSG = (_key(f, 2) for f in (2, 4, 5, 6))
 _STACK_RUN, _VALUES_RUN, _LINE_MSG = (_key(f, 2) for f in (1, 2, 4))
 
+# A location as PprofIds keeps it: its Location message, its id as a packed run holds it, the
+# (name, file) of each of its lines' functions, its mapping's name, whether a line has a file.
+_Location = tuple[bytes, bytes, tuple[tuple[str, str], ...], str, bool]
+
+
+class PprofIds:
+    """pprof's location, function and mapping ids, kept from one profile to the next.
+
+    Ids in pprof are any non-zero numbers unique within a profile (only strings are indexes, into
+    each profile's own table): a sender that encodes many profiles of the same binaries numbers a
+    frame once and reuses its Location message, and a profile costs a lookup per frame and its
+    strings. `pprof()` uses a fresh one per profile (ids from 1)."""
+
+    MAX_LOCATIONS = 200_000  # past this many, forgotten (between two profiles) and numbered afresh
+
+    def __init__(self) -> None:
+        self.locations: dict[Any, _Location] = {}  # by a frame's row, or a tuple of rows (inlined)
+        self.functions: dict[tuple[str, str], bytes] = {}  # (name, file) -> the id's varint
+        self.mappings: dict[str, bytes] = {}  # name -> the id's varint
+
+    def location(self, key: Any, group: Sequence[FrameRow]) -> _Location:
+        """The location of frames (the innermost inlined first, their caller last), known by `key`
+        (callers look it up in `locations` first: this builds it)."""
+        functions = self.functions
+        fkeys = tuple([(f[0], f[2]) for f in group])
+        lines = b""
+        for f, fk in zip(group, fkeys, strict=True):
+            fid = functions.get(fk)
+            if fid is None:
+                fid = functions[fk] = _varint(len(functions) + 1)
+            body = _T1 + fid + _T2 + _varint(f[3]) if f[3] > 0 else _T1 + fid
+            lines += _LINE_MSG + _SMALL[len(body)] + body  # a Line is a few bytes
+        outer = group[-1]
+        mname = _mapping_name(outer[4], outer[1])
+        mid = self.mappings.get(mname)
+        if mid is None:
+            mid = self.mappings[mname] = _varint(len(self.mappings) + 1)
+        lid = _varint(len(self.locations) + 1)
+        body = _T1 + lid + _T2 + mid + lines
+        msg = _LOCATION_MSG + _varint(len(body)) + body
+        loc = self.locations[key] = (msg, lid, fkeys, mname, any([f[2] for f in group]))
+        return loc
+
+    def bound(self) -> None:
+        """Between two profiles: forgotten if past MAX_LOCATIONS (a sender's memory stays bounded)."""
+        if len(self.locations) > self.MAX_LOCATIONS:
+            self.locations.clear()
+            self.functions.clear()
+            self.mappings.clear()
+
 
 def pprof_rows(
-    meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow], compress: bool = True
+    meta: SessionMeta,
+    frames: Sequence[FrameRow],
+    samples: Sequence[SampleRow],
+    compress: bool = True,
+    ids: PprofIds | None = None,
 ) -> bytes:
-    """pprof() of a profile given as rows (frame_rows' layout): what the Pyroscope export encodes.
+    """pprof() of a profile given as rows (frame_rows' layout): what the Pyroscope export encodes,
+    with the sender's `ids` (PprofIds) kept between its profiles.
 
-    Built a frame at a time, not a sample at a time: a frame that is a location on its own is
-    location index + 1, its function and mapping numbered in order of first frame, its strings
-    added over all the frames at once; a sample is then its stack's ids joined. A location of an
-    inlined frame with its caller gets an id after the frames'. The same input, the same bytes."""
+    A frame at a time, not a sample at a time: each frame that is a location on its own is looked
+    up once (its row, hashed in C), its strings added over all the frames at once; a sample is then
+    its stack's ids joined. The same input and ids, the same bytes."""
+    if ids is None:
+        ids = PprofIds()
+    else:
+        ids.bound()
     st = _Strings()
     sample_types = b"".join(_bytes(1, _int(1, st(t)) + _int(2, st(u))) for t, u in _PPROF_TYPES)
     comm = meta.processes
     k_pid, k_tid, k_thread, k_comm = st("pid"), st("tid"), st("thread_name"), st("comm")
 
-    n = len(frames)
-    refs = sum(len(s[0]) for s in samples)
-    # Every id and string index here is below this: their varints from the table, not a call each.
-    small = 4 * n + refs + 2 * len(samples) + 64 < len(_SMALL)
-    v = _SMALL.__getitem__ if small else _varint
-    names = [f[0] for f in frames]
-    files = [f[2] for f in frames]
     inlined = [f[5] for f in frames]
-    st.extend(names)
-    st.extend(files)
-    index = st.index
+    known = ids.locations.get
+    location = ids.location
+    # Each frame as a location on its own (an inlined one is only part of others'): None for those.
+    single = [None if f[5] else known(f) or location(f, (f,)) for f in frames]
+    used: dict[_Location, None] = dict.fromkeys(filter(None, single))  # in order, each once
+    runs = [loc[1] if loc else b"" for loc in single]  # each frame's id as a packed run holds it
+    groups: dict[tuple[int, ...], bytes] = {}
+    with_inlined: set[str] = set()  # mappings with inlined frames
 
-    fkeys = list(zip(names, files, strict=True))
-    function_ids = dict(zip(dict.fromkeys(fkeys), range(1, n + 1), strict=False))
-    function_msgs = []
-    for (name, file), fid in function_ids.items():
-        ni, fi = index[name], index[file]
-        body = _T1 + v(fid) + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
-        function_msgs.append(_FUNCTION_MSG + _SMALL[len(body)] + body)
-    mkeys = [(f[4], f[1]) for f in frames]
-    mapping_of = {k: _mapping_name(*k) for k in dict.fromkeys(mkeys)}
-    mnames = list(map(mapping_of.__getitem__, mkeys))
-    mapping_ids = dict(zip(dict.fromkeys(mnames), range(1, n + 1), strict=False))
-    with_files = {m for m, file in zip(mnames, files, strict=True) if file}
-    with_inlined: set[str] = set()
-
-    lines: list[bytes] = []  # each frame's Line
-    single = [b""] * n  # the id of a frame's own location, as a packed run holds it; b"": inlined
-    location_msgs: list[bytes] = []
-    ids = zip(map(function_ids.__getitem__, fkeys), map(mapping_ids.__getitem__, mnames), strict=True)
-    for i, (f, (fid, mid)) in enumerate(zip(frames, ids, strict=True)):
-        line = _T1 + v(fid) + _T2 + _varint(f[3]) if f[3] > 0 else _T1 + v(fid)
-        line = _LINE_MSG + _SMALL[len(line)] + line
-        lines.append(line)
-        if not f[5]:
-            lid = single[i] = v(i + 1)
-            body = _T1 + lid + _T2 + v(mid) + line
-            location_msgs.append(_LOCATION_MSG + _SMALL[len(body)] + body)
-    groups: dict[tuple[int, ...], int] = {}
-
-    def group_id(group: tuple[int, ...]) -> int:
-        """The location of an inlined frame with its callers (the innermost first), or of an
-        inlined frame alone at a stack's root."""
+    def group_id(group: tuple[int, ...]) -> bytes:
+        """The location of an inlined frame with its callers (the innermost first), or of an inlined
+        frame alone at a stack's root."""
         lid = groups.get(group)
         if lid is None:
-            lid = groups[group] = n + 1 + len(groups)
-            outer = mnames[group[-1]]
-            with_inlined.add(outer)
-            if any(files[i] for i in group):
-                with_files.add(outer)
-            body = _T1 + v(lid) + _T2 + v(mapping_ids[outer]) + b"".join(map(lines.__getitem__, group))
-            location_msgs.append(_LOCATION_MSG + _varint(len(body)) + body)
+            rows = tuple(frames[i] for i in group)
+            loc = known(rows) or location(rows, rows)
+            used[loc] = None
+            with_inlined.add(loc[3])
+            lid = groups[group] = loc[1]
         return lid
 
     has_inlined = any(inlined)
@@ -611,14 +636,14 @@ def pprof_rows(
     for s in samples:
         stack = s[0]
         if has_inlined and any(map(inlined.__getitem__, stack)):
-            run = _varints(
+            run = b"".join(
                 [
-                    group_id(g) if len(g) > 1 or inlined[g[0]] else g[0] + 1
+                    group_id(g) if len(g) > 1 or inlined[g[0]] else runs[g[0]]
                     for g in locations_of(stack, inlined)
                 ]
             )
         else:
-            run = b"".join(map(single.__getitem__, reversed(stack)))
+            run = b"".join(map(runs.__getitem__, reversed(stack)))
         # A sample's labels, the same for its (pid, tid, thread, flag) in the whole profile: built once.
         lkey = (s[1], s[2], s[3], s[7])
         labels = labels_of.get(lkey)
@@ -645,11 +670,25 @@ def pprof_rows(
             body = _STACK_RUN + _varint(len(run)) + run + body
         sample_msgs.append(_SAMPLE_MSG + _varint(len(body)) + body)
 
+    # The functions and mappings of the locations used, their strings in this profile's table.
+    locations = list(used)
+    fkeys = list(dict.fromkeys(chain.from_iterable(loc[2] for loc in locations)))
+    st.extend(chain.from_iterable(fkeys))
+    index, fids = st.index, ids.functions
+    v = _SMALL.__getitem__ if len(st.table) + 8 < len(_SMALL) else _varint  # string indexes: a table
+    function_msgs = []
+    for fk in fkeys:
+        ni, fi = index[fk[0]], index[fk[1]]
+        body = _T1 + fids[fk] + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
+        function_msgs.append(_FUNCTION_MSG + _SMALL[len(body)] + body)
+    # A mapping says whether its frames have files and inlined frames.
+    with_files = {loc[3] for loc in locations if loc[4]}
     mapping_msgs = []
-    for mname, mid in mapping_ids.items():
+    for mname in dict.fromkeys(loc[3] for loc in locations):
         has_files = mname in with_files
         body = (
-            _int(1, mid)
+            _T1
+            + ids.mappings[mname]
             + _int(5, st(mname))
             + _int(7, 1)
             + _int(8, int(has_files))
@@ -676,7 +715,7 @@ def pprof_rows(
         sample_types
         + b"".join(sample_msgs)
         + b"".join(mapping_msgs)
-        + b"".join(location_msgs)
+        + b"".join(loc[0] for loc in locations)
         + b"".join(function_msgs)
         + strings
         + tail

@@ -130,10 +130,11 @@ def otlp_payload(sessions: list[Stored]) -> bytes:
     return _gzip(req.encode())
 
 
-def pyroscope_payload(session: Stored) -> bytes:
-    """The session's pprof, from its rows, gzip'd at the level of the OTLP requests (pprof's files use
-    6: a third of the cost of encoding here, for a few percent of bytes)."""
-    return _gzip(formats.pprof_rows(*session, compress=False))
+def pyroscope_payload(session: Stored, ids: formats.PprofIds | None = None) -> bytes:
+    """The session's pprof, from its rows (with the sender's pprof ids, kept between its profiles),
+    gzip'd at the level of the OTLP requests (pprof's files use 6: a third of the cost of encoding
+    here, for a few percent of bytes)."""
+    return _gzip(formats.pprof_rows(*session, compress=False, ids=ids))
 
 
 def _gzip(data: bytes) -> bytes:
@@ -230,6 +231,8 @@ class Exporter:
         self._failures = {e.key: 0 for e in config.endpoints}
         self._next_bounds = 0.0
         self._thread: threading.Thread | None = None
+        # Each frame's pprof location built once for all the sessions this sender pushes (bounded).
+        self._pprof_ids = formats.PprofIds()
 
     def start(self) -> None:
         self.forget_removed_endpoints()
@@ -341,7 +344,7 @@ class Exporter:
         if ep.kind == OTLP:
             return otlp_payload(sessions), ""
         (session,) = sessions
-        return pyroscope_payload(session), pyroscope_query(session[0])
+        return pyroscope_payload(session, self._pprof_ids), pyroscope_query(session[0])
 
     def _deliver(self, ep: Endpoint, rows: list[Claimed], body: bytes, query: str) -> str:
         """Post one request of `rows` and act on the answer: "sent", "refused" (the rows dropped,
