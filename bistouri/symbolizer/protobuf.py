@@ -2,8 +2,11 @@
 
 Hand-written so that `bistouri record` (on the hosts, without the symbolizer's extras) writes
 both formats, and because building a profile message by message through generated classes
-costs several times more than joining bytes. Tests decode every output with the official
-generated classes (google/pprof's profile.proto, opentelemetry-proto).
+costs more than joining bytes, even with protobuf's upb backend (measured with protobuf 7.36:
+adding a Sample with its stack index, attributes and value 0.7-0.8 us, a Stack of 30 locations
+0.9 us, against 0.3 us for the same Sample's bytes here; each field set is a call from Python
+either way). Tests decode every output with the official generated classes (google/pprof's
+profile.proto, opentelemetry-proto).
 """
 
 from __future__ import annotations

@@ -11,8 +11,12 @@ encodes it and posts it:
   what the sessions share written once), OTLP/HTTP protobuf, gzip'd, to the URL given (the
   collector's `/v1development/profiles`, in full). A request refused is sent again a session a
   request: only the session refused is dropped.
-- Pyroscope: the pprof (formats.pprof) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`,
-  a session a request (its API takes one profile).
+- Pyroscope: the pprof (formats.pprof_rows, from the rows, with each frame's location built once per
+  sender: formats.PprofIds) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`, a
+  session a request (its API takes one profile).
+
+Connections are kept alive: an answer's body is read when it says it is short (MAX_ANSWER_BYTES),
+so its connection goes back to requests' pool; a longer one is not read, the connection closed.
 
 A 2xx deletes the rows. A refusal that a retry cannot change (4xx but 408 and 429) drops it; any
 other failure gives it back with a backoff per row and pauses the endpoint (its `disabled_until`,
