@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 CODE = os.environ.get("BISTOURI_BENCH_CODE")
 if CODE:
     sys.path.insert(0, CODE)
+    import bistouri  # noqa: F401  (now: the bench modules imported below put this tree first again)
 
 from bench.bench_ingest import build_binary, cpu_seconds, make_sessions  # noqa: E402
 from bench.bench_symbolize import _pick  # noqa: E402
@@ -255,6 +256,9 @@ def drain(args: str) -> None:
     """--drain: send one endpoint's queue with the service's sender (exports.Exporter) in this
     process; print its thread's CPU time."""
     a = json.loads(args)
+    code = Path(CODE or REPO).resolve()
+    sender_file = Path(sys.modules[Exporter.__module__].__file__ or "").resolve()
+    assert sender_file.is_relative_to(code), f"the sender of {sender_file}, not of {code}"
     store = Store.for_state_dir(a["db"], Path(a["state"]))
     ep = Endpoint(a["kind"], a["url"])
     sender = Exporter(store, ExportConfig((ep,)), Metrics(lambda: store))
