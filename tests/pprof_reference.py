@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gzip
 
-from bistouri.symbolizer.formats import _PPROF_TYPES, locations_of
+from bistouri.symbolizer.pprof import _PPROF_TYPES, locations_of
 from bistouri.symbolizer.model import KIND_KERNEL, KIND_VDSO, Frame, Profile
 from bistouri.symbolizer.protobuf import Strings as _Strings
 from bistouri.symbolizer.protobuf import bytes_field as _bytes

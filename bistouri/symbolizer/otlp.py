@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import wire
-from .formats import locations_of
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
+from .pprof import FrameRow, SampleRow, frame_rows, locations_of
 from .protobuf import (
     INT64_MAX,
     SMALL_VARINTS,
@@ -46,10 +46,6 @@ SAMPLE_TYPES = (
     ("off_cpu_time", "nanoseconds", "off_cpu_ns"),
 )
 
-# A frame and a sample as rows (Request.add_rows): their fields in the order of Frame's and Sample's.
-FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
-# stack, pid, tid, thread, on_cpu, off_cpu, off_cpu_ns, pre_trigger, wait
-SampleRow = tuple[Any, ...]
 _ON_CPU, _OFF_CPU, _OFF_CPU_NS = 4, 5, 6  # a SampleRow's values
 # Each SAMPLE_TYPES entry's column of a SampleRow and (type, unit).
 _COLUMNS = tuple(
@@ -219,12 +215,7 @@ class Request:
 
     def add(self, profile: Profile) -> None:
         """The session as one more ResourceProfiles."""
-        frames = [(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in profile.frames]
-        samples = [
-            (s.stack, s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait)
-            for s in profile.samples
-        ]
-        self.add_rows(profile.meta, frames, samples)
+        self.add_rows(profile.meta, *frame_rows(profile))
 
     def add_rows(self, meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow]) -> None:
         """The session as one more ResourceProfiles, from its frames and samples as rows: tuples of a
