@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import gzip
 
-from bistouri.symbolizer.pprof import _PPROF_TYPES, locations_of
 from bistouri.symbolizer.model import KIND_KERNEL, KIND_VDSO, Frame, Profile
+from bistouri.symbolizer.pprof import _PPROF_TYPES, locations_of
 from bistouri.symbolizer.protobuf import Strings as _Strings
 from bistouri.symbolizer.protobuf import bytes_field as _bytes
 from bistouri.symbolizer.protobuf import clamp as _clamp
