@@ -5,9 +5,11 @@
      store) with no endpoint configured; then with OTLP and Pyroscope endpoints down (503), which
      adds what ingest does for forwarding (a queue row per endpoint, in the session's transaction);
    - export: that service's queue drained by the service's own sender (exports.Exporter, the same
-     code) run in this process against the same database, its thread's CPU time only (the endpoint,
-     kept in this process too, runs in other threads): reading each session, encoding, compressing,
-     posting, the queue's writes. OTLP alone, then Pyroscope alone.
+     code) run in a child process against the same database, its thread's CPU time only (the
+     endpoint runs in this process, keeping connections alive as collectors do): reading each
+     session, encoding, compressing, posting, the queue's writes. OTLP alone, then Pyroscope alone;
+     with `--baseline DIR` (another tree's `bistouri` package), that tree's sender drains the same
+     queue too, just before: before and after under the same load.
    Shapes: `real` (default), stacks of real programs (libpython3.11 under libc, with libc's DWARF:
    file:line and inlined frames), 100 distinct stacks of 8-40 frames under 0-6 kernel frames, drawn
    from a Zipf law over 3 600 addresses; `small`, bench_ingest's (50 stacks of 12 frames of a tiny C
@@ -21,6 +23,7 @@
 
     .venv/bin/python -m bench.bench_export --sessions 300 --backlog 0           # the CPU comparison
     .venv/bin/python -m bench.bench_export --shapes "" --backlog 10000          # the drain
+    git archive <rev> bistouri | tar -x -C /tmp/base    # then --baseline /tmp/base: before and after
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ import gzip
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,11 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# --drain's child: the sender of another tree's `bistouri` package (--baseline), found before this one's.
+CODE = os.environ.get("BISTOURI_BENCH_CODE")
+if CODE:
+    sys.path.insert(0, CODE)
+    import bistouri  # noqa: F401  (now: the bench modules imported below put this tree first again)
 
 from bench.bench_ingest import build_binary, cpu_seconds, make_sessions  # noqa: E402
 from bench.bench_symbolize import _pick  # noqa: E402
@@ -191,14 +201,70 @@ def sessions_at(sink: Sink) -> list[bytes]:
     return [p for r in sink.accepted(OTLP_PATH) for p in otlp_sessions(r)]
 
 
-def drain_in_process(sink: Sink, db: str, state: Path, ep: Endpoint, n: int) -> float:
-    """The sender's thread CPU per session to send `n` queued sessions to one endpoint."""
+def save_queue(db: str, state: Path) -> None:
+    """A copy of the queue as ingest left it: each drain (endpoint, code) sends the same rows."""
     store = Store.for_state_dir(db, state)
+    store._exec("CREATE TABLE bench_queue AS SELECT * FROM export_queue")
+    store.close()
+
+
+def drain_in_child(
+    sink: Sink, db: str, state: Path, ep: Endpoint, n: int, code: Path
+) -> tuple[float, list[Received]]:
+    """The sender's thread CPU per session to send `n` queued sessions to one endpoint: the sender of
+    the `bistouri` package in `code` (this tree's or --baseline's), run in a child process
+    (`--drain`) on the queue as ingest left it."""
+    store = Store.for_state_dir(db, state)
+    store._exec("DELETE FROM export_queue")
+    store._exec("INSERT INTO export_queue SELECT * FROM bench_queue")
+    store.close()
+    sink.received.clear()
+    args = json.dumps({"db": db, "state": str(state), "kind": ep.kind, "url": ep.url})
+    env = {**os.environ, "BISTOURI_BENCH_CODE": str(code)}
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_export", "--drain", args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    used = float(json.loads(out.stdout.splitlines()[-1])["cpu_s"])
+    got = len(set(sessions_at(sink))) if ep.kind == OTLP else len(sink.accepted("/ingest"))
+    assert got == n, f"{ep.kind} ({code}): {got} of {n} sessions at the endpoint"
+    return used / n, list(sink.received)
+
+
+def same_payloads(kind: str, before: list[Received], after: list[Received]) -> str:
+    """Whether the baseline's and this tree's sender sent the same: OTLP the same bytes, Pyroscope
+    pprofs that decode equal (tests/unit/test_pprof_reference.resolved, pprof's own profile.proto)."""
+    if kind == OTLP:
+        return (
+            "same bytes" if Counter(r.body for r in before) == Counter(r.body for r in after) else "DIFFERENT"
+        )
+    from tests.pprof_proto import compile_profile_proto
+    from tests.unit.test_pprof_reference import resolved
+
+    with tempfile.TemporaryDirectory() as d:
+        pb2 = compile_profile_proto(Path(d))
+    by_name = {r.query["name"]: resolved(pb2, r.body) for r in before}
+    equal = sum(by_name.get(r.query["name"]) == resolved(pb2, r.body) for r in after)
+    return f"{equal} of {len(after)} pprofs decoded equal"
+
+
+def drain(args: str) -> None:
+    """--drain: send one endpoint's queue with the service's sender (exports.Exporter) in this
+    process; print its thread's CPU time."""
+    a = json.loads(args)
+    code = Path(CODE or REPO).resolve()
+    sender_file = Path(sys.modules[Exporter.__module__].__file__ or "").resolve()
+    assert sender_file.is_relative_to(code), f"the sender of {sender_file}, not of {code}"
+    store = Store.for_state_dir(a["db"], Path(a["state"]))
+    ep = Endpoint(a["kind"], a["url"])
     sender = Exporter(store, ExportConfig((ep,)), Metrics(lambda: store))
     sender._next_bounds = float("inf")  # the bounds' pass is not a send's cost
     # Due now: the failed sends' backoff, or the wait of a session missing symbols, is not measured.
     store._exec("UPDATE export_queue SET next_ns = 0, attempts = 0")
-    sink.received.clear()
     c0 = time.thread_time()
     while sender.run_once():
         pass
@@ -206,9 +272,7 @@ def drain_in_process(sink: Sink, db: str, state: Path, ep: Endpoint, n: int) -> 
     left = store.export_backlog()
     sender.close()
     assert not left.get(ep.key), f"{ep.kind}: {left}"
-    got = len(set(sessions_at(sink))) if ep.kind == OTLP else len(sink.accepted("/ingest"))
-    assert got == n, f"{ep.kind}: {got} of {n} sessions at the endpoint"
-    return used / n
+    print(json.dumps({"cpu_s": used}))
 
 
 def main() -> int:
@@ -224,8 +288,22 @@ def main() -> int:
     ap.add_argument(
         "--postgres", action="store_true", help="a PostgreSQL server (as fleets run) instead of SQLite files"
     )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="a directory holding another tree's `bistouri` package (`git archive <rev> bistouri | tar -x "
+        "-C DIR`): its sender drains the same queue too, side by side",
+    )
+    ap.add_argument("--drains", type=int, default=1, help="drains of each queue (the median is given)")
+    ap.add_argument("--drain", help=argparse.SUPPRESS)  # the child of drain_in_child
     args = ap.parse_args()
-    result: dict[str, Any] = {"args": vars(args), "shapes": {}}
+    if args.drain:
+        drain(args.drain)
+        return 0
+    result: dict[str, Any] = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "shapes": {},
+    }
 
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bistouri-bench-export-"))
@@ -276,7 +354,7 @@ def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str
     pyro_ep = Endpoint(PYROSCOPE, sink.url)
     n = args.sessions
     for k, shape in enumerate(filter(None, args.shapes.split(","))):
-        row: dict[str, float] = {}
+        row: dict[str, Any] = {}
         # Ingest alone: a session a request, as an agent posts each session when it ends, then in
         # bulk (an agent back from an outage); then a session a request with both endpoints down
         # (their queue rows written, the sends failing and backing off).
@@ -299,21 +377,39 @@ def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str
                 row[name] = (cpu_seconds(url.proc.pid) - c0) / n * 1000
             finally:
                 stop(url)
-        # The queued sessions (and the warm-up's) sent by the service's sender, here.
+        # The queued sessions (and the warm-up's) sent by the service's sender, in a child; with
+        # --baseline, by the baseline's too, each endpoint's drains one after the other.
         sink.status = 200
         queued = n + 100
-        row["otlp"] = drain_in_process(sink, db, state, otlp_ep, queued) * 1000
-        row["pyroscope"] = drain_in_process(sink, db, state, pyro_ep, queued) * 1000
+        save_queue(db, state)
+        # --drains times each, baseline and this tree in turn (a shared machine's load moves between
+        # drains: the median of several in turn is what holds up).
+        for kind, ep in (("otlp", otlp_ep), ("pyroscope", pyro_ep)):
+            codes = {f"{kind}_baseline": args.baseline, kind: REPO} if args.baseline else {kind: REPO}
+            cpu: dict[str, list[float]] = {name: [] for name in codes}
+            sent: dict[str, list[Received]] = {}
+            for _ in range(args.drains):
+                for name, code in codes.items():
+                    used, sent[name] = drain_in_child(sink, db, state, ep, queued, code)
+                    cpu[name].append(used * 1000)
+            for name, runs in cpu.items():
+                row[name] = statistics.median(runs)
+                row[f"{name}_runs"] = runs
+            if args.baseline:
+                same = same_payloads(ep.kind, sent[f"{kind}_baseline"], sent[kind])
+                print(f"  {shape} {kind}: baseline and this tree: {same}")
         print(
             f"{shape}: ingest CPU a session {row['ingest']:.2f} ms one a request, "
             f"{row['ingest_bulk']:.2f} ms {args.batch} a request, "
             f"{row['ingest_queued']:.2f} ms one a request with the queue rows"
         )
         for kind in ("otlp", "pyroscope"):
-            shares = ", ".join(
-                f"{100 * row[kind] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
-            )
-            print(f"  export {kind}: {row[kind]:.3f} ms a session = {shares} (target <= 10 %)")
+            for name in (f"{kind}_baseline", kind) if args.baseline else (kind,):
+                shares = ", ".join(
+                    f"{100 * row[name] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
+                )
+                runs = " ".join(f"{x:.3f}" for x in row[f"{name}_runs"])
+                print(f"  export {name}: {row[name]:.3f} ms a session = {shares} (target <= 10 %); {runs}")
         result["shapes"][shape] = row
 
     if args.backlog:

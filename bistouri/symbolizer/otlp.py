@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import wire
-from .formats import locations_of
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
+from .pprof import FrameRow, SampleRow, frame_rows, locations_of
 from .protobuf import (
     INT64_MAX,
     SMALL_VARINTS,
@@ -46,10 +46,6 @@ SAMPLE_TYPES = (
     ("off_cpu_time", "nanoseconds", "off_cpu_ns"),
 )
 
-# A frame and a sample as rows (Request.add_rows): their fields in the order of Frame's and Sample's.
-FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
-# stack, pid, tid, thread, on_cpu, off_cpu, off_cpu_ns, pre_trigger, wait
-SampleRow = tuple[Any, ...]
 _ON_CPU, _OFF_CPU, _OFF_CPU_NS = 4, 5, 6  # a SampleRow's values
 # Each SAMPLE_TYPES entry's column of a SampleRow and (type, unit).
 _COLUMNS = tuple(
@@ -219,12 +215,7 @@ class Request:
 
     def add(self, profile: Profile) -> None:
         """The session as one more ResourceProfiles."""
-        frames = [(f.name, f.module, f.file, f.line, f.kind, f.inlined) for f in profile.frames]
-        samples = [
-            (s.stack, s.pid, s.tid, s.thread, s.on_cpu, s.off_cpu, s.off_cpu_ns, s.pre_trigger, s.wait)
-            for s in profile.samples
-        ]
-        self.add_rows(profile.meta, frames, samples)
+        self.add_rows(profile.meta, *frame_rows(profile))
 
     def add_rows(self, meta: SessionMeta, frames: Sequence[FrameRow], samples: Sequence[SampleRow]) -> None:
         """The session as one more ResourceProfiles, from its frames and samples as rows: tuples of a
@@ -235,7 +226,8 @@ class Request:
         # Each frame as a location on its own (an inlined one is only part of others'), looked up
         # once per session by its row: a tuple, hashed and compared in C.
         single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
-        encoded = list(map(varint, single))  # as a stack's packed run holds them
+        # As a stack's packed run holds them (indices below 16384 from the table, not a call each).
+        encoded = list(map(SMALL_VARINTS.__getitem__ if len(self.location_msgs) < 16384 else varint, single))
         inlined = [f[5] for f in frames]
         has_inlined = any(inlined)
         groups: dict[tuple[int, ...], int] = {}
@@ -272,14 +264,20 @@ class Request:
                 session_attrs[skey] = attrs
             head = _STACK_INDEX + varint(stack_id) + attrs
             if s[4] > 0:
-                on_cpu.append(_sample(head, s[4]))
+                v = varint(min(s[4], INT64_MAX))
+                body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v  # a Sample: its one value packed
+                on_cpu.append(_SAMPLE_TAG + varint(len(body)) + body)
             if s[5] > 0 or s[6] > 0:
                 # Two packed runs of one field concatenate: the sample's attributes, then its state.
                 head += wait_attr(s[8])
                 if s[5] > 0:
-                    off_cpu.append(_sample(head, s[5]))
+                    v = varint(min(s[5], INT64_MAX))
+                    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
+                    off_cpu.append(_SAMPLE_TAG + varint(len(body)) + body)
                 if s[6] > 0:
-                    off_cpu_ns.append(_sample(head, s[6]))
+                    v = varint(min(s[6], INT64_MAX))
+                    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
+                    off_cpu_ns.append(_SAMPLE_TAG + varint(len(body)) + body)
 
         profiles: list[bytes] = []
         tail = self._profile_tail(meta)
@@ -351,13 +349,6 @@ class Request:
 _PACKED_1 = key(1, 2)  # a Stack's location_indices
 _STACK_INDEX = key(1, 0)  # a Sample's stack_index (never 0: entry 0 is the empty stack)
 _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles' scope: its name
-
-
-def _sample(head: bytes, value: int) -> bytes:
-    """A Sample: its stack and attributes (`head`), its one value (packed field 4)."""
-    v = varint(value if value < INT64_MAX else INT64_MAX)
-    body = head + _VALUE_TAG + SMALL_VARINTS[len(v)] + v
-    return _SAMPLE_TAG + varint(len(body)) + body
 
 
 _VALUE_TAG = key(4, 2)

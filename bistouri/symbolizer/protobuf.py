@@ -2,14 +2,17 @@
 
 Hand-written so that `bistouri record` (on the hosts, without the symbolizer's extras) writes
 both formats, and because building a profile message by message through generated classes
-costs several times more than joining bytes. Tests decode every output with the official
-generated classes (google/pprof's profile.proto, opentelemetry-proto).
+costs more than joining bytes, even with protobuf's upb backend (measured with protobuf 7.36:
+adding a Sample with its stack index, attributes and value 0.7-0.8 us, a Stack of 30 locations
+0.9 us, against 0.3 us for the same Sample's bytes here; each field set is a call from Python
+either way). Tests decode every output with the official generated classes (google/pprof's
+profile.proto, opentelemetry-proto).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 INT64_MAX = (1 << 63) - 1
 
@@ -102,3 +105,10 @@ class Strings:
             i = self.index[s] = len(self.table)
             self.table.append(s)
         return i
+
+    def extend(self, strings: Iterable[str]) -> None:
+        """Add the strings not in the table yet, in order: in C, not a call each."""
+        index = self.index
+        new = [s for s in dict.fromkeys(strings) if s not in index]
+        index.update(zip(new, range(len(self.table), len(self.table) + len(new)), strict=True))
+        self.table += new

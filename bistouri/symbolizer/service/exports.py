@@ -11,8 +11,12 @@ encodes it and posts it:
   what the sessions share written once), OTLP/HTTP protobuf, gzip'd, to the URL given (the
   collector's `/v1development/profiles`, in full). A request refused is sent again a session a
   request: only the session refused is dropped.
-- Pyroscope: the pprof (formats.pprof) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`,
-  a session a request (its API takes one profile).
+- Pyroscope: the pprof (formats.pprof_rows, from the rows, with each frame's location built once per
+  sender: formats.PprofIds) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`, a
+  session a request (its API takes one profile).
+
+Connections are kept alive: an answer's body is read when it says it is short (MAX_ANSWER_BYTES),
+so its connection goes back to requests' pool; a longer one is not read, the connection closed.
 
 A 2xx deletes the rows. A refusal that a retry cannot change (4xx but 408 and 429) drops it; any
 other failure gives it back with a backoff per row and pauses the endpoint (its `disabled_until`,
@@ -30,6 +34,7 @@ help): LEASE_S is far above a request's timeout, so a live sender never overlaps
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import logging
 import os
@@ -48,7 +53,7 @@ import requests
 from .. import formats, otlp
 from ..model import Profile, SessionMeta
 from .metrics import Metrics
-from .store import Store, StoreError, profile_from_rows
+from .store import Store, StoreError
 from .store_exports import Claimed
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,7 @@ PYROSCOPE = "pyroscope"
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0  # any one read of the answer
+MAX_ANSWER_BYTES = 4096  # an answer's body read (the connection kept) only up to this size
 LEASE_S = 300.0  # a claimed row is another sender's after this: far above a request's timeouts
 BATCH = 32  # rows claimed at once per endpoint: an OTLP request carries up to this many sessions
 MAX_REQUEST_BYTES = 4 << 20  # an OTLP request takes no more sessions past about this many bytes, uncompressed
@@ -128,10 +134,11 @@ def otlp_payload(sessions: list[Stored]) -> bytes:
     return _gzip(req.encode())
 
 
-def pyroscope_payload(profile: Profile) -> bytes:
-    """The session's pprof, gzip'd at the level of the OTLP requests (pprof's files use 6: a third of
-    the cost of encoding here, for a few percent of bytes)."""
-    return _gzip(formats.pprof(profile, compress=False))
+def pyroscope_payload(session: Stored, ids: formats.PprofIds | None = None) -> bytes:
+    """The session's pprof, from its rows (with the sender's pprof ids, kept between its profiles),
+    gzip'd at the level of the OTLP requests (pprof's files use 6: a third of the cost of encoding
+    here, for a few percent of bytes)."""
+    return _gzip(formats.pprof_rows(*session, compress=False, ids=ids))
 
 
 def _gzip(data: bytes) -> bytes:
@@ -143,10 +150,10 @@ _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9_./:@+-]")
 _LABEL_KEY_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
-def pyroscope_labels(profile: Profile) -> dict[str, str]:
-    """The labels a session is pushed with: host, cgroup, unit and container, trigger, tenant, the
-    agent's labels."""
-    m = profile.meta
+def pyroscope_labels(session: Profile | SessionMeta) -> dict[str, str]:
+    """The labels a session (a profile or its meta) is pushed with: host, cgroup, unit and container,
+    trigger, tenant, the agent's labels."""
+    m = session.meta if isinstance(session, Profile) else session
     labels = {
         "host": m.host,
         "cgroup": m.cgroup,
@@ -163,11 +170,11 @@ def pyroscope_labels(profile: Profile) -> dict[str, str]:
     return {k: _LABEL_VALUE_BAD.sub("_", v) for k, v in labels.items() if v}
 
 
-def pyroscope_query(profile: Profile) -> str:
+def pyroscope_query(session: Profile | SessionMeta) -> str:
     """The /ingest query: name=<service_name>{labels}, from/until (unix seconds), format=pprof."""
-    m = profile.meta
+    m = session.meta if isinstance(session, Profile) else session
     service = _LABEL_VALUE_BAD.sub("_", m.service or "bistouri")
-    labels = ",".join(f"{k}={v}" for k, v in sorted(pyroscope_labels(profile).items()))
+    labels = ",".join(f"{k}={v}" for k, v in sorted(pyroscope_labels(m).items()))
     start = m.start_ns // 10**9
     until = max(start + 1, (m.start_ns + m.duration_ns + 10**9 - 1) // 10**9)
     name = quote(f"{service}{{{labels}}}", safe="")
@@ -228,6 +235,8 @@ class Exporter:
         self._failures = {e.key: 0 for e in config.endpoints}
         self._next_bounds = 0.0
         self._thread: threading.Thread | None = None
+        # Each frame's pprof location built once for all the sessions this sender pushes (bounded).
+        self._pprof_ids = formats.PprofIds()
 
     def start(self) -> None:
         self.forget_removed_endpoints()
@@ -338,9 +347,8 @@ class Exporter:
         """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
             return otlp_payload(sessions), ""
-        ((meta, frames, samples),) = sessions
-        profile = profile_from_rows(meta, frames, samples)
-        return pyroscope_payload(profile), pyroscope_query(profile)
+        (session,) = sessions
+        return pyroscope_payload(session, self._pprof_ids), pyroscope_query(session[0])
 
     def _deliver(self, ep: Endpoint, rows: list[Claimed], body: bytes, query: str) -> str:
         """Post one request of `rows` and act on the answer: "sent", "refused" (the rows dropped,
@@ -439,8 +447,9 @@ class Exporter:
                 proxies=env["proxies"],
                 verify=env["verify"],
                 cert=env["cert"],
-                # The answer's status and headers are all we use: streamed, its body is never read, so
-                # an endpoint cannot hold a sender (or its memory) with a long one.
+                # The answer's status and headers are all we use: streamed, its body is read only when
+                # it says it is short (_keep_alive), so an endpoint cannot hold a sender (or its
+                # memory) with a long one.
                 stream=True,
             )
         except requests.Timeout:
@@ -448,6 +457,7 @@ class Exporter:
         except requests.RequestException:
             raise _Failed("connection") from None
         with resp:
+            _keep_alive(resp)
             code = resp.status_code
             if 200 <= code < 300:
                 return
@@ -456,6 +466,17 @@ class Exporter:
                     f"status_{code // 100}xx" if code >= 500 else f"status_{code}", _retry_after(resp)
                 )
             raise _Refused(f"status_{code}")
+
+
+def _keep_alive(resp: requests.Response) -> None:
+    """Read a short answer's body (its Content-Length at most MAX_ANSWER_BYTES: OTLP's and Pyroscope's
+    are empty or a few bytes) so that its connection goes back to the pool: a new connection a request
+    costs a Pyroscope send a third of its CPU. A longer or unsized body is left unread and the
+    connection closed with the answer."""
+    length = resp.headers.get("Content-Length", "")
+    if length.isdigit() and int(length) <= MAX_ANSWER_BYTES:
+        with contextlib.suppress(requests.RequestException):
+            resp.content  # noqa: B018 (read: the connection is released when the body ends)
 
 
 def endpoint_kind(key: str) -> str:
