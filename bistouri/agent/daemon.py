@@ -258,6 +258,7 @@ class Agent:
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
             on_start=self.profiler.request_perf_maps,
+            recorded_waits=self.profiler.recorded_waits,
             degraded=self.profiler.kernel_features.names,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,

@@ -1,0 +1,108 @@
+"""Issue 22: the flight recorder's waits counted in the kernel (bpf/recorder.bpf.h).
+
+A process only the recorder watches sends no wait record: BPF counts its waits by thread, kind,
+stack and second, and a session that starts reads them as its pre-trigger waits. Checked against
+what the kernel itself counted (the episode hooks' thread times, the recorder's counters), with
+the workload stopped before anything is compared, never against a fixed time.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bistouri import wire
+from bistouri.bpf import abi
+from bistouri.capture.events import StackSample
+from bistouri.capture.profiler import Profiler, ProfilerOptions
+from bistouri.symbolizer.kallsyms import parse_kallsyms
+from testkit.agent_harness import SessionSink, capture_in_process
+from testkit.helpers import wait_until
+
+pytestmark = pytest.mark.bpf
+
+_WAIT_KINDS = {int(abi.EventKind.OFF_CPU), *(int(k) for k in abi.EpisodeKind)}
+
+
+def _thread_states(pid: int) -> list[str]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return out
+
+
+def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_session(workloads):
+    """A futex convoy watched only by the recorder: no wait record reaches the ring, the kernel
+    keeps them; the session then starts with them as pre-trigger waits: S stacks in futex_wait,
+    and run-queue weights that are, per thread, exactly the run-queue time the episode hooks
+    counted less what no stack carries yet (to a nanosecond a wait: each second's mean is an
+    integer division)."""
+    threads, iterations, hold_us = 3, 400, 2000
+    convoy = subprocess.Popen(
+        [str(workloads / "convoy"), str(threads), str(iterations), str(hold_us)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    sink = SessionSink()
+    try:
+        assert convoy.stdin is not None
+        with Profiler(ProfilerOptions(freq_hz=49, drain_interval_s=0.1)) as agent:
+            agent.start()
+            orch = capture_in_process(agent, sink, 49, recorded_waits=agent.recorded_waits)
+            orch.watch(convoy.pid, 60.0)
+            ring: list[StackSample] = []
+
+            def drain() -> None:
+                got = [e for e in agent.take(timeout=0.05) if type(e) is StackSample]
+                ring.extend(e for e in got if e.pid == convoy.pid)
+                orch.add_samples(got)
+
+            convoy.stdin.write("go\n")
+            convoy.stdin.flush()
+
+            def kept_enough() -> bool:
+                drain()
+                return agent.recorder_counters()[abi.RecorderCounter.KEPT] >= 200
+
+            assert wait_until(kept_enough, 60, step=0.05), agent.recorder_counters()
+            convoy.send_signal(signal.SIGSTOP)
+            assert wait_until(lambda: set(_thread_states(convoy.pid)) == {"T"}, 10)
+            # Its last switch-outs follow the state by a moment; then nothing of it changes.
+            assert wait_until(
+                lambda: all(
+                    t.state != abi.ThreadState.RUNNING for t in agent.thread_times({convoy.pid}).values()
+                ),
+                10,
+            )
+            times = agent.thread_times({convoy.pid})
+            counters = agent.recorder_counters()
+            drain()
+            sid = orch.start_session(
+                wire.Trigger("cpu", time_ns=time.time_ns()), "s", {}, {convoy.pid: "c"}, 60, recorder_secs=60
+            )
+            assert sid is not None
+            orch.flush_all()
+    finally:
+        convoy.kill()
+        convoy.wait()
+    assert [e for e in ring if e.kind in _WAIT_KINDS] == [], "a recorded process's waits were sent"
+    assert counters[abi.RecorderCounter.REFUSED] == 0 and counters[abi.RecorderCounter.ENTRIES] > 0
+    [s] = sink.sessions
+    pre = [t for t in s.traces if t.pre_trigger]
+    assert s.pre_trigger_ns > 0 and pre
+    workers = {tid for tid, t in times.items() if t.s_waits > 100}
+    assert len(workers) == threads, {tid: t.s_waits for tid, t in times.items()}
+    for tid in workers:
+        rq = [t for t in pre if t.tid == tid and t.wait == wire.WAIT_RUNQUEUE]
+        waits = sum(t.off_cpu for t in rq)  # each second's mean rounds down by less than 1 ns a wait
+        carried = sum(t.off_cpu_ns for t in rq) + times[tid].runqueue_unsent_ns
+        assert 0 <= times[tid].runqueue_ns - carried <= waits, (tid, carried, times[tid])
+    kallsyms = parse_kallsyms(Path("/proc/kallsyms").read_bytes())
+    sleeps = [t for t in pre if t.wait == wire.WAIT_S and t.tid in workers]
+    names = {(kallsyms.lookup(ip) or ("?",))[0] for t in sleeps for ip in t.kernel}
+    assert any(n.startswith("futex_wait") for n in names), sorted(names)[:40]
