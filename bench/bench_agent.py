@@ -10,9 +10,10 @@ off and on: all 100 asleep, and with 2 of them burning both CPUs (the most the
 recorder can take at --freq: every CPU's samples are a watched process's).
 
 Agent CPU = the agent's threads' time on CPU (schedstat, ns), BPF CPU =
-run_time_ns of its programs (bpf_enable_stats), both over the capture window
-only (from "Capture started" to the end of the workload): the steady cost while
-sampling, not diluted by the seconds before PSI fires. Run as root:
+run_time_ns of every program the agent holds (bpf_enable_stats; the scheduler
+and reclaim hooks included), both over the capture window only (from "Capture
+started" to the end of the workload): the steady cost while sampling, not
+diluted by the seconds before PSI fires. Run as root:
 `python -m bench.bench_agent`.
 """
 
@@ -60,11 +61,26 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def bpf_runtime_ns() -> int:
-    """Total run time of bistouri's programs (stats must be enabled)."""
+def agent_prog_ids(pid: int) -> set[int]:
+    """The BPF programs the process `pid` holds (its fds' prog_id): every program of the agent's,
+    the scheduler and reclaim hooks included, and no other tenant's."""
+    ids = set()
+    for info in Path(f"/proc/{pid}/fdinfo").iterdir():
+        try:
+            text = info.read_text()
+        except OSError:
+            continue  # closed meanwhile
+        for line in text.splitlines():
+            if line.startswith("prog_id:"):
+                ids.add(int(line.split()[1]))
+    return ids
+
+
+def bpf_runtime_ns(pid: int) -> int:
+    """Total run time of the programs of the agent `pid` (stats must be enabled)."""
+    ids = agent_prog_ids(pid)
     out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True).stdout
-    names = {"handle_perf", "handle_sched_sw", "handle_exec"}
-    return sum(p.get("run_time_ns", 0) for p in json.loads(out or "[]") if p.get("name") in names)
+    return sum(p.get("run_time_ns", 0) for p in json.loads(out or "[]") if p.get("id") in ids)
 
 
 def enable_bpf_stats() -> int:
@@ -100,7 +116,8 @@ def capture_window_start(agent: AgentProcess, window: dict[str, float]) -> None:
     """Wait for the session to start, then note the time and the agent's and BPF's CPU so far."""
     assert agent.proc is not None
     if wait_until(lambda: "Capture started" in agent.log(), 30, step=0.02):
-        window.update(t=time.monotonic(), cpu=proc_cpu_ns(agent.proc.pid), bpf=bpf_runtime_ns())
+        pid = agent.proc.pid
+        window.update(t=time.monotonic(), cpu=proc_cpu_ns(pid), bpf=bpf_runtime_ns(pid))
 
 
 def config(capture_s: float) -> str:
@@ -140,7 +157,7 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
                 pid = agent.proc.pid  # type: ignore[union-attr]
                 window: dict[str, float] = {}
                 w, c, _ = run_workload(cg, iters, functools.partial(capture_window_start, agent, window))
-                t1, cpu1, bpf1 = time.monotonic(), proc_cpu_ns(pid), bpf_runtime_ns()
+                t1, cpu1, bpf1 = time.monotonic(), proc_cpu_ns(pid), bpf_runtime_ns(pid)
                 rss.append(proc_rss_mb(pid))
             finally:
                 agent.stop()
@@ -222,9 +239,9 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, b0 = proc_cpu_ns(pid), bpf_runtime_ns()
+                c0, b0 = proc_cpu_ns(pid), bpf_runtime_ns(pid)
                 time.sleep(seconds)
-                c1, b1 = proc_cpu_ns(pid), bpf_runtime_ns()
+                c1, b1 = proc_cpu_ns(pid), bpf_runtime_ns(pid)
                 rss = proc_rss_mb(pid)
                 metrics = agent.metrics()
             finally:
