@@ -76,11 +76,21 @@ def agent_prog_ids(pid: int) -> set[int]:
     return ids
 
 
-def bpf_runtime_ns(pid: int) -> int:
-    """Total run time of the programs of the agent `pid` (stats must be enabled)."""
+def bpf_programs(pid: int) -> dict[str, tuple[int, int]]:
+    """(run time ns, runs) of each program of the agent `pid`, by name (stats must be enabled)."""
     ids = agent_prog_ids(pid)
     out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True).stdout
-    return sum(p.get("run_time_ns", 0) for p in json.loads(out or "[]") if p.get("id") in ids)
+    progs: dict[str, tuple[int, int]] = {}
+    for p in json.loads(out or "[]"):
+        if p.get("id") in ids:
+            t, n = progs.get(p["name"], (0, 0))
+            progs[p["name"]] = (t + p.get("run_time_ns", 0), n + p.get("run_cnt", 0))
+    return progs
+
+
+def bpf_runtime_ns(pid: int) -> int:
+    """Total run time of the programs of the agent `pid` (stats must be enabled)."""
+    return sum(t for t, _ in bpf_programs(pid).values())
 
 
 def enable_bpf_stats() -> int:
@@ -239,9 +249,18 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, b0 = proc_cpu_ns(pid), bpf_runtime_ns(pid)
+                c0, p0 = proc_cpu_ns(pid), bpf_programs(pid)
                 time.sleep(seconds)
-                c1, b1 = proc_cpu_ns(pid), bpf_runtime_ns(pid)
+                c1, p1 = proc_cpu_ns(pid), bpf_programs(pid)
+                b0, b1 = (sum(t for t, _ in p.values()) for p in (p0, p1))
+                # Per program: the scheduler hooks run at every switch of the host, watched or not.
+                per_prog = {
+                    name: {
+                        "share_of_one_core": (t - p0.get(name, (0, 0))[0]) / 1e9 / seconds,
+                        "runs_per_s": (n - p0.get(name, (0, 0))[1]) / seconds,
+                    }
+                    for name, (t, n) in sorted(p1.items())
+                }
                 rss = proc_rss_mb(pid)
                 metrics = agent.metrics()
             finally:
@@ -267,6 +286,7 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             "seconds": seconds,
             "agent_cpu_share_of_one_core": (c1 - c0) / 1e9 / seconds,
             "bpf_cpu_share_of_one_core": (b1 - b0) / 1e9 / seconds,
+            "bpf_programs": per_prog,
             "agent_rss_mb": rss,
         }
     finally:
@@ -355,6 +375,15 @@ def main() -> int:
                 f"(matched {i['processes_matched']:.0f}, perf maps {i['perf_maps']})"
                 if "jvms" in i
                 else ""
+            )
+        )
+        progs = sorted(i["bpf_programs"].items(), key=lambda kv: -kv[1]["share_of_one_core"])
+        print(
+            "    BPF by program: "
+            + ", ".join(
+                f"{name} {p['share_of_one_core']:.3%} ({p['runs_per_s']:.0f}/s)"
+                for name, p in progs
+                if p["share_of_one_core"] >= 0.0001
             )
         )
     print(

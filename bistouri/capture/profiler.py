@@ -493,7 +493,8 @@ class Profiler:
                 ]
                 if not slots:
                     continue
-                sample = decode_stack(value[_RECORDER_EVENT_AT:], self.maps, self.resolved)
+                # A CPython process's thread without Python frames gets its note as through the ring.
+                sample = decode_stack(value[_RECORDER_EVENT_AT:], self.maps, self.resolved, self._name_python)
                 for second, waits, blocked in slots:
                     at_ns = max(second * _SECOND_NS, since_ns)
                     timed = dataclasses.replace(sample, blocked_ns=blocked // waits, weight=waits)
