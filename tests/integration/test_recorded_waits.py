@@ -107,3 +107,34 @@ def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_s
     sleeps = [t for t in pre if t.wait == wire.WAIT_S and t.tid in workers]
     names = {(kallsyms.lookup(ip) or ("?",))[0] for t in sleeps for ip in t.kernel}
     assert any(n.startswith("futex_wait") for n in names), sorted(names)[:40]
+
+
+def test_a_session_reads_each_second_of_its_processes_entries_once_and_nothing_older():
+    """The reader, on entries written from here: another process's are skipped, each second in the
+    window is one sample standing for that second's waits (their mean time), timed at the second's
+    start or at the window's, and seconds before the window (or of a slot reused 64 s on) are not."""
+    with Profiler(ProfilerOptions(freq_hz=19)) as agent:
+        m = agent._require().maps["recorder_waits"]
+        now_s = time.monotonic_ns() // 1_000_000_000
+        for pid, tid in ((4242, 1), (4343, 2)):
+            key = abi.RecorderKey(tid=tid, kind=int(abi.EpisodeKind.SLEEP), kernel_hash=tid)
+            key.user_key.pid = pid
+            ev = abi.StackEvent(kind=int(abi.EpisodeKind.SLEEP), pid=pid, tid=tid, kernel_stack_size=8)
+            ev.kernel_stack[0] = 0xFFFFFFFF81000010
+            value = abi.RecordedWait()
+            value.event[:] = bytes(ev)[: abi.RECORDED_EVENT_BYTES]
+            for ago, waits in ((0, 3), (2, 5), (4, 7)):
+                slot = value.slots[(now_s - ago) % abi.RECORDER_SLOTS]
+                slot.second, slot.waits, slot.blocked_ns = now_s - ago, waits, waits * 1000 + ago
+            stale = value.slots[(now_s - 1) % abi.RECORDER_SLOTS]  # last written 65 s ago
+            stale.second, stale.waits, stale.blocked_ns = now_s - 1 - abi.RECORDER_SLOTS, 9, 9000
+            m.update(bytes(key), bytes(value))
+        since = (now_s - 3) * 1_000_000_000 + 500_000_000  # halfway into the second 3 s ago
+        got = agent.recorded_waits({4242}, since)
+    assert [(r.sample.pid, r.sample.tid) for r in got] == [(4242, 1)] * 2
+    # The second 4 s ago ended before the window; 2 s ago and now are in it, oldest first.
+    assert [(r.at_ns, r.sample.weight, r.sample.blocked_ns) for r in got] == [
+        ((now_s - 2) * 1_000_000_000, 5, 1000),
+        (now_s * 1_000_000_000, 3, 1000),
+    ]
+    assert got[0].sample.kind == abi.EpisodeKind.SLEEP and got[0].sample.kernel_len == 8
