@@ -10,9 +10,10 @@ off and on: all 100 asleep, and with 2 of them burning both CPUs (the most the
 recorder can take at --freq: every CPU's samples are a watched process's).
 
 Agent CPU = the agent's threads' time on CPU (schedstat, ns), BPF CPU =
-run_time_ns of its programs (bpf_enable_stats), both over the capture window
-only (from "Capture started" to the end of the workload): the steady cost while
-sampling, not diluted by the seconds before PSI fires. Run as root:
+run_time_ns of every program the agent holds (bpf_enable_stats; the scheduler
+and reclaim hooks included), both over the capture window only (from "Capture
+started" to the end of the workload): the steady cost while sampling, not
+diluted by the seconds before PSI fires. Run as root:
 `python -m bench.bench_agent`.
 """
 
@@ -60,11 +61,36 @@ def proc_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def bpf_runtime_ns() -> int:
-    """Total run time of bistouri's programs (stats must be enabled)."""
+def agent_prog_ids(pid: int) -> set[int]:
+    """The BPF programs the process `pid` holds (its fds' prog_id): every program of the agent's,
+    the scheduler and reclaim hooks included, and no other tenant's."""
+    ids = set()
+    for info in Path(f"/proc/{pid}/fdinfo").iterdir():
+        try:
+            text = info.read_text()
+        except OSError:
+            continue  # closed meanwhile
+        for line in text.splitlines():
+            if line.startswith("prog_id:"):
+                ids.add(int(line.split()[1]))
+    return ids
+
+
+def bpf_programs(pid: int) -> dict[str, tuple[int, int]]:
+    """(run time ns, runs) of each program of the agent `pid`, by name (stats must be enabled)."""
+    ids = agent_prog_ids(pid)
     out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True).stdout
-    names = {"handle_perf", "handle_sched_sw", "handle_exec"}
-    return sum(p.get("run_time_ns", 0) for p in json.loads(out or "[]") if p.get("name") in names)
+    progs: dict[str, tuple[int, int]] = {}
+    for p in json.loads(out or "[]"):
+        if p.get("id") in ids:
+            t, n = progs.get(p["name"], (0, 0))
+            progs[p["name"]] = (t + p.get("run_time_ns", 0), n + p.get("run_cnt", 0))
+    return progs
+
+
+def bpf_runtime_ns(pid: int) -> int:
+    """Total run time of the programs of the agent `pid` (stats must be enabled)."""
+    return sum(t for t, _ in bpf_programs(pid).values())
 
 
 def enable_bpf_stats() -> int:
@@ -100,7 +126,8 @@ def capture_window_start(agent: AgentProcess, window: dict[str, float]) -> None:
     """Wait for the session to start, then note the time and the agent's and BPF's CPU so far."""
     assert agent.proc is not None
     if wait_until(lambda: "Capture started" in agent.log(), 30, step=0.02):
-        window.update(t=time.monotonic(), cpu=proc_cpu_ns(agent.proc.pid), bpf=bpf_runtime_ns())
+        pid = agent.proc.pid
+        window.update(t=time.monotonic(), cpu=proc_cpu_ns(pid), bpf=bpf_runtime_ns(pid))
 
 
 def config(capture_s: float) -> str:
@@ -140,7 +167,7 @@ def bench_freq(freq: int, iters: int, rounds: int) -> dict:
                 pid = agent.proc.pid  # type: ignore[union-attr]
                 window: dict[str, float] = {}
                 w, c, _ = run_workload(cg, iters, functools.partial(capture_window_start, agent, window))
-                t1, cpu1, bpf1 = time.monotonic(), proc_cpu_ns(pid), bpf_runtime_ns()
+                t1, cpu1, bpf1 = time.monotonic(), proc_cpu_ns(pid), bpf_runtime_ns(pid)
                 rss.append(proc_rss_mb(pid))
             finally:
                 agent.stop()
@@ -222,9 +249,18 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, b0 = proc_cpu_ns(pid), bpf_runtime_ns()
+                c0, p0 = proc_cpu_ns(pid), bpf_programs(pid)
                 time.sleep(seconds)
-                c1, b1 = proc_cpu_ns(pid), bpf_runtime_ns()
+                c1, p1 = proc_cpu_ns(pid), bpf_programs(pid)
+                b0, b1 = (sum(t for t, _ in p.values()) for p in (p0, p1))
+                # Per program: the scheduler hooks run at every switch of the host, watched or not.
+                per_prog = {
+                    name: {
+                        "share_of_one_core": (t - p0.get(name, (0, 0))[0]) / 1e9 / seconds,
+                        "runs_per_s": (n - p0.get(name, (0, 0))[1]) / seconds,
+                    }
+                    for name, (t, n) in sorted(p1.items())
+                }
                 rss = proc_rss_mb(pid)
                 metrics = agent.metrics()
             finally:
@@ -250,6 +286,7 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             "seconds": seconds,
             "agent_cpu_share_of_one_core": (c1 - c0) / 1e9 / seconds,
             "bpf_cpu_share_of_one_core": (b1 - b0) / 1e9 / seconds,
+            "bpf_programs": per_prog,
             "agent_rss_mb": rss,
         }
     finally:
@@ -338,6 +375,15 @@ def main() -> int:
                 f"(matched {i['processes_matched']:.0f}, perf maps {i['perf_maps']})"
                 if "jvms" in i
                 else ""
+            )
+        )
+        progs = sorted(i["bpf_programs"].items(), key=lambda kv: -kv[1]["share_of_one_core"])
+        print(
+            "    BPF by program: "
+            + ", ".join(
+                f"{name} {p['share_of_one_core']:.3%} ({p['runs_per_s']:.0f}/s)"
+                for name, p in progs
+                if p["share_of_one_core"] >= 0.0001
             )
         )
     print(

@@ -11,6 +11,8 @@
  *                     step, unwind_step.h, is pure C also built for the unit tests;
  *   python.bpf.h      the CPython frame chain of the sampled thread (walk_python);
  *   stack.bpf.h       a stack event filled (kernel + user stack) and emitted;
+ *   recorder.bpf.h    where a finished wait goes: the ring, or the flight recorder's
+ *                     counts in the kernel (a process no session samples);
  *   episode.bpf.h     the off-CPU and episode state kept by the scheduler hooks.
  *
  * The programs:
@@ -38,6 +40,7 @@
 #include "unwind.bpf.h"
 #include "python.bpf.h"
 #include "stack.bpf.h"
+#include "recorder.bpf.h"
 #include "episode.bpf.h"
 
 /* ---- On-CPU samples ---- */

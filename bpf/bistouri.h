@@ -35,6 +35,9 @@ enum bistouri_filter_flags {
 	/* On-CPU samples whose user walk is cut short are also sent as raw stack copies
 	 * (struct bistouri_raw_stack), walked by user space once the tables are in. */
 	BISTOURI_FILTER_RAW_STACK = 8,
+	/* Only the flight recorder watches the process (no session samples it): its waits are
+	 * counted in recorder_waits, not sent (recorder.bpf.h). */
+	BISTOURI_FILTER_RECORDED = 16,
 };
 #define BISTOURI_FILTER_DIVISOR_SHIFT 8
 #define BISTOURI_FILTER_SEEN_SHIFT 16
@@ -371,6 +374,41 @@ struct bistouri_thread_times {
 	__u64 runqueue_unsent_ns; /* run-queue delay not yet carried by a run-queue stack */
 	__u32 runqueue_unsent;    /* run-queue waits not yet carried by a run-queue stack */
 	__u32 reserved;
+};
+
+/*
+ * ---- The flight recorder's waits, counted in the kernel (issue 22; recorder.bpf.h). ----
+ * One recorder_waits entry per thread, wait kind and stack of a process only the
+ * recorder watches, with its waits in each of the last BISTOURI_RECORDER_SLOTS seconds.
+ */
+#define BISTOURI_RECORDER_SLOTS 64
+
+struct bistouri_recorder_key {
+	__u32 tid;
+	__u32 kind;                          /* the event kind of the waits (OFF_CPU, SLEEP, ...) */
+	__u64 kernel_hash;
+	struct bistouri_user_stack_key user_key; /* its pid: the process */
+};
+
+/* The waits of one second: slot second % BISTOURI_RECORDER_SLOTS, stale once `second` is older. */
+struct bistouri_recorder_slot {
+	__u32 second;          /* bpf_ktime_get_ns() / 1 s when they ended */
+	__u32 waits;
+	__u64 blocked_ns;      /* their time, all of it */
+};
+
+struct bistouri_recorded_wait {
+	struct bistouri_recorder_slot slots[BISTOURI_RECORDER_SLOTS];
+	/* The first event of the entry up to its Python frames (waits with Python frames are sent). */
+	__u8 event[__builtin_offsetof(struct bistouri_stack_event, py_frames)];
+};
+
+/* Counters of the recorder's waits; indexes of the per-CPU `recorder_counters` map. */
+enum bistouri_recorder_counter {
+	BISTOURI_RC_KEPT = 0,     /* waits events counted into recorder_waits instead of sent */
+	BISTOURI_RC_ENTRIES = 1,  /* entries created (minus those present: evicted, least recently used) */
+	BISTOURI_RC_REFUSED = 2,  /* an event the map could not take: lost */
+	BISTOURI_RC_MAX = 3,
 };
 
 #endif /* BISTOURI_H */

@@ -84,7 +84,7 @@ static __always_inline void finish_wait(struct task_struct *woken, __u64 now)
 		}
 	} else {
 		pending->blocked_ns = (blocked + carried) / (pending->waits ? pending->waits : 1);
-		if (emit_stack(pending, wakeup_flags()))
+		if (send_wait(pending))
 			count(BISTOURI_CNT_OFF_CPU_SAMPLES);
 	}
 	bpf_map_delete_elem(&offcpu_pending, &tid);
@@ -227,7 +227,7 @@ static __always_inline void runqueue_done(struct bistouri_thread_times *t, __u64
 		waits = t->runqueue_unsent;
 		pending->waits = waits;
 		pending->blocked_ns = t->runqueue_unsent_ns / (waits ? waits : 1);
-		if (emit_stack(pending, wakeup_flags())) {
+		if (send_wait(pending)) {
 			t->runqueue_unsent_ns -= pending->blocked_ns * waits;
 			t->runqueue_unsent = 0;
 			episode_count(BISTOURI_EPC_RUNQUEUE_STACKS);
@@ -268,7 +268,7 @@ static __always_inline void send_pending(void *map, __u32 tid, __u64 now)
 
 	if (!pending)
 		return;
-	emit_wait(pending, now);
+	send_timed_wait(pending, now);
 	bpf_map_delete_elem(map, &tid);
 }
 
@@ -339,7 +339,7 @@ static __always_inline void sleep_woken(__u32 tid, __u64 now)
 
 	if (!pending || pending->kind != BISTOURI_EVENT_SLEEP)
 		return;
-	emit_wait(pending, now);
+	send_timed_wait(pending, now);
 	pending->kind = BISTOURI_EVENT_RUNQUEUE;
 	pending->timestamp_ns = now;
 	pending->waits = 1;

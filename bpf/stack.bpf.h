@@ -407,11 +407,4 @@ static __always_inline bool emit_raw_stack(struct bpf_perf_event_data *ctx, stru
 	return true;
 }
 
-/* Send a pending wait's stack that ends at `now`, timed from when it was taken. */
-static __always_inline bool emit_wait(struct bistouri_stack_event *pending, __u64 now)
-{
-	pending->blocked_ns = now > pending->timestamp_ns ? now - pending->timestamp_ns : 0;
-	return emit_stack(pending, wakeup_flags());
-}
-
 #endif /* BISTOURI_STACK_BPF_H */

@@ -59,6 +59,7 @@ BY_MODULE = {
     "tests/integration/test_record.py": {"bpf", "service"},  # `bistouri record` as users run it
     "tests/integration/test_episode_report.py": {"bpf"},  # BPF in this process
     "tests/integration/test_session_catch_up.py": {"bpf"},
+    "tests/integration/test_recorded_waits.py": {"bpf"},
     "tests/integration/test_psi_cgroup.py": {"root"},
     "tests/integration/test_unit_targets.py": {"root"},
     "tests/integration/test_attacks_input.py": _SYMBOLIZER,

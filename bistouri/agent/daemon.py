@@ -42,7 +42,13 @@ from . import preflight
 from .config import TargetsConfig, load_targets_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
-from .metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector, MetricsAndControlServer
+from .metrics import (
+    AgentMetrics,
+    BpfCountersCollector,
+    EpisodeCountersCollector,
+    MetricsAndControlServer,
+    RecorderCountersCollector,
+)
 from .settings import AgentSettings
 from .spool import Spool
 from .watcher import Watcher
@@ -229,6 +235,7 @@ class Agent:
                 )
             )
             self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
+            self.registry.register(RecorderCountersCollector(self.profiler.recorder_counters))
 
     def _unwind_stats(self) -> UnwindStats:
         return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()
@@ -258,6 +265,7 @@ class Agent:
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
             on_start=self.profiler.request_perf_maps,
+            recorded_waits=self.profiler.recorded_waits,
             degraded=self.profiler.kernel_features.names,
             max_bytes=self.s.capture_max_bytes,
             recorder_max_bytes=self.s.recorder_max_bytes,

@@ -499,6 +499,31 @@ def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: b
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
 
 
+class RecorderCountersCollector(Collector):
+    """Reads the BPF `recorder_counters` map (the flight recorder's waits counted in the kernel,
+    bpf/recorder.bpf.h) at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[abi.RecorderCounter, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            c = self._read()
+        except Exception as e:  # the object may be closing: report nothing rather than fail the scrape
+            log.debug("BPF recorder counters unavailable: %s", e)
+            return
+        kernel = CounterMetricFamily(
+            "bistouri_recorder_kernel_waits",
+            "Waits of processes only the flight recorder watches, counted in the kernel instead of "
+            "sent (kept), entries created for them (created), waits the full map refused (refused)",
+            labels=["outcome"],
+        )
+        kernel.add_metric(["kept"], c[abi.RecorderCounter.KEPT])
+        kernel.add_metric(["created"], c[abi.RecorderCounter.ENTRIES])
+        kernel.add_metric(["refused"], c[abi.RecorderCounter.REFUSED])
+        yield kernel
+
+
 class EpisodeCountersCollector(Collector):
     """Reads the BPF `episode_counters` map (the episode hooks, issue 12) at scrape time."""
 

@@ -66,6 +66,9 @@ class FilterFlags(IntEnum):
     # On-CPU samples cut short are also sent as raw stack copies (RawStack), walked in user space
     # once the process's tables are in (`record`: capture/rawstacks.py).
     RAW_STACK = 8
+    # Only the flight recorder watches the process: its waits are counted in the kernel's
+    # `recorder_waits` (RecordedWait), not sent; read when a session starts (bpf/recorder.bpf.h).
+    RECORDED = 16
 
 
 FILTER_DIVISOR_SHIFT = 8  # bits 8-15 of a pid filter value: one on-CPU sample kept in this many
@@ -357,6 +360,37 @@ class ThreadTimes(Structure):
 
 
 # C struct name -> mirror. Every shared struct must be listed here.
+# ---- The flight recorder's waits, counted in the kernel (issue 22): bpf/bistouri.h's block of the same name.
+
+RECORDER_SLOTS = 64  # one a second, the last RECORDER_SLOTS seconds
+
+
+class RecorderKey(Structure):
+    _fields_ = [("tid", c_uint32), ("kind", c_uint32), ("kernel_hash", c_uint64), ("user_key", UserStackKey)]
+
+
+class RecorderSlot(Structure):
+    _fields_ = [("second", c_uint32), ("waits", c_uint32), ("blocked_ns", c_uint64)]
+
+
+RECORDED_EVENT_BYTES = StackEvent.py_frames.offset  # a StackEvent up to its Python frames
+
+
+class RecordedWait(Structure):
+    _fields_ = [("slots", RecorderSlot * RECORDER_SLOTS), ("event", c_uint8 * RECORDED_EVENT_BYTES)]
+
+
+class RecorderCounter(IntEnum):
+    """Indexes of the BPF `recorder_counters` map."""
+
+    KEPT = 0  # wait events counted into recorder_waits instead of sent
+    ENTRIES = 1  # entries created (those no longer present were evicted)
+    REFUSED = 2  # events the map could not take
+
+
+RECORDER_COUNTER_MAX = 3
+
+
 MIRRORS: dict[str, type[Structure]] = {
     "bistouri_user_stack_key": UserStackKey,
     "bistouri_sample_key": SampleKey,
@@ -372,6 +406,9 @@ MIRRORS: dict[str, type[Structure]] = {
     "bistouri_thread_times": ThreadTimes,
     "bistouri_python_proc": PythonProc,
     "bistouri_py_frame": PyFrame,
+    "bistouri_recorder_key": RecorderKey,
+    "bistouri_recorder_slot": RecorderSlot,
+    "bistouri_recorded_wait": RecordedWait,
 }
 
 # C enum name -> (prefix of its constants, mirror), compared value by value.
@@ -389,6 +426,7 @@ ENUMS: dict[str, tuple[str, type[IntEnum]]] = {
     "bistouri_py_instr_kind": ("BISTOURI_PY_INSTR_", PyInstrKind),
     "bistouri_py_entry_kind": ("BISTOURI_PY_ENTRY_", PyEntryKind),
     "bistouri_py_status": ("BISTOURI_PY_STATUS_", PyStatus),
+    "bistouri_recorder_counter": ("BISTOURI_RC_", RecorderCounter),
 }
 
 # Precompiled decoders for the hot path (the ring-buffer callback).
@@ -434,6 +472,8 @@ def abi_mismatches(btf: Btf) -> list[str]:
             py_values["MAX"] = COUNTER_MAX
         if enum is EpisodeCounter:
             py_values["MAX"] = EPISODE_COUNTER_MAX
+        if enum is RecorderCounter:
+            py_values["MAX"] = RECORDER_COUNTER_MAX
         if c_values != py_values:
             problems.append(f"enum {cname}: {c_values} in BTF, {py_values} in abi.py")
     return problems

@@ -236,6 +236,9 @@ COMPANION_MAPS = (
     "runqueue_last",
     "reclaim_pending",
     "episode_scratch",
+    "recorder_waits",
+    "recorder_scratch",
+    "recorder_counters",
 )
 
 

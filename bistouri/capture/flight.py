@@ -14,13 +14,20 @@ repeat counted in the kernel arrives as its first sample with a weight, so its
 own timestamp is that of the first sample. Arrival is at most one drain
 interval after the sample: 1 s while only the recorder samples a process, and a
 session drains the ring as it starts (Profiler.catch_up).
+
+The waits of a process only the recorder watches (D, S, reclaim, run-queue: most
+of what an idle process does) are not sent at all: the kernel counts them by
+thread, kind, stack and second (bpf/recorder.bpf.h), and `kernel_waits`
+(Profiler.recorded_waits) reads those of a session's processes when it starts,
+timed at their second's start. They are bounded by the kernel's map, not by
+max_bytes, until a session takes them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from .events import StackSample
@@ -46,8 +53,12 @@ class FlightRecorder:
         *,
         on_dropped: Callable[[int], None] = lambda n: None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
+        kernel_waits: Callable[[Collection[int], int], list[Recorded]] | None = None,
     ) -> None:
+        """`kernel_waits(pids, since_ns)`: the waits of `pids` the kernel counted since then, on the
+        same clock as `clock_ns`; None: every sample comes through add()."""
         self.max_bytes = max_bytes
+        self.kernel_waits = kernel_waits
         self.nbytes = 0
         self.dropped = 0  # samples let go before their time because of max_bytes
         self._on_dropped = on_dropped
@@ -132,7 +143,8 @@ class FlightRecorder:
             self._on_dropped(dropped)
 
     def recent(self, pids: Iterable[int], seconds: float) -> list[Recorded]:
-        """The held samples of `pids` from the last `seconds`, oldest first."""
+        """The held samples of `pids` from the last `seconds`, oldest first: those that came
+        through add() and the waits the kernel counted."""
         now = self._clock_ns()
         self._trim(now)
         wanted = set(pids)
@@ -144,4 +156,8 @@ class FlightRecorder:
             if r.sample.pid in wanted:
                 out.append(r)
         out.reverse()
+        if self.kernel_waits is not None and wanted:
+            kept = self.kernel_waits(wanted, since)
+            if kept:
+                out = sorted(out + kept, key=lambda r: r.at_ns)
         return out

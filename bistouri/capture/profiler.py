@@ -18,6 +18,7 @@ come out as ordinary stack events.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -57,9 +58,17 @@ from .events import (
     decode_exec,
     decode_stack,
 )
+from .flight import Recorded
 from .rawstacks import RawStacks, event_of, pid_of
 
 log = logging.getLogger(__name__)
+
+# The flight recorder's entries in the kernel (abi.RecorderKey -> abi.RecordedWait).
+_RECORDER_KEY_PID = struct.Struct("<I")
+_RECORDER_KEY_PID_AT = abi.RecorderKey.user_key.offset + abi.UserStackKey.pid.offset
+_RECORDER_SLOT = struct.Struct("<IIQ")  # abi.RecorderSlot
+_RECORDER_EVENT_AT = abi.RecordedWait.event.offset
+_SECOND_NS = 1_000_000_000  # a slot's span (RECORDER_SLOT_NS)
 
 
 class Profiler:
@@ -454,6 +463,49 @@ class Profiler:
                 key = struct.pack("<I", int(tid))
                 maps["thread_times"].delete(key)
                 maps["wait_pending"].delete(key)
+
+    def recorded_waits(self, pids: Collection[int], since_ns: int) -> list[Recorded]:
+        """The waits of `pids` the kernel counted for the flight recorder (bpf/recorder.bpf.h) that
+        ended since `since_ns` (CLOCK_MONOTONIC, as time.monotonic_ns and bpf_ktime_get_ns): one
+        sample per thread, wait kind, stack and second, standing for that second's waits, timed at
+        the second's start (not before since_ns). The entries stay: a later session may want them.
+
+        Run when a session starts: one system call per entry of the map, two for one of `pids`."""
+        if not pids:
+            return []
+        m = self._require().maps["recorder_waits"]
+        wanted = set(pids)
+        entries = []
+        for key in m.keys():  # noqa: SIM118 - Map.keys() iterates a BPF map
+            if _RECORDER_KEY_PID.unpack_from(key, _RECORDER_KEY_PID_AT)[0] not in wanted:
+                continue
+            value = m.lookup(key)
+            if value is not None:  # else evicted meanwhile
+                entries.append(value)
+        out: list[Recorded] = []
+        first_second = since_ns // _SECOND_NS
+        with self._drain_lock:  # the ring thread's caches (self.resolved) are used here too
+            for value in entries:
+                slots = [
+                    (second, waits, blocked)
+                    for second, waits, blocked in _RECORDER_SLOT.iter_unpack(value[:_RECORDER_EVENT_AT])
+                    if waits and second >= first_second
+                ]
+                if not slots:
+                    continue
+                # A CPython process's thread without Python frames gets its note as through the ring.
+                sample = decode_stack(value[_RECORDER_EVENT_AT:], self.maps, self.resolved, self._name_python)
+                for second, waits, blocked in slots:
+                    at_ns = max(second * _SECOND_NS, since_ns)
+                    timed = dataclasses.replace(sample, blocked_ns=blocked // waits, weight=waits)
+                    out.append(Recorded(at_ns, timed))
+        out.sort(key=lambda r: r.at_ns)
+        return out
+
+    def recorder_counters(self) -> dict[abi.RecorderCounter, int]:
+        """The kernel recorder's counters summed over CPUs (bpf/recorder.bpf.h)."""
+        m = self._require().maps["recorder_counters"]
+        return {c: sum(m.lookup_percpu_u64(struct.pack("<I", c))) for c in abi.RecorderCounter}
 
     def episode_counters(self) -> dict[abi.EpisodeCounter, int]:
         """Episode-hook counters summed over CPUs (zero without the hooks)."""

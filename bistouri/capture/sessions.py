@@ -39,7 +39,7 @@ from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
 from .episode import NO_EPISODE_PROBE, EpisodeProbe, EpisodeStart, NoEpisodeProbe
 from .events import PY_FRAME_BYTES, StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
-from .flight import FlightRecorder
+from .flight import FlightRecorder, Recorded
 from .jitnote import jit_notes
 from .metrics import CaptureMetrics
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 _FILE, _VDSO, _ANON = int(FrameStatus.FILE), int(FrameStatus.VDSO), int(FrameStatus.ANON)
 _UNMAPPED_REASONS = {int(r): r.name.lower() for r in Unmapped}
 # Stack-event kind -> what its off-CPU time waited in; on-CPU samples are absent.
+_ON_CPU = int(abi.EventKind.ON_CPU)
 _WAIT_OF_KIND = {
     int(abi.EventKind.OFF_CPU): wire.WAIT_D,
     int(abi.EpisodeKind.SLEEP): wire.WAIT_S,
@@ -157,8 +158,12 @@ class SessionCapture:
         catch_up: Callable[[], None] | None = None,
         on_start: Callable[[Collection[int]], None] | None = None,
         degraded: Collection[str] = (),
+        recorded_waits: Callable[[Collection[int], int], list[Recorded]] | None = None,
     ) -> None:
-        """`degraded`: what the kernel lacks (bpf/features.py), said in each session's note."""
+        """`degraded`: what the kernel lacks (bpf/features.py), said in each session's note.
+        `recorded_waits` (Profiler.recorded_waits): the waits the kernel counts for the flight
+        recorder; with it, a process only recorded is marked so (abi.FilterFlags.RECORDED) and
+        its waits are not sent."""
         self._filter = pid_filter
         # Delivers the samples still in the kernel (add_samples): before a session takes the
         # recorder's, and before sessions end.
@@ -184,7 +189,9 @@ class SessionCapture:
         self._filter_values: dict[int, int] = {}  # pid -> what its filter entry holds
         self._divisors: dict[int, int] = {}  # pid -> 1 on-CPU sample kept in this many, outside sessions
         self.recorder = FlightRecorder(
-            recorder_max_bytes, on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc
+            recorder_max_bytes,
+            on_dropped=metrics.recorder_dropped.labels(DROP_MEMORY).inc,
+            kernel_waits=recorded_waits,
         )
         self._memory_full_logged = -60.0
         self.episode = episode
@@ -339,9 +346,14 @@ class SessionCapture:
         self._refs[pid] = n + 1
 
     def _filter_value(self, pid: int) -> int:
-        """Full rate while a session samples `pid`, the recorder's rate otherwise."""
-        divisor = 1 if pid in self._by_pid else self._divisors.get(pid, 1)
-        return abi.filter_value(self.filter_flags, divisor)
+        """Full rate while a session samples `pid`, the recorder's rate otherwise (its waits then
+        counted in the kernel, when a reader of them was given)."""
+        if pid in self._by_pid:
+            return abi.filter_value(self.filter_flags)
+        flags = self.filter_flags
+        if self.recorder.kernel_waits is not None and self.recorder.watches(pid):
+            flags |= abi.FilterFlags.RECORDED
+        return abi.filter_value(flags, self._divisors.get(pid, 1))
 
     def _sync_filter(self, pid: int) -> None:
         """Write `pid`'s filter value again if its rate changed (a session began or ended)."""
@@ -377,9 +389,12 @@ class SessionCapture:
         if recorder.watching:
             samples = list(samples)
             divisors = self._divisors
-            # Sampled at the recorder's lower rate: each stands for `divisor` samples.
+            # Sampled on-CPU at the recorder's lower rate: each stands for `divisor` samples (BPF
+            # divides on-CPU samples only: a wait stands for its own).
             recorder.add(
-                s if s.pid in by_pid or divisors.get(s.pid, 1) == 1 else s.weighed(s.weight * divisors[s.pid])
+                s
+                if s.pid in by_pid or s.kind != _ON_CPU or divisors.get(s.pid, 1) == 1
+                else s.weighed(s.weight * divisors[s.pid])
                 for s in samples
             )
             self.metrics.recorder_bytes.set(recorder.nbytes)

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -192,18 +193,29 @@ def _host_addresses() -> list[str]:
 
 
 def test_recorder_stays_within_its_bound_under_an_exec_storm(tmp_path, workloads):
-    """Short fsyncers exec'd in a loop, each watched: off-CPU waits are not aggregated in the
-    kernel, so the ring fills; it must let the oldest go rather than grow past its bound."""
+    """Short Python fsync loops exec'd in a loop, each watched: their off-CPU waits carry Python
+    frames, so they come through the ring (named as they arrive) rather than being counted in the
+    kernel, and the ring fills; it must let the oldest go rather than grow past its bound."""
     bound = 1 << 20
     cfg = (
         "targets:\n"
-        "  - rule: {type: Exact, comm: fsyncer}\n"
+        "  - rule: {type: Exact, comm: pystorm}\n"
         "    service_id: storm\n"
         "    resources: [{resource: memory, threshold: 90}]\n"
         "    recorder_secs: 60\n"
     )
+    # A name of its own (the comm of a link is its name): other tenants' python3 stay unwatched.
+    python = tmp_path / "pystorm"
+    python.symlink_to(os.path.realpath(sys.base_prefix + "/bin/python3"))
+    loop = (
+        "import os, time\n"
+        "f, t = open(os.environ['F'], 'w'), time.monotonic()\n"
+        "while time.monotonic() - t < 0.3:\n"
+        "    f.write('x'); f.flush(); os.fsync(f.fileno())\n"
+    )
+    (tmp_path / "loop.py").write_text(loop)
     storm = (
-        f'for i in $(seq 400); do "{workloads / "fsyncer"}" "{tmp_path}/f$(( i % 4 ))" 0.3 & '
+        f'for i in $(seq 400); do F="{tmp_path}/f$(( i % 4 ))" "{python}" "{tmp_path}/loop.py" & '
         "[ $(( i % 4 )) -eq 0 ] && wait; done; wait"
     )
     agent = AgentProcess(tmp_path, cfg, "--recorder-max-bytes", str(bound), walk_interval=1.0)

@@ -9,7 +9,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from bistouri.agent.exporter import Exporter
-from bistouri.agent.metrics import AgentMetrics, BpfCountersCollector, EpisodeCountersCollector
+from bistouri.agent.metrics import (
+    AgentMetrics,
+    BpfCountersCollector,
+    EpisodeCountersCollector,
+    RecorderCountersCollector,
+)
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
 from bistouri.bpf import abi
@@ -24,6 +29,7 @@ def _exposed_agent_metrics() -> dict[str, str]:
     AgentMetrics(r)
     r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: (ProcMapsStats(), 0)))
     r.register(EpisodeCountersCollector(lambda: dict.fromkeys(abi.EpisodeCounter, 0)))
+    r.register(RecorderCountersCollector(lambda: dict.fromkeys(abi.RecorderCounter, 0)))
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
     s = AgentSettings(symbolizer_endpoint="http://127.0.0.1:1")

@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry
 
 from bistouri import wire
 from bistouri.agent.metrics import AgentMetrics
+from bistouri.bpf import abi
 from bistouri.capture.events import ResolvedStacks, StackSample, decode_stack
-from bistouri.capture.flight import ENTRY_OVERHEAD_BYTES, FlightRecorder
+from bistouri.capture.flight import ENTRY_OVERHEAD_BYTES, FlightRecorder, Recorded
 from bistouri.capture.sessions import SessionCapture
 from bistouri.host.kernel import KernelMeta
 from bistouri.host.procmaps import ProcMaps
@@ -129,6 +130,43 @@ def test_a_session_starts_with_the_recorded_samples_marked_before_the_trigger(tm
     assert filt.pids.keys() == {7}  # the session let go of its reference, the recorder keeps its own
     orch.unwatch(7)
     assert filt.pids == {}
+
+
+def _wait(pid: int, waits: int, blocked_ns: int) -> StackSample:
+    sleep = abi.EpisodeKind.SLEEP
+    raw = copy(record(pid, pid, [0xFFFFFFFF81000010], [0x3300], sleep, blocked_ns, waits=waits))
+    return decode_stack(raw, _NO_PROC, ResolvedStacks())
+
+
+def test_a_session_starts_with_the_waits_the_kernel_counted_for_the_recorder(tmp_path):
+    """With a reader of the kernel's counts, a process only recorded is marked so in the filter
+    (BPF counts its waits instead of sending them) and unmarked while a session samples it; the
+    session's pre-trigger part merges those counts with the samples that came through the ring."""
+    clock = _Clock()
+    asked: list[tuple[set[int], int]] = []
+
+    def kernel_waits(pids, since_ns):
+        asked.append((set(pids), since_ns))
+        return [Recorded(clock.ns - 3_000_000_000, _wait(7, 5, 1000))]
+
+    filt, sink = _Filter(_NO_PROC), _Sink()
+    orch = _orch(tmp_path, filt, sink)
+    orch.recorder = FlightRecorder(1 << 20, clock_ns=clock, kernel_waits=kernel_waits)
+    orch.watch(7, 5.0, recorder_hz=250)  # 1 on-CPU sample in 4 kept by BPF
+    assert filt.pids[7] & abi.FilterFlags.RECORDED
+    clock.advance(1)
+    orch.add_samples([_sample(7, 0x1111), _wait(7, 2, 500)])  # a wait with Python frames comes this way
+    clock.advance(1)
+    sid = orch.start_session(wire.Trigger("cpu", time_ns=10**18), "svc", {}, {7: "x"}, 60, recorder_secs=5)
+    assert sid and not filt.pids[7] & abi.FilterFlags.RECORDED  # sessions get every record
+    assert asked == [({7}, clock.ns - 5_000_000_000)]
+    orch.flush_all()
+    assert filt.pids[7] & abi.FilterFlags.RECORDED  # only recorded again
+    s = sink.sessions[sid]
+    assert s.pre_trigger_ns == 3_000_000_000  # the kernel's waits are the oldest
+    pre = sorted((t.user[0].address, t.on_cpu, t.off_cpu, t.off_cpu_ns) for t in s.traces if t.pre_trigger)
+    # The on-CPU sample stands for the 4 BPF let go; a wait stands for its own waits only.
+    assert pre == [(0x1111, 4, 0, 0), (0x3300, 0, 7, 5 * 1000 + 2 * 500)]
 
 
 def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
