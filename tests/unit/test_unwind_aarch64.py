@@ -4,8 +4,9 @@ The rows (bistouri/unwind/cfa.py with aarch64's registers: sp, x29, x30) are che
 against `readelf --debug-dump=frames-interp` of the same files, as test_ehframe.py does for
 x86-64's. The walk's step (bpf/unwind_step.h built with __TARGET_ARCH_arm64, as the arm64 object
 is) is then fed stacks laid out as those rows say, through real functions of liblzma: a leaf
-whose return address is still in x30, frames that saved x29 and x30 side by side, and the
-frame record where no row covers. The files come from tests/fixtures/arm64/fetch-debs.sh
+whose return address is still in x30, frames that saved x29 and x30 side by side, the
+frame record where no row covers, and a row after it (placed from x29: the SP that step gives
+is a lower bound). The files come from tests/fixtures/arm64/fetch-debs.sh
 (`make fixtures`).
 """
 
