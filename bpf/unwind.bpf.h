@@ -52,6 +52,9 @@ struct walk {
 	__u64 generation;                  /* unwind_generation when the walk began */
 	__u32 cache_base;                  /* this context's half of rule_cache */
 	__u32 cache_hits;
+#if defined(__TARGET_ARCH_arm64)
+	bool sp_floor;                     /* regs.sp is a lower bound (unwind_step.h) */
+#endif
 };
 
 /*

@@ -16,6 +16,7 @@
  *       __u32 by_table, by_fp;     frames found each way, counted here
  *       __u32 stop;                enum bistouri_counter of why the walk ended
  *       bool exact;                regs.ip is where the thread was, not a return address
+ *       bool sp_floor;             aarch64 only: regs.sp is a lower bound (a frame record's step)
  *   static long unwind_read(struct walk *w, __u64 addr, __u64 *out),
  *       the user-stack word at addr into *out: 0, or non-zero if unreadable.
  * The step works on the walk's own fields rather than on arguments and a
@@ -39,11 +40,28 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 
 	rbp_kind &= BISTOURI_RBP_KIND_MASK;
 	(void)ip; /* x86-64's .plt and trampoline rules only */
+	/*
+	 * After a frame record's step SP is only a lower bound: x29 points at the
+	 * record, which a function may keep anywhere in its frame (lzma_code: 48
+	 * below its CFA). An SP-based row would then read its caller from the wrong
+	 * place. Its own frame record places it exactly when the row saves x29 and
+	 * x30 side by side (x29 = CFA + rbp_off: the record AAPCS64 has x29 point
+	 * at); any other row, the frame record again.
+	 */
+	if (w->sp_floor && kind == BISTOURI_CFA_RSP &&
+	    (rbp_kind != BISTOURI_RBP_AT_CFA || ra_kind != BISTOURI_RA_CFA))
+		kind = BISTOURI_CFA_NONE;
 #endif
 
 	w->exact = false;
 	switch (kind) {
 	case BISTOURI_CFA_RSP:
+#if defined(__TARGET_ARCH_arm64)
+		if (w->sp_floor) {
+			cfa = bp - rbp_off; /* x29 at the pair the row says is at CFA + rbp_off */
+			break;
+		}
+#endif
 		cfa = sp + cfa_off;
 		break;
 	case BISTOURI_CFA_RBP:
@@ -79,6 +97,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
+		w->sp_floor = false; /* the interrupted SP itself */
 #endif
 		w->by_table++;
 		w->regs.ip = ra;
@@ -125,6 +144,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 	}
 	ra &= RA_ADDRESS_MASK;
 	w->regs.lr = 0; /* the caller's x30 is gone: the call overwrote it */
+	w->sp_floor = kind == BISTOURI_CFA_NONE;
 #else
 	if (cfa <= sp || cfa > USER_TOP) {
 		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;

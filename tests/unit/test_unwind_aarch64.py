@@ -4,8 +4,9 @@ The rows (bistouri/unwind/cfa.py with aarch64's registers: sp, x29, x30) are che
 against `readelf --debug-dump=frames-interp` of the same files, as test_ehframe.py does for
 x86-64's. The walk's step (bpf/unwind_step.h built with __TARGET_ARCH_arm64, as the arm64 object
 is) is then fed stacks laid out as those rows say, through real functions of liblzma: a leaf
-whose return address is still in x30, frames that saved x29 and x30 side by side, and the
-frame record where no row covers. The files come from tests/fixtures/arm64/fetch-debs.sh
+whose return address is still in x30, frames that saved x29 and x30 side by side, the
+frame record where no row covers, and a row after it (placed from x29: the SP that step gives
+is a lower bound). The files come from tests/fixtures/arm64/fetch-debs.sh
 (`make fixtures`).
 """
 
@@ -169,6 +170,7 @@ class Walk(ctypes.Structure):  # struct walk of walk_host.c
         ("stack", ctypes.c_char_p),
         ("base", ctypes.c_uint64),
         ("size", ctypes.c_uint64),
+        ("sp_floor", ctypes.c_bool),
     ]
 
 
@@ -267,6 +269,54 @@ def test_the_aarch64_walk_follows_real_rows_through_x30_and_saved_frames(host: c
     n = host.host_walk(ctypes.byref(w), maps, 1, ips, 16)
     assert list(ips[:n]) == [LOAD + leaf, LOAD + mid, LOAD + outer, unmapped]
     assert (w.by_table, w.by_fp) == (3, 1)
+    assert w.stop == Counter.WALK_END
+
+
+def test_a_row_after_a_frame_record_is_placed_by_its_own_record(host: ctypes.CDLL) -> None:
+    """What broke 7 % of `record`'s arm64 xz stacks: liblzma's table not yet loaded (the
+    executable's and libc's are built first), lzma_code left by its frame record, whose x29 is
+    48 below its CFA, so the SP that step gives is 32 too low; xz's caller at xz+0x53dc
+    (CFA sp + 128) then read its return address from inside lzma_code's frame: one bogus
+    frame. The row's x29/x30 pair places the frame from x29 instead, and the walk goes on."""
+    xz_table = build_table(_need(ARM64_ROOT / "usr" / "bin" / "xz"))
+    xz_rows = unpack_rows(xz_table)
+    xz, lzma = 0xAAAA_0000_0000, LOAD  # liblzma: mapped, no table yet
+    leaf = 0x4154  # lzma_code past its prologue: sub sp, sp, #96; stp x29, x30, [sp, #48]; add x29, sp, #48
+    call = 0x53DC  # after xz's `bl lzma_code@plt`
+    outer = _frames(xz_rows, (RaKind.CFA,))[0]  # any xz call site whose caller saved x29 and x30
+    stack = bytearray(4096)
+    base = STACK_TOP - len(stack)
+    for at in range(0, len(stack), 8):  # stack garbage: a wrong read is a bogus frame, not an end
+        struct.pack_into("<Q", stack, at, xz + 0x1000 + at)
+
+    def put(addr: int, value: int) -> None:
+        struct.pack_into("<Q", stack, addr - base, value)
+
+    sp = base + 256
+    lzma_cfa = sp + 96
+    lzma_fp = lzma_cfa - 48
+    r = _row_at(xz_rows, call - 1)
+    assert (r.cfa_kind, r.cfa_off, r.rbp_kind, r.rbp_off, r.ra_kind) == (
+        CfaKind.RSP, 128, RbpKind.AT_CFA, -128, RaKind.CFA
+    )  # fmt: skip
+    xz_cfa = lzma_cfa + r.cfa_off  # its SP at the call is lzma_code's CFA
+    xz_fp = xz_cfa + r.rbp_off  # stp x29, x30, [sp, #-128]!; mov x29, sp
+    put(lzma_fp, xz_fp)
+    put(lzma_fp + 8, xz + call)
+    o = _row_at(xz_rows, outer - 1)
+    outer_cfa = xz_cfa + o.cfa_off
+    put(xz_fp, outer_cfa + o.rbp_off)
+    put(xz_fp + 8, xz + outer)
+    put(outer_cfa + o.rbp_off, 0)  # the outermost frame: no caller
+    put(outer_cfa + o.rbp_off + 8, 0)
+    regs = Regs(ip=lzma + leaf, sp=sp, bp=lzma_fp, lr=lzma + 0x40F4)  # x30: the last call's
+    w = Walk(regs=regs, exact=True, stack=bytes(stack), base=base, size=len(stack))
+    size = max(r.pc for r in xz_rows) + 0x1000
+    maps = (Mapping * 1)(Mapping(xz, xz + size, xz, xz_table, len(xz_table) // ROW.size, 0))
+    ips = (ctypes.c_uint64 * 16)()
+    n = host.host_walk(ctypes.byref(w), maps, 1, ips, 16)
+    assert [hex(ip) for ip in ips[:n]] == [hex(lzma + leaf), hex(xz + call), hex(xz + outer)]
+    assert (w.by_table, w.by_fp) == (2, 1)
     assert w.stop == Counter.WALK_END
 
 
