@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import struct
-import threading
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,12 +44,12 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each), functions' records
-# and answers (~0.3-0.5 KB each). Past any bound, all of it is dropped (only speed is lost): at most
-# ~30 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs).
+# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each) and functions'
+# records (~0.3-0.5 KB each). Past either bound, all of it is dropped (only speed is lost): at most
+# ~25 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs). Answers are the
+# caller's to keep (`key`).
 MAX_HELD_RUNS = 1 << 20
 MAX_HELD_FUNCS = 1 << 14
-MAX_HELD_ANSWERS = 1 << 16
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -80,22 +79,18 @@ class GoFrame(NamedTuple):
 
 
 class _PcTable:
-    """One pc-value table, decoded as far as lookups have needed and never twice: the start PC and
-    value of each run so far (bisected), where decoding stopped (byte, PC, value, runs), and whether
-    the table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses
-    share its tables whatever order they come in; a large function is never walked from its entry
-    again (the walk per address was most of the cost: one function of prometheus has 13 832 runs)."""
+    """One pc-value table, decoded whole on first use and never again: the start PC and value of each
+    run (bisected), and the end of the last run. A function's addresses share its tables whatever
+    order they come in; a large function is never walked from its entry again (the walk per address
+    was most of the cost: one function of prometheus has 13 832 runs). Never changed once made:
+    concurrent lookups need no lock."""
 
-    __slots__ = ("done", "pc", "pos", "starts", "steps", "val", "values")
+    __slots__ = ("end", "starts", "values")
 
-    def __init__(self, pos: int, entry: int) -> None:
-        self.starts = array("q")
-        self.values = array("q")
-        self.pos = pos
-        self.pc = entry  # runs cover [entry, pc)
-        self.val = -1
-        self.steps = 0
-        self.done = False
+    def __init__(self, starts: array[int], values: array[int], end: int) -> None:
+        self.starts = starts
+        self.values = values
+        self.end = end  # runs cover [starts[0], end)
 
 
 class _Func:
@@ -127,7 +122,6 @@ class GoPclnTab:
     """A copy of one binary's pclntab (and the inline trees it points to), looked up by address."""
 
     __slots__ = (
-        "_answers",
         "_cutab",
         "_data",
         "_entries",
@@ -139,7 +133,6 @@ class GoPclnTab:
         "_funcs",
         "_held",
         "_inl",
-        "_lock",
         "_nfunc",
         "_pcln",
         "_pctab",
@@ -180,12 +173,10 @@ class GoPclnTab:
         self._ftab = pcln  # the function table opens the pcln area
         self._inl = inline
         # Kept between lookups (bounded by MAX_HELD_*, dropped whole): each function's record and
-        # tables, the frames of each (function, file, line, inline index), file names by CU slot.
+        # tables, file names by CU slot.
         self._funcs: dict[int, _Func] = {}
-        self._answers: dict[tuple[int, int, int, int], tuple[GoFrame, ...]] = {}
         self._files: dict[int, str] = {}
         self._held = 0  # runs decoded into self._funcs' tables
-        self._lock = threading.Lock()  # one thread decodes at a time (lookups may be concurrent)
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -293,64 +284,19 @@ class GoPclnTab:
         return i
 
     def _table(self, table: int, entry: int) -> _PcTable | None:
-        return _PcTable(self._pctab + table, entry) if table else None
-
-    def _value(self, t: _PcTable | None, pc: int) -> int | None:
-        """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
-        if t is None:
+        if not table:
             return None
-        if pc >= t.pc:  # not decoded that far yet (else the one test on the way of most lookups)
-            if t.done:
-                return None
-            with self._lock:
-                self._extend(t, pc)
-            if pc >= t.pc:
-                return None
-        # Runs are appended before t.pc moves past them: a concurrent reader sees them all.
+        t = _decode(self._data, self._pctab + table, entry, self._quantum)
+        self._held += len(t.starts)
+        return t
+
+    @staticmethod
+    def _value(t: _PcTable | None, pc: int) -> int | None:
+        """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
+        if t is None or pc >= t.end:
+            return None
         i = bisect.bisect_right(t.starts, pc) - 1
         return t.values[i] if i >= 0 else None
-
-    def _extend(self, t: _PcTable, pc: int) -> None:
-        """Decode `t` on until a run covers `pc` or the table ends. Under self._lock."""
-        if t.done or pc < t.pc:
-            return
-        d = self._data
-        end = len(d)
-        quantum = self._quantum
-        starts, values = t.starts, t.values
-        add_start, add_value = starts.append, values.append
-        pos, cur, val, first = t.pos, t.pc, t.val, t.steps
-        steps = first
-        n0 = len(starts)
-        try:
-            # Most varints are one byte: read inline, the function only for longer ones; the end
-            # of the data is the IndexError of a read past it.
-            for steps in range(first, MAX_PCVALUE_STEPS):  # steps: where it stopped
-                if cur > pc:
-                    break
-                uv = d[pos]
-                pos += 1
-                if uv >= 0x80:
-                    uv, pos = _uvarint(d, pos - 1, end)
-                if uv == 0 and steps:
-                    t.done = True
-                    break
-                val += (uv >> 1) ^ -(uv & 1)  # zigzag
-                delta = d[pos]
-                pos += 1
-                if delta >= 0x80:
-                    delta, pos = _uvarint(d, pos - 1, end)
-                add_value(val)
-                add_start(cur)
-                cur += delta * quantum
-            else:
-                t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
-        except (GoPclnError, IndexError, OverflowError):  # damaged, or a PC or value past 64 bits
-            t.done = True
-            del values[len(starts) :]  # a value whose start PC did not fit
-        t.pos, t.val, t.steps = pos, val, steps
-        t.pc = cur  # last: the runs it covers are in the arrays
-        self._held += len(starts) - n0
 
     def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
         """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
@@ -405,37 +351,44 @@ class GoPclnTab:
         return list(self.chain(pc))
 
     def chain(self, pc: int) -> tuple[GoFrame, ...]:
-        """`frames` as a tuple, shared by the addresses of one line of one inlined call: () if
-        unknown. A function's tables are decoded once for all its addresses (_PcTable)."""
+        """`frames` as a tuple (a dictionary key): () if unknown."""
+        key = self.key(pc)
+        return self.chain_at(key) if key is not None else ()
+
+    def key(self, pc: int) -> tuple[int, int, int, int] | None:
+        """What the frames of `pc` depend on: (function, file number, line, inline index), -1 for
+        none; None if `pc` is in no function or its function's record is damaged. Equal keys give
+        equal chains: a caller keeps one answer per key (most addresses share a line with others).
+        A function's tables are decoded once for all its addresses (_PcTable)."""
         i = bisect.bisect_right(self._entries, pc) - 1
         if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
-            return ()
+            return None
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
             value = self._value
             fileno = value(fn.file, pc)
-            line = value(fn.line, pc) or 0
-            ix = value(fn.inl, pc) if fn.tree is not None else None
-            key = (i, -1 if fileno is None else fileno, line, -1 if ix is None else ix)
-            got = self._answers.get(key)
-            if got is None:
-                got = self._frames(fn, fileno, line, ix)
-                if len(self._answers) < MAX_HELD_ANSWERS:
-                    self._answers[key] = got
-            return got
+            line = value(fn.line, pc)
+            ix = value(fn.inl, pc)  # None when the function has no inline tree
+        except (GoPclnError, struct.error, IndexError):
+            return None
+        return (i, -1 if fileno is None else fileno, line or 0, -1 if ix is None else ix)
+
+    def chain_at(self, key: tuple[int, int, int, int]) -> tuple[GoFrame, ...]:
+        """The frames a `key` stands for, innermost first: () if they cannot be read."""
+        i, fileno, line, ix = key
+        try:
+            fn = self._funcs.get(i)
+            if fn is None:
+                fn = self._func_record(i)
+            return self._frames(fn, fileno, line, ix)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
     def _func_record(self, i: int) -> _Func:
-        if (
-            len(self._funcs) >= MAX_HELD_FUNCS
-            or self._held >= MAX_HELD_RUNS
-            or len(self._answers) >= MAX_HELD_ANSWERS
-        ):
-            with self._lock:  # a plain new dict for concurrent readers; the old goes with its last one
-                self._funcs, self._answers, self._held = {}, {}, 0
+        if len(self._funcs) >= MAX_HELD_FUNCS or self._held >= MAX_HELD_RUNS:
+            self._funcs, self._held = {}, 0  # a new dict: concurrent readers keep the old one
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
@@ -456,20 +409,20 @@ class GoPclnTab:
         self._funcs[i] = fn
         return fn
 
-    def _frames(self, fn: _Func, fileno: int | None, line: int, ix: int | None) -> tuple[GoFrame, ...]:
+    def _frames(self, fn: _Func, fileno: int, line: int, ix: int) -> tuple[GoFrame, ...]:
         file = self._file(fn.cu, fileno)
         out: list[GoFrame] = []
-        if fn.tree is not None:
-            entry = fn.entry
-            seen = 0
-            while ix is not None and ix >= 0 and seen < MAX_INLINE_DEPTH:
-                seen += 1
-                name, parent, parent_pc = fn.tree.call(ix)
+        tree = fn.tree
+        if tree is not None:
+            value, entry = self._value, fn.entry
+            at_ix: int | None = ix
+            while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
+                name, parent, parent_pc = tree.call(at_ix)
                 out.append(GoFrame(name, file, max(line, 0)))
                 at = entry + parent_pc
-                file = self._file(fn.cu, self._value(fn.file, at))
-                line = self._value(fn.line, at) or 0
-                ix = parent if parent is not None else self._value(fn.inl, at)
+                file = self._file(fn.cu, value(fn.file, at))
+                line = value(fn.line, at) or 0
+                at_ix = parent if parent is not None else value(fn.inl, at)
         out.append(GoFrame(fn.name, file, max(line, 0)))
         return tuple(out)
 
@@ -562,6 +515,52 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         if b < 0x80:
             return v, pos
         shift += 7
+
+
+def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
+    """The pc-value table at `pos` of `d` for a function starting at `entry`, decoded whole: pairs of
+    varints (value delta, zigzag'd; pc delta) up to a value delta of 0 past the first pair. It ends
+    early, keeping the runs before, at a damaged varint (past the data, or over 64 bits), at a value
+    or start PC past 64 bits, or after MAX_PCVALUE_STEPS runs."""
+    starts = array("q")
+    values = array("q")
+    cur, val, size = entry, -1, len(d)
+    try:
+        # Most varints are one byte: read inline, the function only for longer ones; the end of
+        # the data is the IndexError of a read past it. (One pass over a whole table in this loop
+        # costs a third of what cutting it out with a regular expression and summing in C did.)
+        for step in range(MAX_PCVALUE_STEPS):
+            uv = d[pos]
+            pos += 1
+            if uv >= 0x80:  # two bytes inline, longer ones by the function
+                if d[pos] < 0x80:
+                    uv = (uv & 0x7F) | d[pos] << 7
+                    pos += 1
+                else:
+                    uv, pos = _uvarint(d, pos - 1, size)
+            if uv == 0 and step:
+                break
+            val += (uv >> 1) ^ -(uv & 1)  # zigzag
+            delta = d[pos]
+            pos += 1
+            if delta >= 0x80:
+                if d[pos] < 0x80:
+                    delta = (delta & 0x7F) | d[pos] << 7
+                    pos += 1
+                else:
+                    delta, pos = _uvarint(d, pos - 1, size)
+            if not (_I64_MIN <= val <= _I64_MAX and cur <= _I64_MAX):
+                break
+            values.append(val)
+            starts.append(cur)
+            cur += delta * quantum
+    except (GoPclnError, IndexError):  # damaged
+        pass
+    return _PcTable(starts, values, cur)
+
+
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
 
 
 # --- from an ELF file --------------------------------------------------------

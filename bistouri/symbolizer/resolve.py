@@ -36,7 +36,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
-from ..gopclntab import GoFrame, GoPclnTab, read_pclntab
+from ..gopclntab import MAX_INLINE_DEPTH, GoPclnTab, read_pclntab
 from . import model
 from .demangle import demangle
 from .gunzip import GZIP_MAGIC, gunzip
@@ -54,6 +54,7 @@ DEFAULT_MAX_MODULES = 128
 # libc's is ~0.3 MB). Past it the least recently used modules are dropped.
 DEFAULT_MAX_MODULE_BYTES = 96 << 20
 MAX_NAMED_PER_MODULE = 20_000  # names-only results memoized per module
+_ROOT_FIRST = (False,) + (True,) * MAX_INLINE_DEPTH  # `inlined` of a Go chain's frames, root first
 _MODULE_OVERHEAD = 2048
 DEFAULT_RETRY_S = 30.0  # how long a module without debug info (or absent) is kept before looking again
 _EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
@@ -75,9 +76,9 @@ class _Module:
     loaded_at: float
     named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
     # A Go binary without DWARF: names, file:line and inlined calls from its pclntab, and the
-    # frames of each chain it gave (the addresses of one line share them).
+    # frames of each of its keys (GoPclnTab.key: the addresses of one line share them).
     go: GoPclnTab | None = None
-    go_chains: dict[tuple[GoFrame, ...], _Frames] = field(default_factory=dict)
+    go_answers: dict[tuple[int, int, int, int], _Frames] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -442,11 +443,9 @@ class Resolver:
                 del self._kernels[key]
 
     def _intern(self, f: model.Frame) -> model.Frame:
-        got = self._interned.get(f)
-        if got is None:
-            if len(self._interned) >= self.cache_entries:
-                self._interned = {VDSO: VDSO}  # only sharing is lost
-            got = self._interned[f] = f
+        got = self._interned.setdefault(f, f)  # one hash: a Frame's is computed in Python
+        if got is f and len(self._interned) > self.cache_entries:
+            self._interned = {VDSO: VDSO, f: f}  # only sharing is lost
         return got
 
     # --- result cache ----------------------------------------------------------
@@ -498,31 +497,25 @@ class Resolver:
         return out
 
     def _go_user_frames(self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None) -> _Frames:
-        """A Go address's frames from its pclntab: one answer per chain (function, file:line and
+        """A Go address's frames from its pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
-        chain = go.chain(vaddr) if vaddr is not None else ()
+        key = go.key(vaddr) if vaddr is not None else None
+        got = mod.go_answers.get(key) if key is not None else None
+        if got is not None:
+            return got
+        chain = go.chain_at(key) if key is not None else ()
         if not chain:
             return self._user_frames(mod, off, vaddr, None)
-        got = mod.go_chains.get(chain)
-        if got is None:
-            # As _user_frames makes them from llvm's answer, root first; Go's names are not mangled.
-            last = len(chain) - 1
-            got = tuple(
-                self._intern(
-                    model.Frame(
-                        f.function or f"{mod.name}+0x{off:x}",
-                        mod.name,
-                        _path(f.file),
-                        f.line,
-                        model.KIND_USER,
-                        i != last,
-                    )
-                )
-                for i, f in reversed(list(enumerate(chain)))
-            )
-            # Not kept when a frame is labelled by this address (an inlined call without a name).
-            if len(mod.go_chains) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
-                mod.go_chains[chain] = got
+        # As _user_frames makes them from llvm's answer: root first (the function, then the calls
+        # inlined into it, each marked so); Go's names are not mangled.
+        intern, name, unnamed = self._intern, mod.name, f"{mod.name}+0x{off:x}"
+        got = tuple(
+            intern(model.Frame(f.function or unnamed, name, _path(f.file), f.line, model.KIND_USER, inlined))
+            for f, inlined in zip(chain[::-1], _ROOT_FIRST, strict=False)
+        )
+        # Not kept when a frame is labelled by this address (an inlined call without a name).
+        if len(mod.go_answers) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
+            mod.go_answers[key] = got  # type: ignore[index]
         return got
 
     def gives_lines(self, mod: _Module) -> bool:
