@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import struct
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -358,22 +358,45 @@ class GoPclnTab:
     def key(self, pc: int) -> tuple[int, int, int, int] | None:
         """What the frames of `pc` depend on: (function, file number, line, inline index), -1 for
         none; None if `pc` is in no function or its function's record is damaged. Equal keys give
-        equal chains: a caller keeps one answer per key (most addresses share a line with others).
-        A function's tables are decoded once for all its addresses (_PcTable)."""
-        i = bisect.bisect_right(self._entries, pc) - 1
-        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
-            return None
-        try:
-            fn = self._funcs.get(i)
+        equal chains: a caller keeps one answer per key (most addresses share a line with others)."""
+        return self.keys((pc,))[0]
+
+    def keys(self, pcs: Iterable[int | None]) -> list[tuple[int, int, int, int] | None]:
+        """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
+        bisections. A function's tables are decoded once for all its addresses (_PcTable)."""
+        entries, nfunc, funcs = self._entries, self._nfunc, self._funcs
+        bisect_right = bisect.bisect_right
+        out: list[tuple[int, int, int, int] | None] = []
+        add = out.append
+        for pc in pcs:
+            if pc is None:
+                add(None)
+                continue
+            i = bisect_right(entries, pc) - 1
+            if i < 0 or i >= nfunc or pc >= entries[i + 1]:
+                add(None)
+                continue
+            fn = funcs.get(i)
             if fn is None:
-                fn = self._func_record(i)
-            value = self._value
-            fileno = value(fn.file, pc)
-            line = value(fn.line, pc)
-            ix = value(fn.inl, pc)  # None when the function has no inline tree
-        except (GoPclnError, struct.error, IndexError):
-            return None
-        return (i, -1 if fileno is None else fileno, line or 0, -1 if ix is None else ix)
+                try:
+                    fn = self._func_record(i)
+                except (GoPclnError, struct.error, IndexError):
+                    add(None)
+                    continue
+                funcs = self._funcs  # a new dict once the bound is reached
+            # _value inline, for each table: no table, or past its end, is -1.
+            fileno = line = ix = -1
+            t = fn.file
+            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
+                fileno = t.values[j]
+            t = fn.line
+            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
+                line = t.values[j]
+            t = fn.inl  # None when the function has no inline tree
+            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
+                ix = t.values[j]
+            add((i, fileno, line if line > 0 else 0, ix))
+        return out
 
     def chain_at(self, key: tuple[int, int, int, int]) -> tuple[GoFrame, ...]:
         """The frames a `key` stands for, innermost first: () if they cannot be read."""
@@ -521,7 +544,7 @@ def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
     """The pc-value table at `pos` of `d` for a function starting at `entry`, decoded whole: pairs of
     varints (value delta, zigzag'd; pc delta) up to a value delta of 0 past the first pair. It ends
     early, keeping the runs before, at a damaged varint (past the data, or over 64 bits), at a value
-    or start PC past 64 bits, or after MAX_PCVALUE_STEPS runs."""
+    or start PC past 64 bits (then `cur` is that run's start), or after MAX_PCVALUE_STEPS runs."""
     starts = array("q")
     values = array("q")
     cur, val, size = entry, -1, len(d)
@@ -549,18 +572,14 @@ def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
                     pos += 1
                 else:
                     delta, pos = _uvarint(d, pos - 1, size)
-            if not (_I64_MIN <= val <= _I64_MAX and cur <= _I64_MAX):
-                break
-            values.append(val)
+            values.append(val)  # OverflowError past 64 bits
             starts.append(cur)
             cur += delta * quantum
     except (GoPclnError, IndexError):  # damaged
         pass
+    except OverflowError:  # a value or start PC past 64 bits: the table ends before its run
+        del values[len(starts) :]
     return _PcTable(starts, values, cur)
-
-
-_I64_MAX = (1 << 63) - 1
-_I64_MIN = -(1 << 63)
 
 
 # --- from an ELF file --------------------------------------------------------

@@ -478,10 +478,7 @@ class Resolver:
             v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
             vaddrs.append(v)
         if mod.go is not None and not (mod.dwarf_path and self.llvm is not None):
-            return [
-                self._go_user_frames(mod, mod.go, off, v)
-                for (off, _leaf), v in zip(todo, vaddrs, strict=True)
-            ]
+            return self._go_user_frames(mod, mod.go, todo, vaddrs)
         dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
         if mod.dwarf_path and self.llvm is not None:
             wanted = [i for i, v in enumerate(vaddrs) if v is not None]
@@ -496,23 +493,37 @@ class Resolver:
             out.append(frames if final or src is not None or v is None else _Uncached(frames))
         return out
 
-    def _go_user_frames(self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None) -> _Frames:
-        """A Go address's frames from its pclntab: one answer per key (function, file:line and
+    def _go_user_frames(
+        self, mod: _Module, go: GoPclnTab, todo: Sequence[tuple[int, bool]], vaddrs: list[int | None]
+    ) -> list[_Frames | _Uncached]:
+        """Go addresses' frames from the pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
-        key = go.key(vaddr) if vaddr is not None else None
-        got = mod.go_answers.get(key) if key is not None else None
-        if got is not None:
-            return got
+        answers = mod.go_answers
+        out: list[_Frames | _Uncached] = []
+        for (off, _leaf), vaddr, key in zip(todo, vaddrs, go.keys(vaddrs), strict=True):
+            got = answers.get(key) if key is not None else None
+            out.append(got if got is not None else self._go_answer(mod, go, off, vaddr, key))
+        return out
+
+    def _go_answer(
+        self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None, key: tuple[int, int, int, int] | None
+    ) -> _Frames:
         chain = go.chain_at(key) if key is not None else ()
         if not chain:
             return self._user_frames(mod, off, vaddr, None)
         # As _user_frames makes them from llvm's answer: root first (the function, then the calls
         # inlined into it, each marked so); Go's names are not mangled.
-        intern, name, unnamed = self._intern, mod.name, f"{mod.name}+0x{off:x}"
-        got = tuple(
-            intern(model.Frame(f.function or unnamed, name, _path(f.file), f.line, model.KIND_USER, inlined))
-            for f, inlined in zip(chain[::-1], _ROOT_FIRST, strict=False)
-        )
+        intern, name, user = self._intern, mod.name, model.KIND_USER
+        if len(chain) == 1:  # most addresses: no inlined call
+            f = chain[0]
+            got: _Frames = (
+                intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line)),
+            )
+        else:
+            got = tuple(
+                intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line, user, inl))
+                for f, inl in zip(chain[::-1], _ROOT_FIRST, strict=False)
+            )
         # Not kept when a frame is labelled by this address (an inlined call without a name).
         if len(mod.go_answers) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
             mod.go_answers[key] = got  # type: ignore[index]
