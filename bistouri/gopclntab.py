@@ -548,6 +548,7 @@ def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
     starts = array("q")
     values = array("q")
     cur, val, size = entry, -1, len(d)
+    add_start, add_value = starts.append, values.append
     try:
         # Most varints are one byte: read inline, the function only for longer ones; the end of
         # the data is the IndexError of a read past it. (One pass over a whole table in this loop
@@ -572,8 +573,8 @@ def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
                     pos += 1
                 else:
                     delta, pos = _uvarint(d, pos - 1, size)
-            values.append(val)  # OverflowError past 64 bits
-            starts.append(cur)
+            add_value(val)  # OverflowError past 64 bits
+            add_start(cur)
             cur += delta * quantum
     except (GoPclnError, IndexError):  # damaged
         pass

@@ -516,16 +516,18 @@ class Resolver:
         intern, name, user = self._intern, mod.name, model.KIND_USER
         if len(chain) == 1:  # most addresses: no inlined call
             f = chain[0]
+            named = bool(f.function)
             got: _Frames = (
                 intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line)),
             )
         else:
+            named = all(f.function for f in chain)
             got = tuple(
                 intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line, user, inl))
                 for f, inl in zip(chain[::-1], _ROOT_FIRST, strict=False)
             )
         # Not kept when a frame is labelled by this address (an inlined call without a name).
-        if len(mod.go_answers) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
+        if named and len(mod.go_answers) < MAX_NAMED_PER_MODULE:
             mod.go_answers[key] = got  # type: ignore[index]
         return got
 
