@@ -434,18 +434,19 @@ class GoPclnTab:
 
     def _frames(self, fn: _Func, fileno: int, line: int, ix: int) -> tuple[GoFrame, ...]:
         file = self._file(fn.cu, fileno)
-        out: list[GoFrame] = []
         tree = fn.tree
-        if tree is not None:
-            value, entry = self._value, fn.entry
-            at_ix: int | None = ix
-            while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
-                name, parent, parent_pc = tree.call(at_ix)
-                out.append(GoFrame(name, file, max(line, 0)))
-                at = entry + parent_pc
-                file = self._file(fn.cu, value(fn.file, at))
-                line = value(fn.line, at) or 0
-                at_ix = parent if parent is not None else value(fn.inl, at)
+        if tree is None or ix < 0:  # most addresses: no inlined call
+            return (GoFrame(fn.name, file, max(line, 0)),)
+        out: list[GoFrame] = []
+        value, entry = self._value, fn.entry
+        at_ix: int | None = ix
+        while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
+            name, parent, parent_pc = tree.call(at_ix)
+            out.append(GoFrame(name, file, max(line, 0)))
+            at = entry + parent_pc
+            file = self._file(fn.cu, value(fn.file, at))
+            line = value(fn.line, at) or 0
+            at_ix = parent if parent is not None else value(fn.inl, at)
         out.append(GoFrame(fn.name, file, max(line, 0)))
         return tuple(out)
 

@@ -328,8 +328,10 @@ def test_equal_keys_give_equal_frames() -> None:
     """What a caller keeps one answer per key for: the addresses of a key share its frames."""
     data, inl = build_table_bytes((1, 20))
     tab = GoPclnTab(data, TEXT, inl)
+    pcs = list(range(TEXT - 4, TEXT + 0x100))
+    assert tab.keys([None, *pcs]) == [None, *map(tab.key, pcs)]  # a batch as one at a time
     by_key: dict[tuple[int, int, int, int], set[tuple[GoFrame, ...]]] = {}
-    for pc in range(TEXT - 4, TEXT + 0x100):
+    for pc in pcs:
         key = tab.key(pc)
         assert (key is None) == (tab.chain(pc) == ())
         if key is not None:
