@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+import threading
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -79,18 +80,23 @@ class GoFrame(NamedTuple):
 
 
 class _PcTable:
-    """One pc-value table, decoded whole on first use and never again: the start PC and value of each
-    run (bisected), and the end of the last run. A function's addresses share its tables whatever
-    order they come in; a large function is never walked from its entry again (the walk per address
-    was most of the cost: one function of prometheus has 13 832 runs). Never changed once made:
-    concurrent lookups need no lock."""
+    """One pc-value table, decoded as far as lookups have needed and never twice: the start PC and
+    value of each run so far (bisected), where decoding stopped (byte, value, runs) and whether the
+    table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses share
+    its tables whatever order they come in; a large function is never walked from its entry again
+    (the walk per address was most of the cost: one function of prometheus has 13 832 runs), and a
+    function asked once is decoded only up to that address (most of prometheus' are)."""
 
-    __slots__ = ("end", "starts", "values")
+    __slots__ = ("done", "end", "pos", "starts", "steps", "val", "values")
 
-    def __init__(self, starts: array[int], values: array[int], end: int) -> None:
-        self.starts = starts
-        self.values = values
-        self.end = end  # runs cover [starts[0], end)
+    def __init__(self, pos: int, entry: int) -> None:
+        self.starts = array("q")
+        self.values = array("q")
+        self.pos = pos
+        self.end = entry  # runs cover [entry, end)
+        self.val = -1
+        self.steps = 0
+        self.done = False
 
 
 class _Func:
@@ -133,6 +139,7 @@ class GoPclnTab:
         "_funcs",
         "_held",
         "_inl",
+        "_lock",
         "_nfunc",
         "_pcln",
         "_pctab",
@@ -177,6 +184,7 @@ class GoPclnTab:
         self._funcs: dict[int, _Func] = {}
         self._files: dict[int, str] = {}
         self._held = 0  # runs decoded into self._funcs' tables
+        self._lock = threading.Lock()  # one thread decodes at a time (lookups may be concurrent)
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -284,17 +292,21 @@ class GoPclnTab:
         return i
 
     def _table(self, table: int, entry: int) -> _PcTable | None:
-        if not table:
-            return None
-        t = _decode(self._data, self._pctab + table, entry, self._quantum)
-        self._held += len(t.starts)
-        return t
+        return _PcTable(self._pctab + table, entry) if table else None
 
-    @staticmethod
-    def _value(t: _PcTable | None, pc: int) -> int | None:
+    def _value(self, t: _PcTable | None, pc: int) -> int | None:
         """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
-        if t is None or pc >= t.end:
+        if t is None:
             return None
+        if pc >= t.end:  # not decoded that far yet (else the one test on the way of most lookups)
+            if t.done:
+                return None
+            with self._lock:  # one thread decodes a table at a time
+                if not t.done and pc >= t.end:
+                    self._held += _decode(t, self._data, pc, self._quantum)
+            if pc >= t.end:
+                return None
+        # Runs are appended before t.end moves past them: a concurrent reader sees them all.
         i = bisect.bisect_right(t.starts, pc) - 1
         return t.values[i] if i >= 0 else None
 
@@ -359,44 +371,39 @@ class GoPclnTab:
         """What the frames of `pc` depend on: (function, file number, line, inline index), -1 for
         none; None if `pc` is in no function or its function's record is damaged. Equal keys give
         equal chains: a caller keeps one answer per key (most addresses share a line with others)."""
-        return self.keys((pc,))[0]
+        return next(self.keys((pc,)))
 
-    def keys(self, pcs: Iterable[int | None]) -> list[tuple[int, int, int, int] | None]:
+    def keys(self, pcs: Iterable[int | None]) -> Iterator[tuple[int, int, int, int] | None]:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
-        bisections. A function's tables are decoded once for all its addresses (_PcTable)."""
-        entries, nfunc, funcs = self._entries, self._nfunc, self._funcs
+        bisections. A function's tables are decoded once for all its addresses (_PcTable). One at a
+        time: the record of a key's function is still held when its chain is asked next."""
+        entries, nfunc = self._entries, self._nfunc
         bisect_right = bisect.bisect_right
-        out: list[tuple[int, int, int, int] | None] = []
-        add = out.append
         for pc in pcs:
             if pc is None:
-                add(None)
+                yield None
                 continue
             i = bisect_right(entries, pc) - 1
             if i < 0 or i >= nfunc or pc >= entries[i + 1]:
-                add(None)
+                yield None
                 continue
-            fn = funcs.get(i)
+            fn = self._funcs.get(i)
             if fn is None:
                 try:
                     fn = self._func_record(i)
                 except (GoPclnError, struct.error, IndexError):
-                    add(None)
+                    yield None
                     continue
-                funcs = self._funcs  # a new dict once the bound is reached
-            # _value inline, for each table: no table, or past its end, is -1.
-            fileno = line = ix = -1
-            t = fn.file
-            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
-                fileno = t.values[j]
-            t = fn.line
-            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
-                line = t.values[j]
-            t = fn.inl  # None when the function has no inline tree
-            if t is not None and pc < t.end and (j := bisect_right(t.starts, pc) - 1) >= 0:
-                ix = t.values[j]
-            add((i, fileno, line if line > 0 else 0, ix))
-        return out
+            value = self._value
+            fileno = value(fn.file, pc)
+            line = value(fn.line, pc)
+            ix = value(fn.inl, pc)  # None when the function has no inline tree
+            yield (
+                i,
+                -1 if fileno is None else fileno,
+                line if line and line > 0 else 0,
+                -1 if ix is None else ix,
+            )
 
     def chain_at(self, key: tuple[int, int, int, int]) -> tuple[GoFrame, ...]:
         """The frames a `key` stands for, innermost first: () if they cannot be read."""
@@ -411,7 +418,8 @@ class GoPclnTab:
 
     def _func_record(self, i: int) -> _Func:
         if len(self._funcs) >= MAX_HELD_FUNCS or self._held >= MAX_HELD_RUNS:
-            self._funcs, self._held = {}, 0  # a new dict: concurrent readers keep the old one
+            with self._lock:  # a plain new dict for concurrent readers; the old goes with its last one
+                self._funcs, self._held = {}, 0
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
@@ -541,29 +549,41 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
-    """The pc-value table at `pos` of `d` for a function starting at `entry`, decoded whole: pairs of
-    varints (value delta, zigzag'd; pc delta) up to a value delta of 0 past the first pair. It ends
-    early, keeping the runs before, at a damaged varint (past the data, or over 64 bits), at a value
-    or start PC past 64 bits (then `cur` is that run's start), or after MAX_PCVALUE_STEPS runs."""
-    starts = array("q")
-    values = array("q")
-    cur, val, size = entry, -1, len(d)
+# Runs decoded at least, once a table is asked past what it has: most tables are decoded whole by
+# the first lookup (a file or inline-index table has 6-9 runs on average, a line table 31), and a
+# long one takes few steps (each costs a call and the lock), not one per address beyond the last.
+_DECODE_AHEAD = 32
+
+
+def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
+    """Decode `t` on until a run covers `pc` (and _DECODE_AHEAD runs more were decoded) or the table
+    ends; the number of runs added. A table is
+    pairs of varints (value delta, zigzag'd; pc delta) up to a value delta of 0 past the first pair.
+    It ends early, keeping the runs before, at a damaged varint (past the data, or over 64 bits), at
+    a value or start PC past 64 bits (`end` is then that run's start), or after MAX_PCVALUE_STEPS
+    runs. Under GoPclnTab._lock."""
+    starts, values = t.starts, t.values
     add_start, add_value = starts.append, values.append
+    pos, cur, val, size, n0 = t.pos, t.end, t.val, len(d), len(starts)
+    step = t.steps
+    ahead = step + _DECODE_AHEAD
     try:
-        # Most varints are one byte: read inline, the function only for longer ones; the end of
-        # the data is the IndexError of a read past it. (One pass over a whole table in this loop
-        # costs a third of what cutting it out with a regular expression and summing in C did.)
-        for step in range(MAX_PCVALUE_STEPS):
+        # Most varints are one byte, most others two: read inline, the function only for longer
+        # ones; the end of the data is the IndexError of a read past it. (Cutting the varints out
+        # with a regular expression and summing them in C was slower on tables of these lengths.)
+        for step in range(t.steps, MAX_PCVALUE_STEPS):  # step: where it stopped
+            if cur > pc and step >= ahead:
+                break
             uv = d[pos]
             pos += 1
-            if uv >= 0x80:  # two bytes inline, longer ones by the function
+            if uv >= 0x80:
                 if d[pos] < 0x80:
                     uv = (uv & 0x7F) | d[pos] << 7
                     pos += 1
                 else:
                     uv, pos = _uvarint(d, pos - 1, size)
             if uv == 0 and step:
+                t.done = True
                 break
             val += (uv >> 1) ^ -(uv & 1)  # zigzag
             delta = d[pos]
@@ -577,11 +597,16 @@ def _decode(d: bytes, pos: int, entry: int, quantum: int) -> _PcTable:
             add_value(val)  # OverflowError past 64 bits
             add_start(cur)
             cur += delta * quantum
+        else:
+            t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
     except (GoPclnError, IndexError):  # damaged
-        pass
+        t.done = True
     except OverflowError:  # a value or start PC past 64 bits: the table ends before its run
+        t.done = True
         del values[len(starts) :]
-    return _PcTable(starts, values, cur)
+    t.pos, t.val, t.steps = pos, val, step
+    t.end = cur  # last: the runs it covers are in the arrays
+    return len(starts) - n0
 
 
 # --- from an ELF file --------------------------------------------------------

@@ -272,11 +272,13 @@ def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     t0 = time.process_time()
     assert tab._pcvalue(at - tab._pctab, TEXT, TEXT + 10**7) is None
     assert time.process_time() - t0 < 2.0
-    # Kept decoded: whole once, never past its bound, then only bisected.
+    # Kept decoded, it is decoded as far as asked (and a few runs more), and never past its bound.
     t = tab._table(at - tab._pctab, TEXT)
-    assert t is not None and len(t.starts) == len(t.values) == MAX_PCVALUE_STEPS
-    assert tab._value(t, TEXT + 5) == 5 and tab._value(t, TEXT + 3) == 3
-    assert tab._value(t, TEXT + 10**7) is None and t.end == TEXT + MAX_PCVALUE_STEPS
+    ahead = gopclntab._DECODE_AHEAD
+    assert tab._value(t, TEXT + 5) == 5 and t is not None and len(t.starts) == ahead
+    assert tab._value(t, TEXT + 3) == 3 and len(t.starts) == ahead  # bisected, not decoded again
+    assert tab._value(t, TEXT + ahead + 5) == ahead + 5 and len(t.starts) == 2 * ahead
+    assert tab._value(t, TEXT + 10**7) is None and t.done and len(t.starts) == MAX_PCVALUE_STEPS
 
 
 def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
@@ -301,8 +303,10 @@ def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
 
 @FUZZ
 @given(st.binary(max_size=96), st.lists(st.integers(0, 1 << 12), min_size=1, max_size=24))
-def test_fuzz_decoded_tables_answer_as_the_plain_walk(table: bytes, offsets: list[int]) -> None:
-    """Any bytes, any order of lookups: a table decoded once and bisected answers as the walk
+def test_fuzz_tables_decoded_as_far_as_asked_answer_as_the_plain_walk(
+    table: bytes, offsets: list[int]
+) -> None:
+    """Any bytes, any order of lookups: a table decoded in pieces and bisected answers as the walk
     from the entry, and never holds more runs than its bound."""
     data, inl = build_table_bytes((1, 18))
     tab = GoPclnTab(data + table, TEXT, inl)
@@ -329,7 +333,7 @@ def test_equal_keys_give_equal_frames() -> None:
     data, inl = build_table_bytes((1, 20))
     tab = GoPclnTab(data, TEXT, inl)
     pcs = list(range(TEXT - 4, TEXT + 0x100))
-    assert tab.keys([None, *pcs]) == [None, *map(tab.key, pcs)]  # a batch as one at a time
+    assert list(tab.keys([None, *pcs])) == [None, *map(tab.key, pcs)]  # a batch as one at a time
     by_key: dict[tuple[int, int, int, int], set[tuple[GoFrame, ...]]] = {}
     for pc in pcs:
         key = tab.key(pc)
@@ -345,13 +349,13 @@ def test_a_damaged_run_ends_its_table_and_keeps_the_runs_before_it() -> None:
     # Two runs, then a varint that never ends (the data's end): the two still answer.
     tab = GoPclnTab(data + b"\x02\x04\x02\x04" + b"\xff" * 12, TEXT, inl)
     t = tab._table(at - tab._pctab, TEXT)
-    assert tab._value(t, TEXT + 100) is None and t is not None and t.end == TEXT + 8
+    assert tab._value(t, TEXT + 100) is None and t is not None and t.done and t.end == TEXT + 8
     assert [tab._value(t, TEXT + pc) for pc in (0, 3, 4, 7)] == [0, 0, 1, 1]
     # A start PC past 64 bits: the table ends before it.
     big = b"\x02" + b"\xff" * 8 + b"\x7f" + b"\x02\x01\x00"
     tab = GoPclnTab(data + big, TEXT, inl)
     t = tab._table(at - tab._pctab, TEXT)
-    assert tab._value(t, TEXT + 2**64) is None and t is not None and t.end >= 2**63
+    assert tab._value(t, TEXT + 2**64) is None and t is not None and t.done and t.end >= 2**63
     assert len(t.starts) == len(t.values) == 1 and tab._value(t, TEXT) == 0
 
 
