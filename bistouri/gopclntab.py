@@ -27,9 +27,9 @@ import bisect
 import struct
 import threading
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
 
@@ -61,6 +61,8 @@ _FLAGS_116 = {
     "runtime.rt0_go": FLAG_TOPFRAME,
 }
 
+T = TypeVar("T")
+
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
 _NO_FUNCDATA = 0xFFFFFFFF
@@ -77,6 +79,10 @@ class GoFrame(NamedTuple):
     function: str
     file: str
     line: int
+
+
+def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
+    return GoFrame(function, file, line)
 
 
 class _PcTable:
@@ -367,13 +373,13 @@ class GoPclnTab:
         key = self.key(pc)
         return self.chain_at(key) if key is not None else ()
 
-    def key(self, pc: int) -> tuple[int, int, int, int] | None:
-        """What the frames of `pc` depend on: (function, file number, line, inline index), -1 for
-        none; None if `pc` is in no function or its function's record is damaged. Equal keys give
-        equal chains: a caller keeps one answer per key (most addresses share a line with others)."""
+    def key(self, pc: int) -> int | None:
+        """What the frames of `pc` depend on (function, file number, line, inline index: `_key`);
+        None if `pc` is in no function or its function's record is damaged. Equal keys give equal
+        chains: a caller keeps one answer per key (most addresses share a line with others)."""
         return next(self.keys((pc,)))
 
-    def keys(self, pcs: Iterable[int | None]) -> Iterator[tuple[int, int, int, int] | None]:
+    def keys(self, pcs: Iterable[int | None]) -> Iterator[int | None]:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
         bisections. A function's tables are decoded once for all its addresses (_PcTable). One at a
         time: the record of a key's function is still held when its chain is asked next."""
@@ -398,21 +404,27 @@ class GoPclnTab:
             fileno = value(fn.file, pc)
             line = value(fn.line, pc)
             ix = value(fn.inl, pc)  # None when the function has no inline tree
-            yield (
+            yield _key(
                 i,
                 -1 if fileno is None else fileno,
                 line if line and line > 0 else 0,
                 -1 if ix is None else ix,
             )
 
-    def chain_at(self, key: tuple[int, int, int, int]) -> tuple[GoFrame, ...]:
+    def chain_at(self, key: int) -> tuple[GoFrame, ...]:
         """The frames a `key` stands for, innermost first: () if they cannot be read."""
-        i, fileno, line, ix = key
+        return self.frames_at(key, _go_frame)[::-1]
+
+    def frames_at(self, key: int, make: Callable[[str, str, int, bool], T]) -> tuple[T, ...]:
+        """The frames a `key` stands for, root first (the function, then the calls inlined into it),
+        each made by `make(function, file, line, inlined)` (a caller's own frames: no GoFrame
+        made in between); () if they cannot be read."""
+        i, fileno, line, ix = _unkey(key)
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            return self._frames(fn, fileno, line, ix)
+            return self._frames(fn, fileno, line, ix, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
@@ -440,22 +452,25 @@ class GoPclnTab:
         self._funcs[i] = fn
         return fn
 
-    def _frames(self, fn: _Func, fileno: int, line: int, ix: int) -> tuple[GoFrame, ...]:
+    def _frames(
+        self, fn: _Func, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
+    ) -> tuple[T, ...]:
         file = self._file(fn.cu, fileno)
         tree = fn.tree
         if tree is None or ix < 0:  # most addresses: no inlined call
-            return (GoFrame(fn.name, file, max(line, 0)),)
-        out: list[GoFrame] = []
+            return (make(fn.name, file, max(line, 0), False),)
+        out: list[T] = []
         value, entry = self._value, fn.entry
         at_ix: int | None = ix
         while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
             name, parent, parent_pc = tree.call(at_ix)
-            out.append(GoFrame(name, file, max(line, 0)))
+            out.append(make(name, file, max(line, 0), True))
             at = entry + parent_pc
             file = self._file(fn.cu, value(fn.file, at))
             line = value(fn.line, at) or 0
             at_ix = parent if parent is not None else value(fn.inl, at)
-        out.append(GoFrame(fn.name, file, max(line, 0)))
+        out.append(make(fn.name, file, max(line, 0), False))
+        out.reverse()
         return tuple(out)
 
     def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> _Tree | None:
@@ -493,6 +508,23 @@ class GoPclnTab:
             names += name.encode()
         offs.append(len(names))
         return SymbolIndex(starts, ends, offs, bytes(names), ".gopclntab")
+
+
+# A key packs (function index, file number, line, inline index) in one int: an int is no object the
+# collector tracks, a tuple is (one per address: a third of the Go path's time was collections).
+# Fields of 64 bits (values are int64, -1 for none: offset by 2^63), the function's of 21
+# (MAX_FUNCS), the line (>= 0) on top.
+_OFFSET = 1 << 63
+_MASK64 = (1 << 64) - 1
+
+
+def _key(i: int, fileno: int, line: int, ix: int) -> int:
+    return i | (fileno + _OFFSET) << 21 | (ix + _OFFSET) << 85 | line << 149
+
+
+def _unkey(key: int) -> tuple[int, int, int, int]:
+    """(function index, file number, line, inline index) of a `_key`."""
+    return key & 0x1FFFFF, (key >> 21 & _MASK64) - _OFFSET, key >> 149, (key >> 85 & _MASK64) - _OFFSET
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ deployed later) gets a new generation, so stale names age out.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -28,7 +29,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -36,7 +37,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
-from ..gopclntab import MAX_INLINE_DEPTH, GoPclnTab, read_pclntab
+from ..gopclntab import GoPclnTab, read_pclntab
 from . import model
 from .demangle import demangle
 from .gunzip import GZIP_MAGIC, gunzip
@@ -54,7 +55,6 @@ DEFAULT_MAX_MODULES = 128
 # libc's is ~0.3 MB). Past it the least recently used modules are dropped.
 DEFAULT_MAX_MODULE_BYTES = 96 << 20
 MAX_NAMED_PER_MODULE = 20_000  # names-only results memoized per module
-_ROOT_FIRST = (False,) + (True,) * MAX_INLINE_DEPTH  # `inlined` of a Go chain's frames, root first
 _MODULE_OVERHEAD = 2048
 DEFAULT_RETRY_S = 30.0  # how long a module without debug info (or absent) is kept before looking again
 _EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
@@ -78,7 +78,7 @@ class _Module:
     # A Go binary without DWARF: names, file:line and inlined calls from its pclntab, and the
     # frames of each of its keys (GoPclnTab.key: the addresses of one line share them).
     go: GoPclnTab | None = None
-    go_answers: dict[tuple[int, int, int, int], _Frames] = field(default_factory=dict)
+    go_answers: dict[int, _Frames] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -499,37 +499,26 @@ class Resolver:
         """Go addresses' frames from the pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
         answers = mod.go_answers
+        make = functools.partial(self._go_frame, mod.name)
         out: list[_Frames | _Uncached] = []
         for (off, _leaf), vaddr, key in zip(todo, vaddrs, go.keys(vaddrs), strict=True):
             got = answers.get(key) if key is not None else None
-            out.append(got if got is not None else self._go_answer(mod, go, off, vaddr, key))
+            if got is None:
+                got = go.frames_at(key, make) if key is not None else ()
+                if not got:
+                    got = self._user_frames(mod, off, vaddr, None)
+                elif all(f.name for f in got) if len(got) > 1 else got[0].name:
+                    if len(answers) < MAX_NAMED_PER_MODULE:
+                        answers[key] = got  # type: ignore[index]  # not None: it has frames
+                else:  # an inlined call without a name: labelled by this address, not kept
+                    label = f"{mod.name}+0x{off:x}"
+                    got = tuple(f if f.name else self._intern(replace(f, name=label)) for f in got)
+            out.append(got)
         return out
 
-    def _go_answer(
-        self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None, key: tuple[int, int, int, int] | None
-    ) -> _Frames:
-        chain = go.chain_at(key) if key is not None else ()
-        if not chain:
-            return self._user_frames(mod, off, vaddr, None)
-        # As _user_frames makes them from llvm's answer: root first (the function, then the calls
-        # inlined into it, each marked so); Go's names are not mangled.
-        intern, name, user = self._intern, mod.name, model.KIND_USER
-        if len(chain) == 1:  # most addresses: no inlined call
-            f = chain[0]
-            named = bool(f.function)
-            got: _Frames = (
-                intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line)),
-            )
-        else:
-            named = all(f.function for f in chain)
-            got = tuple(
-                intern(model.Frame(f.function or f"{name}+0x{off:x}", name, _path(f.file), f.line, user, inl))
-                for f, inl in zip(chain[::-1], _ROOT_FIRST, strict=False)
-            )
-        # Not kept when a frame is labelled by this address (an inlined call without a name).
-        if named and len(mod.go_answers) < MAX_NAMED_PER_MODULE:
-            mod.go_answers[key] = got  # type: ignore[index]
-        return got
+    def _go_frame(self, module: str, function: str, file: str, line: int, inlined: bool) -> model.Frame:
+        # As _user_frames makes them from llvm's answer; Go's names are not mangled.
+        return self._intern(model.Frame(function, module, _path(file), line, model.KIND_USER, inlined))
 
     def gives_lines(self, mod: _Module) -> bool:
         """True when this module's frames carry file:line (DWARF with llvm-symbolizer, or Go's pclntab)."""

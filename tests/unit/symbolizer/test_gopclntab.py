@@ -334,7 +334,7 @@ def test_equal_keys_give_equal_frames() -> None:
     tab = GoPclnTab(data, TEXT, inl)
     pcs = list(range(TEXT - 4, TEXT + 0x100))
     assert list(tab.keys([None, *pcs])) == [None, *map(tab.key, pcs)]  # a batch as one at a time
-    by_key: dict[tuple[int, int, int, int], set[tuple[GoFrame, ...]]] = {}
+    by_key: dict[int, set[tuple[GoFrame, ...]]] = {}
     for pc in pcs:
         key = tab.key(pc)
         assert (key is None) == (tab.chain(pc) == ())
