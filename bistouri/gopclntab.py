@@ -511,9 +511,9 @@ class GoPclnTab:
 
 
 # A key packs (function index, file number, line, inline index) in one int: an int is no object the
-# collector tracks, a tuple is (one per address: a third of the Go path's time was collections).
-# Fields of 64 bits (values are int64, -1 for none: offset by 2^63), the function's of 21
-# (MAX_FUNCS), the line (>= 0) on top.
+# cyclic collector tracks, a tuple is (one per address; collections were a third of the Go path's
+# time). The function index in 21 bits (MAX_FUNCS), file number and inline index in 64 each (int64
+# values, -1 for none: offset by 2^63), the line (>= 0) on top.
 _OFFSET = 1 << 63
 _MASK64 = (1 << 64) - 1
 
@@ -588,12 +588,11 @@ _DECODE_AHEAD = 32
 
 
 def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
-    """Decode `t` on until a run covers `pc` (and _DECODE_AHEAD runs more were decoded) or the table
-    ends; the number of runs added. A table is
-    pairs of varints (value delta, zigzag'd; pc delta) up to a value delta of 0 past the first pair.
-    It ends early, keeping the runs before, at a damaged varint (past the data, or over 64 bits), at
-    a value or start PC past 64 bits (`end` is then that run's start), or after MAX_PCVALUE_STEPS
-    runs. Under GoPclnTab._lock."""
+    """Decode `t` on until a run covers `pc` and _DECODE_AHEAD runs were added, or the table ends;
+    the number of runs added. A table is pairs of varints (value delta, zigzag'd; pc delta) up to a
+    value delta of 0 past the first pair. It ends early, keeping the runs before, at a damaged
+    varint (past the data, or over 64 bits), at a value or start PC past 64 bits (`end` is then
+    that run's start), or after MAX_PCVALUE_STEPS runs. Under GoPclnTab._lock."""
     starts, values = t.starts, t.values
     add_start, add_value = starts.append, values.append
     pos, cur, val, size, n0 = t.pos, t.end, t.val, len(d), len(starts)

@@ -343,6 +343,18 @@ def test_equal_keys_give_equal_frames() -> None:
     assert by_key and all(len(chains) == 1 for chains in by_key.values())
 
 
+I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@given(st.integers(0, gopclntab.MAX_FUNCS), I64, st.integers(0, 2**63 - 1), I64)
+def test_a_key_holds_any_table_values(i: int, fileno: int, line: int, ix: int) -> None:
+    """Keys are one int each: any int64 a (hostile) table gives comes back, and unequal parts
+    never make equal keys."""
+    key = gopclntab._key(i, fileno, line, ix)
+    assert gopclntab._unkey(key) == (i, fileno, line, ix)
+    assert key != gopclntab._key(i, fileno, line, ix ^ 1)
+
+
 def test_a_damaged_run_ends_its_table_and_keeps_the_runs_before_it() -> None:
     data, inl = build_table_bytes((1, 18))
     at = len(data)
