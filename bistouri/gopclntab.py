@@ -383,7 +383,7 @@ class GoPclnTab:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
         bisections. A function's tables are decoded once for all its addresses (_PcTable). One at a
         time: the record of a key's function is still held when its chain is asked next."""
-        entries, nfunc = self._entries, self._nfunc
+        entries, nfunc, value = self._entries, self._nfunc, self._value
         bisect_right = bisect.bisect_right
         for pc in pcs:
             if pc is None:
@@ -400,7 +400,6 @@ class GoPclnTab:
                 except (GoPclnError, struct.error, IndexError):
                     yield None
                     continue
-            value = self._value
             fileno = value(fn.file, pc)
             line = value(fn.line, pc)
             ix = value(fn.inl, pc)  # None when the function has no inline tree
