@@ -27,9 +27,9 @@ import bisect
 import struct
 import threading
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
 
@@ -45,12 +45,12 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one loo
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each), functions' records
-# and answers (~0.3-0.5 KB each). Past any bound, all of it is dropped (only speed is lost): at most
-# ~30 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs).
+# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each) and functions'
+# records (~0.3-0.5 KB each). Past either bound, all of it is dropped (only speed is lost): at most
+# ~25 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs). Answers are the
+# caller's to keep (`key`).
 MAX_HELD_RUNS = 1 << 20
 MAX_HELD_FUNCS = 1 << 14
-MAX_HELD_ANSWERS = 1 << 16
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -60,6 +60,8 @@ _FLAGS_116 = {
     "runtime.mstart": FLAG_TOPFRAME,
     "runtime.rt0_go": FLAG_TOPFRAME,
 }
+
+T = TypeVar("T")
 
 _PCDATA_INLTREE_INDEX = 2
 _FUNCDATA_INLTREE = 3
@@ -79,20 +81,25 @@ class GoFrame(NamedTuple):
     line: int
 
 
+def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
+    return GoFrame(function, file, line)
+
+
 class _PcTable:
     """One pc-value table, decoded as far as lookups have needed and never twice: the start PC and
-    value of each run so far (bisected), where decoding stopped (byte, PC, value, runs), and whether
-    the table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses
-    share its tables whatever order they come in; a large function is never walked from its entry
-    again (the walk per address was most of the cost: one function of prometheus has 13 832 runs)."""
+    value of each run so far (bisected), where decoding stopped (byte, value, runs) and whether the
+    table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses share
+    its tables whatever order they come in; a large function is never walked from its entry again
+    (the walk per address was most of the cost: one function of prometheus has 13 832 runs), and a
+    function asked once is decoded only up to that address (most of prometheus' are)."""
 
-    __slots__ = ("done", "pc", "pos", "starts", "steps", "val", "values")
+    __slots__ = ("done", "end", "pos", "starts", "steps", "val", "values")
 
     def __init__(self, pos: int, entry: int) -> None:
         self.starts = array("q")
         self.values = array("q")
         self.pos = pos
-        self.pc = entry  # runs cover [entry, pc)
+        self.end = entry  # runs cover [entry, end)
         self.val = -1
         self.steps = 0
         self.done = False
@@ -127,7 +134,6 @@ class GoPclnTab:
     """A copy of one binary's pclntab (and the inline trees it points to), looked up by address."""
 
     __slots__ = (
-        "_answers",
         "_cutab",
         "_data",
         "_entries",
@@ -180,9 +186,8 @@ class GoPclnTab:
         self._ftab = pcln  # the function table opens the pcln area
         self._inl = inline
         # Kept between lookups (bounded by MAX_HELD_*, dropped whole): each function's record and
-        # tables, the frames of each (function, file, line, inline index), file names by CU slot.
+        # tables, file names by CU slot.
         self._funcs: dict[int, _Func] = {}
-        self._answers: dict[tuple[int, int, int, int], tuple[GoFrame, ...]] = {}
         self._files: dict[int, str] = {}
         self._held = 0  # runs decoded into self._funcs' tables
         self._lock = threading.Lock()  # one thread decodes at a time (lookups may be concurrent)
@@ -299,58 +304,17 @@ class GoPclnTab:
         """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
         if t is None:
             return None
-        if pc >= t.pc:  # not decoded that far yet (else the one test on the way of most lookups)
+        if pc >= t.end:  # not decoded that far yet (else the one test on the way of most lookups)
             if t.done:
                 return None
-            with self._lock:
-                self._extend(t, pc)
-            if pc >= t.pc:
+            with self._lock:  # one thread decodes a table at a time
+                if not t.done and pc >= t.end:
+                    self._held += _decode(t, self._data, pc, self._quantum)
+            if pc >= t.end:
                 return None
-        # Runs are appended before t.pc moves past them: a concurrent reader sees them all.
+        # Runs are appended before t.end moves past them: a concurrent reader sees them all.
         i = bisect.bisect_right(t.starts, pc) - 1
         return t.values[i] if i >= 0 else None
-
-    def _extend(self, t: _PcTable, pc: int) -> None:
-        """Decode `t` on until a run covers `pc` or the table ends. Under self._lock."""
-        if t.done or pc < t.pc:
-            return
-        d = self._data
-        end = len(d)
-        quantum = self._quantum
-        starts, values = t.starts, t.values
-        add_start, add_value = starts.append, values.append
-        pos, cur, val, first = t.pos, t.pc, t.val, t.steps
-        steps = first
-        n0 = len(starts)
-        try:
-            # Most varints are one byte: read inline, the function only for longer ones; the end
-            # of the data is the IndexError of a read past it.
-            for steps in range(first, MAX_PCVALUE_STEPS):  # steps: where it stopped
-                if cur > pc:
-                    break
-                uv = d[pos]
-                pos += 1
-                if uv >= 0x80:
-                    uv, pos = _uvarint(d, pos - 1, end)
-                if uv == 0 and steps:
-                    t.done = True
-                    break
-                val += (uv >> 1) ^ -(uv & 1)  # zigzag
-                delta = d[pos]
-                pos += 1
-                if delta >= 0x80:
-                    delta, pos = _uvarint(d, pos - 1, end)
-                add_value(val)
-                add_start(cur)
-                cur += delta * quantum
-            else:
-                t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
-        except (GoPclnError, IndexError, OverflowError):  # damaged, or a PC or value past 64 bits
-            t.done = True
-            del values[len(starts) :]  # a value whose start PC did not fit
-        t.pos, t.val, t.steps = pos, val, steps
-        t.pc = cur  # last: the runs it covers are in the arrays
-        self._held += len(starts) - n0
 
     def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
         """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
@@ -405,37 +369,68 @@ class GoPclnTab:
         return list(self.chain(pc))
 
     def chain(self, pc: int) -> tuple[GoFrame, ...]:
-        """`frames` as a tuple, shared by the addresses of one line of one inlined call: () if
-        unknown. A function's tables are decoded once for all its addresses (_PcTable)."""
-        i = bisect.bisect_right(self._entries, pc) - 1
-        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
-            return ()
+        """`frames` as a tuple (a dictionary key): () if unknown."""
+        key = self.key(pc)
+        return self.chain_at(key) if key is not None else ()
+
+    def key(self, pc: int) -> int | None:
+        """What the frames of `pc` depend on (function, file number, line, inline index: `_key`);
+        None if `pc` is in no function or its function's record is damaged. Equal keys give equal
+        chains: a caller keeps one answer per key (most addresses share a line with others)."""
+        return next(self.keys((pc,)))
+
+    def keys(self, pcs: Iterable[int | None]) -> Iterator[int | None]:
+        """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
+        bisections. A function's tables are decoded once for all its addresses (_PcTable). One at a
+        time: the record of a key's function is still held when its chain is asked next."""
+        entries, nfunc, value = self._entries, self._nfunc, self._value
+        bisect_right = bisect.bisect_right
+        for pc in pcs:
+            if pc is None:
+                yield None
+                continue
+            i = bisect_right(entries, pc) - 1
+            if i < 0 or i >= nfunc or pc >= entries[i + 1]:
+                yield None
+                continue
+            fn = self._funcs.get(i)
+            if fn is None:
+                try:
+                    fn = self._func_record(i)
+                except (GoPclnError, struct.error, IndexError):
+                    yield None
+                    continue
+            fileno = value(fn.file, pc)
+            line = value(fn.line, pc)
+            ix = value(fn.inl, pc)  # None when the function has no inline tree
+            yield _key(
+                i,
+                -1 if fileno is None else fileno,
+                line if line and line > 0 else 0,
+                -1 if ix is None else ix,
+            )
+
+    def chain_at(self, key: int) -> tuple[GoFrame, ...]:
+        """The frames a `key` stands for, innermost first: () if they cannot be read."""
+        return self.frames_at(key, _go_frame)[::-1]
+
+    def frames_at(self, key: int, make: Callable[[str, str, int, bool], T]) -> tuple[T, ...]:
+        """The frames a `key` stands for, root first (the function, then the calls inlined into it),
+        each made by `make(function, file, line, inlined)` (a caller's own frames: no GoFrame
+        made in between); () if they cannot be read."""
+        i, fileno, line, ix = _unkey(key)
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            value = self._value
-            fileno = value(fn.file, pc)
-            line = value(fn.line, pc) or 0
-            ix = value(fn.inl, pc) if fn.tree is not None else None
-            key = (i, -1 if fileno is None else fileno, line, -1 if ix is None else ix)
-            got = self._answers.get(key)
-            if got is None:
-                got = self._frames(fn, fileno, line, ix)
-                if len(self._answers) < MAX_HELD_ANSWERS:
-                    self._answers[key] = got
-            return got
+            return self._frames(fn, fileno, line, ix, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
     def _func_record(self, i: int) -> _Func:
-        if (
-            len(self._funcs) >= MAX_HELD_FUNCS
-            or self._held >= MAX_HELD_RUNS
-            or len(self._answers) >= MAX_HELD_ANSWERS
-        ):
+        if len(self._funcs) >= MAX_HELD_FUNCS or self._held >= MAX_HELD_RUNS:
             with self._lock:  # a plain new dict for concurrent readers; the old goes with its last one
-                self._funcs, self._answers, self._held = {}, {}, 0
+                self._funcs, self._held = {}, 0
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
@@ -456,21 +451,25 @@ class GoPclnTab:
         self._funcs[i] = fn
         return fn
 
-    def _frames(self, fn: _Func, fileno: int | None, line: int, ix: int | None) -> tuple[GoFrame, ...]:
+    def _frames(
+        self, fn: _Func, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
+    ) -> tuple[T, ...]:
         file = self._file(fn.cu, fileno)
-        out: list[GoFrame] = []
-        if fn.tree is not None:
-            entry = fn.entry
-            seen = 0
-            while ix is not None and ix >= 0 and seen < MAX_INLINE_DEPTH:
-                seen += 1
-                name, parent, parent_pc = fn.tree.call(ix)
-                out.append(GoFrame(name, file, max(line, 0)))
-                at = entry + parent_pc
-                file = self._file(fn.cu, self._value(fn.file, at))
-                line = self._value(fn.line, at) or 0
-                ix = parent if parent is not None else self._value(fn.inl, at)
-        out.append(GoFrame(fn.name, file, max(line, 0)))
+        tree = fn.tree
+        if tree is None or ix < 0:  # most addresses: no inlined call
+            return (make(fn.name, file, max(line, 0), False),)
+        out: list[T] = []
+        value, entry = self._value, fn.entry
+        at_ix: int | None = ix
+        while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
+            name, parent, parent_pc = tree.call(at_ix)
+            out.append(make(name, file, max(line, 0), True))
+            at = entry + parent_pc
+            file = self._file(fn.cu, value(fn.file, at))
+            line = value(fn.line, at) or 0
+            at_ix = parent if parent is not None else value(fn.inl, at)
+        out.append(make(fn.name, file, max(line, 0), False))
+        out.reverse()
         return tuple(out)
 
     def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> _Tree | None:
@@ -508,6 +507,23 @@ class GoPclnTab:
             names += name.encode()
         offs.append(len(names))
         return SymbolIndex(starts, ends, offs, bytes(names), ".gopclntab")
+
+
+# A key packs (function index, file number, line, inline index) in one int: an int is no object the
+# cyclic collector tracks, a tuple is (one per address; collections were a third of the Go path's
+# time). The function index in 21 bits (MAX_FUNCS), file number and inline index in 64 each (int64
+# values, -1 for none: offset by 2^63), the line (>= 0) on top.
+_OFFSET = 1 << 63
+_MASK64 = (1 << 64) - 1
+
+
+def _key(i: int, fileno: int, line: int, ix: int) -> int:
+    return i | (fileno + _OFFSET) << 21 | (ix + _OFFSET) << 85 | line << 149
+
+
+def _unkey(key: int) -> tuple[int, int, int, int]:
+    """(function index, file number, line, inline index) of a `_key`."""
+    return key & 0x1FFFFF, (key >> 21 & _MASK64) - _OFFSET, key >> 149, (key >> 85 & _MASK64) - _OFFSET
 
 
 @dataclass(frozen=True, slots=True)
@@ -562,6 +578,65 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         if b < 0x80:
             return v, pos
         shift += 7
+
+
+# Runs decoded at least, once a table is asked past what it has: most tables are decoded whole by
+# the first lookup (a file or inline-index table has 6-9 runs on average, a line table 31), and a
+# long one takes few steps (each costs a call and the lock), not one per address beyond the last.
+_DECODE_AHEAD = 32
+
+
+def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
+    """Decode `t` on until a run covers `pc` and _DECODE_AHEAD runs were added, or the table ends;
+    the number of runs added. A table is pairs of varints (value delta, zigzag'd; pc delta) up to a
+    value delta of 0 past the first pair. It ends early, keeping the runs before, at a damaged
+    varint (past the data, or over 64 bits), at a value or start PC past 64 bits (`end` is then
+    that run's start), or after MAX_PCVALUE_STEPS runs. Under GoPclnTab._lock."""
+    starts, values = t.starts, t.values
+    add_start, add_value = starts.append, values.append
+    pos, cur, val, size, n0 = t.pos, t.end, t.val, len(d), len(starts)
+    step = t.steps
+    ahead = step + _DECODE_AHEAD
+    try:
+        # Most varints are one byte, most others two: read inline, the function only for longer
+        # ones; the end of the data is the IndexError of a read past it. (Cutting the varints out
+        # with a regular expression and summing them in C was slower on tables of these lengths.)
+        for step in range(t.steps, MAX_PCVALUE_STEPS):  # step: where it stopped
+            if cur > pc and step >= ahead:
+                break
+            uv = d[pos]
+            pos += 1
+            if uv >= 0x80:
+                if d[pos] < 0x80:
+                    uv = (uv & 0x7F) | d[pos] << 7
+                    pos += 1
+                else:
+                    uv, pos = _uvarint(d, pos - 1, size)
+            if uv == 0 and step:
+                t.done = True
+                break
+            val += (uv >> 1) ^ -(uv & 1)  # zigzag
+            delta = d[pos]
+            pos += 1
+            if delta >= 0x80:
+                if d[pos] < 0x80:
+                    delta = (delta & 0x7F) | d[pos] << 7
+                    pos += 1
+                else:
+                    delta, pos = _uvarint(d, pos - 1, size)
+            add_value(val)  # OverflowError past 64 bits
+            add_start(cur)
+            cur += delta * quantum
+        else:
+            t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
+    except (GoPclnError, IndexError):  # damaged
+        t.done = True
+    except OverflowError:  # a value or start PC past 64 bits: the table ends before its run
+        t.done = True
+        del values[len(starts) :]
+    t.pos, t.val, t.steps = pos, val, step
+    t.end = cur  # last: the runs it covers are in the arrays
+    return len(starts) - n0
 
 
 # --- from an ELF file --------------------------------------------------------

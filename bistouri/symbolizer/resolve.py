@@ -20,6 +20,7 @@ deployed later) gets a new generation, so stale names age out.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -28,7 +29,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
@@ -36,7 +37,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from .. import wire
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
-from ..gopclntab import GoFrame, GoPclnTab, read_pclntab
+from ..gopclntab import GoPclnTab, read_pclntab
 from . import model
 from .demangle import demangle
 from .gunzip import GZIP_MAGIC, gunzip
@@ -75,9 +76,9 @@ class _Module:
     loaded_at: float
     named: dict[str, _Frames] = field(default_factory=dict)  # names-only result per symbol
     # A Go binary without DWARF: names, file:line and inlined calls from its pclntab, and the
-    # frames of each chain it gave (the addresses of one line share them).
+    # frames of each of its keys (GoPclnTab.key: the addresses of one line share them).
     go: GoPclnTab | None = None
-    go_chains: dict[tuple[GoFrame, ...], _Frames] = field(default_factory=dict)
+    go_answers: dict[int, _Frames] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -442,11 +443,9 @@ class Resolver:
                 del self._kernels[key]
 
     def _intern(self, f: model.Frame) -> model.Frame:
-        got = self._interned.get(f)
-        if got is None:
-            if len(self._interned) >= self.cache_entries:
-                self._interned = {VDSO: VDSO}  # only sharing is lost
-            got = self._interned[f] = f
+        got = self._interned.setdefault(f, f)  # one hash: a Frame's is computed in Python
+        if got is f and len(self._interned) > self.cache_entries:
+            self._interned = {VDSO: VDSO, f: f}  # only sharing is lost
         return got
 
     # --- result cache ----------------------------------------------------------
@@ -479,10 +478,7 @@ class Resolver:
             v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
             vaddrs.append(v)
         if mod.go is not None and not (mod.dwarf_path and self.llvm is not None):
-            return [
-                self._go_user_frames(mod, mod.go, off, v)
-                for (off, _leaf), v in zip(todo, vaddrs, strict=True)
-            ]
+            return self._go_user_frames(mod, mod.go, todo, vaddrs)
         dwarf: list[list[SourceFrame] | None] = [None] * len(todo)
         if mod.dwarf_path and self.llvm is not None:
             wanted = [i for i, v in enumerate(vaddrs) if v is not None]
@@ -497,33 +493,32 @@ class Resolver:
             out.append(frames if final or src is not None or v is None else _Uncached(frames))
         return out
 
-    def _go_user_frames(self, mod: _Module, go: GoPclnTab, off: int, vaddr: int | None) -> _Frames:
-        """A Go address's frames from its pclntab: one answer per chain (function, file:line and
+    def _go_user_frames(
+        self, mod: _Module, go: GoPclnTab, todo: Sequence[tuple[int, bool]], vaddrs: list[int | None]
+    ) -> list[_Frames | _Uncached]:
+        """Go addresses' frames from the pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
-        chain = go.chain(vaddr) if vaddr is not None else ()
-        if not chain:
-            return self._user_frames(mod, off, vaddr, None)
-        got = mod.go_chains.get(chain)
-        if got is None:
-            # As _user_frames makes them from llvm's answer, root first; Go's names are not mangled.
-            last = len(chain) - 1
-            got = tuple(
-                self._intern(
-                    model.Frame(
-                        f.function or f"{mod.name}+0x{off:x}",
-                        mod.name,
-                        _path(f.file),
-                        f.line,
-                        model.KIND_USER,
-                        i != last,
-                    )
-                )
-                for i, f in reversed(list(enumerate(chain)))
-            )
-            # Not kept when a frame is labelled by this address (an inlined call without a name).
-            if len(mod.go_chains) < MAX_NAMED_PER_MODULE and all(f.function for f in chain):
-                mod.go_chains[chain] = got
-        return got
+        answers = mod.go_answers
+        make = functools.partial(self._go_frame, mod.name)
+        out: list[_Frames | _Uncached] = []
+        for (off, _leaf), vaddr, key in zip(todo, vaddrs, go.keys(vaddrs), strict=True):
+            got = answers.get(key) if key is not None else None
+            if got is None:
+                got = go.frames_at(key, make) if key is not None else ()
+                if not got:
+                    got = self._user_frames(mod, off, vaddr, None)
+                elif all(f.name for f in got) if len(got) > 1 else got[0].name:
+                    if len(answers) < MAX_NAMED_PER_MODULE:
+                        answers[key] = got  # type: ignore[index]  # not None: it has frames
+                else:  # an inlined call without a name: labelled by this address, not kept
+                    label = f"{mod.name}+0x{off:x}"
+                    got = tuple(f if f.name else self._intern(replace(f, name=label)) for f in got)
+            out.append(got)
+        return out
+
+    def _go_frame(self, module: str, function: str, file: str, line: int, inlined: bool) -> model.Frame:
+        # As _user_frames makes them from llvm's answer; Go's names are not mangled.
+        return self._intern(model.Frame(function, module, _path(file), line, model.KIND_USER, inlined))
 
     def gives_lines(self, mod: _Module) -> bool:
         """True when this module's frames carry file:line (DWARF with llvm-symbolizer, or Go's pclntab)."""
