@@ -135,6 +135,9 @@ class Profiler:
         self.raw = RawStacks()
         self._raw_ready: set[int] = set()
         self._raw_filters: dict[int, int] = {}  # pid -> its filter value, while it asks for copies
+        # sampler_first: False until attach_rest(), when the table walk has taken over. Until then a
+        # sample is walked by frame pointers even once its tables are in: it keeps asking for copies.
+        self._walk_attached = True
         self._raw_rules: dict[int, MappedRules] = {}  # the ring thread's, for one drain
 
     # -- lifecycle --------------------------------------------------------------
@@ -157,6 +160,7 @@ class Profiler:
         # sampler_first's first object has not read them (LoadedObject.kernel): its companion has
         # (attach_rest), or will.
         self.kernel_features = kernel_features() if loaded.pending else loaded.kernel
+        self._walk_attached = not loaded.pending
         if o.unwind_rows:
             self.unwind = UnwindTables(
                 obj.maps,
@@ -211,6 +215,10 @@ class Profiler:
         self._companion_obj = loaded.obj
         self.kernel_features = loaded.kernel  # the companion's programs are the ones chosen for it
         self._attach(loaded)
+        with self._filter_lock:
+            self._walk_attached = True
+            for pid in self._raw_ready & self._raw_filters.keys():  # tables in before the walk was
+                self._stop_raw_copies(pid)
         log.info(
             "BPF programs attached. programs=%s sampler=%s", ",".join(loaded.programs), loaded.handoff or "-"
         )
@@ -323,11 +331,16 @@ class Profiler:
         """The unwind thread published every table of `pid`: its samples need no more raw copies, and
         those held are walked at the next drain."""
         with self._filter_lock:
-            flags = self._raw_filters.pop(pid, None)
-            if flags is not None and pid in self._filtered and self._obj is not None:
-                value = flags & ~abi.FilterFlags.RAW_STACK
-                self._obj.maps["pid_filter"].update(struct.pack("<I", pid), struct.pack("<I", value))
-        self._raw_ready.add(pid)
+            if self._walk_attached:  # else attach_rest() stops them: the first sampler cannot walk
+                self._stop_raw_copies(pid)
+            self._raw_ready.add(pid)  # under the lock: attach_rest() sees it, or stops them here
+
+    def _stop_raw_copies(self, pid: int) -> None:
+        """Under _filter_lock: `pid`'s samples are walked in BPF from now on, no copy."""
+        flags = self._raw_filters.pop(pid, None)
+        if flags is not None and pid in self._filtered and self._obj is not None:
+            value = flags & ~abi.FilterFlags.RAW_STACK
+            self._obj.maps["pid_filter"].update(struct.pack("<I", pid), struct.pack("<I", value))
 
     def wait_raw_stacks(self, timeout: float) -> bool:
         """With raw stack copies held: wait up to `timeout` for the tables they wait for (the next
