@@ -41,7 +41,7 @@ from .events import PY_FRAME_BYTES, StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .flight import FlightRecorder
 from .jitnote import jit_notes
-from .metrics import CaptureMetrics
+from .metrics import CaptureMetrics, Discarded
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class SessionCapture:
         self,
         pid_filter: Sampler,
         sink: SessionSink,
-        metrics: CaptureMetrics,
+        metrics: CaptureMetrics | Discarded,
         kernel: KernelMeta,
         *,
         tenant: str,

@@ -524,7 +524,7 @@ def _capture(
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from .. import wire
     from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
-    from ..capture.metrics import CaptureMetrics
+    from ..capture.metrics import Discarded
     from ..capture.sessions import SessionCapture
     from ..host.cgroupfs import find_mounts
 
@@ -533,7 +533,7 @@ def _capture(
     sessions = SessionCapture(
         profiler,
         _NoSink(),
-        CaptureMetrics(registry=None),
+        Discarded(),  # record reports no metric
         _kernel_meta(args.proc_path),
         tenant="",
         host=os.uname().nodename,

@@ -138,3 +138,16 @@ def test_the_wire_format_pulls_in_neither_yaml_nor_the_agent() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"import bistouri.wire also imports: {out.strip()}"
+
+
+def test_records_capture_path_imports_neither_prometheus_nor_hashlib() -> None:
+    # What `record` imports until its capture ends counts in its peak RSS: prometheus_client is ~75
+    # modules and ~5.6 MB (record keeps no metric: capture.metrics.Discarded), hashlib maps libcrypto
+    # (~3.4 MB).
+    code = (
+        "import sys, bistouri.cli, bistouri.record.command, bistouri.capture.profiler, "
+        "bistouri.capture.sessions, bistouri.capture.episode, bistouri.capture.metrics, bistouri.wire\n"
+        "print(' '.join(sorted(m for m in ('prometheus_client', 'hashlib', '_hashlib') if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "", f"record's capture path imports: {out.strip()}"
