@@ -2,7 +2,7 @@
 
 Declared here, below the agent, so that sessions.py needs no agent module; the agent's metrics
 (agent/metrics.py) extend this class with their own, and `bistouri record` counts nothing
-(`Discarded`). docs/metrics.csv is the catalogue.
+(bistouri.discard). docs/metrics.csv is the catalogue.
 """
 
 from __future__ import annotations
@@ -82,32 +82,3 @@ class CaptureMetrics:
             buckets=(1, 10, 50, 100, 500, 1000, 5000, 20000),
             registry=r,
         )
-
-
-class _Discard:
-    """An update nobody reads: any label, any value."""
-
-    def labels(self, *values: str) -> _Discard:
-        return self
-
-    def inc(self, amount: float = 1) -> None:
-        pass
-
-    def dec(self, amount: float = 1) -> None:
-        pass
-
-    def set(self, value: float) -> None:
-        pass
-
-    def observe(self, value: float) -> None:
-        pass
-
-
-class Discarded:
-    """CaptureMetrics' attributes, every update dropped: for `record`, which reports none."""
-
-    def __getattr__(self, name: str) -> _Discard:
-        return _DISCARD
-
-
-_DISCARD = _Discard()

@@ -33,6 +33,7 @@ from .. import wire
 from ..bpf import abi
 from ..cpython.processes import PythonFrame
 from ..cpython.splice import EvalLoop, splice
+from ..discard import Discarded
 from ..host import cgroupnames
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
@@ -41,7 +42,7 @@ from .events import PY_FRAME_BYTES, StackSample, split_stacks
 from .flight import DEFAULT_MAX_BYTES as DEFAULT_RECORDER_BYTES
 from .flight import FlightRecorder
 from .jitnote import jit_notes
-from .metrics import CaptureMetrics, Discarded
+from .metrics import CaptureMetrics
 
 log = logging.getLogger(__name__)
 

@@ -524,8 +524,8 @@ def _capture(
     # Sampling runs: what follows may take its time (imports, /proc reads).
     from .. import wire
     from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
-    from ..capture.metrics import Discarded
     from ..capture.sessions import SessionCapture
+    from ..discard import Discarded
     from ..host.cgroupfs import find_mounts
 
     child = targets.child
