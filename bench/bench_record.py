@@ -305,16 +305,25 @@ def baseline_tree(ref: str, work: Path) -> Path:
 
 
 def startup_runs(
-    n: int, work: Path, cache: Path, freq: int, have_perf: bool, have_bpftrace: bool
+    n: int,
+    work: Path,
+    cache: Path,
+    freq: int,
+    have_perf: bool,
+    have_bpftrace: bool,
+    before: Path | None = None,
 ) -> dict[str, list[float]]:
     """Launch -> first sample of `n` short (1 s) runs of each tool, interleaved: start-up needs
     many repetitions more than long captures."""
-    out: dict[str, list[float]] = {"bistouri": [], "perf": [], "bpftrace": []}
-    workload = subprocess.Popen([str(SHARES), str(n * 12 + 10)])
+    out: dict[str, list[float]] = {"bistouri": [], "bistouri_before": [], "perf": [], "bpftrace": []}
+    workload = subprocess.Popen([str(SHARES), str(n * 16 + 10)])
     try:
         time.sleep(0.5)
         for _ in range(n):
             out["bistouri"].append(run_bistouri(workload.pid, 1, freq, cache, work)["first_sample_ms"])
+            if before is not None:
+                r = run_bistouri(workload.pid, 1, freq, cache.with_name(cache.name + "-before"), work, before)
+                out["bistouri_before"].append(r["first_sample_ms"])
             if have_perf:
                 out["perf"].append(run_perf(workload.pid, 1, freq, work)["first_sample_ms"])
             if have_bpftrace:
@@ -390,6 +399,8 @@ def table(tools_results: dict, starts: dict[str, list[float]], with_shares: bool
     ]
     if starts:
         base = {
+            "bistouri_cold_before": "bistouri_before",
+            "bistouri_warm_before": "bistouri_before",
             "bistouri_cold": "bistouri",
             "bistouri_warm": "bistouri",
             "perf": "perf",
@@ -465,7 +476,8 @@ def rounds_of(
 ) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {"bistouri_cold": [], "bistouri_warm": []}
     for rnd in range(args.rounds):
-        workload = subprocess.Popen(WORKLOADS[name](args.seconds * 8 + 20))
+        # Killed after the round: long enough for every tool even when bpftrace takes 25 s on node.
+        workload = subprocess.Popen(WORKLOADS[name](args.seconds * 12 + 120))
         try:
             time.sleep(0.5)
             cold_cache = work / f"cache-cold-{name}-{rnd}"
@@ -554,7 +566,7 @@ def main() -> int:
             starts = {}
             if name == "shares" and args.startup_runs:
                 starts = startup_runs(
-                    args.startup_runs, work, warm_cache, args.freq, have_perf, have_bpftrace
+                    args.startup_runs, work, warm_cache, args.freq, have_perf, have_bpftrace, args.before_tree
                 )
             results["workloads"][name] = {
                 "tools": {step: median_of(r) for step, r in runs.items() if r},

@@ -1,6 +1,6 @@
 """The layers contract: which package of bistouri may import which (docs/architecture.md, "Layers").
 
-Low to high: the base modules (atomicfile, errors, logtext, pressure, threads) -> elf, wire -> bpf,
+Low to high: the base modules (atomicfile, discard, errors, logtext, pressure, threads) -> elf, wire -> bpf,
 host -> unwind, cpython -> capture -> agent, record. The symbolizer library sits on the base, elf and wire
 only; its service on the library too. Only the command line (cli, __main__) sees everything. Every import
 counts: module level, inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
