@@ -476,8 +476,8 @@ def rounds_of(
 ) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {"bistouri_cold": [], "bistouri_warm": []}
     for rnd in range(args.rounds):
-        # Killed after the round: long enough for every tool even when bpftrace takes 25 s on node.
-        workload = subprocess.Popen(WORKLOADS[name](args.seconds * 12 + 120))
+        # Killed after the round: never gone before it (bpftrace took 25-128 s a run on node).
+        workload = subprocess.Popen(WORKLOADS[name](3600))
         try:
             time.sleep(0.5)
             cold_cache = work / f"cache-cold-{name}-{rnd}"
@@ -573,6 +573,8 @@ def main() -> int:
                 "startup_ms": {step: sorted(ms) for step, ms in starts.items()},
                 "runs": runs,
             }
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=2))  # each workload's as it is done
     results["load_average_1min"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
