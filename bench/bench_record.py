@@ -83,15 +83,22 @@ DOC_END = "<!-- bench_record: end -->"
 # tree and the virtualenv's site-packages, without the editable install's import hook, which costs
 # ~9 ms of start-up an installed package has not), then the distribution's site directories.
 SITE_PACKAGES = next((ROOT / ".venv/lib").glob("python3*/site-packages"), ROOT)
-LAUNCHER = [
-    "/usr/bin/python3",
-    "-I",
-    "-S",
-    "-c",
-    f"import site, sys; sys.path[:0] = [{str(ROOT)!r}, {str(SITE_PACKAGES)!r}]; "
-    "sys.path.extend(p for p in site.getsitepackages() if p not in sys.path); "
-    "from bistouri.cli import main; sys.exit(main())",
-]
+
+
+def launcher(tree: Path) -> list[str]:
+    """bistouri of the source tree `tree` (its `bistouri` package), started as installed."""
+    return [
+        "/usr/bin/python3",
+        "-I",
+        "-S",
+        "-c",
+        f"import site, sys; sys.path[:0] = [{str(tree)!r}, {str(SITE_PACKAGES)!r}]; "
+        "sys.path.extend(p for p in site.getsitepackages() if p not in sys.path); "
+        "from bistouri.cli import main; sys.exit(main())",
+    ]
+
+
+LAUNCHER = launcher(ROOT)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -170,9 +177,9 @@ def shares_of(leaves: Counter) -> dict[str, float]:
     return {f: 100 * leaves[f] / total for f in FUNCTIONS}
 
 
-def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path) -> dict:
+def run_bistouri(pid: int, seconds: float, freq: int, cache: Path, work: Path, tree: Path = ROOT) -> dict:
     out = work / f"bistouri-{time.monotonic_ns()}"
-    argv = [*LAUNCHER, "record", "--pid", str(pid), "-d", str(seconds)]
+    argv = [*launcher(tree), "record", "--pid", str(pid), "-d", str(seconds)]
     argv += ["-F", str(freq), "-o", str(out), "--format", "folded,summary", "--cache-dir", str(cache)]
     err = work / "bistouri.err"
     with open(err, "w") as f:
@@ -276,23 +283,47 @@ def run_bpftrace(pid: int, seconds: float, freq: int, work: Path) -> dict:
     }
 
 
-def compile_bytecode() -> None:
+def compile_bytecode(tree: Path = ROOT) -> None:
     """bistouri's bytecode, as an installed package has it (in isolated mode the interpreter writes
     it into the source tree's __pycache__, whatever PYTHONDONTWRITEBYTECODE says)."""
-    subprocess.run([*LAUNCHER[:2], "-m", "compileall", "-q", str(ROOT / "bistouri")], check=True)
+    subprocess.run([*LAUNCHER[:2], "-m", "compileall", "-q", str(tree / "bistouri")], check=True)
+
+
+def baseline_tree(ref: str, work: Path) -> Path:
+    """The `bistouri` package of commit `ref` of this repository, beside this one's BPF objects (built,
+    not in git): what `--before` measures in the same rounds as this tree."""
+    tree = work / "before"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "bistouri"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    objects = ROOT / "bistouri/bpf/_bpfobj"
+    shutil.copytree(objects, tree / "bistouri/bpf/_bpfobj", dirs_exist_ok=True)
+    compile_bytecode(tree)
+    return tree
 
 
 def startup_runs(
-    n: int, work: Path, cache: Path, freq: int, have_perf: bool, have_bpftrace: bool
+    n: int,
+    work: Path,
+    cache: Path,
+    freq: int,
+    have_perf: bool,
+    have_bpftrace: bool,
+    before: Path | None = None,
 ) -> dict[str, list[float]]:
     """Launch -> first sample of `n` short (1 s) runs of each tool, interleaved: start-up needs
     many repetitions more than long captures."""
-    out: dict[str, list[float]] = {"bistouri": [], "perf": [], "bpftrace": []}
-    workload = subprocess.Popen([str(SHARES), str(n * 12 + 10)])
+    out: dict[str, list[float]] = {"bistouri": [], "bistouri_before": [], "perf": [], "bpftrace": []}
+    workload = subprocess.Popen([str(SHARES), str(n * 16 + 10)])
     try:
         time.sleep(0.5)
         for _ in range(n):
             out["bistouri"].append(run_bistouri(workload.pid, 1, freq, cache, work)["first_sample_ms"])
+            if before is not None:
+                r = run_bistouri(workload.pid, 1, freq, cache.with_name(cache.name + "-before"), work, before)
+                out["bistouri_before"].append(r["first_sample_ms"])
             if have_perf:
                 out["perf"].append(run_perf(workload.pid, 1, freq, work)["first_sample_ms"])
             if have_bpftrace:
@@ -303,14 +334,14 @@ def startup_runs(
     return {k: v for k, v in out.items() if v}
 
 
-def warm_up(work: Path, cache: Path, freq: int, workloads: list[str]) -> None:
+def warm_up(work: Path, cache: Path, freq: int, workloads: list[str], tree: Path = ROOT) -> None:
     """One unmeasured run per workload into `cache`: the standard library's bytecode lands in the
     private pycache prefix too, and the binaries are seen once."""
     for name in workloads:
         workload = subprocess.Popen(WORKLOADS[name](10))
         try:
             time.sleep(0.5)
-            run_bistouri(workload.pid, 2, freq, cache, work)
+            run_bistouri(workload.pid, 2, freq, cache, work, tree)
         finally:
             workload.kill()
             workload.wait()
@@ -329,6 +360,8 @@ def median_of(runs: list[dict]) -> dict:
 
 
 NAMES = {
+    "bistouri_cold_before": "bistouri record before (first run)",
+    "bistouri_warm_before": "bistouri record before (seen before)",
     "bistouri_cold": "bistouri record (first run)",
     "bistouri_warm": "bistouri record (seen before)",
     "perf": "perf record + perf script",
@@ -366,6 +399,8 @@ def table(tools_results: dict, starts: dict[str, list[float]], with_shares: bool
     ]
     if starts:
         base = {
+            "bistouri_cold_before": "bistouri_before",
+            "bistouri_warm_before": "bistouri_before",
             "bistouri_cold": "bistouri",
             "bistouri_warm": "bistouri",
             "perf": "perf",
@@ -373,7 +408,7 @@ def table(tools_results: dict, starts: dict[str, list[float]], with_shares: bool
         }
         cells = []
         for t in tools:
-            ms = starts.get(base[t], [])
+            ms = starts.get(base.get(t, ""), [])
             cells.append(f"**{statistics.median(ms):.0f}** (min {min(ms):.0f})" if ms else "-")
         n = len(next(iter(starts.values())))
         lines.append(f"| launch → first sample, {n} short runs (ms) | " + " | ".join(cells) + " |")
@@ -425,8 +460,9 @@ def write_docs(results: dict) -> None:
         f"{results['rounds']} interleaved rounds (order rotated) of {results['seconds']:g} s "
         f"at {results['freq_hz']} Hz per workload "
         f"(median, min-max), {time.strftime('%Y-%m-%d')}, load average "
-        f"{results['load_average_1min']:.1f} at the end (2 vCPUs).\n"
-        f"{DOC_END}"
+        f"{results['load_average_1min']:.1f} at the end (2 vCPUs)"
+        + (f'; "before": commit {results["before"]}, in the same rounds' if results.get("before") else "")
+        + f".\n{DOC_END}"
     )
     if DOC_START in text:
         text = re.sub(re.escape(DOC_START) + ".*?" + re.escape(DOC_END), lambda _m: block, text, flags=re.S)
@@ -440,11 +476,13 @@ def rounds_of(
 ) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {"bistouri_cold": [], "bistouri_warm": []}
     for rnd in range(args.rounds):
-        workload = subprocess.Popen(WORKLOADS[name](args.seconds * 8 + 20))
+        # Killed after the round: never gone before it (bpftrace took 25-128 s a run on node).
+        workload = subprocess.Popen(WORKLOADS[name](3600))
         try:
             time.sleep(0.5)
             cold_cache = work / f"cache-cold-{name}-{rnd}"
             steps = ["bistouri_cold", "bistouri_warm"]
+            steps += ["bistouri_cold_before", "bistouri_warm_before"] if args.before_tree else []
             steps += ["perf"] if have_perf else []
             steps += ["bpftrace"] if have_bpftrace else []
             # Rotated each round: a tool run right after another one's exit (bpftrace detaching
@@ -452,8 +490,12 @@ def rounds_of(
             steps = steps[rnd % len(steps) :] + steps[: rnd % len(steps)]
             for step in steps:
                 if step.startswith("bistouri"):
-                    cache = cold_cache if step == "bistouri_cold" else warm_cache
-                    r = run_bistouri(workload.pid, args.seconds, args.freq, cache, work)
+                    before = step.endswith("_before")
+                    cache = cold_cache if step.startswith("bistouri_cold") else warm_cache
+                    if before:  # its own cache: each version's warm runs read what it wrote
+                        cache = cache.with_name(cache.name + "-before")
+                    tree = args.before_tree if before else ROOT
+                    r = run_bistouri(workload.pid, args.seconds, args.freq, cache, work, tree)
                     shutil.rmtree(cold_cache, ignore_errors=True)
                 elif step == "perf":
                     r = run_perf(workload.pid, args.seconds, args.freq, work)
@@ -485,6 +527,12 @@ def main() -> int:
     )
     ap.add_argument("--out", default=str(ROOT / "bench/results/record.json"))
     ap.add_argument(
+        "--before",
+        metavar="GIT_REF",
+        help="also run the bistouri package of this commit in the same rounds (its own caches, this "
+        "tree's BPF objects): a change measured before and after under the same load",
+    )
+    ap.add_argument(
         "--no-docs",
         dest="write_docs",
         action="store_false",
@@ -503,18 +551,30 @@ def main() -> int:
         compile_bytecode()
         warm_cache = work / "cache-warm"
         warm_up(work, warm_cache, args.freq, workloads)
+        args.before_tree = baseline_tree(args.before, work) if args.before else None
+        if args.before_tree:
+            warm_up(
+                work,
+                warm_cache.with_name(warm_cache.name + "-before"),
+                args.freq,
+                workloads,
+                args.before_tree,
+            )
+        results["before"] = args.before
         for name in workloads:
             runs = rounds_of(name, args, work, warm_cache, have_perf, have_bpftrace)
             starts = {}
             if name == "shares" and args.startup_runs:
                 starts = startup_runs(
-                    args.startup_runs, work, warm_cache, args.freq, have_perf, have_bpftrace
+                    args.startup_runs, work, warm_cache, args.freq, have_perf, have_bpftrace, args.before_tree
                 )
             results["workloads"][name] = {
                 "tools": {step: median_of(r) for step, r in runs.items() if r},
                 "startup_ms": {step: sorted(ms) for step, ms in starts.items()},
                 "runs": runs,
             }
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=2))  # each workload's as it is done
     results["load_average_1min"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

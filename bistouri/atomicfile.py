@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -28,8 +27,9 @@ StrPath = str | os.PathLike[str]
 
 
 def temp_name() -> str:
-    """A fresh temporary file name: `.tmp.<pid>.<16 random hex digits>`."""
-    return f"{TEMP_PREFIX}{os.getpid()}.{secrets.token_hex(8)}"
+    """A fresh temporary file name: `.tmp.<pid>.<16 random hex digits>`. os.urandom, not secrets:
+    that imports hashlib, which maps libcrypto into `record` while it captures."""
+    return f"{TEMP_PREFIX}{os.getpid()}.{os.urandom(8).hex()}"
 
 
 class Staged:

@@ -1,17 +1,23 @@
 """What the capture layer counts: sessions, samples, traces and the flight recorder's memory.
 
 Declared here, below the agent, so that sessions.py needs no agent module; the agent's metrics
-(agent/metrics.py) extend this class with their own, and `bistouri record` uses it alone with no registry.
-docs/metrics.csv is the catalogue.
+(agent/metrics.py) extend this class with their own, and `bistouri record` counts nothing
+(bistouri.discard). docs/metrics.csv is the catalogue.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+# Not at the top: prometheus_client is ~75 modules and ~5.6 MB of RSS that `record`, which keeps
+# no metric, need not import while it captures.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 
 class CaptureMetrics:
-    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
         r = registry
         self.sessions_started = Counter(
             "bistouri_sessions_started_total",

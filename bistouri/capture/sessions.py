@@ -33,6 +33,7 @@ from .. import wire
 from ..bpf import abi
 from ..cpython.processes import PythonFrame
 from ..cpython.splice import EvalLoop, splice
+from ..discard import Discarded
 from ..host import cgroupnames
 from ..host.kernel import KernelMeta
 from ..host.procmaps import FrameStatus, ProcMaps, Unmapped
@@ -141,7 +142,7 @@ class SessionCapture:
         self,
         pid_filter: Sampler,
         sink: SessionSink,
-        metrics: CaptureMetrics,
+        metrics: CaptureMetrics | Discarded,
         kernel: KernelMeta,
         *,
         tenant: str,

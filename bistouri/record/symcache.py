@@ -206,8 +206,12 @@ class SymbolCache:
                 # Answers made with DWARF replace names-only ones, never the other way around.
                 if old is not None and old.file_lines and not file_lines:
                     return
+                parts = None
+                if old is not None and old.file_lines == file_lines:  # a warm run's few new answers
+                    parts = symfile.append_frames(old, new, MAX_FRAMES_PER_FILE)
                 try:
-                    parts = symfile.encode_frames(new, file_lines, old, MAX_FRAMES_PER_FILE)
+                    if parts is None:
+                        parts = symfile.encode_frames(new, file_lines, old, MAX_FRAMES_PER_FILE)
                 except CorruptFile as e:
                     self.discard(key + ".frames", e)
                     parts = symfile.encode_frames(new, file_lines, None, MAX_FRAMES_PER_FILE)

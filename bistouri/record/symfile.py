@@ -388,6 +388,101 @@ def encode_frames(
     return [_header(KIND_FRAMES, counts), call, leaf, stamps, crcs, lists, ids, table, offs, blob]
 
 
+def append_frames(old: FrameTable, new: dict[FrameKey, Frames], max_entries: int = 1 << 31) -> Parts | None:
+    """`old`'s file with `new`'s keys added, its own entries copied as they are: what a warm run adds
+    (a few dozen new addresses) costs in proportion to them, not to the file (`encode_frames` checks
+    and re-interns every entry it keeps: ~0.2 s for 6 000). Old strings, frame rows, ids and
+    checksums are copied unread (each read still checks its entry's checksum); new frames get new rows
+    and strings after them (an equal old one is not looked for: a later full rewrite shares them).
+    None when it cannot be done that way: a new key is already there, or the bound would be passed
+    (then `encode_frames`, which drops the oldest). `new` is made as `old` was (with or without DWARF)."""
+    keys = [k for k in new if 0 <= k[0] < 1 << 64]
+    if not keys or len(old) + len(keys) > max_entries or any(k in old for k in keys):
+        return None
+    gen = min(old.generation + 1, _U32)
+    n_strings, n_frames = len(old._strings), len(old._frames) // 6
+    strings = _StringBuilder()
+    rows: dict[tuple[int, ...], int] = {}  # a new frame's six u32 (string ids after the old ones) -> id
+
+    def frame_id(f: Frame) -> tuple[int, tuple[int, ...]]:
+        ids = [n_strings + strings.add(x) for x in (f.name, f.module, f.file)]
+        row = (*ids, min(max(f.line, 0), _U32), n_strings + strings.add(f.kind), int(f.inlined))
+        i = rows.get(row)
+        if i is None:
+            i = rows[row] = n_frames + len(rows)
+        return i, row
+
+    added: dict[FrameKey, tuple[int, list[int]]] = {}  # key -> (checksum, frame ids)
+    for key in keys:
+        got = [frame_id(f) for f in new[key]]
+        text = (strings.encoded[r[k] - n_strings] for _, r in got for k in (0, 1, 2, 4))
+        added[key] = (_entry_crc(key[0], key[1], [r for _, r in got], text), [i for i, _ in got])
+    n_call = len(old._call)
+    out_keys: list[array[int]] = []
+    stamps, crcs, lists, ids = array("I"), array("I"), array("I", [0]), array("I")
+    try:
+        for leaf, old_keys, base in ((False, old._call, 0), (True, old._leaf, n_call)):
+            merged = array("Q")
+            pos = 0  # entries of old_keys copied so far
+            for addr in sorted(a for a, is_leaf in added if is_leaf == leaf):
+                at = bisect_left(old_keys, addr)
+                _copy_entries(old, base + pos, base + at, merged, old_keys[pos:at], stamps, crcs, lists, ids)
+                crc, fids = added[(addr, leaf)]
+                merged.append(addr)
+                stamps.append(gen)
+                crcs.append(crc)
+                ids.extend(fids)
+                lists.append(len(ids))
+                pos = at
+            end = len(old_keys)
+            _copy_entries(old, base + pos, base + end, merged, old_keys[pos:end], stamps, crcs, lists, ids)
+            out_keys.append(merged)
+    except (OverflowError, ValueError, IndexError):  # damaged offsets: a full rewrite finds which
+        return None
+    table, offs = array("I"), array("I")
+    table.frombytes(old._frames.cast("B"))
+    for row in rows:
+        table.extend(row)
+    offs.frombytes(old._strings.offs.cast("B"))
+    old_blob = len(old._strings.blob)
+    new_offs, new_blob = strings.arrays()
+    offs.extend(old_blob + o for o in new_offs[1:])
+    counts = [
+        int(old.file_lines), gen, len(out_keys[0]), len(out_keys[1]), len(ids), len(table) // 6,
+        len(offs) - 1, old_blob + len(new_blob),
+    ]  # fmt: skip
+    return [
+        _header(KIND_FRAMES, counts), *out_keys, stamps, crcs, lists, ids, table, offs,
+        bytes(old._strings.blob), new_blob,
+    ]  # fmt: skip
+
+
+def _copy_entries(
+    old: FrameTable,
+    start: int,
+    end: int,
+    merged: array[int],
+    keys: memoryview,
+    stamps: array[int],
+    crcs: array[int],
+    lists: array[int],
+    ids: array[int],
+) -> None:
+    """`old`'s entries start..end (their keys: `keys`) appended as they are, their frame ids moved
+    to where `ids` ends. Raises ValueError or OverflowError on offsets no file of ours has."""
+    if start == end:
+        return
+    first, last = old._lists[start], old._lists[end]
+    if not first <= last <= len(old._ids):
+        raise ValueError(f"entries {start}-{end}'s frames at {first}-{last}")
+    shift = len(ids) - first
+    merged.frombytes(keys.cast("B"))  # frombytes takes bytes, not a typed view
+    stamps.frombytes(old._stamps[start:end].cast("B"))
+    crcs.frombytes(old._crcs[start:end].cast("B"))
+    ids.frombytes(old._ids[first:last].cast("B"))
+    lists.extend([x + shift for x in old._lists[start + 1 : end + 1]])
+
+
 # --- kernel symbols ---------------------------------------------------------------------------
 
 

@@ -31,12 +31,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-from prometheus_client import CollectorRegistry, Counter
-
 from .. import atomicfile
+from ..discard import Discarded
 from ..elf import ELF_MAGIC, read_build_id
 from .tenants import TENANT_RE
+
+# Imported when used: requests on the first download (~13 MB of RSS: urllib3, ssl,
+# charset_normalizer), prometheus_client only with a registry (`record` passes none and keeps no
+# metric: bistouri.discard).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import requests
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +205,9 @@ class BinaryDirIndex:
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry | None) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        from prometheus_client import Counter
+
         self.found = Counter(
             "bistouri_symbolizer_sources_found_total",
             "ELF files found by build id, by source (debug_dir, binary_dir, cache, debuginfod, upload)",
@@ -261,8 +269,8 @@ class DebugSources:
         self.error_ttl_s = error_ttl_s
         self.cache_max_bytes = cache_max_bytes
         self.negative = NegativeCache()
-        self.metrics = _Metrics(registry)
-        self._http = session or requests.Session()
+        self.metrics = _Metrics(registry) if registry is not None else Discarded()
+        self._http = session  # created on the first download (_session)
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, str], threading.Event] = {}
         self._cache_bytes = -1  # unknown until first download
@@ -276,7 +284,16 @@ class DebugSources:
         return d if os.path.basename(d) == ".build-id" else os.path.join(d, ".build-id")
 
     def close(self) -> None:
-        self._http.close()
+        if self._http is not None:
+            self._http.close()
+
+    def _session(self) -> requests.Session:
+        with self._lock:
+            if self._http is None:
+                import requests
+
+                self._http = requests.Session()
+            return self._http
 
     # --- lookup --------------------------------------------------------------
 
@@ -384,8 +401,10 @@ class DebugSources:
 
     def _fetch(self, url: str, dest: str, hexid: str) -> str | None:
         """Download into the cache; None on success, else a reason."""
+        import requests  # imported by _session already: its exceptions
+
         try:
-            with self._http.get(url, stream=True, timeout=self.timeout_s) as r:
+            with self._session().get(url, stream=True, timeout=self.timeout_s) as r:
                 if r.status_code == 404:
                     return "not_found"
                 if r.status_code != 200:

@@ -1,6 +1,6 @@
 """The layers contract: which package of bistouri may import which (docs/architecture.md, "Layers").
 
-Low to high: the base modules (atomicfile, errors, logtext, pressure, threads) -> elf, wire -> bpf,
+Low to high: the base modules (atomicfile, discard, errors, logtext, pressure, threads) -> elf, wire -> bpf,
 host -> unwind, cpython -> capture -> agent, record. The symbolizer library sits on the base, elf and wire
 only; its service on the library too. Only the command line (cli, __main__) sees everything. Every import
 counts: module level, inside a function, under TYPE_CHECKING. Run by `make lint` and with the unit tests.
@@ -37,6 +37,7 @@ _BASE = {
     "bistouri",
     "bistouri.atomicfile",
     "bistouri.errors",
+    "bistouri.discard",
     "bistouri.logtext",
     "bistouri.pressure",
     "bistouri.threads",
@@ -138,3 +139,17 @@ def test_the_wire_format_pulls_in_neither_yaml_nor_the_agent() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "", f"import bistouri.wire also imports: {out.strip()}"
+
+
+def test_records_capture_path_imports_neither_prometheus_nor_hashlib() -> None:
+    # What `record` imports until its capture ends counts in its peak RSS: prometheus_client is ~75
+    # modules and ~5.6 MB (record keeps no metric: capture.metrics.Discarded), hashlib maps libcrypto
+    # (~3.4 MB).
+    code = (
+        "import sys, bistouri.cli, bistouri.record.command, bistouri.capture.profiler, "
+        "bistouri.capture.sessions, bistouri.capture.episode, bistouri.capture.metrics, bistouri.wire\n"
+        "bad = ('prometheus_client', 'hashlib', '_hashlib')\n"
+        "print(' '.join(sorted(m for m in bad if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "", f"record's capture path imports: {out.strip()}"

@@ -86,6 +86,64 @@ def test_bounded_keeps_the_newest_answers() -> None:
     assert one.count(b"inner_") == 1 and one.count(b"outer_") == 1
 
 
+def appended(old: FrameTable, new: dict, **kw) -> FrameTable:
+    parts = symfile.append_frames(old, new, **kw)
+    assert parts is not None
+    return FrameTable(symfile.joined(parts))
+
+
+def test_appending_answers_as_a_whole_rewrite_does() -> None:
+    old = table(answers(40))
+    # Between, before and after the old keys of both kinds; frames shared with old ones and new.
+    new = {
+        **answers(7, base=0x1000 + 40),
+        (0x10, True): (Frame("before"),),
+        (0x1000 + 5 * 2 + 1, True): (Frame("outer_1", "app", "a.c", 1),),  # between two old keys
+        (1 << 63, False): (Frame("after", "app"), Frame("ünï \udcff", "m", "f.c", 3)),
+    }
+    assert not set(new) & set(old.keys())
+    got = appended(old, new)
+    whole = table(new, True, old)
+    assert dict(got.items()) == dict(whole.items()) == {**answers(40), **new}
+    assert got.generation == whole.generation == 2 and got.file_lines
+    assert list(got.keys()) == list(whole.keys())  # sorted as a rewrite sorts them
+    # Each entry keeps the generation that added it: the bound drops the oldest first.
+    assert [got._stamps[i] for i in range(len(got))] == [whole._stamps[i] for i in range(len(whole))]
+    again = appended(got, {(3, False): (Frame("third"),)})
+    assert dict(again.items()) == {**answers(40), **new, (3, False): (Frame("third"),)}
+    assert again.generation == 3
+
+
+def test_appending_gives_way_to_a_whole_rewrite() -> None:
+    old = table(answers(10))
+    assert symfile.append_frames(old, {(0x1000, True): (Frame("renamed"),)}) is None  # already there
+    assert symfile.append_frames(old, answers(3, base=0x9000), max_entries=12) is None  # over the bound
+    assert symfile.append_frames(old, {}) is None
+
+
+def test_an_appended_file_keeps_what_was_damaged_detectable() -> None:
+    want = answers(6)
+    good = symfile.joined(symfile.encode_frames(want, True))
+    new = {(0x8000, True): (Frame("late"),)}
+    for pos in range(symfile._HEADER_BYTES, len(good)):
+        data = bytearray(good)
+        data[pos] ^= 0x80
+        try:
+            old = FrameTable(bytes(data))
+        except CorruptFile:
+            continue
+        parts = symfile.append_frames(old, new)
+        if parts is None:
+            continue
+        t = FrameTable(symfile.joined(parts))
+        for key, frames in {**want, **new}.items():
+            try:
+                got = t.get(key)
+            except CorruptFile:
+                continue
+            assert got is None or got == frames, (pos, key, got)
+
+
 def test_every_damaged_byte_gives_an_error_or_a_miss_never_a_wrong_answer() -> None:
     want = answers(6)
     good = symfile.joined(symfile.encode_frames(want, True))
