@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import wire
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
-from .pprof import FrameRow, SampleRow, frame_rows, locations_of
+from .pprof import FrameRow, SampleRow, frame_rows, locations_of, mapping_name
 from .protobuf import (
     INT64_MAX,
     SMALL_VARINTS,
@@ -200,7 +200,7 @@ class Request:
                     self.attribute("bistouri.frame.kind", kind),
                 ]
                 attrs = self.kind_attrs[kind] = packed(4, ids)
-            body = uint_field(1, self._mapping(_mapping_name(outer[4], outer[1]))) + lines + attrs
+            body = uint_field(1, self._mapping(mapping_name(outer[4], outer[1]))) + lines + attrs
             self.location_msgs.append(body)
             self.size += len(body)
         return i
@@ -353,14 +353,6 @@ _SCOPE = bytes_field(1, bytes_field(1, SCOPE_NAME.encode()))  # a ScopeProfiles'
 
 _VALUE_TAG = key(4, 2)
 _SAMPLE_TAG = key(2, 2)
-
-
-def _mapping_name(kind: str, module: str) -> str:
-    if kind == KIND_KERNEL:
-        return "[kernel]"
-    if kind == KIND_VDSO:
-        return "[vdso]"
-    return module or "[unknown]"
 
 
 def profile_id(session_id: str) -> bytes:

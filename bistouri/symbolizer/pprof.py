@@ -27,7 +27,8 @@ from .protobuf import varint as _varint
 _PPROF_TYPES = (("on_cpu", "count"), ("off_cpu", "count"), ("off_cpu_time", "nanoseconds"))
 
 
-def _mapping_name(kind: str, module: str) -> str:
+def mapping_name(kind: str, module: str) -> str:
+    """A frame's mapping as pprof and OTLP name it."""
     if kind == KIND_KERNEL:
         return "[kernel]"
     if kind == KIND_VDSO:
@@ -114,7 +115,7 @@ class PprofIds:
             body = _T1 + fid + _T2 + _varint(f[3]) if f[3] > 0 else _T1 + fid
             lines += _LINE_MSG + _SMALL[len(body)] + body  # a Line is a few bytes
         outer = group[-1]
-        mname = _mapping_name(outer[4], outer[1])
+        mname = mapping_name(outer[4], outer[1])
         mid = self.mappings.get(mname)
         if mid is None:
             mid = self.mappings[mname] = _varint(len(self.mappings) + 1)
