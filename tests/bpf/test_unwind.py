@@ -528,7 +528,14 @@ def test_a_change_of_tables_retires_every_cached_rule() -> None:
     assert all(s.walk[0] <= 1 for s in after), Counter(s.walk[0] for s in after)
 
 
-LATE_S = 1.5  # how long the tables are held back in the raw-copies test
+# Copies the kernel has sent before the tables (or the walk) are let in, in the raw-copies tests: 50
+# samples of them are asked for (a window's first 200 ms, ~40 samples at 199 Hz, the copies still in
+# the ring when the filter changed, are left out of the second test's count, hence its + 40).
+HELD_COPIES = 80
+
+
+def _copies_sent(agent: Profiler) -> int:
+    return agent.counters()[abi.Counter.RAW_STACKS]
 
 
 @pytest.mark.skipif(shutil.which("xz") is None, reason="xz not installed")
@@ -540,10 +547,11 @@ def test_samples_taken_before_the_tables_are_in_come_whole_from_raw_stack_copies
     held: list[int] = []  # when the first table was about to be written
     published: list[int] = []
     publish = UnwindTables._publish
+    running: list[Profiler] = []
 
     def late(self: UnwindTables, pid: int) -> None:
-        if not held:
-            time.sleep(LATE_S)
+        if not held:  # held back until the kernel has sent enough copies, however busy the host
+            assert wait_until(lambda: running and _copies_sent(running[0]) >= HELD_COPIES, 60)
             held.append(time.monotonic_ns())
         publish(self, pid)  # each file's table walked as soon as it is in, the last one's a moment later
         published.append(time.monotonic_ns())
@@ -558,6 +566,7 @@ def test_samples_taken_before_the_tables_are_in_come_whole_from_raw_stack_copies
         _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
         Profiler(opts) as agent,
     ):
+        running.append(agent)
         agent.start()
         agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK)
         assert wait_until(lambda: published, 60), "tables published"
@@ -605,10 +614,15 @@ def test_record_keeps_raw_copies_until_the_table_walk_has_taken_over(monkeypatch
 
     held_until: list[int] = []
     load_companion = loader.load_companion
+    running: list[Profiler] = []
 
     def slow_companion(first, o):  # type: ignore[no-untyped-def]
         published.wait(60)
-        time.sleep(LATE_S)  # the first sampler alone, the tables in
+        # The first sampler alone, the tables in: until it has sent enough copies (not a time: under
+        # load xz gets fewer samples in one).
+        assert wait_until(lambda: running, 60)
+        base = _copies_sent(running[0])
+        assert wait_until(lambda: _copies_sent(running[0]) >= base + HELD_COPIES + 40, 60)
         held_until.append(time.monotonic_ns())
         return load_companion(first, o)
 
@@ -631,6 +645,7 @@ def test_record_keeps_raw_copies_until_the_table_walk_has_taken_over(monkeypatch
         _running(["xz", "-9e", "-T1", "-c"], stdin=endless) as proc,
         Profiler(opts, loading=loader.ObjectLoad(opts, arm={proc.pid: flags})) as agent,
     ):
+        running.append(agent)
         agent.set_pid_filter(proc.pid, flags)
         agent.start()
         assert published.wait(60), "tables published"
