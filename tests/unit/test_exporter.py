@@ -61,8 +61,9 @@ class FakeSymbolizer:
         self.reject: dict[str, str] = {}  # session id -> reason
         self.poison: set[str] = set()  # a batch containing one of these: whole-request 400
         self.missing_once = False
-        self.delay = 0.0
         self.in_flight = threading.Event()  # a POST has arrived
+        self.release = threading.Event()  # cleared: a POST's answer is held until it is set again
+        self.release.set()
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -118,8 +119,7 @@ class FakeSymbolizer:
                 if not self._authorized():
                     return
                 owner.in_flight.set()
-                if owner.delay:
-                    time.sleep(owner.delay)
+                owner.release.wait(60)
                 assert self.headers.get("Content-Type") == "application/x-msgpack"
                 assert self.headers.get("Content-Encoding") == "gzip"
                 items = wire.decode_batch(gzip.decompress(body))
@@ -429,20 +429,28 @@ def test_missing_kernel_is_uploaded_again(server, make_env):
 
 
 def test_capture_side_never_waits_on_a_slow_server(server, make_env):
-    server.delay = 2.0
+    server.release.clear()  # the first POST's answer held until the sessions below are in the spool
+    env = make_env(server.url, read_timeout_s=60.0)
+    env.exporter.start()
+    env.put(1)
+    assert server.in_flight.wait(5)
+    env.put(10, first=1)  # returns while the exporter still waits for its answer
+    assert not server.posts and env.metric("bistouri_export_failures_total", reason="timeout") == 0
+    server.release.set()
+    wait_for(lambda: len(env.spool) == 0)
+    assert len(server.stored) == 11 and env.metric("bistouri_export_sessions_sent_total") == 11
+
+
+def test_a_session_stored_after_the_client_gave_up_comes_back_as_a_duplicate(server, make_env):
+    server.release.clear()
     env = make_env(server.url, read_timeout_s=1.0)
     env.exporter.start()
     env.put(1)
     assert server.in_flight.wait(5)
-    t0 = time.monotonic()
-    env.put(10, first=1)  # while the exporter waits for the slow answer
-    assert time.monotonic() - t0 < 0.9  # shorter than the read timeout: put() did not wait for it
     wait_for(lambda: env.metric("bistouri_export_failures_total", reason="timeout") >= 1)
-    server.delay = 0
+    server.release.set()  # the server stores it now, the client has gone: its retry is a duplicate
     wait_for(lambda: len(env.spool) == 0)
-    # The server stored the first session before the client gave up: it came back as a duplicate.
-    assert len(server.stored) == 11
-    assert env.metric("bistouri_export_sessions_sent_total") == 11
+    assert len(server.stored) == 1 and env.metric("bistouri_export_sessions_sent_total") == 1
 
 
 def test_spool_full_while_down_drops_oldest_and_counts(make_env):
