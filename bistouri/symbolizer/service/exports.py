@@ -15,8 +15,9 @@ encodes it and posts it:
   sender: formats.PprofIds) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`, a
   session a request (its API takes one profile).
 
-Connections are kept alive: an answer's body is read when it says it is short (MAX_ANSWER_BYTES),
-so its connection goes back to requests' pool; a longer one is not read, the connection closed.
+Connections are kept alive when an answer says it has no body (Content-Length: 0, what OTLP's
+and Pyroscope's successes send): its connection goes back to requests' pool. Any other body is
+never read and its connection closed, so an endpoint cannot drip one to hold a sender.
 
 A 2xx deletes the rows. A refusal that a retry cannot change (4xx but 408 and 429) drops it; any
 other failure gives it back with a backoff per row and pauses the endpoint (its `disabled_until`,
@@ -63,7 +64,6 @@ PYROSCOPE = "pyroscope"
 
 CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 30.0  # any one read of the answer
-MAX_ANSWER_BYTES = 4096  # an answer's body read (the connection kept) only up to this size
 LEASE_S = 300.0  # a claimed row is another sender's after this: far above a request's timeouts
 BATCH = 32  # rows claimed at once per endpoint: an OTLP request carries up to this many sessions
 MAX_REQUEST_BYTES = 4 << 20  # an OTLP request takes no more sessions past about this many bytes, uncompressed
@@ -447,9 +447,8 @@ class Exporter:
                 proxies=env["proxies"],
                 verify=env["verify"],
                 cert=env["cert"],
-                # The answer's status and headers are all we use: streamed, its body is read only when
-                # it says it is short (_keep_alive), so an endpoint cannot hold a sender (or its
-                # memory) with a long one.
+                # The answer's status and headers are all we use: streamed, a body is never read
+                # (_keep_alive), so an endpoint cannot hold a sender (or its memory) with one.
                 stream=True,
             )
         except requests.Timeout:
@@ -469,14 +468,13 @@ class Exporter:
 
 
 def _keep_alive(resp: requests.Response) -> None:
-    """Read a short answer's body (its Content-Length at most MAX_ANSWER_BYTES: OTLP's and Pyroscope's
-    are empty or a few bytes) so that its connection goes back to the pool: a new connection a request
-    costs a Pyroscope send a third of its CPU. A longer or unsized body is left unread and the
-    connection closed with the answer."""
-    length = resp.headers.get("Content-Length", "")
-    if length.isdigit() and int(length) <= MAX_ANSWER_BYTES:
+    """Give an answer without a body (Content-Length: 0) its end, so that its connection goes back to
+    the pool: a new connection a request costs a Pyroscope send a third of its CPU. An answer with a
+    body (OTLP's partial success, an error page) is left unread and its connection closed with it:
+    reading even a short body is a wait an endpoint could stretch a byte at a time."""
+    if resp.headers.get("Content-Length") == "0":
         with contextlib.suppress(requests.RequestException):
-            resp.content  # noqa: B018 (read: the connection is released when the body ends)
+            resp.content  # noqa: B018 (nothing to wait for: the body's end releases the connection)
 
 
 def endpoint_kind(key: str) -> str:
