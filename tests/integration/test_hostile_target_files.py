@@ -10,6 +10,7 @@ crafted `.eh_frame` (the agent parsed it whole before bounding it, and was OOM-k
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -31,7 +32,8 @@ pytestmark = [pytest.mark.bpf, pytest.mark.slow]
 SECRET = "ROOT_ONLY_SECRET"
 
 # Stdlib only, passed with -c: `nobody` may not traverse the checkout. Spins in `jmp .`
-# copied to anonymous executable memory; prints that address once its perf map is placed.
+# copied to anonymous executable memory; prints its pid, waits for a line, then prints that
+# address once its perf map is placed.
 SPINNER = r"""
 import ctypes, mmap, os, sys
 libc = ctypes.CDLL(None)
@@ -41,6 +43,8 @@ mem = mmap.mmap(-1, 4096, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE | m
 mem.write(b"\xeb\xfe")
 addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
 mode, target = sys.argv[1], sys.argv[2]
+print(os.getpid(), flush=True)
+sys.stdin.readline()  # the test has removed a stale perf map of an earlier process with this pid
 if mode == "private":
     libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
 path = f"/tmp/perf-{os.getpid()}.map"
@@ -73,8 +77,17 @@ def _spawn(cg: Cgroup, mode: str, target: str) -> tuple[subprocess.Popen, int]:
     argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
     if mode == "private":  # its own mount namespace, where it is root over its own /tmp
         argv += ["unshare", "--user", "--map-root-user", "--mount"]
-    p = cg.spawn([*argv, "/usr/bin/python3", "-c", SPINNER, mode, target], stdout=subprocess.PIPE)
-    assert p.stdout is not None
+    spinner = [*argv, "/usr/bin/python3", "-c", SPINNER, mode, target]
+    p = cg.spawn(spinner, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    pid = int(p.stdout.readline())
+    if mode != "private":
+        # A perf map named for this pid before the process made one is an earlier process's (JVMs,
+        # node and python -X perf leave theirs in /tmp): root's, which `nobody` could not replace.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/tmp/perf-{pid}.map")
+    p.stdin.write(b"\n")
+    p.stdin.flush()
     return p, int(p.stdout.readline(), 16)
 
 
