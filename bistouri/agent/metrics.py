@@ -232,6 +232,11 @@ class BpfCountersCollector(Collector):
             value=maps.perf_map_truncated,
         )
         yield CounterMetricFamily(
+            "bistouri_perf_maps_stale",
+            "Perf maps last written before their process started (an earlier process's, same pid): not read",
+            value=maps.perf_map_stale,
+        )
+        yield CounterMetricFamily(
             "bistouri_proc_maps_mappings_over_bound",
             "Executable mappings past the per-process bound (16 384) in one read of its maps: not kept",
             value=maps.mappings_over_bound,

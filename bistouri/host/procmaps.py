@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 from ..elf import read_build_id
-from . import safeopen
+from . import procfs, safeopen
 
 
 class FrameStatus(IntEnum):
@@ -74,6 +75,10 @@ _MAPPING_BYTES = 120  # estimated Python memory of one mapping in a table
 _TABLE_BYTES = 600
 _PERF_ENTRY_BYTES = 100  # + the name
 _PERF_MARK_BYTES = 64  # of a perf map's parsed part, compared at each read (a rewrite changes them)
+# A perf map written this long before its process's start still counts as its own: the start is
+# known to a clock tick, and the wall clock may be stepped between.
+_STALE_SLACK_S = 1.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _KNOWN_BYTES = 150  # one remembered address: dict slot, int key, 16-byte bytes
 _KNOWN_MAX = 16384  # remembered addresses per table, then forgotten all at once
 _NAMES_MAX = 1 << 17  # interned JIT names, then forgotten all at once
@@ -115,6 +120,9 @@ class _PerfMap:
     root: str  # the directory it is resolved in: `/`, or the process's `/proc/PID/root`
     path: str  # inside that root
     owners: frozenset[int]  # who may own it: the process's user, root
+    # When the process started (wall clock, s): a file last written before is an earlier
+    # process's with the same pid (root's maps stay in /tmp after their JVM or node exits).
+    started: float = float("-inf")
     read_bytes: int = 0  # of the file, parsed so far
     # What tells a rewrite from an append: the file's inode and the last bytes parsed (a file
     # only appended to still has them where they were; `jcmd Compiler.perfmap` rewrites it whole).
@@ -128,6 +136,14 @@ class _PerfMap:
     truncated: bool = False  # the per-map byte bound was reached: later entries ignored
 
 
+class _PerfRead(NamedTuple):
+    size: int  # of the file
+    data: bytes  # from the offset asked (from 0 if rewritten), up to the byte bound
+    ino: int
+    rewritten: bool  # since it was read up to the offset asked
+    stale_tail: bytes | None = None  # an earlier process's file: its last bytes, nothing else read
+
+
 @dataclass(slots=True)
 class ProcMapsStats:
     tables: int = 0
@@ -137,6 +153,7 @@ class ProcMapsStats:
     perf_map_reads: int = 0
     perf_map_truncated: int = 0  # perf maps that hit their byte bound
     perf_map_rewrites: int = 0  # perf maps found rewritten (not appended to): read from their start
+    perf_map_stale: int = 0  # perf maps last written before their process started: not read
     files_over_bound: int = 0  # mappings of files past max_files: named by offset only
     mappings_over_bound: int = 0  # executable mappings past max_mappings in one read: not kept
 
@@ -429,7 +446,12 @@ class ProcMaps:
         with self._lock:
             if got is not None and pm.read_bytes == offset:
                 before = pm.nbytes
-                size, data, new_ino, rewritten = got
+                size, data, new_ino, rewritten, stale_tail = got
+                if stale_tail is not None:
+                    # Skipped as if parsed: what the process appends is read, its own rewrite too.
+                    self.stats.perf_map_stale += 1
+                    pm.read_bytes, pm.ino, pm.mark = size, new_ino, stale_tail
+                    return
                 if rewritten:  # by someone else's jcmd, or another process with the same pid
                     self.stats.perf_map_rewrites += 1
                     pm.read_bytes, pm.starts, pm.ends, pm.names, pm.nbytes = 0, [], [], [], 0
@@ -476,6 +498,11 @@ class ProcMaps:
         found while the process lives: root, and the user of /proc/PID."""
         nspid = pid
         base = f"{self.proc_root}/{pid}"
+        started = float("-inf")
+        stat = procfs.read_stat(pid, self.proc_root)
+        if stat is not None:  # starttime is in boot-clock ticks, a file's mtime on the wall clock
+            since = time.clock_gettime(time.CLOCK_BOOTTIME) - stat.starttime / _CLK_TCK
+            started = time.time() - since
         try:
             with open(f"{base}/status", "rb") as f:
                 for line in f:
@@ -494,14 +521,12 @@ class ProcMaps:
                 root = "/"
         except OSError:
             pass
-        return _PerfMap(root, f"tmp/perf-{nspid}.map", owners)
+        return _PerfMap(root, f"tmp/perf-{nspid}.map", owners, started)
 
-    def _read_perf_file(
-        self, pm: _PerfMap, offset: int, ino: int, mark: bytes
-    ) -> tuple[int, bytes, int, bool] | None:
-        """(size of the file, its bytes from `offset` up to the bound, its inode, whether it was
-        rewritten since it was read up to `offset`: then its bytes are from its start), None if it
-        cannot be read. Rewritten: another inode, or the bytes before `offset` are not `mark`."""
+    def _read_perf_file(self, pm: _PerfMap, offset: int, ino: int, mark: bytes) -> _PerfRead | None:
+        """What the perf map holds past `offset`, None if it cannot be read. Rewritten: another
+        inode, or the bytes before `offset` are not `mark`. A file never read that was last
+        written before the process started is an earlier process's: skipped whole."""
         try:
             root = safeopen.open_root(pm.root)
             try:
@@ -518,10 +543,13 @@ class ProcMaps:
             )
             if rewritten:
                 offset = 0
+            if offset == 0 and st.st_mtime < pm.started - _STALE_SLACK_S:
+                tail = os.pread(fd, _PERF_MARK_BYTES, max(0, size - _PERF_MARK_BYTES))
+                return _PerfRead(size, b"", st.st_ino, rewritten, tail)
             if size <= offset:
-                return size, b"", st.st_ino, rewritten
+                return _PerfRead(size, b"", st.st_ino, rewritten)
             data = os.pread(fd, min(size, self.perf_map_max_bytes) - offset, offset)
-            return size, data, st.st_ino, rewritten
+            return _PerfRead(size, data, st.st_ino, rewritten)
         except OSError:
             return None
         finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +247,52 @@ def test_a_perf_map_rewritten_by_someone_elses_jcmd_is_read_from_its_start(tmp_p
     now[0] += 1
     assert maps.jit_name(7, 0x7F0000000405) == "Hot::later"
     assert maps.stats.perf_map_rewrites == 1 and maps.jit_name(7, 0x7F0000000305) == "Hot::new"
+
+
+def test_a_perf_map_left_by_an_earlier_process_with_the_same_pid_is_not_read(tmp_path, workloads):
+    """Root's /tmp/perf-PID.map outlives its JVM or node: a new process given that pid is not
+    named from it. Only what the new process appends (CPython -X perf appends), or its rewrite
+    (node, a JVM's jcmd), is read."""
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    ticks = os.sysconf("SC_CLK_TCK")
+    started = int(time.clock_gettime(time.CLOCK_BOOTTIME) * ticks) - ticks  # a second ago
+    (tmp_path / "7" / "stat").write_text(f"7 (x) S 1 {' '.join(['0'] * 17)} {started} 0\n")
+    (tmp_path / "7" / "root").unlink()
+    (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
+    perf_map = tmp_path / "7" / "root" / "tmp" / "perf-7.map"
+    perf_map.write_text("7f0000000100 40 Earlier::process\n")
+    old = time.time() - 60
+    os.utime(perf_map, (old, old))
+    now = [0.0]
+    maps = ProcMaps(str(tmp_path), clock=lambda: now[0])
+    maps.track(7)
+    assert maps.jit_name(7, 0x7F0000000120) is None
+    assert maps.stats.perf_map_stale == 1 and maps.stats.perf_map_reads == 0
+    with perf_map.open("a") as f:  # the new process appends its own
+        f.write("7f0000000200 10 New::one\n")
+    now[0] += 1
+    assert maps.jit_name(7, 0x7F0000000205) == "New::one"
+    assert maps.jit_name(7, 0x7F0000000120) is None
+    with perf_map.open("r+") as f:  # and rewrites it whole
+        f.truncate(0)
+        f.write("7f0000000100 40 New::moved\n")
+    now[0] += 1
+    assert maps.jit_name(7, 0x7F0000000120) == "New::moved"
+    assert maps.stats.perf_map_stale == 1 and maps.stats.perf_map_rewrites == 1
+
+
+def test_a_perf_map_written_since_its_process_started_is_read(tmp_path, workloads):
+    fake_proc(tmp_path, 7, burner_maps(workloads))
+    ticks = os.sysconf("SC_CLK_TCK")
+    started = int(time.clock_gettime(time.CLOCK_BOOTTIME) * ticks) - 60 * ticks  # a minute ago
+    (tmp_path / "7" / "stat").write_text(f"7 (x) S 1 {' '.join(['0'] * 17)} {started} 0\n")
+    (tmp_path / "7" / "root").unlink()
+    (tmp_path / "7" / "root" / "tmp").mkdir(parents=True)
+    (tmp_path / "7" / "root" / "tmp" / "perf-7.map").write_text("7f0000000100 40 Mine\n")
+    maps = ProcMaps(str(tmp_path))
+    maps.track(7)
+    assert maps.jit_name(7, 0x7F0000000120) == "Mine"
+    assert maps.stats.perf_map_stale == 0
 
 
 def test_a_perf_map_is_bounded_in_bytes(tmp_path, workloads):
