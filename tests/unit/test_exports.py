@@ -235,3 +235,26 @@ def test_rows_of_an_endpoint_no_longer_configured_are_dropped_at_start_up(store:
     Exporter(store, ExportConfig(), metrics).forget_removed_endpoints()
     assert store.export_backlog() == {}
     sender.close()
+
+
+def test_the_prepared_request_is_the_post_it_replaced(store: Store) -> None:
+    """Each endpoint's request is prepared once (exports.Exporter._prepare): the same path, query,
+    headers and body as requests' own post of them, each request its own copy."""
+    with Sink() as sink:
+        pyro_ep = Endpoint(PYROSCOPE, sink.url + "/pyro/", {"X-Scope-OrgID": "t1"})
+        config = ExportConfig((pyro_ep,))
+        sender = Exporter(store, config, Metrics(lambda: store))
+        for sid in ("a", "b"):
+            store.insert(record(sid, service=f"svc-{sid}"), export_to=config.keys)
+        while sender.run_once():
+            pass
+        got = sink.accepted("/pyro/ingest")
+        assert sorted(r.query["name"].split("{")[0] for r in got) == ["svc-a", "svc-b"]
+        for r in got:
+            assert r.headers["X-Scope-OrgID"] == "t1"
+            assert r.headers["Content-Type"] == "application/octet-stream"
+            assert int(r.headers["Content-Length"]) > 0 and gzip.decompress(r.body)
+        # Each request its own body and query: the prepared one copied, never changed.
+        assert len({r.body for r in got}) == 2 and len({r.query["name"] for r in got}) == 2
+        assert sender._prepared[pyro_ep.key].body is None
+        sender.close()
