@@ -161,7 +161,7 @@ class Request:
         self.wait_attrs: dict[int, bytes] = {}
         self.resource_profiles: list[bytes] = []
         self.size = 0  # bytes written so far, about (what bounds a request)
-        # Each table's entries as the dictionary's fields, wrapped so far: (field, msgs) -> wrapped.
+        # Each table's entries wrapped as the dictionary's field so far, by the field's number.
         self._wrapped: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:

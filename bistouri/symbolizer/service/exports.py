@@ -165,11 +165,11 @@ def pyroscope_push_payload(sessions: list[Stored], ids: formats.PprofIds | None 
     for session in sessions:
         meta = session[0]
         labels = {
+            **pyroscope_labels(meta),  # first: an agent's label cannot replace the four below
             "__name__": "process_cpu",
             "__delta__": "false",
             "service_name": _LABEL_VALUE_BAD.sub("_", meta.service or "bistouri"),
             "pyroscope_spy": "bistouri",
-            **pyroscope_labels(meta),
         }
         pairs = b"".join(
             _pb.bytes_field(1, _pb.bytes_field(1, k.encode()) + _pb.bytes_field(2, v.encode()))
