@@ -133,17 +133,13 @@ class Request:
     A sender carries the dictionary from one request to the next (`carry`): its strings, attributes,
     mappings, functions and locations are built once and shipped whole with every request after,
     used or not (a table's entry is valid whether a sample points at it or not); stacks, mostly new
-    with each session, are each request's own. Bounded: past CARRY_MAX_BYTES, or past
-    CARRY_PER_SESSION bytes for each session the next request will hold, it starts afresh (a
-    session sent alone, the steady state of a reactive profiler, does not ship a fleet's tables).
+    with each session, are each request's own. Bounded: past CARRY_MAX_BYTES the next request
+    starts afresh.
     """
 
     # The carried dictionary's bytes at most: each request ships and gzips all of it. The bench's
-    # `real` sessions (libpython and libc, ~2 000 locations) need ~0.2 MB.
+    # `real` sessions (libpython and libc, ~1 500 locations) need ~0.1 MB.
     CARRY_MAX_BYTES = 256 << 10
-    # ... and per session of the request: about a `real` session's own tables (~25 KB), so a request
-    # ships at most about twice the tables its sessions need.
-    CARRY_PER_SESSION = 32 << 10
 
     def __init__(self) -> None:
         self.strings = Strings()
@@ -171,13 +167,12 @@ class Request:
     def __len__(self) -> int:
         return len(self.resource_profiles)
 
-    def carry(self, sessions: int) -> Request:
-        """The next request of a sender, for `sessions` sessions, starting with this one's dictionary
-        but its stacks (this one is done with: encoded and sent, or given up); a fresh one past the
-        bounds."""
+    def carry(self) -> Request:
+        """The next request of a sender, starting with this one's dictionary but its stacks (this
+        one is done with: encoded and sent, or given up); a fresh one past CARRY_MAX_BYTES."""
         nxt = Request()
         dictionary = self.size - sum(map(len, self.resource_profiles)) - sum(map(len, self.stack_msgs))
-        if dictionary > min(self.CARRY_MAX_BYTES, sessions * self.CARRY_PER_SESSION):
+        if dictionary > self.CARRY_MAX_BYTES:
             return nxt
         for name in _CARRIED:
             setattr(nxt, name, getattr(self, name))

@@ -219,7 +219,7 @@ def test_a_carried_dictionary_reads_as_each_request_alone(monkeypatch: pytest.Mo
     req = otlp.Request()
     decoded = []
     for p in profiles:
-        req = req.carry(1)
+        req = req.carry()
         req.add(p)
         decoded.append(Decoded(req.encode()))
     for p, dec in zip(profiles, decoded, strict=True):
@@ -231,10 +231,7 @@ def test_a_carried_dictionary_reads_as_each_request_alone(monkeypatch: pytest.Mo
     # The third (sample_profile again) added nothing but its stacks; the second's frames are still there.
     assert len(third.location_table) == len(second.location_table) > len(first.location_table)
     assert len(third.stack_table) == len(first.stack_table)
-    # Past a bound: afresh, the same bytes as a request of its own.
-    monkeypatch.setattr(otlp.Request, "CARRY_PER_SESSION", 100)
-    assert req.carry(1000).locations and not req.carry(1).locations
     monkeypatch.setattr(otlp.Request, "CARRY_MAX_BYTES", 0)
-    fresh = req.carry(1000)
+    fresh = req.carry()
     fresh.add(sample_profile())
     assert fresh.encode() == otlp.export_request(sample_profile())

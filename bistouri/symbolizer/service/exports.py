@@ -391,7 +391,7 @@ class Exporter:
     def _payload(self, ep: Endpoint, sessions: list[Stored]) -> tuple[bytes, str]:
         """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
-            req = self._otlp.carry(len(sessions)) if self._otlp is not None else otlp.Request()
+            req = self._otlp.carry() if self._otlp is not None else otlp.Request()
             self._otlp = None  # an encoding that fails leaves no half-built dictionary to carry
             body = otlp_payload(sessions, req)
             self._otlp = req
