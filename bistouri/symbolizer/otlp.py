@@ -129,17 +129,7 @@ class Request:
 
     Built for the sender's batches: per session, each distinct frame is looked up once (by value:
     frames are interned per session, not across sessions), each sample's stack mapped by index.
-
-    A sender carries the dictionary from one request to the next (`carry`): its strings, attributes,
-    mappings, functions and locations are built once and shipped whole with every request after,
-    used or not (a table's entry is valid whether a sample points at it or not); stacks, mostly new
-    with each session, are each request's own. Bounded: past CARRY_MAX_BYTES the next request
-    starts afresh.
     """
-
-    # The carried dictionary's bytes at most: each request ships and gzips all of it. The bench's
-    # `real` sessions (libpython and libc, ~1 500 locations) need ~0.1 MB.
-    CARRY_MAX_BYTES = 256 << 10
 
     def __init__(self) -> None:
         self.strings = Strings()
@@ -161,24 +151,9 @@ class Request:
         self.wait_attrs: dict[int, bytes] = {}
         self.resource_profiles: list[bytes] = []
         self.size = 0  # bytes written so far, about (what bounds a request)
-        # Each table's entries wrapped as the dictionary's field so far, by the field's number.
-        self._wrapped: dict[int, list[bytes]] = {}
 
     def __len__(self) -> int:
         return len(self.resource_profiles)
-
-    def carry(self) -> Request:
-        """The next request of a sender, starting with this one's dictionary but its stacks (this
-        one is done with: encoded and sent, or given up); a fresh one past CARRY_MAX_BYTES."""
-        nxt = Request()
-        dictionary = self.size - sum(map(len, self.resource_profiles)) - sum(map(len, self.stack_msgs))
-        if dictionary > self.CARRY_MAX_BYTES:
-            return nxt
-        for name in _CARRIED:
-            setattr(nxt, name, getattr(self, name))
-        nxt._wrapped = {f: w for f, w in self._wrapped.items() if f != _STACKS}
-        nxt.size = dictionary
-        return nxt
 
     def attribute(self, k: str, v: Any, unit: str = "") -> int:
         key = (k, v, unit)
@@ -188,7 +163,6 @@ class Request:
             st = self.strings
             body = uint_field(1, st(k)) + bytes_field(2, _any_value(v)) + uint_field(3, st(unit))
             self.attribute_msgs.append(body)
-            self.size += len(body) + len(k)
         return i
 
     def _mapping(self, name: str) -> int:
@@ -196,7 +170,6 @@ class Request:
         if i is None:
             i = self.mappings[name] = len(self.mapping_msgs)
             self.mapping_msgs.append(uint_field(4, self.strings(name)))
-            self.size += len(name)
         return i
 
     def _function(self, name: str, file: str) -> int:
@@ -207,7 +180,6 @@ class Request:
             st = self.strings
             n = st(name or "[unknown]")
             self.function_msgs.append(uint_field(1, n) + uint_field(2, n) + uint_field(3, st(file)))
-            self.size += len(name) + len(file) + 6
         return i
 
     def _location(self, key: Any, group: Sequence[FrameRow]) -> int:
@@ -359,47 +331,19 @@ class Request:
             + packed(11, [self.attribute(k, v, u) for k, v, u in _session_attributes(meta)])
         )
 
-    def _table(self, field: int, msgs: list[Any]) -> bytes:
-        """A dictionary table's field, each entry wrapped once (a carried table's entries are
-        wrapped once for all the requests that ship them)."""
-        wrapped = self._wrapped.setdefault(field, [])
-        if len(wrapped) < len(msgs):
-            new = msgs[len(wrapped) :]
-            if field == _STRINGS:
-                new = [m.encode("utf-8", "replace") for m in new]
-            wrapped.extend([bytes_field(field, m) for m in new])
-        return b"".join(wrapped)
-
     def encode(self) -> bytes:
         """The request's bytes (also a ProfilesData's: same fields)."""
+        strings = [s.encode("utf-8", "replace") for s in self.strings.table]
         dictionary = (
-            self._table(1, self.mapping_msgs)
-            + self._table(2, self.location_msgs)
-            + self._table(3, self.function_msgs)
+            b"".join(bytes_field(1, m) for m in self.mapping_msgs)
+            + b"".join(bytes_field(2, m) for m in self.location_msgs)
+            + b"".join(bytes_field(3, m) for m in self.function_msgs)
             + bytes_field(4, b"")  # link_table[0]: no links
-            + self._table(_STRINGS, self.strings.table)
-            + self._table(6, self.attribute_msgs)
-            + self._table(_STACKS, self.stack_msgs)
+            + b"".join(bytes_field(5, s) for s in strings)
+            + b"".join(bytes_field(6, m) for m in self.attribute_msgs)
+            + b"".join(bytes_field(7, m) for m in self.stack_msgs)
         )
         return b"".join(bytes_field(1, rp) for rp in self.resource_profiles) + bytes_field(2, dictionary)
-
-
-# What Request.carry hands on: every table but the stacks', with what finds an entry in it.
-_CARRIED = (
-    "strings",
-    "attributes",
-    "attribute_msgs",
-    "mappings",
-    "mapping_msgs",
-    "functions",
-    "function_msgs",
-    "locations",
-    "location_msgs",
-    "kind_attrs",
-    "sample_attrs",
-    "wait_attrs",
-)
-_STRINGS, _STACKS = 5, 7  # the dictionary's string_table and stack_table fields
 
 
 _PACKED_1 = key(1, 2)  # a Stack's location_indices

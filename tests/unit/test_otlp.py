@@ -209,29 +209,3 @@ def test_rows_as_stored_encode_as_the_profile_does() -> None:
         by_rows = otlp.Request()
         by_rows.add_rows(p.meta, *profile_rows(profile_to_blob(p)))
         assert by_rows.encode() == otlp.export_request(p)
-
-
-def test_a_carried_dictionary_reads_as_each_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sender's requests carry the dictionary (Request.carry): each session still reads as its own
-    request says; the carried tables are shipped whole, the stacks are each request's own; past
-    CARRY_MAX_BYTES a request starts afresh."""
-    profiles = [sample_profile(), python_profile(), sample_profile()]
-    req = otlp.Request()
-    decoded = []
-    for p in profiles:
-        req = req.carry()
-        req.add(p)
-        decoded.append(Decoded(req.encode()))
-    for p, dec in zip(profiles, decoded, strict=True):
-        alone = Decoded(otlp.export_request(p))
-        assert _session_view(dec, dec.req.resource_profiles[0]) == _session_view(
-            alone, alone.req.resource_profiles[0]
-        )
-    first, second, third = (d.d for d in decoded)
-    # The third (sample_profile again) added nothing but its stacks; the second's frames are still there.
-    assert len(third.location_table) == len(second.location_table) > len(first.location_table)
-    assert len(third.stack_table) == len(first.stack_table)
-    monkeypatch.setattr(otlp.Request, "CARRY_MAX_BYTES", 0)
-    fresh = req.carry()
-    fresh.add(sample_profile())
-    assert fresh.encode() == otlp.export_request(sample_profile())

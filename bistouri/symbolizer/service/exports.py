@@ -8,8 +8,7 @@ frames named; one sent is not sent again: the endpoints only append), once for a
 encodes it and posts it:
 
 - OTLP: up to BATCH sessions in one ExportProfilesServiceRequest (otlp.Request: one dictionary,
-  what the sessions share written once, and carried from one request to the next: a function or
-  location is built once per sender, bounded), OTLP/HTTP protobuf, gzip'd, to the URL given (the
+  what the sessions share written once), OTLP/HTTP protobuf, gzip'd, to the URL given (the
   collector's `/v1development/profiles`, in full). A request refused is sent again a session a
   request: only the session refused is dropped.
 - Pyroscope: the pprof (formats.pprof_rows, from the rows, with each frame's location built once per
@@ -137,11 +136,9 @@ def read_headers(path: str) -> dict[str, str]:
 Stored = tuple[SessionMeta, Sequence[tuple[Any, ...]], Sequence[tuple[Any, ...]]]
 
 
-def otlp_payload(sessions: list[Stored], req: otlp.Request | None = None) -> bytes:
-    """Sessions in one ExportProfilesServiceRequest (one dictionary: `req`'s, a sender's request
-    carrying its last one's, otlp.Request.carry), gzip'd."""
-    if req is None:
-        req = otlp.Request()
+def otlp_payload(sessions: list[Stored]) -> bytes:
+    """Sessions in one ExportProfilesServiceRequest (one dictionary), gzip'd."""
+    req = otlp.Request()
     for meta, frames, samples in sessions:
         req.add_rows(meta, frames, samples)
     return _gzip(req.encode())
@@ -280,8 +277,6 @@ class Exporter:
         self._thread: threading.Thread | None = None
         # Each frame's pprof location built once for all the sessions this sender pushes (bounded).
         self._pprof_ids = formats.PprofIds()
-        # The last OTLP request: its dictionary is the next one's start (bounded: otlp.Request.carry).
-        self._otlp: otlp.Request | None = None
 
     def start(self) -> None:
         self.forget_removed_endpoints()
@@ -391,11 +386,7 @@ class Exporter:
     def _payload(self, ep: Endpoint, sessions: list[Stored]) -> tuple[bytes, str]:
         """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
-            req = self._otlp.carry() if self._otlp is not None else otlp.Request()
-            self._otlp = None  # an encoding that fails leaves no half-built dictionary to carry
-            body = otlp_payload(sessions, req)
-            self._otlp = req
-            return body, ""
+            return otlp_payload(sessions), ""
         if ep.api == PUSH:
             return pyroscope_push_payload(sessions, self._pprof_ids), ""
         (session,) = sessions
