@@ -7,7 +7,8 @@
    - export: that service's queue drained by the service's own sender (exports.Exporter, the same
      code) run in a child process against the same database, its thread's CPU time only (the
      endpoint runs in this process, keeping connections alive as collectors do): reading each
-     session, encoding, compressing, posting, the queue's writes. OTLP alone, then Pyroscope alone;
+     session, encoding, compressing, posting, the queue's writes. OTLP alone, then Pyroscope alone
+     (its /ingest, a session a request, then its push API, `--pyroscope-api push`, batched);
      with `--baseline DIR` (another tree's `bistouri` package), that tree's sender drains the same
      queue too, just before: before and after under the same load.
    Shapes: `real` (default), stacks of real programs (libpython3.11 under libc, with libc's DWARF:
@@ -58,7 +59,13 @@ from bench.bench_ingest import build_binary, cpu_seconds, make_sessions  # noqa:
 from bench.bench_symbolize import _pick  # noqa: E402
 from bistouri import wire  # noqa: E402
 from bistouri.elf import PF_X, ElfFile  # noqa: E402
-from bistouri.symbolizer.service.exports import OTLP, PYROSCOPE, Endpoint, ExportConfig, Exporter  # noqa: E402
+from bistouri.symbolizer.service.exports import (  # noqa: E402
+    OTLP,
+    PYROSCOPE,
+    Endpoint,
+    ExportConfig,
+    Exporter,
+)
 from bistouri.symbolizer.service.metrics import Metrics  # noqa: E402
 from bistouri.symbolizer.service.store import Store  # noqa: E402
 from bistouri.symbolizer.sources import DEBUGINFO, DebugSources  # noqa: E402
@@ -77,6 +84,9 @@ from testkit.symbolizer import (  # noqa: E402
 )
 
 RESULTS = REPO / "bench" / "results"
+# exports.PUSH and PUSH_PATH, spelled here: a baseline's sender (--baseline) may predate them.
+PUSH = "push"
+PUSH_PATH = "/push.v1.PusherService/Push"
 OTLP_PATH = "/v1development/profiles"
 DEBUG_DIR = "/usr/lib/debug"
 # Real programs: (path, addresses drawn from); libc's DWARF from libc6-dbg gives file:line and inlines.
@@ -209,17 +219,18 @@ def save_queue(db: str, state: Path) -> None:
 
 
 def drain_in_child(
-    sink: Sink, db: str, state: Path, ep: Endpoint, n: int, code: Path
+    sink: Sink, db: str, state: Path, ep: Endpoint, n: int, code: Path, api: str = ""
 ) -> tuple[float, list[Received]]:
     """The sender's thread CPU per session to send `n` queued sessions to one endpoint: the sender of
     the `bistouri` package in `code` (this tree's or --baseline's), run in a child process
-    (`--drain`) on the queue as ingest left it."""
+    (`--drain`) on the queue as ingest left it; `api` the Pyroscope API ("": the sender's default, the
+    only one a baseline without --pyroscope-api has)."""
     store = Store.for_state_dir(db, state)
     store._exec("DELETE FROM export_queue")
     store._exec("INSERT INTO export_queue SELECT * FROM bench_queue")
     store.close()
     sink.received.clear()
-    args = json.dumps({"db": db, "state": str(state), "kind": ep.kind, "url": ep.url})
+    args = json.dumps({"db": db, "state": str(state), "kind": ep.kind, "url": ep.url, "api": api})
     env = {**os.environ, "BISTOURI_BENCH_CODE": str(code)}
     out = subprocess.run(
         [sys.executable, "-m", "bench.bench_export", "--drain", args],
@@ -230,14 +241,44 @@ def drain_in_child(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     used = float(json.loads(out.stdout.splitlines()[-1])["cpu_s"])
-    got = len(set(sessions_at(sink))) if ep.kind == OTLP else len(sink.accepted("/ingest"))
+    if ep.kind == OTLP:
+        got = len(set(sessions_at(sink)))
+    elif api == PUSH:
+        got = len({sid for r in sink.accepted(PUSH_PATH) for sid, _, _ in push_series(r)})
+    else:
+        got = len(sink.accepted("/ingest"))
     assert got == n, f"{ep.kind} ({code}): {got} of {n} sessions at the endpoint"
     return used / n, list(sink.received)
 
 
-def same_payloads(kind: str, before: list[Received], after: list[Received]) -> str:
+def push_series(r: Received) -> list[tuple[str, str, bytes]]:
+    """A push request's series, decoded with Pyroscope's push messages (protoc-generated from
+    tests/fixtures/pyroscope/push.proto): (session id, the /ingest name its labels make, the pprof)."""
+    from tests.pprof_proto import compile_push_proto
+
+    global _PUSH_PB2
+    if _PUSH_PB2 is None:
+        with tempfile.TemporaryDirectory() as d:
+            _PUSH_PB2 = compile_push_proto(Path(d))
+    req = _PUSH_PB2.PushRequest()
+    req.ParseFromString(r.body)
+    out = []
+    reserved = {"__name__", "__delta__", "service_name", "pyroscope_spy"}
+    for series in req.series:
+        labels = {p.name: p.value for p in series.labels}
+        rest = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in reserved)
+        name = f"{labels['service_name']}{{{rest}}}"
+        out.append((labels["session_id"], name, series.samples[0].raw_profile))
+    return out
+
+
+_PUSH_PB2: Any = None
+
+
+def same_payloads(kind: str, before: list[Received], after: list[Received], api: str = "") -> str:
     """Whether the baseline's and this tree's sender sent the same: OTLP the same bytes, Pyroscope
-    pprofs that decode equal (tests/unit/test_pprof_reference.resolved, pprof's own profile.proto)."""
+    pprofs that decode equal (tests/unit/test_pprof_reference.resolved, pprof's own profile.proto),
+    pushed ones under the labels that make the name /ingest had."""
     if kind == OTLP:
         return (
             "same bytes" if Counter(r.body for r in before) == Counter(r.body for r in after) else "DIFFERENT"
@@ -248,6 +289,10 @@ def same_payloads(kind: str, before: list[Received], after: list[Received]) -> s
     with tempfile.TemporaryDirectory() as d:
         pb2 = compile_profile_proto(Path(d))
     by_name = {r.query["name"]: resolved(pb2, r.body) for r in before}
+    if api == PUSH:
+        pushed = [(name, raw) for r in after for _, name, raw in push_series(r)]
+        equal = sum(by_name.get(name) == resolved(pb2, raw) for name, raw in pushed)
+        return f"{equal} of {len(pushed)} pushed pprofs decoded equal, under the same names"
     equal = sum(by_name.get(r.query["name"]) == resolved(pb2, r.body) for r in after)
     return f"{equal} of {len(after)} pprofs decoded equal"
 
@@ -260,7 +305,7 @@ def drain(args: str) -> None:
     sender_file = Path(sys.modules[Exporter.__module__].__file__ or "").resolve()
     assert sender_file.is_relative_to(code), f"the sender of {sender_file}, not of {code}"
     store = Store.for_state_dir(a["db"], Path(a["state"]))
-    ep = Endpoint(a["kind"], a["url"])
+    ep = Endpoint(a["kind"], a["url"], **({"api": a["api"]} if a["api"] else {}))
     sender = Exporter(store, ExportConfig((ep,)), Metrics(lambda: store))
     sender._next_bounds = float("inf")  # the bounds' pass is not a send's cost
     # Due now: the failed sends' backoff, or the wait of a session missing symbols, is not measured.
@@ -385,26 +430,31 @@ def run(args: argparse.Namespace, d: Path, sink: Sink, db: str, result: dict[str
         # --drains times each, baseline and this tree in turn (a shared machine's load moves between
         # drains: the median of several in turn is what holds up).
         for kind, ep in (("otlp", otlp_ep), ("pyroscope", pyro_ep)):
-            codes = {f"{kind}_baseline": args.baseline, kind: REPO} if args.baseline else {kind: REPO}
+            codes = {f"{kind}_baseline": (args.baseline, "")} if args.baseline else {}
+            codes[kind] = (REPO, "")
+            if kind == "pyroscope":
+                codes["pyroscope_push"] = (REPO, PUSH)
             cpu: dict[str, list[float]] = {name: [] for name in codes}
             sent: dict[str, list[Received]] = {}
             for _ in range(args.drains):
-                for name, code in codes.items():
-                    used, sent[name] = drain_in_child(sink, db, state, ep, queued, code)
+                for name, (code, api) in codes.items():
+                    used, sent[name] = drain_in_child(sink, db, state, ep, queued, code, api)
                     cpu[name].append(used * 1000)
             for name, runs in cpu.items():
                 row[name] = statistics.median(runs)
                 row[f"{name}_runs"] = runs
             if args.baseline:
-                same = same_payloads(ep.kind, sent[f"{kind}_baseline"], sent[kind])
-                print(f"  {shape} {kind}: baseline and this tree: {same}")
+                for name in codes:
+                    if name != f"{kind}_baseline":
+                        same = same_payloads(ep.kind, sent[f"{kind}_baseline"], sent[name], codes[name][1])
+                        print(f"  {shape} {name}: baseline and this tree: {same}")
         print(
             f"{shape}: ingest CPU a session {row['ingest']:.2f} ms one a request, "
             f"{row['ingest_bulk']:.2f} ms {args.batch} a request, "
             f"{row['ingest_queued']:.2f} ms one a request with the queue rows"
         )
-        for kind in ("otlp", "pyroscope"):
-            for name in (f"{kind}_baseline", kind) if args.baseline else (kind,):
+        for kind in ("otlp", "pyroscope", "pyroscope_push"):
+            for name in (f"{kind}_baseline", kind) if args.baseline and kind != "pyroscope_push" else (kind,):
                 shares = ", ".join(
                     f"{100 * row[name] / row[base]:.1f} % of {base}" for base in ("ingest", "ingest_bulk")
                 )

@@ -1,4 +1,5 @@
-"""pprof's profile.proto compiled at test time, to parse what the symbolizer writes."""
+"""pprof's profile.proto (and Pyroscope's push messages) compiled at test time, to parse what the
+symbolizer writes."""
 
 from __future__ import annotations
 
@@ -16,12 +17,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 def compile_profile_proto(out: Path) -> ModuleType:
     """Compile the vendored profile.proto with grpcio-tools' protoc, or the system `protoc`."""
-    proto_dir = FIXTURES / "pprof"
-    args = [f"-I{proto_dir}", f"--python_out={out}", str(proto_dir / "profile.proto")]
+    return _compile(FIXTURES / "pprof", "profile", out)
+
+
+def compile_push_proto(out: Path) -> ModuleType:
+    """Pyroscope's push API messages (tests/fixtures/pyroscope/push.proto), compiled the same way."""
+    return _compile(FIXTURES / "pyroscope", "push", out)
+
+
+def _compile(proto_dir: Path, name: str, out: Path) -> ModuleType:
+    args = [f"-I{proto_dir}", f"--python_out={out}", str(proto_dir / f"{name}.proto")]
     try:
         from grpc_tools import protoc
 
-        assert protoc.main(["protoc", *args]) == 0, "protoc failed on tests/fixtures/pprof/profile.proto"
+        assert protoc.main(["protoc", *args]) == 0, f"protoc failed on {proto_dir / name}.proto"
     except ImportError:
         exe = shutil.which("protoc")
         if exe is None:
@@ -30,9 +39,9 @@ def compile_profile_proto(out: Path) -> ModuleType:
             )
         subprocess.run([exe, *args], check=True)
     pytest.importorskip("google.protobuf", reason="the protobuf package parses pprof output")
-    spec = importlib.util.spec_from_file_location("profile_pb2", out / "profile_pb2.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_pb2", out / f"{name}_pb2.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["profile_pb2"] = mod
+    sys.modules[f"{name}_pb2"] = mod
     spec.loader.exec_module(mod)
     return mod

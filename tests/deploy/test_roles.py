@@ -141,6 +141,7 @@ def test_symbolizer_role_templates_the_export_endpoints(
         "bistouri_symbolizer_otlp_headers": {"Authorization": "Bearer s3cret"},
         "bistouri_symbolizer_pyroscope_url": "http://pyroscope:4040",
         "bistouri_symbolizer_pyroscope_tenant": "team-a",
+        "bistouri_symbolizer_pyroscope_api": "push",
         "bistouri_symbolizer_export_max_sessions": 5000,
         "bistouri_symbolizer_export_max_bytes": "2G",
     }
@@ -196,4 +197,5 @@ def test_symbolizer_role_templates_the_export_endpoints(
         ("otlp", "https://c2/p", {"Authorization": "Bearer s3cret"}),
         ("pyroscope", "http://pyroscope:4040", {"X-Scope-OrgID": "team-a"}),
     ]
+    assert config.endpoints[-1].api == "push"
     assert config.max_rows == 5000 and config.max_bytes == 2 << 30

@@ -192,6 +192,65 @@ def test_an_outage_and_a_restart_lose_nothing_and_double_nothing(
     assert metric_value(metrics, "bistouri_symbolizer_export_queue_sessions") == 0
 
 
+def test_pyroscope_push_batches_through_an_outage_each_session_once_with_its_shares(
+    symbolizer_server: Callable[..., SymbolizerURL],
+    tmp_path: Path,
+    sink: Sink,
+    demo_binary: DemoBinary,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`--pyroscope-api push`: sessions queued while Pyroscope is down leave in batches once it is
+    back, each exactly once, each its own series with its pprof (pprof's profile.proto: 70/20/10)."""
+    from tests.pprof_proto import compile_push_proto
+
+    push_pb2 = compile_push_proto(tmp_path_factory.mktemp("push"))
+    profile_pb2 = compile_profile_proto(tmp_path_factory.mktemp("pprof"))
+    sink.status = 503
+    flags = {"pyroscope_url": sink.url + "/pyro", "pyroscope_api": "push", "otlp_endpoint": []}
+    state_dir = tmp_path / "state"
+    url = symbolizer_server(tmp_path, binary_dir=demo_binary.dir, state_dir=state_dir, **flags)
+    ids = [f"push-{i:02}" for i in range(9)]
+    assert post_sessions(url, [shares_session(x, demo_binary) for x in ids[:6]]).status_code == 200
+    sink.wait_for(lambda s: len(s.received) >= 1, 20, "a failed push during the outage")
+    stop(url)  # a restart while down: the queue is in the database
+    url = symbolizer_server(tmp_path, binary_dir=demo_binary.dir, state_dir=state_dir, **flags)
+    assert post_sessions(url, [shares_session(x, demo_binary) for x in ids[6:]]).status_code == 200
+    sink.status = 200
+
+    sink.wait_for(
+        lambda s: sum(map(len, pushed_series(s, push_pb2))) >= len(ids), 120, "every session after the outage"
+    )
+    time.sleep(2.0)  # anything sent twice would come now
+    requests_series = pushed_series(sink, push_pb2)
+    assert max(map(len, requests_series)) > 1  # batched
+    series = [x for batch in requests_series for x in batch]
+    labels = [{p.name: p.value for p in x.labels} for x in series]
+    assert Counter(la["session_id"] for la in labels) == Counter({x: 1 for x in ids})
+    for la, x in zip(labels, series, strict=True):
+        assert la["service_name"] == "checkout" and la["__name__"] == "process_cpu" and la["zone"] == "z1"
+        prof = profile_pb2.Profile()
+        prof.ParseFromString(gzip.decompress(x.samples[0].raw_profile))
+        st = list(prof.string_table)
+        fn = {f.id: st[f.name] for f in prof.function}
+        loc = {lc.id: fn[lc.line[0].function_id] for lc in prof.location}
+        leaf: Counter[str] = Counter()
+        for smp in prof.sample:
+            leaf[loc[smp.location_id[0]]] += smp.value[0]
+        assert leaf == {"leaf_work": 70, "middle_step": 20, "main": 10}
+    metrics = requests.get(url + "/metrics", timeout=10).text
+    assert metric_value(metrics, "bistouri_symbolizer_export_queue_sessions") == 0
+
+
+def pushed_series(sink: Sink, push_pb2: Any) -> list[list[Any]]:
+    """The series of each push request accepted, in order."""
+    out = []
+    for r in sink.accepted("/pyro/push.v1.PusherService/Push"):
+        req = push_pb2.PushRequest()
+        req.ParseFromString(r.body)
+        out.append(list(req.series))
+    return out
+
+
 def test_a_slow_endpoint_does_not_slow_ingest(
     symbolizer_server: Callable[..., SymbolizerURL], tmp_path: Path, sink: Sink, demo_binary: DemoBinary
 ) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote
 
 import pytest
 
+from bistouri.symbolizer import formats
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
 from bistouri.symbolizer.service import exports
 from bistouri.symbolizer.service.exports import OTLP, PYROSCOPE, Endpoint, ExportConfig, Exporter
@@ -235,3 +238,94 @@ def test_rows_of_an_endpoint_no_longer_configured_are_dropped_at_start_up(store:
     Exporter(store, ExportConfig(), metrics).forget_removed_endpoints()
     assert store.export_backlog() == {}
     sender.close()
+
+
+def test_the_prepared_request_is_the_post_it_replaced(store: Store) -> None:
+    """Each endpoint's request is prepared once (exports.Exporter._prepare): the same path, query,
+    headers and body as requests' own post of them, each request its own copy."""
+    with Sink() as sink:
+        pyro_ep = Endpoint(PYROSCOPE, sink.url + "/pyro/", {"X-Scope-OrgID": "t1"})
+        config = ExportConfig((pyro_ep,))
+        sender = Exporter(store, config, Metrics(lambda: store))
+        for sid in ("a", "b"):
+            store.insert(record(sid, service=f"svc-{sid}"), export_to=config.keys)
+        while sender.run_once():
+            pass
+        got = sink.accepted("/pyro/ingest")
+        assert sorted(r.query["name"].split("{")[0] for r in got) == ["svc-a", "svc-b"]
+        for r in got:
+            assert r.headers["X-Scope-OrgID"] == "t1"
+            assert r.headers["Content-Type"] == "application/octet-stream"
+            assert int(r.headers["Content-Length"]) > 0 and gzip.decompress(r.body)
+        # Each request its own body and query: the prepared one copied, never changed.
+        assert len({r.body for r in got}) == 2 and len({r.query["name"] for r in got}) == 2
+        assert sender._prepared[pyro_ep.key].body is None
+        sender.close()
+
+
+def test_pyroscope_push_sends_a_batch_as_ingest_would_each(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--pyroscope-api push`: queued sessions leave up to BATCH a request, one series a session with
+    the labels /ingest would give it and its pprof as /ingest takes it, decoded with Pyroscope's push
+    messages and pprof's profile.proto (protoc-generated, not our encoder); each session once."""
+    from tests.pprof_proto import compile_profile_proto, compile_push_proto
+    from tests.unit.test_pprof_reference import resolved
+
+    push_pb2, pprof_pb2 = compile_push_proto(tmp_path), compile_profile_proto(tmp_path)
+    monkeypatch.setattr(exports, "BATCH", 4)
+    with Sink() as sink:
+        ep = Endpoint(PYROSCOPE, sink.url + "/pyro", {"X-Scope-OrgID": "t1"}, api=exports.PUSH)
+        config = ExportConfig((ep,))
+        metrics = Metrics(lambda: store)
+        sender = Exporter(store, config, metrics)
+        records = {sid: record(sid, service=f"svc-{sid}") for sid in "abcde"}
+        for r in records.values():
+            store.insert(r, export_to=config.keys)
+        while sender.run_once():
+            pass
+        got = sink.accepted()
+        assert [r.path for r in got] == ["/pyro/push.v1.PusherService/Push"] * 2
+        assert got[0].headers["Content-Type"] == "application/proto"
+        assert got[0].headers["X-Scope-OrgID"] == "t1"
+        seen: list[str] = []
+        for r in got:
+            req = push_pb2.PushRequest()
+            req.ParseFromString(r.body)
+            for series in req.series:
+                labels = {p.name: p.value for p in series.labels}
+                sid = labels["session_id"]
+                seen.append(sid)
+                meta = records[sid].meta
+                # What Pyroscope's /ingest makes of the same session's query and pprof.
+                assert labels == {
+                    "__name__": "process_cpu",
+                    "__delta__": "false",
+                    "service_name": f"svc-{sid}",
+                    "pyroscope_spy": "bistouri",
+                    **exports.pyroscope_labels(meta),
+                }
+                (sample,) = series.samples
+                assert resolved(pprof_pb2, sample.raw_profile) == resolved(
+                    pprof_pb2, formats.pprof(records[sid].profile)
+                )
+                assert str(uuid.UUID(sample.ID)) == sample.ID
+        assert sorted(seen) == list("abcde") and [len(_series(push_pb2, r)) for r in got] == [4, 1]
+        assert store.export_backlog() == {}
+        assert metrics.exports_sent.labels(PYROSCOPE)._value.get() == 5
+        # A batch refused: each session alone, only those refused dropped (here all: 400).
+        sink.received.clear()
+        sink.status = 400
+        for sid in ("f", "g"):
+            store.insert(record(sid), export_to=config.keys)
+        sender.run_once()
+        assert [len(_series(push_pb2, r)) for r in sink.received] == [2, 1, 1]
+        assert metrics.exports_dropped.labels(PYROSCOPE, "refused")._value.get() == 2
+        assert store.export_backlog() == {}
+        sender.close()
+
+
+def _series(push_pb2: Any, r: Any) -> list[Any]:
+    req = push_pb2.PushRequest()
+    req.ParseFromString(r.body)
+    return list(req.series)

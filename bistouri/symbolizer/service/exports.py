@@ -12,8 +12,11 @@ encodes it and posts it:
   collector's `/v1development/profiles`, in full). A request refused is sent again a session a
   request: only the session refused is dropped.
 - Pyroscope: the pprof (formats.pprof_rows, from the rows, with each frame's location built once per
-  sender: formats.PprofIds) to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`, a
-  session a request (its API takes one profile).
+  sender: formats.PprofIds), gzip'd, to `<url>/ingest?name=<service>{labels}&from&until&format=pprof`,
+  a session a request (that API takes one profile); or, with the endpoint's api "push"
+  (`--pyroscope-api push`), up to BATCH sessions in one `<url>/push.v1.PusherService/Push` (Pyroscope
+  1.x's own push API, Connect protocol: a PushRequest of one series a session, its labels those
+  /ingest would give it), batched as OTLP's.
 
 Connections are kept alive when an answer says it has no body (Content-Length: 0, what OTLP's
 and Pyroscope's successes send): its connection goes back to requests' pool. Any other body is
@@ -52,6 +55,7 @@ from urllib.parse import quote
 import requests
 
 from .. import formats, otlp
+from .. import protobuf as _pb
 from ..model import Profile, SessionMeta
 from .metrics import Metrics
 from .store import Store, StoreError
@@ -80,11 +84,17 @@ DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_MAX_AGE_S = 86_400.0
 
 
+INGEST = "ingest"  # Pyroscope's /ingest: a profile a request, every Pyroscope version
+PUSH = "push"  # Pyroscope 1.x's /push.v1.PusherService/Push: many a request
+PUSH_PATH = "/push.v1.PusherService/Push"
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     kind: str  # OTLP | PYROSCOPE
     url: str
     headers: dict[str, str] = field(default_factory=dict)  # tokens: never logged
+    api: str = INGEST  # Pyroscope's: INGEST | PUSH (the queue's rows stay the endpoint's either way)
 
     @property
     def key(self) -> str:
@@ -139,6 +149,33 @@ def pyroscope_payload(session: Stored, ids: formats.PprofIds | None = None) -> b
     gzip'd at the level of the OTLP requests (pprof's files use 6: a third of the cost of encoding
     here, for a few percent of bytes)."""
     return _gzip(formats.pprof_rows(*session, compress=False, ids=ids))
+
+
+def pyroscope_push_payload(sessions: list[Stored], ids: formats.PprofIds | None = None) -> bytes:
+    """Sessions in one push.v1.PushRequest (grafana/pyroscope api/push/v1/push.proto): a
+    RawProfileSeries a session, its labels those Pyroscope's /ingest gives the same session
+    (`__name__` process_cpu from the first sample type, `__delta__` false, service_name,
+    pyroscope_spy, then pyroscope_labels), its one RawSample the session's gzip'd pprof (as /ingest
+    takes it) with an id derived from the session id (the same on a retry). Not compressed again:
+    its bulk is already gzip."""
+    series = []
+    for session in sessions:
+        meta = session[0]
+        labels = {
+            **pyroscope_labels(meta),  # first: an agent's label cannot replace the four below
+            "__name__": "process_cpu",
+            "__delta__": "false",
+            "service_name": _LABEL_VALUE_BAD.sub("_", meta.service or "bistouri"),
+            "pyroscope_spy": "bistouri",
+        }
+        pairs = b"".join(
+            _pb.bytes_field(1, _pb.bytes_field(1, k.encode()) + _pb.bytes_field(2, v.encode()))
+            for k, v in sorted(labels.items())
+        )
+        sample_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"bistouri:{meta.session_id}")).encode()
+        sample = _pb.bytes_field(1, pyroscope_payload(session, ids)) + _pb.bytes_field(2, sample_id)
+        series.append(_pb.bytes_field(1, pairs + _pb.bytes_field(2, sample)))
+    return b"".join(series)
 
 
 def _gzip(data: bytes) -> bytes:
@@ -231,6 +268,9 @@ class Exporter:
             for e in config.endpoints
         }
         self._http.trust_env = False
+        # Each endpoint's request prepared once (URL, headers: requests' merging of them is a third
+        # of a post's CPU); a send copies it and sets its body (and Pyroscope's query).
+        self._prepared = {e.key: self._prepare(e) for e in config.endpoints}
         self._disabled_until = {e.key: 0.0 for e in config.endpoints}
         self._failures = {e.key: 0 for e in config.endpoints}
         self._next_bounds = 0.0
@@ -290,15 +330,15 @@ class Exporter:
             if not claimed:
                 continue
             busy = True
-            per_request = BATCH if ep.kind == OTLP else 1  # Pyroscope's /ingest takes one profile
+            per_request = 1 if ep.kind == PYROSCOPE and ep.api == INGEST else BATCH  # /ingest: one profile
             self._send(ep, claimed, sessions, per_request)
         return busy
 
     def _send(
         self, ep: Endpoint, rows: list[Claimed], sessions: dict[str, Stored | None], per_request: int
     ) -> bool:
-        """Send claimed rows, up to `per_request` sessions a request (OTLP: up to MAX_REQUEST_BYTES
-        too). False when the endpoint failed: it is paused, the rows not sent given back."""
+        """Send claimed rows, up to `per_request` sessions a request (and about MAX_REQUEST_BYTES).
+        False when the endpoint failed: it is paused, the rows not sent given back."""
         i = 0
         while i < len(rows):
             if self._stop.is_set():
@@ -347,6 +387,8 @@ class Exporter:
         """A request's body and, for Pyroscope, its query."""
         if ep.kind == OTLP:
             return otlp_payload(sessions), ""
+        if ep.api == PUSH:
+            return pyroscope_push_payload(sessions, self._pprof_ids), ""
         (session,) = sessions
         return pyroscope_payload(session, self._pprof_ids), pyroscope_query(session[0])
 
@@ -429,20 +471,30 @@ class Exporter:
         if self.store.finish_export(row.session_id, ep.key, self.claimant):
             self.metrics.exports_dropped.labels(ep.kind, reason).inc()
 
-    def _post(self, ep: Endpoint, body: bytes, query: str) -> None:
+    def _prepare(self, ep: Endpoint) -> requests.PreparedRequest:
         headers = dict(ep.headers)
         if ep.kind == OTLP:
             url = ep.url
             headers.update({"Content-Type": otlp.CONTENT_TYPE, "Content-Encoding": "gzip"})
+        elif ep.api == PUSH:
+            url = ep.url.rstrip("/") + PUSH_PATH
+            headers.update({"Content-Type": "application/proto", "Connect-Protocol-Version": "1"})
         else:
-            url = f"{ep.url.rstrip('/')}/ingest?{query}"
+            url = f"{ep.url.rstrip('/')}/ingest"
             headers["Content-Type"] = "application/octet-stream"
+        return self._http.prepare_request(requests.Request("POST", url, headers=headers))
+
+    def _post(self, ep: Endpoint, body: bytes, query: str) -> None:
+        request = self._prepared[ep.key].copy()
+        if query:  # already quoted (pyroscope_query)
+            request.url = f"{request.url}?{query}"
+        request.body = body
+        request.headers["Content-Length"] = str(len(body))
         env = self._env[ep.key]
         try:
-            resp = self._http.post(
-                url,
-                data=body,
-                headers=headers,
+            # Session.send: redirects, proxies, the CA bundle and timeouts as Session.post has them.
+            resp = self._http.send(
+                request,
                 timeout=(CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S),
                 proxies=env["proxies"],
                 verify=env["verify"],
