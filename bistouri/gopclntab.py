@@ -360,7 +360,8 @@ class GoPclnTab:
             line = runs[j + lvo] if j >= llo and pc < runs[lhi] else 0
             j = bisect_right(runs, pc, ilo, ihi) - 1
             ix = runs[j + ivo] if j >= ilo and pc < runs[ihi] else -1
-            yield _key(i, fileno, line if line > 0 else 0, ix)
+            # _key(i, fileno, line, ix), inline
+            yield i | (fileno + _OFFSET) << 21 | (ix + _OFFSET) << 85 | (line if line > 0 else 0) << 149
 
     def chain_at(self, key: int) -> tuple[GoFrame, ...]:
         """The frames a `key` stands for, innermost first: () if they cannot be read."""
@@ -370,12 +371,18 @@ class GoPclnTab:
         """The frames a `key` stands for, root first (the function, then the calls inlined into it),
         each made by `make(function, file, line, inlined)` (a caller's own frames: no GoFrame
         made in between); () if they cannot be read."""
-        i, fileno, line, ix = _unkey(key)
+        i = key & 0x1FFFFF  # _unkey(key), inline
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            return self._frames(fn, fileno, line, ix, make)
+            fileno = (key >> 21 & _MASK64) - _OFFSET
+            if fn[3] < 0 or (key >> 85 & _MASK64) < _OFFSET:  # most keys: no inlined call (ix < 0)
+                file = self._files.get(fn[2] + fileno) if fileno >= 0 else ""
+                if file is None:
+                    file = self._file(fn[2], fileno)
+                return (make(fn[1], file, key >> 149, False),)
+            return self._frames(fn, fileno, key >> 149, (key >> 85 & _MASK64) - _OFFSET, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
