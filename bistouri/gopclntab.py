@@ -376,13 +376,12 @@ class GoPclnTab:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            fileno = (key >> 21 & _MASK64) - _OFFSET
-            if fn[3] < 0 or (key >> 85 & _MASK64) < _OFFSET:  # most keys: no inlined call (ix < 0)
-                file = self._files.get(fn[2] + fileno) if fileno >= 0 else ""
-                if file is None:
-                    file = self._file(fn[2], fileno)
-                return (make(fn[1], file, key >> 149, False),)
-            return self._frames(fn, fileno, key >> 149, (key >> 85 & _MASK64) - _OFFSET, make)
+            name, cu, tree = fn[1], fn[2], fn[3]
+            fileno, ix = (key >> 21 & _MASK64) - _OFFSET, (key >> 85 & _MASK64) - _OFFSET
+            if tree < 0 or ix < 0:  # most keys: no inlined call, one frame
+                file = self._files.get(cu + fileno) if fileno >= 0 else ""
+                return (make(name, file if file is not None else self._file(cu, fileno), key >> 149, False),)
+            return self._frames(fn, fileno, key >> 149, ix, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
@@ -415,10 +414,9 @@ class GoPclnTab:
     def _frames(
         self, fn: _Func, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
     ) -> tuple[T, ...]:
+        """The frames of an address whose inline index is `ix` (>= 0), root first."""
         entry, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
         file = self._file(cu, fileno)
-        if tree < 0 or ix < 0:  # most addresses: no inlined call
-            return (make(name, file, max(line, 0), False),)
         out: list[T] = []
         at_ix: int | None = ix
         while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
