@@ -396,10 +396,9 @@ class GoPclnTab:
         if tree >= 0 and npcdata > _PCDATA_INLTREE_INDEX:
             inl = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
         tree = tree if inl else -1
-        # The three tables whole, into one array: bounded (MAX_PCVALUE_STEPS runs each), most are
-        # short (a file or inline-index table has 6-9 runs on average, a line table 31), and a
-        # function's addresses share them whatever order they come in (one function of prometheus
-        # has 13 832 runs: it was walked from its entry for each address once).
+        # The three tables whole, into one array, for all the function's addresses whatever order
+        # they come in: bounded (MAX_PCVALUE_STEPS runs each), and most are short (a file or
+        # inline-index table has 6-9 runs on average, a line table 31; prometheus' longest 13 832).
         runs = array("q")
         d, base, quantum = self._data, self._pctab, self._quantum
         ft = _decode(d, base + pcfile, entry, quantum, runs) if pcfile else _NO_TABLE
