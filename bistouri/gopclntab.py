@@ -41,14 +41,14 @@ _MAGICS = {MAGIC_116: (1, 16), MAGIC_118: (1, 18), MAGIC_120: (1, 20)}
 MAX_PCLNTAB_BYTES = 512 << 20  # Debian's prometheus (50 MB) has 13 MB
 MAX_FUNCS = 2_000_000  # functions read from the table (kubelet has ~90 000)
 MAX_NAME_BYTES = 1024  # a longer function or file name is cut
-MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps walked in one table for one lookup
+MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps decoded of one table
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
 # What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each) and functions'
-# records (~0.3-0.5 KB each). Past either bound, all of it is dropped (only speed is lost): at most
-# ~25 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs). Answers are the
-# caller's to keep (`key`).
+# records (~0.3 KB each, a name included). Past either bound, all of it is dropped (only speed is
+# lost): at most ~25 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs).
+# Answers are the caller's to keep (`key`).
 MAX_HELD_RUNS = 1 << 20
 MAX_HELD_FUNCS = 1 << 14
 
@@ -85,49 +85,14 @@ def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
     return GoFrame(function, file, line)
 
 
-class _PcTable:
-    """One pc-value table, decoded as far as lookups have needed and never twice: the start PC and
-    value of each run so far (bisected), where decoding stopped (byte, value, runs) and whether the
-    table ended there (its end, a damaged run, or MAX_PCVALUE_STEPS). A function's addresses share
-    its tables whatever order they come in; a large function is never walked from its entry again
-    (the walk per address was most of the cost: one function of prometheus has 13 832 runs), and a
-    function asked once is decoded only up to that address (most of prometheus' are)."""
-
-    __slots__ = ("done", "end", "pos", "starts", "steps", "val", "values")
-
-    def __init__(self, pos: int, entry: int) -> None:
-        self.starts = array("q")
-        self.values = array("q")
-        self.pos = pos
-        self.end = entry  # runs cover [entry, end)
-        self.val = -1
-        self.steps = 0
-        self.done = False
-
-
-class _Func:
-    """What every lookup in one function needs, read once: its entry, name, CU, three tables and
-    inline tree."""
-
-    __slots__ = ("cu", "entry", "file", "inl", "line", "name", "tree")
-
-    def __init__(
-        self,
-        entry: int,
-        name: str,
-        cu: int,
-        file: _PcTable | None,
-        line: _PcTable | None,
-        inl: _PcTable | None,
-        tree: _Tree | None,
-    ) -> None:
-        self.entry = entry
-        self.name = name
-        self.cu = cu
-        self.file = file
-        self.line = line
-        self.inl = inl
-        self.tree = tree
+# A function's record, read once for all the lookups in it: a tuple (entry, name, CU, where its
+# inline tree is or -1, runs, then lo, hi, vo of its file, line and inline-index tables). `runs` is
+# one array holding each table decoded whole: its run starts at [lo, hi), where it ends at [hi], the
+# runs' values from [lo + vo]; a table that is missing or damaged from its first run has lo == hi.
+# Two objects a function, and only those (not three tables of two arrays each and their records):
+# on distinct addresses they were half the objects of the Go path and of its collections.
+_Func = tuple[int, str, int, int, array, int, int, int, int, int, int, int, int, int]
+_NO_TABLE = (0, 0, 0)
 
 
 class GoPclnTab:
@@ -189,8 +154,10 @@ class GoPclnTab:
         # tables, file names by CU slot.
         self._funcs: dict[int, _Func] = {}
         self._files: dict[int, str] = {}
-        self._held = 0  # runs decoded into self._funcs' tables
-        self._lock = threading.Lock()  # one thread decodes at a time (lookups may be concurrent)
+        self._held = 0  # runs decoded into self._funcs' records
+        # Lookups may be concurrent: a record is built whole and never changed (two threads may
+        # build the same one: the last is kept); the lock guards the count and the drop.
+        self._lock = threading.Lock()
         self._funcdata_base = inline.gofunc if inline is not None else 0
         # Entry PCs (nfunc + 1: the last is the end of the last function), in an array for bisect.
         entsize = 16 if magic == MAGIC_116 else 8
@@ -297,28 +264,13 @@ class GoPclnTab:
             return None
         return i
 
-    def _table(self, table: int, entry: int) -> _PcTable | None:
-        return _PcTable(self._pctab + table, entry) if table else None
-
-    def _value(self, t: _PcTable | None, pc: int) -> int | None:
-        """The value a pc-value table gives `pc`, or None (no table, past its end, or damaged)."""
-        if t is None:
-            return None
-        if pc >= t.end:  # not decoded that far yet (else the one test on the way of most lookups)
-            if t.done:
-                return None
-            with self._lock:  # one thread decodes a table at a time
-                if not t.done and pc >= t.end:
-                    self._held += _decode(t, self._data, pc, self._quantum)
-            if pc >= t.end:
-                return None
-        # Runs are appended before t.end moves past them: a concurrent reader sees them all.
-        i = bisect.bisect_right(t.starts, pc) - 1
-        return t.values[i] if i >= 0 else None
-
     def _pcvalue(self, table: int, entry: int, pc: int) -> int | None:
         """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
-        return self._value(self._table(table, entry), pc)
+        if not table:
+            return None
+        runs = array("q")
+        lo, hi, vo = _decode(self._data, self._pctab + table, entry, self._quantum, runs)
+        return _run_value(runs, lo, hi, vo, pc)
 
     def _runs(self, table: int, entry: int) -> Iterator[tuple[int, int, int]]:
         """(start, value, end) of each run of a pc-value table, at most MAX_PCVALUE_STEPS."""
@@ -381,9 +333,9 @@ class GoPclnTab:
 
     def keys(self, pcs: Iterable[int | None]) -> Iterator[int | None]:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
-        bisections. A function's tables are decoded once for all its addresses (_PcTable). One at a
-        time: the record of a key's function is still held when its chain is asked next."""
-        entries, nfunc, value = self._entries, self._nfunc, self._value
+        bisections. A function's tables are decoded once for all its addresses (its record). One at
+        a time: the record of a key's function is still held when its chain is asked next."""
+        entries, nfunc = self._entries, self._nfunc
         bisect_right = bisect.bisect_right
         for pc in pcs:
             if pc is None:
@@ -400,15 +352,16 @@ class GoPclnTab:
                 except (GoPclnError, struct.error, IndexError):
                     yield None
                     continue
-            fileno = value(fn.file, pc)
-            line = value(fn.line, pc)
-            ix = value(fn.inl, pc)  # None when the function has no inline tree
-            yield _key(
-                i,
-                -1 if fileno is None else fileno,
-                line if line and line > 0 else 0,
-                -1 if ix is None else ix,
-            )
+            # _run_value of each table, inline: three calls an address were a tenth of the path.
+            _e, _n, _c, _t, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
+            j = bisect_right(runs, pc, flo, fhi) - 1
+            fileno = runs[j + fvo] if j >= flo and pc < runs[fhi] else -1
+            j = bisect_right(runs, pc, llo, lhi) - 1
+            line = runs[j + lvo] if j >= llo and pc < runs[lhi] else 0
+            j = bisect_right(runs, pc, ilo, ihi) - 1
+            ix = runs[j + ivo] if j >= ilo and pc < runs[ihi] else -1
+            # _key(i, fileno, line, ix), inline
+            yield i | (fileno + _OFFSET) << 21 | (ix + _OFFSET) << 85 | (line if line > 0 else 0) << 149
 
     def chain_at(self, key: int) -> tuple[GoFrame, ...]:
         """The frames a `key` stands for, innermost first: () if they cannot be read."""
@@ -418,12 +371,17 @@ class GoPclnTab:
         """The frames a `key` stands for, root first (the function, then the calls inlined into it),
         each made by `make(function, file, line, inlined)` (a caller's own frames: no GoFrame
         made in between); () if they cannot be read."""
-        i, fileno, line, ix = _unkey(key)
+        i = key & 0x1FFFFF  # _unkey(key), inline
         try:
             fn = self._funcs.get(i)
             if fn is None:
                 fn = self._func_record(i)
-            return self._frames(fn, fileno, line, ix, make)
+            name, cu, tree = fn[1], fn[2], fn[3]
+            fileno, ix = (key >> 21 & _MASK64) - _OFFSET, (key >> 85 & _MASK64) - _OFFSET
+            if tree < 0 or ix < 0:  # most keys: no inlined call, one frame
+                file = self._files.get(cu + fileno) if fileno >= 0 else ""
+                return (make(name, file if file is not None else self._file(cu, fileno), key >> 149, False),)
+            return self._frames(fn, fileno, key >> 149, ix, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
@@ -434,59 +392,80 @@ class GoPclnTab:
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
-        inl = None
-        if tree is not None and npcdata > _PCDATA_INLTREE_INDEX:
-            inl = self._table(self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4), entry)
-        else:
-            tree = None
-        fn = _Func(
-            entry,
-            self._funcname(nameoff),
-            cu,
-            self._table(pcfile, entry),
-            self._table(pcln, entry),
-            inl,
-            tree,
-        )
+        inl = 0
+        if tree >= 0 and npcdata > _PCDATA_INLTREE_INDEX:
+            inl = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
+        tree = tree if inl else -1
+        # The three tables whole, into one array, for all the function's addresses whatever order
+        # they come in: bounded (MAX_PCVALUE_STEPS runs each), and most are short (a file or
+        # inline-index table has 6-9 runs on average, a line table 31; prometheus' longest 13 832).
+        runs = array("q")
+        d, base, quantum = self._data, self._pctab, self._quantum
+        ft = _decode(d, base + pcfile, entry, quantum, runs) if pcfile else _NO_TABLE
+        lt = _decode(d, base + pcln, entry, quantum, runs) if pcln else _NO_TABLE
+        it = _decode(d, base + inl, entry, quantum, runs) if inl else _NO_TABLE
+        fn: _Func = (entry, self._funcname(nameoff), cu, tree, runs, *ft, *lt, *it)
+        with self._lock:
+            self._held += len(runs) >> 1
         self._funcs[i] = fn
         return fn
 
     def _frames(
         self, fn: _Func, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
     ) -> tuple[T, ...]:
-        file = self._file(fn.cu, fileno)
-        tree = fn.tree
-        if tree is None or ix < 0:  # most addresses: no inlined call
-            return (make(fn.name, file, max(line, 0), False),)
+        """The frames of an address whose inline index is `ix` (>= 0), root first."""
+        entry, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
+        file = self._file(cu, fileno)
         out: list[T] = []
-        value, entry = self._value, fn.entry
         at_ix: int | None = ix
         while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
-            name, parent, parent_pc = tree.call(at_ix)
-            out.append(make(name, file, max(line, 0), True))
+            called, parent, parent_pc = self._inline_call(tree, at_ix)
+            out.append(make(called, file, max(line, 0), True))
             at = entry + parent_pc
-            file = self._file(fn.cu, value(fn.file, at))
-            line = value(fn.line, at) or 0
-            at_ix = parent if parent is not None else value(fn.inl, at)
-        out.append(make(fn.name, file, max(line, 0), False))
+            file = self._file(cu, _run_value(runs, flo, fhi, fvo, at))
+            line = _run_value(runs, llo, lhi, lvo, at) or 0
+            at_ix = parent if parent is not None else _run_value(runs, ilo, ihi, ivo, at)
+        out.append(make(name, file, max(line, 0), False))
         out.reverse()
         return tuple(out)
 
-    def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> _Tree | None:
+    def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> int:
+        """Where a function's inline tree is in the inline trees' bytes; -1 if it has none."""
         if self._inl is None or nfuncdata <= _FUNCDATA_INLTREE or npcdata > 1024:
-            return None
+            return -1
         fd = pcdata + npcdata * 4
         if self.version == (1, 16):
             fd += fd & 4  # pointers, 8-aligned (the table starts 8-aligned)
             if fd + (_FUNCDATA_INLTREE + 1) * 8 > len(self._data):
-                return None
+                return -1
             addr = struct.unpack_from("<Q", self._data, fd + _FUNCDATA_INLTREE * 8)[0]
         else:
             off = self._u32(fd + _FUNCDATA_INLTREE * 4)
             if off == _NO_FUNCDATA:
-                return None
+                return -1
             addr = self._funcdata_base + off
-        return _Tree(self._inl, addr, self.version, self) if addr else None
+        return int(addr - self._inl.vaddr) if addr else -1
+
+    def _inline_call(self, tree: int, ix: int) -> tuple[str, int | None, int]:
+        """Entry `ix` of the inline tree at `tree`: (called function, parent index or None to look it
+        up at the call site, call-site pc offset). Entries of 20 bytes (1.16-1.19) or 16 (1.20 on)."""
+        if ix >= MAX_INLINE_ENTRIES:
+            raise GoPclnError("inline index out of bounds")
+        assert self._inl is not None  # a tree is found through it
+        d = self._inl.data
+        if self.version >= (1, 20):
+            off = tree + ix * 16
+            if not 0 <= off <= len(d) - 16:
+                raise GoPclnError("inline entry out of bounds")
+            _fid, nameoff, parent_pc, _start = struct.unpack_from("<B3xiii", d, off)
+            return self._funcname(nameoff), None, parent_pc
+        off = tree + ix * 20
+        if not 0 <= off <= len(d) - 20:
+            raise GoPclnError("inline entry out of bounds")
+        parent, _fid, _file, _line, nameoff, parent_pc = struct.unpack_from("<hBxiiii", d, off)
+        if parent >= ix:
+            raise GoPclnError("inline tree loops")  # parents come before their children
+        return self._funcname(nameoff), parent, parent_pc
 
     def symbols(self) -> SymbolIndex:
         """Every function as a symbol index (names of a binary without .symtab)."""
@@ -535,37 +514,6 @@ class InlineTrees:
     gofunc: int  # 1.18 and later: the base of funcdata offsets (runtime.firstmoduledata.gofunc)
 
 
-class _Tree:
-    """One function's inline tree: entries of 20 bytes (1.16-1.19) or 16 (1.20 and later)."""
-
-    __slots__ = ("_at", "_inl", "_tab", "_version")
-
-    def __init__(self, inl: InlineTrees, addr: int, version: tuple[int, int], tab: GoPclnTab) -> None:
-        self._inl = inl
-        self._at = addr - inl.vaddr
-        self._version = version
-        self._tab = tab
-
-    def call(self, ix: int) -> tuple[str, int | None, int]:
-        """(called function, parent index or None to look it up at the call site, call-site pc offset)."""
-        if ix >= MAX_INLINE_ENTRIES:
-            raise GoPclnError("inline index out of bounds")
-        d = self._inl.data
-        if self._version >= (1, 20):
-            off = self._at + ix * 16
-            if not 0 <= off <= len(d) - 16:
-                raise GoPclnError("inline entry out of bounds")
-            _fid, nameoff, parent_pc, _start = struct.unpack_from("<B3xiii", d, off)
-            return self._tab._funcname(nameoff), None, parent_pc
-        off = self._at + ix * 20
-        if not 0 <= off <= len(d) - 20:
-            raise GoPclnError("inline entry out of bounds")
-        parent, _fid, _file, _line, nameoff, parent_pc = struct.unpack_from("<hBxiiii", d, off)
-        if parent >= ix:
-            raise GoPclnError("inline tree loops")  # parents come before their children
-        return self._tab._funcname(nameoff), parent, parent_pc
-
-
 def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
     v = 0
     shift = 0
@@ -580,30 +528,22 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-# Runs decoded at least, once a table is asked past what it has: most tables are decoded whole by
-# the first lookup (a file or inline-index table has 6-9 runs on average, a line table 31), and a
-# long one takes few steps (each costs a call and the lock), not one per address beyond the last.
-_DECODE_AHEAD = 32
-
-
-def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
-    """Decode `t` on until a run covers `pc` and _DECODE_AHEAD runs were added, or the table ends;
-    the number of runs added. A table is pairs of varints (value delta, zigzag'd; pc delta) up to a
-    value delta of 0 past the first pair. It ends early, keeping the runs before, at a damaged
-    varint (past the data, or over 64 bits), at a value or start PC past 64 bits (`end` is then
-    that run's start), or after MAX_PCVALUE_STEPS runs. Under GoPclnTab._lock."""
-    starts, values = t.starts, t.values
+def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[int, int, int]:
+    """Append the pc-value table at `pos` of a function at `cur` to `runs` (the record's layout:
+    starts, end, values); its (lo, hi, vo). A table is pairs of varints (value delta, zigzag'd; pc
+    delta) up to a value delta of 0 past the first pair. It ends early, keeping the runs before, at
+    a damaged varint (past the data, or over 64 bits), at a value or start PC past 64 bits (its end
+    is then that run's start, at most 2^63 - 1), or after MAX_PCVALUE_STEPS runs."""
+    starts: list[int] = []  # lists while decoding: an append is cheaper than an array's
+    values: list[int] = []
     add_start, add_value = starts.append, values.append
-    pos, cur, val, size, n0 = t.pos, t.end, t.val, len(d), len(starts)
-    step = t.steps
-    ahead = step + _DECODE_AHEAD
+    val, size = -1, len(d)
     try:
         # Most varints are one byte, most others two: read inline, the function only for longer
         # ones; the end of the data is the IndexError of a read past it. (Cutting the varints out
-        # with a regular expression and summing them in C was slower on tables of these lengths.)
-        for step in range(t.steps, MAX_PCVALUE_STEPS):  # step: where it stopped
-            if cur > pc and step >= ahead:
-                break
+        # with a regular expression or stretches of one-byte pairs with slices, in C, was slower:
+        # a quarter of the pairs have a wider varint, at most a few pairs apart.)
+        for step in range(MAX_PCVALUE_STEPS):
             uv = d[pos]
             pos += 1
             if uv >= 0x80:
@@ -613,7 +553,6 @@ def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
                 else:
                     uv, pos = _uvarint(d, pos - 1, size)
             if uv == 0 and step:
-                t.done = True
                 break
             val += (uv >> 1) ^ -(uv & 1)  # zigzag
             delta = d[pos]
@@ -624,19 +563,39 @@ def _decode(t: _PcTable, d: bytes, pc: int, quantum: int) -> int:
                     pos += 1
                 else:
                     delta, pos = _uvarint(d, pos - 1, size)
-            add_value(val)  # OverflowError past 64 bits
+            add_value(val)
             add_start(cur)
             cur += delta * quantum
-        else:
-            t.done = True  # MAX_PCVALUE_STEPS runs: the bound of one table
-    except (GoPclnError, IndexError):  # damaged
-        t.done = True
-    except OverflowError:  # a value or start PC past 64 bits: the table ends before its run
-        t.done = True
-        del values[len(starts) :]
-    t.pos, t.val, t.steps = pos, val, step
-    t.end = cur  # last: the runs it covers are in the arrays
-    return len(starts) - n0
+    except (GoPclnError, IndexError):  # damaged: the runs before it stay
+        pass
+    lo = len(runs)
+    try:
+        runs.extend(starts)
+        runs.append(cur)
+        runs.extend(values)
+    except OverflowError:  # rare (a damaged table): cut before the first run past 64 bits
+        del runs[lo:]
+        cut = 0
+        while cut < len(starts) and starts[cut] <= _MAX64 and _MIN64 <= values[cut] <= _MAX64:
+            cut += 1
+        if cut < len(starts):
+            cur = starts[cut]
+        del starts[cut:], values[cut:]
+        runs.extend(starts)
+        runs.append(min(cur, _MAX64))
+        runs.extend(values)
+    hi = lo + len(starts)
+    return lo, hi, hi + 1 - lo
+
+
+_MIN64, _MAX64 = -(1 << 63), (1 << 63) - 1
+
+
+def _run_value(runs: array, lo: int, hi: int, vo: int, pc: int) -> int | None:
+    """The value a table of `runs` (at lo, hi, vo: _decode) gives `pc`; None before its first run,
+    at or past its end, or when it has none."""
+    j = bisect.bisect_right(runs, pc, lo, hi) - 1
+    return runs[j + vo] if j >= lo and pc < runs[hi] else None
 
 
 # --- from an ELF file --------------------------------------------------------

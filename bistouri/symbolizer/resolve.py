@@ -20,7 +20,6 @@ deployed later) gets a new generation, so stale names age out.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -512,7 +511,12 @@ class Resolver:
         """Go addresses' frames from the pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
         answers = mod.go_answers
-        make = functools.partial(self._go_frame, mod.name)
+        intern, module, user = self._intern, mod.name, model.KIND_USER
+
+        def make(function: str, file: str, line: int, inlined: bool) -> model.Frame:
+            # As _user_frames makes them from llvm's answer; Go's names are not mangled.
+            return intern(model.Frame(function, module, _path(file), line, user, inlined))
+
         out: list[_Frames | _Uncached] = []
         for (off, _leaf), vaddr, key in zip(todo, vaddrs, go.keys(vaddrs), strict=True):
             got = answers.get(key) if key is not None else None
@@ -528,10 +532,6 @@ class Resolver:
                     got = tuple(f if f.name else self._intern(replace(f, name=label)) for f in got)
             out.append(got)
         return out
-
-    def _go_frame(self, module: str, function: str, file: str, line: int, inlined: bool) -> model.Frame:
-        # As _user_frames makes them from llvm's answer; Go's names are not mangled.
-        return self._intern(model.Frame(function, module, _path(file), line, model.KIND_USER, inlined))
 
     def gives_lines(self, mod: _Module) -> bool:
         """True when this module's frames carry file:line (DWARF with llvm-symbolizer, or Go's pclntab)."""

@@ -9,6 +9,8 @@ import shutil
 import struct
 import subprocess
 import time
+from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -263,6 +265,14 @@ def test_fuzz_any_bytes_after_a_valid_magic(tail: bytes) -> None:
         _survives(struct.pack("<IBBBB", magic, 0, 0, 1, 8) + tail, InlineTrees(b"", RO, RO))
 
 
+def _decoded(tab: GoPclnTab, at: int) -> Callable[[int], int | None]:
+    """The table at `at` in the data decoded whole as a function's record holds it: its value at a PC."""
+    runs = array("q")
+    lo, hi, vo = gopclntab._decode(tab._data, at, TEXT, 1, runs)
+    assert len(runs) == 2 * (hi - lo) + 1 and hi - lo <= MAX_PCVALUE_STEPS
+    return lambda pc: gopclntab._run_value(runs, lo, hi, vo, pc)
+
+
 def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     data, inl = build_table_bytes((1, 18))
     # A table of 1-byte pc steps, value +1 each, far past the function: decoding stops at its bound.
@@ -272,13 +282,10 @@ def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
     t0 = time.process_time()
     assert tab._pcvalue(at - tab._pctab, TEXT, TEXT + 10**7) is None
     assert time.process_time() - t0 < 2.0
-    # Kept decoded, it is decoded as far as asked (and a few runs more), and never past its bound.
-    t = tab._table(at - tab._pctab, TEXT)
-    ahead = gopclntab._DECODE_AHEAD
-    assert tab._value(t, TEXT + 5) == 5 and t is not None and len(t.starts) == ahead
-    assert tab._value(t, TEXT + 3) == 3 and len(t.starts) == ahead  # bisected, not decoded again
-    assert tab._value(t, TEXT + ahead + 5) == ahead + 5 and len(t.starts) == 2 * ahead
-    assert tab._value(t, TEXT + 10**7) is None and t.done and len(t.starts) == MAX_PCVALUE_STEPS
+    value = _decoded(tab, at)
+    assert value(TEXT + 5) == 5 and value(TEXT + 3) == 3
+    assert value(TEXT + MAX_PCVALUE_STEPS - 1) == MAX_PCVALUE_STEPS - 1
+    assert value(TEXT + MAX_PCVALUE_STEPS) is None and value(TEXT - 1) is None
 
 
 def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
@@ -303,17 +310,14 @@ def _reference_value(table: bytes, entry: int, pc: int) -> int | None:
 
 @FUZZ
 @given(st.binary(max_size=96), st.lists(st.integers(0, 1 << 12), min_size=1, max_size=24))
-def test_fuzz_tables_decoded_as_far_as_asked_answer_as_the_plain_walk(
-    table: bytes, offsets: list[int]
-) -> None:
-    """Any bytes, any order of lookups: a table decoded in pieces and bisected answers as the walk
-    from the entry, and never holds more runs than its bound."""
+def test_fuzz_decoded_tables_answer_as_the_plain_walk(table: bytes, offsets: list[int]) -> None:
+    """Any bytes: a table decoded whole and bisected answers as the walk from the entry, and never
+    holds more runs than its bound."""
     data, inl = build_table_bytes((1, 18))
     tab = GoPclnTab(data + table, TEXT, inl)
-    t = tab._table(len(data) - tab._pctab, TEXT)
+    value = _decoded(tab, len(data))
     for off in offsets:
-        assert tab._value(t, TEXT + off) == _reference_value(table, TEXT, TEXT + off), off
-    assert t is not None and len(t.starts) == len(t.values) <= MAX_PCVALUE_STEPS
+        assert value(TEXT + off) == _reference_value(table, TEXT, TEXT + off), off
 
 
 def test_what_lookups_keep_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -360,15 +364,17 @@ def test_a_damaged_run_ends_its_table_and_keeps_the_runs_before_it() -> None:
     at = len(data)
     # Two runs, then a varint that never ends (the data's end): the two still answer.
     tab = GoPclnTab(data + b"\x02\x04\x02\x04" + b"\xff" * 12, TEXT, inl)
-    t = tab._table(at - tab._pctab, TEXT)
-    assert tab._value(t, TEXT + 100) is None and t is not None and t.done and t.end == TEXT + 8
-    assert [tab._value(t, TEXT + pc) for pc in (0, 3, 4, 7)] == [0, 0, 1, 1]
-    # A start PC past 64 bits: the table ends before it.
+    value = _decoded(tab, at)
+    assert [value(TEXT + pc) for pc in (0, 3, 4, 7, 8, 100)] == [0, 0, 1, 1, None, None]
+    # A start PC past 64 bits: the table ends before it (its end held as 2^63 - 1).
     big = b"\x02" + b"\xff" * 8 + b"\x7f" + b"\x02\x01\x00"
     tab = GoPclnTab(data + big, TEXT, inl)
-    t = tab._table(at - tab._pctab, TEXT)
-    assert tab._value(t, TEXT + 2**64) is None and t is not None and t.done and t.end >= 2**63
-    assert len(t.starts) == len(t.values) == 1 and tab._value(t, TEXT) == 0
+    value = _decoded(tab, at)
+    assert value(TEXT) == 0 and value(2**63 - 2) == 0 and value(2**63 - 1) is None
+    # A value past 64 bits: the same.
+    tab = GoPclnTab(data + b"\x04\x04" + b"\xfe" + b"\xff" * 8 + b"\x01\x04\x00", TEXT, inl)
+    value = _decoded(tab, at)
+    assert [value(TEXT + pc) for pc in (0, 3, 4)] == [1, 1, None]
 
 
 # --- real Go programs --------------------------------------------------------------------------
