@@ -26,16 +26,16 @@ if TYPE_CHECKING:
     from .symcache import SymbolCache
 
 
-def spans_key(path: str) -> tuple[str, str] | None:
-    """The build id of a DWARF file (its binary's), and the cache key of its spans: the build id
-    and the file's size (a debug file installed later is another file); None without a build id."""
+def spans_key(path: str) -> str | None:
+    """The cache key of a DWARF file's spans: its build id and size (a debug file installed later
+    is another file); None without a build id."""
     try:
         with ElfFile(path) as elf:
             build_id = elf.build_id
             size = elf.size
     except (ElfFormatError, OSError):
         return None
-    return (build_id.hex(), f"{build_id.hex()}-{size:x}") if build_id else None
+    return f"{build_id.hex()}-{size:x}" if build_id else None
 
 
 class DwarfFirstPool(LlvmPool):
@@ -55,22 +55,19 @@ class DwarfFirstPool(LlvmPool):
         return True
 
     def symbolize(self, path: str, addrs: Sequence[int]) -> list[list[SourceFrame] | None]:
-        cache = self.cache
-        keys = spans_key(path) if cache is not None else None
+        key = spans_key(path) if self.cache is not None else None
         got: list[list[SourceFrame] | None] = [None] * len(addrs)
-        if keys is not None:
-            got = self._from_spans(keys[1], addrs)
+        if key is not None:
+            got = self._from_spans(key, addrs)
         todo = [i for i, frames in enumerate(got) if frames is None]
         self.from_spans += len(addrs) - len(todo)
         if todo:
             wanted = [addrs[i] for i in todo]
-            # Spans cost a walk of each function's DIEs: only for a binary named before (a first
-            # run's functions may never be sampled again; a later run's new addresses in a
-            # function met before are those that come back).
-            if cache is not None and keys is not None and cache.has_frames(keys[0]):
+            if key is not None:
                 answers, spans = dwarf.symbolize_spans(path, wanted)
                 if spans:
-                    cache.add_spans(keys[1], spans)
+                    assert self.cache is not None
+                    self.cache.add_spans(key, spans)
             else:
                 answers = dwarf.symbolize(path, wanted)
             for i, frames in zip(todo, answers, strict=True):

@@ -45,7 +45,7 @@ def _span_crc(start: int, end: int, frames: Iterable[tuple[bytes, bytes, int]]) 
 class SpanTable:
     """One spans file, read in place. `get` raises `CorruptFile` when the span it reads is damaged."""
 
-    __slots__ = ("_buf", "_counts", "_crcs", "_ends", "_firsts", "_map", "_rows", "_starts", "_strings")
+    __slots__ = ("_buf", "_crcs", "_ends", "_lists", "_map", "_rows", "_starts", "_strings")
 
     def __init__(self, data: mmap.mmap | bytes) -> None:
         self._map = data
@@ -54,19 +54,18 @@ class SpanTable:
         sizes: list[tuple[_Code, int]] = [
             ("Q", n),
             ("Q", n),
-            ("I", n),  # checksum
-            ("I", n),  # first frame row
-            ("I", n),  # frame rows
+            ("I", n),
+            ("I", n + 1),
             ("I", 3 * n_rows),
             ("I", n_strings + 1),
             ("B", blob),
         ]
         sections = _sections(self._buf, sizes)
-        self._starts, self._ends, self._crcs, self._firsts, self._counts, self._rows, offs, strs = sections
+        self._starts, self._ends, self._crcs, self._lists, self._rows, offs, strs = sections
         self._strings = _Strings(offs, strs)
 
     def close(self) -> None:
-        for v in (self._starts, self._ends, self._crcs, self._firsts, self._counts, self._rows):
+        for v in (self._starts, self._ends, self._crcs, self._lists, self._rows):
             v.release()
         self._strings.release()
         self._buf.release()
@@ -92,9 +91,8 @@ class SpanTable:
         return self._span(i)[2]
 
     def _span(self, i: int) -> Span:
-        start = self._firsts[i]
-        end = start + self._counts[i]
-        if not end <= len(self._rows) // 3:
+        start, end = self._lists[i], self._lists[i + 1]
+        if not start <= end <= len(self._rows) // 3:
             raise CorruptFile(f"span {i}'s frames at {start}-{end}")
         raw = []
         for r in range(start, end):
@@ -114,14 +112,13 @@ class SpanTable:
 
 def encode_spans(new: Iterable[Span], old: SpanTable | None = None, max_spans: int = 1 << 31) -> Parts | None:
     """A spans file of what `old` holds and `new`'s spans that overlap none of them, up to
-    `max_spans`; None when `new` adds nothing. `old`'s spans, rows and strings are copied as they
-    are, unread (each read still checks its span's checksum): a run that adds a few functions'
-    spans costs in proportion to them, not to the file."""
-    starts = list(old._starts) if old is not None else []
-    ends = list(old._ends) if old is not None else []
-    added: list[Span] = []
+    `max_spans`; None when `new` adds nothing. Raises `CorruptFile` when `old` is damaged."""
+    kept = list(old.items()) if old is not None else []
+    starts = [s for s, _, _ in kept]
+    ends = [e for _, e, _ in kept]
+    added = 0
     for lo, hi, frames in sorted(new, key=lambda s: s[0]):
-        if len(starts) >= max_spans:
+        if len(kept) >= max_spans:
             break
         if not 0 <= lo < hi < 1 << 64:
             continue
@@ -130,61 +127,22 @@ def encode_spans(new: Iterable[Span], old: SpanTable | None = None, max_spans: i
             continue  # overlaps a span kept (the same function, met again): the first stays
         starts.insert(i, lo)
         ends.insert(i, hi)
-        added.append((lo, hi, frames))
+        kept.insert(i, (lo, hi, frames))
+        added += 1
     if not added:
         return None
-    n_old_strings = len(old._strings) if old is not None else 0
-    n_old_rows = len(old._rows) // 3 if old is not None else 0
     strings = _StringBuilder()
-    rows = array("I")
-    made: dict[int, tuple[int, int, int]] = {}  # a new span's start -> (checksum, first row, rows)
-    for lo, hi, frames in added:
-        first = n_old_rows + len(rows) // 3
-        text = []
+    crcs, lists, rows = array("I"), array("I", [0]), array("I")
+    for lo, hi, frames in kept:
         for f in frames:
-            line = min(max(f.line, 0), _U32)
-            rows.extend((n_old_strings + strings.add(f.function), n_old_strings + strings.add(f.file), line))
-            text.append(
-                (
-                    f.function.encode("utf-8", "surrogateescape"),
-                    f.file.encode("utf-8", "surrogateescape"),
-                    line,
-                )
+            rows.extend((strings.add(f.function), strings.add(f.file), min(max(f.line, 0), _U32)))
+        mine = range(3 * lists[-1], len(rows), 3)
+        crcs.append(
+            _span_crc(
+                lo, hi, ((strings.encoded[rows[k]], strings.encoded[rows[k + 1]], rows[k + 2]) for k in mine)
             )
-        made[lo] = (_span_crc(lo, hi, text), first, len(frames))
-    crcs, firsts, counts = array("I"), array("I"), array("I")
-    k = 0  # the next old span
-    for lo in starts:
-        got = made.get(lo)
-        if got is None:  # an old span
-            assert old is not None
-            crcs.append(old._crcs[k])
-            firsts.append(old._firsts[k])
-            counts.append(old._counts[k])
-            k += 1
-        else:
-            crcs.extend(got[:1])
-            firsts.append(got[1])
-            counts.append(got[2])
-    new_offs, new_blob = strings.arrays()
-    if old is not None:
-        base = old._strings.offs[-1] if len(old._strings.offs) else 0
-        offs = array("I", old._strings.offs)
-        offs.extend(base + o for o in new_offs[1:])
-        blob = bytes(old._strings.blob) + new_blob
-        all_rows = array("I", old._rows)
-        all_rows.extend(rows)
-    else:
-        offs, blob, all_rows = new_offs, new_blob, rows
-    counts_h = [len(starts), len(all_rows) // 3, len(offs) - 1, len(blob)]
-    return [
-        _header(KIND_SPANS, counts_h),
-        array("Q", starts),
-        array("Q", ends),
-        crcs,
-        firsts,
-        counts,
-        all_rows,
-        offs,
-        blob,
-    ]
+        )
+        lists.append(len(rows) // 3)
+    offs, blob = strings.arrays()
+    counts = [len(kept), len(rows) // 3, len(strings), len(blob)]
+    return [_header(KIND_SPANS, counts), array("Q", starts), array("Q", ends), crcs, lists, rows, offs, blob]

@@ -239,14 +239,8 @@ class SymbolCache:
 
     def has_symbols(self, key: str) -> bool:
         """A regular file is there (a planted link is not: writing replaces it)."""
-        return self._has(key + ".symbols")
-
-    def has_frames(self, key: str) -> bool:
-        return self._has(key + ".frames")
-
-    def _has(self, name: str) -> bool:
         try:
-            return stat.S_ISREG(os.lstat(self._path(name)).st_mode)
+            return stat.S_ISREG(os.lstat(self._path(key + ".symbols")).st_mode)
         except OSError:
             return False
 

@@ -195,11 +195,7 @@ class DwarfFile:
         self._names: dict[int, str] = {}  # a subroutine DIE's name, by offset
         self.dies = 0
         self.rows = 0
-        # While `spans` works: the range ends a walk reads, the outermost DIEs it reads and their
-        # ranges, and every unit range's ends.
-        self._points: list[int] | None = None
-        self._outer: list[tuple[_Die, list[tuple[int, int]]]] | None = None
-        self._bounds: list[int] | None = None
+        self._points: list[int] | None = None  # while `spans` collects: the range ends a walk reads
 
     def _open_sections(self) -> None:
         assert self._mm is not None
@@ -689,8 +685,6 @@ class DwarfFile:
                         inside = _within(live, addrs, r)
                         if self._points is not None:
                             self._points.extend(v for lo_hi in r for v in lo_hi)
-                        if self._outer is not None and not stack:
-                            self._outer.append((die, r))
             sibling = -1
             if AT_SIBLING in die.attrs:
                 sibling = self._ref(u, *die.attrs[AT_SIBLING])
@@ -735,8 +729,6 @@ class DwarfFile:
             return []
         if self._points is not None:
             self._points.extend(v for lo_hi in ranges for v in lo_hi)
-        if self._outer is not None and not stack:
-            self._outer.append((die, ranges))
         inside = _within(live, addrs, ranges)
         for i in inside:
             best[i] = [*stack, die]
@@ -855,83 +847,70 @@ class DwarfFile:
         """[start, end) spans, each with the frames `frames` answers for every address in it,
         covering the functions (the outermost subprograms' ranges) that hold `addrs`: what a
         later run needs to name other addresses of those functions without reading DWARF. A
-        function whose spans cannot be told for certain (over `max_points`, another function's
-        ranges over its own, a unit this reader cannot read) has none; an address in no function
-        has none."""
+        function whose spans cannot be told for certain (over `max_points`, a unit this reader
+        cannot read) has none; an address in no function has none."""
         if self._units is None:
             try:
                 self._index_units()
             except (Malformed, IndexError, struct.error):
                 return []
-        by_unit: dict[int, list[int]] = {}
-        for a in sorted(set(addrs)):
-            unit = self._unit_of(a)
-            if unit is not None:
-                by_unit.setdefault(unit, []).append(a)
         out: list[Span] = []
-        for n, wanted in by_unit.items():
+        covered: list[tuple[int, int]] = []  # the functions done (few: one per sampled function)
+        for a in sorted(set(addrs)):
+            if any(lo <= a < hi for lo, hi in covered):
+                continue
+            unit = self._unit_of(a)
+            if unit is None:
+                continue
             try:
-                out.extend(self._unit_spans(n, wanted, max_points))
+                got = self._function_spans(unit, a, max_points)
             except (Unsupported, Malformed, IndexError, struct.error, KeyError, ValueError, OverflowError):
-                pass  # the reader answers them each time
+                got = None
             finally:
-                self._points = self._outer = None
+                self._points = None
+            if got is not None:
+                covered.append(got[0])
+                out.extend(got[1])
         return out
 
-    def _unit_spans(self, n: int, addrs: list[int], max_points: int) -> list[Span]:
+    def _function_spans(self, n: int, a: int, max_points: int) -> tuple[tuple[int, int], list[Span]] | None:
+        """The range of the function holding `a` and its spans (empty when they cannot be told).
+
+        An answer changes only where a line row starts, a line sequence or a unit's range starts
+        or ends, or a range of a DIE the walk reads starts or ends. The walk runs over every such
+        point of the function until it reads no range end that is not a point yet: then every
+        DIE that holds an address of the function was read (its ends are points, so it holds a
+        point, so its parent did and was read too), and each point's answer holds up to the
+        next point."""
         assert self._units is not None
         u = self._prepare(self._units[n])
         if u.split:
-            return []
+            return None
         table = self._line_table(u) if u.stmt_list is not None else None
-        self._outer = []  # the outermost DIEs the walk reads, with their ranges
-        chains = self._chains(u, addrs)
-        outer, self._outer = self._outer, None
-        out: list[Span] = []
-        done: list[tuple[int, int]] = []
-        for a, chain in zip(addrs, chains, strict=True):
-            if not chain or any(lo <= a < hi for lo, hi in done):
-                continue
-            top = chain[0]
-            flo, fhi = next((lo, hi) for lo, hi in self._die_ranges(u, top.attrs) if lo <= a < hi)
-            done.append((flo, fhi))
-            if any(d is not top and lo < fhi and flo < hi for d, ranges in outer for lo, hi in ranges):
-                continue  # another function holds some of its addresses: left to the reader
-            out.extend(self._function_spans(n, u, table, top, flo, fhi, max_points))
-        return out
-
-    def _function_spans(
-        self, n: int, u: _Unit, table: LineTable | None, top: _Die, flo: int, fhi: int, max_points: int
-    ) -> list[Span]:
-        """The spans of [flo, fhi), a range of the outermost DIE `top` (no other holds any of it).
-
-        An answer changes only where a line row starts, a line sequence or a unit's range starts
-        or ends, or a range of a DIE the walk reads starts or ends. The walk of `top`'s DIEs runs
-        over every such point until it reads no range end that is not a point yet: then every
-        DIE that holds an address of the range was read (its ends are points, so it holds a
-        point, so its parent did and was read too), and each point's answer holds up to the
-        next point. Each pass walks only the points the one before found (a walk reads the DIEs
-        inside those holding one of its addresses, whatever the others)."""
-        if self._bounds is None:
-            self._bounds = sorted({v for lo, hi, _ in self._ranges for v in (lo, hi)})
+        chain = self._chains(u, [a])[0]
+        if not chain:
+            return None
+        lo_hi = next(((lo, hi) for lo, hi in self._die_ranges(u, chain[0].attrs) if lo <= a < hi), None)
+        if lo_hi is None:
+            return None
+        flo, fhi = lo_hi
         points = {flo}
-        points.update(self._bounds[bisect_right(self._bounds, flo) : bisect_left(self._bounds, fhi)])
+        points.update(v for lo, hi, _ in self._ranges for v in (lo, hi) if flo < v < fhi)
         if table is not None:
             for low, high, first, last in table.seqs:
                 if low < fhi and flo < high:
                     points.update(v for v in (low, high) if flo < v < fhi)
                     i = bisect_left(table.addrs, flo, first, last)
                     points.update(table.addrs[i : bisect_left(table.addrs, fhi, i, last)])
+        # A walk reads the DIEs that the DIEs holding one of its addresses contain, whatever the
+        # other addresses: each pass walks only the points the one before found.
         chains: dict[int, list[_Die]] = {}
         todo = sorted(points)
         for _ in range(_SPAN_PASSES):
             if len(points) > max_points:
-                return []
+                return lo_hi, []
             self._points = []
-            best = [[top] for _ in todo]
-            if top.children:
-                self._walk(u, top.end, list(range(len(todo))), todo, [top], best, 1)
-            chains.update(zip(todo, best, strict=True))
+            chains.update(zip(todo, self._chains(u, todo), strict=True))
             new = {v for v in self._points if flo < v < fhi}.difference(points)
             self._points = None
             if not new:
@@ -939,21 +918,21 @@ class DwarfFile:
             points |= new
             todo = sorted(new)
         else:
-            return []
+            return lo_hi, []
         pts = sorted(points)
         if any(self._unit_of(p) != n for p in pts):
-            return []
-        spans: list[Span] = []
+            return lo_hi, []
         answers = self._answers(u, table, pts, [chains[p] for p in pts])
+        spans: list[Span] = []
         for k, (p, frames) in enumerate(zip(pts, answers, strict=True)):
             end = pts[k + 1] if k + 1 < len(pts) else fhi
             if frames is None:
-                return []
+                return lo_hi, []
             if spans and spans[-1][2] == frames:
                 spans[-1] = (spans[-1][0], end, frames)
             else:
                 spans.append((p, end, frames))
-        return spans
+        return lo_hi, spans
 
 
 def _within(live: list[int], addrs: list[int], ranges: list[tuple[int, int]]) -> list[int]:
