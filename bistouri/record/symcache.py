@@ -10,9 +10,6 @@ are kept:
 - `<build id>.symbols`: the function symbols of a binary, with the ranges its DWARF describes
   (none for a binary without DWARF; `symbolizer.dwarf.covered_ranges`), so that its new
   addresses outside them are named without reading DWARF (node: a few C files of it);
-- `<build id>-<size>.spans`: a binary's DWARF answers by address range, for the functions a
-  run sampled (spanfile.py), so that a new address in one of them is answered without
-  reading DWARF again (record/dwarfpool.py);
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -55,14 +52,12 @@ if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the 
     from ..symbolizer.model import Frame, Profile
     from ..symbolizer.resolve import Resolver
     from ..symbolizer.stacks import SessionStacks
-    from .spanfile import Span, SpanTable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 20
 MAX_FILE_BYTES = 32 << 20  # one binary's frames or one kernel's symbols; larger files are not read
 MAX_FRAMES_PER_FILE = 200_000  # (address, leaf) entries kept per binary
-MAX_SPANS_PER_FILE = 500_000  # DWARF answer spans kept per binary (~30 bytes each, and strings)
 
 
 class CacheUnusable(BistouriError):
@@ -249,40 +244,6 @@ class SymbolCache:
             with self._locked():
                 self._write(key + ".symbols", parts)
                 self.evict()
-        except OSError as e:
-            log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
-
-    # -- a binary's DWARF answers by address range (spanfile.py) ------------------------
-    def spans(self, key: str) -> SpanTable | None:
-        from .spanfile import SpanTable
-
-        data = self._map(key + ".spans")
-        if data is None:
-            return None
-        try:
-            return SpanTable(data)
-        except CorruptFile as e:
-            self.discard(key + ".spans", e)
-            return None
-
-    def add_spans(self, key: str, new: list[Span]) -> None:
-        """Add `new` to the spans of `key` (those overlapping a span there are left out)."""
-        from .spanfile import encode_spans
-
-        try:
-            with self._locked():
-                old = self.spans(key)
-                try:
-                    parts = encode_spans(new, old, MAX_SPANS_PER_FILE)
-                except CorruptFile as e:
-                    self.discard(key + ".spans", e)
-                    parts = encode_spans(new, None, MAX_SPANS_PER_FILE)
-                finally:
-                    if old is not None:
-                        old.close()
-                if parts is not None:
-                    self._write(key + ".spans", parts)
-                    self.evict()
         except OSError as e:
             log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
 

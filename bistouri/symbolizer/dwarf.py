@@ -112,8 +112,6 @@ MAX_DEPTH = 256  # DIE nesting
 MAX_RANGES = 1 << 16  # entries of one range list
 MAX_HOPS = 16  # DW_AT_abstract_origin / DW_AT_specification followed for a name
 _OVERLAPS = 16  # unit ranges looked at before an address
-MAX_SPAN_POINTS = 100_000  # answers computed for one function's spans (its line rows, mostly)
-_SPAN_PASSES = 4  # walks over a function's points before its spans are given up
 
 _SECTIONS = (
     ".debug_info",
@@ -130,7 +128,6 @@ _SECTIONS = (
 
 
 Frames = list[SourceFrame]
-Span = tuple[int, int, Frames]  # [start, end) and the frames of every address in it
 
 
 @dataclass(slots=True)
@@ -195,7 +192,6 @@ class DwarfFile:
         self._names: dict[int, str] = {}  # a subroutine DIE's name, by offset
         self.dies = 0
         self.rows = 0
-        self._points: list[int] | None = None  # while `spans` collects: the range ends a walk reads
 
     def _open_sections(self) -> None:
         assert self._mm is not None
@@ -683,8 +679,6 @@ class DwarfFile:
                     r = self._die_ranges(u, die.attrs)
                     if r:
                         inside = _within(live, addrs, r)
-                        if self._points is not None:
-                            self._points.extend(v for lo_hi in r for v in lo_hi)
             sibling = -1
             if AT_SIBLING in die.attrs:
                 sibling = self._ref(u, *die.attrs[AT_SIBLING])
@@ -727,8 +721,6 @@ class DwarfFile:
         ranges = [(lo, hi) for lo, hi in self._die_ranges(u, die.attrs) if lo < hi]
         if not ranges:
             return []
-        if self._points is not None:
-            self._points.extend(v for lo_hi in ranges for v in lo_hi)
         inside = _within(live, addrs, ranges)
         for i in inside:
             best[i] = [*stack, die]
@@ -777,9 +769,12 @@ class DwarfFile:
         out: list[Frames | None] = [[] if self._complete else None for _ in addrs]
         by_unit: dict[int, list[int]] = {}
         for k, a in enumerate(addrs):
-            unit = self._unit_of(a)
-            if unit is not None:
-                by_unit.setdefault(unit, []).append(k)
+            # Units' ranges may overlap (rarely): the nearest starts before `a` are looked at.
+            i = bisect_right(self._lo, a) - 1
+            for lo, hi, unit in self._ranges[max(0, i - _OVERLAPS) : i + 1][::-1]:
+                if lo <= a < hi:
+                    by_unit.setdefault(unit, []).append(k)
+                    break
         assert self._units is not None
         for n, wanted in by_unit.items():
             u = self._units[n]
@@ -793,22 +788,9 @@ class DwarfFile:
                 out[k] = g
         return out
 
-    def _unit_of(self, a: int) -> int | None:
-        """The number of the unit whose ranges hold `a`. Units' ranges may overlap (rarely): the
-        nearest starts before `a` are looked at."""
-        i = bisect_right(self._lo, a) - 1
-        for lo, hi, unit in self._ranges[max(0, i - _OVERLAPS) : i + 1][::-1]:
-            if lo <= a < hi:
-                return unit
-        return None
-
     def _unit_frames(self, u: _Unit, addrs: list[int]) -> list[Frames | None]:
         table = self._line_table(u) if u.stmt_list is not None else None
-        return self._answers(u, table, addrs, self._chains(u, addrs))
-
-    def _answers(
-        self, u: _Unit, table: LineTable | None, addrs: list[int], chains: list[list[_Die]]
-    ) -> list[Frames | None]:
+        chains = self._chains(u, addrs)
         out: list[Frames | None] = []
         for a, chain in zip(addrs, chains, strict=True):
             # Innermost first, up to and with the first subprogram (lexical blocks are not frames).
@@ -840,99 +822,6 @@ class DwarfFile:
                 frames.append(SourceFrame(name, file, line))
             out.append(frames)
         return out
-
-    # --- spans ------------------------------------------------------------------------
-
-    def spans(self, addrs: Sequence[int], max_points: int = MAX_SPAN_POINTS) -> list[Span]:
-        """[start, end) spans, each with the frames `frames` answers for every address in it,
-        covering the functions (the outermost subprograms' ranges) that hold `addrs`: what a
-        later run needs to name other addresses of those functions without reading DWARF. A
-        function whose spans cannot be told for certain (over `max_points`, a unit this reader
-        cannot read) has none; an address in no function has none."""
-        if self._units is None:
-            try:
-                self._index_units()
-            except (Malformed, IndexError, struct.error):
-                return []
-        out: list[Span] = []
-        covered: list[tuple[int, int]] = []  # the functions done (few: one per sampled function)
-        for a in sorted(set(addrs)):
-            if any(lo <= a < hi for lo, hi in covered):
-                continue
-            unit = self._unit_of(a)
-            if unit is None:
-                continue
-            try:
-                got = self._function_spans(unit, a, max_points)
-            except (Unsupported, Malformed, IndexError, struct.error, KeyError, ValueError, OverflowError):
-                got = None
-            finally:
-                self._points = None
-            if got is not None:
-                covered.append(got[0])
-                out.extend(got[1])
-        return out
-
-    def _function_spans(self, n: int, a: int, max_points: int) -> tuple[tuple[int, int], list[Span]] | None:
-        """The range of the function holding `a` and its spans (empty when they cannot be told).
-
-        An answer changes only where a line row starts, a line sequence or a unit's range starts
-        or ends, or a range of a DIE the walk reads starts or ends. The walk runs over every such
-        point of the function until it reads no range end that is not a point yet: then every
-        DIE that holds an address of the function was read (its ends are points, so it holds a
-        point, so its parent did and was read too), and each point's answer holds up to the
-        next point."""
-        assert self._units is not None
-        u = self._prepare(self._units[n])
-        if u.split:
-            return None
-        table = self._line_table(u) if u.stmt_list is not None else None
-        chain = self._chains(u, [a])[0]
-        if not chain:
-            return None
-        lo_hi = next(((lo, hi) for lo, hi in self._die_ranges(u, chain[0].attrs) if lo <= a < hi), None)
-        if lo_hi is None:
-            return None
-        flo, fhi = lo_hi
-        points = {flo}
-        points.update(v for lo, hi, _ in self._ranges for v in (lo, hi) if flo < v < fhi)
-        if table is not None:
-            for low, high, first, last in table.seqs:
-                if low < fhi and flo < high:
-                    points.update(v for v in (low, high) if flo < v < fhi)
-                    i = bisect_left(table.addrs, flo, first, last)
-                    points.update(table.addrs[i : bisect_left(table.addrs, fhi, i, last)])
-        # A walk reads the DIEs that the DIEs holding one of its addresses contain, whatever the
-        # other addresses: each pass walks only the points the one before found.
-        chains: dict[int, list[_Die]] = {}
-        todo = sorted(points)
-        for _ in range(_SPAN_PASSES):
-            if len(points) > max_points:
-                return lo_hi, []
-            self._points = []
-            chains.update(zip(todo, self._chains(u, todo), strict=True))
-            new = {v for v in self._points if flo < v < fhi}.difference(points)
-            self._points = None
-            if not new:
-                break
-            points |= new
-            todo = sorted(new)
-        else:
-            return lo_hi, []
-        pts = sorted(points)
-        if any(self._unit_of(p) != n for p in pts):
-            return lo_hi, []
-        answers = self._answers(u, table, pts, [chains[p] for p in pts])
-        spans: list[Span] = []
-        for k, (p, frames) in enumerate(zip(pts, answers, strict=True)):
-            end = pts[k + 1] if k + 1 < len(pts) else fhi
-            if frames is None:
-                return lo_hi, []
-            if spans and spans[-1][2] == frames:
-                spans[-1] = (spans[-1][0], end, frames)
-            else:
-                spans.append((p, end, frames))
-        return lo_hi, spans
 
 
 def _within(live: list[int], addrs: list[int], ranges: list[tuple[int, int]]) -> list[int]:
@@ -1012,12 +901,3 @@ def symbolize(path: str, addrs: Sequence[int]) -> list[Frames | None]:
             return f.frames(addrs)
     except (Unsupported, OSError, ValueError):
         return [None] * len(addrs)
-
-
-def symbolize_spans(path: str, addrs: Sequence[int]) -> tuple[list[Frames | None], list[Span]]:
-    """`symbolize`, and the spans of the functions holding the addresses (`DwarfFile.spans`)."""
-    try:
-        with DwarfFile(path) as f:
-            return f.frames(addrs), f.spans(addrs)
-    except (Unsupported, OSError, ValueError):
-        return [None] * len(addrs), []

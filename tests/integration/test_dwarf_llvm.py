@@ -60,26 +60,6 @@ def test_a_real_binary_is_named_as_llvm_names_it(label: str, binary: str, debug:
     assert share >= 0.99, differ[:5]
 
 
-@pytest.mark.parametrize(("label", "binary", "debug"), _binaries(), ids=lambda v: str(v).split("/")[-1])
-def test_a_real_binary_s_spans_answer_as_the_reader_does(label: str, binary: str, debug: str) -> None:
-    """The spans of 30 functions (what record caches for a later run, record/dwarfpool.py) give
-    every address drawn in them the frames the reader gives it."""
-    from bistouri.symbolizer import dwarf
-
-    with ElfFile(binary) as elf:
-        functions = [(s, e) for s, e, _ in elf.symbol_index().items() if e > s]
-    rng = random.Random(27)
-    seeds = [rng.randrange(*rng.choice(functions)) for _ in range(30)]
-    with dwarf.DwarfFile(debug) as f:
-        spans = f.spans(seeds)
-        probes = [(a, frames) for s, e, frames in spans for a in {s, e - 1, rng.randrange(s, e)}]
-        got = f.frames([a for a, _ in probes])
-    assert spans, label
-    differ = [(hex(a), want, have) for (a, want), have in zip(probes, got, strict=True) if want != have]
-    print(f"{label}: {len(spans)} spans, {sum(e - s for s, e, _ in spans)} bytes, {len(probes)} probes")
-    assert not differ, differ[:3]
-
-
 @needs_llvm
 def test_a_go_program_s_dwarf_is_named_as_llvm_names_it(tmp_path: Path) -> None:
     """Go writes DWARF 4 in zlib-compressed sections, its own way (the resolver reads it when

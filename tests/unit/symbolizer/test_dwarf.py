@@ -9,7 +9,6 @@ answered or refused within a bound, never with an exception.
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import struct
 import subprocess
@@ -103,41 +102,6 @@ def test_every_byte_of_a_program_is_named_as_llvm_names_it(
         assert any(f[0].function == "leaf" and f[0].file.endswith("inc/leaf.h") for f in chains)
 
 
-@pytest.mark.parametrize(
-    ("compiler", "flags", "cxx"),
-    [
-        ("gcc", ["-g", "-O2"], False),
-        ("gcc", ["-gdwarf-4", "-O2", "-gz=zlib"], False),
-        ("clang", ["-g", "-O2"], False),
-        ("g++", ["-g", "-O2"], True),
-        ("clang++", ["-g", "-O2"], True),
-    ],
-)
-def test_spans_answer_every_byte_as_the_reader_does(
-    tmp_path: Path, compiler: str, flags: list[str], cxx: bool
-) -> None:
-    """A function's spans, asked from one address in it, give every byte of it the frames
-    `frames` gives (what a later run reads from the cache instead of the DWARF)."""
-    exe = build(tmp_path, compiler, flags, cxx)
-    addrs = code_addresses(exe)
-    with dwarf.DwarfFile(str(exe)) as f:
-        spans = f.spans(addrs[::7])
-        answers = dict(zip(addrs, f.frames(addrs), strict=True))
-    assert spans
-    assert all(a <= b for (_, a, _), (b, _, _) in itertools.pairwise(spans))  # sorted, disjoint
-    covered = 0
-    for start, end, frames in spans:
-        for a in range(start, end):
-            if a in answers:
-                assert answers[a] == frames, (hex(a), start, end)
-                covered += 1
-    # Every byte of the functions the reader describes is covered (the rest: no subprogram).
-    described = [a for a in addrs if answers[a]]
-    assert covered >= 0.9 * len(described)
-    if not cxx:
-        assert any(len(frames) > 1 for _, _, frames in spans)  # inlined chains among them
-
-
 @needs_llvm
 def test_the_reader_leaves_split_dwarf_and_dwarf_3_to_llvm(tmp_path: Path) -> None:
     for flags in (["-g", "-O2", "-gsplit-dwarf"], ["-gdwarf-3", "-O2"]):
@@ -159,33 +123,6 @@ def test_record_asks_llvm_only_for_what_the_reader_leaves(tmp_path: Path) -> Non
         addrs = code_addresses(split, "outer")
         got = pool.symbolize(str(split), addrs)
         assert pool.through_llvm == len(addrs) and all(f and f[0].line for f in got)
-
-
-def test_record_answers_a_function_met_before_from_the_cache_s_spans(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A first run caches the spans of the functions it asked about; a later run's new address in
-    one of them is answered from them, the DWARF file not opened, with the reader's frames."""
-    from bistouri.record import dwarfpool
-    from bistouri.record.symcache import SymbolCache
-
-    exe = build(tmp_path, "gcc", ["-g", "-O2"])
-    addrs = code_addresses(exe, "outer")
-    want = dwarf.symbolize(str(exe), addrs)
-    cache = SymbolCache(tmp_path / "cache")
-    with dwarfpool.DwarfFirstPool(cache, registry=None) as pool:
-        assert pool.symbolize(str(exe), addrs[:1]) == want[:1]
-        assert pool.from_spans == 0
-    key = dwarfpool.spans_key(str(exe))
-    assert key is not None and (tmp_path / "cache" / f"{key}.spans").is_file()
-
-    def unreadable(*_args: object) -> None:
-        raise AssertionError("the DWARF file was read")
-
-    monkeypatch.setattr(dwarf, "DwarfFile", unreadable)
-    with dwarfpool.DwarfFirstPool(cache, registry=None) as pool:
-        assert pool.symbolize(str(exe), addrs) == want
-        assert pool.from_spans == len(addrs) and pool.through_llvm == 0
 
 
 def test_a_file_without_dwarf_or_not_elf_is_refused(tmp_path: Path) -> None:
