@@ -34,6 +34,7 @@ import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..elf import ELFCOMPRESS_ZLIB, SHF_COMPRESSED, SHT_NOBITS, ElfFile, ElfFormatError
 from . import dwarflines
@@ -130,6 +131,15 @@ _SECTIONS = (
 Frames = list[SourceFrame]
 
 
+class LineStore(Protocol):
+    """Line tables kept between runs (`record`'s cache: record/linefile.py), by offset in
+    `.debug_line`: a unit met again is not run again."""
+
+    def get(self, offset: int) -> LineTable | None: ...
+
+    def put(self, offset: int, table: LineTable) -> None: ...
+
+
 @dataclass(slots=True)
 class _Unit:
     offset: int  # of its header in .debug_info
@@ -164,8 +174,9 @@ class DwarfFile:
     """One ELF file's DWARF, mapped read-only. Not thread-safe. Raises `Unsupported` on opening
     when the file has nothing this reader reads."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lines: LineStore | None = None) -> None:
         self.path = path
+        self.line_store = lines
         self._views: dict[str, memoryview] = {}
         self._mm: mmap.mmap | None = None
         self._inflated: list[mmap.mmap] = []  # sections inflated into anonymous maps
@@ -732,8 +743,15 @@ class DwarfFile:
         assert u.stmt_list is not None
         table = self._lines.get(u.stmt_list)
         if table is None:
-            strings = lambda form, val: self._string(u, form, val)  # noqa: E731
-            table = dwarflines.parse(self._sec(".debug_line"), u.stmt_list, strings, MAX_ROWS - self.rows)
+            store = self.line_store
+            table = store.get(u.stmt_list) if store is not None else None
+            if table is not None and table.program_bytes > MAX_ROWS - self.rows:
+                raise Unsupported("over the line row budget")  # as parsing it would have
+            if table is None:
+                strings = lambda form, val: self._string(u, form, val)  # noqa: E731
+                table = dwarflines.parse(self._sec(".debug_line"), u.stmt_list, strings, MAX_ROWS - self.rows)
+                if store is not None:
+                    store.put(u.stmt_list, table)
             self.rows += len(table.addrs)
             self._lines[u.stmt_list] = table
         return table
@@ -894,10 +912,11 @@ def covered_ranges(path: str) -> list[tuple[int, int]] | None:
         return None
 
 
-def symbolize(path: str, addrs: Sequence[int]) -> list[Frames | None]:
-    """Frames of each address of the ELF file at `path`; all None when the file cannot be read here."""
+def symbolize(path: str, addrs: Sequence[int], lines: LineStore | None = None) -> list[Frames | None]:
+    """Frames of each address of the ELF file at `path`; all None when the file cannot be read here.
+    `lines`: line tables kept from earlier runs, and where to keep those read now."""
     try:
-        with DwarfFile(path) as f:
+        with DwarfFile(path, lines) as f:
             return f.frames(addrs)
     except (Unsupported, OSError, ValueError):
         return [None] * len(addrs)
