@@ -7,8 +7,9 @@ mapped file, and gives the same frames. The resolver takes this pool where it ta
 `LlvmPool` (the service keeps its own); llvm-symbolizer starts only for what the reader leaves
 (split DWARF, DWARF before 4, dwz, zstd, a file over a bound), so most runs start none.
 
-With the symbol cache, the line rows of each unit read are kept (record/linefile.py): a later
-run's new address in a unit met before costs that unit's DIE walk, not its line program again.
+With the symbol cache, the line rows of each unit read and the ranges of its outermost
+subroutines are kept (record/linefile.py): a later run's new address in a unit met before costs
+the walk of its own function's DIEs, not the unit's line program and DIE walk again.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
 
 class CachedLines:
-    """The DWARF reader's `LineStore` for one DWARF file, in record's symbol cache: the file's
-    build id and size (a debug file installed later is another file) name its units' tables."""
+    """The DWARF reader's `UnitStore` for one DWARF file, in record's symbol cache: the file's
+    build id and size (a debug file installed later is another file) name its units' files."""
 
     def __init__(self, cache: SymbolCache, prefix: str) -> None:
         self.cache = cache
@@ -51,6 +52,14 @@ class CachedLines:
 
     def put(self, offset: int, table: LineTable) -> None:
         self.cache.put_line_table(f"{self.prefix}-{offset:x}.lines", table)
+
+    def outer(self, unit: int) -> list[tuple[int, int, int, int]] | None:
+        got = self.cache.outer(f"{self.prefix}-u{unit:x}.outer")
+        self.hits += got is not None
+        return got
+
+    def put_outer(self, unit: int, outer: list[tuple[int, int, int, int]]) -> None:
+        self.cache.put_outer(f"{self.prefix}-u{unit:x}.outer", outer)
 
 
 class DwarfFirstPool(LlvmPool):

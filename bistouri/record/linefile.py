@@ -90,3 +90,29 @@ def read_lines(data: mmap.mmap | bytes) -> LineTable:
     table = LineTable(version, dirs, files, table_seqs, [s[1] for s in table_seqs], addrs, files_of, lines)  # type: ignore[arg-type]
     table.program_bytes = program_bytes
     return table
+
+
+# --- a unit's outermost subroutines ------------------------------------------------------------
+
+KIND_OUTER = 6
+
+
+def encode_outer(outer: list[tuple[int, int, int, int]]) -> Parts:
+    """A unit's outermost subroutines' (low, high, DIE offset, depth), sorted, as the reader's walk
+    from the unit's first DIE recorded them (`symbolizer.dwarf.Outer`)."""
+    columns = [array("Q", [o[k] for o in outer]) for k in range(3)]
+    body: Parts = [*columns, array("I", [o[3] for o in outer])]
+    crc = 0
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    return [_header(KIND_OUTER, [len(outer), crc]), *body]
+
+
+def read_outer(data: mmap.mmap | bytes) -> list[tuple[int, int, int, int]]:
+    """Read whole (a few thousand entries at most) and checked."""
+    buf = memoryview(data)
+    n, crc, *_ = _counts(buf, KIND_OUTER)
+    lows, highs, offsets, depths = _sections(buf, [("Q", n), ("Q", n), ("Q", n), ("I", n)])
+    if zlib.crc32(buf[_HEADER_BYTES:]) != crc:
+        raise CorruptFile("outermost subroutines checksum")
+    return list(zip(lows.tolist(), highs.tolist(), offsets.tolist(), depths.tolist(), strict=True))
