@@ -533,6 +533,12 @@ def main() -> int:
         "tree's BPF objects): a change measured before and after under the same load",
     )
     ap.add_argument(
+        "--no-bpftrace",
+        dest="bpftrace",
+        action="store_false",
+        help="leave bpftrace out (it takes minutes to name node's stacks)",
+    )
+    ap.add_argument(
         "--no-docs",
         dest="write_docs",
         action="store_false",
@@ -544,7 +550,7 @@ def main() -> int:
         return 2
     workloads = args.workload or [w for w in WORKLOADS if w != "pyenv3.12" or PYENV_312 is not None]
     have_perf = shutil.which("perf") is not None
-    have_bpftrace = shutil.which("bpftrace") is not None
+    have_bpftrace = args.bpftrace and shutil.which("bpftrace") is not None
     results: dict = {"rounds": args.rounds, "seconds": args.seconds, "freq_hz": args.freq, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="bistouri-bench-record-") as tmp:
         work = Path(tmp)

@@ -683,7 +683,9 @@ def _symbolize(
         # Same has()/get() as the service's store of uploaded snapshots, for this host's kernel only.
         # DWARF is read in process (dwarfpool.py); llvm-symbolizer is found on first use, for what that
         # reader leaves: most runs start none (finding it runs it twice).
-        llvm = DwarfFirstPool(debug_dirs=[os.path.dirname(d) for d in sources.debug_dirs], registry=None)
+        llvm = DwarfFirstPool(
+            cache, debug_dirs=[os.path.dirname(d) for d in sources.debug_dirs], registry=None
+        )
         kallsyms = cast(KallsymsStore, kernels)
         resolver = Resolver(
             sources, kallsyms, llvm if file_lines else None, use_llvm=file_lines, registry=None

@@ -10,6 +10,10 @@ are kept:
 - `<build id>.symbols`: the function symbols of a binary, with the ranges its DWARF describes
   (none for a binary without DWARF; `symbolizer.dwarf.covered_ranges`), so that its new
   addresses outside them are named without reading DWARF (node: a few C files of it);
+- `<build id>-<size>-<offset>.lines` and `<build id>-<size>-u<offset>.outer`: one compile
+  unit's line rows, as the DWARF reader ran them, and the ranges of its outermost subroutines
+  (linefile.py), so that a unit met again by a later run's new addresses is neither run nor
+  walked from its first DIE again;
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -48,6 +52,7 @@ from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, S
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
     from .. import wire
+    from ..symbolizer.dwarflines import LineTable
     from ..symbolizer.kallsyms import KallsymsIndex
     from ..symbolizer.model import Frame, Profile
     from ..symbolizer.resolve import Resolver
@@ -246,6 +251,61 @@ class SymbolCache:
                 self.evict()
         except OSError as e:
             log.warning("The symbol cache was not updated. key=%s error=%s", key, e.strerror or e)
+
+    # -- a compile unit's line rows (linefile.py) -------------------------------------
+    def line_table(self, name: str) -> LineTable | None:
+        """The line table kept in `name` (a `.lines` file), or None. Its arrays keep the file mapped."""
+        from .linefile import read_lines
+
+        data = self._map(name)
+        if data is None:
+            return None
+        try:
+            return read_lines(data)
+        except CorruptFile as e:
+            self.discard(name, e)
+            return None
+
+    def outer(self, name: str) -> list[tuple[int, int, int, int]] | None:
+        """A unit's outermost subroutines kept in `name` (an `.outer` file), or None."""
+        from .linefile import read_outer
+
+        data = self._map(name)
+        if data is None:
+            return None
+        try:
+            return read_outer(data)
+        except CorruptFile as e:
+            self.discard(name, e)
+            return None
+
+    def put_outer(self, name: str, outer: list[tuple[int, int, int, int]]) -> None:
+        from .linefile import encode_outer
+
+        try:
+            parts = encode_outer(outer)
+        except (OverflowError, ValueError):
+            return
+        try:
+            with self._locked():
+                self._write(name, parts)
+                self.evict()
+        except OSError as e:
+            log.warning("The symbol cache was not updated. name=%s error=%s", name, e.strerror or e)
+
+    def put_line_table(self, name: str, table: LineTable) -> None:
+        from .linefile import encode_lines
+
+        try:
+            parts = encode_lines(table)
+        except (OverflowError, ValueError):  # an index past 32 bits: not kept, read again next time
+            return
+        try:
+            with self._locked():
+                self._write(name, parts)
+                self.evict()
+        except OSError as e:
+            log.warning("The symbol cache was not updated. name=%s error=%s", name, e.strerror or e)
 
     # -- kernel symbols -------------------------------------------------------------------
     def kallsyms(self, key: str) -> KallsymsTable | None:

@@ -26,6 +26,7 @@ before 4, dwz's supplementary files, zstd; its caller asks llvm-symbolizer for t
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import stat
@@ -34,6 +35,7 @@ import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..elf import ELFCOMPRESS_ZLIB, SHF_COMPRESSED, SHT_NOBITS, ElfFile, ElfFormatError
 from . import dwarflines
@@ -130,6 +132,24 @@ _SECTIONS = (
 Frames = list[SourceFrame]
 
 
+Outer = list[tuple[int, int, int, int]]  # a unit's outermost subroutines: (low, high, DIE offset, depth)
+
+
+class UnitStore(Protocol):
+    """What the reader made of a unit, kept between runs (`record`'s cache: record/linefile.py):
+    its line table (by offset in `.debug_line`: not run again) and the ranges of its outermost
+    subroutines (by unit offset: an address's chain is walked from its function, not from the
+    unit's first DIE)."""
+
+    def get(self, offset: int) -> LineTable | None: ...
+
+    def put(self, offset: int, table: LineTable) -> None: ...
+
+    def outer(self, unit: int) -> Outer | None: ...
+
+    def put_outer(self, unit: int, outer: Outer) -> None: ...
+
+
 @dataclass(slots=True)
 class _Unit:
     offset: int  # of its header in .debug_info
@@ -164,8 +184,9 @@ class DwarfFile:
     """One ELF file's DWARF, mapped read-only. Not thread-safe. Raises `Unsupported` on opening
     when the file has nothing this reader reads."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lines: UnitStore | None = None) -> None:
         self.path = path
+        self.line_store = lines
         self._views: dict[str, memoryview] = {}
         self._mm: mmap.mmap | None = None
         self._inflated: list[mmap.mmap] = []  # sections inflated into anonymous maps
@@ -192,6 +213,7 @@ class DwarfFile:
         self._names: dict[int, str] = {}  # a subroutine DIE's name, by offset
         self.dies = 0
         self.rows = 0
+        self._outer: Outer | None = None  # while a walk records the outermost subroutines
 
     def _open_sections(self) -> None:
         assert self._mm is not None
@@ -628,11 +650,54 @@ class DwarfFile:
     def _chains(self, u: _Unit, addrs: list[int]) -> list[list[_Die]]:
         """For each address, the subroutine DIEs holding it, outermost first (llvm's
         getInlinedChainForAddress, reversed): the last in DIE order at the deepest level wins."""
+        store = self.line_store
+        outer = store.outer(u.offset) if store is not None else None
+        if outer is not None:
+            got = self._chains_from(u, addrs, outer)
+            if got is not None:
+                return got
         best: list[list[_Die]] = [[] for _ in addrs]
         top = self._die(u, u.first_die)
         if top is not None and top.children:
             by_address = sorted(range(len(addrs)), key=addrs.__getitem__)
-            self._walk(u, top.end, by_address, addrs, [], best, 0)
+            record = store is not None and outer is None
+            self._outer = [] if record else None
+            try:
+                self._walk(u, top.end, by_address, addrs, [], best, 0)
+                if record and self._outer is not None and store is not None:
+                    store.put_outer(u.offset, sorted(self._outer))
+            finally:
+                self._outer = None
+        return best
+
+    def _chains_from(self, u: _Unit, addrs: list[int], outer: Outer) -> list[list[_Die]] | None:
+        """`_chains` walking from each address's outermost subroutine, as the walk from the unit's
+        first DIE reaches it (`outer`: every outermost one, as that walk recorded them); None when
+        an address is held by two of them (the later would win: the whole walk tells)."""
+        lows = [o[0] for o in outer]
+        reach = list(itertools.accumulate((o[1] for o in outer), max))  # the highest end so far
+        by_die: dict[tuple[int, int], list[int]] = {}
+        for k, a in enumerate(addrs):
+            holders = set()
+            i = bisect_right(lows, a) - 1
+            while i >= 0 and reach[i] > a:
+                lo, hi, off, depth = outer[i]
+                if lo <= a < hi:
+                    holders.add((off, depth))
+                i -= 1
+            if len(holders) > 1:
+                return None
+            if holders:
+                by_die.setdefault(holders.pop(), []).append(k)
+        best: list[list[_Die]] = [[] for _ in addrs]
+        for (off, depth), held in by_die.items():
+            die = self._die(u, off)
+            if die is None or die.tag not in (TAG_SUBPROGRAM, TAG_INLINED):
+                raise Malformed("an outermost subroutine that is not one")
+            for k in held:
+                best[k] = [die]
+            if die.children:
+                self._walk(u, die.end, sorted(held, key=addrs.__getitem__), addrs, [die], best, depth + 1)
         return best
 
     def _walk(
@@ -662,7 +727,7 @@ class DwarfFile:
                 if tag in (TAG_SUBPROGRAM, TAG_INLINED):  # a leaf subroutine may still hold an address
                     die = self._die(u, pos)
                     assert die is not None
-                    self._hold(u, die, live, addrs, stack, best)
+                    self._hold(u, die, live, addrs, stack, best, depth)
                     pos = die.end
                 else:
                     pos = self._skip_one(u, pos, depth)
@@ -671,7 +736,7 @@ class DwarfFile:
             assert die is not None
             inside = live
             if tag in (TAG_SUBPROGRAM, TAG_INLINED):
-                inside = self._hold(u, die, live, addrs, stack, best)
+                inside = self._hold(u, die, live, addrs, stack, best, depth)
                 below = [*stack, die]
             else:
                 below = stack
@@ -679,6 +744,8 @@ class DwarfFile:
                     r = self._die_ranges(u, die.attrs)
                     if r:
                         inside = _within(live, addrs, r)
+                        if not stack and self._outer is not None:
+                            self._outer = None  # a block outside every function: not recorded
             sibling = -1
             if AT_SIBLING in die.attrs:
                 sibling = self._ref(u, *die.attrs[AT_SIBLING])
@@ -716,11 +783,14 @@ class DwarfFile:
         addrs: list[int],
         stack: list[_Die],
         best: list[list[_Die]],
+        depth: int,
     ) -> list[int]:
         """The live addresses `die` (a subroutine) holds, each made its deepest holder so far."""
         ranges = [(lo, hi) for lo, hi in self._die_ranges(u, die.attrs) if lo < hi]
         if not ranges:
             return []
+        if not stack and self._outer is not None:
+            self._outer.extend((lo, hi, die.offset, depth) for lo, hi in ranges)
         inside = _within(live, addrs, ranges)
         for i in inside:
             best[i] = [*stack, die]
@@ -732,8 +802,15 @@ class DwarfFile:
         assert u.stmt_list is not None
         table = self._lines.get(u.stmt_list)
         if table is None:
-            strings = lambda form, val: self._string(u, form, val)  # noqa: E731
-            table = dwarflines.parse(self._sec(".debug_line"), u.stmt_list, strings, MAX_ROWS - self.rows)
+            store = self.line_store
+            table = store.get(u.stmt_list) if store is not None else None
+            if table is not None and table.program_bytes > MAX_ROWS - self.rows:
+                raise Unsupported("over the line row budget")  # as parsing it would have
+            if table is None:
+                strings = lambda form, val: self._string(u, form, val)  # noqa: E731
+                table = dwarflines.parse(self._sec(".debug_line"), u.stmt_list, strings, MAX_ROWS - self.rows)
+                if store is not None:
+                    store.put(u.stmt_list, table)
             self.rows += len(table.addrs)
             self._lines[u.stmt_list] = table
         return table
@@ -894,10 +971,11 @@ def covered_ranges(path: str) -> list[tuple[int, int]] | None:
         return None
 
 
-def symbolize(path: str, addrs: Sequence[int]) -> list[Frames | None]:
-    """Frames of each address of the ELF file at `path`; all None when the file cannot be read here."""
+def symbolize(path: str, addrs: Sequence[int], lines: UnitStore | None = None) -> list[Frames | None]:
+    """Frames of each address of the ELF file at `path`; all None when the file cannot be read here.
+    `lines`: line tables kept from earlier runs, and where to keep those read now."""
     try:
-        with DwarfFile(path) as f:
+        with DwarfFile(path, lines) as f:
             return f.frames(addrs)
     except (Unsupported, OSError, ValueError):
         return [None] * len(addrs)

@@ -50,6 +50,7 @@ class LineTable:
     files_of: array[int]
     lines: array[int]
     paths: dict[int, str] = field(default_factory=dict)
+    program_bytes: int = 0  # the length of the program that made the rows (what the budget bounds)
 
     def row(self, addr: int) -> tuple[int, int] | None:
         """(file index, line) of the row holding `addr` (llvm's lookupAddress)."""
@@ -171,7 +172,9 @@ def parse(b: memoryview, off: int, strings: Strings, max_rows: int) -> LineTable
     seqs, addrs, files_of, lines = _run(
         bytes(b[program:end]), min_inst, line_base, line_range, opcode_base, std_lengths
     )
-    return LineTable(version, dirs, files, seqs, [s[1] for s in seqs], addrs, files_of, lines)
+    table = LineTable(version, dirs, files, seqs, [s[1] for s in seqs], addrs, files_of, lines)
+    table.program_bytes = end - program
+    return table
 
 
 def _value(b: memoryview, form: int, pos: int, offset_size: int) -> tuple[int, int]:

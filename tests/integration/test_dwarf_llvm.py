@@ -60,6 +60,32 @@ def test_a_real_binary_is_named_as_llvm_names_it(label: str, binary: str, debug:
     assert share >= 0.99, differ[:5]
 
 
+@pytest.mark.parametrize(("label", "binary", "debug"), _binaries(), ids=lambda v: str(v).split("/")[-1])
+def test_a_real_binary_s_line_rows_kept_by_record_give_the_same_frames(
+    label: str, binary: str, debug: str, tmp_path: Path
+) -> None:
+    """record keeps each unit's line rows in its cache (record/linefile.py): read back, they
+    name 300 random addresses as the line programs run again do."""
+    from bistouri.record.dwarfpool import CachedLines
+    from bistouri.record.symcache import SymbolCache
+    from bistouri.symbolizer import dwarf
+
+    with ElfFile(binary) as elf:
+        functions = [(s, e) for s, e, _ in elf.symbol_index().items() if e > s]
+    rng = random.Random(21)
+    addrs = sorted({rng.randrange(*rng.choice(functions)) for _ in range(300)})
+    want = dwarf.symbolize(debug, addrs)
+    cache = SymbolCache(tmp_path)
+    keep = CachedLines.of(cache, debug)
+    assert keep is not None
+    assert dwarf.symbolize(debug, addrs, keep) == want and keep.hits == 0
+    again = CachedLines.of(cache, debug)
+    assert again is not None
+    assert dwarf.symbolize(debug, addrs, again) == want
+    print(f"{label}: {again.hits} units from the cache")
+    assert again.hits > 0 or not any(want), label
+
+
 @needs_llvm
 def test_a_go_program_s_dwarf_is_named_as_llvm_names_it(tmp_path: Path) -> None:
     """Go writes DWARF 4 in zlib-compressed sections, its own way (the resolver reads it when

@@ -125,6 +125,39 @@ def test_record_asks_llvm_only_for_what_the_reader_leaves(tmp_path: Path) -> Non
         assert pool.through_llvm == len(addrs) and all(f and f[0].line for f in got)
 
 
+@pytest.mark.parametrize(
+    ("compiler", "flags", "cxx"),
+    [("gcc", ["-g", "-O2"], False), ("clang", ["-gdwarf-4", "-O2"], False), ("g++", ["-g", "-O2"], True)],
+)
+def test_record_keeps_a_unit_s_line_rows_and_functions_for_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiler: str, flags: list[str], cxx: bool
+) -> None:
+    """The line rows and outermost subroutines of each unit read are kept in record's cache; a
+    later run's new addresses in those units (every byte of the program) get the same frames
+    without running their line programs or walking them from their first DIE again."""
+    from bistouri.record.dwarfpool import DwarfFirstPool
+    from bistouri.record.symcache import SymbolCache
+    from bistouri.symbolizer import dwarflines
+
+    exe = build(tmp_path, compiler, flags, cxx)
+    addrs = code_addresses(exe)
+    want = dwarf.symbolize(str(exe), addrs)
+    cache = SymbolCache(tmp_path / "cache")
+    first = code_addresses(exe, "main")[:3]
+    with DwarfFirstPool(cache, registry=None) as pool:
+        assert pool.symbolize(str(exe), first) == dwarf.symbolize(str(exe), first)
+        assert pool.cached_units == 0
+    assert list((tmp_path / "cache").glob("*.lines")) and list((tmp_path / "cache").glob("*.outer"))
+
+    def not_run(*_args: object) -> None:
+        raise AssertionError("a line program was run again")
+
+    monkeypatch.setattr(dwarflines, "parse", not_run)
+    with DwarfFirstPool(cache, registry=None) as pool:
+        assert pool.symbolize(str(exe), addrs) == want
+        assert pool.cached_units >= 2
+
+
 def test_a_file_without_dwarf_or_not_elf_is_refused(tmp_path: Path) -> None:
     exe = build(tmp_path, "gcc", ["-g0", "-O2"])
     assert dwarf.symbolize(str(exe), [0x1000]) == [None]
