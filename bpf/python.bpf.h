@@ -18,8 +18,11 @@
  * fields taken at masked offsets. Per frame, at most: the frame, except where
  * it lies in the thread's frame stack (3.11+: one read takes its newest
  * PY_STACK_WINDOW bytes, most frames of a stack); the code object's window,
- * except when this walk read that code object already (recursion); the name's
- * hash, except where the code object has a co_version (3.12+). The chain is
+ * except when this walk read that code object already (recursion) or, 3.12+,
+ * an earlier sample did and the process has made no code object since
+ * (py_code_seen); the name's hash, except where the code object has a
+ * co_version (3.12+). Per walk, on 3.11+: the thread state's fields in one
+ * read, the stack window in another, 3.12+ the count of code objects made. The chain is
  * walked by bpf_loop (5.17+; before, walk_python_bounded: PY_BOUNDED_STEPS
  * unrolled). Its maps (python_procs, py_scratch) are in maps.bpf.h. Included
  * after maps.bpf.h and before stack.bpf.h.
@@ -114,6 +117,13 @@ struct py_walk {
 	__u32 size;            /* bytes of a frame read */
 };
 
+/* Whether a kept checksum is this code object's: same address, same count read at the same place, same record. */
+static __always_inline bool py_code_kept(const struct py_walk *w, const struct py_code_entry *e, __u64 code)
+{
+	return e->code == code && e->counter == w->counter && e->counter_at == w->counter_at &&
+	       e->owner == w->pp->owner;
+}
+
 /*
  * The checksum of a frame's code object: read once per code object and walk
  * (the frames of a walk hold their code objects, so an address seen earlier in
@@ -124,24 +134,27 @@ struct py_walk {
  * since, and making it would have bumped the count (CPython's init_code, for
  * every code object; the count of the thread's own interpreter on 3.13, whose
  * threads run only its code objects). A count that ran out stays 0: never cached.
+ * Kept two ways per set, the newer first: 30 code objects in a direct-mapped
+ * table of 256 collided ~2 pairs a walk, each pair evicting the other (4 reads).
  */
 static __always_inline __u32 py_code_seen(struct py_walk *w, __u64 code)
 {
 	const struct bistouri_python_proc *pp = w->pp;
 	struct py_scratch *s = w->s;
 	__u32 slot = ((code >> 4) ^ (code >> 10)) & (PY_SEEN - 1);
-	struct py_code_entry *e;
-	__u32 sum;
+	__u32 set = ((code >> 4) ^ (code >> 12)) & (PY_CODE_CACHE - 2), sum;
+	struct py_code_entry *e = &s->code_cache[set], *older = &s->code_cache[set + 1];
 
 	if (s->seen_code[slot] == code)
 		return s->seen_sum[slot];
-	e = &s->code_cache[((code >> 4) ^ (code >> 12)) & (PY_CODE_CACHE - 1)];
-	if (w->counter && e->code == code && e->counter == w->counter && e->counter_at == w->counter_at &&
-	    e->owner == pp->owner) {
+	if (w->counter && py_code_kept(w, e, code)) {
 		sum = e->sum;
+	} else if (w->counter && py_code_kept(w, older, code)) {
+		sum = older->sum;
 	} else {
 		sum = py_code_checksum(pp, s->code, code);
 		if (w->counter && sum) {
+			*older = *e;
 			e->code = code;
 			e->counter_at = w->counter_at;
 			e->owner = pp->owner;
