@@ -227,7 +227,7 @@ struct bistouri_python_proc {
 	 * co_version comes from): its address (3.12: _Py_next_func_version), or with counter_in_interp
 	 * its offset in the thread's interpreter state (3.13: func_state.next_version); 0: none.
 	 * While it stays the same no code object was made, so no address can hold a new one: the walk
-	 * then takes a code object's checksum from earlier samples (python.bpf.h, py_code_cached).
+	 * then takes a code object's checksum from earlier samples (python.bpf.h, py_code_seen).
 	 */
 	__u64 code_counter;
 	__u32 owner;           /* this record's own number in the agent: cached checksums are its own */

@@ -396,7 +396,7 @@ struct py_code_entry {
  * A frame and a code object read whole, their fields then taken at masked offsets (+ 8: room for the
  * last); the newest PY_STACK_WINDOW bytes of the thread's frame stack (+ a frame's read past a masked
  * offset into it); the checksums of the code objects this walk read (seen_code 0: none), and of earlier
- * samples' (code_cache, see py_code_cached).
+ * samples' (code_cache, see py_code_seen).
  */
 struct py_scratch {
 	__u8 frame[PY_READ_MAX + 8];
