@@ -247,12 +247,16 @@ def _code_counter(
 ) -> dict:
     """Where the count of code objects made is (Interpreter.code_counter): BPF takes a checksum from an
     earlier sample only while it has not moved, so a wrong place would name a reused address wrongly.
-    3.12's is a symbol of its own; 3.13's field is taken only where the main interpreter's holds a count
-    (not 0: ran out or not there; below 2^31: a pointer's low half is not one)."""
+    3.12's is a symbol of its own; 3.13's field is taken only in a build whose interpreter state has the
+    size of the one its offset was read from (_Py_DebugOffsets says) and where the main interpreter's
+    holds a count (not 0: ran out or not there; below 2^31: a pointer's low half is not one)."""
     if layout.version == (3, 12) and "_Py_next_func_version" in symbols:
         return {"code_counter": symbols["_Py_next_func_version"][0] + bias}
     if layout.interp_code_counter >= 0:
         try:
+            _cookie, _version, _free, *offsets = _DEBUG_313.unpack(mem.read(runtime, _DEBUG_313.size))
+            if offsets[_DEBUG_INTERP_SIZE] != layout.interp_size:
+                return {}
             main = mem.u64(runtime + layout.runtime_interpreters_head)
             count = mem.u32(main + layout.interp_code_counter) if main else 0
         except MemoryReadError:
@@ -279,6 +283,7 @@ def _version(
 # free_threaded, then blocks of u64 offsets, each led by its struct's size: runtime state (3), interpreter
 # state (13), thread state (9), interpreter frame (6), code object (10).
 _DEBUG_313 = struct.Struct("<8sQQ" + "Q" * 41)
+_DEBUG_INTERP_SIZE = 3  # sizeof(PyInterpreterState), leading its block
 _DEBUG_FIELDS_313 = {  # index among the 41 offsets -> the Layout field it must equal
     2: "runtime_interpreters_head",
     6: "interp_threads_head",
