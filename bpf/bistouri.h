@@ -222,6 +222,18 @@ struct bistouri_python_proc {
 	__u16 str_hash;        /* a str's cached hash (the name's goes into the checksum without a co_version) */
 	__s16 tstate_datastack;/* tstate -> datastack_chunk, then datastack_top: the frames' stack (3.11+); -1: none */
 	__s16 code_version;    /* co_version's offset in the code window (3.12+; into the checksum); -1: none */
+	/*
+	 * The process's count of code objects made, which CPython bumps at each new one (where
+	 * co_version comes from): its address (3.12: _Py_next_func_version), or with counter_in_interp
+	 * its offset in the thread's interpreter state (3.13: func_state.next_version); 0: none.
+	 * While it stays the same no code object was made, so no address can hold a new one: the walk
+	 * then takes a code object's checksum from earlier samples (python.bpf.h, py_code_seen).
+	 */
+	__u64 code_counter;
+	__u32 owner;           /* this record's own number in the agent: cached checksums are its own */
+	__u16 tstate_interp;   /* tstate -> its PyInterpreterState */
+	__u8 counter_in_interp;
+	__u8 reserved2;
 };
 
 /* One Python frame of a stack event. */

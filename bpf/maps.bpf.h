@@ -380,17 +380,30 @@ struct {
 #define PY_READ_MAX 128 /* bytes of a frame or a code window read at once */
 #define PY_STACK_WINDOW 4096 /* bytes of a thread's frame stack read at once (3.11+); a power of 2 */
 #define PY_SEEN 8 /* code objects a walk remembers the checksum of (direct-mapped); a power of 2 */
+#define PY_CODE_CACHE 256 /* checksums kept from sample to sample, per CPU and context (direct-mapped); a power of 2 */
+
+/* A code object's checksum as read at a sample: valid while the process made no code object since. */
+struct py_code_entry {
+	__u64 code;
+	__u64 counter_at;      /* the address of the count read (the thread's interpreter's, on 3.13) */
+	__u32 owner;           /* bistouri_python_proc.owner */
+	__u32 counter;         /* its value then */
+	__u32 sum;
+	__u32 reserved;
+};
 
 /*
  * A frame and a code object read whole, their fields then taken at masked offsets (+ 8: room for the
  * last); the newest PY_STACK_WINDOW bytes of the thread's frame stack (+ a frame's read past a masked
- * offset into it); the checksums of the code objects this walk read (seen_code 0: none).
+ * offset into it); the checksums of the code objects this walk read (seen_code 0: none), and of earlier
+ * samples' (code_cache, see py_code_seen).
  */
 struct py_scratch {
 	__u8 frame[PY_READ_MAX + 8];
 	__u8 code[PY_READ_MAX + 8];
 	__u64 seen_code[PY_SEEN];
 	__u32 seen_sum[PY_SEEN];
+	struct py_code_entry code_cache[PY_CODE_CACHE];
 	__u8 stack[PY_STACK_WINDOW + PY_READ_MAX + 8];
 };
 

@@ -18,8 +18,11 @@
  * fields taken at masked offsets. Per frame, at most: the frame, except where
  * it lies in the thread's frame stack (3.11+: one read takes its newest
  * PY_STACK_WINDOW bytes, most frames of a stack); the code object's window,
- * except when this walk read that code object already (recursion); the name's
- * hash, except where the code object has a co_version (3.12+). The chain is
+ * except when this walk read that code object already (recursion) or, 3.12+,
+ * an earlier sample did and the process has made no code object since
+ * (py_code_seen); the name's hash, except where the code object has a
+ * co_version (3.12+). Per walk, on 3.11+: the thread state's fields in one
+ * read, the stack window in another, 3.12+ the count of code objects made. The chain is
  * walked by bpf_loop (5.17+; before, walk_python_bounded: PY_BOUNDED_STEPS
  * unrolled). Its maps (python_procs, py_scratch) are in maps.bpf.h. Included
  * after maps.bpf.h and before stack.bpf.h.
@@ -100,24 +103,6 @@ static __always_inline __u32 py_code_checksum(const struct bistouri_python_proc 
 			   py_u32(buf, pp->code_firstlineno), ident);
 }
 
-/*
- * The checksum of a frame's code object, once per code object and walk: the
- * frames of a walk hold their code objects, so an address seen earlier in it
- * is the same object (never so from one sample to the next).
- */
-static __always_inline __u32 py_code_seen(const struct bistouri_python_proc *pp, struct py_scratch *s, __u64 code)
-{
-	__u32 slot = ((code >> 4) ^ (code >> 10)) & (PY_SEEN - 1);
-	__u32 sum;
-
-	if (s->seen_code[slot] == code)
-		return s->seen_sum[slot];
-	sum = py_code_checksum(pp, s->code, code);
-	s->seen_code[slot] = code;
-	s->seen_sum[slot] = sum;
-	return sum;
-}
-
 /* The walk's state, shared by walk_python and its bpf_loop steps. */
 struct py_walk {
 	struct bistouri_stack_event *ev;
@@ -128,7 +113,62 @@ struct py_walk {
 	__u64 hash;            /* the user stack's hash, with the Python frames mixed in */
 	__u32 n;               /* frames emitted */
 	__u32 size;            /* bytes of a frame read */
+	/* Last, and counter not in n's 8 bytes: the verifier tracks this struct 8 bytes at a time, and
+	 * with the two in one slot handle_perf took 38 k instructions to verify (24 k as here). */
+	__u64 counter_at;      /* where the process's count of code objects made is (code_counter) */
+	__u32 counter;         /* its value at this sample; 0: unknown, no checksum from earlier samples */
+	__u32 reserved;
 };
+
+/* Whether a kept checksum is this code object's: same address, same count read at the same place, same record. */
+static __always_inline bool py_code_kept(const struct py_walk *w, const struct py_code_entry *e, __u64 code)
+{
+	return e->code == code && e->counter == w->counter && e->counter_at == w->counter_at &&
+	       e->owner == w->pp->owner;
+}
+
+/*
+ * The checksum of a frame's code object: read once per code object and walk
+ * (the frames of a walk hold their code objects, so an address seen earlier in
+ * it is the same object), and from one sample to the next while the process's
+ * count of code objects made (w->counter) has not moved. That holds without a
+ * read: the frames of the sampled thread hold their code objects through the
+ * sample, so the object at an address now is the one read then, or one made
+ * since, and making it would have bumped the count (CPython's init_code, for
+ * every code object; the count of the thread's own interpreter on 3.13, whose
+ * threads run only its code objects). A count that ran out stays 0: never cached.
+ * Kept two ways per set, the newer first: 30 code objects in a direct-mapped
+ * table of 256 collided ~2 pairs a walk, each pair evicting the other (4 reads).
+ */
+static __always_inline __u32 py_code_seen(struct py_walk *w, __u64 code)
+{
+	const struct bistouri_python_proc *pp = w->pp;
+	struct py_scratch *s = w->s;
+	__u32 slot = ((code >> 4) ^ (code >> 10)) & (PY_SEEN - 1);
+	__u32 set = ((code >> 4) ^ (code >> 12)) & (PY_CODE_CACHE - 2), sum;
+	struct py_code_entry *e = &s->code_cache[set], *older = &s->code_cache[set + 1];
+
+	if (s->seen_code[slot] == code)
+		return s->seen_sum[slot];
+	if (w->counter && py_code_kept(w, e, code)) {
+		sum = e->sum;
+	} else if (w->counter && py_code_kept(w, older, code)) {
+		sum = older->sum;
+	} else {
+		sum = py_code_checksum(pp, s->code, code);
+		if (w->counter && sum) {
+			*older = *e;
+			e->code = code;
+			e->counter_at = w->counter_at;
+			e->owner = pp->owner;
+			e->counter = w->counter;
+			e->sum = sum;
+		}
+	}
+	s->seen_code[slot] = code;
+	s->seen_sum[slot] = sum;
+	return sum;
+}
 
 /*
  * One frame of the chain. Returns 1 to stop. `fast`: frames from the stack
@@ -186,9 +226,11 @@ static __always_inline long py_step_how(struct py_walk *w, bool fast)
 	at = n & (BISTOURI_PY_MAX_DEPTH - 1);
 	ev->py_frames[at].code = code | (entry ? BISTOURI_PY_FRAME_ENTRY : 0);
 	ev->py_frames[at].offset = py_offset(pp, f, code);
-	ev->py_frames[at].checksum = fast ? py_code_seen(pp, s, code) : py_code_checksum(pp, s->code, code);
+	ev->py_frames[at].checksum = fast ? py_code_seen(w, code) : py_code_checksum(pp, s->code, code);
+	/* The checksum too: a function made at a freed one's address, sampled at the same offset, is not a
+	 * repeat of the old one's sample (which would count it under the old name). */
 	w->hash = (w->hash ^ code) * 0x100000001b3ULL;
-	w->hash = (w->hash ^ ev->py_frames[at].offset) * 0x100000001b3ULL;
+	w->hash = (w->hash ^ ((__u64)ev->py_frames[at].checksum << 32 | ev->py_frames[at].offset)) * 0x100000001b3ULL;
 	w->n = n + 1;
 	w->frame = py_u64(f, pp->frame_previous);
 	return 0;
@@ -208,20 +250,70 @@ static __noinline long py_step_bounded(struct py_walk *w)
 }
 
 /*
+ * The thread state's frame field (tstate_frame), its data stack's chunk and top
+ * (3.11+) and, where the count of code objects is its interpreter's, its
+ * interpreter: one read into s->stack (before py_stack_window fills it). They
+ * lie a few hundred bytes apart, and a read costs about the same for 8 bytes as
+ * for 256. Returns -1 when it cannot read them; ends and *interp stay 0 when
+ * they are too far apart (the caller then has the frame field alone, no window).
+ */
+static __always_inline long py_tstate_fields(struct py_walk *w, __u64 tstate, __u64 *frame, __u64 ends[2],
+					     __u64 *interp)
+{
+	const struct bistouri_python_proc *pp = w->pp;
+	__u32 at_frame = pp->tstate_frame, at_stack = (__u32)pp->tstate_datastack, at_interp = pp->tstate_interp;
+	const __u8 *buf = w->s->stack;
+	__u64 lo, hi, size;
+
+	lo = at_frame < at_stack ? at_frame : at_stack;
+	hi = at_frame + 8 > at_stack + 16 ? at_frame + 8 : at_stack + 16;
+	if (pp->counter_in_interp) {
+		lo = at_interp < lo ? at_interp : lo;
+		hi = at_interp + 8 > hi ? at_interp + 8 : hi;
+	}
+	size = hi - lo;
+	if (hi <= lo || size > PY_STACK_WINDOW)
+		return bpf_probe_read_user(frame, sizeof(*frame), (const void *)(tstate + at_frame)) ? -1 : 0;
+	if (bpf_probe_read_user(w->s->stack, size, (const void *)(tstate + lo)))
+		return -1;
+	/* Masked for the verifier: s->stack has PY_READ_MAX + 8 bytes past the window. */
+	*frame = *(const __u64 *)(buf + ((at_frame - lo) & (PY_STACK_WINDOW - 1)));
+	ends[0] = *(const __u64 *)(buf + ((at_stack - lo) & (PY_STACK_WINDOW - 1)));
+	ends[1] = *(const __u64 *)(buf + ((at_stack + 8 - lo) & (PY_STACK_WINDOW - 1)));
+	if (pp->counter_in_interp)
+		*interp = *(const __u64 *)(buf + ((at_interp - lo) & (PY_STACK_WINDOW - 1)));
+	return 0;
+}
+
+/* The process's count of code objects made, into w (0 where there is none or it cannot be read). */
+static __always_inline void py_code_counter(struct py_walk *w, __u64 interp)
+{
+	__u64 at = w->pp->code_counter;
+	__u32 counter = 0;
+
+	if (!at || (w->pp->counter_in_interp && !interp))
+		return;
+	if (w->pp->counter_in_interp)
+		at += interp;
+	if (bpf_probe_read_user(&counter, sizeof(counter), (const void *)at))
+		return;
+	w->counter = counter;
+	w->counter_at = at;
+}
+
+/*
  * The newest PY_STACK_WINDOW bytes of the thread's frame stack (3.11+: the
  * frames of its C activations, innermost at the top) into s->stack, in one
- * read: up to the top, down to the chunk's start at most (memory below it may
- * not be mapped, and a read of a page that is not fails whole). Whatever the
- * bounds, the window is a copy of the process's memory at the sample: a frame
- * inside it reads as it would alone (wrong bounds would only cost reads).
+ * read: up to the top (ends[1]), down to the chunk's start (ends[0]) at most
+ * (memory below it may not be mapped, and a read of a page that is not fails
+ * whole). Whatever the bounds, the window is a copy of the process's memory at
+ * the sample: a frame inside it reads as it would alone (wrong bounds would
+ * only cost reads).
  */
-static __always_inline void py_stack_window(struct py_walk *w, __u64 tstate)
+static __always_inline void py_stack_window(struct py_walk *w, const __u64 ends[2])
 {
-	__u64 ends[2] = {}; /* datastack_chunk, datastack_top */
 	__u64 lo, size;
 
-	if (bpf_probe_read_user(ends, sizeof(ends), (const void *)(tstate + w->pp->tstate_datastack)))
-		return;
 	if (!ends[0] || ends[1] <= ends[0])
 		return;
 	lo = ends[1] - ends[0] > PY_STACK_WINDOW ? ends[1] - PY_STACK_WINDOW : ends[0];
@@ -247,6 +339,8 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	struct task_struct *task = bounded ? (struct task_struct *)bpf_get_current_task() : bpf_get_current_task_btf();
 	struct py_walk w = { .ev = ev };
 	__u64 tstate = 0, frame = 0, fsbase;
+	__u64 ends[2] = {}; /* datastack_chunk, datastack_top (3.11+) */
+	__u64 interp = 0;
 	__u32 key = slot, pid;
 
 	if (!ev)
@@ -274,8 +368,14 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	if (!fsbase || bpf_probe_read_user(&tstate, sizeof(tstate), (const void *)(fsbase + w.pp->tstate_slot)) ||
 	    !tstate)
 		return 0;
-	if (bpf_probe_read_user(&frame, sizeof(frame), (const void *)(tstate + w.pp->tstate_frame)))
+	if (!bounded && w.pp->tstate_datastack >= 0) {
+		/* 3.11+: the frame field and the frame stack's bounds in one read. */
+		if (py_tstate_fields(&w, tstate, &frame, ends, &interp))
+			return 0;
+		py_code_counter(&w, interp);
+	} else if (bpf_probe_read_user(&frame, sizeof(frame), (const void *)(tstate + w.pp->tstate_frame))) {
 		return 0;
+	}
 	if (w.pp->cframe_frame >= 0 && frame &&
 	    bpf_probe_read_user(&frame, sizeof(frame), (const void *)(frame + w.pp->cframe_frame)))
 		return 0;
@@ -284,8 +384,8 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	if (!bounded) {
 		for (int i = 0; i < PY_SEEN; i++)
 			w.s->seen_code[i] = 0;
-		if (w.pp->tstate_datastack >= 0 && frame)
-			py_stack_window(&w, tstate);
+		if (frame)
+			py_stack_window(&w, ends);
 	}
 	w.hash = ev->user_key.hash;
 	ev->py_status = BISTOURI_PY_STATUS_DEPTH;

@@ -190,6 +190,11 @@ class PythonProc(Structure):
         ("str_hash", c_uint16),
         ("tstate_datastack", c_int16),
         ("code_version", c_int16),
+        ("code_counter", c_uint64),
+        ("owner", c_uint32),
+        ("tstate_interp", c_uint16),
+        ("counter_in_interp", c_uint8),
+        ("reserved2", c_uint8),
     ]
 
 

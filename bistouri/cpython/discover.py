@@ -23,6 +23,7 @@ Everything read is bounded and checked; a process this cannot describe gets an `
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import struct
@@ -54,6 +55,7 @@ _SYMBOLS = (
     "PyCode_Type",
     "PyUnicode_Type",
     "PyBytes_Type",
+    "_Py_next_func_version",  # 3.12's count of code objects made (a local symbol: .symtab only)
 )
 
 # Why a process has no Python frames (metric label `reason`, a session's data-quality note).
@@ -92,12 +94,20 @@ class Interpreter:
     code_type: int
     str_type: int
     bytes_type: int
+    # The count of code objects made: its address (3.12), or its offset in the thread's interpreter state
+    # (counter_in_interp, 3.13); 0: none (before 3.12, or not found)
+    code_counter: int = 0
+    counter_in_interp: bool = False
 
     @property
     def version_text(self) -> str:
         """`3.11.7`; `3.9` when only the file's name said which (the micro version unknown)."""
         major, minor, micro = self.version
         return f"{major}.{minor}.{micro}" if micro or self.layout.version >= (3, 11) else f"{major}.{minor}"
+
+
+# Each record's own number (bistouri_python_proc.owner): checksums BPF keeps between samples are a record's.
+_OWNERS = itertools.count(1)
 
 
 def record(interp: Interpreter) -> abi.PythonProc:
@@ -129,6 +139,10 @@ def record(interp: Interpreter) -> abi.PythonProc:
         str_hash=STR_HASH,
         tstate_datastack=lay.tstate_datastack,
         code_version=lay.code_version - window if lay.code_version >= 0 else -1,
+        code_counter=interp.code_counter,
+        owner=next(_OWNERS),
+        tstate_interp=lay.tstate_interp,
+        counter_in_interp=interp.counter_in_interp,
     )
 
 
@@ -224,7 +238,32 @@ def _describe(
         code_type=_address(symbols, "PyCode_Type", bias),
         str_type=_address(symbols, "PyUnicode_Type", bias),
         bytes_type=_address(symbols, "PyBytes_Type", bias),
+        **_code_counter(mem, layout, runtime, symbols, bias),
     )
+
+
+def _code_counter(
+    mem: ProcessMemory, layout: Layout, runtime: int, symbols: dict[str, tuple[int, int]], bias: int
+) -> dict:
+    """Where the count of code objects made is (Interpreter.code_counter): BPF takes a checksum from an
+    earlier sample only while it has not moved, so a wrong place would name a reused address wrongly.
+    3.12's is a symbol of its own; 3.13's field is taken only in a build whose interpreter state has the
+    size of the one its offset was read from (_Py_DebugOffsets says) and where the main interpreter's
+    holds a count (not 0: ran out or not there; below 2^31: a pointer's low half is not one)."""
+    if layout.version == (3, 12) and "_Py_next_func_version" in symbols:
+        return {"code_counter": symbols["_Py_next_func_version"][0] + bias}
+    if layout.interp_code_counter >= 0:
+        try:
+            _cookie, _version, _free, *offsets = _DEBUG_313.unpack(mem.read(runtime, _DEBUG_313.size))
+            if offsets[_DEBUG_INTERP_SIZE] != layout.interp_size:
+                return {}
+            main = mem.u64(runtime + layout.runtime_interpreters_head)
+            count = mem.u32(main + layout.interp_code_counter) if main else 0
+        except MemoryReadError:
+            count = 0
+        if 0 < count < 1 << 31:
+            return {"code_counter": layout.interp_code_counter, "counter_in_interp": True}
+    return {}
 
 
 def _version(
@@ -244,6 +283,7 @@ def _version(
 # free_threaded, then blocks of u64 offsets, each led by its struct's size: runtime state (3), interpreter
 # state (13), thread state (9), interpreter frame (6), code object (10).
 _DEBUG_313 = struct.Struct("<8sQQ" + "Q" * 41)
+_DEBUG_INTERP_SIZE = 3  # sizeof(PyInterpreterState), leading its block
 _DEBUG_FIELDS_313 = {  # index among the 41 offsets -> the Layout field it must equal
     2: "runtime_interpreters_head",
     6: "interp_threads_head",

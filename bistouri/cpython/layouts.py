@@ -30,6 +30,12 @@ class Layout:
     runtime_tss_key: int  # the Py_tss_t autoTSSkey; the pthread key is the int at +4
     # PyInterpreterState
     interp_threads_head: int
+    # func_state.next_version, the count of code objects made where it is the interpreter's (3.13), -1
+    # elsewhere (3.12's is the global _Py_next_func_version, found by its symbol; none before)
+    interp_code_counter: int
+    # sizeof(PyInterpreterState) of the build interp_code_counter was read from (DWARF of 3.13.0):
+    # _Py_DebugOffsets does not list the field, so a build of another size does not use it
+    interp_size: int
     # PyThreadState
     tstate_next: int
     tstate_interp: int
@@ -79,6 +85,8 @@ _38 = Layout(
     runtime_interpreters_head=32,
     runtime_tss_key=1392,
     interp_threads_head=8,
+    interp_code_counter=-1,
+    interp_size=-1,
     tstate_next=8,
     tstate_interp=16,
     tstate_thread_id=176,
@@ -157,6 +165,8 @@ _313 = replace(
     runtime_interpreters_head=632,
     runtime_tss_key=2160,
     interp_threads_head=7344,
+    interp_code_counter=17000,
+    interp_size=194968,
     tstate_thread_id=152,
     tstate_frame=72,
     cframe_frame=-1,

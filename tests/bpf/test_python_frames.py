@@ -304,3 +304,72 @@ def test_a_deep_stack_keeps_its_innermost_frames_up_to_the_bound(which):
     hot = sum(s.weight for s in samples if decode(s.python)[:1] and decode(s.python)[0].code == dump["hot"])
     assert total >= 50 and full >= 0.95 * total, f"{which}: {full} of {total} samples 64 frames deep"
     assert hot >= 0.8 * total, f"{which}: hot_loop innermost in {hot} of {total} samples"
+
+
+_REMADE = """
+import sys, time
+names = {}
+for i in range(int(sys.argv[1])):
+    exec("def f_%d(t):\\n    end = t() + 0.15\\n    while t() < end:\\n        pass\\n" % i, names)
+    f = names.pop("f_%d" % i)
+    print(id(f.__code__), flush=True)
+    sys.stdin.readline()  # the parent has its checksum
+    f(time.monotonic)
+    print("ran", flush=True)
+    sys.stdin.readline()  # the parent has its samples
+    del f  # the code object freed: the next one is often made at its address
+"""
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_a_checksum_kept_between_samples_is_never_a_freed_code_objects(which):
+    """BPF keeps code objects' checksums from sample to sample while the process made no code object
+    (3.12+: python.bpf.h, py_code_seen): functions made, run and dropped in turn, most at the address of
+    the one before, and each one's samples carry its own checksum, never the one its address held."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen(
+        [str(exe), "-c", _REMADE, "12"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    checked = reused = 0
+    seen: set[int] = set()
+    try:
+        with Profiler(ProfilerOptions(freq_hz=999, offcpu=False)) as profiler:
+            profiler.start()
+            addr = int(proc.stdout.readline())
+            profiler.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            interp = profiler.python.interpreter(proc.pid)
+            assert isinstance(interp, discover.Interpreter), interp
+            with CodeNamer(interp) as namer:
+                for i in range(12):
+                    if i:
+                        addr = int(proc.stdout.readline())
+                    reused += addr in seen
+                    seen.add(addr)
+                    have = namer.checksum(addr)
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+                    assert proc.stdout.readline().strip() == "ran"
+                    # Every sample of this run is in the ring, its repeats in the kernel's counts: both
+                    # drained now, before the next function (late counts would carry this one's frames).
+                    profiler.catch_up()
+                    quiet = 0
+                    while quiet < 2:
+                        events = profiler.take(timeout=0.1)
+                        quiet = 0 if events else quiet + 1
+                        for e in events:
+                            if not isinstance(e, StackSample) or e.pid != proc.pid:
+                                continue
+                            for code, _, checksum in _frames(e):
+                                if code & ~abi.PY_FRAME_ENTRY == addr:
+                                    assert checksum == have, f"{which}: f_{i} sampled with another's checksum"
+                                    checked += e.weight
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reused >= 3, f"{which}: only {reused} of 12 functions at an address used before"
+    assert checked >= 100, f"{which}: {checked} samples of the functions"

@@ -15,6 +15,7 @@ import pytest
 
 from bistouri.cpython import discover
 from bistouri.cpython.layouts import LAYOUTS
+from bistouri.cpython.memory import ProcessMemory
 from bistouri.cpython.naming import FREED, UNKNOWN, CodeNamer
 from testkit.helpers import CPYTHON_TARGET, CPYTHONS, cpython
 
@@ -184,6 +185,58 @@ def test_a_freed_and_reused_address_is_never_named_after_the_new_code(which):
                 proc.stdin.write("\n")
                 proc.stdin.flush()
         assert reused > 100
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+_MAKE = """
+import sys
+names = {}
+for line in sys.stdin:
+    for i in range(int(line)):
+        exec("def g(): pass", names)  # two code objects: the module's and g's
+    fs = [(lambda: 1) for _ in range(20)]  # functions, no code object
+    print("made", flush=True)
+"""
+
+
+@pytest.mark.parametrize("which", CPYTHONS)
+def test_the_count_of_code_objects_made_is_where_the_record_says(which):
+    """BPF keeps a code object's checksum between samples while this count stays the same, so it must be
+    the count: it moves by exactly the code objects made (2 per exec here) and not with functions made
+    from existing code. None before 3.12."""
+    exe = cpython(which)
+    if exe is None:
+        pytest.skip(f"CPython {which} is not installed")
+    proc = subprocess.Popen([str(exe), "-c", _MAKE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write("1\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "made"
+        interp = discover.describe(proc.pid)
+        assert isinstance(interp, discover.Interpreter), interp
+        if interp.layout.version < (3, 12):
+            assert interp.code_counter == 0 and discover.record(interp).code_counter == 0
+            return
+        assert interp.code_counter, f"{which}: no count of code objects found"
+        with ProcessMemory(proc.pid) as mem:
+
+            def count() -> int:
+                at = interp.code_counter
+                if interp.counter_in_interp:
+                    at += mem.u64(interp.runtime + interp.layout.runtime_interpreters_head)
+                return mem.u32(at)
+
+            for made in (0, 5, 17):
+                before = count()
+                proc.stdin.write(f"{made}\n")
+                proc.stdin.flush()
+                assert proc.stdout.readline().strip() == "made"
+                assert count() - before == 2 * made, (
+                    f"{which}: {made} execs moved the count by {count() - before}"
+                )
     finally:
         proc.kill()
         proc.wait()

@@ -208,7 +208,7 @@ def test_a_process_without_python_says_why(tmp_path):
 
 
 def test_the_record_is_the_abis():
-    assert ctypes.sizeof(abi.PythonProc) == 48 and ctypes.sizeof(abi.PyFrame) == 16
+    assert ctypes.sizeof(abi.PythonProc) == 64 and ctypes.sizeof(abi.PyFrame) == 16
 
 
 # ---- mixed stacks
