@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
-from ..elf import HOST_DEBUG_DIR
 from ..errors import BistouriError
 from ..host import mounts, procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
@@ -439,6 +438,7 @@ def cmd_record(args: argparse.Namespace) -> int:
     try:
         loading.wait()
         from ..capture.profiler import Profiler
+        from ..elf import HOST_DEBUG_DIR  # not before: elf imports lzma
 
         out = OutputDir.open(args.output)
         tree = BuildIdTree(args.proc_path, mirror=HOST_DEBUG_DIR if args.host_debuginfo else None)
@@ -644,6 +644,7 @@ def _has_debug_file(root: str, build_id: bytes) -> bool:
 def _symbolize(
     args: argparse.Namespace, session: wire.Session, tree: str, progress: Progress
 ) -> tuple[Profile, Any]:
+    from ..elf import HOST_DEBUG_DIR
     from . import symcache
 
     cache = None

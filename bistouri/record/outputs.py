@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
 from .. import atomicfile
 from ..errors import BistouriError
 
+# Not typing's: `record` imports this before its first sample (see command.py).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..host.procmaps import MappedPath
 
