@@ -314,19 +314,100 @@ static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
 	return true;
 }
 
-/* Take the current thread's stack into `map` (tid -> stack) for a wait of `kind` starting now. */
-static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now, int how)
+/*
+ * Where the current thread's user stack begins: its user registers, the two
+ * words at its stack pointer and at its frame pointer, and its address space,
+ * hashed with the tables' generation (a walk made before the process's tables
+ * were in, by frame pointer, is not copied once they are); 0 if unknown. A
+ * thread that blocks where it last blocked (an idle JVM's threads, hundreds of
+ * times a second between them) has the same one.
+ */
+static __always_inline __u64 user_stack_at(__u64 mm, int how)
+{
+	struct unwind_regs regs = {};
+	__u64 at[10] = {}, *generation;
+	__u32 zero = 0;
+
+	if (!mm || !(how == STACK_TABLES ? user_regs_of(NULL, &regs) : user_regs_bounded(NULL, &regs)))
+		return 0;
+	at[0] = regs.ip;
+	at[1] = regs.sp;
+	at[2] = regs.bp;
+#if defined(__TARGET_ARCH_arm64)
+	at[3] = regs.lr;
+#endif
+	at[4] = mm;
+	generation = bpf_map_lookup_elem(&unwind_generation, &zero);
+	at[9] = generation ? *generation : 0;
+	/* A word that cannot be read stays 0: the same on the next look. */
+	bpf_probe_read_user(&at[5], 2 * sizeof(__u64), (void *)regs.sp);
+	if (regs.bp)
+		bpf_probe_read_user(&at[7], 2 * sizeof(__u64), (void *)regs.bp);
+	return hash_ips(at, sizeof(at)) | 1; /* never 0, "none" */
+}
+
+/*
+ * The user part of `ev` (its kernel stack taken) copied from the recorder's
+ * entry of the same thread, kind, kernel stack and user stack, the one the
+ * thread's last walk found: no walk. False if there is no such entry (the
+ * process was not recorded then, or the entry was evicted): walk.
+ */
+static __always_inline bool reuse_user_stack(struct bistouri_stack_event *ev, __u64 mm, __u64 user_hash)
+{
+	struct bistouri_recorder_key key = {
+		.tid = ev->tid,
+		.kind = ev->kind,
+		.kernel_hash = ev->kernel_hash,
+		.user_key = { .pid = ev->pid, .mm = mm, .hash = user_hash },
+	};
+	struct bistouri_recorded_wait *w = bpf_map_lookup_elem(&recorder_waits, &key);
+	struct bistouri_stack_event *old;
+
+	if (!w)
+		return false;
+	old = (struct bistouri_stack_event *)w->event;
+	ev->user_key = key.user_key;
+	ev->map_count = BPF_CORE_READ((struct mm_struct *)mm, map_count);
+	ev->user_stack_size = old->user_stack_size;
+	ev->user_by_table = old->user_by_table;
+	ev->user_by_fp = old->user_by_fp;
+	ev->user_walk_end = old->user_walk_end;
+	ev->py_depth = 0;
+	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
+	bpf_probe_read_kernel(ev->user_stack, sizeof(ev->user_stack), old->user_stack);
+	episode_count(BISTOURI_EPC_STACKS_REUSED);
+	return true;
+}
+
+/*
+ * Take the current thread's stack into `map` (tid -> stack) for a wait of
+ * `kind` starting now. The kernel stack is always taken; the user walk only
+ * when the thread blocks elsewhere than at its last walk (t->stack_at) or the
+ * recorder has no copy of that walk's stack: the walk was most of what an idle
+ * JVM's sleeps cost at switch-out. Not for Python threads: the same native
+ * registers may run other Python frames.
+ */
+static __always_inline void take_stack(void *ctx, struct bistouri_thread_times *t, void *map, __u32 kind,
+				       __u32 waits, __u64 now, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pid_tgid, zero = 0;
 	struct bistouri_stack_event *ev;
+	__u64 mm, at;
 
 	ev = bpf_map_lookup_elem(&episode_scratch, &zero);
 	if (!ev)
 		return;
 	fill_header(ev, kind, pid_tgid, now);
 	ev->waits = waits;
-	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
+	fill_kernel_stack(ctx, ev, cfg.tp_btf_skip, NULL);
+	mm = (__u64)BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+	at = user_stack_at(mm, how);
+	if (!at || at != t->stack_at || !reuse_user_stack(ev, mm, t->stack_user_hash)) {
+		fill_user_stacks(ctx, ev, NULL, how);
+		t->stack_at = ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON ? at : 0;
+		t->stack_user_hash = ev->user_key.hash;
+	}
 	ev->timestamp_ns = bpf_ktime_get_ns(); /* the wait starts now: the walk above is ours */
 	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
@@ -387,7 +468,7 @@ static __always_inline void reclaim_begin(void *ctx, int how)
 	t->reclaim_start_ns = now;
 	waits = stack_due(t, now);
 	if (waits)
-		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now, how);
+		take_stack(ctx, t, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now, how);
 }
 
 static __always_inline void reclaim_end(void)

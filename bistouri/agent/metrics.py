@@ -545,6 +545,7 @@ class EpisodeCountersCollector(Collector):
         events.add_metric(["wakeup"], c[abi.EpisodeCounter.WAKEUPS])
         events.add_metric(["reclaim"], c[abi.EpisodeCounter.RECLAIMS])
         events.add_metric(["runqueue_stack"], c[abi.EpisodeCounter.RUNQUEUE_STACKS])
+        events.add_metric(["stack_reused"], c[abi.EpisodeCounter.STACKS_REUSED])
         yield events
         lost = CounterMetricFamily(
             "bistouri_episode_hook_dropped",

@@ -329,9 +329,10 @@ class EpisodeCounter(IntEnum):
     STACKS_LIMITED = 3
     RECLAIMS = 4
     RUNQUEUE_STACKS = 5
+    STACKS_REUSED = 6
 
 
-EPISODE_COUNTER_MAX = 6
+EPISODE_COUNTER_MAX = 7
 
 
 class ThreadTimes(Structure):
@@ -356,6 +357,8 @@ class ThreadTimes(Structure):
         ("runqueue_unsent_ns", c_uint64),
         ("runqueue_unsent", c_uint32),
         ("reserved", c_uint32),
+        ("stack_at", c_uint64),
+        ("stack_user_hash", c_uint64),
     ]
 
 
