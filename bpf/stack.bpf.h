@@ -171,9 +171,12 @@ static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, s
 #define STACK_FP_BARE 2
 #define STACK_BOUNDED 3
 
-static __always_inline void fill_kernel_stack(void *ctx, struct bistouri_stack_event *ev,
-					      __u32 kernel_skip, struct bpf_perf_event_data *perf_ctx)
+static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
+					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, int how)
 {
+	struct unwind_regs regs = {};
+	struct bistouri_user_stack_key *key = &ev->user_key;
+	struct mm_struct *mm = NULL;
 	long n;
 
 	/* A sample that hit user mode has no kernel stack: the helper would only say so. */
@@ -185,16 +188,6 @@ static __always_inline void fill_kernel_stack(void *ctx, struct bistouri_stack_e
 	if (n < 0)
 		report_error(BISTOURI_CNT_KERNEL_STACK_ERROR, ev->pid, n);
 	ev->kernel_hash = hash_ips(ev->kernel_stack, n);
-}
-
-/* The user part of fill_stacks: native frames taken as `how` says, then the Python ones. */
-static __always_inline void fill_user_stacks(void *ctx, struct bistouri_stack_event *ev,
-					     struct bpf_perf_event_data *perf_ctx, int how)
-{
-	struct unwind_regs regs = {};
-	struct bistouri_user_stack_key *key = &ev->user_key;
-	struct mm_struct *mm = NULL;
-	long n;
 
 	/*
 	 * Raw IPs only: the build-id walk (BPF_F_USER_BUILD_ID) cost ~8 us a new
@@ -244,13 +237,6 @@ static __always_inline void fill_user_stacks(void *ctx, struct bistouri_stack_ev
 		walk_python(ev, perf_ctx ? 0 : 1);
 	else if (how == STACK_BOUNDED)
 		walk_python_bounded(ev, perf_ctx ? 0 : 1);
-}
-
-static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *ev,
-					__u32 kernel_skip, struct bpf_perf_event_data *perf_ctx, int how)
-{
-	fill_kernel_stack(ctx, ev, kernel_skip, perf_ctx);
-	fill_user_stacks(ctx, ev, perf_ctx, how);
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,

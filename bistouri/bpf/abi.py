@@ -358,6 +358,7 @@ class ThreadTimes(Structure):
         ("runqueue_unsent", c_uint32),
         ("reserved", c_uint32),
         ("stack_at", c_uint64),
+        ("stack_kernel_hash", c_uint64),
         ("stack_user_hash", c_uint64),
     ]
 
