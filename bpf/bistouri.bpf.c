@@ -264,7 +264,7 @@ static __always_inline int episode_switch(void *ctx, bool preempt, struct task_s
 			t->since_ns = now;
 			/* One call site: the stack walk is inlined once in this program. */
 			if (take)
-				take_stack(ctx, &wait_pending, take, waits, now, how);
+				take_stack(ctx, t, &wait_pending, take, waits, now, how);
 		}
 	}
 

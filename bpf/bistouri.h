@@ -361,7 +361,9 @@ enum bistouri_episode_counter {
 					 * run-queue stack by the per-process one */
 	BISTOURI_EPC_RECLAIMS = 4,      /* reclaim/compaction stalls accounted */
 	BISTOURI_EPC_RUNQUEUE_STACKS = 5, /* run-queue stacks sent */
-	BISTOURI_EPC_MAX = 6,
+	BISTOURI_EPC_STACKS_REUSED = 6, /* sleep stacks copied from the recorder's entry, not walked
+					 * (episode.bpf.h: take_stack) */
+	BISTOURI_EPC_MAX = 7,
 };
 
 /* Cumulative times of one watched thread (user space diffs two reads). */
@@ -386,6 +388,9 @@ struct bistouri_thread_times {
 	__u64 runqueue_unsent_ns; /* run-queue delay not yet carried by a run-queue stack */
 	__u32 runqueue_unsent;    /* run-queue waits not yet carried by a run-queue stack */
 	__u32 reserved;
+	__u64 stack_at;           /* where its last walked sleep stack began (blocked_at); 0: none */
+	__u64 stack_kernel_hash;  /* that walk's kernel_hash */
+	__u64 stack_user_hash;    /* and user_key.hash */
 };
 
 /*

@@ -314,19 +314,145 @@ static __always_inline bool runqueue_stack_due(__u32 tgid, __u64 now)
 	return true;
 }
 
-/* Take the current thread's stack into `map` (tid -> stack) for a wait of `kind` starting now. */
-static __always_inline void take_stack(void *ctx, void *map, __u32 kind, __u32 waits, __u64 now, int how)
+/* The system call a thread blocked in and its first two arguments (which object, which operation). */
+#if defined(__TARGET_ARCH_arm64)
+#define SYSCALL_OF(regs, out)                                  \
+	do {                                                   \
+		(out)[0] = BPF_CORE_READ(regs, syscallno);     \
+		(out)[1] = BPF_CORE_READ(regs, orig_x0);       \
+		(out)[2] = BPF_CORE_READ(regs, regs[1]);       \
+	} while (0)
+#else
+#define SYSCALL_OF(regs, out)                                  \
+	do {                                                   \
+		(out)[0] = BPF_CORE_READ(regs, orig_ax);       \
+		(out)[1] = BPF_CORE_READ(regs, di);            \
+		(out)[2] = BPF_CORE_READ(regs, si);            \
+	} while (0)
+#endif
+
+/*
+ * Where the current thread blocks, hashed; 0 if unknown (a kernel thread).
+ * Its registers at its kernel entry: the user ip, sp and frame pointer, the
+ * system call and its first two arguments; the two words at its stack pointer
+ * and at its frame pointer; its address space; and the unwind tables'
+ * generation (a walk made before the process's tables were in, by frame
+ * pointer, is not copied once they are). A thread that sleeps where it last
+ * slept (an idle JVM's threads, hundreds of times a second between them) has
+ * the same one.
+ */
+static __always_inline __u64 blocked_at(__u64 mm, int how)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct unwind_regs user = {};
+	__u64 at[13] = {}, *generation;
+	struct pt_regs *regs;
+	__u32 zero = 0;
+	void *stack;
+
+	if (!mm)
+		return 0;
+	if (how == STACK_TABLES) {
+		regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+	} else {
+		/* As user_regs_bounded: the pt_regs at the top of the kernel stack. */
+		stack = BPF_CORE_READ(task, stack);
+		if (!stack)
+			return 0;
+		regs = (struct pt_regs *)(stack + KERNEL_STACK_SIZE) - 1;
+	}
+	if (!regs || !KERNEL_REGS_USER_MODE(regs))
+		return 0;
+	USER_REGS_FROM_KERNEL(regs, &user);
+	at[0] = user.ip;
+	at[1] = user.sp;
+	at[2] = user.bp;
+#if defined(__TARGET_ARCH_arm64)
+	at[3] = user.lr;
+#endif
+	at[4] = mm;
+	generation = bpf_map_lookup_elem(&unwind_generation, &zero);
+	at[5] = generation ? *generation : 0;
+	SYSCALL_OF(regs, &at[6]);
+	/* A word that cannot be read stays 0: the same on the next look. */
+	bpf_probe_read_user(&at[9], 2 * sizeof(__u64), (void *)user.sp);
+	if (user.bp)
+		bpf_probe_read_user(&at[11], 2 * sizeof(__u64), (void *)user.bp);
+	return hash_ips(at, sizeof(at)) | 1; /* never 0, "unknown" */
+}
+
+/*
+ * The stacks of `ev` copied from the recorder's entry of its thread and kind
+ * with the kernel and user stacks of the thread's last walk: no walk. False if
+ * there is no such entry (the process was not recorded then, or the entry was
+ * evicted).
+ */
+static __always_inline bool copy_recorded_stacks(struct bistouri_stack_event *ev, struct bistouri_thread_times *t,
+						 __u64 mm)
+{
+	struct bistouri_recorder_key key = {
+		.tid = ev->tid,
+		.kind = ev->kind,
+		.kernel_hash = t->stack_kernel_hash,
+		.user_key = { .pid = ev->pid, .mm = mm, .hash = t->stack_user_hash },
+	};
+	struct bistouri_recorded_wait *w = bpf_map_lookup_elem(&recorder_waits, &key);
+	struct bistouri_stack_event *old;
+
+	if (!w)
+		return false;
+	old = (struct bistouri_stack_event *)w->event;
+	ev->kernel_hash = key.kernel_hash;
+	ev->kernel_stack_size = old->kernel_stack_size;
+	bpf_probe_read_kernel(ev->kernel_stack, sizeof(ev->kernel_stack), old->kernel_stack);
+	ev->user_key = key.user_key;
+	ev->map_count = BPF_CORE_READ((struct mm_struct *)mm, map_count);
+	ev->user_stack_size = old->user_stack_size;
+	ev->user_by_table = old->user_by_table;
+	ev->user_by_fp = old->user_by_fp;
+	ev->user_walk_end = old->user_walk_end;
+	ev->py_depth = 0;
+	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
+	bpf_probe_read_kernel(ev->user_stack, sizeof(ev->user_stack), old->user_stack);
+	episode_count(BISTOURI_EPC_STACKS_REUSED);
+	return true;
+}
+
+/*
+ * Take the current thread's stack into `map` (tid -> stack) for a wait of
+ * `kind` starting now. A sleep where the thread's last walked sleep began
+ * (blocked_at, t->stack_at) is not walked: its stacks are copied from the
+ * recorder's entry of that walk, if there is one. The walks, kernel stack
+ * (~12 us at sched_switch, measured) and user stack, were what an idle JVM's
+ * sleeps cost. Not for Python threads (the same native registers may run
+ * other Python frames), nor run-queue stacks (preempted anywhere in the
+ * kernel; rate limited per process) and reclaims (rare).
+ */
+static __always_inline void take_stack(void *ctx, struct bistouri_thread_times *t, void *map, __u32 kind,
+				       __u32 waits, __u64 now, int how)
 {
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	__u32 tid = (__u32)pid_tgid, zero = 0;
 	struct bistouri_stack_event *ev;
+	__u64 mm = 0, at = 0;
 
 	ev = bpf_map_lookup_elem(&episode_scratch, &zero);
 	if (!ev)
 		return;
 	fill_header(ev, kind, pid_tgid, now);
 	ev->waits = waits;
-	fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
+	if (kind == BISTOURI_EVENT_SLEEP) {
+		mm = (__u64)BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
+		at = blocked_at(mm, how);
+	}
+	if (!at || at != t->stack_at || !copy_recorded_stacks(ev, t, mm)) {
+		fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
+		if (kind == BISTOURI_EVENT_SLEEP) {
+			t->stack_at = ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON ? at : 0;
+			t->stack_kernel_hash = ev->kernel_hash;
+			t->stack_user_hash = ev->user_key.hash;
+		}
+	}
 	ev->timestamp_ns = bpf_ktime_get_ns(); /* the wait starts now: the walk above is ours */
 	if (bpf_map_update_elem(map, &tid, ev, BPF_ANY))
 		report_error(BISTOURI_CNT_OFFCPU_PENDING_FULL, ev->pid, 0);
@@ -387,7 +513,7 @@ static __always_inline void reclaim_begin(void *ctx, int how)
 	t->reclaim_start_ns = now;
 	waits = stack_due(t, now);
 	if (waits)
-		take_stack(ctx, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now, how);
+		take_stack(ctx, t, &reclaim_pending, BISTOURI_EVENT_RECLAIM, waits, now, how);
 }
 
 static __always_inline void reclaim_end(void)

@@ -43,11 +43,12 @@ from .config import TargetsConfig, load_targets_config
 from .confwatch import ConfigWatcher
 from .discovery import Walker
 from .metrics import (
+    EPISODE_COUNTER_FAMILIES,
+    RECORDER_COUNTER_FAMILIES,
     AgentMetrics,
     BpfCountersCollector,
-    EpisodeCountersCollector,
+    MapCountersCollector,
     MetricsAndControlServer,
-    RecorderCountersCollector,
 )
 from .settings import AgentSettings
 from .spool import Spool
@@ -234,8 +235,12 @@ class Agent:
                     self.profiler.counters, self._cache_stats, self._unwind_stats, self._python_stats
                 )
             )
-            self.registry.register(EpisodeCountersCollector(self.profiler.episode_counters))
-            self.registry.register(RecorderCountersCollector(self.profiler.recorder_counters))
+            self.registry.register(
+                MapCountersCollector("episode", self.profiler.episode_counters, EPISODE_COUNTER_FAMILIES)
+            )
+            self.registry.register(
+                MapCountersCollector("recorder", self.profiler.recorder_counters, RECORDER_COUNTER_FAMILIES)
+            )
 
     def _unwind_stats(self) -> UnwindStats:
         return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()

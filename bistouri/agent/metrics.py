@@ -504,58 +504,73 @@ def _http(status: int, headers: list[tuple[str, str]], body: bytes, head_only: b
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else body)
 
 
-class RecorderCountersCollector(Collector):
-    """Reads the BPF `recorder_counters` map (the flight recorder's waits counted in the kernel,
-    bpf/recorder.bpf.h) at scrape time."""
+@dataclass(frozen=True)
+class CounterFamily:
+    """One counter family read from a BPF counters map: a label value per map index."""
 
-    def __init__(self, read: Callable[[], dict[abi.RecorderCounter, int]]) -> None:
+    name: str
+    doc: str
+    label: str
+    rows: tuple[tuple[str, int], ...]  # (label value, map index)
+
+
+class MapCountersCollector(Collector):
+    """Reads a BPF counters map (`read`: index -> count) at scrape time into `families`."""
+
+    def __init__(
+        self, what: str, read: Callable[[], dict[Any, int]], families: tuple[CounterFamily, ...]
+    ) -> None:
+        self._what = what
         self._read = read
+        self._families = families
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         try:
             c = self._read()
         except Exception as e:  # the object may be closing: report nothing rather than fail the scrape
-            log.debug("BPF recorder counters unavailable: %s", e)
+            log.debug("BPF %s counters unavailable: %s", self._what, e)
             return
-        kernel = CounterMetricFamily(
-            "bistouri_recorder_kernel_waits",
-            "Waits of processes only the flight recorder watches, counted in the kernel instead of "
-            "sent (kept), entries created for them (created), waits the full map refused (refused)",
-            labels=["outcome"],
-        )
-        kernel.add_metric(["kept"], c[abi.RecorderCounter.KEPT])
-        kernel.add_metric(["created"], c[abi.RecorderCounter.ENTRIES])
-        kernel.add_metric(["refused"], c[abi.RecorderCounter.REFUSED])
-        yield kernel
+        for f in self._families:
+            family = CounterMetricFamily(f.name, f.doc, labels=[f.label])
+            for value, index in f.rows:
+                family.add_metric([value], c[index])
+            yield family
 
 
-class EpisodeCountersCollector(Collector):
-    """Reads the BPF `episode_counters` map (the episode hooks, issue 12) at scrape time."""
+RECORDER_COUNTER_FAMILIES = (
+    CounterFamily(
+        "bistouri_recorder_kernel_waits",
+        "Waits of processes only the flight recorder watches, counted in the kernel instead of "
+        "sent (kept), entries created for them (created), waits the full map refused (refused)",
+        "outcome",
+        (
+            ("kept", abi.RecorderCounter.KEPT),
+            ("created", abi.RecorderCounter.ENTRIES),
+            ("refused", abi.RecorderCounter.REFUSED),
+        ),
+    ),
+)
 
-    def __init__(self, read: Callable[[], dict[abi.EpisodeCounter, int]]) -> None:
-        self._read = read
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        try:
-            c = self._read()
-        except Exception as e:  # the object may be closing: report nothing rather than fail the scrape
-            log.debug("BPF episode counters unavailable: %s", e)
-            return
-        events = CounterMetricFamily(
-            "bistouri_episode_hook_events",
-            "Transitions of watched threads the episode hooks timed",
-            labels=["kind"],
-        )
-        events.add_metric(["switch"], c[abi.EpisodeCounter.SWITCHES])
-        events.add_metric(["wakeup"], c[abi.EpisodeCounter.WAKEUPS])
-        events.add_metric(["reclaim"], c[abi.EpisodeCounter.RECLAIMS])
-        events.add_metric(["runqueue_stack"], c[abi.EpisodeCounter.RUNQUEUE_STACKS])
-        yield events
-        lost = CounterMetricFamily(
-            "bistouri_episode_hook_dropped",
-            "What the episode hooks did not record, by reason",
-            labels=["reason"],
-        )
-        lost.add_metric(["threads_full"], c[abi.EpisodeCounter.THREADS_FULL])
-        lost.add_metric(["stack_rate_limited"], c[abi.EpisodeCounter.STACKS_LIMITED])
-        yield lost
+EPISODE_COUNTER_FAMILIES = (
+    CounterFamily(
+        "bistouri_episode_hook_events",
+        "Transitions of watched threads the episode hooks timed",
+        "kind",
+        (
+            ("switch", abi.EpisodeCounter.SWITCHES),
+            ("wakeup", abi.EpisodeCounter.WAKEUPS),
+            ("reclaim", abi.EpisodeCounter.RECLAIMS),
+            ("runqueue_stack", abi.EpisodeCounter.RUNQUEUE_STACKS),
+            ("stack_reused", abi.EpisodeCounter.STACKS_REUSED),
+        ),
+    ),
+    CounterFamily(
+        "bistouri_episode_hook_dropped",
+        "What the episode hooks did not record, by reason",
+        "reason",
+        (
+            ("threads_full", abi.EpisodeCounter.THREADS_FULL),
+            ("stack_rate_limited", abi.EpisodeCounter.STACKS_LIMITED),
+        ),
+    ),
+)

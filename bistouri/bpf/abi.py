@@ -334,9 +334,10 @@ class EpisodeCounter(IntEnum):
     STACKS_LIMITED = 3
     RECLAIMS = 4
     RUNQUEUE_STACKS = 5
+    STACKS_REUSED = 6
 
 
-EPISODE_COUNTER_MAX = 6
+EPISODE_COUNTER_MAX = 7
 
 
 class ThreadTimes(Structure):
@@ -361,6 +362,9 @@ class ThreadTimes(Structure):
         ("runqueue_unsent_ns", c_uint64),
         ("runqueue_unsent", c_uint32),
         ("reserved", c_uint32),
+        ("stack_at", c_uint64),
+        ("stack_kernel_hash", c_uint64),
+        ("stack_user_hash", c_uint64),
     ]
 
 

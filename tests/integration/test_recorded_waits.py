@@ -9,8 +9,11 @@ the workload stopped before anything is compared, never against a fixed time.
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from bistouri.capture.events import StackSample
 from bistouri.capture.profiler import Profiler, ProfilerOptions
 from bistouri.symbolizer.kallsyms import parse_kallsyms
 from testkit.agent_harness import SessionSink, capture_in_process
-from testkit.helpers import wait_until
+from testkit.helpers import build_id, symbols, wait_until
 
 pytestmark = pytest.mark.bpf
 
@@ -40,7 +43,10 @@ def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_s
     keeps them; the session then starts with them as pre-trigger waits: S stacks in futex_wait,
     and run-queue weights that are, per thread, exactly the run-queue time the episode hooks
     counted less what no stack carries yet (to a nanosecond a wait: each second's mean is an
-    integer division)."""
+    integer division). Each worker blocks at two places, again and again: its user stack is walked
+    once per place and then copied from the recorder's entry (STACKS_REUSED), and still every S
+    stack is its place's (futex_wait under take_lock, the nanosleep under hold_and_sleep) and the
+    S waits the stacks stand for are every sleep the hooks counted."""
     threads, iterations, hold_us = 3, 400, 2000
     convoy = subprocess.Popen(
         [str(workloads / "convoy"), str(threads), str(iterations), str(hold_us)],
@@ -81,6 +87,9 @@ def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_s
             )
             times = agent.thread_times({convoy.pid})
             counters = agent.recorder_counters()
+            reused = agent.episode_counters()[abi.EpisodeCounter.STACKS_REUSED]
+            pending = {tid: _pending_sleep_waits(agent, tid) for tid in times}
+            unstored = agent.counters()[abi.Counter.OFFCPU_PENDING_FULL]
             drain()
             sid = orch.start_session(
                 wire.Trigger("cpu", time_ns=time.time_ns()), "s", {}, {convoy.pid: "c"}, 60, recorder_secs=60
@@ -107,6 +116,55 @@ def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_s
     sleeps = [t for t in pre if t.wait == wire.WAIT_S and t.tid in workers]
     names = {(kallsyms.lookup(ip) or ("?",))[0] for t in sleeps for ip in t.kernel}
     assert any(n.startswith("futex_wait") for n in names), sorted(names)[:40]
+    # 400 iterations, two sleeps each, a stack at most every 10 ms per thread: most are copies.
+    assert reused > 0
+    places: Counter[tuple[str, str]] = Counter()
+    leaf = _own_leaf(workloads / "convoy")
+    for t in sleeps:
+        kernel = {(kallsyms.lookup(ip) or ("?",))[0] for ip in t.kernel}
+        place = "futex" if any(n.startswith("futex_wait") for n in kernel) else "sleep"
+        places[place, leaf(t)] += t.off_cpu
+    # Stacks walked before the convoy's tables were in end at `work` (by frame pointer past libc):
+    # as before. A copy never puts one place's user stack on the other's wait.
+    assert places[("futex", "take_lock")] and places[("sleep", "hold_and_sleep")], places
+    assert set(places) <= {
+        ("futex", "take_lock"),
+        ("sleep", "hold_and_sleep"),
+        ("futex", "work"),
+        ("sleep", "work"),
+    }
+    for tid in workers:
+        # A sleep's stack stands for it and the ones the rate limit skipped before it; the skips
+        # since, and those a stack still pending carries, no stack has counted yet.
+        counted = sum(t.off_cpu for t in sleeps if t.tid == tid) + times[tid].skipped + pending[tid]
+        # A stack the pending map could not store (NO_PREALLOC: its allocation can fail under memory
+        # pressure) is counted in the BPF errors and loses the waits it stood for: as before.
+        assert counted == times[tid].s_waits or (unstored and counted < times[tid].s_waits), (
+            tid,
+            counted,
+            times[tid].s_waits,
+            unstored,
+        )
+
+
+def _pending_sleep_waits(agent: Profiler, tid: int) -> int:
+    """The skipped sleeps a sleep stack still pending for `tid` carries (its own has not ended)."""
+    raw = agent._require().maps["wait_pending"].lookup(struct.pack("<I", tid))
+    if raw is None:
+        return 0
+    ev = abi.StackEvent.from_buffer_copy(raw)
+    return ev.waits - 1 if ev.kind == abi.EpisodeKind.SLEEP else 0
+
+
+def _own_leaf(binary: Path) -> Callable[[wire.Trace], str]:
+    """A trace's innermost function of `binary` in its user frames ("?": none)."""
+    bid, syms = bytes.fromhex(build_id(binary)), symbols(binary)
+
+    def leaf(trace: wire.Trace) -> str:
+        own = [f.address for f in trace.user if f.kind == wire.FRAME_RESOLVED and f.build_id == bid]
+        return next((n for n, (a, size) in syms.items() if own and a <= own[0] < a + size), "?")
+
+    return leaf
 
 
 def test_a_session_reads_each_second_of_its_processes_entries_once_and_nothing_older():

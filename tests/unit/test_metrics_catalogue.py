@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from bistouri.agent.exporter import Exporter
 from bistouri.agent.metrics import (
+    EPISODE_COUNTER_FAMILIES,
+    RECORDER_COUNTER_FAMILIES,
     AgentMetrics,
     BpfCountersCollector,
-    EpisodeCountersCollector,
-    RecorderCountersCollector,
+    MapCountersCollector,
 )
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
@@ -28,8 +29,16 @@ def _exposed_agent_metrics() -> dict[str, str]:
     r = CollectorRegistry()
     AgentMetrics(r)
     r.register(BpfCountersCollector(lambda: dict.fromkeys(abi.Counter, 0), lambda: (ProcMapsStats(), 0)))
-    r.register(EpisodeCountersCollector(lambda: dict.fromkeys(abi.EpisodeCounter, 0)))
-    r.register(RecorderCountersCollector(lambda: dict.fromkeys(abi.RecorderCounter, 0)))
+    r.register(
+        MapCountersCollector(
+            "episode", lambda: dict.fromkeys(abi.EpisodeCounter, 0), EPISODE_COUNTER_FAMILIES
+        )
+    )
+    r.register(
+        MapCountersCollector(
+            "recorder", lambda: dict.fromkeys(abi.RecorderCounter, 0), RECORDER_COUNTER_FAMILIES
+        )
+    )
     PsiLoop(registry=r)
     spool = Spool(tempfile.mkdtemp(), 1 << 20, registry=r)
     s = AgentSettings(symbolizer_endpoint="http://127.0.0.1:1")
