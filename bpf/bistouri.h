@@ -287,6 +287,7 @@ struct bistouri_raw_stack {
 	__u64 ip;              /* the user registers the walk started from */
 	__u64 sp;
 	__u64 bp;
+	__u64 lr;              /* aarch64's x30 (a leaf's return address may be there only); 0 on x86-64 */
 	__u32 stack_size;      /* bytes of stack copied from sp (the copy stops at a page not present) */
 	__u32 reserved;
 	struct bistouri_stack_event event; /* the sample as the BPF walk left it */

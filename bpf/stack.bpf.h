@@ -37,6 +37,11 @@ static __always_inline __u64 hash_ips(const __u64 *ips, long bytes)
 #define PSR_MODE_EL0T 0
 #define REG_FP 29 /* x29, the frame pointer */
 #define REG_LR 30 /* x30, the link register */
+/* x29, x30, sp and pc by word too, for the program that reads no kernel type. */
+#define PT_REGS_BP_WORD REG_FP
+#define PT_REGS_LR_WORD REG_LR
+#define PT_REGS_SP_WORD 31
+#define PT_REGS_IP_WORD 32
 
 static __always_inline bool user_mode_word(__u64 pstate)
 {
@@ -318,9 +323,6 @@ static __always_inline bool walk_cut_short(struct bistouri_stack_event *ev, int 
 /* The user registers of an on-CPU sample, as `how` finds them; the bare program has only the interrupt's. */
 static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int how, struct unwind_regs *regs)
 {
-#if defined(__TARGET_ARCH_arm64)
-	return false; /* no copies: user space walks x86-64 rows only (unwind/rawwalk.py) */
-#else
 	if (how == STACK_TABLES)
 		return user_regs_of(ctx, regs);
 	if (how == STACK_BOUNDED)
@@ -330,10 +332,12 @@ static __always_inline bool raw_stack_regs(struct bpf_perf_event_data *ctx, int 
 		regs->ip = ((const __u64 *)ctx)[PT_REGS_IP_WORD];
 		regs->sp = ((const __u64 *)ctx)[PT_REGS_SP_WORD];
 		regs->bp = ((const __u64 *)ctx)[PT_REGS_BP_WORD];
+#if defined(__TARGET_ARCH_arm64)
+		regs->lr = ((const __u64 *)ctx)[PT_REGS_LR_WORD];
+#endif
 		return true;
 	}
 	return false;
-#endif
 }
 
 /*
@@ -387,6 +391,11 @@ static __always_inline bool emit_raw_stack(struct bpf_perf_event_data *ctx, stru
 	raw->ip = regs.ip;
 	raw->sp = regs.sp;
 	raw->bp = regs.bp;
+#if defined(__TARGET_ARCH_arm64)
+	raw->lr = regs.lr;
+#else
+	raw->lr = 0;
+#endif
 	raw->reserved = 0;
 	/* One helper call copies the event (~3 KiB) where the record needs it. */
 	if (bpf_probe_read_kernel(&raw->event, sizeof(raw->event), ev))

@@ -239,6 +239,7 @@ class RawStack(Structure):
         ("ip", c_uint64),
         ("sp", c_uint64),
         ("bp", c_uint64),
+        ("lr", c_uint64),  # aarch64's x30; 0 on x86-64
         ("stack_size", c_uint32),
         ("reserved", c_uint32),
         ("event", StackEvent),
@@ -448,7 +449,7 @@ KERNEL_STACK_OFFSET = StackEvent.kernel_stack.offset
 USER_STACK_OFFSET = StackEvent.user_stack.offset
 STACK_EVENT_SIZE = ctypes.sizeof(StackEvent)
 PY_FRAME = struct.Struct("<QII")  # a PyFrame: code (| PY_FRAME_ENTRY), offset, checksum
-RAW_STACK_HEAD = struct.Struct("<QQQI4x")  # ip, sp, bp, stack_size
+RAW_STACK_HEAD = struct.Struct("<QQQQI4x")  # ip, sp, bp, lr, stack_size
 RAW_EVENT_OFFSET = RawStack.event.offset
 RAW_BYTES_OFFSET = RawStack.stack.offset
 EXEC_EVENT = struct.Struct("<IIQ16s")

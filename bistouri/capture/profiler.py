@@ -69,6 +69,9 @@ _RECORDER_KEY_PID_AT = abi.RecorderKey.user_key.offset + abi.UserStackKey.pid.of
 _RECORDER_SLOT = struct.Struct("<IIQ")  # abi.RecorderSlot
 _RECORDER_EVENT_AT = abi.RecordedWait.event.offset
 _SECOND_NS = 1_000_000_000  # a slot's span (RECORDER_SLOT_NS)
+# How long close() waits for a drain thread stop() left running: its last drain is bounded (the
+# rings' contents and at most RawStacks.max_records copies).
+_LAST_DRAIN_WAIT_S = 30.0
 
 
 class Profiler:
@@ -245,11 +248,20 @@ class Profiler:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
+                return  # kept: close() waits for it before freeing what it reads
             self._thread = None
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop, free the ring buffer, detach, close the object. Idempotent."""
         self.stop(timeout)
+        if self._thread is not None:
+            # Its last drain still runs (walking raw copies took longer under arm64 emulation):
+            # the ring buffer and maps freed under it crashed the process (SIGSEGV).
+            self._thread.join(_LAST_DRAIN_WAIT_S)
+            if self._thread.is_alive():
+                log.error("the ring-buffer thread is still running: its ring buffer and maps are left open")
+                return
+            self._thread = None
         for fd in (self._stop_fd, self._kick_fd):
             if fd >= 0:
                 os.close(fd)

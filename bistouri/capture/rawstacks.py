@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ..bpf import abi
-from ..unwind.rawwalk import RuleOf, Walked, walk
+from ..unwind.rawwalk import AARCH64, RuleOf, Walked, walk
 
 _EVENT_AT = abi.RAW_EVENT_OFFSET
 _EVENT_END = abi.RAW_EVENT_OFFSET + abi.STACK_EVENT_SIZE
@@ -62,12 +62,12 @@ def hash_ips(ips: list[int]) -> int:
     return h
 
 
-def walked_event(record: bytes, rule_of: RuleOf) -> tuple[bytes, Walked]:
+def walked_event(record: bytes, rule_of: RuleOf, aarch64: bool = AARCH64) -> tuple[bytes, Walked]:
     """The raw copy's event with its user stack walked again by `rule_of`'s rows; kept as the BPF
     walk left it if that went further (its frames are the same up to where it stopped)."""
-    ip, sp, bp, size = abi.RAW_STACK_HEAD.unpack_from(record)
+    ip, sp, bp, lr, size = abi.RAW_STACK_HEAD.unpack_from(record)
     size = max(0, min(size, abi.RAW_STACK_BYTES, len(record) - _STACK_AT))
-    w = walk(ip, sp, bp, record[_STACK_AT : _STACK_AT + size], sp, rule_of)
+    w = walk(ip, sp, bp, record[_STACK_AT : _STACK_AT + size], sp, rule_of, lr=lr, aarch64=aarch64)
     event = bytearray(record[_EVENT_AT:_EVENT_END])
     before = max(0, _USER_FRAMES_FIELD.unpack_from(event, _USIZE_AT)[0]) // 8
     if len(w.ips) < before:

@@ -72,6 +72,9 @@ _TABLES_FIRST_S = 1.5
 # before the tables were in, kept as copies of their stacks: capture/rawstacks.py). Under load a
 # large binary's table came ~7 s into a 5 s capture; perf's own copies wait for `perf script`.
 _TABLES_LAST_S = 10.0
+# How long the end of a capture waits for the ring thread's last drain, the copies still held
+# walked in it: its samples are the capture's (2 s was short for ~1 000 copies under emulation).
+_LAST_DRAIN_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,7 +624,7 @@ def _capture(
         while not done and len(stop) == stops and time.monotonic() - t1 < _TABLES_LAST_S:
             done = profiler.wait_raw_stacks(0.1)
         log.debug("Unwind tables waited for. seconds=%.2f done=%s", time.monotonic() - t1, done)
-    profiler.stop()  # drains the rings a last time; the maps stay readable for the episode report
+    profiler.stop(_LAST_DRAIN_S)  # drains the rings a last time; the maps stay readable (episode report)
     count([ev for ev in profiler.take() if type(ev) is StackSample])
     raw = profiler.raw.stats
     if raw.received:

@@ -7,6 +7,10 @@ unwind_rows, as unwind.bpf.h searches them) and the same step (`step`, a line-by
 reading of bpf/unwind_step.h, whose constants are in bpf/unwind_rule.h). What the rows
 mean is in ehframe.py (CfaKind, RbpKind).
 
+An aarch64 copy (`AARCH64`: this machine's, as the object the loader picks) is walked by
+`step_aarch64`, the __TARGET_ARCH_arm64 branch of the same step: sp, x29 and x30 for RSP, RBP
+and the return address, the row's `RaKind` in the upper bits of its rbp_kind.
+
 A word outside the copy ends the walk (Counter.WALK_READ_FAILED, `Walked.left_copy`): the
 process has gone on since, its stack is not there to read.
 """
@@ -14,13 +18,14 @@ process has gone on since, its stack is not there to read.
 from __future__ import annotations
 
 import bisect
+import os
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..bpf import abi
-from ..bpf.abi import CfaKind, Counter, RbpKind
+from ..bpf.abi import RA_SHIFT, RBP_KIND_MASK, CfaKind, Counter, RaKind, RbpKind
 from ..bpf.handles import Map
 
 # bpf/unwind_rule.h, each number explained there.
@@ -34,6 +39,18 @@ FP_SAVED_RBP_OFF = -16
 CFA_RA_OFF = -8
 PLT_ENTRY_MASK = 15
 CFA_PUSHED = 8
+# ... and its __TARGET_ARCH_arm64 half.
+A64_USER_TOP = 0xFFFF_FFFF_FFFF
+A64_RA_ADDRESS_MASK = A64_USER_TOP  # pointer authentication's signature bits off
+_A64_MCONTEXT = 128 + 176
+A64_UCONTEXT_RBP_OFF = _A64_MCONTEXT + 240  # x29
+A64_UCONTEXT_LR_OFF = _A64_MCONTEXT + 248  # x30
+A64_UCONTEXT_RSP_OFF = _A64_MCONTEXT + 256
+A64_UCONTEXT_RIP_OFF = _A64_MCONTEXT + 264
+RA_AFTER_FP = 8  # stp x29, x30: x30 is saved 8 above x29
+
+# The copies this machine's object sends (bistouri/bpf/loader.py OBJECT_NAMES picks it so).
+AARCH64 = os.uname().machine in ("aarch64", "arm64")
 
 _WORD = struct.Struct("<Q")
 
@@ -65,10 +82,12 @@ class Walked:
 
 
 class _Regs:
-    __slots__ = ("bp", "exact", "ip", "sp")
+    """struct unwind_regs and the walk's exact and sp_floor (aarch64: lr, sp_floor)."""
 
-    def __init__(self, ip: int, sp: int, bp: int) -> None:
-        self.ip, self.sp, self.bp, self.exact = ip, sp, bp, True
+    __slots__ = ("bp", "exact", "ip", "lr", "sp", "sp_floor")
+
+    def __init__(self, ip: int, sp: int, bp: int, lr: int = 0) -> None:
+        self.ip, self.sp, self.bp, self.lr, self.exact, self.sp_floor = ip, sp, bp, lr, True, False
 
 
 class _Stack:
@@ -150,21 +169,102 @@ def step(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
     return False
 
 
+def step_aarch64(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
+    """unwind_step() as the arm64 object has it (__TARGET_ARCH_arm64); True if the walk ends here."""
+    sp, bp = r.sp, r.bp
+    kind, cfa_off, rbp_off = rule.cfa_kind, rule.cfa_off, rule.rbp_off
+    ra_kind, rbp_kind = rule.rbp_kind >> RA_SHIFT, rule.rbp_kind & RBP_KIND_MASK
+    # After a frame record's step SP is a lower bound: only a row saving the x29/x30 pair places
+    # its frame (from x29); any other SP row, the frame record again.
+    if r.sp_floor and kind == CfaKind.RSP and (rbp_kind != RbpKind.AT_CFA or ra_kind != RaKind.CFA):
+        kind = CfaKind.NONE
+    r.exact = False
+    if kind == CfaKind.RSP:
+        cfa = bp - rbp_off if r.sp_floor else sp + cfa_off
+    elif kind == CfaKind.RBP:
+        cfa = bp + cfa_off
+    elif kind == CfaKind.SIGNAL:
+        ra = stack.read(sp + A64_UCONTEXT_RIP_OFF)
+        new_sp = stack.read(sp + A64_UCONTEXT_RSP_OFF) if ra is not None else None
+        new_bp = stack.read(sp + A64_UCONTEXT_RBP_OFF) if new_sp is not None else None
+        lr = stack.read(sp + A64_UCONTEXT_LR_OFF) if new_bp is not None else None
+        if ra is None or new_sp is None or new_bp is None or lr is None:
+            w.stop = Counter.WALK_READ_FAILED
+            return True
+        w.by_table += 1
+        r.ip, r.sp, r.bp, r.lr, r.exact, r.sp_floor = ra, new_sp, new_bp, lr, True, False
+        if not ra:
+            w.stop = Counter.WALK_END
+            return True
+        return False
+    elif kind == CfaKind.END:
+        w.by_table += 1
+        w.stop = Counter.WALK_END
+        return True
+    else:  # no table here (PLT and TRAMPOLINE rows are x86-64's): the frame record
+        if not bp:
+            w.stop = Counter.WALK_NO_FP
+            return True
+        cfa = bp + FP_CFA_OFF
+        rbp_kind, rbp_off, kind, ra_kind = RbpKind.AT_CFA, FP_SAVED_RBP_OFF, CfaKind.NONE, RaKind.CFA
+    cfa &= _U64
+    # A leaf's CFA may be its SP itself: only below it is wrong.
+    if cfa < sp or cfa > A64_USER_TOP:
+        w.stop = Counter.WALK_BAD_FRAME
+        return True
+    ra = (
+        r.lr
+        if ra_kind == RaKind.LR
+        else stack.read((cfa + rbp_off + (0 if ra_kind == RaKind.AT_OFF else RA_AFTER_FP)) & _U64)
+    )
+    if ra is None:
+        w.stop = Counter.WALK_READ_FAILED
+        return True
+    ra &= A64_RA_ADDRESS_MASK
+    r.lr = 0  # the caller's x30 is gone: the call overwrote it
+    r.sp_floor = kind == CfaKind.NONE
+    if rbp_kind == RbpKind.AT_CFA:
+        saved = stack.read((cfa + rbp_off) & _U64)
+        if saved is None:
+            w.stop = Counter.WALK_READ_FAILED
+            return True
+        r.bp = saved
+    if kind == CfaKind.NONE:
+        w.by_fp += 1
+    else:
+        w.by_table += 1
+    r.ip, r.sp = ra, cfa
+    if not ra or ra > A64_USER_TOP:
+        w.stop = Counter.WALK_BAD_FRAME if ra else Counter.WALK_END
+        return True
+    return False
+
+
 def walk(
-    ip: int, sp: int, bp: int, stack: bytes, base: int, rule_of: RuleOf, max_depth: int = abi.MAX_DEPTH
+    ip: int,
+    sp: int,
+    bp: int,
+    stack: bytes,
+    base: int,
+    rule_of: RuleOf,
+    max_depth: int = abi.MAX_DEPTH,
+    lr: int = 0,
+    aarch64: bool = AARCH64,
 ) -> Walked:
-    """walk_user(): the user stack from these registers, over `stack` (the copy, from `base`)."""
+    """walk_user(): the user stack from these registers (aarch64: pc, sp, x29 and x30), over
+    `stack` (the copy, from `base`)."""
     w = Walked()
-    if not ip or ip > USER_TOP:
+    if not ip or ip > (A64_USER_TOP if aarch64 else USER_TOP):
         return w
-    r = _Regs(ip, sp, bp)
+    r = _Regs(ip, sp, bp, lr)
     words = _Stack(stack, base)
+    one = step_aarch64 if aarch64 else step
     while True:
         if len(w.ips) >= max_depth:
             w.stop = Counter.WALK_DEPTH
             break
         w.ips.append(r.ip)
-        if step(r, rule_of(r.ip, r.exact), words, w):
+        if one(r, rule_of(r.ip, r.exact), words, w):
             break
     w.left_copy = words.left and w.stop == Counter.WALK_READ_FAILED
     return w

@@ -18,6 +18,7 @@ import re
 import shutil
 import struct
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,8 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
         ctypes.c_uint32,
     ]
     dll.host_walk.restype = ctypes.c_uint32
+    dll.host_step.argtypes = [ctypes.POINTER(Walk), ctypes.c_void_p]  # struct unwind_rule *
+    dll.host_step.restype = ctypes.c_long
     return dll
 
 
@@ -232,10 +235,34 @@ def _frames(rows: list[Row], want: tuple[RaKind, ...]) -> list[int]:
     return out
 
 
-def test_the_aarch64_walk_follows_real_rows_through_x30_and_saved_frames(host: ctypes.CDLL) -> None:
-    """A stack through three functions of liblzma laid out as their rows say, then a frame
-    record from x29: the walk gives every PC back, the leaf's caller from x30, the others from
-    the stack, signature bits of a signed return address masked off."""
+@dataclass
+class Case:
+    """A stack laid out as real rows say: the registers of its first frame, the stack window from
+    `base`, the mappings with tables (start, end, bias, rows), and what a walk must give."""
+
+    regs: Regs
+    stack: bytes
+    base: int
+    tables: list[tuple[int, int, int, bytes]]
+    ips: list[int]
+    by_table: int
+    by_fp: int
+
+
+def host_walk(host: ctypes.CDLL, case: Case) -> tuple[list[int], Walk]:
+    """The BPF walk's reading of a case (walk_host.c's host_walk over the object's step)."""
+    w = Walk(regs=case.regs, exact=True, stack=case.stack, base=case.base, size=len(case.stack))
+    maps = (Mapping * len(case.tables))(
+        *(Mapping(start, end, bias, rows, len(rows) // ROW.size, 0) for start, end, bias, rows in case.tables)
+    )
+    ips = (ctypes.c_uint64 * 16)()
+    n = host.host_walk(ctypes.byref(w), maps, len(case.tables), ips, 16)
+    return list(ips[:n]), w
+
+
+def liblzma_chain() -> Case:
+    """Three functions of liblzma laid out as their rows say (a leaf whose return address is in
+    x30, two callers that saved x29 and x30, one return address signed), then a frame record."""
     table = build_table(_need(LIBS / "liblzma.so.5"))
     rows = unpack_rows(table)
     leaf, mid, outer = _frames(rows, (RaKind.LR, RaKind.CFA, RaKind.CFA))
@@ -262,22 +289,22 @@ def test_the_aarch64_walk_follows_real_rows_through_x30_and_saved_frames(host: c
     leaf_row = _row_at(rows, leaf)
     assert leaf_row.ra_kind == RaKind.LR and leaf_row.cfa_off == 0
     regs = Regs(ip=LOAD + leaf, sp=base + 256, bp=frame_record, lr=LOAD + mid)
-    w = Walk(regs=regs, exact=True, stack=bytes(stack), base=base, size=len(stack))
     size = max(r.pc for r in rows) + 0x1000
-    maps = (Mapping * 1)(Mapping(LOAD, LOAD + size, LOAD, table, len(table) // ROW.size, 0))
-    ips = (ctypes.c_uint64 * 16)()
-    n = host.host_walk(ctypes.byref(w), maps, 1, ips, 16)
-    assert list(ips[:n]) == [LOAD + leaf, LOAD + mid, LOAD + outer, unmapped]
-    assert (w.by_table, w.by_fp) == (3, 1)
-    assert w.stop == Counter.WALK_END
+    return Case(
+        regs,
+        bytes(stack),
+        base,
+        [(LOAD, LOAD + size, LOAD, table)],
+        [LOAD + leaf, LOAD + mid, LOAD + outer, unmapped],
+        3,
+        1,
+    )
 
 
-def test_a_row_after_a_frame_record_is_placed_by_its_own_record(host: ctypes.CDLL) -> None:
-    """What broke 7 % of `record`'s arm64 xz stacks: liblzma's table not yet loaded (the
-    executable's and libc's are built first), lzma_code left by its frame record, whose x29 is
-    48 below its CFA, so the SP that step gives is 32 too low; xz's caller at xz+0x53dc
-    (CFA sp + 128) then read its return address from inside lzma_code's frame: one bogus
-    frame. The row's x29/x30 pair places the frame from x29 instead, and the walk goes on."""
+def lzma_code_under_xz() -> Case:
+    """lzma_code (liblzma mapped, its table not in yet) called by xz at xz+0x53dc: the frame
+    record leaves lzma_code with an SP 32 too low (its x29 is 48 below its CFA), and xz's row
+    (CFA sp + 128, x29/x30 saved as a pair) must place its frame from x29."""
     xz_table = build_table(_need(ARM64_ROOT / "usr" / "bin" / "xz"))
     xz_rows = unpack_rows(xz_table)
     xz, lzma = 0xAAAA_0000_0000, LOAD  # liblzma: mapped, no table yet
@@ -310,13 +337,32 @@ def test_a_row_after_a_frame_record_is_placed_by_its_own_record(host: ctypes.CDL
     put(outer_cfa + o.rbp_off, 0)  # the outermost frame: no caller
     put(outer_cfa + o.rbp_off + 8, 0)
     regs = Regs(ip=lzma + leaf, sp=sp, bp=lzma_fp, lr=lzma + 0x40F4)  # x30: the last call's
-    w = Walk(regs=regs, exact=True, stack=bytes(stack), base=base, size=len(stack))
     size = max(r.pc for r in xz_rows) + 0x1000
-    maps = (Mapping * 1)(Mapping(xz, xz + size, xz, xz_table, len(xz_table) // ROW.size, 0))
-    ips = (ctypes.c_uint64 * 16)()
-    n = host.host_walk(ctypes.byref(w), maps, 1, ips, 16)
-    assert [hex(ip) for ip in ips[:n]] == [hex(lzma + leaf), hex(xz + call), hex(xz + outer)]
-    assert (w.by_table, w.by_fp) == (2, 1)
+    return Case(
+        regs, bytes(stack), base, [(xz, xz + size, xz, xz_table)], [lzma + leaf, xz + call, xz + outer], 2, 1
+    )
+
+
+def test_the_aarch64_walk_follows_real_rows_through_x30_and_saved_frames(host: ctypes.CDLL) -> None:
+    """liblzma_chain: the walk gives every PC back, the leaf's caller from x30, the others from
+    the stack, signature bits of a signed return address masked off."""
+    case = liblzma_chain()
+    ips, w = host_walk(host, case)
+    assert ips == case.ips
+    assert (w.by_table, w.by_fp) == (case.by_table, case.by_fp) == (3, 1)
+    assert w.stop == Counter.WALK_END
+
+
+def test_a_row_after_a_frame_record_is_placed_by_its_own_record(host: ctypes.CDLL) -> None:
+    """What broke 7 % of `record`'s arm64 xz stacks: liblzma's table not yet loaded (the
+    executable's and libc's are built first), lzma_code left by its frame record, whose x29 is
+    48 below its CFA, so the SP that step gives is 32 too low; xz's caller at xz+0x53dc
+    (CFA sp + 128) then read its return address from inside lzma_code's frame: one bogus
+    frame. The row's x29/x30 pair places the frame from x29 instead, and the walk goes on."""
+    case = lzma_code_under_xz()
+    ips, w = host_walk(host, case)
+    assert [hex(ip) for ip in ips] == [hex(ip) for ip in case.ips]
+    assert (w.by_table, w.by_fp) == (case.by_table, case.by_fp) == (2, 1)
     assert w.stop == Counter.WALK_END
 
 
