@@ -43,12 +43,12 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import atomicfile
 from ..errors import BistouriError
 from . import symfile
-from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, SymbolTable
+from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, Parts, SymbolTable
 
 if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the resolver
     from .. import wire
@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the 
     from ..symbolizer.stacks import SessionStacks
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_MAX_BYTES = 64 << 20
 MAX_FILE_BYTES = 32 << 20  # one binary's frames or one kernel's symbols; larger files are not read
@@ -257,47 +258,37 @@ class SymbolCache:
         """The line table kept in `name` (a `.lines` file), or None. Its arrays keep the file mapped."""
         from .linefile import read_lines
 
-        data = self._map(name)
-        if data is None:
-            return None
-        try:
-            return read_lines(data)
-        except CorruptFile as e:
-            self.discard(name, e)
-            return None
+        return self._read_kept(name, read_lines)
 
     def outer(self, name: str) -> list[tuple[int, int, int, int]] | None:
         """A unit's outermost subroutines kept in `name` (an `.outer` file), or None."""
         from .linefile import read_outer
 
-        data = self._map(name)
-        if data is None:
-            return None
-        try:
-            return read_outer(data)
-        except CorruptFile as e:
-            self.discard(name, e)
-            return None
+        return self._read_kept(name, read_outer)
 
     def put_outer(self, name: str, outer: list[tuple[int, int, int, int]]) -> None:
         from .linefile import encode_outer
 
-        try:
-            parts = encode_outer(outer)
-        except (OverflowError, ValueError):
-            return
-        try:
-            with self._locked():
-                self._write(name, parts)
-                self.evict()
-        except OSError as e:
-            log.warning("The symbol cache was not updated. name=%s error=%s", name, e.strerror or e)
+        self._put_kept(name, encode_outer, outer)
 
     def put_line_table(self, name: str, table: LineTable) -> None:
         from .linefile import encode_lines
 
+        self._put_kept(name, encode_lines, table)
+
+    def _read_kept(self, name: str, read: Callable[[Any], _T]) -> _T | None:
+        data = self._map(name)
+        if data is None:
+            return None
         try:
-            parts = encode_lines(table)
+            return read(data)
+        except CorruptFile as e:
+            self.discard(name, e)
+            return None
+
+    def _put_kept(self, name: str, encode: Callable[[_T], Parts], value: _T) -> None:
+        try:
+            parts = encode(value)
         except (OverflowError, ValueError):  # an index past 32 bits: not kept, read again next time
             return
         try:

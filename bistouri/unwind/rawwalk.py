@@ -148,25 +148,7 @@ def step(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
     if cfa <= sp or cfa > USER_TOP:
         w.stop = Counter.WALK_BAD_FRAME
         return True
-    ra = stack.read(cfa + CFA_RA_OFF)
-    if ra is None:
-        w.stop = Counter.WALK_READ_FAILED
-        return True
-    if rbp_kind == RbpKind.AT_CFA:
-        saved = stack.read((cfa + rbp_off) & _U64)
-        if saved is None:
-            w.stop = Counter.WALK_READ_FAILED
-            return True
-        r.bp = saved
-    if kind == CfaKind.NONE:
-        w.by_fp += 1
-    else:
-        w.by_table += 1
-    r.ip, r.sp = ra, cfa
-    if not ra or ra > USER_TOP:
-        w.stop = Counter.WALK_BAD_FRAME if ra else Counter.WALK_END
-        return True
-    return False
+    return _to_caller(r, w, stack, stack.read(cfa + CFA_RA_OFF), cfa, kind, rbp_kind, rbp_off, USER_TOP)
 
 
 def step_aarch64(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
@@ -217,12 +199,29 @@ def step_aarch64(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
         if ra_kind == RaKind.LR
         else stack.read((cfa + rbp_off + (0 if ra_kind == RaKind.AT_OFF else RA_AFTER_FP)) & _U64)
     )
+    if ra is not None:
+        ra &= A64_RA_ADDRESS_MASK
+    r.lr = 0  # the caller's x30 is gone: the call overwrote it
+    r.sp_floor = kind == CfaKind.NONE
+    return _to_caller(r, w, stack, ra, cfa, kind, rbp_kind, rbp_off, A64_USER_TOP)
+
+
+def _to_caller(
+    r: _Regs,
+    w: Walked,
+    stack: _Stack,
+    ra: int | None,
+    cfa: int,
+    kind: int,
+    rbp_kind: int,
+    rbp_off: int,
+    top: int,
+) -> bool:
+    """Both steps' end: the caller's registers from the frame found (its CFA, its return address
+    read, its saved frame pointer where the row says); True if the walk ends here."""
     if ra is None:
         w.stop = Counter.WALK_READ_FAILED
         return True
-    ra &= A64_RA_ADDRESS_MASK
-    r.lr = 0  # the caller's x30 is gone: the call overwrote it
-    r.sp_floor = kind == CfaKind.NONE
     if rbp_kind == RbpKind.AT_CFA:
         saved = stack.read((cfa + rbp_off) & _U64)
         if saved is None:
@@ -234,7 +233,7 @@ def step_aarch64(r: _Regs, rule: Rule, stack: _Stack, w: Walked) -> bool:
     else:
         w.by_table += 1
     r.ip, r.sp = ra, cfa
-    if not ra or ra > A64_USER_TOP:
+    if not ra or ra > top:
         w.stop = Counter.WALK_BAD_FRAME if ra else Counter.WALK_END
         return True
     return False
