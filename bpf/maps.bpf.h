@@ -404,6 +404,13 @@ struct py_scratch {
 	__u64 seen_code[PY_SEEN];
 	__u32 seen_sum[PY_SEEN];
 	struct py_code_entry code_cache[PY_CODE_CACHE];
+	/* This walk's: its thread's data stack chunk and top (3.11+), its interpreter (3.13), and the
+	 * count of code objects made (py_code_seen; 0: none, nothing kept from earlier samples). */
+	__u64 ends[2];
+	__u64 interp;
+	__u64 counter_at;
+	__u32 counter;
+	__u32 reserved;
 	__u8 stack[PY_STACK_WINDOW + PY_READ_MAX + 8];
 };
 

@@ -113,17 +113,14 @@ struct py_walk {
 	__u64 hash;            /* the user stack's hash, with the Python frames mixed in */
 	__u32 n;               /* frames emitted */
 	__u32 size;            /* bytes of a frame read */
-	/* Last, and counter not in n's 8 bytes: the verifier tracks this struct 8 bytes at a time, and
-	 * with the two in one slot handle_perf took 38 k instructions to verify (24 k as here). */
-	__u64 counter_at;      /* where the process's count of code objects made is (code_counter) */
-	__u32 counter;         /* its value at this sample; 0: unknown, no checksum from earlier samples */
-	__u32 reserved;
+	/* The count of code objects made is in s (py_scratch.counter): on this stack, 6.1's verifier
+	 * found handle_perf -> walk_python -> py_step 544 bytes deep, past its 512. */
 };
 
 /* Whether a kept checksum is this code object's: same address, same count read at the same place, same record. */
 static __always_inline bool py_code_kept(const struct py_walk *w, const struct py_code_entry *e, __u64 code)
 {
-	return e->code == code && e->counter == w->counter && e->counter_at == w->counter_at &&
+	return e->code == code && e->counter == w->s->counter && e->counter_at == w->s->counter_at &&
 	       e->owner == w->pp->owner;
 }
 
@@ -131,7 +128,7 @@ static __always_inline bool py_code_kept(const struct py_walk *w, const struct p
  * The checksum of a frame's code object: read once per code object and walk
  * (the frames of a walk hold their code objects, so an address seen earlier in
  * it is the same object), and from one sample to the next while the process's
- * count of code objects made (w->counter) has not moved. That holds without a
+ * count of code objects made (s->counter) has not moved. That holds without a
  * read: the frames of the sampled thread hold their code objects through the
  * sample, so the object at an address now is the one read then, or one made
  * since, and making it would have bumped the count (CPython's init_code, for
@@ -150,18 +147,18 @@ static __always_inline __u32 py_code_seen(struct py_walk *w, __u64 code)
 
 	if (s->seen_code[slot] == code)
 		return s->seen_sum[slot];
-	if (w->counter && py_code_kept(w, e, code)) {
+	if (s->counter && py_code_kept(w, e, code)) {
 		sum = e->sum;
-	} else if (w->counter && py_code_kept(w, older, code)) {
+	} else if (s->counter && py_code_kept(w, older, code)) {
 		sum = older->sum;
 	} else {
 		sum = py_code_checksum(pp, s->code, code);
-		if (w->counter && sum) {
+		if (s->counter && sum) {
 			*older = *e;
 			e->code = code;
-			e->counter_at = w->counter_at;
+			e->counter_at = s->counter_at;
 			e->owner = pp->owner;
-			e->counter = w->counter;
+			e->counter = s->counter;
 			e->sum = sum;
 		}
 	}
@@ -297,8 +294,8 @@ static __always_inline void py_code_counter(struct py_walk *w, __u64 interp)
 		at += interp;
 	if (bpf_probe_read_user(&counter, sizeof(counter), (const void *)at))
 		return;
-	w->counter = counter;
-	w->counter_at = at;
+	w->s->counter = counter;
+	w->s->counter_at = at;
 }
 
 /*
@@ -339,8 +336,6 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	struct task_struct *task = bounded ? (struct task_struct *)bpf_get_current_task() : bpf_get_current_task_btf();
 	struct py_walk w = { .ev = ev };
 	__u64 tstate = 0, frame = 0, fsbase;
-	__u64 ends[2] = {}; /* datastack_chunk, datastack_top (3.11+) */
-	__u64 interp = 0;
 	__u32 key = slot, pid;
 
 	if (!ev)
@@ -357,6 +352,9 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	w.s = bpf_map_lookup_elem(&py_scratch, &key);
 	if (!w.s)
 		return 0;
+	/* Per walk, kept in the scratch (not this stack: see struct py_walk). */
+	w.s->ends[0] = w.s->ends[1] = w.s->interp = w.s->counter_at = 0;
+	w.s->counter = 0;
 #if defined(__TARGET_ARCH_x86)
 	fsbase = BPF_CORE_READ(task, thread.fsbase);
 #else
@@ -370,9 +368,9 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 		return 0;
 	if (!bounded && w.pp->tstate_datastack >= 0) {
 		/* 3.11+: the frame field and the frame stack's bounds in one read. */
-		if (py_tstate_fields(&w, tstate, &frame, ends, &interp))
+		if (py_tstate_fields(&w, tstate, &frame, w.s->ends, &w.s->interp))
 			return 0;
-		py_code_counter(&w, interp);
+		py_code_counter(&w, w.s->interp);
 	} else if (bpf_probe_read_user(&frame, sizeof(frame), (const void *)(tstate + w.pp->tstate_frame))) {
 		return 0;
 	}
@@ -385,7 +383,7 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 		for (int i = 0; i < PY_SEEN; i++)
 			w.s->seen_code[i] = 0;
 		if (frame)
-			py_stack_window(&w, ends);
+			py_stack_window(&w, w.s->ends);
 	}
 	w.hash = ev->user_key.hash;
 	ev->py_status = BISTOURI_PY_STATUS_DEPTH;
