@@ -54,6 +54,18 @@ def proc_cpu_ns(pid: int) -> int:
     return total
 
 
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """Time on CPU of `pid`'s threads by thread name, in ns (threads of one name summed)."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            out[name] = out.get(name, 0) + int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that just ended
+    return out
+
+
 def proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -249,9 +261,11 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, p0 = proc_cpu_ns(pid), bpf_programs(pid)
+                c0, p0, t0 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
                 time.sleep(seconds)
-                c1, p1 = proc_cpu_ns(pid), bpf_programs(pid)
+                c1, p1, t1 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
+                # Per thread: which of the agent's loops the idle cost is.
+                per_thread = {name: (t - t0.get(name, 0)) / 1e3 / seconds for name, t in sorted(t1.items())}
                 b0, b1 = (sum(t for t, _ in p.values()) for p in (p0, p1))
                 # Per program: the scheduler hooks run at every switch of the host, watched or not.
                 per_prog = {
@@ -287,6 +301,7 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             "agent_cpu_share_of_one_core": (c1 - c0) / 1e9 / seconds,
             "bpf_cpu_share_of_one_core": (b1 - b0) / 1e9 / seconds,
             "bpf_programs": per_prog,
+            "agent_thread_us_per_s": per_thread,
             "agent_rss_mb": rss,
         }
     finally:
@@ -336,6 +351,11 @@ def main() -> int:
         action="store_true",
         help=f"only the idle cases with {JVM_COUNT} JVMs watched, each against the same with sleepers",
     )
+    ap.add_argument(
+        "--recorder-on-only",
+        action="store_true",
+        help="with --jvm-idle-only: only the cases with the recorder on",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_agent needs root (BPF, cgroups)", file=sys.stderr)
@@ -344,7 +364,11 @@ def main() -> int:
     freqs = [] if args.idle_only or args.jvm_idle_only else [f for f in args.freqs.split(",") if f]
     idle = [] if args.jvm_idle_only else [(busy, rec, -1) for busy in (0, 2) for rec in (False, True)]
     # 20 JVMs watched, each case right after the same without them (20 sleepers in their place).
-    idle += [(0, recorder, jvms) for recorder in (False, True) for jvms in (0, JVM_COUNT)]
+    idle += [
+        (0, recorder, jvms)
+        for recorder in ((True,) if args.recorder_on_only else (False, True))
+        for jvms in (0, JVM_COUNT)
+    ]
     results = {
         "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in freqs],
         "idle": [bench_idle(100, args.idle_seconds, rec, busy, jvms) for busy, rec, jvms in idle],
@@ -377,6 +401,8 @@ def main() -> int:
                 else ""
             )
         )
+        busiest = sorted(i["agent_thread_us_per_s"].items(), key=lambda kv: -kv[1])
+        print("    agent threads, µs a second: " + ", ".join(f"{n} {us:.0f}" for n, us in busiest if us >= 1))
         progs = sorted(i["bpf_programs"].items(), key=lambda kv: -kv[1]["share_of_one_core"])
         print(
             "    BPF by program: "

@@ -69,6 +69,12 @@ _BLOCKING_CHECKS = (
     preflight.check_capabilities,
 )
 
+# The main loop's longest sleep. Everything else wakes it through its fds; samples held by the
+# flight recorder must age out even when none arrive, so it wakes every 5 s while some are held.
+# Each wake-up polls every PSI fd (two per watched cgroup): a dormant agent sleeps longer.
+_RECORDER_EXPIRY_S = 5.0
+_IDLE_WAKEUP_S = 60.0
+
 
 class NoExporter:
     """No symbolizer endpoint: sessions stay in the spool, nothing is sent (and `requests` is
@@ -397,7 +403,7 @@ class Agent:
         assert self.loop is not None and self.capture is not None and self.watcher is not None
         while not self.stop_requested:
             now = time.monotonic()
-            deadlines = [now + 5.0]  # everything else wakes the loop through its fds
+            deadlines = [now + self._longest_sleep_s()]
             if (d := self.capture.next_deadline()) is not None:
                 deadlines.append(d)
             if self.confwatch and (d := self.confwatch.deadline()) is not None:
@@ -418,6 +424,10 @@ class Agent:
                 self.reload("SIGHUP")
             elif self.confwatch and self.confwatch.changed(now):
                 self.reload("file changed")
+
+    def _longest_sleep_s(self) -> float:
+        assert self.capture is not None
+        return _RECORDER_EXPIRY_S if len(self.capture.recorder) else _IDLE_WAKEUP_S
 
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)

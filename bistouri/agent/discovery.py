@@ -148,9 +148,12 @@ def walk_processes(
             break
         if st.is_kernel_thread or st.pid == own:
             continue
-        rule_ids = sorted(set(job.matcher.match(st.comm)) | set(in_targets.get(st.pid, ())))
-        if not rule_ids:
-            continue
+        rule_ids = job.matcher.match(st.comm)
+        member_of = in_targets.get(st.pid)
+        if member_of:
+            rule_ids = sorted(set(rule_ids).union(member_of))
+        elif not rule_ids:
+            continue  # most processes: no set built for them
         cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
         if cgroup is None:
             continue  # exited meanwhile

@@ -667,10 +667,17 @@ class Profiler:
         for it; then it is dropped, counted (`orphaned`), and its key forgotten in the kernel.
         """
         assert self._obj is not None
+        counts_map = self._obj.maps["on_cpu_counts"]
+        # Most drains of a dormant agent find no count: asking for the first key is a lookup
+        # without locks, where the batch read takes every bucket's lock. A count that lands
+        # after either is read at the next drain alike.
+        empty = next(counts_map.keys(), None) is None
+        if empty and not self._pending_counts:
+            return 0
         counts: dict[bytes, int] = self._pending_counts
         self._pending_counts = {}
         late = set(counts)
-        for key, raw in self._obj.maps["on_cpu_counts"].take_all():
+        for key, raw in () if empty else counts_map.take_all():
             counts[key] = counts.get(key, 0) + int.from_bytes(raw, "little")
         handled = 0
         for key, n in counts.items():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bistouri.bpf import abi
+from bistouri.bpf.handles import Map
 from bistouri.capture.events import ExecMatch, SentSamples, StackSample, split_stacks
 from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, ProfilerOptions
 from bistouri.errors import BpfError
@@ -426,6 +427,41 @@ def test_counts_of_samples_lost_in_user_space_are_dropped_counted_and_resent(wor
         orphaned,
         on_cpu,
     )
+
+
+def test_the_counts_map_is_read_whole_only_when_it_holds_counts(workloads, monkeypatch):
+    """A dormant agent's drains find no count: they ask for the map's first key instead of a batch
+    read that takes every bucket's lock. Counts that are there are all weighed in."""
+    reads: list[int] = []
+    take_all = Map.take_all
+
+    def counted(m: Map) -> list[tuple[bytes, bytes]]:
+        out = take_all(m)
+        if m.name == "on_cpu_counts":
+            reads.append(len(out))
+        return out
+
+    monkeypatch.setattr(Map, "take_all", counted)
+    proc = subprocess.Popen([str(workloads / "burner"), "30"])
+    try:
+        with Profiler(ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0)) as agent:
+            agent.start()
+            for _ in range(3):
+                agent.catch_up()
+            assert reads == []  # nothing sampled: no batch read
+            before = _on_cpu_ns(proc.pid)
+            agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
+            events = _collect_on_cpu(agent, proc.pid, before, 2.0)
+            _stop(proc)
+            on_cpu = (_on_cpu_ns(proc.pid) - before) / 1e9
+            events += _drain_all(agent)
+            assert reads and all(n > 0 for n in reads), reads  # only maps holding counts
+            got = sum(e.weight for e in events if isinstance(e, StackSample))
+            expected = 99 * on_cpu
+            assert 0.85 * expected - 3 <= got + agent.orphaned <= 1.15 * expected + 3, (got, on_cpu)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_divisor_in_the_filter_keeps_one_sample_in_n(workloads):

@@ -242,3 +242,23 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
         assert filt.pids == {} and not orch.recorder.watching
     finally:
         loop.clear()
+
+
+def test_the_agent_wakes_every_5_s_only_while_the_recorder_holds_samples():
+    """Held samples age out even when none arrive; with none held the main loop sleeps up to a
+    minute (each wake-up polls every PSI fd of the watched cgroups)."""
+    from types import SimpleNamespace
+
+    from bistouri.agent.daemon import Agent
+
+    clock = _Clock()
+    rec = FlightRecorder(1 << 20, clock_ns=clock)
+    agent = Agent.__new__(Agent)
+    agent.capture = SimpleNamespace(recorder=rec)  # type: ignore[assignment]
+    assert agent._longest_sleep_s() == 60.0
+    rec.watch(7, 5.0)
+    rec.add([_sample(7)])
+    assert agent._longest_sleep_s() == 5.0
+    clock.advance(5.5)
+    rec.expire()
+    assert agent._longest_sleep_s() == 60.0
