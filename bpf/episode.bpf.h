@@ -426,7 +426,8 @@ static __always_inline bool copy_recorded_stacks(struct bistouri_stack_event *ev
  * (~12 us at sched_switch, measured) and user stack, were what an idle JVM's
  * sleeps cost. Not for Python threads (the same native registers may run
  * other Python frames), nor run-queue stacks (preempted anywhere in the
- * kernel; rate limited per process) and reclaims (rare).
+ * kernel; rate limited per process) and reclaims (rare), nor in the bounded
+ * twins (5.12-5.16: each sleep walked, as before).
  */
 static __always_inline void take_stack(void *ctx, struct bistouri_thread_times *t, void *map, __u32 kind,
 				       __u32 waits, __u64 now, int how)
@@ -441,13 +442,15 @@ static __always_inline void take_stack(void *ctx, struct bistouri_thread_times *
 		return;
 	fill_header(ev, kind, pid_tgid, now);
 	ev->waits = waits;
-	if (kind == BISTOURI_EVENT_SLEEP) {
+	/* Not in the bounded twins: with it, 6.1's verifier went past its 1 M instructions on
+	 * handle_episode_switch_bounded (628 k without). */
+	if (kind == BISTOURI_EVENT_SLEEP && how != STACK_BOUNDED) {
 		mm = (__u64)BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm);
 		at = blocked_at(mm, how);
 	}
 	if (!at || at != t->stack_at || !copy_recorded_stacks(ev, t, mm)) {
 		fill_stacks(ctx, ev, cfg.tp_btf_skip, NULL, how);
-		if (kind == BISTOURI_EVENT_SLEEP) {
+		if (kind == BISTOURI_EVENT_SLEEP && how != STACK_BOUNDED) {
 			t->stack_at = ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON ? at : 0;
 			t->stack_kernel_hash = ev->kernel_hash;
 			t->stack_user_hash = ev->user_key.hash;
