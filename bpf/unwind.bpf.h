@@ -290,22 +290,24 @@ __noinline int find_rule_bounded(struct frame_rule *r)
 
 static __always_inline int frame_rule_how(struct frame_rule *r, bool bounded)
 {
-	struct bistouri_unwind_mapping *m;
 	struct rule_cache_entry *e;
-	__u32 at, last;
+	__u32 at;
 	int found;
 
 	if (!r)
 		return 0;
 	r->cached = 0;
 	r->by_fp_file = 0;
+#if !defined(__TARGET_ARCH_arm64)
 	/* The previous frame's file (callers mostly are in their callee's): no cache probe either. */
-	last = r->last_mapping;
-	if (r->fp_ok && last != ~0U) {
-		m = bpf_map_lookup_elem(&unwind_mappings, &last);
+	if (r->fp_ok && r->last_mapping != ~0U) {
+		__u32 last = r->last_mapping;
+		struct bistouri_unwind_mapping *m = bpf_map_lookup_elem(&unwind_mappings, &last);
+
 		if (m && r->ip >= m->start && r->ip < m->end && fp_callers(r, m))
 			return 1;
 	}
+#endif
 	at = r->cache_base + ((__u32)(r->ip ^ (r->ip >> 8) ^ (r->ip >> 16)) & (RULE_CACHE_ENTRIES - 1));
 	e = bpf_map_lookup_elem(&rule_cache, &at);
 	if (e && e->ip == r->ip && e->generation == r->generation && e->slot == r->slot && e->exact == r->exact) {
