@@ -132,8 +132,11 @@ struct bistouri_unwind_mapping {
 	__u32 buckets;
 	__u32 bucket_count;
 	__u32 bucket_base;     /* first bucket of the table: its lowest pc >> bucket_shift */
-	__u32 bucket_shift;
+	__u32 bucket_shift;     /* low 5 bits; | BISTOURI_MAPPING_FP_CALLERS */
 };
+
+/* In bucket_shift: the file's return addresses all take the frame-pointer rule (tables.py, ehframe.py). */
+#define BISTOURI_MAPPING_FP_CALLERS (1U << 31)
 
 /* A process's mappings with tables: entries [slot * BISTOURI_UNWIND_MAPPINGS, + count) of unwind_mappings. */
 struct bistouri_unwind_proc {

@@ -206,7 +206,34 @@ struct frame_rule {
 	__u32 cache_base;    /* in: this context's first entry of rule_cache */
 	__u32 cached;        /* out: the rule came from rule_cache */
 	struct unwind_rule rule; /* out: cfa_kind BISTOURI_CFA_NONE if no table covers ip */
+	__u32 fp_ok;         /* in: ip is a return address and RBP is not 0 (fp_callers) */
+	__u32 by_fp_file;    /* out: the rule is the frame pointer's of a marked file, not searched */
 };
+
+/*
+ * Whether ip's rule is the frame pointer's without a search: a return address (fp_ok) in a file
+ * whose every row a return address can be in is the frame-pointer rule or one the walk takes by
+ * frame pointer anyway (tables.py marks the mapping: ehframe.py callers_by_frame_pointer says
+ * why). A row search is ~10 reads of a large map, cache-cold on a busy host: most of a new
+ * stack's time. x86-64 only (aarch64's files stay unmarked). Not cached (rule_cache): it holds
+ * for this RBP only (0: searched, the outermost frame's END row).
+ */
+static __always_inline int fp_callers(struct frame_rule *r, struct bistouri_unwind_mapping *m)
+{
+#if defined(__TARGET_ARCH_arm64)
+	return 0;
+#else
+	if (!r->fp_ok || !(m->bucket_shift & BISTOURI_MAPPING_FP_CALLERS))
+		return 0;
+	r->rule.bias = m->bias;
+	r->rule.cfa_kind = BISTOURI_CFA_RBP;
+	r->rule.cfa_off = FP_CFA_OFF;
+	r->rule.rbp_kind = BISTOURI_RBP_AT_CFA;
+	r->rule.rbp_off = FP_SAVED_RBP_OFF;
+	r->by_fp_file = 1;
+	return 1;
+#endif
+}
 
 /* The rule from the tables: global, verified on its own (its searches' branches would multiply frame_rule's states). */
 static __always_inline int find_rule_how(struct frame_rule *r, bool bounded)
@@ -234,6 +261,8 @@ static __always_inline int find_rule_how(struct frame_rule *r, bool bounded)
 	}
 	if (!m)
 		return 0;
+	if (fp_callers(r, m))
+		return 1;
 	/* A return address is past its call: look up the call itself. */
 	pc = r->ip - m->bias - (r->exact ? 0 : 1);
 	r->rule.bias = m->bias;
@@ -267,6 +296,18 @@ static __always_inline int frame_rule_how(struct frame_rule *r, bool bounded)
 
 	if (!r)
 		return 0;
+	r->cached = 0;
+	r->by_fp_file = 0;
+#if !defined(__TARGET_ARCH_arm64)
+	/* The previous frame's file (callers mostly are in their callee's): no cache probe either. */
+	if (r->fp_ok && r->last_mapping != ~0U) {
+		__u32 last = r->last_mapping;
+		struct bistouri_unwind_mapping *m = bpf_map_lookup_elem(&unwind_mappings, &last);
+
+		if (m && r->ip >= m->start && r->ip < m->end && fp_callers(r, m))
+			return 1;
+	}
+#endif
 	at = r->cache_base + ((__u32)(r->ip ^ (r->ip >> 8) ^ (r->ip >> 16)) & (RULE_CACHE_ENTRIES - 1));
 	e = bpf_map_lookup_elem(&rule_cache, &at);
 	if (e && e->ip == r->ip && e->generation == r->generation && e->slot == r->slot && e->exact == r->exact) {
@@ -275,9 +316,8 @@ static __always_inline int frame_rule_how(struct frame_rule *r, bool bounded)
 		r->cached = 1;
 		return e->rule.cfa_kind != BISTOURI_CFA_NONE;
 	}
-	r->cached = 0;
 	found = bounded ? find_rule_bounded(r) : find_rule(r);
-	if (e) {
+	if (e && !r->by_fp_file) {
 		/* Misses too: a PC no table covers (JIT code) is as frequent as any. */
 		e->ip = r->ip;
 		e->generation = r->generation;
@@ -370,6 +410,7 @@ static __always_inline long walk_frame_how(struct walk *w, bool bounded)
 		r.exact = w->exact;
 		r.generation = w->generation;
 		r.cache_base = w->cache_base;
+		r.fp_ok = !w->exact && w->regs.bp;
 		/* Copied when found only: a rule known to be NONE spares the verifier the table cases. */
 		if (bounded ? frame_rule_bounded(&r) : frame_rule(&r))
 			rule = r.rule;

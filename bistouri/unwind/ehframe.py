@@ -431,3 +431,61 @@ def unpack_rows(table: bytes) -> list[Row]:
         )
         for pc, cfa_off, rbp_off, kind, rbp_kind in ROW.iter_unpack(table)
     ]
+
+
+# The frame-pointer rule: CFA = RBP + 16, the caller's RBP saved at CFA - 16 (push %rbp; mov %rsp,%rbp).
+_FP_RULE = (CfaKind.RBP, 16, RbpKind.AT_CFA, -16)
+_PROLOGUE_BYTES = 32  # push %rbp to mov %rsp,%rbp: gcc schedules a few instructions between
+_PLT_HEADER_BYTES = 16  # the linker's .plt0 (push, jmp): RSP rows just before the entries' PLT row
+
+
+def callers_by_frame_pointer(table: bytes) -> bool:
+    """Whether, in this x86-64 table, every row that can hold a return address is the frame-pointer
+    rule or one the walk already takes by frame pointer (NONE, OTHER), so that a caller's frame in
+    the file is walked by frame pointer without a row search, with the same result (the BPF walk,
+    bpf/unwind.bpf.h `frame_rule_how`). A return address is the end of a call instruction, and the
+    rows no call can end in are:
+
+    - CFA = RSP + 8 (a function's entry, or past its epilogue): the psABI has RSP 16-byte aligned
+      at a call, so there the CFA is RSP + 16n, never RSP + 8;
+    - the FP prologue, CFA = RSP + 16 with RBP saved (after `push %rbp`), when the frame-pointer
+      rule follows it within `_PROLOGUE_BYTES`: compilers set the frame pointer before any call
+      (a callee's frame chain would skip the function otherwise: what -fno-omit-frame-pointer is
+      for); a frameless function keeping RBP as a saved register (`push %rbp; ... call`) has no
+      frame-pointer row after it, and unmarks the file;
+    - PLT rows and the linker's .plt0 rows before them (entries and header jump, never call);
+    - END rows (`_start`, `clone`): they hold calls, but the psABI marks the outermost frame with
+      RBP = 0, and the walk searches a frame whose RBP is 0 (the frame pointer cannot be right).
+
+    Anything else (a frameless function's body: CFA = RSP + 16n with calls in it, a SIGNAL row,
+    whose return address is `__restore_rt` a signal handler returns to) leaves the file unmarked:
+    its callers' rows are searched as before. A leaf's PC, or one after a signal frame, is where the
+    thread was, not a return address, and is always searched."""
+    n = len(table) // ROW.size
+
+    def row(i: int) -> tuple[int, int, int, int, int]:
+        return ROW.unpack_from(table, i * ROW.size)
+
+    for i, (pc, cfa_off, rbp_off, kind, rbp_kind) in enumerate(ROW.iter_unpack(table)):
+        if kind in (CfaKind.NONE, CfaKind.OTHER, CfaKind.PLT, CfaKind.END):
+            continue
+        if (kind, cfa_off, rbp_kind, rbp_off) == _FP_RULE:
+            continue
+        if rbp_kind >> RA_SHIFT or kind != CfaKind.RSP:
+            return False  # aarch64's rows, a SIGNAL row, another RBP offset
+        if cfa_off == 8:
+            continue
+        after = row(i + 1) if i + 1 < n else None
+        if (
+            after is not None
+            and cfa_off == 16
+            and (rbp_kind, rbp_off) == (RbpKind.AT_CFA, -16)
+            and after[0] - pc <= _PROLOGUE_BYTES
+            and (after[3], after[1], after[4], after[2]) == _FP_RULE
+        ):
+            continue  # up to mov %rsp,%rbp
+        plt = next((r for r in map(row, range(i + 1, min(i + 3, n))) if r[3] != CfaKind.RSP), None)
+        if plt is not None and plt[3] == CfaKind.PLT and plt[0] - pc <= _PLT_HEADER_BYTES:
+            continue  # .plt0
+        return False
+    return True

@@ -41,7 +41,7 @@ from ..bpf.handles import Map
 from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath
-from .ehframe import ROW, CfaKind, CfiLimits, RbpKind, UnwindTableError, build_table
+from .ehframe import ROW, CfaKind, CfiLimits, RbpKind, UnwindTableError, build_table, callers_by_frame_pointer
 from .hotspot import JitLimits, jit_rows
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ _USER_TOP = 0x7FFFFFFFF000  # end of user space (x86-64, 4-level page tables)
 # The code-cache rows (hotspot.py) and the perf trampoline's are read from x86-64 code: none elsewhere.
 _X86_64 = os.uname().machine == "x86_64"
 _ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
+# In a mapping's bucket_shift (BISTOURI_MAPPING_FP_CALLERS): the walk takes a return address in
+# the file by frame pointer, without a row search (ehframe.callers_by_frame_pointer; x86-64 only).
+_FP_CALLERS = 1 << 31
 
 # CPython >= 3.12 `-X perf` copies this x86-64 trampoline (no CFI, no frame pointer) once per
 # Python function, end to end from the start of anonymous executable regions:
@@ -113,7 +116,7 @@ class _Loaded:
     rows: int
     bucket_base: int  # first bucket (pc >> bucket_shift) of the table
     bucket_count: int
-    bucket_shift: int
+    bucket_shift: int  # with _FP_CALLERS when the file is marked
     segments: tuple[tuple[int, int, int], ...]
 
 
@@ -545,6 +548,8 @@ class UnwindTables:
             self._rows_map.update_array(first, t.rows, ROW.size)  # two writes: no copy of the rows
             self._rows_map.update_array(first + n, bytes(index), ROW.size)
             self._tables_changed()
+        if _X86_64 and callers_by_frame_pointer(t.rows):
+            shift |= _FP_CALLERS
         loaded = self._loaded[key] = _Loaded(first, total, n, bucket_base, bucket_count, shift, t.segments)
         self.stats.loaded_rows += total
         return loaded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 from collections.abc import Iterator
@@ -164,3 +165,48 @@ def test_each_table_is_published_as_soon_as_it_is_loaded_libc_and_the_executable
     libc = build_id(Path("/lib/x86_64-linux-gnu/libc.so.6"))
     assert {k.hex() for k in partial[1][0]} == {libc, build_id(Path(PY[0]))}
     assert set(final) == set(partial[-1][0])
+
+
+def test_a_frame_pointer_files_callers_are_walked_without_a_search_to_the_entry(workloads: Path) -> None:
+    """The burner (frame pointers) is published marked (BISTOURI_MAPPING_FP_CALLERS: its callers
+    walked by frame pointer, no row search), Debian's libc not; its walks still reach the entry:
+    main's return address into libc is searched, and _start's, whose RBP is 0, too (its END row)."""
+    from bistouri.capture.events import StackSample
+    from bistouri.unwind.tables import _FP_CALLERS, _MAPPING, _PROC
+
+    burner = str(workloads / "burner")
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with _spinning([burner]) as pid, Profiler(opts) as agent:
+        agent.start()
+        agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120)
+        maps = agent._require().maps
+        proc = maps["unwind_procs"].lookup(struct.pack("<I", pid))
+        assert proc is not None
+        slot, count = _PROC.unpack(proc)
+        marked = {}
+        for i in range(count):
+            start, _end, *_, shift = _MAPPING.unpack(
+                maps["unwind_mappings"].lookup(struct.pack("<I", slot * abi.UNWIND_MAPPINGS + i))
+            )
+            marked[start] = bool(shift & _FP_CALLERS)
+        files = {}
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            f = line.split()
+            if "x" in f[1] and len(f) > 5:
+                files[int(f[0].split("-")[0], 16)] = os.path.basename(f[5])
+        assert {files[s]: m for s, m in marked.items() if files.get(s) in ("burner", "libc.so.6")} == {
+            "burner": True,
+            "libc.so.6": False,
+        }, (marked, files)
+        got: list[StackSample] = []
+
+        def enough() -> bool:
+            got.extend(e for e in agent.take(timeout=0.2) if isinstance(e, StackSample) and e.pid == pid)
+            return len(got) >= 100
+
+        assert wait_until(enough, 60)
+    ends = [abi.WALK_ENDS.get(s.walk[2]) for s in got]
+    assert ends.count("entry") >= 0.9 * len(got), ends
