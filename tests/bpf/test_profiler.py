@@ -21,7 +21,14 @@ from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, Pr
 from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
 from bistouri.unwind.tables import UnwindTables
-from testkit.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
+from testkit.helpers import (
+    bistouri_prog_ids,
+    build_id,
+    kernel_function_names,
+    own_prog_ids,
+    symbols,
+    wait_until,
+)
 
 pytestmark = pytest.mark.bpf
 
@@ -145,22 +152,6 @@ def test_kernel_frames_present_for_samples_in_the_kernel(workloads, tmp_path):
     assert all(ip >= 0xFFFF_8000_0000_0000 for ip in kernel)
 
 
-def _kallsyms_names(ips: list[int]) -> list[str]:
-    import bisect
-
-    addrs, names = [], []
-    with open("/proc/kallsyms") as f:
-        for line in f:
-            a, t, n = line.split()[:3]
-            if t in "tTwW":
-                addrs.append(int(a, 16))
-                names.append(n)
-    order = sorted(range(len(addrs)), key=addrs.__getitem__)
-    addrs = [addrs[i] for i in order]
-    names = [names[i] for i in order]
-    return [names[bisect.bisect_right(addrs, ip) - 1] for ip in ips]
-
-
 def _off_cpu_of_fsyncer(
     workloads: Path, tmp_path: Path, options: ProfilerOptions, seconds: float
 ) -> tuple[subprocess.Popen, list, dict]:
@@ -195,7 +186,7 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     for w in waits:
         kernel, user = split_stacks(w.stacks, w.kernel_len)
         assert kernel and user
-        names.update(_kallsyms_names(list(kernel)))
+        names.update(kernel_function_names(list(kernel)))
     assert "__schedule" in names or "schedule" in names, names
     assert names & {
         "io_schedule",
