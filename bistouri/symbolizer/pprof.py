@@ -198,8 +198,7 @@ def pprof_rows(
     # Each frame as a location on its own (an inlined one is only part of others'): None for those.
     single = [None if f[5] else known(f) or location(f, (f,)) for f in frames]
     # In order, each once; by the object's id (a location's tuple would be hashed whole each time).
-    first_used = list(filter(None, single))
-    used: dict[int, _Location] = dict(zip(map(id, first_used), first_used, strict=True))
+    used: dict[int, _Location] = {id(loc): loc for loc in single if loc}
     runs = [loc[1] if loc else b"" for loc in single]  # each frame's id as a packed run holds it
     groups: dict[tuple[int, ...], bytes] = {}  # by the group's frames, root first
     with_inlined: set[str] = set()  # mappings with inlined frames
@@ -257,12 +256,13 @@ def pprof_rows(
     # The functions and mappings of the locations used, their strings in this profile's table.
     locations = list(used.values())
     fids = list(dict.fromkeys(chain.from_iterable([loc[2] for loc in locations])))
-    fkeys = list(map(ids.function_keys.__getitem__, fids))
-    st.extend(chain.from_iterable(fkeys))
+    fkeys = ids.function_keys
+    st.extend(chain.from_iterable(map(fkeys.__getitem__, fids)))
     index = st.index
     v = _SMALL.__getitem__ if len(st.table) + 8 < len(_SMALL) else _varint  # string indexes: a table
     function_msgs = []
-    for fid, fk in zip(fids, fkeys, strict=True):
+    for fid in fids:
+        fk = fkeys[fid]
         ni, fi = index[fk[0]], index[fk[1]]
         body = _T1 + fid + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
         function_msgs.append(_FUNCTION_MSG + _SMALL[len(body)] + body)
