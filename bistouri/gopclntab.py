@@ -51,6 +51,7 @@ MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
 # Answers are the caller's to keep (`key`).
 MAX_HELD_RUNS = 1 << 20
 MAX_HELD_FUNCS = 1 << 14
+_BUCKET_SHIFT = 12  # PCs of 4 KiB a bucket of the function search (`_first`)
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -104,6 +105,7 @@ class GoPclnTab:
         "_entries",
         "_files",
         "_filetab",
+        "_first",
         "_ftab",
         "_funcdata_base",
         "_funcnames",
@@ -115,6 +117,7 @@ class GoPclnTab:
         "_pcln",
         "_pctab",
         "_quantum",
+        "_shift",
         "_text_start",
         "version",
     )
@@ -173,10 +176,24 @@ class GoPclnTab:
         if any(entries[i] > entries[i + 1] for i in range(len(entries) - 1)):
             raise GoPclnError("function table not sorted")
         self._entries = entries
+        # Where a PC's search starts and ends (Go's own findfunctab, ours): bucket b (PCs from
+        # entries[0] + b << shift) opens in function _first[b], so a PC's function is among
+        # _first[b] .. _first[b + 1], a few: a search of the whole table was a tenth of a lookup.
+        # Buckets of 4 KiB, wider when the table spans far more than its functions (at most one a
+        # function and 1024, whatever a damaged table says).
+        span = entries[-1] - entries[0]
+        shift = _BUCKET_SHIFT
+        while span >> shift > nfunc + 1024:
+            shift += 1
+        self._shift = shift
+        self._first = array(
+            "I",
+            (bisect.bisect_right(entries, entries[0] + (b << shift)) - 1 for b in range((span >> shift) + 2)),
+        )
 
     @property
     def nbytes(self) -> int:
-        held = len(self._data) + self._entries.itemsize * len(self._entries)
+        held = len(self._data) + self._entries.itemsize * len(self._entries) + 4 * len(self._first)
         return held + (len(self._inl.data) if self._inl is not None else 0) + 200
 
     def __len__(self) -> int:
@@ -259,8 +276,12 @@ class GoPclnTab:
         return nameoff, pcfile, pcln, npcdata, cu, d[fo + fixed - 1], fixed, entry
 
     def _index(self, pc: int) -> int | None:
-        i = bisect.bisect_right(self._entries, pc) - 1
-        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
+        entries = self._entries
+        b = (pc - entries[0]) >> self._shift
+        if pc < entries[0] or b + 1 >= len(self._first):
+            return None
+        i = bisect.bisect_right(entries, pc, self._first[b], self._first[b + 1] + 1) - 1
+        if i >= self._nfunc or pc >= entries[i + 1]:
             return None
         return i
 
@@ -335,14 +356,19 @@ class GoPclnTab:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
         bisections. A function's tables are decoded once for all its addresses (its record). One at
         a time: the record of a key's function is still held when its chain is asked next."""
-        entries, nfunc = self._entries, self._nfunc
+        entries, nfunc, first, shift = self._entries, self._nfunc, self._first, self._shift
+        low, nbuckets = entries[0], len(first) - 1
         bisect_right = bisect.bisect_right
         for pc in pcs:
-            if pc is None:
+            if pc is None or pc < low:
                 yield None
                 continue
-            i = bisect_right(entries, pc) - 1
-            if i < 0 or i >= nfunc or pc >= entries[i + 1]:
+            b = (pc - low) >> shift  # _index(pc), inline
+            if b >= nbuckets:
+                yield None
+                continue
+            i = bisect_right(entries, pc, first[b], first[b + 1] + 1) - 1
+            if i >= nfunc or pc >= entries[i + 1]:
                 yield None
                 continue
             fn = self._funcs.get(i)
