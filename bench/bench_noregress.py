@@ -3,8 +3,10 @@
 bench_sampling's sampler (its own process, a Profiler that only drains, 999 Hz on one busy
 process) run by each version in turn on the same running workload, the order alternated each round:
 the earlier commit (`--before`, default 3d8280b: main when issue 23 was filed) with its own Python
-and its own BPF object (bench/_before.py), this tree with its own. The medians over the rounds
-and their ratio (now / before) hold on a loaded host, where absolute figures do not.
+and its own BPF object (bench/_before.py), this tree with its own; with `--together`, both at the
+same time on the same process (each its own perf events and program), so that both meet the same
+load. The medians over the rounds and their ratio (now / before) hold better on a loaded host than
+absolute figures, which do not.
 
 Workloads (bench_sampling's): `frameless` (32 frames of a -O2 program without frame pointers, the
 .eh_frame walk), `repeated` (the burner: one stack), `probe` (4 000 functions, nearly every sample
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,17 +44,27 @@ ISSUE_23 = "3d8280b"  # main when issue 23 was filed, before session 11's merges
 KEYS = ("bpf_ns_per_sample", "bpf_ns_per_sample_net", "reader_ns_per_sample", "user_frames", "samples")
 
 
-def rounds(argv: list[str], n: int, seconds: float, freq: int, tree: Path, obj: Path) -> dict:
-    """`n` rounds of now and before on one process of `argv`, alternating who goes first."""
+def rounds(argv: list[str], n: int, seconds: float, freq: int, tree: Path, obj: Path, together: bool) -> dict:
+    """`n` rounds of now and before on one process of `argv`, alternating who goes first (or
+    both at once, `together`)."""
     runs: dict[str, list[dict]] = {"now": [], "before": []}
+
+    def sample(who: str) -> dict:
+        t, o = (tree, obj) if who == "before" else (None, None)
+        return run_sampler(proc.pid, seconds, freq, t, o)
+
     proc = subprocess.Popen([*argv, str(n * 2 * (seconds + 30) + 60)], stdout=subprocess.DEVNULL)
     try:
         time.sleep(1.0)  # past its start-up
         for rnd in range(n):
             order = ("now", "before") if rnd % 2 == 0 else ("before", "now")
+            if together:  # both sample the same ticks of the same process: the same load for each
+                with ThreadPoolExecutor(2) as pool:
+                    got = dict(zip(order, pool.map(sample, order), strict=True))
+            else:
+                got = {who: sample(who) for who in order}
             for who in order:
-                t, o = (tree, obj) if who == "before" else (None, None)
-                r = run_sampler(proc.pid, seconds, freq, t, o)
+                r = got[who]
                 runs[who].append(r)
                 print(
                     f"  round {rnd + 1} {who:>6}: BPF {r['bpf_ns_per_sample'] / 1000:.2f} us/sample "
@@ -75,6 +88,12 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5)
     ap.add_argument("--freq", type=int, default=999)
     ap.add_argument("--workloads", default="frameless,repeated,probe,python")
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="both versions sample the workload at the same time (each its own perf events and "
+        "program): on a loaded host, windows one after the other meet different loads",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench/results/noregress.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -84,7 +103,13 @@ def main() -> int:
     if stats_fd < 0:
         print("bpf_enable_stats is unavailable: no BPF run times", file=sys.stderr)
         return 2
-    results: dict = {"before": args.before, "rounds": args.rounds, "seconds": args.seconds, "workloads": {}}
+    results: dict = {
+        "before": args.before,
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+        "together": args.together,
+        "workloads": {},
+    }
     with tempfile.TemporaryDirectory(prefix="bistouri-noregress-") as d:
         tmp = Path(d)
         tree, obj = baseline_tree(args.before, tmp)
@@ -97,7 +122,7 @@ def main() -> int:
         for name in (w for w in args.workloads.split(",") if w):
             print(name, flush=True)
             results["workloads"][name] = rounds(
-                argvs[name](), args.rounds, args.seconds, args.freq, tree, obj
+                argvs[name](), args.rounds, args.seconds, args.freq, tree, obj, args.together
             )
     os.close(stats_fd)
     results["load_average_1min"] = os.getloadavg()[0]
