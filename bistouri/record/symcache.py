@@ -200,6 +200,8 @@ class SymbolCache:
 
     def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         """Merge `new` into the entry of `key` (what another run added meanwhile is kept)."""
+        if not new:  # nothing to add: rewriting the file would cost a full re-encoding
+            return
         try:
             self._add_frames(key, new, file_lines)
         except OSError as e:  # disk full, a planted link: the cache helps, it must never cost a capture
