@@ -624,12 +624,19 @@ def test_the_first_sampler_loads_without_the_kernels_btf(caplog):
     the kernel's BTF, and the warning that says so."""
     import logging
 
+    from bistouri.bpf import loader
     from bistouri.bpf.loader import load_object
 
     options = ProfilerOptions(freq_hz=99, exec_discovery=False, episode=False, sampler_first=True)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="bistouri"):
         loaded = load_object(options)
+    # Every map but the companion's is there, the ones the first sampler does not use created
+    # after its load (the unwind tables' 16 MiB among them): Profiler fills them while it samples.
+    late = loader._late_maps(loaded.obj)
+    assert "unwind_rows" in late and not set(late) & loader.FIRST_SAMPLER_MAPS, late
+    assert all(m.fd >= 0 for name, m in loaded.obj.maps.items() if name not in loader.COMPANION_MAPS)
+    assert loaded.obj.maps["unwind_rows"].max_entries == options.unwind_rows
     loaded.obj.close()
     messages = [r.getMessage() for r in caplog.records]
     assert loaded.programs == ("handle_perf_fp",)
