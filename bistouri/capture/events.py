@@ -48,15 +48,16 @@ class StackSample:
     # sample's data-quality note; spliced into the stack when the session is built (docs/python-frames.md).
     py: PythonStack = NO_PYTHON
 
-    def weighed(self, weight: int) -> StackSample:
+    def weighed(self, weight: int, timestamp_ns: int | None = None) -> StackSample:
         """The same sample standing for `weight` samples (dataclasses.replace costs 10x more,
-        and this runs for every counted repeat at every drain)."""
+        and this runs for every counted repeat at every drain); `timestamp_ns`: when the last of
+        them was known (repeats counted in the kernel: the drain that read their count)."""
         return StackSample(
             self.kind,
             self.pid,
             self.tid,
             self.cpu,
-            self.timestamp_ns,
+            self.timestamp_ns if timestamp_ns is None else timestamp_ns,
             self.blocked_ns,
             weight,
             self.comm,
