@@ -11,7 +11,7 @@ a session starts it takes the samples of its processes from the last
 
 Samples are timed by the kernel's clock (CLOCK_MONOTONIC, as time.monotonic_ns): an
 on-CPU sample when it was taken, a wait when it ended, repeats counted in the
-kernel when the drain read their count (StackSample.weighed). Not at arrival:
+kernel when the drain read their count (StackSample.counted_ns). Not at arrival:
 while only the recorder samples, the ring is drained every 1 to 8 s (longer after
 drains that found nothing) and its samples wait up to 5 s more for the main
 thread (Profiler._wait_ms, _announce); a session drains the ring as it starts
@@ -124,7 +124,7 @@ class FlightRecorder:
         ring = self._ring
         for s in samples:
             if s.pid in keep:
-                at = s.timestamp_ns + s.blocked_ns  # a wait: when it ended
+                at = s.counted_ns or s.timestamp_ns + s.blocked_ns  # a wait: when it ended
                 ring.append(Recorded(at if now - _LATEST_NS <= at <= now else now, s))
                 self.nbytes += s.nbytes + ENTRY_OVERHEAD_BYTES
         self._trim(now)
