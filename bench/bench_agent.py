@@ -66,6 +66,21 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
     return out
 
 
+def thread_wakeups(pid: int) -> dict[str, int]:
+    """Times `pid`'s threads went to sleep of their own (voluntary context switches), by thread name:
+    each is a wake-up later, and on a shared CPU a wake-up costs more than its work."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    out[name] = out.get(name, 0) + int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that just ended
+    return out
+
+
 def proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -288,11 +303,12 @@ def bench_idle(
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, p0, t0 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
+                c0, p0, t0, w0 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid), thread_wakeups(pid)
                 time.sleep(seconds)
-                c1, p1, t1 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
-                # Per thread: which of the agent's loops the idle cost is.
+                c1, p1, t1, w1 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid), thread_wakeups(pid)
+                # Per thread: which of the agent's loops the idle cost is, and how often each wakes.
                 per_thread = {name: (t - t0.get(name, 0)) / 1e3 / seconds for name, t in sorted(t1.items())}
+                wakeups = {name: (w - w0.get(name, 0)) / seconds for name, w in sorted(w1.items())}
                 b0, b1 = (sum(t for t, _ in p.values()) for p in (p0, p1))
                 # Per program: the scheduler hooks run at every switch of the host, watched or not.
                 per_prog = {
@@ -331,6 +347,7 @@ def bench_idle(
             "bpf_cpu_share_of_one_core": (b1 - b0) / 1e9 / seconds,
             "bpf_programs": per_prog,
             "agent_thread_us_per_s": per_thread,
+            "agent_thread_wakeups_per_s": wakeups,
             "agent_rss_mb": rss,
         }
     finally:
@@ -445,7 +462,11 @@ def main() -> int:
             )
         )
         busiest = sorted(i["agent_thread_us_per_s"].items(), key=lambda kv: -kv[1])
-        print("    agent threads, µs a second: " + ", ".join(f"{n} {us:.0f}" for n, us in busiest if us >= 1))
+        wakes = i["agent_thread_wakeups_per_s"]
+        print(
+            "    agent threads, µs (wake-ups) a second: "
+            + ", ".join(f"{n} {us:.0f} ({wakes.get(n, 0):.2f})" for n, us in busiest if us >= 1)
+        )
         progs = sorted(i["bpf_programs"].items(), key=lambda kv: -kv[1]["share_of_one_core"])
         print(
             "    BPF by program: "
