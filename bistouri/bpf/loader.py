@@ -74,6 +74,11 @@ class ProfilerOptions:
     # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
     # session drains the ring as it starts (catch_up).
     slow_drain_interval_s: float = 1.0
+    # ... doubled after each drain that found nothing, up to this (Profiler._wait_ms).
+    slow_drain_max_interval_s: float = 8.0
+    # The flight recorder's samples (no session running) wait this long at most in the queue before
+    # the main thread is woken for them (Profiler._announce); exec and error events never wait.
+    recorder_announce_s: float = 5.0
     batch_budget: int = 2048
     queue_size: int = 256  # batches (each at most batch_budget events)
     object_path: str | os.PathLike[str] | None = None

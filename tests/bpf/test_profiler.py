@@ -512,6 +512,45 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
     assert full_drains >= full_s / 0.2 / 2, (full_drains, full_s)
 
 
+def test_an_idle_recorder_drains_ever_less_often_and_its_samples_wake_the_main_thread_in_batches(workloads):
+    """At the slow drain, each drain that found nothing doubles the wait (1, 2, 4 s...) and wakes no
+    one; samples bring the 1 s drain back, and the recorder's alone wake the main thread once per
+    recorder_announce_s, not at every drain; a session's, at every drain."""
+    woken: list[float] = []
+    sleeper = subprocess.Popen(["sleep", "60"])
+    proc = subprocess.Popen([str(workloads / "burner"), "60"])
+    try:
+        options = ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0, recorder_announce_s=2.5)
+        with Profiler(options, notify=lambda: woken.append(time.monotonic())) as agent:
+            agent.start()
+            agent.set_slow_drain(True)
+            agent.set_pid_filter(sleeper.pid, abi.FilterFlags.ON_CPU)
+            drains = agent.drains
+            time.sleep(7.5)
+            idle_drains = agent.drains - drains  # at ~1, 3 and 7 s
+            assert not woken and not agent.events.qsize()
+
+            agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 10))
+            drains, t0 = agent.drains, time.monotonic()
+            assert wait_until(lambda: agent.drains - drains >= 6, 12, step=0.05)
+            busy_drains, busy_s = agent.drains - drains, time.monotonic() - t0
+            recorder_wakeups = len(woken)
+            assert agent.take()  # what the main thread takes when woken
+
+            agent.set_slow_drain(False)
+            woken.clear()
+            time.sleep(1.6)  # 500 ms drains, each with samples
+            session_wakeups = len(woken)
+    finally:
+        for p in (sleeper, proc):
+            p.kill()
+            p.wait()
+    assert idle_drains <= 4, idle_drains
+    assert busy_s <= 7.5, busy_s  # every second again (the new process's kick, then 1 s)
+    assert 1 <= recorder_wakeups <= busy_s / 2.5 + 1, (recorder_wakeups, busy_drains, busy_s)
+    assert session_wakeups >= 2, session_wakeups
+
+
 def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads, tmp_path):
     """`record`'s start-up: a frame-pointer sampler is loaded, attached and armed on the loading
     thread; the table-walking sampler and the off-CPU program load right after in a second object,
