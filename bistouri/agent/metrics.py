@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from ..bpf import abi
 from ..capture.metrics import CaptureMetrics
+from ..compat import SLOTS
 from ..cpython.discover import REASONS
 from ..cpython.processes import PythonStats
 from ..host import jvm, safeopen
@@ -282,7 +283,7 @@ class BpfCountersCollector(Collector):
 # -- the /metrics endpoint
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Conn:
     sock: socket.socket
     deadline: float  # monotonic: the request must be read and the answer sent by then

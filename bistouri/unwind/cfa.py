@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 from ..bpf.abi import RA_SHIFT, CfaKind, RaKind, RbpKind
+from ..compat import SLOTS
 
 # x86-64 DWARF register numbers.
 REG_RBP = 6
@@ -50,7 +51,7 @@ class CfiBoundError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CfiLimits:
     """What parsing one file may cost. The defaults hold every file of a Debian system (libc has
     28 000 rows, python3.11 65 000) and keep the worst case to tens of MiB."""
@@ -84,7 +85,7 @@ _SAME = ("same", 0)
 _RA_AT_CFA_MINUS_8 = ("offset", -8)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Arch:
     """What the rows of one architecture need: the DWARF numbers of its stack and frame pointers
     (the rows' "RSP" and "RBP"), and the CFA and return address a function starts with."""
@@ -103,7 +104,7 @@ EM_AARCH64 = 183  # ELF e_machine
 ARCH_OF_MACHINE = {EM_AARCH64: AARCH64}  # any other: x86-64's rules
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Cie:
     code_align: int
     data_align: int
@@ -117,7 +118,7 @@ class Cie:
     arch: Arch = X86_64
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class State:
     """The rule set as the CFA program runs: CFA (register, offset or expression) and RBP/RA rules."""
 
@@ -323,7 +324,7 @@ def _sleb(data: Buffer, pos: int) -> tuple[int, int]:
             return result, pos
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Evaluated:
     """What a CFA program run leaves: the rule set after it, and its rows (see run_program)."""
 
