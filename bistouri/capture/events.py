@@ -14,7 +14,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, Union
 
 from ..bpf import abi
 from ..compat import SLOTS
@@ -241,7 +241,7 @@ def decode_error(data: bytes) -> BpfErrorEvent:
     return BpfErrorEvent(abi.Counter(kind) if kind < abi.COUNTER_MAX else abi.Counter(0), pid, code)
 
 
-Event = StackSample | ExecMatch | BpfErrorEvent
+Event = Union[StackSample, ExecMatch, BpfErrorEvent]  # Union: a 3.9 runtime alias
 
 
 _ON_CPU = int(abi.EventKind.ON_CPU)  # a plain int: IntEnum comparisons cost more

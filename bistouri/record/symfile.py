@@ -41,11 +41,13 @@ import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal
 
 from ..compat import zip_strict
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeAlias  # typing's from 3.10
+
     from ..symbolizer.model import Frame
 
 MAGIC = b"BSY2"

@@ -32,12 +32,12 @@ import os
 import stat
 import struct
 import zlib
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..compat import SLOTS, zip_strict
+from ..compat import SLOTS, bisect_left_key, zip_strict
 from ..elf import ELFCOMPRESS_ZLIB, SHF_COMPRESSED, SHT_NOBITS, ElfFile, ElfFormatError
 from . import dwarflines
 from .dwarfform import (
@@ -907,9 +907,9 @@ def _within(live: list[int], addrs: list[int], ranges: list[tuple[int, int]]) ->
     key = addrs.__getitem__
     if len(ranges) == 1:
         lo, hi = ranges[0]
-        return live[bisect_left(live, lo, key=key) : bisect_left(live, hi, key=key)]
+        return live[bisect_left_key(live, lo, key) : bisect_left_key(live, hi, key)]
     picked = {
-        j for lo, hi in ranges for j in range(bisect_left(live, lo, key=key), bisect_left(live, hi, key=key))
+        j for lo, hi in ranges for j in range(bisect_left_key(live, lo, key), bisect_left_key(live, hi, key))
     }
     return [live[j] for j in sorted(picked)]
 

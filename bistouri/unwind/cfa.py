@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Union
 
 from ..bpf.abi import RA_SHIFT, CfaKind, RaKind, RbpKind
 from ..compat import SLOTS
@@ -40,7 +41,8 @@ _DW_OP_LIT0 = 0x30
 
 _MAX_OFFSET = (1 << 31) - 1
 
-Buffer = bytes | memoryview  # programs and expressions: slices of the section, not copies
+# programs and expressions: slices of the section, not copies (Union: a runtime alias on 3.9)
+Buffer = Union[bytes, memoryview]
 
 
 class CfiBoundError(ValueError):

@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .. import atomicfile, threads
 from ..bpf import abi
@@ -124,7 +125,7 @@ class _Loaded:
 # _MAPPING's fields and the file's build id
 _Entry = tuple[int, int, int, int, int, int, int, int, int, bytes]
 # ((start, end), pgoff, path to open, build id) of an executable file mapping
-_FileMapping = tuple[tuple[int, int], int, MappedPath | None, bytes]
+_FileMapping = tuple[tuple[int, int], int, Optional[MappedPath], bytes]  # Optional: a 3.9 runtime alias
 
 
 @dataclass(**SLOTS)
