@@ -29,16 +29,19 @@ max_bytes, until a session takes them.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+from ..compat import SLOTS
 from .events import StackSample
 
 # Python objects around one held sample beyond its stacks (StackSample.nbytes): the deque slot, the
 # entry, the StackSample and its ints and comm (tracemalloc: 288 measured, tests/unit/test_recorder.py).
-ENTRY_OVERHEAD_BYTES = 320
+# Python 3.9 has no slotted dataclasses: a __dict__ per entry and per sample, 516 measured.
+ENTRY_OVERHEAD_BYTES = 320 if sys.version_info >= (3, 10) else 576
 DEFAULT_MAX_BYTES = 16 << 20
 # A sample reaches the recorder at most ~15 s after the kernel timed it (the longest drain interval
 # and the wait for the main thread): a time farther back, or ahead, is not on this clock (a
@@ -46,7 +49,7 @@ DEFAULT_MAX_BYTES = 16 << 20
 _LATEST_NS = 60 * 10**9
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Recorded:
     """A sample the recorder held, with when it arrived (monotonic ns)."""
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from .. import threads
+from .. import compat, threads
 from ..bpf import abi, features, perf
 from ..bpf.handles import BpfObject, Link, Map, RingBuffer
 from ..bpf.loader import (
@@ -236,8 +236,8 @@ class Profiler:
         """Start the drain thread."""
         if self._rb is None:
             raise BistouriError("Profiler.start() before open()")
-        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._stop_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
+        self._kick_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
         self.jvm.start()
         # With sampler_first too: the tables are in the first object, filled while it samples.
@@ -250,7 +250,7 @@ class Profiler:
         self.unwind = NoUnwind()
         self.jvm.close(min(timeout, 0.5))
         if self._thread is not None:
-            os.eventfd_write(self._stop_fd, 1)
+            compat.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
@@ -427,7 +427,7 @@ class Profiler:
             before is None or interval < before or (new_pid and self._empty_drains > 0)
         )
         if sooner and self._kick_fd >= 0:
-            os.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
+            compat.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
 
     def catch_up(self) -> None:
         """Drain the ring now, from the calling thread: a session about to start gets the samples
@@ -752,7 +752,7 @@ class Profiler:
                 if any(fd == self._kick_fd for fd, _ in ready):
                     self._empty_drains = 0  # sampling changed: the usual interval again
                     try:
-                        os.eventfd_read(self._kick_fd)
+                        compat.eventfd_read(self._kick_fd)
                     except BlockingIOError:
                         pass
                 if any(fd == self._stop_fd for fd, _ in ready):

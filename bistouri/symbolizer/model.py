@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from .. import wire
+from ..compat import SLOTS
 from ..pressure import PressureFigures
 
 # Frame kinds.
@@ -81,7 +82,7 @@ class Frame:
         )
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Sample:
     stack: tuple[int, ...]  # indexes into Profile.frames, root first
     pid: int = 0
@@ -104,7 +105,7 @@ _WAIT_BY_NAME = {name: wait for wait, name in wire.WAIT_NAMES.items()}
 PARTS = ("all", "before", "after")
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class SessionMeta:
     session_id: str
     tenant: str = ""
@@ -282,7 +283,7 @@ def aggressor_json(a: wire.Aggressor) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Profile:
     """One symbolized session, or several merged (then `meta` describes the first)."""
 
