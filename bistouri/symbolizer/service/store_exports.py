@@ -4,8 +4,10 @@ every worker and instance of one database. A mixin of Store.
 A row is written in the transaction that stores its session (Store.insert), so a session stored is a
 session queued, whatever stops afterwards. A sender claims rows with a lease: on PostgreSQL with
 `FOR UPDATE SKIP LOCKED` (concurrent claimants skip each other's rows instead of waiting or taking
-them too), on SQLite with one UPDATE (the database lock makes it atomic). A row sent is deleted by
-its claimant; a row whose claimant died is claimed again once its lease is over.
+them too), on SQLite with one UPDATE (the database lock makes it atomic) and a SELECT of the rows
+that claim marked (its claimant and its lease's end: no other claim sets both; SQLite's RETURNING
+needs 3.35, Debian 11 has 3.34). A row sent is deleted by its claimant; a row whose claimant died is
+claimed again once its lease is over.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ _CLAIM = """UPDATE export_queue SET claimant = ?, lease_until_ns = ?
               SELECT session_id, endpoint FROM export_queue
               WHERE endpoint = ? AND next_ns <= ? AND lease_until_ns <= ?
               ORDER BY next_ns, enqueued_ns, session_id LIMIT ?{lock})
-            AND lease_until_ns <= ?
-            RETURNING session_id, attempts, enqueued_ns"""
+            AND lease_until_ns <= ?{returning}"""
+_RETURNING = " RETURNING session_id, attempts, enqueued_ns"
+_CLAIMED = """SELECT session_id, attempts, enqueued_ns FROM export_queue
+              WHERE endpoint = ? AND claimant = ? AND lease_until_ns = ?"""
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -50,6 +54,7 @@ class ExportRows:
     """Export queue rows; Store provides the connection (`_exec`, `_fetch`) and the dialect."""
 
     postgres: bool
+    _last_claim_until = 0  # the lease end of this store's last claim
 
     def _exec(self, q: str, params: Sequence[Any] = ()) -> int:
         raise NotImplementedError
@@ -61,8 +66,20 @@ class ExportRows:
         """Up to `limit` rows of `endpoint` due now and unclaimed (or whose lease is over), now held by
         `claimant` for `lease_ns`; the next due first. No row is held by two claimants at once."""
         now = time.time_ns()
-        q = _CLAIM.format(lock=" FOR UPDATE SKIP LOCKED" if self.postgres else "")
-        rows = self._fetch(q, (claimant, now + lease_ns, endpoint, now, now, limit, now))
+        # A lease end of its own (a sender's claims, one after the other, keep one lease length), so
+        # SQLite's SELECT below finds this claim's rows alone.
+        until = now + lease_ns
+        if until == self._last_claim_until:
+            until += 1
+        self._last_claim_until = until
+        params = (claimant, until, endpoint, now, now, limit, now)
+        if self.postgres:
+            rows = self._fetch(_CLAIM.format(lock=" FOR UPDATE SKIP LOCKED", returning=_RETURNING), params)
+        elif self._exec(_CLAIM.format(lock="", returning=""), params):
+            # Its rows stay its own until `until` (a claim takes only rows whose lease is over).
+            rows = self._fetch(_CLAIMED, (endpoint, claimant, until))
+        else:
+            rows = []
         return sorted((Claimed(str(r[0]), int(r[1]), int(r[2])) for r in rows), key=lambda c: c.enqueued_ns)
 
     def finish_export(self, session_id: str, endpoint: str, claimant: str) -> bool:
