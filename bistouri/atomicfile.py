@@ -18,17 +18,16 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Union
 
 # Not typing's: `record` imports this before its first sample (typing costs ~2 ms).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import BinaryIO
+    from typing import BinaryIO, Union
+
+    StrPath = Union[str, os.PathLike[str]]  # Union: an alias 3.9 could not evaluate as `|`
 
 TEMP_PREFIX = ".tmp."
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-StrPath = Union[str, os.PathLike[str]]  # Union: a 3.9 runtime alias
 
 
 def temp_name() -> str:
