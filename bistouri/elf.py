@@ -25,6 +25,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from .compat import SLOTS
 from .errors import BistouriError
 
 ELF_MAGIC = b"\x7fELF"
@@ -98,7 +99,7 @@ class ElfFormatError(BistouriError):
         super().__init__(f"cannot read ELF file {path}: {why}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Segment:
     """One PT_LOAD program header."""
 
@@ -110,7 +111,7 @@ class Segment:
     align: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Section:
     name: str
     type: int

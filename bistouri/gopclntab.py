@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+from .compat import SLOTS
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
 
 MAGIC_116 = 0xFFFFFFFA
@@ -505,7 +506,7 @@ def _unkey(key: int) -> tuple[int, int, int, int]:
     return key & 0x1FFFFF, (key >> 21 & _MASK64) - _OFFSET, key >> 149, (key >> 85 & _MASK64) - _OFFSET
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class InlineTrees:
     """The bytes inline trees live in (a copy of a read-only segment) and where they start."""
 

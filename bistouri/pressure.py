@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .compat import SLOTS
+
 RESOURCES = ("cpu", "memory", "io")
 STALLS = ("some", "full")
 DEFAULT_WINDOW_MS = 1000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PressureThreshold:
     """A target's threshold for one resource: a PSI event when `stall` time exceeds `threshold` % of a
     `window_ms` window (host.psi writes it into a PSI watch)."""
@@ -37,7 +39,7 @@ class PressureThreshold:
         return stall_threshold_us(self.threshold, self.window_us)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PressureFigures:
     """One line of a pressure file (`some avg10=1.10 avg60=0.20 avg300=0.03 total=777`): the share of
     time stalled over the last 10, 60 and 300 s (percent), and the stall time since boot."""

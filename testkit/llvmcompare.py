@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from bistouri.compat import zip_strict
 from bistouri.symbolizer import dwarf
 from bistouri.symbolizer.llvm import SourceFrame, find_llvm_symbolizer, parse_json_line
 
@@ -42,7 +43,5 @@ def agreement(path: str, addrs: list[int]) -> tuple[float, list[tuple[int, objec
     """The share of `addrs` the reader answers exactly as llvm-symbolizer, and the differences."""
     ours = dwarf.symbolize(path, addrs)
     theirs = llvm_frames(path, addrs)
-    differ = [
-        (a, o, t) for a, o, t in zip(addrs, ours, theirs, strict=True) if comparable(o) != comparable(t)
-    ]
+    differ = [(a, o, t) for a, o, t in zip_strict(addrs, ours, theirs) if comparable(o) != comparable(t)]
     return 1 - len(differ) / len(addrs), differ

@@ -15,8 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from bistouri.compat import SLOTS
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, **SLOTS)
 class Received:
     path: str
     query: dict[str, str]

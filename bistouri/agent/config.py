@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from ..compat import SLOTS
 from ..errors import ConfigError
 from ..pressure import DEFAULT_WINDOW_MS, RESOURCES, STALLS, PressureThreshold
 
@@ -72,7 +73,7 @@ _RESOURCE_KEYS = ("resource", "threshold", "stall", "window_ms")
 # Targets file model
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Rule:
     """How a target's processes are recognised: by their comm (the kernel's 15-byte task name)."""
 
@@ -84,7 +85,7 @@ class Rule:
         return self.comm.encode("utf-8")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Target:
     """A watched service. `rule_id` is assigned at load, monotonic across reloads.
 
@@ -122,7 +123,7 @@ class Target:
         return hash(self.rule_id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class TargetsConfig:
     targets: tuple[Target, ...]
     source: str = ""

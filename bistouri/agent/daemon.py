@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from .. import __version__, threads
+from .. import __version__, compat, threads
 from ..capture.episode import EpisodeProbe
 from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
 from ..capture.profiler import Profiler, ProfilerOptions
@@ -174,8 +174,8 @@ class Agent:
             kernel_build_id=self.kernel.build_id,
         )
         self.loop = PsiLoop(registry=self.registry)
-        self._event_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._walk_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._event_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
+        self._walk_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
         self.loop.add_fd(self._event_fd, lambda fd, ev: self._on_bpf_events())
         self.loop.add_fd(self._walk_fd, lambda fd, ev: self._on_walk_results())
         self._sig_r, self._sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -230,7 +230,7 @@ class Agent:
             # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
             unwind_cache_dir=os.path.join(os.path.dirname(self.s.spool_dir.rstrip("/")), "unwind"),
         )
-        self.profiler = Profiler(opts, notify=lambda: os.eventfd_write(self._event_fd, 1))
+        self.profiler = Profiler(opts, notify=lambda: compat.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
         except BistouriError as e:
@@ -301,7 +301,7 @@ class Agent:
         self.walker = Walker(
             self.s.walk_interval_secs,
             self.s.proc_path,
-            lambda: os.eventfd_write(self._walk_fd, 1),
+            lambda: compat.eventfd_write(self._walk_fd, 1),
         )
         self.walker.start()
         self.walker.request(self.watcher.walk_job())
@@ -460,7 +460,7 @@ class Agent:
         others = [ev for ev in events if type(ev) is not StackSample]
         if others:
             self._held_events.extend(others)
-            os.eventfd_write(self._event_fd, 1)
+            compat.eventfd_write(self._event_fd, 1)
 
     def _on_walk_results(self) -> None:
         self._drain_fd(self._walk_fd)

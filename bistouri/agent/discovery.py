@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import threads
+from ..compat import SLOTS
 from ..host import procfs
 from .config import Target
 from .matcher import CommMatcher
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 UNIT_SEARCH_DEPTH = 8
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class FoundProcess:
     pid: int
     starttime: int  # with pid, identifies the process: pids are reused
@@ -36,7 +37,7 @@ class FoundProcess:
     rule_ids: tuple[int, ...]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class WalkResult:
     generation: int
     started: float  # monotonic time the walk started
@@ -46,7 +47,7 @@ class WalkResult:
     target_cgroups: dict[int, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class WalkJob:
     """What a walk looks for: one config's comm rules and cgroup/unit targets."""
 

@@ -38,6 +38,7 @@ import requests
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from .. import __version__, threads
+from ..compat import SLOTS
 from ..wire import encode_batch
 from .settings import AgentSettings
 from .spool import Spool, SpoolEntry
@@ -50,7 +51,7 @@ KallsymsProvider = Callable[[bytes], "bytes | str | None"]
 CONTENT_TYPE = "application/x-msgpack"
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Outcome:
     """What one POST did; `retry_in` > 0 asks the loop to wait before the next try."""
 
@@ -60,7 +61,7 @@ class _Outcome:
     progress: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Batch:
     entries: list[SpoolEntry] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
@@ -71,7 +72,7 @@ class _Batch:
         return sum(len(d) for d in self.data)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class _Reply:
     """An HTTP answer, its body read whole but bounded."""
 

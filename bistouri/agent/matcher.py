@@ -11,6 +11,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ..compat import SLOTS
 from .config import COMM_MAX_BYTES, Target
 
 COMM_LEN = COMM_MAX_BYTES + 1  # BISTOURI_COMM_LEN in bpf/bistouri.h, NUL included
@@ -19,7 +20,7 @@ COMM_KEY = struct.Struct(f"=I{COMM_LEN}s")
 PREFIX_FULL = COMM_LEN * 8  # prefixlen of a lookup key: all 16 bytes
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Node:
     children: dict[int, _Node] = field(default_factory=dict)
     exact: list[int] = field(default_factory=list)  # rules that end here, NUL included

@@ -23,10 +23,16 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.registry import Collector
 
+try:
+    from prometheus_client.registry import Collector
+except ImportError:  # prometheus_client < 0.14 (Debian 11's 0.9): any object with collect() is one
+    Collector = object  # type: ignore[misc,assignment]
+
+from .. import compat
 from ..bpf import abi
 from ..capture.metrics import CaptureMetrics
+from ..compat import SLOTS
 from ..cpython.discover import REASONS
 from ..cpython.processes import PythonStats
 from ..host import jvm, safeopen
@@ -282,7 +288,7 @@ class BpfCountersCollector(Collector):
 # -- the /metrics endpoint
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Conn:
     sock: socket.socket
     deadline: float  # monotonic: the request must be read and the answer sent by then
@@ -353,12 +359,12 @@ class MetricsAndControlServer:
             self._listener.close()
             raise
         self.port: int = self._listener.getsockname()[1]
-        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._wake = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
         self._conns: dict[socket.socket, _Conn] = {}  # in accept order: the first is the oldest
 
     def stop(self) -> None:
         """Make serve() return (from any thread)."""
-        os.eventfd_write(self._wake, 1)
+        compat.eventfd_write(self._wake, 1)
 
     def close(self) -> None:
         """Release the sockets once serve() has returned."""

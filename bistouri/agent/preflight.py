@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..bpf import features, perf
+from ..compat import SLOTS
 from ..host import kernel, mounts
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ CAP_SYS_PTRACE = 19
 MIN_KERNEL = features.FLOOR  # the oldest kernel bistouri runs on (features.py says why)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Result:
     status: str
     name: str
@@ -43,7 +44,7 @@ class Result:
     fix: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Host:
     """Where to look: overridable so the checks can run against fixture trees."""
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..compat import SLOTS
 from ..errors import ConfigError
 from ..host.mounts import find_cgroup2_mount
 from .config import CAPTURE_SECS_MAX, DEFAULT_TARGETS_PATH, LABEL_KEY_RE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class AgentSettings:
     config_path: str = DEFAULT_TARGETS_PATH
     tenant_id: str = "default"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from .. import atomicfile, wire
+from ..compat import SLOTS
 from ..errors import WireError
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ DROP_WRITE_ERROR = "write_error"  # disk full, I/O error
 DROP_REJECTED_EVICTED = "rejected_evicted"  # rejected/ over its own bound
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class SpoolEntry:
     name: str
     session_id: str

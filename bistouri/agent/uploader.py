@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from .. import threads
+from ..compat import SLOTS
 from ..elf import read_build_id
 from ..host import safeopen
 from ..host.procmaps import MappedPath
@@ -54,7 +55,7 @@ Send = Callable[..., Any]
 Locate = Callable[[bytes], "MappedPath | None"]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Want:
     build_id: bytes
     tries: int = 0

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from .. import wire
 from ..capture.events import ExecMatch
 from ..capture.sessions import SessionCapture
+from ..compat import SLOTS
 from ..host import procfs
 from ..host.psi import PsiEvent, PsiLoop
 from ..logtext import RateLimited
@@ -42,7 +43,7 @@ SYSTEM = "/"  # the cgroup of system-wide watches: /proc/pressure/*
 WatchKey = tuple[str, PressureThreshold]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class WatchGroup:
     key: WatchKey
     path: str
@@ -50,7 +51,7 @@ class WatchGroup:
     pids: set[int] = field(default_factory=set)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Tracked:
     starttime: int
     comm: str

@@ -21,6 +21,8 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from ..compat import SLOTS
+
 TYPE_CHECKING = False  # not typing itself (record's start-up imports)
 if TYPE_CHECKING:
     from .handles import Btf
@@ -33,7 +35,7 @@ FLOOR_TEXT = f"{FLOOR[0]}.{FLOOR[1]}"
 FORCE_ENV = "BISTOURI_FORCE_DEGRADED"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Degradation:
     helper: str  # the BPF helper (enum bpf_func_id's name without BPF_FUNC_) whose absence it is
     since: str  # the kernel that brought it
@@ -90,7 +92,7 @@ BOUNDED_REFUSED_COST = (
 COMPAT_SUFFIX = "_compat"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class KernelFeatures:
     degraded: tuple[str, ...] = ()  # names of DEGRADATIONS, in its order
     forced: bool = False  # some of them by FORCE_ENV (testing)

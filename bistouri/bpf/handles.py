@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ..compat import SLOTS
 from ..errors import BpfError
 from . import _libbpf
 
@@ -314,7 +315,7 @@ class Map:
         return [int.from_bytes(raw[i * 8 : i * 8 + 8], "little") for i in range(ncpu)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class BtfMember:
     name: str
     offset: int  # bytes

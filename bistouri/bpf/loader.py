@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from .. import threads
+from ..compat import SLOTS
 from ..errors import BistouriError, BpfError
 from . import abi, features, perf
 from .handles import BpfObject, BtfFile, LibbpfSilenced, Link, NoKernelTypes
@@ -53,7 +54,7 @@ def default_object_path() -> str:
     return installed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class ProfilerOptions:
     freq_hz: int = 19
     offcpu: bool = True
@@ -247,7 +248,7 @@ COMPANION_MAPS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class LoadedObject:
     """A loaded object, with what was decided while configuring it."""
 

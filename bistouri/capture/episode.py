@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from .. import wire
 from ..bpf import abi
+from ..compat import SLOTS
 from ..errors import BistouriError
 from ..host.cgroupfs import CgroupMounts, CgroupReader, CgroupUsage, find_mounts
 
@@ -48,7 +49,7 @@ DROP_AGGRESSORS = "aggressors"  # a cgroup beyond MAX_AGGRESSORS left out
 # -- victims ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class StateTimes:
     """Cumulative nanoseconds of one thread by state, the open state counted up to `at_ns`."""
 
@@ -148,7 +149,7 @@ def aggressors(
 # -- one episode: the two snapshots ------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class EpisodeStart:
     threads: dict[int, StateTimes]
     cgroups: dict[str, CgroupUsage]

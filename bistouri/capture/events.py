@@ -14,15 +14,16 @@ import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, Union
 
 from ..bpf import abi
+from ..compat import SLOTS
 from ..cpython.processes import NO_PYTHON, PythonStack
 from ..host.procmaps import USER_FRAME, ProcMaps
 
 
 # Not frozen: a frozen dataclass costs 5x more to build, and one is built per sample.
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class StackSample:
     """One stack event, header decoded; the stacks stay raw until the session capture needs them.
     Treated as immutable."""
@@ -80,7 +81,7 @@ class StackSample:
 PY_FRAME_BYTES = 24
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class ExecMatch:
     rule_id: int
     pid: int
@@ -88,7 +89,7 @@ class ExecMatch:
     comm: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class BpfErrorEvent:
     kind: abi.Counter
     pid: int
@@ -240,7 +241,7 @@ def decode_error(data: bytes) -> BpfErrorEvent:
     return BpfErrorEvent(abi.Counter(kind) if kind < abi.COUNTER_MAX else abi.Counter(0), pid, code)
 
 
-Event = StackSample | ExecMatch | BpfErrorEvent
+Event = Union[StackSample, ExecMatch, BpfErrorEvent]  # Union: a 3.9 runtime alias
 
 
 _ON_CPU = int(abi.EventKind.ON_CPU)  # a plain int: IntEnum comparisons cost more

@@ -30,6 +30,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+from ..compat import SLOTS
 from .events import StackSample
 
 # Python objects around one held sample beyond its stacks (StackSample.nbytes): the deque slot, the
@@ -38,7 +39,7 @@ ENTRY_OVERHEAD_BYTES = 320
 DEFAULT_MAX_BYTES = 16 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Recorded:
     """A sample the recorder held, with when it arrived (monotonic ns)."""
 

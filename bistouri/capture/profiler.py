@@ -27,7 +27,7 @@ import struct
 import threading
 from collections.abc import Callable, Collection
 
-from .. import threads
+from .. import compat, threads
 from ..bpf import abi, features, perf
 from ..bpf.handles import BpfObject, Link, Map, RingBuffer
 from ..bpf.loader import (
@@ -230,8 +230,8 @@ class Profiler:
         """Start the drain thread."""
         if self._rb is None:
             raise BistouriError("Profiler.start() before open()")
-        self._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._stop_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
+        self._kick_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
         self._thread = threads.start("ringbuf", self._drain_loop)
         self.jvm.start()
         # With sampler_first too: the tables are in the first object, filled while it samples.
@@ -244,7 +244,7 @@ class Profiler:
         self.unwind = NoUnwind()
         self.jvm.close(min(timeout, 0.5))
         if self._thread is not None:
-            os.eventfd_write(self._stop_fd, 1)
+            compat.eventfd_write(self._stop_fd, 1)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("the ring-buffer thread did not stop within %.1fs", timeout)
@@ -417,7 +417,7 @@ class Profiler:
         self._poll_ms = interval
         sooner = interval is not None and (before is None or interval < before)
         if sooner and self._kick_fd >= 0:
-            os.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
+            compat.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
 
     def catch_up(self) -> None:
         """Drain the ring now, from the calling thread: a session about to start gets the samples
@@ -707,7 +707,7 @@ class Profiler:
                 ready = poller.poll(self._poll_ms)
                 if any(fd == self._kick_fd for fd, _ in ready):
                     try:
-                        os.eventfd_read(self._kick_fd)
+                        compat.eventfd_read(self._kick_fd)
                     except BlockingIOError:
                         pass
                 if any(fd == self._stop_fd for fd, _ in ready):

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ..bpf import abi
+from ..compat import SLOTS
 from ..unwind.rawwalk import AARCH64, RuleOf, Walked, walk
 
 _EVENT_AT = abi.RAW_EVENT_OFFSET
@@ -34,7 +35,7 @@ _USER_FRAMES_FIELD = struct.Struct("<i")
 _U64 = (1 << 64) - 1
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class RawStackStats:
     received: int = 0  # raw copies read from the ring
     walked: int = 0  # walked with the process's tables into a stack record

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from .. import wire
 from ..bpf import abi
+from ..compat import SLOTS
 from ..cpython.processes import PythonFrame
 from ..cpython.splice import EvalLoop, splice
 from ..discard import Discarded
@@ -73,7 +74,7 @@ class SessionSink(Protocol):
         ...
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Agg:
     on_cpu: int = 0
     off_cpu: int = 0
@@ -99,7 +100,7 @@ def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
 _Key = tuple[int, int, bytes, tuple[PythonFrame, ...], bool, int]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class ActiveSession:
     session_id: str
     trigger: wire.Trigger

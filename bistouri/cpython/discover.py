@@ -30,6 +30,7 @@ import struct
 from dataclasses import dataclass
 
 from ..bpf import abi
+from ..compat import SLOTS
 from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath
@@ -69,7 +70,7 @@ REASONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Unsupported:
     """Why a process gets no Python frames."""
 
@@ -77,7 +78,7 @@ class Unsupported:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Interpreter:
     """A CPython process, as the BPF walk and the namer need it. Addresses are the process's."""
 

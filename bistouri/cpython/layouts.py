@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..bpf import abi
+from ..compat import SLOTS
 
 # How a frame's instruction field reads and how a C activation's frames end: the BPF record's words.
 InstrKind = abi.PyInstrKind
@@ -20,7 +21,7 @@ SHIM_OWNER = 3  # FRAME_OWNED_BY_CSTACK (3.12, 3.13)
 STR_HASH = 24  # PyASCIIObject.hash, the str's cached hash (Py_hash_t), 3.8-3.13
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Layout:
     """The offsets of one minor version (bytes from the start of each struct)."""
 

@@ -63,7 +63,7 @@ class LineTable:
 
     def ranges(self) -> list[tuple[int, int | None]]:
         """(start byte offset, line) of each range, for tests and dumps."""
-        return list(zip(self._starts, self._lines))  # noqa: B905 (read by 3.8 in the tests)
+        return list(zip(self._starts, self._lines))
 
 
 def _lnotab(table: bytes, firstlineno: int) -> tuple[list[int], list[int | None]]:

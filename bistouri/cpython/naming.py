@@ -14,6 +14,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..compat import SLOTS
 from .discover import Interpreter
 from .layouts import STR_HASH, checksum
 from .linetable import LineTable, kind_for
@@ -23,7 +24,7 @@ MAX_LINETABLE = 256 << 10  # bytes of one line table (CPython's largest stdlib o
 MAX_CODES = 8192  # code objects kept per process, least recently used out first
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CodeName:
     """What a Python frame is named by: qualified name (3.11+; the name before), file, lines."""
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..bpf import abi
+from ..compat import SLOTS
 from .discover import REASONS, Interpreter, Unsupported, describe, maps_libpython
 from .naming import FREED, CodeNamer
 from .splice import EvalLoop, decode
@@ -67,7 +68,7 @@ class PythonStack(NamedTuple):
 NO_PYTHON = PythonStack((), "", None)  # a sample of a process that is not CPython
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PythonStats:
     """What the metrics read: processes walked, and those not walked by reason (discover.REASONS)."""
 
@@ -75,7 +76,7 @@ class PythonStats:
     not_walked: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Process:
     identity: tuple[int, int, int]  # start time, the executable's device and inode
     interp: Interpreter
@@ -89,7 +90,7 @@ class _Process:
     stack_bytes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class _Refused:
     identity: tuple[int, int, int]
     why: Unsupported

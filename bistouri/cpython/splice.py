@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ..bpf import abi
+from ..compat import SLOTS
 
 
 class _Python(Protocol):
@@ -33,7 +34,7 @@ N = TypeVar("N")
 P = TypeVar("P", bound=_Python)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, eq=False, **SLOTS)
 class EvalLoop:
     """Where a process's eval loop is: its interpreter's file (by build id; by name when the file has
     none) and the loop's ranges of file offsets (discover.Interpreter.eval_ranges). Compared by
@@ -54,7 +55,7 @@ class EvalLoop:
         return any(lo <= offset < hi for lo, hi in self.ranges)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PyFrame:
     """One Python frame of a sample, as the BPF walk sent it."""
 
@@ -79,7 +80,7 @@ def decode(raw: bytes) -> list[PyFrame]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Spliced(Generic[N, P]):
     frames: list[N | P]  # leaf first
     leftover: int  # Python frames no eval frame took (put at the root end)

@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..compat import SLOTS
 from . import mounts
 
 MAX_FILE_BYTES = 65536  # a cgroup file read past this is cut (io.stat of thousands of devices)
@@ -30,7 +31,7 @@ MAX_FILE_BYTES = 65536  # a cgroup file read past this is cut (io.stat of thousa
 V1_CONTROLLERS = ("memory", "blkio", "cpuacct")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Hierarchy:
     """A mounted cgroup hierarchy: where it is mounted, and which cgroup its mount shows as root
     (the mountinfo root field: "/" on a host, a sub-path in a container)."""
@@ -56,7 +57,7 @@ class Hierarchy:
         return os.path.normpath(os.path.join(self.root, rel))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CgroupMounts:
     """The cgroup2 hierarchy and the v1 hierarchies by controller (one value, from mountinfo)."""
 
@@ -92,7 +93,7 @@ def find_mounts(proc_root: str = "/proc") -> CgroupMounts:
 # -- counters and their parsers -----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CgroupUsage:
     """Cumulative counters of one cgroup (memory_bytes is a level, not a counter)."""
 

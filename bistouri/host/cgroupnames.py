@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from .. import wire
+from ..compat import SLOTS
 
 MAX_DEPTH = 32  # levels read from the top: systemd nests a few slices, Kubernetes four levels
 _MAX_COMPONENT = 255  # the kernel's NAME_MAX: longer is no cgroup's name
@@ -49,7 +50,7 @@ _POD_DIR = re.compile(rf"pod({_UUID})")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]{1,240}\.(service|scope|socket|mount|swap|slice)")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CgroupNames:
     unit: str = ""  # the system unit ("nginx.service"), or the innermost slice of a path of slices
     container: wire.Container | None = None

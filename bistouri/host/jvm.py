@@ -40,6 +40,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .. import threads
+from ..compat import SLOTS
 from . import safeopen
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,13 @@ _SO_PEERCRED = 17
 _UCRED = struct.Struct("<iII")  # pid, uid, gid
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class AttachResult:
     reason: str  # one of REASONS
     detail: str = ""  # for the log
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class _Proc:
     nspid: int
     uid: int  # effective: what HotSpot compares with

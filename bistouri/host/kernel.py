@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..compat import SLOTS
+
 NT_GNU_BUILD_ID = 3
 
 
@@ -46,7 +48,7 @@ def parse_text_address(kallsyms: bytes) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class KernelMeta:
     release: str
     build_id: bytes  # empty when /sys/kernel/notes has none

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..compat import SLOTS
+
 # Bound of the read: hosts with thousands of mounts (a Kubernetes node) have mountinfo files of
 # a few hundred KiB.
 MAX_MOUNTINFO_BYTES = 8 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Mount:
     """One line of mountinfo (proc(5)): the fields bistouri uses."""
 

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..compat import SLOTS
+
 PF_KTHREAD = 0x00200000  # task flags bit of kernel threads (include/linux/sched.h)
 
 
@@ -46,7 +48,7 @@ def thread_name(pid: int, tid: int, proc_root: str = "/proc") -> str | None:
     return _decode(data.rstrip(b"\n"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class ProcStat:
     pid: int
     comm: str

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
+from ..compat import SLOTS, zip_strict
 from ..elf import read_build_id
 from . import procfs, safeopen
 
@@ -85,13 +86,13 @@ _NAMES_MAX = 1 << 17  # interned JIT names, then forgotten all at once
 _LINES_PER_TOKEN = 4096  # a re-read of the maps costs one token per this many lines
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class MappedFile:
     build_id: bytes  # b"" when the file has none or could not be read
     name: str  # basename, what an unnamed frame is labelled with (`libc.so.6+0x2724a`)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Table:
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
@@ -115,7 +116,7 @@ class _Table:
         return _TABLE_BYTES + _MAPPING_BYTES * len(self.starts) + _KNOWN_BYTES * len(self.known) + perf
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _PerfMap:
     root: str  # the directory it is resolved in: `/`, or the process's `/proc/PID/root`
     path: str  # inside that root
@@ -144,7 +145,7 @@ class _PerfRead(NamedTuple):
     stale_tail: bytes | None = None  # an earlier process's file: its last bytes, nothing else read
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class ProcMapsStats:
     tables: int = 0
     bytes: int = 0
@@ -430,7 +431,7 @@ class ProcMaps:
                 pm = t.perf = self._perf_map(pid)
         self._read_perf_map(pm)
         with self._lock:
-            return list(zip(pm.starts, pm.ends, pm.names, strict=True))
+            return list(zip_strict(pm.starts, pm.ends, pm.names))
 
     def _read_perf_map(self, pm: _PerfMap) -> None:
         """What was appended to the perf map since it was last read, at most every perf_map_interval_s."""
@@ -567,7 +568,7 @@ class ProcMaps:
         if size > self.perf_map_max_bytes and not pm.truncated:  # what lies past it is never read
             pm.truncated = True
             self.stats.perf_map_truncated += 1
-        entries = list(zip(pm.starts, pm.ends, pm.names, strict=True))
+        entries = list(zip_strict(pm.starts, pm.ends, pm.names))
         for line in data[:complete].splitlines():
             parts = line.split(None, 2)
             if len(parts) < 3:
@@ -654,7 +655,7 @@ def _perf_name(pm: _PerfMap, ip: int) -> str | None:
     return pm.names[k] if k >= 0 and ip < pm.ends[k] else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class MappedPath:
     """A file a process maps, as a line of its maps names it."""
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from ..compat import SLOTS
 from ..pressure import STALLS, PressureFigures, PressureThreshold, stall_threshold_us
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ _fallback_lock = threading.Lock()
 _two_second_windows = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Pressure:
     some: PressureFigures
     full: PressureFigures | None  # absent in /proc/pressure/cpu before 5.13
@@ -231,7 +232,7 @@ class PsiWatch:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PsiEvent:
     """A watch fired, its pressure above its threshold (dead=False), or died with its cgroup (dead=True)."""
 

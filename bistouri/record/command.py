@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
+from ..compat import SLOTS
 from ..errors import BistouriError
 from ..host import mounts, procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
@@ -77,7 +78,7 @@ _TABLES_LAST_S = 10.0
 _LAST_DRAIN_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PressureRule:
     resource: str
     threshold: float
@@ -333,7 +334,7 @@ def _kernel_meta(proc_root: str) -> KernelMeta:
     return KernelMeta(release=os.uname().release, build_id=build_id, text_addr=text)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Usage:
     """What record cost, for the summary: peak RSS of each phase, CPU time (self and children)."""
 
@@ -359,7 +360,7 @@ def _peak_rss(reset: bool = False) -> int:
     return peak
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Capture:
     """What the capture loop produced."""
 

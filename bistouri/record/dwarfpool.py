@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..compat import zip_strict
 from ..elf import ElfFile, ElfFormatError
 from ..symbolizer import dwarf
 from ..symbolizer.llvm import LlvmPool, SourceFrame
@@ -85,6 +86,6 @@ class DwarfFirstPool(LlvmPool):
         self.in_process += len(addrs) - len(left)
         if left and LlvmPool.available.fget(self):  # type: ignore[attr-defined]
             self.through_llvm += len(left)
-            for i, frames in zip(left, super().symbolize(path, [addrs[i] for i in left]), strict=True):
+            for i, frames in zip_strict(left, super().symbolize(path, [addrs[i] for i in left])):
                 got[i] = frames
         return got

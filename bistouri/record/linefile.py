@@ -22,6 +22,7 @@ import mmap
 import zlib
 from array import array
 
+from ..compat import zip_strict
 from ..symbolizer.dwarflines import LineTable
 from .symfile import _HEADER_BYTES, CorruptFile, Parts, _Code, _counts, _header, _sections, _Strings
 
@@ -115,4 +116,4 @@ def read_outer(data: mmap.mmap | bytes) -> list[tuple[int, int, int, int]]:
     lows, highs, offsets, depths = _sections(buf, [("Q", n), ("Q", n), ("Q", n), ("I", n)])
     if zlib.crc32(buf[_HEADER_BYTES:]) != crc:
         raise CorruptFile("outermost subroutines checksum")
-    return list(zip(lows.tolist(), highs.tolist(), offsets.tolist(), depths.tolist(), strict=True))
+    return list(zip_strict(lows.tolist(), highs.tolist(), offsets.tolist(), depths.tolist()))

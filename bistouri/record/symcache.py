@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import atomicfile
+from ..compat import SLOTS, zip_strict
 from ..errors import BistouriError
 from . import symfile
 from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, Parts, SymbolTable
@@ -399,7 +400,7 @@ class CachedKallsyms:
 # --- symbolization through the cache ------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class SymbolizeStats:
     addresses: int = 0  # distinct (module, address, leaf?) in the session
     cached: int = 0  # of which answered from the cache
@@ -715,7 +716,7 @@ def _resolve(
         else:
             kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)
             probes.append(wire.Trace(kernel=kern, user=(), pid=0, tid=0, on_cpu=1))
-    return dict(zip(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys]), strict=True))
+    return dict(zip_strict(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys])))
 
 
 def _user_probe(f: wire.UserFrame, leaf: bool) -> wire.Trace:
@@ -732,7 +733,7 @@ def _probe(
     """Every probe's frames: its stack, less the placeholder frame under a call site."""
     profile = resolver.symbolize(dataclasses.replace(session, traces=probes, threads={}))
     out = []
-    for leaf, sample in zip(leaves, profile.samples, strict=True):
+    for leaf, sample in zip_strict(leaves, profile.samples):
         stack = sample.stack if leaf else sample.stack[:-1]
         out.append(tuple(profile.frames[i] for i in stack))
     return out

@@ -41,9 +41,13 @@ import zlib
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal
+
+from ..compat import zip_strict
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeAlias  # typing's from 3.10
+
     from ..symbolizer.model import Frame
 
 MAGIC = b"BSY2"
@@ -275,7 +279,7 @@ class FrameTable:
         if i < 0:
             return None
         fids, rows = self._checked(i, key)
-        return tuple(self._frame(fid, row) for fid, row in zip(fids, rows, strict=True))
+        return tuple(self._frame(fid, row) for fid, row in zip_strict(fids, rows))
 
     def _checked(self, i: int, key: FrameKey) -> tuple[list[int], list[tuple[int, ...]]]:
         """Entry `i`'s frame ids and rows, once its checksum matches."""
@@ -356,7 +360,7 @@ def encode_frames(
             old_ids, old_rows = old._checked(what, key)
             s = old._strings
             here = []
-            for fid, r in zip(old_ids, old_rows, strict=True):
+            for fid, r in zip_strict(old_ids, old_rows):
                 got = renumbered.get(fid)
                 if got is None:
                     got = renumbered[fid] = frame_id(s[r[0]], s[r[1]], s[r[2]], r[3], s[r[4]], bool(r[5]))

@@ -32,11 +32,12 @@ import os
 import stat
 import struct
 import zlib
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..compat import SLOTS, bisect_left_key, zip_strict
 from ..elf import ELFCOMPRESS_ZLIB, SHF_COMPRESSED, SHT_NOBITS, ElfFile, ElfFormatError
 from . import dwarflines
 from .dwarfform import (
@@ -150,7 +151,7 @@ class UnitStore(Protocol):
     def put_outer(self, unit: int, outer: Outer) -> None: ...
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Unit:
     offset: int  # of its header in .debug_info
     end: int
@@ -171,7 +172,7 @@ class _Unit:
     read: bool = False  # its unit DIE's attributes
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Die:
     offset: int
     tag: int
@@ -861,7 +862,7 @@ class DwarfFile:
                 got = self._unit_frames(u, [addrs[k] for k in wanted])
             except (Unsupported, Malformed, IndexError, struct.error, KeyError, ValueError, OverflowError):
                 got = [None] * len(wanted)  # llvm-symbolizer's, if it can
-            for k, g in zip(wanted, got, strict=True):
+            for k, g in zip_strict(wanted, got):
                 out[k] = g
         return out
 
@@ -869,7 +870,7 @@ class DwarfFile:
         table = self._line_table(u) if u.stmt_list is not None else None
         chains = self._chains(u, addrs)
         out: list[Frames | None] = []
-        for a, chain in zip(addrs, chains, strict=True):
+        for a, chain in zip_strict(addrs, chains):
             # Innermost first, up to and with the first subprogram (lexical blocks are not frames).
             inner: list[_Die] = []
             for die in reversed(chain):
@@ -906,9 +907,9 @@ def _within(live: list[int], addrs: list[int], ranges: list[tuple[int, int]]) ->
     key = addrs.__getitem__
     if len(ranges) == 1:
         lo, hi = ranges[0]
-        return live[bisect_left(live, lo, key=key) : bisect_left(live, hi, key=key)]
+        return live[bisect_left_key(live, lo, key) : bisect_left_key(live, hi, key)]
     picked = {
-        j for lo, hi in ranges for j in range(bisect_left(live, lo, key=key), bisect_left(live, hi, key=key))
+        j for lo, hi in ranges for j in range(bisect_left_key(live, lo, key), bisect_left_key(live, hi, key))
     }
     return [live[j] for j in sorted(picked)]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..compat import SLOTS
+
 # Tags
 TAG_SUBPROGRAM = 0x2E
 TAG_INLINED = 0x1D
@@ -124,7 +126,7 @@ class Malformed(Exception):
     """Malformed DWARF met while answering: the unit at hand gets no answer from here."""
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Abbrev:
     tag: int
     children: bool

@@ -15,6 +15,7 @@ from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..compat import SLOTS
 from .dwarfform import (
     F_BLOCK,
     F_IMPLICIT_CONST,
@@ -38,7 +39,7 @@ from .dwarfform import (
 Strings = Callable[[int, int], str]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class LineTable:
     version: int
     dirs: list[str]

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..compat import zip_strict
 from .model import (
     KIND_JIT,
     KIND_KERNEL,
@@ -186,7 +187,7 @@ def _to_dicts(root: _Tree, frames: Sequence[Frame], keys: _Keys, scale: float | 
         node, d = todo.pop()
         kids = _sorted_kids(node, keys)
         d["children"] = [_fields(k, frames, scale) for k in kids]
-        todo.extend(zip(kids, d["children"], strict=True))
+        todo.extend(zip_strict(kids, d["children"]))
     return out
 
 

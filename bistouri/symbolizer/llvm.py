@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .. import atomicfile
+from ..compat import SLOTS
 from ..discard import Discarded
 
 # prometheus_client imported only with a registry: `record` passes none and keeps no metric
@@ -69,7 +70,7 @@ _PAUSE_S = 60.0
 _READ_SIZE = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class SourceFrame:
     """One frame from DWARF, innermost first in a list. `function` is the raw linkage name."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import wire
+from ..compat import SLOTS
 from ..pressure import PressureFigures
 
 # Frame kinds.
@@ -23,7 +24,7 @@ KIND_PYTHON = "python"  # a CPython function, named by the agent (wire v4): file
 KIND_UNKNOWN = "unknown"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Frame:
     name: str  # demangled function name; `module+0xoffset` when it cannot be named; Python: qualified name
     module: str = ""  # ELF file name (basename), "vmlinux" or a kernel module name, "[python]"
@@ -33,7 +34,7 @@ class Frame:
     inlined: bool = False  # inlined into the frame that follows it toward the root
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Sample:
     stack: tuple[int, ...]  # indexes into Profile.frames, root first
     pid: int = 0
@@ -56,7 +57,7 @@ _WAIT_BY_NAME = {name: wait for wait, name in wire.WAIT_NAMES.items()}
 PARTS = ("all", "before", "after")
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class SessionMeta:
     session_id: str
     tenant: str = ""
@@ -234,7 +235,7 @@ def aggressor_json(a: wire.Aggressor) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Profile:
     """One symbolized session, or several merged (then `meta` describes the first)."""
 

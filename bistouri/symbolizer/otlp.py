@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import wire
+from ..compat import zip_strict
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
 from .pprof import FrameRow, SampleRow, frame_rows, locations_of, mapping_name
 from .protobuf import (
@@ -281,7 +282,7 @@ class Request:
 
         profiles: list[bytes] = []
         tail = self._profile_tail(meta)
-        for (_, type_), msgs in zip(_COLUMNS, (on_cpu, off_cpu, off_cpu_ns), strict=True):
+        for (_, type_), msgs in zip_strict(_COLUMNS, (on_cpu, off_cpu, off_cpu_ns)):
             if msgs or type_[0] == "on_cpu":  # an off-CPU profile only if it has samples
                 profiles.append(bytes_field(2, self._sample_type(type_) + b"".join(msgs) + tail))
 

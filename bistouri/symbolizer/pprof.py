@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from itertools import chain, repeat
 from typing import Any
 
+from ..compat import zip_strict
 from .model import KIND_KERNEL, KIND_VDSO, Profile, SessionMeta
 from .protobuf import INT64_MAX as _MAX
 from .protobuf import SMALL_VARINTS as _SMALL
@@ -108,7 +109,7 @@ class PprofIds:
         functions = self.functions
         fkeys = tuple([(f[0], f[2]) for f in group])
         lines = b""
-        for f, fk in zip(group, fkeys, strict=True):
+        for f, fk in zip_strict(group, fkeys):
             fid = functions.get(fk)
             if fid is None:
                 fid = functions[fk] = _varint(len(functions) + 1)

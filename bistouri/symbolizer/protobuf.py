@@ -14,6 +14,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 
+from ..compat import zip_strict
+
 INT64_MAX = (1 << 63) - 1
 
 
@@ -110,5 +112,5 @@ class Strings:
         """Add the strings not in the table yet, in order: in C, not a call each."""
         index = self.index
         new = [s for s in dict.fromkeys(strings) if s not in index]
-        index.update(zip(new, range(len(self.table), len(self.table) + len(new)), strict=True))
+        index.update(zip_strict(new, range(len(self.table), len(self.table) + len(new))))
         self.table += new

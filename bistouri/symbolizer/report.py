@@ -101,7 +101,7 @@ def _page_meta(meta: dict[str, Any]) -> dict[str, Any]:
     extra = {
         k: v
         for k, v in meta.items()
-        if k not in _KNOWN_META and k != "extra" and isinstance(v, str | int | float | bool)
+        if k not in _KNOWN_META and k != "extra" and isinstance(v, (str, int, float, bool))
     }
     page["extra"] = {**extra, **meta.get("extra", {})}
     return page

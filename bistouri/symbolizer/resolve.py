@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import wire
+from ..compat import SLOTS, zip_strict
 from ..discard import Discarded
 from ..elf import ElfFile, ElfFormatError, Segment, SymbolIndex, offset_to_vaddr
 from ..errors import GzipError, GzipTooLarge, WireError
@@ -68,7 +69,7 @@ _EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
 _Frames = tuple[model.Frame, ...]  # one address, root first (outer function, then inlined callees)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Module:
     """What is known about one user-space build id."""
 
@@ -91,7 +92,7 @@ class _Module:
         return self.symbols.nbytes + _MODULE_OVERHEAD + (self.go.nbytes if self.go is not None else 0)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Kernel:
     gen: int
     hexid: str
@@ -495,11 +496,11 @@ class Resolver:
         if mod.dwarf_path and self.llvm is not None:
             wanted = [i for i, v in enumerate(vaddrs) if v is not None]
             answers = self.llvm.symbolize(mod.dwarf_path, [vaddrs[i] or 0 for i in wanted])
-            for i, ans in zip(wanted, answers, strict=True):
+            for i, ans in zip_strict(wanted, answers):
                 dwarf[i] = ans
         out: list[_Frames | _Uncached] = []
         final = not mod.dwarf_path or self.llvm is None or not self.llvm.available
-        for (off, _leaf), v, src in zip(todo, vaddrs, dwarf, strict=True):
+        for (off, _leaf), v, src in zip_strict(todo, vaddrs, dwarf):
             frames = self._user_frames(mod, off, v, src)
             # A names-only answer where DWARF exists is not final: llvm may have failed this time.
             out.append(frames if final or src is not None or v is None else _Uncached(frames))
@@ -518,7 +519,7 @@ class Resolver:
             return intern(model.Frame(function, module, _path(file), line, user, inlined))
 
         out: list[_Frames | _Uncached] = []
-        for (off, _leaf), vaddr, key in zip(todo, vaddrs, go.keys(vaddrs), strict=True):
+        for (off, _leaf), vaddr, key in zip_strict(todo, vaddrs, go.keys(vaddrs)):
             got = answers.get(key) if key is not None else None
             if got is None:
                 got = go.frames_at(key, make) if key is not None else ()
@@ -587,7 +588,7 @@ class Resolver:
             answers: list[list[SourceFrame] | None] = [None] * len(links)
             if vm.dwarf_path and self.llvm is not None:
                 answers = self.llvm.symbolize(vm.dwarf_path, links)
-            for (i, link), src in zip(via_vmlinux, answers, strict=True):
+            for (i, link), src in zip_strict(via_vmlinux, answers):
                 frames = self._user_frames(vm, link, link, src)
                 if vm.symbols.lookup(link) is None and not src:
                     frames = self._kallsyms_frame(idx, text_addr, todo[i][0], todo[i][0] - (not todo[i][1]))
@@ -663,7 +664,7 @@ class Resolver:
             mod = modules[bid]
             keys = list(todo)
             resolved = self._resolve_user(mod, bid, keys, file_names.get(bid, ""))
-            for (off, leaf), frames in zip(keys, resolved, strict=True):
+            for (off, leaf), frames in zip_strict(keys, resolved):
                 if isinstance(frames, _Uncached):
                     frames = frames.frames
                 elif mod is not None:
@@ -674,7 +675,7 @@ class Resolver:
             assert k is not None
             cacheable = kidx is not None or k.vmlinux is not None
             resolved_kernel = self._resolve_kernel(k, kidx, session.kernel.text_addr, kernel_todo)
-            for (ip, leaf), frames in zip(kernel_todo, resolved_kernel, strict=True):
+            for (ip, leaf), frames in zip_strict(kernel_todo, resolved_kernel):
                 if cacheable:
                     self._store((-k.gen, ip, leaf), frames)
                 kernel[leaf][ip] = frames

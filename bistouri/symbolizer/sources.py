@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import atomicfile
+from ..compat import SLOTS
 from ..discard import Discarded
 from ..elf import ELF_MAGIC, read_build_id
 from .tenants import TENANT_RE
@@ -61,7 +62,7 @@ _SCAN_MAX_FILES = 200_000
 _BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Found:
     path: str
     source: str  # debug-dir | binary-dir | cache | debuginfod | upload

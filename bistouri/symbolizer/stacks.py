@@ -19,6 +19,7 @@ from collections.abc import Callable
 from itertools import chain
 
 from .. import wire
+from ..compat import zip_strict
 from . import model
 
 # One address's frames, root first (outer function, then what was inlined into it).
@@ -76,7 +77,7 @@ class SessionStacks:
             if user:
                 uleaf[id(user[0])] = user[0]
                 callers = user[1:]
-                ucall.update(zip(map(id, callers), callers, strict=True))
+                ucall.update(zip_strict(map(id, callers), callers))
             if kern:
                 kleaf[kern[0]] = None
                 kcall.update(dict.fromkeys(kern[1:]))

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Union
 
 from ..bpf.abi import RA_SHIFT, CfaKind, RaKind, RbpKind
+from ..compat import SLOTS
 
 # x86-64 DWARF register numbers.
 REG_RBP = 6
@@ -39,7 +41,8 @@ _DW_OP_LIT0 = 0x30
 
 _MAX_OFFSET = (1 << 31) - 1
 
-Buffer = bytes | memoryview  # programs and expressions: slices of the section, not copies
+# programs and expressions: slices of the section, not copies (Union: a runtime alias on 3.9)
+Buffer = Union[bytes, memoryview]
 
 
 class CfiBoundError(ValueError):
@@ -50,7 +53,7 @@ class CfiBoundError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class CfiLimits:
     """What parsing one file may cost. The defaults hold every file of a Debian system (libc has
     28 000 rows, python3.11 65 000) and keep the worst case to tens of MiB."""
@@ -84,7 +87,7 @@ _SAME = ("same", 0)
 _RA_AT_CFA_MINUS_8 = ("offset", -8)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Arch:
     """What the rows of one architecture need: the DWARF numbers of its stack and frame pointers
     (the rows' "RSP" and "RBP"), and the CFA and return address a function starts with."""
@@ -103,7 +106,7 @@ EM_AARCH64 = 183  # ELF e_machine
 ARCH_OF_MACHINE = {EM_AARCH64: AARCH64}  # any other: x86-64's rules
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Cie:
     code_align: int
     data_align: int
@@ -117,7 +120,7 @@ class Cie:
     arch: Arch = X86_64
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class State:
     """The rule set as the CFA program runs: CFA (register, offset or expression) and RBP/RA rules."""
 
@@ -323,7 +326,7 @@ def _sleb(data: Buffer, pos: int) -> tuple[int, int]:
             return result, pos
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Evaluated:
     """What a CFA program run leaves: the rule set after it, and its rows (see run_program)."""
 

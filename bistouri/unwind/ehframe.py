@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..bpf.abi import RA_SHIFT, RBP_KIND_MASK, CfaKind, RaKind, RbpKind
+from ..compat import SLOTS
 from ..elf import ElfFile, ElfFormatError, Section
 from ..errors import BistouriError
 from .cfa import (
@@ -85,7 +86,7 @@ BOUND_REASONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Row:
     """From `pc` on (up to the next row), how to unwind a frame."""
 
@@ -100,7 +101,7 @@ class Row:
         return (self.cfa_kind, self.cfa_off, self.rbp_kind, self.rbp_off)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Fde:
     """One FDE evaluated: its PC range and its rows (the first at `start`), packed."""
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..bpf.abi import CfaKind, RbpKind
+from ..compat import SLOTS
 from .ehframe import ROW
 
 PROLOGUE_WINDOW = 96  # bytes of an entry looked at for its prologue (IC check, nops, stack bang before it)
@@ -49,7 +50,7 @@ _ENTRY: Rule = (8, 0, CfaKind.RSP, RbpKind.UNCHANGED)  # the call's return addre
 _PUSHED: Rule = (16, SAVED_RBP_OFF, CfaKind.RSP, RbpKind.AT_CFA)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Prologue:
     push_end: int  # offset after which the caller's RBP is saved (after the push or the spill)
     frame_at: int  # offset at which CFA = RSP + frame (after the `sub`)
@@ -102,7 +103,7 @@ def _epilogues(code: bytes, frame: int, start: int) -> list[tuple[int, int, int]
     return out
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class JitLimits:
     max_entries: int = 1 << 17  # perf-map entries looked at per mapping
     max_rows: int = 1 << 18
@@ -110,7 +111,7 @@ class JitLimits:
     max_read_bytes: int = 64 << 20  # of all entries, per table built
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class JitStats:
     entries: int = 0  # perf-map entries in the mapping
     framed: int = 0  # ... with a prologue found: rows for them

@@ -27,6 +27,7 @@ from typing import NamedTuple
 from ..bpf import abi
 from ..bpf.abi import RA_SHIFT, RBP_KIND_MASK, CfaKind, Counter, RaKind, RbpKind
 from ..bpf.handles import Map
+from ..compat import SLOTS
 
 # bpf/unwind_rule.h, each number explained there.
 USER_TOP = 0x7FFF_FFFF_FFFF
@@ -72,7 +73,7 @@ NO_RULE = Rule()
 RuleOf = Callable[[int, bool], Rule]
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Walked:
     ips: list[int] = field(default_factory=list)
     by_table: int = 0

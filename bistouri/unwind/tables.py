@@ -34,10 +34,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .. import atomicfile, threads
 from ..bpf import abi
 from ..bpf.handles import Map
+from ..compat import SLOTS
 from ..elf import ElfFile, ElfFormatError
 from ..host import safeopen
 from ..host.procmaps import MappedPath
@@ -79,7 +81,7 @@ _JIT_SEGMENTS = ((0, 0, 1),)  # bias = the mapping's start
 JitCode = Callable[[int], Sequence[tuple[int, int, str]]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Table:
     """A file's rows and its executable segments (to turn a mapping into a bias)."""
 
@@ -91,7 +93,7 @@ class Table:
         return len(self.rows) // ROW.size
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class UnwindStats:
     built: int = 0  # tables compiled from ELF files
     build_cpu_s: float = 0.0
@@ -109,7 +111,7 @@ class UnwindStats:
     jit_unframed: int = 0  # ... the perf-map entries without (interpreter, stubs, unknown prologues)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Loaded:
     first: int
     count: int  # rows, then the bucket index after them
@@ -123,10 +125,10 @@ class _Loaded:
 # _MAPPING's fields and the file's build id
 _Entry = tuple[int, int, int, int, int, int, int, int, int, bytes]
 # ((start, end), pgoff, path to open, build id) of an executable file mapping
-_FileMapping = tuple[tuple[int, int], int, MappedPath | None, bytes]
+_FileMapping = tuple[tuple[int, int], int, Optional[MappedPath], bytes]  # Optional: a 3.9 runtime alias
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Proc:
     slot: int
     entries: list[_Entry] = field(default_factory=list)  # sorted by start

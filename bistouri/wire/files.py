@@ -6,6 +6,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from ..compat import SLOTS
 from ..errors import WireError
 
 # ---------------------------------------------------------------------------
@@ -23,7 +24,7 @@ _FILE_HEADER_V1 = struct.Struct("<4sII")  # magic, session length, crc32 of the 
 FILE_HEADER_MAX = FILE_HEADER.size + 255  # enough to learn a file's build id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class SessionFile:
     """An encoded session as stored in a file, with the kernel build id it was captured on."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..compat import SLOTS
 from ..pressure import PressureFigures
 
 VERSION = 4
@@ -94,7 +95,7 @@ MAX_POD_CHARS = 64  # a Kubernetes pod's uid (36 characters)
 RUNTIMES = ("docker", "containerd", "podman", "crio")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class UserFrame:
     kind: int  # FRAME_*
     build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
@@ -103,7 +104,7 @@ class UserFrame:
     file: str = ""  # python: the source file (co_filename)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Trace:
     """One distinct stack of one thread, with its counts. Frames are leaf first."""
 
@@ -136,7 +137,7 @@ class PressureEvent(Protocol):
     def pressure(self) -> PressureFigures: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Trigger:
     resource: str  # cpu | memory | io (a manual capture: the target's first resource)
     stall: str = "some"  # some | full
@@ -163,7 +164,7 @@ class Trigger:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Victim:
     """(v3) One watched thread's time by state over the episode (episode.py)."""
 
@@ -182,7 +183,7 @@ class Victim:
         return self.runqueue_ns + self.blocked_d_ns + self.reclaim_ns
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Aggressor:
     """(v3) What one cgroup used over the episode (episode.py)."""
 
@@ -194,7 +195,7 @@ class Aggressor:
     reclaim_bytes: int = 0  # reclaimed from it (memory.stat pgsteal)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Episode:
     """(v3) Who waited and who used the machine, over the session's window, ranked."""
 
@@ -202,7 +203,7 @@ class Episode:
     aggressors: tuple[Aggressor, ...] = ()
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class UnwindSummary:
     """How a session's user stacks were walked, weighted by samples: the data-quality note."""
 
@@ -236,7 +237,7 @@ class UnwindSummary:
         return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Container:
     """The container a session's target cgroup is, or is in (host/cgroupnames.py)."""
 
@@ -245,7 +246,7 @@ class Container:
     pod: str = ""  # the Kubernetes pod's uid, when the path names one
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class KernelInfo:
     release: str = ""
     build_id: bytes = b""
@@ -253,7 +254,7 @@ class KernelInfo:
     boot_id: bytes = b""  # /proc/sys/kernel/random/boot_id (16 bytes): its kallsyms snapshot is this boot's
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Session:
     session_id: str
     trigger: Trigger

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -90,7 +91,7 @@ class _Files:
         return self._by_name[name]
 
 
-Chain = tuple[tuple[str, int | None], ...]  # (file, function) from leaf to root
+Chain = tuple[tuple[str, Optional[int]], ...]  # (file, function) from leaf to root
 
 
 def _our_chains(agent: Profiler, events: list, pid: int, after_ns: int, files: _Files) -> list[Chain]:

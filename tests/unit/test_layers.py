@@ -36,6 +36,7 @@ ALLOWED["cli"] = set(ALLOWED)  # the command line dispatches to every component
 _BASE = {
     "bistouri",
     "bistouri.atomicfile",
+    "bistouri.compat",
     "bistouri.errors",
     "bistouri.discard",
     "bistouri.logtext",

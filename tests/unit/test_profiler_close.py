@@ -7,11 +7,11 @@ ring buffer are stand-ins.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 
+from bistouri import compat
 from bistouri.capture import profiler as profiler_mod
 from bistouri.capture.profiler import Profiler, ProfilerOptions
 
@@ -37,8 +37,8 @@ def _profiler(drain_s: float) -> tuple[Profiler, _Ring]:
         done.set()
 
     p._rb = ring  # type: ignore[assignment]
-    p._stop_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-    p._kick_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+    p._stop_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
+    p._kick_fd = compat.eventfd(0, compat.EFD_CLOEXEC | compat.EFD_NONBLOCK)
     p._thread = threading.Thread(target=last_drain, daemon=True)
     p._thread.start()
     return p, ring

@@ -54,6 +54,7 @@ from urllib.parse import quote
 
 import requests
 
+from ...compat import SLOTS
 from .. import formats, otlp
 from .. import protobuf as _pb
 from ..model import Profile, SessionMeta
@@ -89,7 +90,7 @@ PUSH = "push"  # Pyroscope 1.x's /push.v1.PusherService/Push: many a request
 PUSH_PATH = "/push.v1.PusherService/Push"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Endpoint:
     kind: str  # OTLP | PYROSCOPE
     url: str
@@ -102,7 +103,7 @@ class Endpoint:
         return f"{self.kind} {self.url}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class ExportConfig:
     endpoints: tuple[Endpoint, ...] = ()
     max_rows: int = DEFAULT_MAX_ROWS

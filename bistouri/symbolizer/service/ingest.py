@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgpack
 
 from ... import wire
+from ...compat import SLOTS
 from ...errors import WireError
 from ..kallsyms import KallsymsError, KallsymsIndex, KallsymsStore, kernel_key
 from ..model import Profile
@@ -91,7 +92,7 @@ def _time_problem(s: wire.Session, now_ns: int) -> str:
     return ""
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Work:
     """What symbolizing costs: distinct frames, stacks and the frames in them (of a session, or
     left to a request)."""

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,7 @@ def _parse_time(name: str, v: str) -> int:
     except ValueError:
         raise ApiError(400, "bad_parameter", f"{name}={v!r} is neither unix seconds nor ISO 8601")
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
+        dt = dt.replace(tzinfo=timezone.utc)
     return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+from ...compat import SLOTS
 from ...errors import BistouriError
 from ...pressure import PressureFigures
 from ..model import Frame, Profile, Sample, SessionMeta
@@ -204,7 +205,7 @@ class StoreError(BistouriError):
     """The database cannot be opened, migrated or used."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Filter:
     """What the read API selects sessions by. Times are unix nanoseconds, bounds inclusive."""
 
@@ -221,7 +222,7 @@ class Filter:
     until_ns: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class StoredSession:
     meta: SessionMeta
     profile: Profile

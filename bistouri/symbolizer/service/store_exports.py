@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...compat import SLOTS
+
 INSERT_EXPORT = """INSERT INTO export_queue (session_id, endpoint, enqueued_ns, next_ns, size_bytes,
                      attempts, lease_until_ns, claimant)
                    VALUES (?, ?, ?, ?, ?, 0, 0, '') ON CONFLICT (session_id, endpoint) DO NOTHING"""
@@ -28,14 +30,14 @@ _CLAIM = """UPDATE export_queue SET claimant = ?, lease_until_ns = ?
             RETURNING session_id, attempts, enqueued_ns"""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Claimed:
     session_id: str
     attempts: int  # sends tried before this one
     enqueued_ns: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Backlog:
     """What waits for one endpoint: rows, the stored bytes of their sessions, the oldest's enqueue time."""
 

@@ -19,6 +19,7 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...compat import SLOTS
 from ...errors import BistouriError
 from ..tenants import TENANT_RE
 
@@ -34,7 +35,7 @@ class TokenFileError(BistouriError):
     """A token file that cannot be used: the message says which and why."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Grant:
     """What a request's token allows. `tenant` is the tenant a bound write token is limited to,
     None when any (a shared or admin token, or no tokens configured)."""

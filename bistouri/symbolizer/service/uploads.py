@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ... import atomicfile
+from ...compat import SLOTS
 from ...elf import ELF_MAGIC, read_build_id
 from ...errors import BistouriError, GzipError, GzipTooLarge
 from .. import tempfiles
@@ -69,7 +70,7 @@ class UploadRefused(BistouriError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Quota:
     """What uploads may hold: in all (the database's), and per tenant."""
 
