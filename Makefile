@@ -40,7 +40,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:/usr/sbin:/usr/bin:/sbin:/bin:$(PATH)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: all deps deps-demo venv venv-runtime bpf fixtures lint typecheck test test-fast test-bpf \
-	test-service test-ui test-vm demo bench clean help
+	test-service test-ui test-vm test-py39 demo bench clean help
 
 all: bpf venv
 
@@ -52,6 +52,7 @@ help:
 	@echo "make test-service  the tests of real processes: agent, symbolizer, PostgreSQL, HAProxy"
 	@echo "make test-ui       the UI tests in headless Chromium"
 	@echo "make test-vm       the packages in the VM image's tree and molecule in qemu"
+	@echo "make test-py39     the unit tests on Python 3.9 (the floor) with Debian 11's dependencies"
 	@echo "make bench    run the benchmarks under bench/"
 	@echo "make package  build the .deb and .rpm packages into dist/"
 	@echo "make molecule run the molecule scenarios in qemu VMs"
@@ -154,6 +155,26 @@ test-ui: venv fixtures
 # The packages, installed in the VM image's tree (systemd-nspawn) and by molecule in qemu.
 test-vm: bpf venv fixtures
 	$(VENV)/bin/pytest -q -m vm $(PYTEST_ARGS) tests
+
+# Python 3.9, the floor (Debian 11's python3): the unit tests under pyenv's 3.9, in
+# .venv39 with Debian 11's versions of the dependencies (requirements/py39.txt). Without a 3.9 it says
+# so and passes. Not part of `make test` (docs/testing.md says what it costs).
+PYTHON39 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.9.*/bin/python3.9))
+VENV39 := .venv39
+
+$(VENV39)/.stamp: requirements/py39.txt pyproject.toml
+	@test -x $(VENV39)/bin/python || $(PYTHON39) -m venv $(VENV39)
+	$(VENV39)/bin/python -m pip install -q --disable-pip-version-check -r requirements/py39.txt
+	$(VENV39)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $@
+
+test-py39: bpf fixtures
+ifeq ($(PYTHON39),)
+	@echo "test-py39: no Python 3.9 (pyenv's 3.9.x, or PYTHON39=...): skipped"
+else
+	$(MAKE) -s $(VENV39)/.stamp
+	$(VENV39)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/unit
+endif
 
 bench: $(APT_BENCH_STAMP) bpf venv fixtures
 	$(VPY) -m bench $(BENCH_ARGS)

@@ -1,9 +1,10 @@
 """What bistouri takes from Python 3.10+, spelled once for Python 3.9 (Debian 11's python3, the floor).
 
 On 3.10+ each name here is the standard library's own (slotted dataclasses, `zip(strict=True)`,
-`os.eventfd`, `bisect`'s `key=`), so behaviour there is unchanged; on 3.9 it is a plain stand-in that
-behaves the same (dataclasses just carry a `__dict__`). ruff's and mypy's 3.9 targets (pyproject.toml)
-flag any other 3.10+ name or syntax; `make test-py39` runs the unit tests on 3.9.
+`os.eventfd`, `bisect`'s `key=`, `itertools.pairwise`), so behaviour there is unchanged; on 3.9 it
+is a plain stand-in that behaves the same (dataclasses just carry a `__dict__`). ruff's py39 target
+flags newer syntax; mypy 2 checks no older than 3.10, so `make test-py39` (the unit tests on 3.9)
+is what catches a newer standard-library name.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ else:
             if any(v is _MISSING for v in row):
                 raise ValueError("zip_strict: the iterables' lengths differ")
             yield row
+
+
+if sys.version_info >= (3, 10):
+    from itertools import pairwise
+else:
+
+    def pairwise(iterable: Iterable[_T]) -> Iterator[tuple[_T, _T]]:
+        """`itertools.pairwise`: each item with the next one."""
+        a, b = itertools.tee(iterable)
+        next(b, None)
+        return zip(a, b)
 
 
 def bisect_left_key(a: Sequence[_T], x: Any, key: Callable[[_T], Any]) -> int:
@@ -84,5 +96,6 @@ __all__ = [
     "eventfd",
     "eventfd_read",
     "eventfd_write",
+    "pairwise",
     "zip_strict",
 ]

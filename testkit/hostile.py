@@ -183,7 +183,7 @@ def elf64(
     ]
     if extra_first:
         headers += notes
-    for s, off, n_off in zip(sections, placed, name_off, strict=False):
+    for s, off, n_off in zip(sections, placed, name_off):
         size = s.get("size", len(s.get("data", b"")))
         headers.append(
             struct.pack(

@@ -258,7 +258,7 @@ def pprof_rows(
     )
     encoded = [s.encode("utf-8", "replace") for s in st.table]
     lengths = list(map(_varint, map(len, encoded)))
-    strings = b"".join(chain.from_iterable(zip(repeat(_STRING_MSG), lengths, encoded, strict=False)))
+    strings = b"".join(chain.from_iterable(zip(repeat(_STRING_MSG), lengths, encoded)))
     body = (
         sample_types
         + b"".join(sample_msgs)

@@ -15,6 +15,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.profiler import Profiler, ProfilerOptions
+from bistouri.compat import zip_strict
 from bistouri.host import jvm
 from bistouri.unwind.tables import UnwindTables
 from testkit.helpers import wait_until
@@ -37,7 +38,7 @@ def _shares(folded: Path) -> tuple[int, float, float]:
         total += int(n)
         tail = frames[-3:]
         if len(tail) == 3 and all(
-            f"Callers.{m}(" in f for f, m in zip(tail, ("outer", "middle", "mix"), strict=True)
+            f"Callers.{m}(" in f for f, m in zip_strict(tail, ("outer", "middle", "mix"))
         ):
             chain += int(n)
         if any(f.startswith(ENTRY) for f in frames):

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from bistouri import wire
+from bistouri.compat import zip_strict
 from testkit.pg import PgServer
 from testkit.sink import Received, Sink
 from testkit.symbolizer import SymbolizerURL, metric_value, stop
@@ -226,7 +227,7 @@ def test_pyroscope_push_batches_through_an_outage_each_session_once_with_its_sha
     series = [x for batch in requests_series for x in batch]
     labels = [{p.name: p.value for p in x.labels} for x in series]
     assert Counter(la["session_id"] for la in labels) == Counter({x: 1 for x in ids})
-    for la, x in zip(labels, series, strict=True):
+    for la, x in zip_strict(labels, series):
         assert la["service_name"] == "checkout" and la["__name__"] == "process_cpu" and la["zone"] == "z1"
         prof = profile_pb2.Profile()
         prof.ParseFromString(gzip.decompress(x.samples[0].raw_profile))

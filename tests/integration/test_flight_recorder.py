@@ -7,7 +7,6 @@ session), with a generous deadline; never a fixed sleep.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bistouri import wire
+from bistouri.compat import pairwise
 from testkit.agent_harness import AgentProcess
 from testkit.helpers import Cgroup, cgroup2_mount, wait_until
 
@@ -184,7 +184,7 @@ def _host_addresses() -> list[str]:
     """IPv4 addresses of this host's interfaces, from /proc/net/fib_trie (LOCAL entries)."""
     out: list[str] = []
     lines = Path("/proc/net/fib_trie").read_text().splitlines()
-    for prev, line in itertools.pairwise(lines):
+    for prev, line in pairwise(lines):
         if "/32 host LOCAL" in line:
             ip = prev.split()[-1]
             if ip not in out:

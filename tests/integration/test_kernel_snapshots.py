@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import requests
 from prometheus_client import CollectorRegistry
-from werkzeug.test import Client
 
 from bistouri import wire
 from bistouri.agent.exporter import Exporter
@@ -30,6 +29,7 @@ from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
 from bistouri.wire.snapshot import loaded_code_digest
 from testkit.helpers import wait_until
+from testkit.wsgiclient import Client
 
 DEADLINE_S = 60.0
 BUILD_ID = bytes.fromhex("6b65726e656c2d666f722d74657374732d303031")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bistouri.compat import zip_strict
 from testkit.helpers import Cgroup
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow]
@@ -400,7 +401,7 @@ def _speedscope_stacks(out: Path) -> list[tuple[list[dict], int]]:
     doc = json.loads((out / "profile.speedscope.json").read_text())
     frames = doc["shared"]["frames"]
     prof = doc["profiles"][0]
-    return [([frames[i] for i in s], w) for s, w in zip(prof["samples"], prof["weights"], strict=True)]
+    return [([frames[i] for i in s], w) for s, w in zip_strict(prof["samples"], prof["weights"])]
 
 
 @pytest.mark.parametrize("ldflags", [(), ("-s", "-w")], ids=["plain", "stripped"])

@@ -204,11 +204,10 @@ def test_forged_uploads_are_refused_and_nothing_is_stored(
 def test_a_worker_that_looked_before_the_upload_names_the_session_after_it(tmp_path: Path) -> None:
     """Two workers of one service: A stores the session (the build id missing, remembered as such by
     its resolver), B receives the upload; a read through A must not store A's stale answer again."""
-    from werkzeug.test import Client
-
     from bistouri.symbolizer.kallsyms import KallsymsStore
     from bistouri.symbolizer.resolve import Resolver
     from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
+    from testkit.wsgiclient import Client
 
     prog = build(tmp_path, "upload-workers", "symtab")
     state = tmp_path / "state"

@@ -7,7 +7,6 @@ binaries (libc, liblzma, xz, python3.11, postgres).
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ import subprocess
 
 import pytest
 
+from bistouri.compat import pairwise
 from bistouri.elf import ElfFile
 from bistouri.unwind.ehframe import (
     ROW,
@@ -67,7 +67,7 @@ def _readelf(path: str) -> dict[int, list[Rule]]:
         if parts[:1] == ["LOC"]:
             cols = parts
         elif cols and parts and re.fullmatch(r"[0-9a-f]{8,}", parts[0]):
-            rows.append(_their_rule(int(parts[0], 16), dict(zip(cols, parts, strict=False))))
+            rows.append(_their_rule(int(parts[0], 16), dict(zip(cols, parts))))
     return fdes
 
 
@@ -161,7 +161,7 @@ def test_table_is_sorted_gapless_and_round_trips() -> None:
     pcs = [r.pc for r in rows]
     assert pcs == sorted(set(pcs))
     # No two neighbours share a rule: runs are merged.
-    assert all(a.rule() != b.rule() for a, b in itertools.pairwise(rows))
+    assert all(a.rule() != b.rule() for a, b in pairwise(rows))
     assert rows[-1].cfa_kind == CfaKind.NONE  # past the last FDE: no table
 
 

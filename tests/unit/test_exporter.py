@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import itertools
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from bistouri import wire
 from bistouri.agent.exporter import Exporter, _retry_after
 from bistouri.agent.settings import AgentSettings
 from bistouri.agent.spool import Spool
+from bistouri.compat import pairwise
 
 KERNEL = bytes(range(20))
 KALLSYMS = "ffffffff81000000 T _text\nffffffff81000100 T do_syscall_64\n"
@@ -644,7 +644,7 @@ def test_retry_after_zero_or_past_never_waits_less_than_the_backoff(server, make
     env.exporter.start()
     wait_for(lambda: len(server.posts) >= 4)
     env.close()
-    gaps = [b - a for a, b in itertools.pairwise(t for t, _ in server.posts)]
+    gaps = [b - a for a, b in pairwise(t for t, _ in server.posts)]
     # Before: ~250 POSTs a second (3-4 ms apart). Each gap is at least the backoff, by construction.
     assert all(g >= 0.2 for g in gaps), gaps
     assert len(env.spool) == 1

@@ -453,9 +453,8 @@ def test_uploaded_kernels_expire_and_count_in_the_size_limit(tmp_path: Path) -> 
 
 
 def test_expired_kernel_leaves_the_state_dir_and_is_asked_for_again(tmp_path: Path) -> None:
-    from werkzeug.test import Client
-
     from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
+    from testkit.wsgiclient import Client
 
     app = SymbolizerApp(ServerConfig(state_dir=tmp_path, max_db_bytes=10), lambda kernels: None)  # type: ignore[arg-type,return-value]
     app.store.migrate()

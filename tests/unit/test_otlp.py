@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from bistouri import wire
+from bistouri.compat import zip_strict
 from bistouri.pressure import PressureFigures
 from bistouri.symbolizer import otlp
 from bistouri.symbolizer.model import Frame, Profile, Sample, SessionMeta
@@ -191,7 +192,7 @@ def test_sessions_batched_in_one_request_read_as_each_alone() -> None:
     assert len(req) == 4
     batch = Decoded(req.encode())
     assert len(batch.req.resource_profiles) == 4
-    for p, rp in zip(profiles, batch.req.resource_profiles, strict=True):
+    for p, rp in zip_strict(profiles, batch.req.resource_profiles):
         alone = Decoded(otlp.export_request(p))
         assert _session_view(batch, rp) == _session_view(alone, alone.req.resource_profiles[0])
     # Shared: the two copies of sample_profile add nothing to the dictionary.

@@ -12,7 +12,6 @@ same frames as the BPF walk, also when sent as a raw record (abi.RawStack with x
 from __future__ import annotations
 
 import ctypes
-import itertools
 import random
 import struct
 
@@ -21,6 +20,7 @@ import pytest
 from bistouri.bpf import abi
 from bistouri.bpf.abi import RA_SHIFT, CfaKind, Counter, RaKind, RbpKind
 from bistouri.capture.rawstacks import hash_ips, walked_event
+from bistouri.compat import pairwise, zip_strict
 from bistouri.unwind.ehframe import Row, build_table, unpack_rows
 from bistouri.unwind.rawwalk import Rule, Walked, _Regs, _Stack, step_aarch64, walk
 from tests.unit.test_rawwalk import rules_of
@@ -130,7 +130,7 @@ def _call_sites(rows: list[Row], n: int, within: tuple[int, int] = (0, 1 << 32))
     with the CFA from sp: the frames of a compiled caller past its prologue."""
     sites = [
         r.pc + 4
-        for r, nxt in itertools.pairwise(rows)
+        for r, nxt in pairwise(rows)
         if within[0] <= r.pc < within[1]
         and (r.cfa_kind, r.rbp_kind, r.ra_kind) == (CfaKind.RSP, RbpKind.AT_CFA, RaKind.CFA)
         and nxt.pc > r.pc + 4
@@ -154,7 +154,7 @@ def xz_compressing() -> Case:
     lzma_rows, xz_rows, libc_rows = unpack_rows(lzma_t), unpack_rows(xz_t), unpack_rows(libc_t)
     leaf = next(  # a leaf past the middle of the file: nothing pushed, x30 holds its caller
         r.pc + 4
-        for r, nxt in itertools.pairwise(lzma_rows[len(lzma_rows) // 2 :])
+        for r, nxt in pairwise(lzma_rows[len(lzma_rows) // 2 :])
         if (r.cfa_kind, r.cfa_off, r.ra_kind) == (CfaKind.RSP, 0, RaKind.LR) and nxt.pc > r.pc + 8
     )
     start_row = next(r for r in xz_rows if r.cfa_kind == CfaKind.END)
@@ -184,7 +184,7 @@ def xz_compressing() -> Case:
         records.append(cfa + r.rbp_off)
         sp = cfa
     assert sp < STACK_TOP - 64
-    for i, (slot, (load, _rows, pc)) in enumerate(zip(slots, frames[1:], strict=True)):
+    for i, (slot, (load, _rows, pc)) in enumerate(zip_strict(slots, frames[1:])):
         put(slot, records[i + 1] if i + 1 < len(records) else 0)  # the caller's x29
         put(slot + 8, (load + pc) | (0x002A_0000_0000_0000 if i % 2 else 0))  # signed, or not
     ips = [LOAD + leaf] + [load + pc for load, _rows, pc in frames]

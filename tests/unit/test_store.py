@@ -231,9 +231,8 @@ def test_the_pressure_figures_are_stored_under_the_keys_rows_always_had() -> Non
 
 
 def test_service_answers_503_while_the_database_is_unavailable(tmp_path: Path) -> None:
-    from werkzeug.test import Client
-
     from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
+    from testkit.wsgiclient import Client
 
     class NoResolver:
         def symbolize(self, session: wire.Session) -> Profile:

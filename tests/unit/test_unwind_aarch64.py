@@ -69,7 +69,7 @@ def _readelf(path: str) -> dict[int, list[Rule]]:
         if parts[:1] == ["LOC"]:
             cols = parts
         elif cols and parts and re.fullmatch(r"[0-9a-f]{8,}", parts[0]):
-            rows.append(_their_rule(int(parts[0], 16), dict(zip(cols, parts, strict=False))))
+            rows.append(_their_rule(int(parts[0], 16), dict(zip(cols, parts))))
     return fdes
 
 

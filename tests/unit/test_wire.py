@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from bistouri import wire
+from bistouri.compat import zip_strict
 from bistouri.errors import WireError
 from bistouri.pressure import PressureFigures
 from bistouri.symbolizer.model import SessionMeta
@@ -198,7 +199,7 @@ def test_episode_and_wait_states_travel_in_v3():
 
 def test_every_wait_state_round_trips_and_is_named():
     s = sample_session(n_stacks=len(wire.WAIT_STATES))
-    waits = zip(s.traces, wire.WAIT_STATES, strict=True)
+    waits = zip_strict(s.traces, wire.WAIT_STATES)
     s = dataclasses.replace(s, traces=tuple(dataclasses.replace(t, wait=w) for t, w in waits))
     assert [t.wait for t in wire.decode_session(wire.encode_session(s)).traces] == list(wire.WAIT_STATES)
     assert wire.WAIT_NAMES[wire.WAIT_RUNQUEUE] == "runqueue" and set(wire.WAIT_NAMES) == set(wire.WAIT_STATES)

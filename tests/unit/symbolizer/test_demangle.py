@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from bistouri.compat import zip_strict
 from bistouri.symbolizer import demangle as dm
 from bistouri.symbolizer.demangle import demangle, demangle_rust_legacy, demangle_rust_v0
 
@@ -110,7 +111,7 @@ def test_rust_v0_agrees_with_llvm_cxxfilt() -> None:
         pytest.skip("llvm-cxxfilt-19 is not installed (apt-get install llvm-19)")
     names = [m for m, _ in RUST_TABLE if m.startswith("_R") and "." not in m]
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
-    for name, ref in zip(names, out.splitlines(), strict=True):
+    for name, ref in zip_strict(names, out.splitlines()):
         assert demangle(name) == ref, name
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from bistouri import gopclntab, wire
 from bistouri.bpf.abi import CfaKind
+from bistouri.compat import zip_strict
 from bistouri.elf import GO_ID_LEN, ElfFile, go_file_id, is_go_file_id, read_build_id
 from bistouri.gopclntab import (
     FLAG_TOPFRAME,
@@ -128,7 +129,7 @@ def build_table_bytes(version: tuple[int, int]) -> tuple[bytes, InlineTrees]:
     ftab = bytearray()
     funcs = bytearray()
     func_base = (len(FUNCS) + 1) * ent
-    for f, t in zip(FUNCS, tables, strict=True):
+    for f, t in zip_strict(FUNCS, tables):
         foff = func_base + len(funcs)
         entry = f["entry"]
         ftab += (
@@ -419,7 +420,7 @@ def _go_tool_addr2line(binary: Path, pcs: list[int]) -> list[tuple[str, str]]:
         check=True,
         timeout=120,
     ).stdout.splitlines()
-    return list(zip(out[0::2], out[1::2], strict=True))
+    return list(zip_strict(out[0::2], out[1::2]))
 
 
 def test_names_and_lines_equal_go_tool_addr2line(gobins: dict[str, Path]) -> None:
@@ -434,7 +435,7 @@ def test_names_and_lines_equal_go_tool_addr2line(gobins: dict[str, Path]) -> Non
     pcs = [rng.randrange(s, e) for s, e, _ in rng.sample(funcs, min(400, len(funcs)))]
     want = _go_tool_addr2line(gobins["plain"], pcs)
     same = 0
-    for pc, (func, where) in zip(pcs, want, strict=True):
+    for pc, (func, where) in zip_strict(pcs, want):
         frames = tab.frames(pc)
         assert frames and frames[-1].function == func, (hex(pc), frames, func)
         file, _, line = where.rpartition(":")  # ":-1" past the code (alignment padding): unknown
@@ -540,7 +541,7 @@ def test_a_go_program_nobody_here_wrote(tmp_path: Path) -> None:
     # the table's own textStart: function entries then fall on Go's stack-check prologues.)
     shift = tab._text_start - text.addr
     same = 0
-    for pc, (func, where) in zip(pcs, _go_tool_addr2line(DEBIAN_GO, [pc - shift for pc in pcs]), strict=True):
+    for pc, (func, where) in zip_strict(pcs, _go_tool_addr2line(DEBIAN_GO, [pc - shift for pc in pcs])):
         frames = tab.frames(pc)
         file, _, line = where.rpartition(":")
         same += frames[-1].function == func and (frames[0].file, frames[0].line) == (

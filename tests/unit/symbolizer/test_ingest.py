@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from werkzeug.test import Client
 
 from bistouri import wire
 from bistouri.pressure import PressureFigures
@@ -17,6 +16,7 @@ from bistouri.symbolizer.resolve import Resolver
 from bistouri.symbolizer.service.cli import resolver_factory
 from bistouri.symbolizer.service.ingest import ResolverFactory
 from bistouri.symbolizer.service.server import ServerConfig, SymbolizerApp
+from testkit.wsgiclient import Client
 
 
 def _app(tmp_path: Path, factory: ResolverFactory | None = None) -> SymbolizerApp:

@@ -1,0 +1,35 @@
+"""werkzeug's test `Client` as the tests use it (`.text`, `.json`, `.status_code` on what it returns),
+also on Debian 11's Werkzeug 1.0 (`make test-py39`), whose Client returns a tuple unless given a
+response class and whose Response has neither `.text` nor `.json`. On Werkzeug 2+ it is theirs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from werkzeug.test import Client as _Client
+from werkzeug.wrappers import Response
+
+
+class _Response(Response):
+    if not hasattr(Response, "text"):
+
+        @property
+        def text(self) -> str:
+            return self.get_data(as_text=True)
+
+    if not hasattr(Response, "json"):
+
+        @property
+        def json(self) -> Any:
+            return json.loads(self.get_data()) if self.mimetype == "application/json" else None
+
+
+def Client(app: Any) -> _Client:
+    try:
+        from werkzeug.test import TestResponse  # Werkzeug 2+: its Client needs no response class
+
+        del TestResponse
+        return _Client(app)
+    except ImportError:
+        return _Client(app, _Response)
