@@ -25,6 +25,7 @@ max_bytes, until a session takes them.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable
@@ -35,7 +36,8 @@ from .events import StackSample
 
 # Python objects around one held sample beyond its stacks (StackSample.nbytes): the deque slot, the
 # entry, the StackSample and its ints and comm (tracemalloc: 288 measured, tests/unit/test_recorder.py).
-ENTRY_OVERHEAD_BYTES = 320
+# Python 3.9 has no slotted dataclasses: a __dict__ per entry and per sample, 516 measured.
+ENTRY_OVERHEAD_BYTES = 320 if sys.version_info >= (3, 10) else 576
 DEFAULT_MAX_BYTES = 16 << 20
 
 

@@ -489,6 +489,8 @@ def _setup_multiprocess_metrics(state_dir: Path) -> None:
     shutil.rmtree(mp, ignore_errors=True)
     mp.mkdir(parents=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(mp)
+    # prometheus_client < 0.10 (Debian 11's 0.9) reads the lower-case spelling, later ones the upper.
+    os.environ["prometheus_multiproc_dir"] = str(mp)  # noqa: SIM112
     # prometheus_client picks its value class at import: redo it in case it was imported already.
     from prometheus_client import values
 
