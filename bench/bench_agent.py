@@ -66,6 +66,21 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
     return out
 
 
+def thread_wakeups(pid: int) -> dict[str, int]:
+    """Times `pid`'s threads went to sleep of their own (voluntary context switches), by thread name:
+    each is a wake-up later, and on a shared CPU a wake-up costs more than its work."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    out[name] = out.get(name, 0) + int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that just ended
+    return out
+
+
 def proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -219,10 +234,33 @@ JDKS = (Path("/usr/lib/jvm/java-17-openjdk-amd64"), Path("/usr/lib/jvm/temurin-2
 JVM_FLAGS = ("-Xms16m", "-Xmx16m", "-XX:+UseSerialGC", "-XX:CICompilerCount=2", "-XX:TieredStopAtLevel=1")
 
 
-def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jvms: int = -1) -> dict:
+class TreeAgent(AgentProcess):
+    """The agent of another tree (`--before`: an earlier commit's files), run by this interpreter:
+    `python -m` imports the package of its working directory first."""
+
+    def __init__(self, tree: Path, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tree = tree
+
+    def start(self, wait_active: bool = True) -> AgentProcess:
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.tree, env=env
+            )
+        if wait_active:
+            ok = wait_until(lambda: "Agent active" in self.log() or self.proc.poll() is not None, 30)  # type: ignore[union-attr]
+            assert ok and self.proc.poll() is None, f"agent did not start:\n{self.log()}"  # type: ignore[union-attr]
+        return self
+
+
+def bench_idle(
+    n: int, seconds: float, recorder: bool = False, busy: int = 0, jvms: int = -1, tree: Path | None = None
+) -> dict:
     """`jvms` >= 0: one more cgroup, watched by its own rule (memory only: never triggers), holding
     that many idle JVMs (OpenJDK 17 and Temurin 25 in turn), or with 0 as many sleepers as the JVM
-    run of the same round has JVMs: the agent's cost of watching JVMs, against watching plain processes."""
+    run of the same round has JVMs: the agent's cost of watching JVMs, against watching plain processes.
+    `tree`: the agent of that tree (an earlier commit), not this one's."""
     cgs = [Cgroup.create(prefix="bistouri-bench-idle") for _ in range(n)]
     jvm_cg = Cgroup.create(prefix="bistouri-bench-jvm") if jvms >= 0 else None
     java: list[int] = []
@@ -252,7 +290,11 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             )
         extra = () if recorder else ("--recorder-max-bytes", "0")
         with tempfile.TemporaryDirectory() as d:
-            agent = AgentProcess(Path(d), cfg, *extra, walk_interval=30).start()
+            agent = (
+                AgentProcess(Path(d), cfg, *extra, walk_interval=30)
+                if tree is None
+                else TreeAgent(tree, Path(d), cfg, *extra, walk_interval=30)
+            ).start()
             try:
                 wait_until(lambda: f"cgroup=/{cgs[-1].path.name}" in agent.log(), 20)
                 time.sleep(2)
@@ -261,11 +303,12 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
                     time.sleep(5)  # the perf-map requests of their first look, done
                 watchers = agent.metrics().get("bistouri_psi_watchers", 0)
                 pid = agent.proc.pid  # type: ignore[union-attr]
-                c0, p0, t0 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
+                c0, p0, t0, w0 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid), thread_wakeups(pid)
                 time.sleep(seconds)
-                c1, p1, t1 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid)
-                # Per thread: which of the agent's loops the idle cost is.
+                c1, p1, t1, w1 = proc_cpu_ns(pid), bpf_programs(pid), thread_cpu_ns(pid), thread_wakeups(pid)
+                # Per thread: which of the agent's loops the idle cost is, and how often each wakes.
                 per_thread = {name: (t - t0.get(name, 0)) / 1e3 / seconds for name, t in sorted(t1.items())}
+                wakeups = {name: (w - w0.get(name, 0)) / seconds for name, w in sorted(w1.items())}
                 b0, b1 = (sum(t for t, _ in p.values()) for p in (p0, p1))
                 # Per program: the scheduler hooks run at every switch of the host, watched or not.
                 per_prog = {
@@ -293,6 +336,8 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             }
         return {
             **jvm_part,
+            "agent": str(tree) if tree else "this tree",
+            "load_average": os.getloadavg()[0],
             "watched_cgroups": n,
             "recorder": recorder,
             "busy_processes": busy,
@@ -302,6 +347,7 @@ def bench_idle(n: int, seconds: float, recorder: bool = False, busy: int = 0, jv
             "bpf_cpu_share_of_one_core": (b1 - b0) / 1e9 / seconds,
             "bpf_programs": per_prog,
             "agent_thread_us_per_s": per_thread,
+            "agent_thread_wakeups_per_s": wakeups,
             "agent_rss_mb": rss,
         }
     finally:
@@ -356,6 +402,12 @@ def main() -> int:
         action="store_true",
         help="with --jvm-idle-only: only the cases with the recorder on",
     )
+    ap.add_argument(
+        "--before",
+        type=Path,
+        help="with --jvm-idle-only: a tree of an earlier commit (its BPF object built or copied in); "
+        "each case runs its agent, then this tree's, alternating",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_agent needs root (BPF, cgroups)", file=sys.stderr)
@@ -369,9 +421,16 @@ def main() -> int:
         for recorder in ((True,) if args.recorder_on_only else (False, True))
         for jvms in (0, JVM_COUNT)
     ]
+    trees: tuple[Path | None, ...] = (None,)
+    if args.before and args.jvm_idle_only:
+        trees = (args.before.resolve(), None)
     results = {
         "freqs": [bench_freq(int(f), args.iters, args.rounds) for f in freqs],
-        "idle": [bench_idle(100, args.idle_seconds, rec, busy, jvms) for busy, rec, jvms in idle],
+        "idle": [
+            bench_idle(100, args.idle_seconds, rec, busy, jvms, tree)
+            for busy, rec, jvms in idle
+            for tree in trees
+        ],
         "bpf_stats": stats_fd >= 0,
     }
     if stats_fd >= 0:
@@ -390,6 +449,7 @@ def main() -> int:
         )
     for i in results["idle"]:
         print(
+            f"[{i['agent']}, load {i['load_average']:.1f}] "
             f"idle, {i['watched_cgroups']} cgroups ({i['psi_watchers']:.0f} watchers), "
             f"recorder {'on ' if i['recorder'] else 'off'}, {i['busy_processes']} busy: "
             f"{i['agent_cpu_share_of_one_core']:.3%} of a core (+ BPF {i['bpf_cpu_share_of_one_core']:.3%}), "
@@ -402,7 +462,11 @@ def main() -> int:
             )
         )
         busiest = sorted(i["agent_thread_us_per_s"].items(), key=lambda kv: -kv[1])
-        print("    agent threads, µs a second: " + ", ".join(f"{n} {us:.0f}" for n, us in busiest if us >= 1))
+        wakes = i["agent_thread_wakeups_per_s"]
+        print(
+            "    agent threads, µs (wake-ups) a second: "
+            + ", ".join(f"{n} {us:.0f} ({wakes.get(n, 0):.2f})" for n, us in busiest if us >= 1)
+        )
         progs = sorted(i["bpf_programs"].items(), key=lambda kv: -kv[1]["share_of_one_core"])
         print(
             "    BPF by program: "

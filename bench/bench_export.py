@@ -275,14 +275,30 @@ def push_series(r: Received) -> list[tuple[str, str, bytes]]:
 _PUSH_PB2: Any = None
 
 
+def otlp_views(received: list[Received]) -> Counter[str]:
+    """Each session of OTLP requests as it reads through its request's dictionary (names, files,
+    lines and attributes, no index: tests/unit/test_otlp.py's view, with the official classes)."""
+    from tests.unit.test_otlp import Decoded, _session_view
+
+    views: Counter[str] = Counter()
+    for r in received:
+        dec = Decoded(r.body)
+        for rp in dec.req.resource_profiles:
+            views[repr(_session_view(dec, rp))] += 1
+    return views
+
+
 def same_payloads(kind: str, before: list[Received], after: list[Received], api: str = "") -> str:
-    """Whether the baseline's and this tree's sender sent the same: OTLP the same bytes, Pyroscope
-    pprofs that decode equal (tests/unit/test_pprof_reference.resolved, pprof's own profile.proto),
-    pushed ones under the labels that make the name /ingest had."""
+    """Whether the baseline's and this tree's sender sent the same: OTLP the same bytes or each session
+    decoded equal (otlp_views), Pyroscope pprofs that decode equal (tests/unit/test_pprof_reference.
+    resolved, pprof's own profile.proto), pushed ones under the labels that make the name /ingest had."""
     if kind == OTLP:
-        return (
-            "same bytes" if Counter(r.body for r in before) == Counter(r.body for r in after) else "DIFFERENT"
-        )
+        if Counter(r.body for r in before) == Counter(r.body for r in after):
+            return "same bytes"
+        # Each session read through its request's dictionary (the official classes): no index left.
+        views_before, views_after = otlp_views(before), otlp_views(after)
+        equal = sum((views_before & views_after).values())
+        return f"{equal} of {sum(views_after.values())} sessions decoded equal"
     from tests.pprof_proto import compile_profile_proto
     from tests.unit.test_pprof_reference import resolved
 

@@ -46,6 +46,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench._before import before_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARES = ROOT / "tests/fixtures/build/workloads/shares"
 DOCS = ROOT / "docs/benchmarks.md"
@@ -290,16 +292,9 @@ def compile_bytecode(tree: Path = ROOT) -> None:
 
 
 def baseline_tree(ref: str, work: Path) -> Path:
-    """The `bistouri` package of commit `ref` of this repository, beside this one's BPF objects (built,
-    not in git): what `--before` measures in the same rounds as this tree."""
-    tree = work / "before"
-    tree.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", ref, "bistouri"], check=True, capture_output=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    objects = ROOT / "bistouri/bpf/_bpfobj"
-    shutil.copytree(objects, tree / "bistouri/bpf/_bpfobj", dirs_exist_ok=True)
+    """Commit `ref` of this repository with its own BPF objects (bench/_before.py), compiled as
+    installed: what `--before` measures in the same rounds as this tree."""
+    tree = before_tree(ref, work)
     compile_bytecode(tree)
     return tree
 
@@ -529,8 +524,8 @@ def main() -> int:
     ap.add_argument(
         "--before",
         metavar="GIT_REF",
-        help="also run the bistouri package of this commit in the same rounds (its own caches, this "
-        "tree's BPF objects): a change measured before and after under the same load",
+        help="also run bistouri of this commit in the same rounds (its own package, BPF objects built by "
+        "its own Makefile, and caches): a change measured before and after under the same load",
     )
     ap.add_argument(
         "--no-bpftrace",

@@ -9,12 +9,12 @@ For each, the sampler (`bench/_sampler.py`, a Profiler in its own process that o
 drains) runs 999 Hz on the workload's pid for a fixed time; BPF time per sample is
 run_time_ns / run_cnt of its perf_event program (read from its own fdinfo with
 bpf_enable_stats on, so other tenants' programs never count), reader CPU is the sampler
-process's schedstat over the window. `--baseline-ref REF` measures the same with the code
-and BPF object of a git ref (e.g. the commit before raw IPs). bpftrace, when installed,
-runs `profile:hz:999 /pid == P/ { @[ustack, kstack] = count(); }` on the same workloads and
-is measured the same way (fdinfo of its program): after bistouri, or with `--together` at the same
-time on the same process (bpftrace's window inside bistouri's), which a loaded host needs for a
-ratio that holds.
+process's schedstat over the window. `--baseline-ref REF` (or `--before REF`) measures the
+same with the code of a git ref and its BPF object, built by its own Makefile (bench/_before.py).
+bpftrace, when installed, runs `profile:hz:999 /pid == P/ { @[ustack, kstack] = count(); }` on
+the same workloads and is measured the same way (fdinfo of its program): after bistouri, or with
+`--together` at the same time on the same process (bpftrace's window inside bistouri's), which a
+loaded host needs for a ratio that holds.
 
 JIT names: node --perf-basic-prof, and java with and without -XX:+PreserveFramePointer whose
 perf map the sampler's profiler asks for itself (nobody runs jcmd; perf reads the same map), the
@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._before import before_tree  # noqa: E402
 from testkit.helpers import wait_until  # noqa: E402
 
 BURNER = ROOT / "tests/fixtures/build/workloads/burner"
@@ -139,31 +140,10 @@ PYTHON_BUSY = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n
 
 
 def baseline_tree(ref: str, tmp: Path) -> tuple[Path, Path]:
-    """The package and BPF object of git `ref`: (directory for sys.path, object path)."""
-    tree = tmp / "baseline"
-    tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "bistouri", "bpf"], capture_output=True)
-    archive.check_returncode()
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    obj = tree / "baseline.bpf.o"
-    subprocess.run(
-        [
-            "clang",
-            "-target",
-            "bpf",
-            "-O2",
-            "-g",
-            "-D__TARGET_ARCH_x86",
-            f"-I{tree / 'bpf'}",
-            f"-I{ROOT / 'bpf/vmlinux/x86'}",
-            "-c",
-            str(tree / "bpf/bistouri.bpf.c"),
-            "-o",
-            str(obj),
-        ],
-        check=True,
-    )
-    return tree, obj
+    """Commit `ref` with its own BPF object (bench/_before.py): (its tree, its x86-64 object). Its
+    own bench/_sampler.py samples, so each side reads its object with its own Python."""
+    tree = before_tree(ref, tmp)
+    return tree, tree / "bistouri/bpf/_bpfobj/bistouri.bpf.o"
 
 
 def enable_bpf_stats() -> int:
@@ -191,9 +171,12 @@ def perf_event_prog_stats(pid: int) -> tuple[int, int]:
 
 def run_sampler(pid: int, seconds: float, freq: int, tree: Path | None, obj: Path | None) -> dict:
     env = dict(os.environ)
+    sampler = SAMPLER
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    argv = [sys.executable, str(SAMPLER), str(pid), str(seconds), str(freq)]
+        if (tree / "bench/_sampler.py").exists():
+            sampler = tree / "bench/_sampler.py"
+    argv = [sys.executable, str(sampler), str(pid), str(seconds), str(freq)]
     if obj is not None:
         argv.append(str(obj))
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 120)
@@ -364,7 +347,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--freq", type=int, default=999)
     ap.add_argument(
-        "--baseline-ref", default="", help="git ref to measure side by side (its code and object)"
+        "--baseline-ref",
+        "--before",
+        default="",
+        help="git ref to measure side by side (its code, and its object built by its own Makefile)",
     )
     ap.add_argument(
         "--workloads",

@@ -52,6 +52,7 @@ MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
 # Answers are the caller's to keep (`key`).
 MAX_HELD_RUNS = 1 << 20
 MAX_HELD_FUNCS = 1 << 14
+_BUCKET_SHIFT = 12  # PCs of 4 KiB a bucket of the function search (`_first`)
 
 FLAG_TOPFRAME = 1  # funcFlag of Go 1.18 on (runtime/symtab.go)
 FLAG_SPWRITE = 2
@@ -94,17 +95,21 @@ def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
 # on distinct addresses they were half the objects of the Go path and of its collections.
 _Func = tuple[int, str, int, int, array, int, int, int, int, int, int, int, int, int]
 _NO_TABLE = (0, 0, 0)
+# What the frames of one inlined call site hold whatever the line (GoPclnTab._chain).
+_Chain = tuple[str, tuple[tuple[str, str, int, bool], ...]]
 
 
 class GoPclnTab:
     """A copy of one binary's pclntab (and the inline trees it points to), looked up by address."""
 
     __slots__ = (
+        "_chains",
         "_cutab",
         "_data",
         "_entries",
         "_files",
         "_filetab",
+        "_first",
         "_ftab",
         "_funcdata_base",
         "_funcnames",
@@ -116,6 +121,7 @@ class GoPclnTab:
         "_pcln",
         "_pctab",
         "_quantum",
+        "_shift",
         "_text_start",
         "version",
     )
@@ -154,6 +160,7 @@ class GoPclnTab:
         # Kept between lookups (bounded by MAX_HELD_*, dropped whole): each function's record and
         # tables, file names by CU slot.
         self._funcs: dict[int, _Func] = {}
+        self._chains: dict[int, _Chain] = {}  # by function index | inline index << 21
         self._files: dict[int, str] = {}
         self._held = 0  # runs decoded into self._funcs' records
         # Lookups may be concurrent: a record is built whole and never changed (two threads may
@@ -174,10 +181,24 @@ class GoPclnTab:
         if any(entries[i] > entries[i + 1] for i in range(len(entries) - 1)):
             raise GoPclnError("function table not sorted")
         self._entries = entries
+        # Where a PC's search starts and ends (Go's own findfunctab, ours): bucket b (PCs from
+        # entries[0] + b << shift) opens in function _first[b], so a PC's function is among
+        # _first[b] .. _first[b + 1], a few: a search of the whole table was a tenth of a lookup.
+        # Buckets of 4 KiB, wider when the table spans far more than its functions (at most one a
+        # function and 1024, whatever a damaged table says).
+        span = entries[-1] - entries[0]
+        shift = _BUCKET_SHIFT
+        while span >> shift > nfunc + 1024:
+            shift += 1
+        self._shift = shift
+        self._first = array(
+            "I",
+            (bisect.bisect_right(entries, entries[0] + (b << shift)) - 1 for b in range((span >> shift) + 2)),
+        )
 
     @property
     def nbytes(self) -> int:
-        held = len(self._data) + self._entries.itemsize * len(self._entries)
+        held = len(self._data) + self._entries.itemsize * len(self._entries) + 4 * len(self._first)
         return held + (len(self._inl.data) if self._inl is not None else 0) + 200
 
     def __len__(self) -> int:
@@ -260,8 +281,12 @@ class GoPclnTab:
         return nameoff, pcfile, pcln, npcdata, cu, d[fo + fixed - 1], fixed, entry
 
     def _index(self, pc: int) -> int | None:
-        i = bisect.bisect_right(self._entries, pc) - 1
-        if i < 0 or i >= self._nfunc or pc >= self._entries[i + 1]:
+        entries = self._entries
+        b = (pc - entries[0]) >> self._shift
+        if pc < entries[0] or b + 1 >= len(self._first):
+            return None
+        i = bisect.bisect_right(entries, pc, self._first[b], self._first[b + 1] + 1) - 1
+        if i >= self._nfunc or pc >= entries[i + 1]:
             return None
         return i
 
@@ -336,14 +361,19 @@ class GoPclnTab:
         """`key` of each PC (None for None), in one loop: a batch's per-address cost is a few
         bisections. A function's tables are decoded once for all its addresses (its record). One at
         a time: the record of a key's function is still held when its chain is asked next."""
-        entries, nfunc = self._entries, self._nfunc
+        entries, nfunc, first, shift = self._entries, self._nfunc, self._first, self._shift
+        low, nbuckets = entries[0], len(first) - 1
         bisect_right = bisect.bisect_right
         for pc in pcs:
-            if pc is None:
+            if pc is None or pc < low:
                 yield None
                 continue
-            i = bisect_right(entries, pc) - 1
-            if i < 0 or i >= nfunc or pc >= entries[i + 1]:
+            b = (pc - low) >> shift  # _index(pc), inline
+            if b >= nbuckets:
+                yield None
+                continue
+            i = bisect_right(entries, pc, first[b], first[b + 1] + 1) - 1
+            if i >= nfunc or pc >= entries[i + 1]:
                 yield None
                 continue
             fn = self._funcs.get(i)
@@ -382,14 +412,14 @@ class GoPclnTab:
             if tree < 0 or ix < 0:  # most keys: no inlined call, one frame
                 file = self._files.get(cu + fileno) if fileno >= 0 else ""
                 return (make(name, file if file is not None else self._file(cu, fileno), key >> 149, False),)
-            return self._frames(fn, fileno, key >> 149, ix, make)
+            return self._frames(fn, i, fileno, key >> 149, ix, make)
         except (GoPclnError, struct.error, IndexError):
             return ()
 
     def _func_record(self, i: int) -> _Func:
         if len(self._funcs) >= MAX_HELD_FUNCS or self._held >= MAX_HELD_RUNS:
             with self._lock:  # a plain new dict for concurrent readers; the old goes with its last one
-                self._funcs, self._held = {}, 0
+                self._funcs, self._chains, self._held = {}, {}, 0
         fo = self._func(i)
         nameoff, pcfile, pcln, npcdata, cu, nfuncdata, fixed, entry = self._fields(fo)
         tree = self._inline_tree(fo + fixed, npcdata, nfuncdata)
@@ -412,23 +442,43 @@ class GoPclnTab:
         return fn
 
     def _frames(
-        self, fn: _Func, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
+        self, fn: _Func, i: int, fileno: int, line: int, ix: int, make: Callable[[str, str, int, bool], T]
     ) -> tuple[T, ...]:
-        """The frames of an address whose inline index is `ix` (>= 0), root first."""
+        """The frames of an address of function `i` whose inline index is `ix` (>= 0), root first."""
+        ckey = i | ix << 21
+        chain = self._chains.get(ckey)
+        if chain is None:
+            chain = self._chain(fn, ix)
+            if len(self._chains) >= MAX_HELD_FUNCS:
+                self._chains = {}  # only speed is lost
+            self._chains[ckey] = chain
+        called, callers = chain
+        out = [make(*c) for c in callers]
+        out.append(make(called, self._file(fn[2], fileno), line, True))
+        return tuple(out)
+
+    def _chain(self, fn: _Func, ix: int) -> _Chain:
+        """What the frames of inline index `ix` hold whatever the address's own file and line (those
+        of the innermost call): the function called there, and its callers root first as
+        (function, file, line, inlined), the outermost the function itself: one walk of the inline
+        tree for all the lines of that call."""
         entry, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
-        file = self._file(cu, fileno)
-        out: list[T] = []
-        at_ix: int | None = ix
-        while at_ix is not None and at_ix >= 0 and len(out) < MAX_INLINE_DEPTH:
-            called, parent, parent_pc = self._inline_call(tree, at_ix)
-            out.append(make(called, file, max(line, 0), True))
+        called, parent, parent_pc = self._inline_call(tree, ix)
+        callers: list[tuple[str, str, int, bool]] = []
+        depth = 1
+        while True:
             at = entry + parent_pc
             file = self._file(cu, _run_value(runs, flo, fhi, fvo, at))
-            line = _run_value(runs, llo, lhi, lvo, at) or 0
+            line = max(_run_value(runs, llo, lhi, lvo, at) or 0, 0)
             at_ix = parent if parent is not None else _run_value(runs, ilo, ihi, ivo, at)
-        out.append(make(name, file, max(line, 0), False))
-        out.reverse()
-        return tuple(out)
+            if at_ix is None or at_ix < 0 or depth >= MAX_INLINE_DEPTH:
+                callers.append((name, file, line, False))
+                break
+            function, parent, parent_pc = self._inline_call(tree, at_ix)
+            callers.append((function, file, line, True))
+            depth += 1
+        callers.reverse()
+        return called, tuple(callers)
 
     def _inline_tree(self, pcdata: int, npcdata: int, nfuncdata: int) -> int:
         """Where a function's inline tree is in the inline trees' bytes; -1 if it has none."""

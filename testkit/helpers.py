@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
 import os
 import signal
 import subprocess
@@ -93,6 +95,29 @@ def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.
             return v
         time.sleep(step)
     return predicate()
+
+
+@functools.cache
+def _kernel_functions() -> tuple[list[int], list[str]]:
+    rows = []
+    with open("/proc/kallsyms") as f:
+        for line in f:
+            addr, kind, name = line.split()[:3]
+            if kind in "tTwW":
+                rows.append((int(addr, 16), name))
+    rows.sort()
+    return [a for a, _ in rows], [n for _, n in rows]
+
+
+def kernel_function_names(ips: Sequence[int]) -> list[str]:
+    """The kernel function holding each address, by /proc/kallsyms (root reads the addresses)."""
+    addrs, names = _kernel_functions()
+    return [names[bisect.bisect_right(addrs, ip) - 1] for ip in ips]
+
+
+def waits_on_futex(kernel_ips: Sequence[int]) -> bool:
+    """Whether a kernel stack sleeps on a futex (a lock: CPython's GIL), not in a sleep or select call."""
+    return any(name.startswith("futex") for name in kernel_function_names(kernel_ips))
 
 
 def symbols(binary: Path) -> dict[str, tuple[int, int]]:

@@ -69,10 +69,10 @@ _BLOCKING_CHECKS = (
     preflight.check_capabilities,
 )
 
-# The main loop's longest sleep. Everything else wakes it through its fds; samples held by the
-# flight recorder must age out even when none arrive, so it wakes every 5 s while some are held.
-# Each wake-up polls every PSI fd (two per watched cgroup): a dormant agent sleeps longer.
-_RECORDER_EXPIRY_S = 5.0
+# The main loop's longest sleep. Everything else wakes it through its fds or a deadline (sessions'
+# ends, the flight recorder's samples aging out once none arrive); the ring thread wakes it for the
+# recorder's samples a few times a minute (Profiler._announce). Each wake-up polls every PSI fd (two
+# per watched cgroup): a dormant agent sleeps long.
 _IDLE_WAKEUP_S = 60.0
 
 
@@ -403,8 +403,10 @@ class Agent:
         assert self.loop is not None and self.capture is not None and self.watcher is not None
         while not self.stop_requested:
             now = time.monotonic()
-            deadlines = [now + self._longest_sleep_s()]
+            deadlines = [now + _IDLE_WAKEUP_S]
             if (d := self.capture.next_deadline()) is not None:
+                deadlines.append(d)
+            if (d := self.capture.recorder_deadline()) is not None:
                 deadlines.append(d)
             if self.confwatch and (d := self.confwatch.deadline()) is not None:
                 deadlines.append(d)
@@ -424,10 +426,6 @@ class Agent:
                 self.reload("SIGHUP")
             elif self.confwatch and self.confwatch.changed(now):
                 self.reload("file changed")
-
-    def _longest_sleep_s(self) -> float:
-        assert self.capture is not None
-        return _RECORDER_EXPIRY_S if len(self.capture.recorder) else _IDLE_WAKEUP_S
 
     def _on_bpf_events(self) -> None:
         self._drain_fd(self._event_fd)

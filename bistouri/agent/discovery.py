@@ -114,7 +114,8 @@ def _cgroup_members(cgroup_root: str, cgroup: str, cancel: threading.Event) -> d
     for d, _, _ in os.walk(top):
         if cancel.is_set():
             break
-        rel = "/" + os.path.relpath(d, cgroup_root)
+        rel = os.path.relpath(d, cgroup_root)
+        rel = "/" if rel == "." else "/" + rel  # as /proc/PID/cgroup says it
         for pid in procfs.cgroup_procs(d):
             out[pid] = rel
     return out
@@ -136,26 +137,35 @@ def walk_processes(
     own = os.getpid()
     target_cgroups: dict[int, str] = {}
     in_targets: dict[int, list[int]] = {}  # pid -> rule ids of the cgroup/unit targets holding it
+    member_cgroup: dict[int, str] = {}  # ... and its cgroup, read in the cgroup tree already
     if job.cgroup_root is not None:
         for t in job.cgroup_targets:
             cg = _target_cgroup(job.cgroup_root, t, units)
             if cg is None:
                 continue  # not running now: looked up again at the next walk
             target_cgroups[t.rule_id] = cg
-            for pid in _cgroup_members(job.cgroup_root, cg, cancel):
+            members = _cgroup_members(job.cgroup_root, cg, cancel)
+            member_cgroup.update(members)
+            for pid in members:
                 in_targets.setdefault(pid, []).append(t.rule_id)
-    for st in procfs.iter_processes(proc_root):
+    # Names first (`comm`, cheaper than `stat`): most processes match nothing and cost one read.
+    for pid, comm in procfs.iter_comms(proc_root):
         if cancel.is_set():
             break
-        if st.is_kernel_thread or st.pid == own:
+        rule_ids = job.matcher.match(comm)
+        member_of = in_targets.get(pid)
+        if not rule_ids and not member_of:
+            continue  # most processes: no set built for them
+        st = procfs.read_stat(pid, proc_root)
+        if st is None or st.is_kernel_thread or pid == own:
             continue
-        rule_ids = job.matcher.match(st.comm)
-        member_of = in_targets.get(st.pid)
+        if st.comm != comm:  # renamed between the two reads
+            rule_ids = job.matcher.match(st.comm)
         if member_of:
             rule_ids = sorted(set(rule_ids).union(member_of))
         elif not rule_ids:
-            continue  # most processes: no set built for them
-        cgroup = procfs.read_cgroup2_path(st.pid, proc_root)
+            continue
+        cgroup = member_cgroup.get(pid) or procfs.read_cgroup2_path(pid, proc_root)
         if cgroup is None:
             continue  # exited meanwhile
         found.append(FoundProcess(st.pid, st.starttime, st.comm, cgroup, tuple(rule_ids)))

@@ -80,6 +80,22 @@ class bpf_object_open_opts(Structure):
     ]
 
 
+class bpf_map_create_opts(Structure):
+    """bpf.h's struct bpf_map_create_opts up to map_extra (libbpf >= 0.7): `sz` says how much of it
+    is given, the rest stays 0 (no BTF, no inner map, any NUMA node)."""
+
+    _fields_ = [
+        ("sz", c_size_t),
+        ("btf_fd", c_uint32),
+        ("btf_key_type_id", c_uint32),
+        ("btf_value_type_id", c_uint32),
+        ("btf_vmlinux_value_type_id", c_uint32),
+        ("inner_map_fd", c_uint32),
+        ("map_flags", c_uint32),
+        ("map_extra", c_uint64),
+    ]
+
+
 obj_p = POINTER(bpf_object)
 prog_p = POINTER(bpf_program)
 map_p = POINTER(bpf_map)
@@ -130,6 +146,13 @@ SIGNATURES: list[tuple[str, Any, list[Any]]] = [
     ("bpf_map__get_next_key", c_int, [map_p, c_void_p, c_void_p, c_size_t]),
     ("bpf_map__max_entries", c_uint32, [map_p]),
     ("bpf_map__map_flags", c_uint32, [map_p]),
+    ("bpf_map__type", c_int, [map_p]),
+    # (type, name, key size, value size, max entries, opts): a map on its own, outside any object.
+    (
+        "bpf_map_create",
+        c_int,
+        [c_int, c_char_p, c_uint32, c_uint32, c_uint32, POINTER(bpf_map_create_opts)],
+    ),
     # (fd, in_batch, out_batch, keys, values, count in/out, opts): every entry in a few syscalls.
     (
         "bpf_map_lookup_and_delete_batch",

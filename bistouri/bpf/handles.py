@@ -177,6 +177,31 @@ class Map:
             library().bpf_map__reuse_fd(self._check(), other.fd), f"sharing map {self.name} with its twin"
         )
 
+    def create(self) -> None:
+        """After load, for a map the load did not create (set_autocreate): create it as the object
+        declares it (type, sizes, flags; without BTF, which only maps holding locks or timers need)
+        and use it from now on, as reuse() does."""
+        lib = library()
+        ptr = self._check()
+        opts = _libbpf.bpf_map_create_opts(
+            sz=ctypes.sizeof(_libbpf.bpf_map_create_opts), map_flags=lib.bpf_map__map_flags(ptr)
+        )
+        fd = check_int(
+            lib.bpf_map_create(
+                lib.bpf_map__type(ptr),
+                self.name.encode(),
+                self.key_size,
+                self.value_size,
+                lib.bpf_map__max_entries(ptr),
+                ctypes.byref(opts),
+            ),
+            f"creating map {self.name}",
+        )
+        try:
+            check_int(lib.bpf_map__reuse_fd(ptr, fd), f"adopting map {self.name}")
+        finally:
+            os.close(fd)  # the object holds its own duplicate
+
     def set_autocreate(self, create: bool) -> None:
         """Before load: whether the load creates this map (no program of the object may use it)."""
         check_int(library().bpf_map__set_autocreate(self._check(), create), f"autocreate of map {self.name}")

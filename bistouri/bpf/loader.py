@@ -75,6 +75,11 @@ class ProfilerOptions:
     # samples. Those few samples wait longer in the ring, and the agent wakes 5x less often; a
     # session drains the ring as it starts (catch_up).
     slow_drain_interval_s: float = 1.0
+    # ... doubled after each drain that found nothing, up to this (Profiler._wait_ms).
+    slow_drain_max_interval_s: float = 8.0
+    # The flight recorder's samples (no session running) wait this long at most in the queue before
+    # the main thread is woken for them (Profiler._announce); exec and error events never wait.
+    recorder_announce_s: float = 5.0
     batch_budget: int = 2048
     queue_size: int = 256  # batches (each at most batch_budget events)
     object_path: str | os.PathLike[str] | None = None
@@ -227,10 +232,6 @@ SAMPLER = "handle_perf"
 FIRST_SAMPLER = "handle_perf_fp"
 # Maps only the companion's programs use, and Profiler only once they are attached: with
 # sampler_first the first object leaves them to the companion, which lends them back (load_companion).
-# Not the unwind tables (unwind_rows and the three beside it): the first object creates them (~3 ms
-# of its load: 16 MiB of rows zeroed) so that Profiler.start() can fill them while the first sampler
-# runs, and the table walk has the target's tables from its first sample on (issue 27: created
-# with the companion, they were filled only ~0.3 s into a capture, every sample until then cut short).
 COMPANION_MAPS = (
     "rule_cache",
     "stack_copies",
@@ -246,6 +247,35 @@ COMPANION_MAPS = (
     "recorder_scratch",
     "recorder_counters",
 )
+# What the first sampler (handle_perf_fp) uses: all its object creates before the load that
+# record's first sample waits for. The rest (but COMPANION_MAPS) it creates right after its sampler
+# is attached and armed (_create_late_maps), before Profiler sees the object: the unwind tables
+# among them, so that Profiler.start() fills them while the first sampler runs and the table walk
+# has the target's tables from its first sample (created with the companion, they were filled only
+# ~0.3 s into a capture). They were ~3 ms of the first load: 16 MiB of rows the kernel zeroes.
+FIRST_SAMPLER_MAPS = frozenset(
+    {
+        "pid_filter",
+        "scratch",
+        "counters",
+        "error_events",
+        "map_counts",
+        "known_samples",
+        "on_cpu_counts",
+        "stack_events",
+        "raw_stacks",
+        "raw_scratch",
+        "sampler_handoff",
+    }
+)
+
+
+def _late_maps(obj: BpfObject) -> tuple[str, ...]:
+    """The maps sampler_first's first object creates after its load (internal ones, `.rodata` and
+    the like, never: libbpf writes their contents at load)."""
+    return tuple(
+        n for n in obj.maps if n not in FIRST_SAMPLER_MAPS and n not in COMPANION_MAPS and "." not in n
+    )
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -313,12 +343,28 @@ def _configure(
     obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))
 
 
-def load_object(o: ProfilerOptions) -> LoadedObject:
-    """Open, check, configure and load the object (with sampler_first, its sampler only). On
-    failure nothing is left behind."""
+def load_object(o: ProfilerOptions, arm: Mapping[int, int] | None = None) -> LoadedObject:
+    """Open, check, configure and load the object (with sampler_first, its sampler only, attached
+    and `arm`'s pids armed before the maps it does not use are created). On failure nothing is
+    left behind."""
     path = os.fspath(o.object_path) if o.object_path else default_object_path()
     if not o.sampler_first:
         return _load_twins(lambda kernel: _load(o, path, wanted_programs(o, kernel), None, kernel))
+    loaded = _load_first(o, path)
+    try:
+        if arm is not None:
+            loaded = attach_sampler(loaded, o.freq_hz, arm)
+        for name in _late_maps(loaded.obj):
+            loaded.obj.maps[name].create()
+    except BaseException:
+        for link in loaded.sampler_links:
+            link.close()
+        loaded.obj.close()
+        raise
+    return loaded
+
+
+def _load_first(o: ProfilerOptions, path: str) -> LoadedObject:
     try:
         # The first sampler reads no kernel struct (no CO-RE relocation, no tp_btf): libbpf need
         # not parse the kernel's BTF. record's first sample waits for this load alone: libbpf's
@@ -346,7 +392,8 @@ def _load(
             )
         cpus = tuple(perf.online_cpus())
         ring = o.ring_bytes or ring_size(len(cpus), o.freq_hz, o.drain_interval_s)
-        _configure(obj, o, ring, len(cpus), programs, COMPANION_MAPS if o.sampler_first else ())
+        deferred = (*COMPANION_MAPS, *_late_maps(obj)) if o.sampler_first else ()
+        _configure(obj, o, ring, len(cpus), programs, deferred)
         obj.load()
     except BaseException:
         obj.close()
@@ -456,13 +503,7 @@ class ObjectLoad:
                 hand_over(self._first.obj, loaded)
                 log.debug("Companion loaded, samples handed over. to=%s", loaded.handoff or "-")
             else:
-                loaded = load_object(self.options)
-                if self._arm is not None:
-                    try:
-                        loaded = attach_sampler(loaded, self.options.freq_hz, self._arm)
-                    except BaseException:
-                        loaded.obj.close()
-                        raise
+                loaded = load_object(self.options, self._arm)
                 self._loaded = loaded
                 if loaded.pending:  # the rest loads at once, while the first samples
                     self._companion = ObjectLoad(self.options, first=loaded)

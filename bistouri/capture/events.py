@@ -48,10 +48,13 @@ class StackSample:
     # ... and named as the sample arrived (the process may be gone by the session's end), with the
     # sample's data-quality note; spliced into the stack when the session is built (docs/python-frames.md).
     py: PythonStack = NO_PYTHON
+    # Repeats counted in the kernel: when the drain read their count (monotonic ns; the kernel's
+    # clock). The flight recorder times them so; timestamp_ns stays the first sample's.
+    counted_ns: int = 0
 
-    def weighed(self, weight: int) -> StackSample:
+    def weighed(self, weight: int, counted_ns: int | None = None) -> StackSample:
         """The same sample standing for `weight` samples (dataclasses.replace costs 10x more,
-        and this runs for every counted repeat at every drain)."""
+        and this runs for every counted repeat at every drain); `counted_ns`: see above."""
         return StackSample(
             self.kind,
             self.pid,
@@ -66,6 +69,7 @@ class StackSample:
             self.walk,
             self.python,
             self.py,
+            self.counted_ns if counted_ns is None else counted_ns,
         )
 
     @property

@@ -9,11 +9,15 @@ in time (the longest `recorder_secs` of the watching targets) and in bytes. When
 a session starts it takes the samples of its processes from the last
 `recorder_secs`, marked as before the trigger. Runs on the main thread.
 
-Samples are timed at arrival (monotonic), not by their kernel timestamp: a
-repeat counted in the kernel arrives as its first sample with a weight, so its
-own timestamp is that of the first sample. Arrival is at most one drain
-interval after the sample: 1 s while only the recorder samples a process, and a
-session drains the ring as it starts (Profiler.catch_up).
+Samples are timed by the kernel's clock (CLOCK_MONOTONIC, as time.monotonic_ns): an
+on-CPU sample when it was taken, a wait when it ended, repeats counted in the
+kernel when the drain read their count (StackSample.counted_ns). Not at arrival:
+while only the recorder samples, the ring is drained every 1 to 8 s (longer after
+drains that found nothing) and its samples wait up to 5 s more for the main
+thread (Profiler._wait_ms, _announce); a session drains the ring as it starts
+(Profiler.catch_up). The ring stays in arrival order, which is that order but
+for a drain's repeats, timed at its end: trimming and `recent` may keep or skip
+a sample at the horizon's edge a drain early or late.
 
 The waits of a process only the recorder watches (D, S, reclaim, run-queue: most
 of what an idle process does) are not sent at all: the kernel counts them by
@@ -39,6 +43,10 @@ from .events import StackSample
 # Python 3.9 has no slotted dataclasses: a __dict__ per entry and per sample, 516 measured.
 ENTRY_OVERHEAD_BYTES = 320 if sys.version_info >= (3, 10) else 576
 DEFAULT_MAX_BYTES = 16 << 20
+# A sample reaches the recorder at most ~15 s after the kernel timed it (the longest drain interval
+# and the wait for the main thread): a time farther back, or ahead, is not on this clock (a
+# synthetic event); such a sample is timed at arrival.
+_LATEST_NS = 60 * 10**9
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -119,9 +127,17 @@ class FlightRecorder:
         ring = self._ring
         for s in samples:
             if s.pid in keep:
-                ring.append(Recorded(now, s))
+                at = s.counted_ns or s.timestamp_ns + s.blocked_ns  # a wait: when it ended
+                ring.append(Recorded(at if now - _LATEST_NS <= at <= now else now, s))
                 self.nbytes += s.nbytes + ENTRY_OVERHEAD_BYTES
         self._trim(now)
+
+    def expiry_ns(self) -> int | None:
+        """When every held sample will have aged out (None: none held). Until then add() and
+        recent() let go of the old ones as they run: a timer is needed only once samples stop coming."""
+        if not self._ring or not self._horizons:
+            return None if not self._ring else self._clock_ns()
+        return self._ring[-1].at_ns + int(max(self._horizons) * 1e9)
 
     def expire(self) -> None:
         """Let go of the samples older than every horizon."""

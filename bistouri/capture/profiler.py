@@ -25,6 +25,7 @@ import queue
 import select
 import struct
 import threading
+import time
 from collections.abc import Callable, Collection
 
 from .. import compat, threads
@@ -116,6 +117,11 @@ class Profiler:
         self._drain_lock = threading.Lock()  # the ring thread's timer, or catch_up() from another
         self._poll_ms: int | None = None  # the ring thread's wait between drains (_set_poll_ms)
         self._kick_fd = -1
+        # The ring thread's, at the slow interval: drains in a row that found nothing (each doubles
+        # the wait, see _wait_ms), and what the main thread has not been told of yet (_announce).
+        self._empty_drains = 0
+        self._untold_since: float | None = None  # monotonic time of the oldest batch not announced
+        self._untold_urgent = False  # an exec or error event among them
         self.unwind: UnwindTables | NoUnwind = NoUnwind()
         # JVMs asked for their perf maps when they are first sampled and when a session starts.
         self.jvm: JvmPerfMaps | NoJvmPerfMaps = NoJvmPerfMaps()
@@ -312,6 +318,7 @@ class Profiler:
         key = struct.pack("<I", pid)
         with self._filter_lock:
             before = self._poll_ms
+            new = bool(flags) and pid not in self._filtered
             if flags & abi.FilterFlags.RAW_STACK and not isinstance(self.unwind, UnwindTables):
                 flags &= ~abi.FilterFlags.RAW_STACK  # no tables to walk copies with, ever
             if flags & abi.FilterFlags.RAW_STACK:
@@ -337,7 +344,7 @@ class Profiler:
                     self.python.remove(pid)
                 self.unwind.forget(pid)
                 self._forget_thread_times(pid)
-            self._set_poll_ms(before)
+            self._set_poll_ms(before, new)
 
     def _tables_in(self, pid: int) -> None:
         """The unwind thread published every table of `pid`: its samples need no more raw copies, and
@@ -408,14 +415,17 @@ class Profiler:
             self._slow_drain = slow
             self._set_poll_ms(before)
 
-    def _set_poll_ms(self, before: int | None) -> None:
-        """The ring thread's wait between drains, from what is sampled; None: until an event wakes it."""
+    def _set_poll_ms(self, before: int | None, new_pid: bool = False) -> None:
+        """The ring thread's wait between drains, from what is sampled; None: until an event wakes it.
+        `new_pid`: a process joined the filter (its samples end a wait lengthened by empty drains)."""
         interval = None
         if self._filtered:
             o = self.options
             interval = int((o.slow_drain_interval_s if self._slow_drain else o.drain_interval_s) * 1000)
         self._poll_ms = interval
-        sooner = interval is not None and (before is None or interval < before)
+        sooner = interval is not None and (
+            before is None or interval < before or (new_pid and self._empty_drains > 0)
+        )
         if sooner and self._kick_fd >= 0:
             compat.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
 
@@ -610,9 +620,11 @@ class Profiler:
 
     def _on_exec(self, data: bytes) -> None:
         self._batch.append(decode_exec(data))
+        self._untold_urgent = True
 
     def _on_error(self, data: bytes) -> None:
         self._batch.append(decode_error(data))
+        self._untold_urgent = True
 
     def _flush_batch(self) -> None:
         if not self._batch:
@@ -680,11 +692,12 @@ class Profiler:
         for key, raw in () if empty else counts_map.take_all():
             counts[key] = counts.get(key, 0) + int.from_bytes(raw, "little")
         handled = 0
+        now_ns = time.monotonic_ns()  # the kernel's clock (bpf_ktime_get_ns): when the repeats were known
         for key, n in counts.items():
             sample = self.sent.get(key)
             if sample is not None:
                 if n:
-                    self._batch.append(sample.weighed(n))
+                    self._batch.append(sample.weighed(n, now_ns))
                     handled += 1
             elif key in late:
                 self.orphaned += n
@@ -692,6 +705,37 @@ class Profiler:
             else:
                 self._pending_counts[key] = n
         return handled
+
+    def _wait_ms(self) -> int | None:
+        """The ring thread's next wait. At the slow interval (only the flight recorder samples) each
+        drain in a row that found nothing doubles it, up to slow_drain_max_interval_s: idle watched
+        processes send nothing for long spells, and the first sample after one is timed by the
+        kernel (flight.py), not by when it is read. Anything found brings it back."""
+        ms = self._poll_ms
+        if ms is None or not self._slow_drain or not self._empty_drains:
+            return ms
+        longest = int(self.options.slow_drain_max_interval_s * 1000)
+        return max(ms, min(ms << min(self._empty_drains, 16), longest))
+
+    def _announce(self, handled: int, now: float) -> bool:
+        """Whether to wake the main thread for what the drains queued. A session's samples, exec and
+        error events: at once. The flight recorder's alone wait in the queue (the recorder times
+        them by the kernel's clock) until a quarter of the queue or recorder_announce_s: the main
+        thread then wakes a few times a minute for them instead of at every drain."""
+        if handled and self._untold_since is None:
+            self._untold_since = now
+        if self._untold_since is None:
+            return False
+        if (
+            not self._slow_drain
+            or self._untold_urgent
+            or self.events.qsize() * 4 >= self.options.queue_size
+            or now - self._untold_since >= self.options.recorder_announce_s
+        ):
+            self._untold_since = None
+            self._untold_urgent = False
+            return True
+        return False
 
     def _drain_loop(self) -> None:
         assert self._rb is not None
@@ -704,8 +748,9 @@ class Profiler:
                 # Stack events are submitted without wakeup and drained on a timer while a
                 # process is sampled; when none is, only exec/error events (which do wake
                 # the epoll fd) can arrive: block until then, at no cost.
-                ready = poller.poll(self._poll_ms)
+                ready = poller.poll(self._wait_ms())
                 if any(fd == self._kick_fd for fd, _ in ready):
+                    self._empty_drains = 0  # sampling changed: the usual interval again
                     try:
                         compat.eventfd_read(self._kick_fd)
                     except BlockingIOError:
@@ -715,7 +760,9 @@ class Profiler:
                     if self._notify:
                         self._notify()
                     return
-                if self.drain() and self._notify:
+                handled = self.drain()
+                self._empty_drains = 0 if handled else self._empty_drains + 1
+                if self._announce(handled, time.monotonic()) and self._notify:
                     self._notify()
         except BaseException as e:  # surfaced to the main thread by check_thread()
             log.error("the ring-buffer thread failed: %s", e)

@@ -382,6 +382,12 @@ class SessionCapture:
     def next_deadline(self) -> float | None:
         return min((s.deadline for s in self.sessions.values()), default=None)
 
+    def recorder_deadline(self) -> float | None:
+        """When the flight recorder's held samples will all have aged out, in seconds of its clock
+        (monotonic), for tick() to let them go; None while it holds none."""
+        ns = self.recorder.expiry_ns()
+        return None if ns is None else ns / 1e9
+
     # -- samples ----------------------------------------------------------------
     def add_samples(self, samples: Iterable[StackSample]) -> None:
         """Count a batch of samples into their sessions. The hot path at high frequency:

@@ -19,15 +19,19 @@ PF_KTHREAD = 0x00200000  # task flags bit of kernel threads (include/linux/sched
 
 
 def _read(path: str, limit: int = 1 << 20) -> bytes | None:
-    """The file's bytes, or None if it (or its process) is gone or unreadable."""
+    """The file's bytes (one read), or None if it (or its process) is gone or unreadable. A bare fd,
+    not a file object: ~1.4 µs less a file, and the walk reads a few hundred every time."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            return f.read(limit)
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # gone, or not ours to read
         return None
+    try:
+        return os.read(fd, limit)
     except OSError:
         # ESRCH from a zombie's files, EIO from a dying process: treat as vanished.
         return None
+    finally:
+        os.close(fd)
 
 
 def _decode(b: bytes) -> str:
@@ -152,6 +156,15 @@ def iter_pids(proc_root: str = "/proc") -> Iterator[int]:
 
 def iter_tids(pid: int, proc_root: str = "/proc") -> Iterator[int]:
     yield from _numeric_entries(f"{proc_root}/{pid}/task")
+
+
+def iter_comms(proc_root: str = "/proc") -> Iterator[tuple[int, str]]:
+    """(pid, comm) of every live process, kernel threads included: `comm` is a cheaper read than
+    `stat` (no thread summing, no formatting of 52 fields), for walks that match names first."""
+    for pid in iter_pids(proc_root):
+        comm = read_comm(pid, proc_root)
+        if comm is not None:
+            yield pid, comm
 
 
 def iter_processes(proc_root: str = "/proc") -> Iterator[ProcStat]:

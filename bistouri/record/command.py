@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from collections import Counter
@@ -38,7 +37,7 @@ from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
 from ..compat import SLOTS
 from ..errors import BistouriError
-from ..host import mounts, procfs
+from ..host import procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
 
 # Not `from typing import ...`: typing costs ~2 ms of imports before the first sample, and
@@ -429,7 +428,13 @@ def cmd_record(args: argparse.Namespace) -> int:
         raw_stacks=True,
     )
     progress = Progress(show=args.progress)
-    cgroup_root = mounts.find_cgroup2_mount(args.proc_path)
+    # Read only where a cgroup is named or its pressure watched: mountinfo and the module that
+    # parses it are ~1 ms of CPU before a --pid's first sample.
+    cgroup_root = None
+    if args.cgroup or args.on_pressure:
+        from ..host import mounts
+
+        cgroup_root = mounts.find_cgroup2_mount(args.proc_path)
     targets = Targets(args, None, cgroup_root)
     procs = targets.current()
     if not command and not procs:
@@ -441,6 +446,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     loading = ObjectLoad(options, arm=None if args.on_pressure else dict.fromkeys(procs, _filter_flags(args)))
     try:
         loading.wait()
+        import signal  # not before either: its enums are ~0.4 ms of CPU
+
         from ..capture.profiler import Profiler
         from ..elf import HOST_DEBUG_DIR  # not before: elf imports lzma
 
@@ -552,6 +559,7 @@ def _capture(
     from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
     from ..capture.sessions import SessionCapture
     from ..discard import Discarded
+    from ..host import mounts
     from ..host.cgroupfs import find_mounts
 
     child = targets.child

@@ -62,6 +62,12 @@ class CachedLines:
     def put_outer(self, unit: int, outer: list[tuple[int, int, int, int]]) -> None:
         self.cache.put_outer(f"{self.prefix}-u{unit:x}.outer", outer)
 
+    def section(self, name: str) -> memoryview | None:
+        return self.cache.section(f"{self.prefix}-{name.lstrip('.')}.inflated")
+
+    def put_section(self, name: str, data: memoryview) -> None:
+        self.cache.put_section(f"{self.prefix}-{name.lstrip('.')}.inflated", data)
+
 
 class DwarfFirstPool(LlvmPool):
     """An `LlvmPool` (lazy) whose `symbolize` reads DWARF in process first."""

@@ -14,6 +14,8 @@ are kept:
   unit's line rows, as the DWARF reader ran them, and the ranges of its outermost subroutines
   (linefile.py), so that a unit met again by a later run's new addresses is neither run nor
   walked from its first DIE again;
+- `<build id>-<size>-<section>.inflated`: a compressed debug section (libc6-dbg's) as the reader
+  inflated it (linefile.py), so that a later run's new address there does not inflate it again;
 - `k-<boot key>.frames` and `k-<boot key>.kallsyms`: the same for kernel addresses, and the
   kernel's text symbols. Kernel addresses hold for one boot (KASLR slide, loaded modules),
   so the key hashes the kernel build id, the boot id and the modules.
@@ -201,6 +203,8 @@ class SymbolCache:
 
     def add_frames(self, key: str, new: dict[FrameKey, Frames], file_lines: bool) -> None:
         """Merge `new` into the entry of `key` (what another run added meanwhile is kept)."""
+        if not new:  # nothing to add: rewriting the file would cost a full re-encoding
+            return
         try:
             self._add_frames(key, new, file_lines)
         except OSError as e:  # disk full, a planted link: the cache helps, it must never cost a capture
@@ -276,6 +280,18 @@ class SymbolCache:
         from .linefile import encode_lines
 
         self._put_kept(name, encode_lines, table)
+
+    def section(self, name: str) -> memoryview | None:
+        """An inflated section kept in `name` (a `.inflated` file), or None; a view of the mapped file."""
+        from .linefile import read_section
+
+        return self._read_kept(name, read_section)
+
+    def put_section(self, name: str, data: memoryview) -> None:
+        from .linefile import encode_section
+
+        if len(data) < MAX_FILE_BYTES:  # not checksummed to be refused
+            self._put_kept(name, encode_section, data)
 
     def _read_kept(self, name: str, read: Callable[[Any], _T]) -> _T | None:
         data = self._map(name)

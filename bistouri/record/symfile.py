@@ -68,7 +68,7 @@ FrameKey = tuple[int, bool]
 _Code = Literal["Q", "I", "i", "H", "B"]
 _WIDTH = {"Q": 8, "I": 4, "i": 4, "H": 2, "B": 1}
 # A file as the buffers to write one after the other (not joined: a kallsyms file is ~6 MB).
-Parts: TypeAlias = "list[bytes | bytearray | array[int]]"
+Parts: TypeAlias = "list[bytes | bytearray | array[int] | memoryview]"
 
 
 class CorruptFile(ValueError):

@@ -564,12 +564,24 @@ def _itanium_backend() -> tuple[str, Callable[[str], str | None]]:
     return "none", lambda name: None
 
 
-_itanium_name, _itanium = _itanium_backend()
+_chosen: tuple[str, Callable[[str], str | None]] | None = None
+_choosing = threading.Lock()
+
+
+def _itanium_chosen() -> tuple[str, Callable[[str], str | None]]:
+    """The C++ demangler, chosen at the first C++ name: importing cxxfilt looks libstdc++ up
+    (`ldconfig -p`, run twice), which naming C or Python code never needs (`record`'s runs)."""
+    global _chosen
+    if _chosen is None:
+        with _choosing:
+            if _chosen is None:
+                _chosen = _itanium_backend()
+    return _chosen
 
 
 def itanium_backend() -> str:
     """Which C++ demangler is in use: cxxfilt, c++filt, llvm-cxxfilt(-19) or none."""
-    return _itanium_name
+    return _itanium_chosen()[0]
 
 
 # --- dispatcher -----------------------------------------------------------------
@@ -599,7 +611,7 @@ def _itanium_bounded(name: str) -> str | None:
     refs = len(_CXX_BACKREF.findall(name))
     if refs * _LOG_REF_GROWTH + math.log(len(name)) > _LOG_MAX_CXX_WORK:
         return None
-    out = _itanium(name)
+    out = _itanium_chosen()[1](name)
     if out and len(out) > MAX_DEMANGLED_CHARS:
         out = out[: MAX_DEMANGLED_CHARS - len(TRUNCATED_MARK)] + TRUNCATED_MARK
     return out

@@ -140,7 +140,8 @@ class UnitStore(Protocol):
     """What the reader made of a unit, kept between runs (`record`'s cache: record/linefile.py):
     its line table (by offset in `.debug_line`: not run again) and the ranges of its outermost
     subroutines (by unit offset: an address's chain is walked from its function, not from the
-    unit's first DIE)."""
+    unit's first DIE); and the file's compressed sections once inflated (by name: libc's debug
+    file, ~30 ms of inflating for `.debug_info` alone at every run that meets a new libc address)."""
 
     def get(self, offset: int) -> LineTable | None: ...
 
@@ -149,6 +150,10 @@ class UnitStore(Protocol):
     def outer(self, unit: int) -> Outer | None: ...
 
     def put_outer(self, unit: int, outer: Outer) -> None: ...
+
+    def section(self, name: str) -> memoryview | None: ...
+
+    def put_section(self, name: str, data: memoryview) -> None: ...
 
 
 @dataclass(**SLOTS)
@@ -191,6 +196,9 @@ class DwarfFile:
         self._views: dict[str, memoryview] = {}
         self._mm: mmap.mmap | None = None
         self._inflated: list[mmap.mmap] = []  # sections inflated into anonymous maps
+        # Compressed sections not inflated yet: each is at its first use (a run whose units' line
+        # rows are kept never inflates `.debug_line`: libc's debug file, ~7 ms and 1.3 MB).
+        self._packed: dict[str, memoryview] = {}
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block us
         try:
             st = os.fstat(fd)
@@ -236,12 +244,7 @@ class DwarfFile:
                         raise Unsupported(f"{sec.name} past the end of the file")
                     view = whole[sec.offset : sec.offset + sec.size]
                     if sec.flags & SHF_COMPRESSED:
-                        try:
-                            inflated = _inflate(view, sec.name)
-                        finally:
-                            view.release()
-                        self._inflated.append(inflated)
-                        self._views[sec.name] = memoryview(inflated)
+                        self._packed[sec.name] = view
                     else:
                         self._views[sec.name] = view
             finally:
@@ -249,18 +252,40 @@ class DwarfFile:
         finally:
             elf.close()
         for name in (".debug_info", ".debug_abbrev", ".debug_line"):
-            if name not in self._views:
+            if name not in self._views and name not in self._packed:
                 raise Unsupported(f"no {name}")
-        self.info = self._views[".debug_info"]
         self.empty = memoryview(b"")
+        self.info = self._sec(".debug_info")
 
     def _sec(self, name: str) -> memoryview:
-        return self._views.get(name, self.empty)
+        """A section's bytes (empty when the file has none), inflated at its first use; raises
+        `Unsupported` at every use when it cannot be (a unit that needs it is llvm's)."""
+        view = self._views.get(name)
+        if view is None:
+            packed = self._packed.get(name)
+            if packed is None:
+                return self.empty
+            store = self.line_store
+            view = store.section(name) if store is not None else None
+            if view is not None and len(view) != _inflated_size(packed, name):
+                view.release()  # not this section's (its header says another size)
+                view = None
+            if view is None:
+                inflated = _inflate(packed, name)
+                self._inflated.append(inflated)
+                view = memoryview(inflated)
+                if store is not None:
+                    store.put_section(name, view)
+            del self._packed[name]
+            packed.release()
+            self._views[name] = view
+        return view
 
     def close(self) -> None:
-        for v in self._views.values():
+        for v in (*self._views.values(), *self._packed.values()):
             v.release()
         self._views.clear()
+        self._packed.clear()
         for m in self._inflated:
             m.close()
         self._inflated.clear()
@@ -920,10 +945,9 @@ def _const(attrs: dict[int, tuple[int, int]], attr: int, default: int) -> int:
     return default if got is None else got[1]
 
 
-def _inflate(data: memoryview, name: str) -> mmap.mmap:
-    """An SHF_COMPRESSED section's bytes, up to MAX_INFLATED_BYTES, in an anonymous map: unmapped
-    when the file is closed, its memory is the system's again (freed heap memory of that size
-    stays with the process, and would add to the peak of what record does next)."""
+def _inflated_size(data: memoryview, name: str) -> int:
+    """What an SHF_COMPRESSED section's header says it inflates to; raises `Unsupported` when it
+    cannot be inflated here."""
     if len(data) < 24:
         raise Unsupported(f"{name}: compressed header")
     ch_type, _res, size = struct.unpack_from("<IIQ", data)
@@ -931,6 +955,14 @@ def _inflate(data: memoryview, name: str) -> mmap.mmap:
         raise Unsupported(f"{name}: compression {ch_type}")
     if not 0 < size <= MAX_INFLATED_BYTES:
         raise Unsupported(f"{name}: {size} bytes inflated, out of bounds")
+    return int(size)
+
+
+def _inflate(data: memoryview, name: str) -> mmap.mmap:
+    """An SHF_COMPRESSED section's bytes, up to MAX_INFLATED_BYTES, in an anonymous map: unmapped
+    when the file is closed, its memory is the system's again (freed heap memory of that size
+    stays with the process, and would add to the peak of what record does next)."""
+    size = _inflated_size(data, name)
     out = mmap.mmap(-1, size)
     d = zlib.decompressobj()
     pos = 0

@@ -21,7 +21,7 @@ from typing import Any
 from .. import wire
 from ..compat import zip_strict
 from .model import KIND_JIT, KIND_KERNEL, KIND_PYTHON, KIND_USER, KIND_VDSO, Profile, SessionMeta
-from .pprof import FrameRow, SampleRow, frame_rows, locations_of, mapping_name
+from .pprof import FrameRow, SampleRow, frame_rows, mapping_name, stack_run
 from .protobuf import (
     INT64_MAX,
     SMALL_VARINTS,
@@ -34,7 +34,6 @@ from .protobuf import (
     packed,
     uint_field,
     varint,
-    varints,
 )
 
 SCOPE_NAME = "bistouri"
@@ -229,9 +228,18 @@ class Request:
         single = [0 if f[5] else known(f) or location(f, (f,)) for f in frames]
         # As a stack's packed run holds them (indices below 16384 from the table, not a call each).
         encoded = list(map(SMALL_VARINTS.__getitem__ if len(self.location_msgs) < 16384 else varint, single))
-        inlined = [f[5] for f in frames]
-        has_inlined = any(inlined)
-        groups: dict[tuple[int, ...], int] = {}
+        has_inlined = any([f[5] for f in frames])
+        flags_of = bytes([f[5] for f in frames]).__getitem__  # a frame's inlined flag as a byte
+        groups: dict[tuple[int, ...], bytes] = {}  # a group's location index, encoded, by its frames
+
+        def group_location(group: tuple[int, ...]) -> bytes:
+            """The location of an inlined frame with its callers (frame indices root first)."""
+            loc = groups.get(group)
+            if loc is None:
+                rows = [frames[j] for j in reversed(group)]  # the innermost first
+                loc = groups[group] = varint(location(tuple(rows), rows))
+            return loc
+
         stacks = self.stacks.get
         sample_attrs = self.sample_attrs
         session_attrs: dict[tuple[int, int, str, bool], bytes] = {}  # the same, without the executable
@@ -243,15 +251,10 @@ class Request:
         off_cpu_ns: list[bytes] = []
         for s in samples:
             stack = s[0]
-            if has_inlined and any(map(inlined.__getitem__, stack)):
-                ids = []
-                for g in locations_of(stack, inlined):
-                    loc = groups.get(g)
-                    if loc is None:
-                        rows = [frames[j] for j in g]
-                        loc = groups[g] = location(tuple(rows), rows)
-                    ids.append(loc)
-                run = varints(ids)
+            flags = bytes(map(flags_of, stack)) if has_inlined else b""
+            first = flags.find(1)
+            if first >= 0:
+                run = stack_run(stack, flags, first, encoded, group_location)
             else:
                 run = b"".join(map(encoded.__getitem__, reversed(stack)))
             stack_id = stacks(run) or self._stack(run)  # or a new one

@@ -8,11 +8,10 @@ profiles, PprofIds). locations_of groups a stack's frames into locations for OTL
 from __future__ import annotations
 
 import gzip
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain, repeat
 from typing import Any
 
-from ..compat import zip_strict
 from .model import KIND_KERNEL, KIND_VDSO, Profile, SessionMeta
 from .protobuf import INT64_MAX as _MAX
 from .protobuf import SMALL_VARINTS as _SMALL
@@ -53,6 +52,36 @@ def locations_of(stack: Sequence[int], inlined: Sequence[bool]) -> list[tuple[in
     return [tuple(reversed(g)) for g in reversed(groups)]
 
 
+def stack_run(
+    stack: Sequence[int],
+    flags: bytes,
+    first: int,
+    singles: Sequence[bytes],
+    group: Callable[[tuple[int, ...]], bytes],
+) -> bytes:
+    """A root-first stack's packed run of location ids, leaf first, as locations_of groups it, for a
+    stack with inlined frames: `flags[k]` says whether the stack's frame k is inlined, `first` is the
+    first such k. A frame outside any group is its id from `singles` (by frame index), joined in C;
+    only the groups cost Python steps (`group`: a group's id, of its frames root first, called leaf
+    first as locations_of orders them: the same ids in the same order, so the same bytes)."""
+    n = len(stack)
+    spans = []  # (where the frames on their own start, the group's start, its end)
+    start, p = 0, first
+    while p >= 0:
+        q = p - 1 if p else 0  # an inlined frame belongs to its caller's location (at the root: its own)
+        r = p + 1
+        while r < n and flags[r]:
+            r += 1
+        spans.append((start, q, r))
+        start = r
+        p = flags.find(1, r)
+    parts = [b"".join(map(singles.__getitem__, reversed(stack[start:])))]
+    for begin, q, r in reversed(spans):
+        parts.append(group(tuple(stack[q:r])))  # a tuple already (the store's rows, Sample): itself
+        parts.append(b"".join(map(singles.__getitem__, reversed(stack[begin:q]))))
+    return b"".join(parts)
+
+
 # A frame and a sample as rows: their fields in the order of Frame's and Sample's (the store's layout,
 # Store.get_profile_rows; what the export encodes from, no objects built).
 FrameRow = tuple[str, str, str, int, str, bool]  # name, module, file, line, kind, inlined
@@ -81,9 +110,9 @@ _T1, _T2, _T3, _T4 = (_key(f, 0) for f in (1, 2, 3, 4))
 _SAMPLE_MSG, _LOCATION_MSG, _FUNCTION_MSG, _STRING_MSG = (_key(f, 2) for f in (2, 4, 5, 6))
 _STACK_RUN, _VALUES_RUN, _LINE_MSG = (_key(f, 2) for f in (1, 2, 4))
 
-# A location as PprofIds keeps it: its Location message, its id as a packed run holds it, the
-# (name, file) of each of its lines' functions, its mapping's name, whether a line has a file.
-_Location = tuple[bytes, bytes, tuple[tuple[str, str], ...], str, bool]
+# A location as PprofIds keeps it: its Location message, its id as a packed run holds it, its lines'
+# function ids (PprofIds.function_keys names them), its mapping's name, whether a line has a file.
+_Location = tuple[bytes, bytes, tuple[bytes, ...], str, bool]
 
 
 class PprofIds:
@@ -101,18 +130,24 @@ class PprofIds:
     def __init__(self) -> None:
         self.locations: dict[Any, _Location] = {}  # by a frame's row, or a tuple of rows (inlined)
         self.functions: dict[tuple[str, str], bytes] = {}  # (name, file) -> the id's varint
+        # The other way: a profile collects its functions by id (bytes, their hash kept), not by
+        # (name, file) (a tuple, hashed anew each time).
+        self.function_keys: dict[bytes, tuple[str, str]] = {}
         self.mappings: dict[str, bytes] = {}  # name -> the id's varint
 
     def location(self, key: Any, group: Sequence[FrameRow]) -> _Location:
         """The location of frames (the innermost inlined first, their caller last), known by `key`
         (callers look it up in `locations` first: this builds it)."""
         functions = self.functions
-        fkeys = tuple([(f[0], f[2]) for f in group])
+        fids = []
         lines = b""
-        for f, fk in zip_strict(group, fkeys):
+        for f in group:
+            fk = (f[0], f[2])
             fid = functions.get(fk)
             if fid is None:
                 fid = functions[fk] = _varint(len(functions) + 1)
+                self.function_keys[fid] = fk
+            fids.append(fid)
             body = _T1 + fid + _T2 + _varint(f[3]) if f[3] > 0 else _T1 + fid
             lines += _LINE_MSG + _SMALL[len(body)] + body  # a Line is a few bytes
         outer = group[-1]
@@ -123,7 +158,7 @@ class PprofIds:
         lid = _varint(len(self.locations) + 1)
         body = _T1 + lid + _T2 + mid + lines
         msg = _LOCATION_MSG + _varint(len(body)) + body
-        loc = self.locations[key] = (msg, lid, fkeys, mname, any([f[2] for f in group]))
+        loc = self.locations[key] = (msg, lid, tuple(fids), mname, any([f[2] for f in group]))
         return loc
 
     def bound(self) -> None:
@@ -131,6 +166,7 @@ class PprofIds:
         if len(self.locations) > self.MAX_LOCATIONS:
             self.locations.clear()
             self.functions.clear()
+            self.function_keys.clear()
             self.mappings.clear()
 
 
@@ -161,35 +197,34 @@ def pprof_rows(
     location = ids.location
     # Each frame as a location on its own (an inlined one is only part of others'): None for those.
     single = [None if f[5] else known(f) or location(f, (f,)) for f in frames]
-    used: dict[_Location, None] = dict.fromkeys(filter(None, single))  # in order, each once
+    # In order, each once; by the object's id (a location's tuple would be hashed whole each time).
+    used: dict[int, _Location] = {id(loc): loc for loc in single if loc}
     runs = [loc[1] if loc else b"" for loc in single]  # each frame's id as a packed run holds it
-    groups: dict[tuple[int, ...], bytes] = {}
+    groups: dict[tuple[int, ...], bytes] = {}  # by the group's frames, root first
     with_inlined: set[str] = set()  # mappings with inlined frames
 
     def group_id(group: tuple[int, ...]) -> bytes:
-        """The location of an inlined frame with its callers (the innermost first), or of an inlined
-        frame alone at a stack's root."""
+        """The location of an inlined frame with its callers (frame indices root first), or of an
+        inlined frame alone at a stack's root."""
         lid = groups.get(group)
         if lid is None:
-            rows = tuple(frames[i] for i in group)
+            rows = tuple([frames[i] for i in reversed(group)])  # the innermost first
             loc = known(rows) or location(rows, rows)
-            used[loc] = None
+            used[id(loc)] = loc
             with_inlined.add(loc[3])
             lid = groups[group] = loc[1]
         return lid
 
     has_inlined = any(inlined)
+    flags_of = bytes(inlined).__getitem__  # a frame's inlined flag as a byte, for stack_run
     labels_of: dict[tuple[int, int, str, bool], bytes] = {}
     sample_msgs: list[bytes] = []
     for s in samples:
         stack = s[0]
-        if has_inlined and any(map(inlined.__getitem__, stack)):
-            run = b"".join(
-                [
-                    group_id(g) if len(g) > 1 or inlined[g[0]] else runs[g[0]]
-                    for g in locations_of(stack, inlined)
-                ]
-            )
+        flags = bytes(map(flags_of, stack)) if has_inlined else b""
+        first = flags.find(1)
+        if first >= 0:
+            run = stack_run(stack, flags, first, runs, group_id)
         else:
             run = b"".join(map(runs.__getitem__, reversed(stack)))
         # A sample's labels, the same for its (pid, tid, thread, flag) in the whole profile: built once.
@@ -219,15 +254,17 @@ def pprof_rows(
         sample_msgs.append(_SAMPLE_MSG + _varint(len(body)) + body)
 
     # The functions and mappings of the locations used, their strings in this profile's table.
-    locations = list(used)
-    fkeys = list(dict.fromkeys(chain.from_iterable(loc[2] for loc in locations)))
-    st.extend(chain.from_iterable(fkeys))
-    index, fids = st.index, ids.functions
+    locations = list(used.values())
+    fids = list(dict.fromkeys(chain.from_iterable([loc[2] for loc in locations])))
+    fkeys = ids.function_keys
+    st.extend(chain.from_iterable(map(fkeys.__getitem__, fids)))
+    index = st.index
     v = _SMALL.__getitem__ if len(st.table) + 8 < len(_SMALL) else _varint  # string indexes: a table
     function_msgs = []
-    for fk in fkeys:
+    for fid in fids:
+        fk = fkeys[fid]
         ni, fi = index[fk[0]], index[fk[1]]
-        body = _T1 + fids[fk] + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
+        body = _T1 + fid + (_T2 + v(ni) + _T3 + v(ni) if ni else b"") + (_T4 + v(fi) if fi else b"")
         function_msgs.append(_FUNCTION_MSG + _SMALL[len(body)] + body)
     # A mapping says whether its frames have files and inlined frames.
     with_files = {loc[3] for loc in locations if loc[4]}
@@ -272,4 +309,13 @@ def pprof_rows(
     return gzip.compress(body, compresslevel=6, mtime=0) if compress else body
 
 
-__all__ = ["FrameRow", "PprofIds", "SampleRow", "frame_rows", "locations_of", "pprof", "pprof_rows"]
+__all__ = [
+    "FrameRow",
+    "PprofIds",
+    "SampleRow",
+    "frame_rows",
+    "locations_of",
+    "pprof",
+    "pprof_rows",
+    "stack_run",
+]

@@ -28,7 +28,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import wire
@@ -530,7 +530,7 @@ class Resolver:
                         answers[key] = got  # type: ignore[index]  # not None: it has frames
                 else:  # an inlined call without a name: labelled by this address, not kept
                     label = f"{mod.name}+0x{off:x}"
-                    got = tuple(f if f.name else self._intern(replace(f, name=label)) for f in got)
+                    got = tuple(f if f.name else self._intern(_renamed(f, label)) for f in got)
             out.append(got)
         return out
 
@@ -718,6 +718,10 @@ def _weak(index: KallsymsIndex) -> Callable[[], KallsymsIndex | None]:
         return weakref.ref(index)
     except TypeError:  # `bistouri record`'s KallsymsTable: one per run, held
         return lambda: index
+
+
+def _renamed(f: model.Frame, name: str) -> model.Frame:
+    return model.Frame(name, f.module, f.file, f.line, f.kind, f.inlined)
 
 
 class _Uncached:

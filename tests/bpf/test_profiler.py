@@ -21,7 +21,14 @@ from bistouri.capture.profiler import EPISODE_PROGRAMS, ObjectLoad, Profiler, Pr
 from bistouri.errors import BpfError
 from bistouri.host.procmaps import FrameStatus
 from bistouri.unwind.tables import UnwindTables
-from testkit.helpers import bistouri_prog_ids, build_id, own_prog_ids, symbols, wait_until
+from testkit.helpers import (
+    bistouri_prog_ids,
+    build_id,
+    kernel_function_names,
+    own_prog_ids,
+    symbols,
+    wait_until,
+)
 
 pytestmark = pytest.mark.bpf
 
@@ -145,22 +152,6 @@ def test_kernel_frames_present_for_samples_in_the_kernel(workloads, tmp_path):
     assert all(ip >= 0xFFFF_8000_0000_0000 for ip in kernel)
 
 
-def _kallsyms_names(ips: list[int]) -> list[str]:
-    import bisect
-
-    addrs, names = [], []
-    with open("/proc/kallsyms") as f:
-        for line in f:
-            a, t, n = line.split()[:3]
-            if t in "tTwW":
-                addrs.append(int(a, 16))
-                names.append(n)
-    order = sorted(range(len(addrs)), key=addrs.__getitem__)
-    addrs = [addrs[i] for i in order]
-    names = [names[i] for i in order]
-    return [names[bisect.bisect_right(addrs, ip) - 1] for ip in ips]
-
-
 def _off_cpu_of_fsyncer(
     workloads: Path, tmp_path: Path, options: ProfilerOptions, seconds: float
 ) -> tuple[subprocess.Popen, list, dict]:
@@ -195,7 +186,7 @@ def test_off_cpu_waits_are_timed_with_io_wait_kernel_frames(workloads, tmp_path)
     for w in waits:
         kernel, user = split_stacks(w.stacks, w.kernel_len)
         assert kernel and user
-        names.update(_kallsyms_names(list(kernel)))
+        names.update(kernel_function_names(list(kernel)))
     assert "__schedule" in names or "schedule" in names, names
     assert names & {
         "io_schedule",
@@ -521,6 +512,45 @@ def test_the_slow_drain_reads_the_ring_once_a_second_and_a_session_catches_up(wo
     assert full_drains >= full_s / 0.2 / 2, (full_drains, full_s)
 
 
+def test_an_idle_recorder_drains_ever_less_often_and_its_samples_wake_the_main_thread_in_batches(workloads):
+    """At the slow drain, each drain that found nothing doubles the wait (1, 2, 4 s...) and wakes no
+    one; samples bring the 1 s drain back, and the recorder's alone wake the main thread once per
+    recorder_announce_s, not at every drain; a session's, at every drain."""
+    woken: list[float] = []
+    sleeper = subprocess.Popen(["sleep", "60"])
+    proc = subprocess.Popen([str(workloads / "burner"), "60"])
+    try:
+        options = ProfilerOptions(freq_hz=99, offcpu=False, unwind_rows=0, recorder_announce_s=2.5)
+        with Profiler(options, notify=lambda: woken.append(time.monotonic())) as agent:
+            agent.start()
+            agent.set_slow_drain(True)
+            agent.set_pid_filter(sleeper.pid, abi.FilterFlags.ON_CPU)
+            drains = agent.drains
+            time.sleep(7.5)
+            idle_drains = agent.drains - drains  # at ~1, 3 and 7 s
+            assert not woken and not agent.events.qsize()
+
+            agent.set_pid_filter(proc.pid, abi.filter_value(abi.FilterFlags.ON_CPU, 10))
+            drains, t0 = agent.drains, time.monotonic()
+            assert wait_until(lambda: agent.drains - drains >= 6, 12, step=0.05)
+            busy_drains, busy_s = agent.drains - drains, time.monotonic() - t0
+            recorder_wakeups = len(woken)
+            assert agent.take()  # what the main thread takes when woken
+
+            agent.set_slow_drain(False)
+            woken.clear()
+            time.sleep(1.6)  # 500 ms drains, each with samples
+            session_wakeups = len(woken)
+    finally:
+        for p in (sleeper, proc):
+            p.kill()
+            p.wait()
+    assert idle_drains <= 4, idle_drains
+    assert busy_s <= 7.5, busy_s  # every second again (the new process's kick, then 1 s)
+    assert 1 <= recorder_wakeups <= busy_s / 2.5 + 1, (recorder_wakeups, busy_drains, busy_s)
+    assert session_wakeups >= 2, session_wakeups
+
+
 def test_the_sampler_first_samples_alone_then_the_rest_shares_its_maps(workloads, tmp_path):
     """`record`'s start-up: a frame-pointer sampler is loaded, attached and armed on the loading
     thread; the table-walking sampler and the off-CPU program load right after in a second object,
@@ -633,12 +663,19 @@ def test_the_first_sampler_loads_without_the_kernels_btf(caplog):
     the kernel's BTF, and the warning that says so."""
     import logging
 
+    from bistouri.bpf import loader
     from bistouri.bpf.loader import load_object
 
     options = ProfilerOptions(freq_hz=99, exec_discovery=False, episode=False, sampler_first=True)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="bistouri"):
         loaded = load_object(options)
+    # Every map but the companion's is there, the ones the first sampler does not use created
+    # after its load (the unwind tables' 16 MiB among them): Profiler fills them while it samples.
+    late = loader._late_maps(loaded.obj)
+    assert "unwind_rows" in late and not set(late) & loader.FIRST_SAMPLER_MAPS, late
+    assert all(m.fd >= 0 for name, m in loaded.obj.maps.items() if name not in loader.COMPANION_MAPS)
+    assert loaded.obj.maps["unwind_rows"].max_entries == options.unwind_rows
     loaded.obj.close()
     messages = [r.getMessage() for r in caplog.records]
     assert loaded.programs == ("handle_perf_fp",)

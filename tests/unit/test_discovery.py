@@ -15,6 +15,7 @@ def _process(proc: Path, pid: int, comm: str, cgroup: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
     rest = " ".join(["0"] * 10 + ["1", "0", "4242"] + ["0"] * 20)
     (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 4194304 {rest}\n")
+    (d / "comm").write_text(f"{comm}\n")  # what the walk reads first
     (d / "cgroup").write_text(f"0::{cgroup}\n")
 
 
@@ -62,6 +63,32 @@ def test_the_walk_takes_every_member_of_a_cgroup_or_unit_target_whatever_its_com
         13: ("burner", "/batch", (1, 3)),  # by its comm and by its cgroup
     }
     assert result.target_cgroups == {2: "/system.slice/nginx.service", 3: "/batch"}
+
+
+def test_the_walk_reads_the_stat_of_named_processes_only_and_skips_kernel_threads(tmp_path, monkeypatch):
+    """Names first: a process no target names costs its `comm` read; a kernel thread of a matching
+    name, or a process gone before its `stat` was read, is not taken."""
+    from bistouri.host import procfs
+
+    proc = tmp_path / "proc"
+    _process(proc, 10, "burner", "/a")
+    _process(proc, 11, "sshd", "/b")
+    _process(proc, 12, "burner", "/")  # a kernel thread of that name
+    stat = proc / "12" / "stat"
+    stat.write_text(stat.read_text().replace(" 4194304 ", f" {procfs.PF_KTHREAD} "))
+    _process(proc, 13, "burner", "/c")
+    (proc / "13" / "stat").unlink()  # exited after its comm was read
+    (proc / "14").mkdir()  # gone at once: no comm either
+    read: list[int] = []
+    read_stat = procfs.read_stat
+    monkeypatch.setattr(procfs, "read_stat", lambda pid, root: read.append(pid) or read_stat(pid, root))
+    cfg = parse_targets_config(
+        "targets:\n"
+        "  - {rule: {type: Exact, comm: burner}, service_id: a, resources: [{resource: cpu, threshold: 1}]}\n"
+    )
+    result = walk_processes(WalkJob(CommMatcher(cfg.targets), 1), str(proc), threading.Event())
+    assert [(p.pid, p.comm, p.cgroup, p.starttime) for p in result.found] == [(10, "burner", "/a", 4242)]
+    assert read == [10, 12, 13]
 
 
 def test_where_a_unit_was_found_is_checked_first_and_forgotten_when_gone(tmp_path):

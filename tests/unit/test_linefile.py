@@ -7,7 +7,7 @@ from array import array
 import pytest
 
 from bistouri.record import symfile
-from bistouri.record.linefile import encode_lines, read_lines
+from bistouri.record.linefile import encode_lines, encode_section, read_lines, read_section
 from bistouri.record.symfile import CorruptFile
 from bistouri.symbolizer.dwarflines import LineTable
 
@@ -58,3 +58,19 @@ def test_any_damaged_byte_refuses_the_file() -> None:
         read_lines(data[:-1])
     with pytest.raises(CorruptFile):
         read_lines(symfile.joined(symfile.encode_frames({}, True)))
+
+
+def test_an_inflated_section_reads_back_checked_whole() -> None:
+    body = bytes(range(256)) * 40
+    data = symfile.joined(encode_section(memoryview(body)))
+    assert bytes(read_section(data)) == body
+    padding = range(symfile._HEADER_BYTES - 4, symfile._HEADER_BYTES)
+    for i in (i for i in range(0, len(data), 7) if i not in padding):
+        bad = bytearray(data)
+        bad[i] ^= 0x10
+        with pytest.raises(CorruptFile):
+            read_section(bytes(bad))
+    with pytest.raises(CorruptFile):
+        read_section(data[:-1])
+    with pytest.raises(CorruptFile):
+        read_section(symfile.joined(encode_lines(table())))

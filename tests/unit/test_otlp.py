@@ -210,3 +210,41 @@ def test_rows_as_stored_encode_as_the_profile_does() -> None:
         by_rows = otlp.Request()
         by_rows.add_rows(p.meta, *profile_rows(profile_to_blob(p)))
         assert by_rows.encode() == otlp.export_request(p)
+
+
+def test_stacks_with_inlined_frames_read_as_their_frames_each_location_once() -> None:
+    """Stacks of service-shaped sessions (inlined frames, one at a stack's root, recursion) read back
+    leaf first as pprof.locations_of groups them; a frame that is a location on its own is the same
+    location whether or not its stack has inlined frames (one entry in the table, not two)."""
+    from bistouri.symbolizer.pprof import locations_of
+    from tests.unit.test_pprof_reference import real_shaped
+
+    profiles = real_shaped(6, seed=4)
+    req = otlp.Request()
+    for p in profiles:
+        req.add(p)
+    dec = Decoded(req.encode())
+    for p, rp in zip_strict(profiles, dec.req.resource_profiles):
+        inlined = [f.inlined for f in p.frames]
+
+        def frames(stack: tuple[int, ...], p: Profile = p, inlined: list[bool] = inlined) -> tuple[Any, ...]:
+            """(name, file, line, kind) leaf first; a location's kind is its outer frame's."""
+            out = []
+            for g in locations_of(stack, inlined):
+                kind = p.frames[g[-1]].kind
+                out += [
+                    (p.frames[i].name or "[unknown]", p.frames[i].file, p.frames[i].line, kind) for i in g
+                ]
+            return tuple(out)
+
+        want = Counter(frames(s.stack) for s in p.samples if s.on_cpu > 0)
+        (on_cpu,) = [
+            q for q in rp.scope_profiles[0].profiles if dec.s[q.sample_type.type_strindex] == "on_cpu"
+        ]
+        assert Counter(tuple(dec.frames(s)) for s in on_cpu.samples) == want
+    d = dec.d
+    locations = [
+        (loc.mapping_index, tuple((ln.function_index, ln.line) for ln in loc.lines))
+        for loc in d.location_table
+    ]
+    assert len(set(locations)) == len(locations)

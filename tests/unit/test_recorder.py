@@ -244,21 +244,29 @@ def test_tracked_processes_are_recorded_until_gone_or_reloaded(tmp_path):
         loop.clear()
 
 
-def test_the_agent_wakes_every_5_s_only_while_the_recorder_holds_samples():
-    """Held samples age out even when none arrive; with none held the main loop sleeps up to a
-    minute (each wake-up polls every PSI fd of the watched cgroups)."""
-    from types import SimpleNamespace
-
-    from bistouri.agent.daemon import Agent
+def test_held_samples_are_timed_by_the_kernel_and_wake_the_agent_once_they_would_all_be_gone(tmp_path):
+    """The ring thread hands the recorder's samples over seconds after the kernel took them: each
+    is timed by the kernel's clock (a wait when it ended, repeats when their count was read), and
+    the main loop's only deadline for them is when the newest has aged out."""
+    import dataclasses
 
     clock = _Clock()
     rec = FlightRecorder(1 << 20, clock_ns=clock)
-    agent = Agent.__new__(Agent)
-    agent.capture = SimpleNamespace(recorder=rec)  # type: ignore[assignment]
-    assert agent._longest_sleep_s() == 60.0
+    orch = _orch(tmp_path, _Filter(_NO_PROC), _Sink())
+    orch.recorder = rec
+    assert orch.recorder_deadline() is None
     rec.watch(7, 5.0)
-    rec.add([_sample(7)])
-    assert agent._longest_sleep_s() == 5.0
-    clock.advance(5.5)
+    taken = clock.ns
+    clock.advance(4)  # read from the ring 4 s after it was taken
+    rec.add([dataclasses.replace(_sample(7), timestamp_ns=taken)])
+    wait = dataclasses.replace(_sample(7, 0x2200), timestamp_ns=taken, blocked_ns=3 * 10**9)
+    repeats = _sample(7, 0x3300).weighed(5, clock.ns)
+    rec.add([wait, repeats])
+    assert [r.at_ns - taken for r in rec.recent([7], 5.0)] == [0, 3 * 10**9, 4 * 10**9]
+    assert orch.recorder_deadline() == (clock.ns + 5 * 10**9) / 1e9  # the newest, 5 s on
+    clock.advance(1.5)  # the first is 5.5 s old
     rec.expire()
-    assert agent._longest_sleep_s() == 60.0
+    assert len(rec) == 2
+    clock.advance(3.6)
+    rec.expire()
+    assert len(rec) == 0 and orch.recorder_deadline() is None

@@ -109,6 +109,17 @@ def test_an_open_file_stays_readable_when_another_run_replaces_it(tmp_path: Path
     assert entry(cache, "ab" * 20)[0] == {**frames(3), (0x1, True): (Frame("new"),)}
 
 
+def test_nothing_new_leaves_the_file_as_it_is(tmp_path: Path) -> None:
+    # A warm run whose misses were all left to DWARF adds nothing from the symbols: the file is
+    # not rewritten (it was re-encoded whole, ~20 ms for 4 000 entries).
+    cache = symcache.SymbolCache(tmp_path)
+    cache.add_frames("ab" * 20, frames(3), True)
+    before = os.stat(tmp_path / ("ab" * 20 + ".frames")).st_ino
+    cache.add_frames("ab" * 20, {}, True)
+    assert os.stat(tmp_path / ("ab" * 20 + ".frames")).st_ino == before
+    assert entry(cache, "ab" * 20) == (frames(3), True)
+
+
 def test_a_corrupt_file_is_removed_and_never_trusted(tmp_path: Path) -> None:
     cache = symcache.SymbolCache(tmp_path)
     cache.add_frames("ab" * 20, frames(5), False)

@@ -43,6 +43,7 @@ def _process(proc: Path, pid: int, comm: str, starttime: int) -> None:
     d.mkdir(exist_ok=True)
     rest = " ".join(["0"] * 10 + ["1", "0", str(starttime)] + ["0"] * 20)  # num_threads, starttime
     (d / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1 4194304 {rest}\n")
+    (d / "comm").write_text(f"{comm}\n")  # what the walk reads first
     (d / "cgroup").write_text("0::/system.slice/burner.service\n")
 
 

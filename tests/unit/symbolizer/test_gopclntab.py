@@ -4,6 +4,7 @@ hostile tables stay bounded."""
 
 from __future__ import annotations
 
+import bisect
 import random
 import shutil
 import struct
@@ -272,6 +273,28 @@ def _decoded(tab: GoPclnTab, at: int) -> Callable[[int], int | None]:
     lo, hi, vo = gopclntab._decode(tab._data, at, TEXT, 1, runs)
     assert len(runs) == 2 * (hi - lo) + 1 and hi - lo <= MAX_PCVALUE_STEPS
     return lambda pc: gopclntab._run_value(runs, lo, hi, vo, pc)
+
+
+def test_a_pc_is_searched_among_its_bucket_s_functions() -> None:
+    """The bucket search (`_first`) answers as a search of the whole function table: near bucket
+    edges, outside the table, and in a table spanning far more than its functions (its buckets
+    then wider, their number bounded)."""
+    data, inl = build_table_bytes((1, 16))
+    pcln = struct.unpack_from("<Q", data, 8 + 6 * 8)[0]
+    rng = random.Random(5)
+    for end in (TEXT + 0x60, TEXT + 0x3000, 1 << 62):
+        buf = bytearray(data)
+        struct.pack_into("<Q", buf, pcln + 2 * 16, end)  # the last function's end
+        tab = GoPclnTab(bytes(buf), TEXT, inl)
+        assert len(tab._first) <= len(tab) + 1024 + 2
+        edges = [TEXT + k * 0x1000 + d for k in range(4) for d in (-1, 0, 1)]
+        pcs = [0, TEXT - 1, TEXT + 0x3F, TEXT + 0x40, end - 1, end, end + 0x1000, *edges]
+        pcs += [rng.randrange(TEXT - 0x100, end + 0x2000) for _ in range(200)]
+        for pc in pcs:
+            i = bisect.bisect_right(tab._entries, pc) - 1
+            want = i if 0 <= i < len(tab) and pc < tab._entries[i + 1] else None
+            key = tab.key(pc)
+            assert tab._index(pc) == want and (key & 0x1FFFFF if key is not None else None) == want, hex(pc)
 
 
 def test_a_pc_value_table_that_never_ends_is_bounded() -> None:
