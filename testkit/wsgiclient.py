@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from werkzeug import test as _test
 from werkzeug.test import Client as _Client
 from werkzeug.wrappers import Response
+
+_WERKZEUG_2 = hasattr(_test, "TestResponse")  # its Client needs no response class
 
 
 class _Response(Response):
@@ -25,11 +28,9 @@ class _Response(Response):
             return json.loads(self.get_data()) if self.mimetype == "application/json" else None
 
 
-def Client(app: Any) -> _Client:
-    try:
-        from werkzeug.test import TestResponse  # Werkzeug 2+: its Client needs no response class
-
-        del TestResponse
-        return _Client(app)
-    except ImportError:
-        return _Client(app, _Response)
+class Client(_Client):
+    def __init__(self, app: Any) -> None:
+        if _WERKZEUG_2:
+            super().__init__(app)
+        else:
+            super().__init__(app, _Response)
