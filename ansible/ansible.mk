@@ -7,8 +7,9 @@
 #                         image by ansible/molecule/arm64/build-image-arm64.sh (debootstrap's second stage
 #                         under qemu-user in a private user namespace), cached under .cache/vm-image-arm64
 # The VM image is built once by ansible/molecule/image/build-image.sh and cached under
-# .cache/vm-image/<hash of the script>; the kernel-* scenarios boot its variant with Debian 11's
-# 5.10 and a 6.12 kernel added (build-kernels-image.sh, built by run-scenario.sh when needed).
+# .cache/vm-image/<hash of the script>; kernel-5.10 boots its Debian 11 twin (BISTOURI_IMAGE_SUITE=bullseye)
+# and kernel-6.12 its variant with a 6.12 kernel added (build-kernels-image.sh); run-scenario.sh builds
+# either when needed.
 MOLECULE_SCENARIOS ?= default preflight upgrade kernel-5.10 kernel-6.12
 
 .PHONY: ansible-lint molecule molecule-all molecule-image molecule-arm64

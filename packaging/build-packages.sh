@@ -22,6 +22,17 @@ case $BISTOURI_ARCH in
 esac
 bpf_obj=bistouri/bpf/_bpfobj/$bpf_name
 
+# The private libbpf of the .deb (/usr/lib/bistouri/libbpf/, bistouri/bpf/_libbpf.py): Debian
+# 12's own libbpf1 1.1.2, unchanged, for the hosts whose system has no libbpf >= 1.0 (Debian 11
+# has libbpf0 0.3). Its symbols need GLIBC <= 2.28 (objdump -T), Debian 11 has 2.31. Taken from
+# the archive's .deb, pinned by checksum; a bump is a new version and two new sums.
+libbpf_deb=libbpf1_1.1.2-0+deb12u1_$BISTOURI_ARCH.deb
+libbpf_url=${BISTOURI_LIBBPF_MIRROR:-http://deb.debian.org/debian}/pool/main/libb/libbpf/$libbpf_deb
+case $BISTOURI_ARCH in
+    amd64) libbpf_sha256=5e7505ef77ebc84ad0203411e4afdeb8a98f40fb7f78f013aa4dd8710e49f8ed ;;
+    arm64) libbpf_sha256=c9929839798e7d8e66b212f345ecf1653ba7f1a9e1b753d0eb67bd521b0b5511 ;;
+esac
+
 die() { echo "build-packages: $*" >&2; exit 1; }
 
 [ -f pyproject.toml ] && [ -d packaging/nfpm ] || die "run from the top of the bistouri work tree"
@@ -48,6 +59,20 @@ rm -f "$stage"/python/*.dist-info/{RECORD,INSTALLER,REQUESTED,direct_url.json}
 find "$stage/python/bistouri/bpf/_bpfobj" -name '*.o' ! -name "$bpf_name" -delete  # the other architectures'
 
 gzip -9n <packaging/doc/bistouri.1 >"$stage/bistouri.1.gz"
+
+# Downloaded once into .cache/ (kept across builds), checked on every build.
+libbpf_cache=.cache/libbpf/$libbpf_deb
+if [ ! -f "$libbpf_cache" ]; then
+    mkdir -p "$(dirname "$libbpf_cache")"
+    curl -fsSL -o "$libbpf_cache.part" "$libbpf_url" || die "cannot download $libbpf_url"
+    mv "$libbpf_cache.part" "$libbpf_cache"
+fi
+echo "$libbpf_sha256  $libbpf_cache" | sha256sum -c --quiet - \
+    || { rm -f "$libbpf_cache"; die "$libbpf_deb does not match its pinned sha256 (removed: rerun to download again)"; }
+mkdir -p "$stage/libbpf-deb" "$stage/libbpf"
+dpkg-deb -x "$libbpf_cache" "$stage/libbpf-deb"
+cp "$stage"/libbpf-deb/usr/lib/*-linux-gnu/libbpf.so.1.1.2 "$stage/libbpf/libbpf.so.1"
+cp "$stage/libbpf-deb/usr/share/doc/libbpf1/copyright" "$stage/libbpf/copyright"
 
 if [ -f bistouri/data/trigger.example.yaml ]; then
     cp bistouri/data/trigger.example.yaml "$stage/trigger.yaml"

@@ -10,11 +10,16 @@ shift
 top=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$top"
 
-export BISTOURI_VM_IMAGE=${BISTOURI_VM_IMAGE:-$(ansible/molecule/image/build-image.sh)}
 case "$scenario" in
-    # Debian 11's 5.10 and a 6.12 kernel, beside the base image's tree (build-kernels-image.sh).
-    kernel-*) BISTOURI_VM_IMAGE=${BISTOURI_VM_KERNELS_IMAGE:-$(ansible/molecule/image/build-kernels-image.sh "$BISTOURI_VM_IMAGE")} ;;
+    # Debian 11 whole: its userspace and its own 5.10 kernel (build-image.sh's bullseye image).
+    kernel-5.10) BISTOURI_VM_IMAGE=${BISTOURI_VM_BULLSEYE_IMAGE:-$(BISTOURI_IMAGE_SUITE=bullseye ansible/molecule/image/build-image.sh)} ;;
+    *) BISTOURI_VM_IMAGE=${BISTOURI_VM_IMAGE:-$(ansible/molecule/image/build-image.sh)} ;;
 esac
+case "$scenario" in
+    # A 6.12 kernel beside the base image's tree (build-kernels-image.sh).
+    kernel-6.12) BISTOURI_VM_IMAGE=${BISTOURI_VM_KERNELS_IMAGE:-$(ansible/molecule/image/build-kernels-image.sh "$BISTOURI_VM_IMAGE")} ;;
+esac
+export BISTOURI_VM_IMAGE
 export BISTOURI_DIST=${BISTOURI_DIST:-$top/dist}
 export BISTOURI_PKG_VERSION=${BISTOURI_PKG_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)-1}
 export BISTOURI_VM_RUN_DIR=$top/.cache/molecule-run/$scenario

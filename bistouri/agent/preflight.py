@@ -122,7 +122,8 @@ def check_libbpf(host: Host) -> Result:
     except OSError as e:
         return Result(FAIL, "libbpf", str(e), "install libbpf 1.x (Debian/Ubuntu: libbpf1, RHEL: libbpf)")
     v = lib.lib.libbpf_version_string().decode()
-    return Result(OK, "libbpf", f"{v} from {lib.path}")
+    whose = "bistouri's own copy: the system has no libbpf >= 1.0" if lib.private else "the system's"
+    return Result(OK, "libbpf", f"{v} from {lib.path} ({whose})")
 
 
 def check_psi(host: Host) -> Result:

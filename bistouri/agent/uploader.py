@@ -230,7 +230,7 @@ class Uploader:
         debug = os.path.join(self.debug_root, hexid[:2], hexid[2:] + ".debug")
         where = self._locate(bid)
         out: list[tuple[str, int]] = []
-        for kind, opener in ((EXECUTABLE, where.open if where else None), (DEBUGINFO, _opener(debug))):
+        for kind, opener in ((EXECUTABLE, _mapped_opener(where)), (DEBUGINFO, _opener(debug))):
             if opener is None:
                 continue
             try:
@@ -329,6 +329,30 @@ class Uploader:
                 yield out
             if not data:
                 return
+
+
+def _mapped_opener(where: MappedPath | None) -> Callable[[], int] | None:
+    """Opens the file a process mapped; once that process is gone (the symbolizer asks after a
+    short-lived one ended, or a test stopped it), the same path on this host: the caller uploads it
+    only if it carries the build id asked for."""
+    if where is None:
+        return None
+
+    def open_it() -> int:
+        try:
+            return where.open()
+        except safeopen.Refused:
+            raise
+        except OSError:
+            if os.path.exists(where.proc):
+                raise  # alive: its own root did not have the file
+        root = safeopen.open_root("/")
+        try:
+            return safeopen.open_in_root(root, where.name)
+        finally:
+            os.close(root)
+
+    return open_it
 
 
 def _opener(path: str) -> Callable[[], int]:

@@ -183,7 +183,10 @@ OPTIONAL_SIGNATURES: list[tuple[str, Any, list[Any]]] = [
 ]
 
 MIN_VERSION = (1, 0)
-LIBRARY_NAMES = ("libbpf.so.1",)
+# The .deb's own copy of Debian 12's libbpf 1.1.2 (packaging/build-packages.sh), for the
+# systems without a libbpf >= 1.0 (Debian 11 has 0.3): tried after the system's libbpf.so.1.
+PRIVATE_LIBRARY = "/usr/lib/bistouri/libbpf/libbpf.so.1"
+LIBRARY_NAMES = ("libbpf.so.1", PRIVATE_LIBRARY)
 
 
 def _apply(lib: ctypes.CDLL, table: list[tuple[str, Any, list[Any]]], optional: bool) -> set[str]:
@@ -210,6 +213,7 @@ class Library:
         _apply(lib, SIGNATURES, optional=False)
         self.optional = _apply(lib, OPTIONAL_SIGNATURES, optional=True)
         self.version = (lib.libbpf_major_version(), lib.libbpf_minor_version())
+        self.private = path == PRIVATE_LIBRARY
 
     def has(self, name: str) -> bool:
         return name in self.optional

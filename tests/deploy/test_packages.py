@@ -57,6 +57,9 @@ def test_deb_payload_and_conffiles(dist: Path) -> None:
     assert "./usr/lib/bistouri/python/bistouri/bpf/_bpfobj/bistouri.bpf.o" in files
     assert "./usr/bin/bistouri" in files
     assert "__pycache__" not in files  # compiled by postinst on the target's Python
+    # Debian 12's libbpf, for the systems without libbpf >= 1.0 (Debian 11), and its licence.
+    assert "./usr/lib/bistouri/libbpf/libbpf.so.1" in files
+    assert "./usr/share/doc/bistouri/libbpf.copyright" in files
     agent = dist / DEBS[1]
     assert sh("dpkg-deb", "--info", agent, "conffiles").split() == [
         "/etc/bistouri/trigger.yaml",

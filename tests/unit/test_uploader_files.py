@@ -45,3 +45,39 @@ def test_the_path_swapped_after_the_check_is_not_what_is_sent(tmp_path: Path, wo
     uploader = Uploader(settings, send, lambda b: where if b == bid else None, CollectorRegistry())
     assert uploader._upload(bid) is None
     assert sent == [original]
+
+
+def _uploader(tmp_path: Path, bid: bytes, where: MappedPath, sent: list[bytes]) -> Uploader:
+    def send(method: str, url: str, **kw: Any) -> Any:
+        if method == "POST":
+            return SimpleNamespace(status_code=200, body=json.dumps({"state": "claimed"}).encode())
+        sent.append(gzip.decompress(b"".join(kw["data"])))
+        return SimpleNamespace(status_code=201, body=b"")
+
+    settings = AgentSettings(
+        symbolizer_endpoint="http://127.0.0.1:1", upload_debug_dir=str(tmp_path / "debug")
+    )
+    return Uploader(settings, send, lambda b: where if b == bid else None, CollectorRegistry())
+
+
+def test_the_file_of_an_exited_process_is_read_at_its_path_on_this_host(
+    tmp_path: Path, workloads: Path
+) -> None:
+    # The symbolizer asks after the process ended (a burner stopped as soon as its session was
+    # stored): no /proc/PID left, the same path on this host, checked to carry the build id.
+    lib = tmp_path / "lib.so"
+    shutil.copy(workloads / "burner", lib)
+    bid = read_build_id(lib)
+    assert bid
+    gone = MappedPath("/proc/2147483647", "0-0", str(lib))  # above any pid_max
+    sent: list[bytes] = []
+    assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
+    assert sent == [lib.read_bytes()]
+    # Another file at that path since: not this build id, nothing sent.
+    other = tmp_path / "other"
+    other.write_bytes(b"\x7fELF not this one")
+    lib.unlink()
+    other.rename(lib)
+    sent.clear()
+    assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
+    assert sent == []

@@ -1,7 +1,10 @@
 #!/bin/bash
-# Build the Debian bookworm VM image the molecule scenarios boot under qemu TCG.
+# Build the Debian VM image the molecule scenarios boot under qemu TCG.
 #
 #   build-image.sh [CACHE_ROOT]      prints the image directory on stdout (last line)
+#
+# BISTOURI_IMAGE_SUITE picks the release: bookworm (Debian 12, the default: kernel 6.1) or
+# bullseye (Debian 11, its own userspace and its 5.10 kernel: the kernel-5.10 scenario).
 #
 # The image is a debootstrap of Debian's own packages (kernel included), turned into
 # a raw ext4 file system without partitions so qemu can boot the kernel directly
@@ -16,7 +19,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache_root=${1:-$(cd "$here/../../.." && pwd)/.cache/vm-image}
 mirror=${BISTOURI_IMAGE_MIRROR:-http://deb.debian.org/debian}
-suite=bookworm
+suite=${BISTOURI_IMAGE_SUITE:-bookworm}
+
+die() { echo "build-image: $*" >&2; exit 1; }
 
 # What the image holds. Runtime dependencies of the bistouri packages are baked in
 # so converge does not depend on the mirror; apt still checks them when it
@@ -24,11 +29,16 @@ suite=bookworm
 packages=(
     systemd-sysv udev dbus linux-image-amd64 openssh-server python3 python3-apt
     iproute2 procps kmod less ca-certificates libcap2-bin util-linux
-    libbpf1 python3-msgpack python3-requests python3-yaml python3-prometheus-client
-    gunicorn python3-werkzeug python3-psycopg
+    libelf1 zlib1g python3-msgpack python3-requests python3-yaml python3-prometheus-client
+    gunicorn python3-werkzeug
 )
-
-die() { echo "build-image: $*" >&2; exit 1; }
+case "$suite" in
+    bookworm) packages+=(libbpf1 python3-psycopg) ;;
+    # No libbpf1 (the package's private copy serves) nor psycopg 3 in Debian 11.
+    # xz-utils: Debian's xz (frameless, stripped) is what verify-kernel.yml records.
+    bullseye) packages+=(xz-utils) ;;
+    *) die "BISTOURI_IMAGE_SUITE=$suite: bookworm or bullseye" ;;
+esac
 
 [ "$(id -u)" = 0 ] || die "must run as root (debootstrap and mkfs need it)"
 for tool in debootstrap mkfs.ext4 ssh-keygen sha256sum; do
