@@ -333,8 +333,9 @@ class Uploader:
 
 def _mapped_opener(where: MappedPath | None) -> Callable[[], int] | None:
     """Opens the file a process mapped; once that process is gone (the symbolizer asks after a
-    short-lived one ended, or a test stopped it), the same path on this host: the caller uploads it
-    only if it carries the build id asked for."""
+    short-lived one ended, or a test stopped it), the same path on this host if root owns the file
+    there (another tenant could have put a file with that build id at a path it can write): the
+    caller uploads it only if it carries the build id asked for."""
     if where is None:
         return None
 
@@ -348,7 +349,7 @@ def _mapped_opener(where: MappedPath | None) -> Callable[[], int] | None:
                 raise  # alive: its own root did not have the file
         root = safeopen.open_root("/")
         try:
-            return safeopen.open_in_root(root, where.name)
+            return safeopen.open_in_root(root, where.name, owners=(0,))
         finally:
             os.close(root)
 

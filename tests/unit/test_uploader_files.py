@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from bistouri.agent.settings import AgentSettings
@@ -79,5 +80,21 @@ def test_the_file_of_an_exited_process_is_read_at_its_path_on_this_host(
     lib.unlink()
     other.rename(lib)
     sent.clear()
+    assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
+    assert sent == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving the file to another owner needs root")
+def test_the_host_path_of_an_exited_process_is_read_only_if_root_owns_the_file(
+    tmp_path: Path, workloads: Path
+) -> None:
+    # Another tenant could put a file carrying the build id asked for at a path it can write.
+    lib = tmp_path / "lib.so"
+    shutil.copy(workloads / "burner", lib)
+    bid = read_build_id(lib)
+    assert bid
+    os.chown(lib, 65534, 65534)
+    gone = MappedPath("/proc/2147483647", "0-0", str(lib))
+    sent: list[bytes] = []
     assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
     assert sent == []
