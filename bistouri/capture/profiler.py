@@ -44,7 +44,7 @@ from ..bpf.loader import (
     sampler_of,
 )
 from ..cpython.discover import Interpreter, record
-from ..cpython.processes import PythonProcesses, PythonStack
+from ..cpython.processes import TRANSIENT_REASONS, PythonProcesses, PythonStack
 from ..errors import BistouriError, BpfError
 from ..host.jvm import JvmPerfMaps, NoJvmPerfMaps
 from ..host.procmaps import ProcMaps
@@ -452,7 +452,12 @@ class Profiler:
 
     def _name_python(self, pid: int, raw: bytes, status: int) -> PythonStack:
         with self._python_lock:
-            return self.python.stack(pid, raw, status)
+            stack = self.python.stack(pid, raw, status)
+            # Refused while it was starting (no thread key yet...): described again once its samples
+            # come after RETRY_S, whether or not its mappings change again.
+            if not raw and stack.note in TRANSIENT_REASONS and self.python.retry_due(pid):
+                self._describe_again.add(pid)
+            return stack
 
     def _redescribe(self) -> None:
         """Describe again the sampled processes whose mappings changed (PythonProcesses.add: two system

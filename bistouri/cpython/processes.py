@@ -26,7 +26,7 @@ from .splice import EvalLoop, decode
 MAX_PROCESSES = 256
 MAX_REFUSED = 8192  # processes remembered as not walked (the pid filter holds 4096)
 RETRY_S = 1.0  # a process refused for a reason that passes (it was starting) is described again this often
-_TRANSIENT = ("no_thread_key", "unreadable")
+TRANSIENT_REASONS = ("no_thread_key", "unreadable")
 _MAX_FRAMES = 1 << 16  # named frames kept per process, then forgotten all at once
 _MAX_STACK_BYTES = 64 << 10  # raw stacks kept named per process (bytes of their records), then forgotten
 
@@ -171,9 +171,20 @@ class PythonProcesses:
         reason = refused.why.reason
         if reason == "not_python":
             return maps_libpython(pid, self.proc_root)
-        if reason in _TRANSIENT:
+        if reason in TRANSIENT_REASONS:
             return self._clock() - refused.at >= RETRY_S
         return False
+
+    def retry_due(self, pid: int) -> bool:
+        """Whether a process refused for a reason that passes (it was starting) is due another look:
+        its mappings may have stopped changing before its runtime was initialised (a busy host), so
+        its samples ask for it (Profiler._name_python), at most every RETRY_S."""
+        refused = self._refused.get(pid)
+        return (
+            refused is not None
+            and refused.why.reason in TRANSIENT_REASONS
+            and self._clock() - refused.at >= RETRY_S
+        )
 
     def remove(self, pid: int) -> None:
         self._refused.pop(pid, None)

@@ -403,16 +403,21 @@ def test_a_process_refused_while_it_was_starting_is_described_again(tmp_path, mo
     procs = PythonProcesses(str(tmp_path), clock=lambda: now[0])
     assert procs.add(42).reason == "not_python"  # type: ignore[union-attr]
     assert procs.add(42).reason == "not_python" and len(calls) == 1  # type: ignore[union-attr]
+    assert not procs.retry_due(42)  # not CPython: its mappings say when to look again
     with (proc / "maps").open("a") as f:
         f.write("7f0000000000-7f0000001000 r-xp 00000000 08:01 99 /opt/lib/libpython3.12.so.1.0\n")
     assert procs.add(42).reason == "no_thread_key" and len(calls) == 2  # type: ignore[union-attr]
     now[0] += processes.RETRY_S / 2
+    assert not procs.retry_due(42)  # its samples ask for another look once a second at most
     assert procs.add(42).reason == "no_thread_key" and len(calls) == 2  # type: ignore[union-attr]
     now[0] += processes.RETRY_S
+    assert procs.retry_due(42)
     assert procs.add(42).reason == "no_thread_key" and len(calls) == 3  # type: ignore[union-attr]
+    assert not procs.retry_due(42)
     now[0] += processes.RETRY_S
     assert procs.add(42).reason == "version_unknown" and len(calls) == 4  # type: ignore[union-attr]
     now[0] += 100 * processes.RETRY_S
+    assert not procs.retry_due(42)  # a version we do not walk: never
     assert procs.add(42).reason == "version_unknown" and len(calls) == 4  # type: ignore[union-attr]
     counted = {k: v for k, v in procs.stats.not_walked.items() if v}
     assert counted == {"not_python": 1, "no_thread_key": 1, "version_unknown": 1}
