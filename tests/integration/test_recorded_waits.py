@@ -68,6 +68,9 @@ def test_waits_of_a_recorded_process_are_counted_in_the_kernel_and_read_at_the_s
                 ring.extend(e for e in got if e.pid == convoy.pid)
                 orch.add_samples(got)
 
+            # Its tables in before it starts: on a busy host they came after the 200 entries below, and
+            # every stack ended at `work` (by frame pointer past libc), none at the waits' own leaves.
+            assert agent.unwind.wait_idle(60)
             convoy.stdin.write("go\n")
             convoy.stdin.flush()
 
