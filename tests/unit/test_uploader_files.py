@@ -61,16 +61,21 @@ def _uploader(tmp_path: Path, bid: bytes, where: MappedPath, sent: list[bytes]) 
     return Uploader(settings, send, lambda b: where if b == bid else None, CollectorRegistry())
 
 
+def _mapped_by_an_exited_process(tmp_path: Path, workloads: Path) -> tuple[Path, bytes, MappedPath]:
+    """A copy of the burner (its path, its build id) as a process mapped it that has exited."""
+    lib = tmp_path / "lib.so"
+    shutil.copy(workloads / "burner", lib)
+    bid = read_build_id(lib)
+    assert bid
+    return lib, bid, MappedPath("/proc/2147483647", "0-0", str(lib))  # above any pid_max
+
+
 def test_the_file_of_an_exited_process_is_read_at_its_path_on_this_host(
     tmp_path: Path, workloads: Path
 ) -> None:
     # The symbolizer asks after the process ended (a burner stopped as soon as its session was
     # stored): no /proc/PID left, the same path on this host, checked to carry the build id.
-    lib = tmp_path / "lib.so"
-    shutil.copy(workloads / "burner", lib)
-    bid = read_build_id(lib)
-    assert bid
-    gone = MappedPath("/proc/2147483647", "0-0", str(lib))  # above any pid_max
+    lib, bid, gone = _mapped_by_an_exited_process(tmp_path, workloads)
     sent: list[bytes] = []
     assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
     assert sent == [lib.read_bytes()]
@@ -89,12 +94,8 @@ def test_the_host_path_of_an_exited_process_is_read_only_if_root_owns_the_file(
     tmp_path: Path, workloads: Path
 ) -> None:
     # Another tenant could put a file carrying the build id asked for at a path it can write.
-    lib = tmp_path / "lib.so"
-    shutil.copy(workloads / "burner", lib)
-    bid = read_build_id(lib)
-    assert bid
+    lib, bid, gone = _mapped_by_an_exited_process(tmp_path, workloads)
     os.chown(lib, 65534, 65534)
-    gone = MappedPath("/proc/2147483647", "0-0", str(lib))
     sent: list[bytes] = []
     assert _uploader(tmp_path, bid, gone, sent)._upload(bid) is None
     assert sent == []
