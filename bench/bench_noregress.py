@@ -44,22 +44,24 @@ ISSUE_23 = "3d8280b"  # main when issue 23 was filed, before session 11's merges
 KEYS = ("bpf_ns_per_sample", "bpf_ns_per_sample_net", "reader_ns_per_sample", "user_frames", "samples")
 
 
-def rounds(argv: list[str], n: int, seconds: float, freq: int, tree: Path, obj: Path, together: bool) -> dict:
-    """`n` rounds of now and before on one process of `argv`, alternating who goes first (or
-    both at once, `together`)."""
-    runs: dict[str, list[dict]] = {"now": [], "before": []}
+def rounds(
+    argv: list[str], n: int, seconds: float, freq: int, sides: dict[str, tuple[Path, Path]], together: bool
+) -> dict:
+    """`n` rounds of now and each of `sides` (label -> its tree and object; "before" among them) on
+    one process of `argv`, who goes first rotated each round (or all at once, `together`)."""
+    runs: dict[str, list[dict]] = {"now": [], **{who: [] for who in sides}}
 
     def sample(who: str) -> dict:
-        t, o = (tree, obj) if who == "before" else (None, None)
+        t, o = sides.get(who, (None, None))
         return run_sampler(proc.pid, seconds, freq, t, o)
 
     proc = subprocess.Popen([*argv, str(n * 2 * (seconds + 30) + 60)], stdout=subprocess.DEVNULL)
     try:
         time.sleep(1.0)  # past its start-up
         for rnd in range(n):
-            order = ("now", "before") if rnd % 2 == 0 else ("before", "now")
-            if together:  # both sample the same ticks of the same process: the same load for each
-                with ThreadPoolExecutor(2) as pool:
+            order = list(runs)[rnd % len(runs) :] + list(runs)[: rnd % len(runs)]
+            if together:  # all sample the same ticks of the same process: the same load for each
+                with ThreadPoolExecutor(len(order)) as pool:
                     got = dict(zip(order, pool.map(sample, order), strict=True))
             else:
                 got = {who: sample(who) for who in order}
@@ -67,7 +69,7 @@ def rounds(argv: list[str], n: int, seconds: float, freq: int, tree: Path, obj: 
                 r = got[who]
                 runs[who].append(r)
                 print(
-                    f"  round {rnd + 1} {who:>6}: BPF {r['bpf_ns_per_sample'] / 1000:.2f} us/sample "
+                    f"  round {rnd + 1} {who:>8}: BPF {r['bpf_ns_per_sample'] / 1000:.2f} us/sample "
                     f"(net {r['bpf_ns_per_sample_net'] / 1000:.2f}), reader "
                     f"{r['reader_ns_per_sample'] / 1000:.2f} us/sample, {r['user_frames']:.1f} user frames, "
                     f"{r['samples']} samples",
@@ -78,12 +80,24 @@ def rounds(argv: list[str], n: int, seconds: float, freq: int, tree: Path, obj: 
         proc.wait()
     med = {who: {k: statistics.median(r[k] for r in rs) for k in KEYS} for who, rs in runs.items()}
     ratio = {k: med["now"][k] / med["before"][k] if med["before"][k] else float("nan") for k in KEYS}
-    return {"runs": runs, "median": med, "ratio": ratio}
+    ratios = {
+        who: {k: med[who][k] / med["before"][k] if med["before"][k] else float("nan") for k in KEYS}
+        for who in med
+        if who not in ("now", "before")
+    }
+    return {"runs": runs, "median": med, "ratio": ratio, "ratio_also": ratios}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default=ISSUE_23, help="git ref to compare with (default: %(default)s)")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="REF",
+        help="another git ref sampled in the same rounds (repeatable), its ratio to --before printed too",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=5)
     ap.add_argument("--freq", type=int, default=999)
@@ -108,11 +122,14 @@ def main() -> int:
         "rounds": args.rounds,
         "seconds": args.seconds,
         "together": args.together,
+        "also": args.also,
         "workloads": {},
     }
     with tempfile.TemporaryDirectory(prefix="bistouri-noregress-") as d:
         tmp = Path(d)
-        tree, obj = baseline_tree(args.before, tmp)
+        sides = {"before": baseline_tree(args.before, tmp)}
+        for ref in args.also:
+            sides[ref] = baseline_tree(ref, tmp)
         argvs = {
             "frameless": lambda: [str(build_frameless(tmp))],
             "repeated": lambda: [str(BURNER)],
@@ -122,7 +139,7 @@ def main() -> int:
         for name in (w for w in args.workloads.split(",") if w):
             print(name, flush=True)
             results["workloads"][name] = rounds(
-                argvs[name](), args.rounds, args.seconds, args.freq, tree, obj, args.together
+                argvs[name](), args.rounds, args.seconds, args.freq, sides, args.together
             )
     os.close(stats_fd)
     results["load_average_1min"] = os.getloadavg()[0]
@@ -142,6 +159,15 @@ def main() -> int:
             f"{b['reader_ns_per_sample'] / 1e3:>23.2f} | {n['reader_ns_per_sample'] / 1e3:>6.2f} | "
             f"{r['reader_ns_per_sample']:>5.2f} | {b['user_frames']:.1f}/{n['user_frames']:.1f}"
         )
+    for name, w in results["workloads"].items():
+        for who, r in w["ratio_also"].items():
+            m = w["median"][who]
+            print(
+                f"{name:>9} | {who} / before: BPF {m['bpf_ns_per_sample'] / 1e3:.2f} us/sample "
+                f"({r['bpf_ns_per_sample']:.2f}), net {m['bpf_ns_per_sample_net'] / 1e3:.2f} "
+                f"({r['bpf_ns_per_sample_net']:.2f}), reader {m['reader_ns_per_sample'] / 1e3:.2f} "
+                f"({r['reader_ns_per_sample']:.2f}), frames {m['user_frames']:.1f}"
+            )
     print(f"written to {args.out}")
     return 0
 

@@ -142,7 +142,15 @@ struct bistouri_unwind_mapping {
 struct bistouri_unwind_proc {
 	__u32 slot;
 	__u32 count;
+	__u32 flags;            /* BISTOURI_UNWIND_PROC_* */
 };
+
+/*
+ * In flags: the process has no python_procs record (tables.py, told by the profiler), so its
+ * samples skip the Python walk's lookup. Only ever "not Python": a process without this entry
+ * (frame pointers only, tables not in yet) still has python_procs looked up.
+ */
+#define BISTOURI_UNWIND_PROC_NO_PYTHON 1U
 
 /* Identity of a user stack: same process image (mm), same raw IPs (hash). */
 struct bistouri_user_stack_key {

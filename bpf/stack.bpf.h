@@ -171,6 +171,9 @@ static __always_inline bool user_regs_bounded(struct bpf_perf_event_data *ctx, s
  *   STACK_FP_BARE  the same walk, no kernel struct read (no CO-RE relocation):
  *                  record's first sampler, handle_perf_fp.
  */
+/* fill_stacks' py_status until the Python walk has run or been skipped: never sent. */
+#define PY_STATUS_UNKNOWN 0xff
+
 #define STACK_TABLES 0
 #define STACK_FP 1
 #define STACK_FP_BARE 2
@@ -205,6 +208,9 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->user_by_table = 0;
 	ev->user_by_fp = 0;
 	ev->user_walk_end = 0;
+	/* walk_user sets NOT_PYTHON when its unwind_procs entry says so; otherwise python_procs decides. */
+	ev->py_depth = 0;
+	ev->py_status = PY_STATUS_UNKNOWN;
 	if (how == STACK_FP_BARE) {
 		/*
 		 * No kernel struct read, so no CO-RE relocation: record loads this program
@@ -236,12 +242,15 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	ev->user_stack_size = n;
 	if (n > 0)
 		key->hash = hash_ips(ev->user_stack, n);
-	ev->py_depth = 0;
-	ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
+	/* In the ev, not a local: handle_perf -> walk_python -> py_step has no stack to spare. */
+	if (ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON)
+		return;
 	if (how == STACK_TABLES)
 		walk_python(ev, perf_ctx ? 0 : 1);
 	else if (how == STACK_BOUNDED)
 		walk_python_bounded(ev, perf_ctx ? 0 : 1);
+	else
+		ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
 }
 
 static __always_inline void fill_header(struct bistouri_stack_event *ev, __u32 kind,

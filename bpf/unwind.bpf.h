@@ -452,6 +452,9 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct un
 		return 0;
 	w.win.base = w.win.end = start->sp;
 	proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
+	/* Not Python: fill_stacks skips walk_python (its python_procs lookup, every sample's price). */
+	if (proc && (proc->flags & BISTOURI_UNWIND_PROC_NO_PYTHON))
+		ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
 	/* Read before the tables: a rule found while user space changes them is cached under the old one. */
 	generation = bpf_map_lookup_elem(&unwind_generation, &zero);
 	if (proc && generation) {

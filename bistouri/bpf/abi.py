@@ -300,7 +300,7 @@ class UnwindMapping(Structure):
 
 
 class UnwindProc(Structure):
-    _fields_ = [("slot", c_uint32), ("count", c_uint32)]
+    _fields_ = [("slot", c_uint32), ("count", c_uint32), ("flags", c_uint32)]
 
 
 # ---- Episode report (issue 12): bpf/bistouri.h's block of the same name.

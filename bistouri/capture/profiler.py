@@ -391,10 +391,12 @@ class Profiler:
             return
         procs = self._require().maps["python_procs"]
         if isinstance(found, Interpreter):
+            self.unwind.python_record(pid, True)  # first: its unwind entry must not say "not Python"
             procs.update(key, bytes(record(found)))
             log.info("Python frames of a CPython process walked. pid=%d version=%s", pid, found.version_text)
             return
         procs.delete(key)
+        self.unwind.python_record(pid, False)  # its samples skip the Python walk's lookup
         if found.reason != "not_python":
             # Unreadable is most often a process that exited meanwhile: not worth a line at INFO.
             level = logging.DEBUG if found.reason == "unreadable" else logging.INFO

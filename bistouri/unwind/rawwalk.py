@@ -272,7 +272,7 @@ def walk(
 
 _PID = struct.Struct("<I")
 _INDEX = struct.Struct("<I")
-_PROC = struct.Struct("<II")
+_PROC = struct.Struct("<III")  # slot, count, flags
 _MAPPING = struct.Struct("<QQQIIIIII")  # abi.UnwindMapping
 _ROW = struct.Struct("<IihBB")  # abi.UnwindRow (ehframe.ROW)
 
@@ -292,7 +292,7 @@ class MappedRules:
         proc = maps["unwind_procs"].lookup(_PID.pack(pid))
         if proc is None:
             return
-        slot, count = _PROC.unpack(proc)
+        slot, count, _flags = _PROC.unpack(proc)
         table = maps["unwind_mappings"]
         for i in range(min(count, abi.UNWIND_MAPPINGS)):
             raw = table.lookup(_INDEX.pack(slot * abi.UNWIND_MAPPINGS + i))

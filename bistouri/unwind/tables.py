@@ -53,7 +53,7 @@ _CACHE_HEAD = struct.Struct("<8sII")  # magic, executable segments, rows
 _SEGMENT = struct.Struct("<QQQ")  # file offset, virtual address, size in the file
 # start, end, bias, first, count, buckets, bucket_count, bucket_base, bucket_shift
 _MAPPING = struct.Struct("<QQQIIIIII")
-_PROC = struct.Struct("<II")
+_PROC = struct.Struct("<III")  # slot, count, flags
 _PID = struct.Struct("<I")
 _GENERATION = struct.Struct("<Q")  # unwind_generation's one value, at key 0
 _GENERATION_KEY = struct.pack("<I", 0)
@@ -66,6 +66,9 @@ _ANON_CHECKED_MAX = 256  # anonymous executable mappings looked at per process
 # In a mapping's bucket_shift (BISTOURI_MAPPING_FP_CALLERS): the walk takes a return address in
 # the file by frame pointer, without a row search (ehframe.callers_by_frame_pointer; x86-64 only).
 _FP_CALLERS = 1 << 31
+# In a process's flags (BISTOURI_UNWIND_PROC_NO_PYTHON): it has no python_procs record, its samples
+# skip the Python walk's lookup. Only "not Python": a process without an entry is still looked up.
+_NO_PYTHON = 1
 
 # CPython >= 3.12 `-X perf` copies this x86-64 trampoline (no CFI, no frame pointer) once per
 # Python function, end to end from the start of anonymous executable regions:
@@ -134,11 +137,14 @@ class _Proc:
     entries: list[_Entry] = field(default_factory=list)  # sorted by start
     source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read
 
-    def write(self, mappings: Map, procs: Map, pid: int) -> None:
+    def write(self, mappings: Map, procs: Map, pid: int, flags: int) -> None:
         base = self.slot * abi.UNWIND_MAPPINGS
         if self.entries:
             mappings.update_array(base, b"".join(_MAPPING.pack(*e[:9]) for e in self.entries), _MAPPING.size)
-        procs.update(_PID.pack(pid), _PROC.pack(self.slot, len(self.entries)))
+        self.write_flags(procs, pid, flags)
+
+    def write_flags(self, procs: Map, pid: int, flags: int) -> None:
+        procs.update(_PID.pack(pid), _PROC.pack(self.slot, len(self.entries), flags))
 
 
 # CFA = RSP + 16 from after the `sub` (offset 4) until the `add` has run (offset 10).
@@ -195,6 +201,9 @@ class NoUnwind:
         self.stats = UnwindStats()
 
     def want(self, pid: int) -> None:
+        pass
+
+    def python_record(self, pid: int, has_one: bool) -> None:
         pass
 
     def prepare(self, processes: list[tuple[int, int]]) -> None:
@@ -255,6 +264,7 @@ class UnwindTables:
         self._build_ids: dict[tuple[bytes, bytes], bytes] = {}  # (device, inode) -> build id
         self._on_disk: set[bytes] = set()  # build ids known to be in the disk cache
         self._prepared: dict[int, int] = {}  # pid -> start time of the process prepared under it
+        self._no_python: set[int] = set()  # sampled processes without a python_procs record (under _lock)
         # A JVM's perf map (set by the profiler): its code cache gets rows (hotspot.py). None: none.
         self.jit_code: JitCode | None = None
         self.jit_limits = JitLimits(max_rows=min(self.capacity // 4, JitLimits().max_rows))
@@ -281,7 +291,26 @@ class UnwindTables:
                 prepared[pid] = starttime
                 self._put(("prepare", pid))
 
+    def python_record(self, pid: int, has_one: bool) -> None:
+        """Whether the process has a python_procs record (the profiler's, docs/python-frames.md). One
+        without says so in its unwind_procs entry, and its samples skip the Python walk's lookup: call
+        this before writing a record and after deleting one, so that the flag never hides a record."""
+        with self._lock:
+            if has_one:
+                self._no_python.discard(pid)
+            else:
+                self._no_python.add(pid)
+            proc = self._procs.get(pid)
+            if proc is not None and not self._closed:
+                proc.write_flags(self._procs_map, pid, self._flags(pid))
+
+    def _flags(self, pid: int) -> int:
+        """Under _lock: the flags of `pid`'s unwind_procs entry."""
+        return _NO_PYTHON if pid in self._no_python else 0
+
     def forget(self, pid: int) -> None:
+        with self._lock:
+            self._no_python.discard(pid)  # a process under this pid later is described anew
         self._put(("forget", pid))
 
     def _put(self, item: tuple[str, int]) -> None:
@@ -579,7 +608,7 @@ class UnwindTables:
             for pid, proc in self._procs.items():
                 if any(e[-1] == key for e in proc.entries):
                     proc.entries = [e for e in proc.entries if e[-1] != key]
-                    proc.write(self._mappings_map, self._procs_map, pid)
+                    proc.write(self._mappings_map, self._procs_map, pid, self._flags(pid))
             self._tables_changed()
         return True
 
@@ -657,7 +686,7 @@ class UnwindTables:
             self._procs.move_to_end(pid)
             proc.entries = live
             proc.source = source or []
-            proc.write(self._mappings_map, self._procs_map, pid)
+            proc.write(self._mappings_map, self._procs_map, pid, self._flags(pid))
             self._tables_changed()
             self.stats.procs = len(self._procs)
 

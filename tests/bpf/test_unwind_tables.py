@@ -13,6 +13,7 @@ import pytest
 
 from bistouri.bpf import abi
 from bistouri.capture.profiler import Profiler, ProfilerOptions
+from bistouri.unwind.tables import _PROC
 from testkit.helpers import build_id, wait_until
 
 pytestmark = pytest.mark.bpf
@@ -68,7 +69,7 @@ def test_a_process_past_the_row_bound_evicts_another_processs_files_and_unpublis
     def published(agent: Profiler, pid: int) -> int:
         raw = agent._require().maps["unwind_procs"].lookup(struct.pack("<I", pid))
         assert raw is not None
-        return struct.unpack("<II", raw)[1]
+        return int(_PROC.unpack(raw)[1])
 
     def generation(agent: Profiler) -> int:
         raw = agent._require().maps["unwind_generation"].lookup(struct.pack("<I", 0))
@@ -172,7 +173,7 @@ def test_a_frame_pointer_files_callers_are_walked_without_a_search_to_the_entry(
     walked by frame pointer, no row search), Debian's libc not; its walks still reach the entry:
     main's return address into libc is searched, and _start's, whose RBP is 0, too (its END row)."""
     from bistouri.capture.events import StackSample
-    from bistouri.unwind.tables import _FP_CALLERS, _MAPPING, _PROC
+    from bistouri.unwind.tables import _FP_CALLERS, _MAPPING
 
     burner = str(workloads / "burner")
     opts = ProfilerOptions(
@@ -185,7 +186,7 @@ def test_a_frame_pointer_files_callers_are_walked_without_a_search_to_the_entry(
         maps = agent._require().maps
         proc = maps["unwind_procs"].lookup(struct.pack("<I", pid))
         assert proc is not None
-        slot, count = _PROC.unpack(proc)
+        slot, count, _flags = _PROC.unpack(proc)
         marked = {}
         for i in range(count):
             start, _end, *_, shift = _MAPPING.unpack(
@@ -210,3 +211,39 @@ def test_a_frame_pointer_files_callers_are_walked_without_a_search_to_the_entry(
         assert wait_until(enough, 60)
     ends = [abi.WALK_ENDS.get(s.walk[2]) for s in got]
     assert ends.count("entry") >= 0.9 * len(got), ends
+
+
+def test_a_process_without_a_python_record_is_marked_so_and_a_python_one_is_walked() -> None:
+    """xz's unwind_procs entry says it has no python_procs record (BISTOURI_UNWIND_PROC_NO_PYTHON:
+    its samples skip the Python walk's lookup); python3.11's does not, and its samples carry Python
+    frames. A record written after the tables (an interpreter described again) clears the flag first."""
+    from bistouri.capture.events import StackSample
+    from bistouri.unwind.tables import _NO_PYTHON
+
+    opts = ProfilerOptions(
+        freq_hz=199, offcpu=False, exec_discovery=False, unwind_cpu_share=1.0, unwind_nice=0
+    )
+    with _spinning(XZ) as xz, _spinning(PY) as py, Profiler(opts) as agent:
+        agent.start()
+        for pid in (xz, py):
+            agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
+        assert agent.unwind is not None and agent.unwind.wait_idle(120)
+        procs = agent._require().maps["unwind_procs"]
+
+        def flags(pid: int) -> int:
+            raw = procs.lookup(struct.pack("<I", pid))
+            assert raw is not None
+            return _PROC.unpack(raw)[2]
+
+        assert (flags(xz), flags(py)) == (_NO_PYTHON, 0)
+        got: list[StackSample] = []
+
+        def enough() -> bool:
+            got.extend(e for e in agent.take(timeout=0.2) if isinstance(e, StackSample))
+            return sum(s.pid == py for s in got) >= 20 and sum(s.pid == xz for s in got) >= 20
+
+        assert wait_until(enough, 60)
+        assert all(not s.python for s in got if s.pid == xz)
+        assert sum(bool(s.python) for s in got if s.pid == py) >= 0.9 * sum(s.pid == py for s in got)
+        agent.unwind.python_record(xz, True)  # as the profiler does before a record goes in
+        assert flags(xz) == 0
