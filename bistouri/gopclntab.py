@@ -413,6 +413,7 @@ class GoPclnTab:
         entries, nfunc, first, shift = self._entries, self._nfunc, self._first, self._shift
         low, nbuckets = entries[0], len(first) - 1
         bisect_right, held_get, files = bisect.bisect_right, held.get, self._files
+        funcs_get = self._funcs.get
         made: dict[int, tuple[T, ...]] = {}  # callers' frames of an inlined call, by _frames' ckey
         out: list[tuple[T, ...] | None] = []
         unnamed: list[int] = []
@@ -429,13 +430,14 @@ class GoPclnTab:
             if i >= nfunc or pc >= entries[i + 1]:
                 add(None)
                 continue
-            fn = self._funcs.get(i)
+            fn = funcs_get(i)
             if fn is None:
                 try:
                     fn = self._func_record(i)
                 except (GoPclnError, struct.error, IndexError):
                     add(None)
                     continue
+                funcs_get = self._funcs.get  # a new dict past the bound
             # As `keys`.
             _e, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
             j = bisect_right(runs, pc, flo, fhi) - 1
