@@ -24,7 +24,8 @@ A Go binary's same sessions go through each path the symbolizer has for it, in t
   *_pclntab_*   names, file:line and inlined calls from .gopclntab (no llvm)
   *_dwarf_*     the same from DWARF through llvm-symbolizer (what a Go binary with DWARF gets)
   --repeat R runs the in-process paths R rounds (llvm's once): each path's best rate, and the median
-  of the rounds' pclntab/symtab ratios (`*_pclntab_vs_symtab`), each round's two back to back.
+  of the rounds' pclntab/symtab ratios (`*_pclntab_vs_symtab`), each round's two back to back;
+  `*_pclntab_vs_dwarf` is the first round's pclntab/DWARF ratio (the same answers both ways).
 Sessions go through wire encode/decode first, as the service receives them.
 Rates are per CPU-second of this process plus its children (one core; the llvm-symbolizer pool's
 time read from /proc while it runs), and wall.
@@ -353,6 +354,10 @@ def bench_go(
                     resolve.read_pclntab = read
             if cpu.get("symtab"):
                 ratios.append(cpu["pclntab"] / cpu["symtab"])
+            if cpu.get("dwarf"):
+                # The same answers (names, file:line, inlined calls) from DWARF through llvm-symbolizer,
+                # its processes' CPU counted: the comparison of like with like, round 0 only.
+                out[f"{kind}_pclntab_vs_dwarf"] = round(cpu["pclntab"] / cpu["dwarf"], 2)
         if ratios:
             # The issue's figure: Go frames against the same binary's names from .symtab, per
             # CPU-second, each round's two paths back to back.
@@ -416,7 +421,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
             k: r[k]
             for k in r
             if k in ("symbols", "go", "module_load_ms", "named_fraction", "frames_with_line_fraction")
-            or k.endswith(("_vs_symtab", "_vs_symtab_rounds", "_load_ms"))
+            or k.endswith(("_vs_symtab", "_vs_symtab_rounds", "_vs_dwarf", "_load_ms"))
         }
         print(f"# {r['target']}: {extra}")
 

@@ -511,27 +511,20 @@ class Resolver:
     ) -> list[_Frames | _Uncached]:
         """Go addresses' frames from the pclntab: one answer per key (function, file:line and
         inlined calls), shared by the addresses that give it."""
-        answers = mod.go_answers
         intern, module, user = self._intern, mod.name, model.KIND_USER
 
         def make(function: str, file: str, line: int, inlined: bool) -> model.Frame:
             # As _user_frames makes them from llvm's answer; Go's names are not mangled.
             return intern(model.Frame(function, module, _path(file), line, user, inlined))
 
-        out: list[_Frames | _Uncached] = []
-        for (off, _leaf), vaddr, key in zip_strict(todo, vaddrs, go.keys(vaddrs)):
-            got = answers.get(key) if key is not None else None
-            if got is None:
-                got = go.frames_at(key, make) if key is not None else ()
-                if not got:
-                    got = self._user_frames(mod, off, vaddr, None)
-                elif all(f.name for f in got) if len(got) > 1 else got[0].name:
-                    if len(answers) < MAX_NAMED_PER_MODULE:
-                        answers[key] = got  # type: ignore[index]  # not None: it has frames
-                else:  # an inlined call without a name: labelled by this address, not kept
-                    label = f"{mod.name}+0x{off:x}"
-                    got = tuple(f if f.name else self._intern(_renamed(f, label)) for f in got)
-            out.append(got)
+        got, unnamed = go.answers(vaddrs, make, mod.go_answers, MAX_NAMED_PER_MODULE)
+        for i in unnamed:  # an inlined call without a name: labelled by this address, not kept
+            label = f"{mod.name}+0x{todo[i][0]:x}"
+            got[i] = tuple(f if f.name else self._intern(_renamed(f, label)) for f in got[i] or ())
+        out: list[_Frames | _Uncached] = got  # type: ignore[assignment]  # the Nones replaced below
+        for i, frames in enumerate(got):
+            if frames is None:  # not in the table: from the symbols, as any ELF file's
+                out[i] = self._user_frames(mod, todo[i][0], vaddrs[i], None)
         return out
 
     def gives_lines(self, mod: _Module) -> bool:

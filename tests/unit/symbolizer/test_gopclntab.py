@@ -371,6 +371,31 @@ def test_equal_keys_give_equal_frames() -> None:
     assert by_key and all(len(chains) == 1 for chains in by_key.values())
 
 
+def test_a_batch_answers_as_frames_at_of_each_key() -> None:
+    """`answers` (the resolver's batch): each PC's frames as `frames_at` of its key, one object a
+    key, held up to the bound; PCs in no function are None."""
+    data, inl = build_table_bytes((1, 20))
+    tab = GoPclnTab(data, TEXT, inl)
+    pcs = [None, *range(TEXT - 4, TEXT + 0x64), *range(TEXT, TEXT + 0x60, 3)]
+    held: dict[int, tuple[GoFrame, ...]] = {}
+    got, unnamed = tab.answers(pcs, gopclntab._go_frame, held, 1000)
+    assert unnamed == [] and held
+    by_key: dict[int, tuple[GoFrame, ...]] = {}
+    for pc, frames in zip_strict(pcs, got):
+        key = tab.key(pc) if pc is not None else None
+        if key is None:
+            assert frames is None, pc
+            continue
+        assert frames == tab.frames_at(key, gopclntab._go_frame), hex(pc)
+        assert by_key.setdefault(key, frames) is frames  # shared by the PCs of a key
+    assert any(len(f) > 1 for f in by_key.values())  # inlined calls among them
+    # Held answers are given again as they are; past the bound, none is added.
+    again, _ = tab.answers(pcs, gopclntab._go_frame, held, 1000)
+    assert all(again[i] is held[k] for i, k in enumerate(map(tab.key, pcs[1:]), 1) if k is not None)
+    few: dict[int, tuple[GoFrame, ...]] = {}
+    assert tab.answers(pcs, gopclntab._go_frame, few, 2)[0] == got and len(few) == 2
+
+
 I64 = st.integers(-(2**63), 2**63 - 1)
 
 
