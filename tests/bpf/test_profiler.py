@@ -329,7 +329,7 @@ def test_a_failed_attach_leaves_nothing_behind(monkeypatch):
 def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
     from bistouri.bpf.handles import RingBuffer
 
-    proc = subprocess.Popen([str(workloads / "burner"), "3"])
+    proc = subprocess.Popen([str(workloads / "burner"), "30"])
     try:
         with Profiler(ProfilerOptions(freq_hz=99, offcpu=False)) as agent:
             obj = agent._obj
@@ -339,7 +339,9 @@ def test_callback_exception_is_reraised_on_the_owning_thread(workloads):
                 raise ValueError("handler failed")
 
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            time.sleep(0.5)
+            # Samples in the ring: the burner's CPU time, not the wall's (a busy host gives it less).
+            since = _on_cpu_ns(proc.pid)
+            assert wait_until(lambda: _on_cpu_ns(proc.pid) - since >= 0.3e9, 60.0), "the burner ran"
             with RingBuffer([(obj.maps["stack_events"], boom)]) as rb, pytest.raises(ValueError):
                 rb.consume()
     finally:
@@ -370,23 +372,24 @@ def _drain_all(agent: Profiler) -> list:
 def _lose_a_cache_midway(
     workloads: Path, options: ProfilerOptions, lose: Callable[[Profiler], Callable[[], int]]
 ) -> tuple[int, list[StackSample], float]:
-    """Profile a burner for 1 s; with the burner stopped and every sample drained, make the agent
-    lose a cache (`lose` returns how to read what it lost); let the burner run 2 s more, stop it
-    and drain again. Returns (that reading, the samples of the second run, the burner's time on
-    CPU in it). The stops make the second run's edges exact whatever the machine's load: every
-    sample in it was taken between them and handed over after the second."""
+    """Profile a burner for 1 s of its CPU time; with the burner stopped and every sample drained,
+    make the agent lose a cache (`lose` returns how to read what it lost); let the burner run 2 s of
+    CPU more, stop it and drain again. Returns (that reading, the samples of the second run, the
+    burner's time on CPU in it). The stops make the second run's edges exact whatever the machine's
+    load: every sample in it was taken between them and handed over after the second; its length in
+    CPU time, not wall time, gives a busy host as many samples."""
     proc = subprocess.Popen([str(workloads / "burner"), "30"])
     try:
         with Profiler(options) as agent:
             agent.start()
             agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)
-            _collect(agent, 1.0)
+            _collect_on_cpu(agent, proc.pid, 0, 1.0)
             _stop(proc)
             _drain_all(agent)
             lost = lose(agent)
             cpu0 = _cpu_s(proc.pid)
             proc.send_signal(signal.SIGCONT)
-            late = _collect(agent, 2.0)
+            late = _collect_on_cpu(agent, proc.pid, _on_cpu_ns(proc.pid), 2.0)
             _stop(proc)
             on_cpu = _cpu_s(proc.pid) - cpu0
             late += _drain_all(agent)
