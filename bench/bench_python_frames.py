@@ -291,15 +291,21 @@ def side_by_side(pid: int, reference: int, seconds: float, freq: int, *extra: st
         sampler(pid, seconds, freq, "--window", str(WINDOW_S), *extra),
         sampler(reference, seconds, freq, "--window", str(WINDOW_S)),
     ]
-    for proc in both:  # each says when its tables are in; then both start at once
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"sampler failed: {proc.communicate()[1][-2000:]}")
-    for proc in both:
-        assert proc.stdin is not None
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-    return sampled(both[0], seconds), sampled(both[1], seconds)
+    try:
+        for proc in both:  # each says when its tables are in; then both start at once
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"sampler failed: {proc.communicate()[1][-2000:]}")
+        for proc in both:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        return sampled(both[0], seconds), sampled(both[1], seconds)
+    finally:
+        for proc in both:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def paired_ratio(subject: dict, reference: dict) -> dict:
