@@ -22,7 +22,8 @@ bench/python_target.py (`hot_loop` under `driver`, its rounds counted in a share
    without it (the record deleted from `python_procs`), against bench_sampling's frameless C program
    (~30 native frames, the .eh_frame walk): measured once at the start of the run, and beside each
    measure (a second sampler on it over the same seconds), the ratio taken in 2 s windows and the
-   windows' median kept (on a shared host the reference alone moves by half from one minute to the next);
+   windows' median kept (on a shared host the reference alone moves by half from one minute to the next;
+   `--seconds 14` gives six windows);
 4. `bistouri record`'s peak RSS on the target, the whole run with its helpers (bench_record's
    measure), twice: its cache directory empty, then holding what the first run put there.
 
@@ -254,18 +255,18 @@ def overhead(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
     return out
 
 
-def bpf_time(exe: Path, seconds: float, freq: int, tmp: Path, reference: int) -> dict:
+def bpf_time(exe: Path, seconds: float, freq: int, tmp: Path, reference: Path) -> dict:
     """The 30-deep stack sampled with the Python walk and without it; and the same depth made of
     distinct functions (the recursion repeats one code object 26 times, which a walk reads once). Each
-    beside the native reference (`reference`: the frameless C program's pid) sampled at the same time by
-    a sampler of its own: `paired` (see paired_ratio)."""
-    with Target(exe, DEEP, tmp) as t:
+    beside the native reference (`reference`: the frameless C program, running only for this step)
+    sampled at the same time by a sampler of its own: `paired` (see paired_ratio)."""
+    with Running(reference) as ref, Target(exe, DEEP, tmp) as t:
         time.sleep(0.5)
-        walk, walk_ref = side_by_side(t.pid, reference, seconds, freq, "--truth", str(t.truth))
-        native, native_ref = side_by_side(t.pid, reference, seconds, freq, "--no-walk")
-    with Target(exe, DEEP, tmp, "distinct") as t:
+        walk, walk_ref = side_by_side(t.pid, ref.pid, seconds, freq, "--truth", str(t.truth))
+        native, native_ref = side_by_side(t.pid, ref.pid, seconds, freq, "--no-walk")
+    with Running(reference) as ref, Target(exe, DEEP, tmp, "distinct") as t:
         time.sleep(0.5)
-        distinct, distinct_ref = side_by_side(t.pid, reference, seconds, freq)
+        distinct, distinct_ref = side_by_side(t.pid, ref.pid, seconds, freq)
     return {
         "python_walk": walk,
         "native_only": native,
@@ -332,13 +333,26 @@ def paired_ratio(subject: dict, reference: dict) -> dict:
     }
 
 
-def frameless(seconds: float, tmp: Path) -> subprocess.Popen:
-    """bench_sampling's frameless C program (~30 native frames, the .eh_frame walk), running `seconds`."""
-    return subprocess.Popen([str(build_frameless(tmp)), str(int(seconds))])
+class Running:
+    """bench_sampling's frameless C program (~30 native frames, the .eh_frame walk), built at `exe`,
+    running until the block ends (a CPU burner: not beside the other steps' measures)."""
+
+    def __init__(self, exe: Path) -> None:
+        self.proc = subprocess.Popen([str(exe), str(3600)])
+        self.pid = self.proc.pid
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
-def native_walk(pid: int, seconds: float, freq: int) -> dict:
-    return sampled(sampler(pid, seconds, freq), seconds)
+def native_walk(exe: Path, seconds: float, freq: int) -> dict:
+    with Running(exe) as ref:
+        time.sleep(0.5)
+        return sampled(sampler(ref.pid, seconds, freq), seconds)
 
 
 def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
@@ -357,7 +371,7 @@ def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
     return out
 
 
-def measure(exe: Path, seconds: float, tmp: Path, reference: int, bpf_only: bool = False) -> dict:
+def measure(exe: Path, seconds: float, tmp: Path, reference: Path, bpf_only: bool = False) -> dict:
     if bpf_only:
         return {"bpf": bpf_time(exe, seconds, 999, tmp, reference)}
     return {
@@ -526,21 +540,16 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-pyframes-") as d:
             tmp = Path(d)
-            reference = frameless(24 * 3600, tmp)  # the native reference, beside every BPF-time window
-            try:
-                time.sleep(0.5)
-                results["native"] = native_walk(reference.pid, args.seconds, 999)
-                print(f"{'native':>12}: {json.dumps(results['native'])}", flush=True)
-                for which in args.only.split(",") if args.only else CPYTHONS:
-                    exe = cpython(which)
-                    if exe is None:
-                        print(f"{which:>12}: not installed", flush=True)
-                        continue
-                    results[which] = measure(exe, args.seconds, tmp, reference.pid, args.bpf_only)
-                    print(f"{which:>12}: {json.dumps(results[which])}", flush=True)
-            finally:
-                reference.kill()
-                reference.wait()
+            reference = build_frameless(tmp)
+            results["native"] = native_walk(reference, args.seconds, 999)
+            print(f"{'native':>12}: {json.dumps(results['native'])}", flush=True)
+            for which in args.only.split(",") if args.only else CPYTHONS:
+                exe = cpython(which)
+                if exe is None:
+                    print(f"{which:>12}: not installed", flush=True)
+                    continue
+                results[which] = measure(exe, args.seconds, tmp, reference, args.bpf_only)
+                print(f"{which:>12}: {json.dumps(results[which])}", flush=True)
     finally:
         os.close(stats_fd)
     results["load_after"] = os.getloadavg()
