@@ -1,8 +1,8 @@
 """The bistouri side of bench_python_frames, in its own process (its CPU and its BPF programs its own).
 
-Usage: _python_sampler.py PID SECONDS FREQ [--truth FILE] [--counter FILE] [--no-walk]. Samples PID on-CPU
-with a Profiler, names every sample's Python frames as the capture does (`Profiler.python.name`) and prints
-one JSON line:
+Usage: _python_sampler.py PID SECONDS FREQ [--truth FILE] [--counter FILE] [--no-walk] [--window W].
+Samples PID on-CPU with a Profiler, names every sample's Python frames as the capture does
+(`Profiler.python.name`) and prints one JSON line:
 - BPF run time of its perf_event program (its own fdinfo; the bench enables the stats): per sample of the
   target, all runs charged to it (upper bound) and net of the runs for other processes (their early-return
   cost measured for 1 s before the target is filtered in, as bench/_sampler.py does);
@@ -16,11 +16,17 @@ one JSON line:
 - with --counter, the target's work over the window (bench/python_target.py) per second (work_rates).
 --no-walk deletes the target's record from `python_procs` after it was pushed: the same process sampled
 with its native stack only.
+--window W also cuts the BPF time into windows of W seconds, their edges at multiples of W of
+CLOCK_MONOTONIC (so two samplers started together have the same windows, and their ratios can be taken
+window by window: `windows`, each its index k, run time, runs and the target's samples in it, a sample
+counted in the window its kernel time falls in). With --window, once ready to measure it prints
+`ready` and waits for a line on its standard input: two samplers then measure the same seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import struct
 import sys
@@ -82,6 +88,54 @@ def read_counter(path: str | None) -> int:
         return struct.unpack("<Q", f.read(8))[0]
 
 
+class Windows:
+    """The perf_event program's run time cut at every multiple of `width` seconds of CLOCK_MONOTONIC
+    (bpf_ktime_get_ns's clock, which stamps the samples); width 0: no windows."""
+
+    def __init__(self, width: float) -> None:
+        self.width_ns = int(width * 1e9)
+        self.edges: list[tuple[int, int, int, int]] = []  # (k, at ns, run ns, runs), in time order
+        self.samples: list[tuple[int, int]] = []  # (kernel time, weight)
+        self.next_k = time.monotonic_ns() // self.width_ns + 1 if self.width_ns else 0
+
+    def timeout(self, most: float) -> float:
+        """How long a drain may wait: not past the next edge, so it is taken on time."""
+        if not self.width_ns:
+            return most
+        return max(0.0, min(most, (self.next_k * self.width_ns - time.monotonic_ns()) / 1e9))
+
+    def sample(self, at_ns: int, weight: int) -> None:
+        if self.width_ns:
+            self.samples.append((at_ns, weight))
+
+    def edge(self) -> None:
+        if not self.width_ns:
+            return
+        now = time.monotonic_ns()
+        if now < self.next_k * self.width_ns:
+            return
+        ns, runs = prog_stats()
+        self.edges.append((now // self.width_ns, time.monotonic_ns(), ns, runs))
+        self.next_k = now // self.width_ns + 1
+
+    def rows(self, early_ns: float) -> list[dict]:
+        """Per window between two edges: its k (the later edge's), run time, runs, samples and the run
+        time per sample net of the early returns for other processes, as the whole window's."""
+        starts = [at for _, at, _, _ in self.edges]
+        counts = [0] * len(self.edges)
+        for at, w in self.samples:
+            i = bisect.bisect_right(starts, at)
+            if 0 < i < len(starts):
+                counts[i] += w
+        out = []
+        for i in range(1, len(self.edges)):
+            (_, _, ns0, n0), (k, _, ns1, n1) = self.edges[i - 1], self.edges[i]
+            n = counts[i]
+            net = (ns1 - ns0 - early_ns * max(0, n1 - n0 - n)) / n if n else None
+            out.append({"k": k, "ns": ns1 - ns0, "runs": n1 - n0, "samples": n, "net_ns_per_sample": net})
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("pid", type=int)
@@ -90,6 +144,7 @@ def main() -> int:
     ap.add_argument("--truth")
     ap.add_argument("--counter")
     ap.add_argument("--no-walk", action="store_true")
+    ap.add_argument("--window", type=float, default=0.0)
     args = ap.parse_args()
     pid = args.pid
 
@@ -121,11 +176,16 @@ def main() -> int:
             agent._require().maps["python_procs"].delete(struct.pack("<I", pid))
         agent.unwind.wait_idle(120)  # measured once its unwind tables are loaded
         agent.take()
+        if args.window:
+            print("ready", flush=True)
+            sys.stdin.readline()
+            agent.take()
         ns0, cnt0 = prog_stats()
         cpu0, ring0, target0 = own_cpu_ns(), thread_cpu_ns("ringbuf"), tasks_sched_ns(pid)
         work0, t0 = read_counter(args.counter), time.monotonic()
+        windows = Windows(args.window)
         while time.monotonic() - t0 < args.seconds:
-            for e in agent.take(timeout=0.2):
+            for e in agent.take(timeout=windows.timeout(0.2)):
                 if type(e) is not StackSample or e.pid != pid:
                     continue
                 c0 = time.thread_time_ns()
@@ -135,6 +195,7 @@ def main() -> int:
                 if e.tid != pid:
                     continue
                 w = e.weight
+                windows.sample(e.counted_ns or e.timestamp_ns, w)
                 samples += w
                 native += w * len(split_stacks(e.stacks, e.kernel_len)[1])
                 python += w * len(named)
@@ -146,6 +207,7 @@ def main() -> int:
                         frames += w
                         exact += w * (name.line == (lines.get(-1 if raw.offset is None else raw.offset) or 0))
                 bookkeeping_ns += time.thread_time_ns() - c1
+            windows.edge()
         ns1, cnt1 = prog_stats()
         cpu1, ring1, target1 = own_cpu_ns(), thread_cpu_ns("ringbuf"), tasks_sched_ns(pid)
         work1, t1 = read_counter(args.counter), time.monotonic()
@@ -173,6 +235,7 @@ def main() -> int:
                 "naming_share_of_one_core": naming_ns / 1e9 / span,
                 **work_rates(work1 - work0, span, target1[0] - target0[0], target1[1] - target0[1]),
                 "seconds": span,
+                "windows": windows.rows(early_ns),
             }
         ),
         flush=True,

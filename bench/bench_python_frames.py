@@ -20,7 +20,10 @@ bench/python_target.py (`hot_loop` under `driver`, its rounds counted in a share
 3. BPF time per sample (run_time_ns / run_cnt of the perf_event program, bpf_enable_stats, net of
    other processes' runs) of a 30-deep Python stack (the target recursed), with the Python walk and
    without it (the record deleted from `python_procs`), against bench_sampling's frameless C program
-   (~30 native frames, the .eh_frame walk) measured once in the same run;
+   (~30 native frames, the .eh_frame walk): measured once at the start of the run, and beside each
+   measure (a second sampler on it over the same seconds), the ratio taken in 2 s windows and the
+   windows' median kept (on a shared host the reference alone moves by half from one minute to the next;
+   `--seconds 14` gives six windows);
 4. `bistouri record`'s peak RSS on the target, the whole run with its helpers (bench_record's
    measure), twice: its cache directory empty, then holding what the first run put there.
 
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +99,7 @@ class Target:
 def sampler(pid: int, seconds: float, freq: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(SAMPLER), str(pid), str(seconds), str(freq), *extra],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -250,27 +255,104 @@ def overhead(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
     return out
 
 
-def bpf_time(exe: Path, seconds: float, freq: int, tmp: Path) -> dict:
+def bpf_time(exe: Path, seconds: float, freq: int, tmp: Path, reference: Path) -> dict:
     """The 30-deep stack sampled with the Python walk and without it; and the same depth made of
-    distinct functions (the recursion repeats one code object 26 times, which a walk reads once)."""
-    with Target(exe, DEEP, tmp) as t:
+    distinct functions (the recursion repeats one code object 26 times, which a walk reads once). Each
+    beside the native reference (`reference`: the frameless C program, running only for this step)
+    sampled at the same time by a sampler of its own: `paired` (see paired_ratio)."""
+    with Running(reference) as ref, Target(exe, DEEP, tmp) as t:
         time.sleep(0.5)
-        walk = sampled(sampler(t.pid, seconds, freq, "--truth", str(t.truth)), seconds)
-        native = sampled(sampler(t.pid, seconds, freq, "--no-walk"), seconds)
-    with Target(exe, DEEP, tmp, "distinct") as t:
+        walk, walk_ref = side_by_side(t.pid, ref.pid, seconds, freq, "--truth", str(t.truth))
+        native, native_ref = side_by_side(t.pid, ref.pid, seconds, freq, "--no-walk")
+    with Running(reference) as ref, Target(exe, DEEP, tmp, "distinct") as t:
         time.sleep(0.5)
-        distinct = sampled(sampler(t.pid, seconds, freq), seconds)
-    return {"python_walk": walk, "native_only": native, "distinct": distinct}
+        distinct, distinct_ref = side_by_side(t.pid, ref.pid, seconds, freq)
+    return {
+        "python_walk": walk,
+        "native_only": native,
+        "distinct": distinct,
+        "paired": {
+            "python_walk": paired_ratio(walk, walk_ref),
+            "native_only": paired_ratio(native, native_ref),
+            "distinct": paired_ratio(distinct, distinct_ref),
+        },
+    }
 
 
-def native_walk(seconds: float, freq: int, tmp: Path) -> dict:
-    proc = subprocess.Popen([str(build_frameless(tmp)), str(int(seconds + 60))])
+WINDOW_S = 2.0  # the windows side_by_side's ratios are taken in
+# A window counts when both targets got this many samples in it: a target starved of CPU by other
+# tenants leaves few, and the early returns taken out of each (their cost estimated once) then swamp them.
+MIN_SAMPLES = 150
+
+
+def side_by_side(pid: int, reference: int, seconds: float, freq: int, *extra: str) -> tuple[dict, dict]:
+    """`pid` and the native reference sampled over the same seconds, each by its own sampler (its own BPF
+    program and run time), cut into the same windows."""
+    both = [
+        sampler(pid, seconds, freq, "--window", str(WINDOW_S), *extra),
+        sampler(reference, seconds, freq, "--window", str(WINDOW_S)),
+    ]
     try:
-        time.sleep(0.5)
-        return sampled(sampler(proc.pid, seconds, freq), seconds)
+        for proc in both:  # each says when its tables are in; then both start at once
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"sampler failed: {proc.communicate()[1][-2000:]}")
+        for proc in both:
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        return sampled(both[0], seconds), sampled(both[1], seconds)
     finally:
-        proc.kill()
-        proc.wait()
+        for proc in both:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def paired_ratio(subject: dict, reference: dict) -> dict:
+    """The subject's BPF time per sample over the reference's, window by window (both measured in the
+    same second, so a load that moves both moves neither ratio): their median and spread, and the
+    reference's own spread over those windows (µs)."""
+    ref = {w["k"]: w["net_ns_per_sample"] for w in reference["windows"] if w["samples"] >= MIN_SAMPLES}
+    pairs = [
+        (w["net_ns_per_sample"], ref[w["k"]])
+        for w in subject["windows"]
+        if w["samples"] >= MIN_SAMPLES and w["k"] in ref
+    ]
+    if not pairs:
+        return {"windows": 0}
+    ratios = sorted(a / b for a, b in pairs)
+    refs = sorted(b / 1e3 for _, b in pairs)
+    return {
+        "windows": len(pairs),
+        "median": statistics.median(ratios),
+        "min": ratios[0],
+        "max": ratios[-1],
+        "reference_us": [refs[0], statistics.median(refs), refs[-1]],
+        "subject_us": statistics.median(a / 1e3 for a, _ in pairs),
+    }
+
+
+class Running:
+    """bench_sampling's frameless C program (~30 native frames, the .eh_frame walk), built at `exe`,
+    running until the block ends (a CPU burner: not beside the other steps' measures)."""
+
+    def __init__(self, exe: Path) -> None:
+        self.proc = subprocess.Popen([str(exe), str(3600)])
+        self.pid = self.proc.pid
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def native_walk(exe: Path, seconds: float, freq: int) -> dict:
+    with Running(exe) as ref:
+        time.sleep(0.5)
+        return sampled(sampler(ref.pid, seconds, freq), seconds)
 
 
 def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
@@ -289,13 +371,13 @@ def record_rss(exe: Path, seconds: float, tmp: Path) -> dict:
     return out
 
 
-def measure(exe: Path, seconds: float, tmp: Path, bpf_only: bool = False) -> dict:
+def measure(exe: Path, seconds: float, tmp: Path, reference: Path, bpf_only: bool = False) -> dict:
     if bpf_only:
-        return {"bpf": bpf_time(exe, seconds, 999, tmp)}
+        return {"bpf": bpf_time(exe, seconds, 999, tmp, reference)}
     return {
         "names": names_and_lines(exe, 2 * seconds, 99, tmp),  # 99 Hz: twice as long for as many samples
         "overhead": overhead(exe, seconds, 999, tmp),
-        "bpf": bpf_time(exe, seconds, 999, tmp),
+        "bpf": bpf_time(exe, seconds, 999, tmp, reference),
         "record": record_rss(exe, seconds, tmp),
     }
 
@@ -403,6 +485,30 @@ def tables(results: dict) -> str:
         )
     out += [
         "",
+        "Side by side with the native reference (its own sampler, the same 2 s windows, those where both"
+        f" got {MIN_SAMPLES} samples): medians of the windows' ratios (min-max); the Python walk's own"
+        " part = with the walk less without (each to its own windows' reference).",
+        "",
+        "| interpreter | recursed: ratio (≤ 2) | without the Python walk | the walk's own part |"
+        " distinct functions: ratio (≤ 2) | the reference's µs (min / median / max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, v in timed.items():
+        pr = v["bpf"].get("paired")
+        if not pr or not all(x.get("windows") for x in pr.values()):
+            continue
+        w, n, d = pr["python_walk"], pr["native_only"], pr["distinct"]
+        refs = [r for x in (w, n, d) for r in x["reference_us"]]
+
+        def spread(x: dict) -> str:
+            return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f}, {x['windows']} windows)"
+
+        out.append(
+            f"| {k} | **{spread(w)}** | {spread(n)} | {w['median'] - n['median']:.2f} | **{spread(d)}** | "
+            f"{min(refs):.2f} / {statistics.median(refs):.2f} / {max(refs):.2f} |"
+        )
+    out += [
+        "",
         "| interpreter | `record` run | peak RSS, whole run (≤ 50 MB) | capturing | symbolizing | helpers |",
         "|---|---|---|---|---|---|",
     ]
@@ -434,14 +540,15 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-pyframes-") as d:
             tmp = Path(d)
-            results["native"] = native_walk(args.seconds, 999, tmp)
+            reference = build_frameless(tmp)
+            results["native"] = native_walk(reference, args.seconds, 999)
             print(f"{'native':>12}: {json.dumps(results['native'])}", flush=True)
             for which in args.only.split(",") if args.only else CPYTHONS:
                 exe = cpython(which)
                 if exe is None:
                     print(f"{which:>12}: not installed", flush=True)
                     continue
-                results[which] = measure(exe, args.seconds, tmp, args.bpf_only)
+                results[which] = measure(exe, args.seconds, tmp, reference, args.bpf_only)
                 print(f"{which:>12}: {json.dumps(results[which])}", flush=True)
     finally:
         os.close(stats_fd)
