@@ -510,6 +510,11 @@ def cmd_record(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
         tree.remove()
+        # The process ends after this: the interpreter's collection at exit need not walk every
+        # object the run made (~20 ms of CPU of a warm run's ~0.35 s; freed with the process).
+        import gc
+
+        gc.freeze()
 
 
 def _start(command: list[str]) -> subprocess.Popen:
