@@ -23,8 +23,8 @@ Everything runs on the main thread; nothing here blocks on the network.
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,6 +98,16 @@ def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
 
 
 _Key = tuple[int, int, bytes, tuple[PythonFrame, ...], bool, int]
+
+
+def random_uuid() -> str:
+    """`str(uuid.uuid4())`, without importing uuid: it imports platform and re (~2.5 ms of record's
+    CPU after the first sample)."""
+    b = bytearray(os.urandom(16))
+    b[6] = b[6] & 0x0F | 0x40  # version 4
+    b[8] = b[8] & 0x3F | 0x80  # RFC 4122 variant
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class _MadeFrames:
@@ -289,7 +299,7 @@ class SessionCapture:
             return None
         now = self._clock()
         s = ActiveSession(
-            session_id=session_id or str(uuid.uuid4()),
+            session_id=session_id or random_uuid(),
             trigger=trigger,
             service=service,
             labels={**self.labels, **labels},
