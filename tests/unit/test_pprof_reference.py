@@ -147,7 +147,7 @@ def _varint(n: int) -> bytes:
 def test_varints_are_protocol_buffers_base_128() -> None:
     from bistouri.symbolizer import protobuf
 
-    assert protobuf.SMALL_VARINTS == [_varint(n) for n in range(1 << 14)]
+    assert [_varint(n) for n in range(1 << 14)] == protobuf.SMALL_VARINTS
     for n in (1 << 14, (1 << 14) + 1, 300_000, 1 << 35, protobuf.INT64_MAX):
         assert protobuf.varint(n) == _varint(n)
     assert protobuf.varint(-1) == _varint((1 << 64) - 1)  # int64 negatives: ten bytes
