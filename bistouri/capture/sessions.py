@@ -23,8 +23,8 @@ Everything runs on the main thread; nothing here blocks on the network.
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,6 +98,34 @@ def _add_walk(summary: wire.UnwindSummary, agg: _Agg) -> None:
 
 
 _Key = tuple[int, int, bytes, tuple[PythonFrame, ...], bool, int]
+
+
+def random_uuid() -> str:
+    """`str(uuid.uuid4())`, without importing uuid: it imports platform and re (~2.5 ms of record's
+    CPU after the first sample)."""
+    b = bytearray(os.urandom(16))
+    b[6] = b[6] & 0x0F | 0x40  # version 4
+    b[8] = b[8] & 0x3F | 0x80  # RFC 4122 variant
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class _MadeFrames:
+    """The wire frames made for one session's traces, by what they were made from: traces mostly
+    differ at their leaf only, and making a frozen frame costs ~10x a dict lookup."""
+
+    __slots__ = ("files", "python")
+
+    def __init__(self) -> None:
+        # by eval loop (None: not a CPython process), then (file id, offset, a return address?):
+        # the frame, and whether it runs the eval loop
+        self.files: dict[EvalLoop | None, dict[tuple[int, int, bool], tuple[wire.UserFrame, bool]]] = {}
+        self.python: dict[PythonFrame, wire.UserFrame] = {}
+
+
+def _python_frame(f: PythonFrame, made: dict[PythonFrame, wire.UserFrame]) -> wire.UserFrame:
+    made[f] = frame = wire.UserFrame(wire.FRAME_PYTHON, b"", f.line, f.name, f.filename)
+    return frame
 
 
 @dataclass(**SLOTS)
@@ -271,7 +299,7 @@ class SessionCapture:
             return None
         now = self._clock()
         s = ActiveSession(
-            session_id=session_id or str(uuid.uuid4()),
+            session_id=session_id or random_uuid(),
             trigger=trigger,
             service=service,
             labels={**self.labels, **labels},
@@ -572,13 +600,15 @@ class SessionCapture:
     def _build(self, s: ActiveSession, now: float, episode: wire.Episode | None) -> wire.Session:
         traces = []
         unwind = wire.UnwindSummary(python=dict(s.python))
+        # The traces share most of their frames (they differ at the leaf): each made once.
+        made = _MadeFrames()
         for (pid, tid, stacks, python, pre, wait), agg in s.traces.items():
             _add_walk(unwind, agg)
             kernel, raw_user = split_stacks(stacks, agg.kernel_len)
             traces.append(
                 wire.Trace(
                     kernel=kernel,
-                    user=self._classify(pid, raw_user, python, agg.eval_loop),
+                    user=self._classify(pid, raw_user, python, agg.eval_loop, made),
                     pid=pid,
                     tid=tid,
                     on_cpu=agg.on_cpu,
@@ -623,22 +653,31 @@ class SessionCapture:
         raw: list[tuple[int, int, int]],
         python: tuple[PythonFrame, ...] = (),
         eval_loop: EvalLoop | None = None,
+        made: _MadeFrames | None = None,
     ) -> tuple[wire.UserFrame, ...]:
         """Mapped frames (procmaps.FrameStatus) as wire frames: a file and offset (with the
         file's name, so an unnamed frame still says `libc.so.6+0x…`), the vDSO, a JIT
         function named by the perf map, or an unmapped address counted by reason; and the
-        Python frames of a CPython process in place of the eval-loop frames that ran them."""
+        Python frames of a CPython process in place of the eval-loop frames that ran them.
+        `made`: the frames made so far for the traces of one session, reused."""
+        made = made or _MadeFrames()
+        files = made.files.setdefault(eval_loop, {})
         out: list[wire.UserFrame] = []
         in_eval: list[int] = []  # indexes in `out` of the frames in the eval loop
         maps = self._filter.maps
         counts: dict[str, int] = {}
         for i, (status, ref, value) in enumerate(raw):
             if status == _FILE:
-                f = maps.file(ref)
-                # A return address (all but the leaf) is past its call: the call is in the loop.
-                if eval_loop is not None and eval_loop.holds(f.build_id, f.name, value - (i > 0)):
+                known = files.get((ref, value, i > 0))
+                if known is None:
+                    f = maps.file(ref)
+                    frame = wire.UserFrame(wire.FRAME_RESOLVED, f.build_id, value, f.name)
+                    # A return address (all but the leaf) is past its call: the call is in the loop.
+                    loop = eval_loop is not None and eval_loop.holds(f.build_id, f.name, value - (i > 0))
+                    known = files[(ref, value, i > 0)] = (frame, loop)
+                if known[1]:
                     in_eval.append(len(out))
-                out.append(wire.UserFrame(wire.FRAME_RESOLVED, f.build_id, value, f.name))
+                out.append(known[0])
                 label = "resolved"
             elif status == _VDSO:
                 out.append(wire.UserFrame(wire.FRAME_VDSO, b"", value))
@@ -660,7 +699,7 @@ class SessionCapture:
                 out.append(wire.UserFrame(wire.FRAME_UNKNOWN, b"", value))
             counts[label] = counts.get(label, 0) + 1
         if python:
-            out = self._splice(out, in_eval, python, counts)
+            out = self._splice(out, in_eval, python, counts, made.python)
         for label, n in counts.items():
             self.metrics.user_frames.labels(label).inc(n)
         return tuple(out)
@@ -671,6 +710,7 @@ class SessionCapture:
         in_eval: list[int],
         python: tuple[PythonFrame, ...],
         counts: dict[str, int],
+        made: dict[PythonFrame, wire.UserFrame],
     ) -> list[wire.UserFrame]:
         """`native` with each eval-loop frame (indexes `in_eval`) replaced by the Python frames it ran;
         `-X perf` trampolines (JIT frames named `py::…`) left out, as they only repeat a Python frame.
@@ -683,10 +723,7 @@ class SessionCapture:
             lambda i: native[i].kind == wire.FRAME_JIT and native[i].name.startswith("py::"),
         )
         out = [
-            native[f]
-            if isinstance(f, int)
-            else wire.UserFrame(wire.FRAME_PYTHON, b"", f.line, f.name, f.filename)
-            for f in spliced.frames
+            native[f] if isinstance(f, int) else made.get(f) or _python_frame(f, made) for f in spliced.frames
         ]
         counts["python"] = counts.get("python", 0) + len(python) - spliced.leftover
         if spliced.leftover:

@@ -26,6 +26,7 @@ by `Profiler.attach_rest`; a command target is started only once it is.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -510,6 +511,9 @@ def cmd_record(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
         tree.remove()
+        # The process ends after this: the interpreter's collection at exit need not walk every
+        # object the run made (~20 ms of CPU of a warm run's ~0.35 s; freed with the process).
+        gc.freeze()
 
 
 def _start(command: list[str]) -> subprocess.Popen:
@@ -554,13 +558,19 @@ def _capture(
     while not stop and time.monotonic() - t0 < _TABLES_FIRST_S and not profiler.unwind.wait_idle(0.05):
         pass
 
-    # Sampling runs: what follows may take its time (imports, /proc reads).
-    from .. import wire
-    from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
-    from ..capture.sessions import SessionCapture
-    from ..discard import Discarded
-    from ..host import mounts
-    from ..host.cgroupfs import find_mounts
+    # Sampling runs: what follows may take its time (imports, /proc reads). What the imports make
+    # lives as long as the process: the collector neither runs during them nor walks it after.
+    gc.disable()
+    try:
+        from .. import wire
+        from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
+        from ..capture.sessions import SessionCapture
+        from ..discard import Discarded
+        from ..host import mounts
+        from ..host.cgroupfs import find_mounts
+    finally:
+        gc.freeze()
+        gc.enable()
 
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)

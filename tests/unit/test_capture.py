@@ -528,3 +528,15 @@ def test_the_recorder_samples_at_its_own_rate_and_sessions_at_full_rate(tmp_path
     assert sorted((t.pre_trigger, t.on_cpu) for t in traces) == [(False, 1), (True, 5)]
     orch.unwatch(7)
     assert flt.pids == {}
+
+
+def test_session_ids_are_random_uuid4s() -> None:
+    import uuid
+
+    from bistouri.capture.sessions import random_uuid
+
+    ids = {random_uuid() for _ in range(200)}
+    assert len(ids) == 200
+    for text in ids:
+        u = uuid.UUID(text)
+        assert str(u) == text and u.version == 4 and u.variant == uuid.RFC_4122

@@ -132,3 +132,22 @@ def test_the_same_profile_gives_the_same_bytes() -> None:
     a, b = formats.PprofIds(), formats.PprofIds()
     rows = formats.frame_rows(p)
     assert formats.pprof_rows(p.meta, *rows, ids=a) == formats.pprof_rows(p.meta, *rows, ids=b)
+
+
+def _varint(n: int) -> bytes:
+    """Protocol buffers' base-128 varint, a byte at a time (n >= 0)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def test_varints_are_protocol_buffers_base_128() -> None:
+    from bistouri.symbolizer import protobuf
+
+    assert [_varint(n) for n in range(1 << 14)] == protobuf.SMALL_VARINTS
+    for n in (1 << 14, (1 << 14) + 1, 300_000, 1 << 35, protobuf.INT64_MAX):
+        assert protobuf.varint(n) == _varint(n)
+    assert protobuf.varint(-1) == _varint((1 << 64) - 1)  # int64 negatives: ten bytes
