@@ -243,7 +243,7 @@ static __always_inline void fill_stacks(void *ctx, struct bistouri_stack_event *
 	if (n > 0)
 		key->hash = hash_ips(ev->user_stack, n);
 	/* In the ev, not a local: handle_perf -> walk_python -> py_step has no stack to spare. */
-	if (ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON)
+	if (how == STACK_TABLES && ev->py_status == BISTOURI_PY_STATUS_NOT_PYTHON)
 		return;
 	if (how == STACK_TABLES)
 		walk_python(ev, perf_ctx ? 0 : 1);

@@ -452,8 +452,12 @@ static __always_inline long walk_user(struct bistouri_stack_event *ev, struct un
 		return 0;
 	w.win.base = w.win.end = start->sp;
 	proc = bpf_map_lookup_elem(&unwind_procs, &ev->pid);
-	/* Not Python: fill_stacks skips walk_python (its python_procs lookup, every sample's price). */
-	if (proc && (proc->flags & BISTOURI_UNWIND_PROC_NO_PYTHON))
+	/*
+	 * Not Python: fill_stacks skips walk_python (its python_procs lookup, every sample's price).
+	 * Not in the bounded twins: the branch doubles the paths 6.1's verifier walks through their
+	 * unrolled loops, and handle_sched_switch_bounded then passed its 1 M instructions (E2BIG).
+	 */
+	if (!bounded && proc && (proc->flags & BISTOURI_UNWIND_PROC_NO_PYTHON))
 		ev->py_status = BISTOURI_PY_STATUS_NOT_PYTHON;
 	/* Read before the tables: a rule found while user space changes them is cached under the old one. */
 	generation = bpf_map_lookup_elem(&unwind_generation, &zero);
