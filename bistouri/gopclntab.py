@@ -93,9 +93,9 @@ def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
 # runs' values from [lo + vo]; a table that is missing or damaged from its first run has lo == hi.
 # Two objects a function, and only those (not three tables of two arrays each and their records):
 # on distinct addresses they were half the objects of the Go path and of its collections.
-_Func = tuple[int, str, int, int, array, int, int, int, int, int, int, int, int, int]
+_Func = tuple[int, str, int, int, tuple[int, ...], int, int, int, int, int, int, int, int, int]
 _NO_TABLE = (0, 0, 0)
-_NO_RUNS = array("q")
+_NO_RUNS: tuple[int, ...] = ()
 # What the frames of one inlined call site hold whatever the line (GoPclnTab._chain): the function
 # called, its callers' frames, whether they all have names.
 _Chain = tuple[str, tuple[tuple[str, str, int, bool], ...], bool]
@@ -296,7 +296,7 @@ class GoPclnTab:
         """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
         if not table:
             return None
-        runs = array("q")
+        runs: list[int] = []
         lo, hi, vo = _decode(self._data, self._pctab + table, entry, self._quantum, runs)
         return _run_value(runs, lo, hi, vo, pc)
 
@@ -514,12 +514,12 @@ class GoPclnTab:
         # The three tables whole, into one array, for all the function's addresses whatever order
         # they come in: bounded (MAX_PCVALUE_STEPS runs each), and most are short (a file or
         # inline-index table has 6-9 runs on average, a line table 31; prometheus' longest 13 832).
-        runs = array("q")
+        runs: list[int] = []
         d, base, quantum = self._data, self._pctab, self._quantum
         ft = _decode(d, base + pcfile, entry, quantum, runs) if pcfile else _NO_TABLE
         lt = _decode(d, base + pcln, entry, quantum, runs) if pcln else _NO_TABLE
         it = _decode(d, base + inl, entry, quantum, runs) if inl else _NO_TABLE
-        fn: _Func = (entry, self._funcname(nameoff), cu, tree, runs, *ft, *lt, *it)
+        fn: _Func = (entry, self._funcname(nameoff), cu, tree, tuple(runs), *ft, *lt, *it)
         with self._lock:
             self._held += len(runs) >> 1
         self._funcs[i] = fn
@@ -674,7 +674,7 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[int, int, int]:
+def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: list[int]) -> tuple[int, int, int]:
     """Append the pc-value table at `pos` of a function at `cur` to `runs` (the record's layout:
     starts, end, values); its (lo, hi, vo). A table is pairs of varints (value delta, zigzag'd; pc
     delta) up to a value delta of 0 past the first pair. It ends early, keeping the runs before, at
@@ -683,7 +683,7 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
     starts: list[int] = []  # lists while decoding: an append is cheaper than an array's
     values: list[int] = []
     add_start, add_value = starts.append, values.append
-    val, size = -1, len(d)
+    val, size, wide = -1, len(d), False
     try:
         # Most varints are one byte, most others two: read inline, the function only for longer
         # ones; the end of the data is the IndexError of a read past it. (Cutting the varints out
@@ -698,6 +698,7 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
                 pos += 1
             else:
                 uv, pos = _uvarint(d, pos - 1, size)
+                wide = True
         for _ in range(MAX_PCVALUE_STEPS):
             val += (uv >> 1) ^ -(uv & 1)  # zigzag
             delta = d[pos]
@@ -708,6 +709,7 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
                     pos += 1
                 else:
                     delta, pos = _uvarint(d, pos - 1, size)
+                    wide = True
             add_value(val)
             add_start(cur)
             cur += delta * quantum
@@ -719,28 +721,29 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
                     pos += 1
                 else:
                     uv, pos = _uvarint(d, pos - 1, size)
+                    wide = True
                 if not uv:  # a zero written long
                     break
             elif not uv:
                 break
     except (GoPclnError, IndexError):  # damaged: the runs before it stay
         pass
-    lo = len(runs)
-    try:
-        runs.extend(starts)
-        runs.append(cur)
-        runs.extend(values)
-    except OverflowError:  # rare (a damaged table): cut before the first run past 64 bits
-        del runs[lo:]
+    # Values and starts are int64 (the record's were an array's): only a varint of three bytes or
+    # more can take one past that (from 1-2 byte ones, at most 2^16 runs of 14 bits), or an entry
+    # past it (1.16's are 64-bit): then the table is cut before the first run past 64 bits, its end
+    # at that run's start, at most 2^63 - 1 (rare: a damaged table).
+    if wide or cur > _MAX64:
         cut = 0
         while cut < len(starts) and starts[cut] <= _MAX64 and _MIN64 <= values[cut] <= _MAX64:
             cut += 1
         if cut < len(starts):
             cur = starts[cut]
         del starts[cut:], values[cut:]
-        runs.extend(starts)
-        runs.append(min(cur, _MAX64))
-        runs.extend(values)
+        cur = min(cur, _MAX64)
+    lo = len(runs)
+    runs += starts
+    runs.append(cur)
+    runs += values
     hi = lo + len(starts)
     return lo, hi, hi + 1 - lo
 
@@ -748,7 +751,7 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
 _MIN64, _MAX64 = -(1 << 63), (1 << 63) - 1
 
 
-def _run_value(runs: array, lo: int, hi: int, vo: int, pc: int) -> int | None:
+def _run_value(runs: Sequence[int], lo: int, hi: int, vo: int, pc: int) -> int | None:
     """The value a table of `runs` (at lo, hi, vo: _decode) gives `pc`; None before its first run,
     at or past its end, or when it has none."""
     j = bisect.bisect_right(runs, pc, lo, hi) - 1

@@ -269,9 +269,10 @@ def test_fuzz_any_bytes_after_a_valid_magic(tail: bytes) -> None:
 
 def _decoded(tab: GoPclnTab, at: int) -> Callable[[int], int | None]:
     """The table at `at` in the data decoded whole as a function's record holds it: its value at a PC."""
-    runs = array("q")
+    runs: list[int] = []
     lo, hi, vo = gopclntab._decode(tab._data, at, TEXT, 1, runs)
     assert len(runs) == 2 * (hi - lo) + 1 and hi - lo <= MAX_PCVALUE_STEPS
+    array("q", runs)  # every start, end and value an int64, whatever the table holds
     return lambda pc: gopclntab._run_value(runs, lo, hi, vo, pc)
 
 
