@@ -46,12 +46,14 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps decoded of one table
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-# What lookups keep decoded, per binary: runs of pc-value tables (~68 bytes each: two ints in a
-# tuple) and functions' records (~0.3 KB each, a name included). Past either bound, all of it is
-# dropped (only speed is lost; a batch's addresses are looked up in address order, so within one
-# batch nothing is decoded twice): at most ~25 MiB a binary whatever its tables hold (prometheus'
-# tables have 1.1 M runs). Answers are the caller's to keep (`key`).
-MAX_HELD_RUNS = 1 << 18
+# What lookups keep decoded, per binary: runs of pc-value tables (~69 bytes each with the records:
+# two ints in a tuple; an array's were 25) and functions' records (~0.3 KB each, a name included).
+# Past either bound, all of it is dropped (only speed is lost; a batch's addresses are looked up in
+# address order, so within one batch nothing is decoded twice): at most ~40 MiB a binary whatever
+# its tables hold (prometheus' have 1.1 M runs; cmd/go's 50 000 distinct addresses touch 374 000,
+# which 2^18 did not hold: a second batch decoded them again, its lookups 2.5x slower).
+# Answers are the caller's to keep (`key`).
+MAX_HELD_RUNS = 1 << 19
 MAX_HELD_FUNCS = 1 << 14
 _BUCKET_SHIFT = 12  # PCs of 4 KiB a bucket of the function search (`_first`)
 
