@@ -26,6 +26,9 @@ A Go binary's same sessions go through each path the symbolizer has for it, in t
   --repeat R runs the in-process paths R rounds (llvm's once): each path's best rate, and the median
   of the rounds' pclntab/symtab ratios (`*_pclntab_vs_symtab`), each round's two back to back;
   `*_pclntab_vs_dwarf` is the first round's pclntab/DWARF ratio (the same answers both ways).
+  --session FILE (with --go): a recorded session of that binary (msgpack, optionally gzip'd, as
+  `bistouri symbolize` reads) through the pclntab and symtab paths, cold, alternating, --repeat
+  rounds: what the user sees, beside the per-address figures (`session_pclntab_vs_symtab`).
 Sessions go through wire encode/decode first, as the service receives them.
 Rates are per CPU-second of this process plus its children (one core; the llvm-symbolizer pool's
 time read from /proc while it runs), and wall.
@@ -372,6 +375,53 @@ def bench_go(
     return out
 
 
+def bench_session(path: str, session_file: str, repeat: int) -> dict[str, Any]:
+    """A recorded session of the Go binary at `path` through the service's resolver, `.gopclntab`
+    (names, file:line, inlined calls) then `.symtab` (names only) in each round, a new resolver each
+    time (its module loaded apart): CPU medians and the median of the rounds' ratios."""
+    bin_dir = tempfile.mkdtemp(prefix="bench-sym-")
+    os.symlink(os.path.realpath(path), os.path.join(bin_dir, os.path.basename(path)))
+    sess = resolve.read_session_file(session_file)
+    build_ids = {f.build_id for t in sess.traces for f in t.user if f.build_id}
+    cpu: dict[str, list[float]] = {"pclntab": [], "symtab": []}
+    out: dict[str, Any] = {
+        "target": f"session:{os.path.basename(session_file)}",
+        "binary": path,
+        "samples": len(sess.traces),
+        "frames": sum(len(t.user) + len(t.kernel) for t in sess.traces),
+        "distinct_user": len(
+            {(f.build_id, f.address, j == 0) for t in sess.traces for j, f in enumerate(t.user)}
+        ),
+    }
+    for _ in range(repeat):
+        for label in cpu:
+            read = resolve.read_pclntab
+            if label == "symtab":  # the module loads as any ELF file's: names from .symtab
+                resolve.read_pclntab = lambda _f: None  # type: ignore[assignment]
+            try:
+                r = Resolver(
+                    DebugSources([], [bin_dir], debuginfod_urls=[]),
+                    use_llvm=False,
+                    registry=CollectorRegistry(),
+                )
+                for bid in build_ids:
+                    r.module(bid)
+                gc.collect()
+                with Clock() as c:
+                    p = r.symbolize(sess)
+                cpu[label].append(c.cpu)
+                out[f"{label}_frame_table"] = len(p.frames)
+                r.close()
+            finally:
+                resolve.read_pclntab = read
+    for label, times in cpu.items():
+        out[f"{label}_cpu_ms"] = round(statistics.median(times) * 1e3, 1)
+    ratios = [a / b for a, b in zip(cpu["pclntab"], cpu["symtab"], strict=True)]
+    out["session_pclntab_vs_symtab"] = round(statistics.median(ratios), 2)
+    out["session_pclntab_vs_symtab_rounds"] = [round(x, 2) for x in ratios]
+    return out
+
+
 def _rate(count: int, c: Clock, distinct: int) -> dict[str, float]:
     return {
         "count": count,
@@ -421,7 +471,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
             k: r[k]
             for k in r
             if k in ("symbols", "go", "module_load_ms", "named_fraction", "frames_with_line_fraction")
-            or k.endswith(("_vs_symtab", "_vs_symtab_rounds", "_vs_dwarf", "_load_ms"))
+            or k.endswith(
+                ("_vs_symtab", "_vs_symtab_rounds", "_vs_dwarf", "_load_ms", "_cpu_ms", "_frame_table")
+            )
+            or k in ("samples", "frames", "distinct_user")
         }
         print(f"# {r['target']}: {extra}")
 
@@ -442,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--go", action="append", default=[], metavar="PATH", help="a Go binary (instead of cmd/go)"
+    )
+    ap.add_argument(
+        "--session",
+        metavar="FILE",
+        help="a recorded session of the (first) --go binary: its pclntab/symtab CPU ratio end to end",
     )
     args = ap.parse_args(argv)
     targets = list(DEFAULT_TARGETS)
@@ -465,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_go(name, path, args.addresses, args.depth, args.frames, args.zipf, args.repeat)
         if res is not None:
             results.append(res)
+    if args.session and args.go:
+        results.append(bench_session(args.go[0], args.session, args.repeat))
     print_table(results)
     os.makedirs(RESULTS_DIR, exist_ok=True)
     out = os.path.join(RESULTS_DIR, time.strftime("bench_symbolize-%Y%m%dT%H%M%S.json"))

@@ -29,7 +29,7 @@ import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 from .compat import SLOTS
 from .elf import SHT_NOBITS, ElfFile, ElfFormatError, Section, SymbolIndex
@@ -46,11 +46,14 @@ MAX_PCVALUE_STEPS = 1 << 16  # (value, pc) steps decoded of one table
 MAX_INLINE_DEPTH = 64  # inlined calls unfolded for one address
 MAX_MODULEDATA_SCAN = 64 << 20  # bytes of a data section searched for runtime.firstmoduledata
 MAX_INLINE_ENTRIES = 1 << 20  # entries of one function's inline tree
-# What lookups keep decoded, per binary: runs of pc-value tables (16 bytes each) and functions'
-# records (~0.3 KB each, a name included). Past either bound, all of it is dropped (only speed is
-# lost): at most ~25 MiB a binary whatever its tables hold (prometheus' tables have 1.1 M runs).
+# What lookups keep decoded, per binary: runs of pc-value tables (~69 bytes each with the records:
+# two ints in a tuple; an array's were 25) and functions' records (~0.3 KB each, a name included).
+# Past either bound, all of it is dropped (only speed is lost; a batch's addresses are looked up in
+# address order, so within one batch nothing is decoded twice): at most ~40 MiB a binary whatever
+# its tables hold (prometheus' have 1.1 M runs; cmd/go's 50 000 distinct addresses touch 374 000,
+# which 2^18 did not hold: a second batch decoded them again, its lookups 2.5x slower).
 # Answers are the caller's to keep (`key`).
-MAX_HELD_RUNS = 1 << 20
+MAX_HELD_RUNS = 1 << 19
 MAX_HELD_FUNCS = 1 << 14
 _BUCKET_SHIFT = 12  # PCs of 4 KiB a bucket of the function search (`_first`)
 
@@ -89,12 +92,14 @@ def _go_frame(function: str, file: str, line: int, _inlined: bool) -> GoFrame:
 
 # A function's record, read once for all the lookups in it: a tuple (entry, name, CU, where its
 # inline tree is or -1, runs, then lo, hi, vo of its file, line and inline-index tables). `runs` is
-# one array holding each table decoded whole: its run starts at [lo, hi), where it ends at [hi], the
+# one tuple holding each table decoded whole: its run starts at [lo, hi), where it ends at [hi], the
 # runs' values from [lo + vo]; a table that is missing or damaged from its first run has lo == hi.
-# Two objects a function, and only those (not three tables of two arrays each and their records):
-# on distinct addresses they were half the objects of the Go path and of its collections.
-_Func = tuple[int, str, int, int, array, int, int, int, int, int, int, int, int, int]
+# Two tuples of ints and a str a function, which the collector stops tracking at its first look
+# (an array of runs stayed tracked: two objects a function in every full collection, 16 600 on
+# cmd/go's distinct addresses), and whose ints are read without boxing. ~2.7x an array's memory.
+_Func = tuple[int, str, int, int, tuple[int, ...], int, int, int, int, int, int, int, int, int]
 _NO_TABLE = (0, 0, 0)
+_NO_RUNS: tuple[int, ...] = ()
 # What the frames of one inlined call site hold whatever the line (GoPclnTab._chain): the function
 # called, its callers' frames, whether they all have names.
 _Chain = tuple[str, tuple[tuple[str, str, int, bool], ...], bool]
@@ -295,7 +300,7 @@ class GoPclnTab:
         """The value of a table at `pc`, decoded from the entry and not kept (tests: the reference)."""
         if not table:
             return None
-        runs = array("q")
+        runs: list[int] = []
         lo, hi, vo = _decode(self._data, self._pctab + table, entry, self._quantum, runs)
         return _run_value(runs, lo, hi, vo, pc)
 
@@ -415,31 +420,40 @@ class GoPclnTab:
         bisect_right, held_get, files = bisect.bisect_right, held.get, self._files
         funcs_get = self._funcs.get
         made: dict[int, tuple[T, ...]] = {}  # callers' frames of an inlined call, by _frames' ckey
-        out: list[tuple[T, ...] | None] = []
+        out: list[tuple[T, ...] | None] = [None] * len(pcs)
         unnamed: list[int] = []
-        add = out.append
-        for pc in pcs:
-            if pc is None or pc < low:
-                add(None)
-                continue
-            b = (pc - low) >> shift  # _index(pc), inline
-            if b >= nbuckets:
-                add(None)
-                continue
-            i = bisect_right(entries, pc, first[b], first[b + 1] + 1) - 1
-            if i >= nfunc or pc >= entries[i + 1]:
-                add(None)
-                continue
-            fn = funcs_get(i)
-            if fn is None:
-                try:
-                    fn = self._func_record(i)
-                except (GoPclnError, struct.error, IndexError):
-                    add(None)
+        # In address order: each function's record is then found, decoded and read once, in turn,
+        # as are the table bytes it comes from, and a PC in the function of the one before needs no
+        # search. (In the order given, the lookups in records already decoded took 1.6x as long on
+        # cmd/go's 50 000 distinct addresses, the whole batch 1.3x: memory read all over.)
+        at = cast(Callable[[int], int], pcs.__getitem__)  # only PCs that are not None are sorted
+        order = sorted([k for k, pc in enumerate(pcs) if pc is not None], key=at)
+        fn: _Func | None = None
+        i = start = end = 0  # the function of the PC before: [start, end)
+        name, cu, tree, runs = "", 0, -1, _NO_RUNS
+        flo = fhi = fvo = llo = lhi = lvo = ilo = ihi = ivo = 0
+        for k in order:
+            pc = at(k)
+            if not start <= pc < end:
+                if pc < low:
                     continue
-                funcs_get = self._funcs.get  # a new dict past the bound
+                b = (pc - low) >> shift  # _index(pc), inline
+                if b >= nbuckets:
+                    continue
+                i = bisect_right(entries, pc, first[b], first[b + 1] + 1) - 1
+                if i >= nfunc or pc >= entries[i + 1]:
+                    continue
+                fn = funcs_get(i)
+                if fn is None:
+                    try:
+                        fn = self._func_record(i)
+                    except (GoPclnError, struct.error, IndexError):
+                        start = end = 0
+                        continue
+                    funcs_get = self._funcs.get  # a new dict past the bound
+                start, end = entries[i], entries[i + 1]
+                _e, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
             # As `keys`.
-            _e, name, cu, tree, runs, flo, fhi, fvo, llo, lhi, lvo, ilo, ihi, ivo = fn
             j = bisect_right(runs, pc, flo, fhi) - 1
             fileno = runs[j + fvo] if j >= flo and pc < runs[fhi] else -1
             j = bisect_right(runs, pc, llo, lhi) - 1
@@ -458,15 +472,16 @@ class GoPclnTab:
                         got = (make(name, file if file is not None else self._file(cu, fileno), line, False),)
                         named = bool(name)
                     else:
+                        assert fn is not None  # set with `start, end`
                         got, named = self._frames(fn, i, fileno, line, ix, make, made)
                 except (GoPclnError, struct.error, IndexError):
-                    add(None)
                     continue
                 if not named:
-                    unnamed.append(len(out))
+                    unnamed.append(k)
                 elif len(held) < max_held:
                     held[key] = got
-            add(got)
+            out[k] = got
+        unnamed.sort()
         return out, unnamed
 
     def chain_at(self, key: int) -> tuple[GoFrame, ...]:
@@ -502,15 +517,15 @@ class GoPclnTab:
         if tree >= 0 and npcdata > _PCDATA_INLTREE_INDEX:
             inl = self._u32(fo + fixed + _PCDATA_INLTREE_INDEX * 4)
         tree = tree if inl else -1
-        # The three tables whole, into one array, for all the function's addresses whatever order
+        # The three tables whole, into one tuple, for all the function's addresses whatever order
         # they come in: bounded (MAX_PCVALUE_STEPS runs each), and most are short (a file or
         # inline-index table has 6-9 runs on average, a line table 31; prometheus' longest 13 832).
-        runs = array("q")
+        runs: list[int] = []
         d, base, quantum = self._data, self._pctab, self._quantum
         ft = _decode(d, base + pcfile, entry, quantum, runs) if pcfile else _NO_TABLE
         lt = _decode(d, base + pcln, entry, quantum, runs) if pcln else _NO_TABLE
         it = _decode(d, base + inl, entry, quantum, runs) if inl else _NO_TABLE
-        fn: _Func = (entry, self._funcname(nameoff), cu, tree, runs, *ft, *lt, *it)
+        fn: _Func = (entry, self._funcname(nameoff), cu, tree, tuple(runs), *ft, *lt, *it)
         with self._lock:
             self._held += len(runs) >> 1
         self._funcs[i] = fn
@@ -665,7 +680,7 @@ def _uvarint(d: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[int, int, int]:
+def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: list[int]) -> tuple[int, int, int]:
     """Append the pc-value table at `pos` of a function at `cur` to `runs` (the record's layout:
     starts, end, values); its (lo, hi, vo). A table is pairs of varints (value delta, zigzag'd; pc
     delta) up to a value delta of 0 past the first pair. It ends early, keeping the runs before, at
@@ -674,23 +689,23 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
     starts: list[int] = []  # lists while decoding: an append is cheaper than an array's
     values: list[int] = []
     add_start, add_value = starts.append, values.append
-    val, size = -1, len(d)
+    val, size, wide = -1, len(d), False
     try:
         # Most varints are one byte, most others two: read inline, the function only for longer
         # ones; the end of the data is the IndexError of a read past it. (Cutting the varints out
         # with a regular expression or stretches of one-byte pairs with slices, in C, was slower:
-        # a quarter of the pairs have a wider varint, at most a few pairs apart.)
-        for step in range(MAX_PCVALUE_STEPS):
-            uv = d[pos]
-            pos += 1
-            if uv >= 0x80:
-                if d[pos] < 0x80:
-                    uv = (uv & 0x7F) | d[pos] << 7
-                    pos += 1
-                else:
-                    uv, pos = _uvarint(d, pos - 1, size)
-            if uv == 0 and step:
-                break
+        # a quarter of the pairs have a wider varint, at most a few pairs apart.) The first value
+        # is read before the loop, each next one at the end of it: only those can be the end.
+        uv = d[pos]
+        pos += 1
+        if uv >= 0x80:
+            if d[pos] < 0x80:
+                uv = (uv & 0x7F) | d[pos] << 7
+                pos += 1
+            else:
+                uv, pos = _uvarint(d, pos - 1, size)
+                wide = True
+        for _ in range(MAX_PCVALUE_STEPS):
             val += (uv >> 1) ^ -(uv & 1)  # zigzag
             delta = d[pos]
             pos += 1
@@ -700,27 +715,41 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
                     pos += 1
                 else:
                     delta, pos = _uvarint(d, pos - 1, size)
+                    wide = True
             add_value(val)
             add_start(cur)
             cur += delta * quantum
+            uv = d[pos]
+            pos += 1
+            if uv >= 0x80:
+                if d[pos] < 0x80:
+                    uv = (uv & 0x7F) | d[pos] << 7
+                    pos += 1
+                else:
+                    uv, pos = _uvarint(d, pos - 1, size)
+                    wide = True
+                if not uv:  # a zero written long
+                    break
+            elif not uv:
+                break
     except (GoPclnError, IndexError):  # damaged: the runs before it stay
         pass
-    lo = len(runs)
-    try:
-        runs.extend(starts)
-        runs.append(cur)
-        runs.extend(values)
-    except OverflowError:  # rare (a damaged table): cut before the first run past 64 bits
-        del runs[lo:]
+    # Values and starts are int64 (the record's were an array's): only a varint of three bytes or
+    # more can take one past that (from 1-2 byte ones, at most 2^16 runs of 14 bits), or an entry
+    # past it (1.16's are 64-bit): then the table is cut before the first run past 64 bits, its end
+    # at that run's start, at most 2^63 - 1 (rare: a damaged table).
+    if wide or cur > _MAX64:
         cut = 0
         while cut < len(starts) and starts[cut] <= _MAX64 and _MIN64 <= values[cut] <= _MAX64:
             cut += 1
         if cut < len(starts):
             cur = starts[cut]
         del starts[cut:], values[cut:]
-        runs.extend(starts)
-        runs.append(min(cur, _MAX64))
-        runs.extend(values)
+        cur = min(cur, _MAX64)
+    lo = len(runs)
+    runs += starts
+    runs.append(cur)
+    runs += values
     hi = lo + len(starts)
     return lo, hi, hi + 1 - lo
 
@@ -728,7 +757,7 @@ def _decode(d: bytes, pos: int, cur: int, quantum: int, runs: array) -> tuple[in
 _MIN64, _MAX64 = -(1 << 63), (1 << 63) - 1
 
 
-def _run_value(runs: array, lo: int, hi: int, vo: int, pc: int) -> int | None:
+def _run_value(runs: Sequence[int], lo: int, hi: int, vo: int, pc: int) -> int | None:
     """The value a table of `runs` (at lo, hi, vo: _decode) gives `pc`; None before its first run,
     at or past its end, or when it has none."""
     j = bisect.bisect_right(runs, pc, lo, hi) - 1

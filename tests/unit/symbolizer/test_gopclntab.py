@@ -269,9 +269,10 @@ def test_fuzz_any_bytes_after_a_valid_magic(tail: bytes) -> None:
 
 def _decoded(tab: GoPclnTab, at: int) -> Callable[[int], int | None]:
     """The table at `at` in the data decoded whole as a function's record holds it: its value at a PC."""
-    runs = array("q")
+    runs: list[int] = []
     lo, hi, vo = gopclntab._decode(tab._data, at, TEXT, 1, runs)
     assert len(runs) == 2 * (hi - lo) + 1 and hi - lo <= MAX_PCVALUE_STEPS
+    array("q", runs)  # every start, end and value an int64, whatever the table holds
     return lambda pc: gopclntab._run_value(runs, lo, hi, vo, pc)
 
 
@@ -647,3 +648,23 @@ def test_decoded_tables_answer_as_the_walk_from_the_entry(gobins: dict[str, Path
     for pc in pcs:
         cold._funcs.clear()  # every look a first one: decoded from the entry
         assert warm.frames(pc) == cold.frames(pc), hex(pc)
+
+
+def test_a_batch_in_any_order_answers_as_each_pc_alone(
+    gobins: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`answers` looks a batch up in address order: whatever order its PCs come in, with Nones, PCs
+    outside the text and the decoded state dropped in the middle of the batch, each PC's answer is
+    where it was asked and the one it gets alone."""
+    with ElfFile(gobins["stripped"]) as f:
+        batch, alone = read_pclntab(f), read_pclntab(f)
+    assert batch is not None and alone is not None
+    pcs: list[int | None] = [pc for s, e, _ in list(alone.symbols().items())[:200] for pc in range(s, e, 3)]
+    pcs += [None, 0, 1 << 62, None]
+    random.Random(5).shuffle(pcs)
+    monkeypatch.setattr(gopclntab, "MAX_HELD_FUNCS", 4)
+    got, unnamed = batch.answers(pcs, gopclntab._go_frame, {}, 1 << 20)
+    assert len(got) == len(pcs) and unnamed == sorted(unnamed)
+    assert sum(f is not None for f in got) > len(pcs) - 5
+    for pc, frames in zip_strict(pcs, got):
+        assert frames == alone.answers([pc], gopclntab._go_frame, {}, 0)[0][0], pc
