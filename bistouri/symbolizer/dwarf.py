@@ -272,10 +272,20 @@ class DwarfFile:
                 view = None
             if view is None:
                 inflated = _inflate(packed, name)
-                self._inflated.append(inflated)
                 view = memoryview(inflated)
                 if store is not None:
                     store.put_section(name, view)
+                    # Kept: read from the kept file, whose pages count only as the reader touches
+                    # them, not from the anonymous map (libc's seven sections: 8.5 MB held at once).
+                    kept = store.section(name)
+                    if kept is not None and len(kept) == len(view):
+                        view.release()
+                        inflated.close()
+                        view = kept
+                    elif kept is not None:
+                        kept.release()
+                if not inflated.closed:
+                    self._inflated.append(inflated)
             del self._packed[name]
             packed.release()
             self._views[name] = view
