@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .. import atomicfile
 from ..compat import SLOTS, zip_strict
 from ..errors import BistouriError
+from ..sha import sha256
 from . import symfile
 from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, Parts, SymbolTable
 
@@ -80,7 +80,7 @@ class CacheUnusable(BistouriError):
 
 def kernel_boot_key(build_id: bytes, proc_root: str = "/proc") -> str:
     """What kernel addresses depend on: the kernel, the boot (KASLR) and the loaded modules."""
-    h = hashlib.sha256(build_id)
+    h = sha256(build_id)
     for rel in ("sys/kernel/random/boot_id", "modules"):
         try:
             data = Path(proc_root, rel).read_bytes()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import gzip
-import hashlib
 import heapq
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import BinaryIO
 
 from .. import atomicfile
 from ..errors import BistouriError, GzipError, GzipTooLarge
+from ..sha import sha256
 from ..wire.snapshot import LoadedCodeDigest
 from . import tempfiles
 from .gunzip import GZIP_MAGIC, inflate
@@ -128,7 +128,7 @@ class _Table:
         return bytes(self.names[self.name_offs[i] : self.name_offs[i + 1]]).decode("utf-8", "replace")
 
     def digest(self) -> bytes:
-        h = hashlib.sha256()
+        h = sha256()
         for part in (self.addrs.tobytes(), self.name_offs.tobytes(), bytes(self.names), bytes(self.cut)):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
