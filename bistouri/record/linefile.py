@@ -112,11 +112,20 @@ def read_section(data: mmap.mmap | bytes) -> memoryview:
     buf = memoryview(data)
     n, crc, *_ = _counts(buf, KIND_SECTION)
     (body,) = _sections(buf, [("B", n)])
-    if zlib.crc32(body) != crc:
+    got = 0
+    for start in range(0, n, _CHECK_STEP):
+        got = zlib.crc32(body[start : start + _CHECK_STEP], got)
+        if isinstance(data, mmap.mmap):  # a shared read-only map of the file: read again from the page cache
+            done = len(buf) - n + min(start + _CHECK_STEP, n)
+            data.madvise(mmap.MADV_DONTNEED, 0, done // mmap.PAGESIZE * mmap.PAGESIZE)
+    if got != crc:
         raise CorruptFile("section checksum")
-    if isinstance(data, mmap.mmap):  # a shared read-only map of the file: read again from the page cache
+    if isinstance(data, mmap.mmap):
         data.madvise(mmap.MADV_DONTNEED)
     return body
+
+
+_CHECK_STEP = 1 << 20  # a section is checked a megabyte at a time, each let go after
 
 
 # --- a unit's outermost subroutines ------------------------------------------------------------
