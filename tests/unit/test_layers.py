@@ -168,4 +168,6 @@ def test_the_sha256_without_openssl_gives_hashlibs_digests() -> None:
     for data in (b"", b"abc", bytes(range(256)) * 1000):
         h = sha256(data[:7])
         h.update(data[7:])
-        assert h.hexdigest() == hashlib.sha256(data).hexdigest() and h.digest() == hashlib.sha256(data).digest()
+        assert (
+            h.hexdigest() == hashlib.sha256(data).hexdigest() and h.digest() == hashlib.sha256(data).digest()
+        )

@@ -244,8 +244,13 @@ def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: 
     assert again.frames(keys) == got
 
 
-def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None:
-    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver."""
+@pytest.mark.parametrize("batch", [symcache.PROBE_BATCH, 3])
+def test_symbolize_through_the_cache_equals_the_resolver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver.
+    Named in batches of keys (3: every module in several), the same."""
+    monkeypatch.setattr(symcache, "PROBE_BATCH", batch)
     from bistouri.symbolizer import formats
     from bistouri.symbolizer.kallsyms import KallsymsStore
     from bistouri.symbolizer.resolve import Resolver
