@@ -268,21 +268,27 @@ def run_bpftrace(pid: int, seconds: float, freq: int, work: Path) -> dict:
         m = run_measured(["bpftrace", "-e", prog], stdout=f, stderr=subprocess.DEVNULL)
     text = out.read_text(errors="replace")
     out.unlink()
-    first = int(re.search(r"@first: (\d+)", text).group(1))  # type: ignore[union-attr]
     leaves: Counter = Counter()
     for block in text.split("@[")[1:]:
         lines = block.strip().splitlines()
         n = re.search(r"\]: (\d+)", block)
         if lines and n:
             leaves[lines[0].strip().split("+", 1)[0]] += int(n.group(1))
-    return {
-        "first_sample_ms": (first - m.launch_ns) / 1e6,
+    r = {
         "wall_s": m.wall_s,
         "cpu_s": m.cpu_s,
         "maxrss_mb": m.maxrss_mb,
         "rss_mb": m.tree_rss_mb,
         "shares": shares_of(leaves),
     }
+    # Its output is not ours to trust: on node it has ended without `@first` (bpftrace spent
+    # 196-244 s naming the stacks). The run still counts for what was measured; the row says so.
+    first = re.search(r"^@first: (\d+)$", text, re.M)
+    if first is None:
+        r["unparsed"] = "no @first" if text.strip() else "no output"
+    else:
+        r["first_sample_ms"] = (int(first.group(1)) - m.launch_ns) / 1e6
+    return r
 
 
 def compile_bytecode(tree: Path = ROOT) -> None:
@@ -322,7 +328,9 @@ def startup_runs(
             if have_perf:
                 out["perf"].append(run_perf(workload.pid, 1, freq, work)["first_sample_ms"])
             if have_bpftrace:
-                out["bpftrace"].append(run_bpftrace(workload.pid, 1, freq, work)["first_sample_ms"])
+                r = run_bpftrace(workload.pid, 1, freq, work)
+                if "first_sample_ms" in r:  # else left out of the row (`unparsed`)
+                    out["bpftrace"].append(r["first_sample_ms"])
     finally:
         workload.kill()
         workload.wait()
@@ -343,14 +351,21 @@ def warm_up(work: Path, cache: Path, freq: int, workloads: list[str], tree: Path
 
 
 def median_of(runs: list[dict]) -> dict:
+    """Medians over the runs that measured each figure (a bpftrace run whose output could not be
+    parsed has no first sample); `unparsed`: how many runs' output lacked something, and what."""
     med = statistics.median
-    out = {k: med(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], int | float)}
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, int | float)}
+    have = {k: [r[k] for r in runs if k in r] for k in keys}
+    out: dict = {k: med(v) for k, v in have.items()}
     out["shares"] = {f: med(r["shares"][f] for r in runs) for f in FUNCTIONS}
     out["ranges"] = {
-        k: [min(r[k] for r in runs), max(r[k] for r in runs)]
+        k: [min(have[k]), max(have[k])]
         for k in ("first_sample_ms", "cpu_s", "rss_mb", "symbolize_s", "wall_s")
-        if k in runs[0]
+        if k in have
     }
+    unparsed = [r["unparsed"] for r in runs if "unparsed" in r]
+    if unparsed:
+        out["unparsed"] = f"{len(unparsed)} of {len(runs)} runs: {', '.join(sorted(set(unparsed)))}"
     return out
 
 
@@ -432,6 +447,9 @@ def table(tools_results: dict, starts: dict[str, list[float]], with_shares: bool
         for t in tools
     ]
     lines.append("| distinct addresses | " + " | ".join(cells) + " |")
+    if any("unparsed" in r[t] for t in tools):
+        cells = [r[t].get("unparsed", "") for t in tools]
+        lines.append("| output not parsed (what it lacked is left out) | " + " | ".join(cells) + " |")
     if with_shares:
         lines.append(
             "| hot/warm/cold shares (truth 70/20/10) | "
@@ -498,9 +516,11 @@ def rounds_of(
                     r = run_bpftrace(workload.pid, args.seconds, args.freq, work)
                 runs.setdefault(step, []).append(r)
                 print(
-                    f"{name} round {rnd + 1} {step:>14}: first sample {r['first_sample_ms']:6.1f} ms, "
+                    f"{name} round {rnd + 1} {step:>14}: "
+                    f"first sample {r.get('first_sample_ms', float('nan')):6.1f} ms, "
                     f"run {r['wall_s']:.2f} s, symbolize {r.get('symbolize_s', float('nan')):.2f} s, "
-                    f"CPU {r['cpu_s']:.2f} s, RSS {r['rss_mb']:.0f} MB (one process {r['maxrss_mb']:.0f})",
+                    f"CPU {r['cpu_s']:.2f} s, RSS {r['rss_mb']:.0f} MB (one process {r['maxrss_mb']:.0f})"
+                    + (f", output not parsed: {r['unparsed']}" if "unparsed" in r else ""),
                     flush=True,
                 )
         finally:

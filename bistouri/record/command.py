@@ -688,7 +688,7 @@ def _symbolize(
 
         servers = urls_from_env()
 
-    def open_resolver(file_lines: bool) -> Any:
+    def open_resolver(file_lines: bool, known_symbols: Any) -> Any:
         from typing import cast
 
         from ..symbolizer.kallsyms import KallsymsStore
@@ -711,7 +711,12 @@ def _symbolize(
         )
         kallsyms = cast(KallsymsStore, kernels)
         resolver = Resolver(
-            sources, kallsyms, llvm if file_lines else None, use_llvm=file_lines, registry=None
+            sources,
+            kallsyms,
+            llvm if file_lines else None,
+            use_llvm=file_lines,
+            registry=None,
+            known_symbols=known_symbols,
         )
         resolvers.append(resolver)
         return resolver

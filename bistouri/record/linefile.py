@@ -106,13 +106,26 @@ def encode_section(data: memoryview) -> Parts:
 
 def read_section(data: mmap.mmap | bytes) -> memoryview:
     """The section's bytes, a view of `data` (kept mapped while it lives), checked whole: the
-    reader's every answer is read from them."""
+    reader's every answer is read from them. The check's pages are then let go: only those the
+    reader touches after count in the run's memory (libc's `.debug_info`: 5.8 MB checked, a few
+    units read)."""
     buf = memoryview(data)
     n, crc, *_ = _counts(buf, KIND_SECTION)
     (body,) = _sections(buf, [("B", n)])
-    if zlib.crc32(body) != crc:
+    got = 0
+    for start in range(0, n, _CHECK_STEP):
+        got = zlib.crc32(body[start : start + _CHECK_STEP], got)
+        if isinstance(data, mmap.mmap):  # a shared read-only map of the file: read again from the page cache
+            done = len(buf) - n + min(start + _CHECK_STEP, n)
+            data.madvise(mmap.MADV_DONTNEED, 0, done // mmap.PAGESIZE * mmap.PAGESIZE)
+    if got != crc:
         raise CorruptFile("section checksum")
+    if isinstance(data, mmap.mmap):
+        data.madvise(mmap.MADV_DONTNEED)
     return body
+
+
+_CHECK_STEP = 1 << 20  # a section is checked a megabyte at a time, each let go after
 
 
 # --- a unit's outermost subroutines ------------------------------------------------------------

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .. import atomicfile
 from ..compat import SLOTS, zip_strict
 from ..errors import BistouriError
+from ..sha import sha256
 from . import symfile
 from .symfile import CorruptFile, FrameKey, Frames, FrameTable, KallsymsTable, Parts, SymbolTable
 
@@ -69,13 +69,18 @@ MAX_FILE_BYTES = 32 << 20  # one binary's frames or one kernel's symbols; larger
 MAX_FRAMES_PER_FILE = 200_000  # (address, leaf) entries kept per binary
 
 
+# (file_lines, known_symbols) -> a Resolver: file_lines False when only the kernel and binaries
+# without DWARF miss; known_symbols gives it a binary's cached symbols (Resolver.known_symbols).
+OpenResolver = Callable[[bool, Callable[[bytes], SymbolTable | None]], "Resolver"]
+
+
 class CacheUnusable(BistouriError):
     """The cache directory cannot be used safely."""
 
 
 def kernel_boot_key(build_id: bytes, proc_root: str = "/proc") -> str:
     """What kernel addresses depend on: the kernel, the boot (KASLR) and the loaded modules."""
-    h = hashlib.sha256(build_id)
+    h = sha256(build_id)
     for rel in ("sys/kernel/random/boot_id", "modules"):
         try:
             data = Path(proc_root, rel).read_bytes()
@@ -451,16 +456,16 @@ def _frame_keys(stacks: SessionStacks) -> tuple[dict[bytes, set[FrameKey]], set[
 def symbolize(
     session: wire.Session,
     cache: SymbolCache | None,
-    open_resolver: Callable[[bool], Resolver],
+    open_resolver: OpenResolver,
     kernel_key: str,
     debug_dirs: list[str],
     progress: Callable[[str], None] = lambda _text: None,
     kallsyms: CachedKallsyms | None = None,
 ) -> tuple[Profile, SymbolizeStats]:
     """Name every frame of `session`: from the cache, else through a resolver opened only if needed
-    (`open_resolver(file_lines)`: file_lines False when only kernel addresses miss, which kallsyms
-    names without llvm-symbolizer). With `kallsyms` (no vmlinux debug file can be found), kernel
-    addresses are named from it directly. The profile is assembled as the resolver's is
+    (`open_resolver(file_lines, known_symbols)`: file_lines False when only kernel addresses miss,
+    which kallsyms names without llvm-symbolizer). With `kallsyms` (no vmlinux debug file can be
+    found), kernel addresses are named from it directly. The profile is assembled as the resolver's is
     (symbolizer/stacks.py): only the naming differs."""
     from .. import wire
     from ..symbolizer.stacks import ByLeaf, SessionStacks, label
@@ -500,7 +505,7 @@ def _name(
     keys: dict[bytes, set[FrameKey]],
     names: dict[bytes, str],
     cache: SymbolCache | None,
-    open_resolver: Callable[[bool], Resolver],
+    open_resolver: OpenResolver,
     kernel_key: str,
     debug_dirs: list[str],
     progress: Callable[[str], None],
@@ -574,22 +579,50 @@ def _through_resolver(
     names_only: set[bytes],
     known: dict[bytes, dict[FrameKey, Frames]],
     cache: SymbolCache | None,
-    open_resolver: Callable[[bool], Resolver],
+    open_resolver: OpenResolver,
     kernel_key: str,
     progress: Callable[[str], None],
 ) -> None:
     """Name `missing` (per module, b"": the kernel) through a resolver into `known`, and cache it."""
     todo = sum(map(len, missing.values()))
     progress(f"Symbolizing {todo} addresses not in the cache…")
+    opened: list[SymbolTable] = []
+    damaged: set[bytes] = set()
+
+    def known_symbols(build_id: bytes) -> SymbolTable | None:
+        """A binary's cached symbols for the resolver, when they were cached with its DWARF's
+        ranges (so from the files it reads now): a warm run's few addresses in node's libuv need
+        not have node's whole symbol table read again."""
+        if cache is None or build_id not in missing or build_id in damaged:
+            return None
+        table = cache.symbols(_key(build_id, kernel_key))
+        if table is not None:
+            opened.append(table)
+            if table.described:
+                return table
+        return None
+
     # b"" (the kernel) is named from kallsyms; a binary without DWARF from its symbol table.
-    with open_resolver(any(m and m not in names_only for m in missing)) as resolver:
-        for n, (module, miss) in enumerate(missing.items(), 1):
-            label = module.hex()[:12] if module else "the kernel"
-            progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
-            got = _resolve(resolver, session, module, miss, names.get(module, ""))
-            known[module].update(got)
-            if cache is not None:
-                _remember(cache, resolver, module, _key(module, kernel_key), got)
+    try:
+        with open_resolver(any(m and m not in names_only for m in missing), known_symbols) as resolver:
+            for n, (module, miss) in enumerate(missing.items(), 1):
+                label = module.hex()[:12] if module else "the kernel"
+                progress(f"Symbolizing {label} ({n}/{len(missing)} binaries, {len(miss)} addresses)…")
+                key = _key(module, kernel_key)
+                try:
+                    got = _resolve(resolver, session, module, miss, names.get(module, ""))
+                except CorruptFile as e:  # its cached symbols: removed, and the binary read again
+                    assert cache is not None
+                    cache.discard(key + ".symbols", e)
+                    damaged.add(module)
+                    resolver.forget(module)
+                    got = _resolve(resolver, session, module, miss, names.get(module, ""))
+                known[module].update(got)
+                if cache is not None:
+                    _remember(cache, resolver, module, key, got)
+    finally:
+        for table in opened:
+            table.close()
 
 
 NEIGHBOUR_BYTES = 24  # on each side of a new leaf address
@@ -644,8 +677,8 @@ def _from_symbols(
             if dwarf and vaddr is not None and table.has_dwarf(vaddr):
                 left.append((off, leaf))  # file:line, inlines: llvm-symbolizer's
                 continue
-            name = table.lookup(vaddr) if vaddr is not None else None
-            frame = Frame(demangle(name), label) if name is not None else Frame(f"{label}+0x{off:x}", label)
+            hit = table.lookup(vaddr) if vaddr is not None else None
+            frame = Frame(demangle(hit[0]), label) if hit is not None else Frame(f"{label}+0x{off:x}", label)
             out[(off, leaf)] = (frame,)
     except CorruptFile as e:
         cache.discard(key + ".symbols", e)
@@ -715,6 +748,10 @@ def _cached(
 
 
 _PLACEHOLDER_IP = 0  # below every kernel symbol: always one label frame
+# Keys named per pass of the resolver. A first run asks ~50 per new leaf (its neighbours): ~13 000
+# for pyenv's libpython, whose probe stacks and profile (~0.5 KB a key) were 6 MB at once, at
+# the whole run's peak. A pass reads the module's DWARF again; its units' rows are kept (the cache).
+PROBE_BATCH = 2048
 
 
 def _resolve(
@@ -724,15 +761,19 @@ def _resolve(
     `file_name` labels them when the module's file cannot be found (`libc.so.6+0x2724a`)."""
     from .. import wire
 
-    probes = []
-    for addr, leaf in keys:
-        if module:
-            f = wire.UserFrame(wire.FRAME_RESOLVED, module, addr, file_name)
-            probes.append(_user_probe(f, leaf))
-        else:
-            kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)
-            probes.append(wire.Trace(kernel=kern, user=(), pid=0, tid=0, on_cpu=1))
-    return dict(zip_strict(keys, _probe(resolver, session, probes, [leaf for _, leaf in keys])))
+    out: dict[FrameKey, Frames] = {}
+    for start in range(0, len(keys), PROBE_BATCH):
+        batch = keys[start : start + PROBE_BATCH]
+        probes = []
+        for addr, leaf in batch:
+            if module:
+                f = wire.UserFrame(wire.FRAME_RESOLVED, module, addr, file_name)
+                probes.append(_user_probe(f, leaf))
+            else:
+                kern = (addr,) if leaf else (_PLACEHOLDER_IP, addr)
+                probes.append(wire.Trace(kernel=kern, user=(), pid=0, tid=0, on_cpu=1))
+        out.update(zip_strict(batch, _probe(resolver, session, probes, [leaf for _, leaf in batch])))
+    return out
 
 
 def _user_probe(f: wire.UserFrame, leaf: bool) -> wire.Trace:

@@ -614,8 +614,11 @@ def encode_kallsyms(rows: Iterable[tuple[int, int, str, str]], text_addr: int) -
 
 class SymbolTable:
     """The function symbols of one binary, read in place: named as the resolver names the binary's
-    addresses that no DWARF describes (`elf.SymbolIndex.lookup`, `elf.offset_to_vaddr`). Lookups
-    raise `CorruptFile` when the symbol they read is damaged."""
+    addresses that no DWARF describes (`elf.SymbolIndex.lookup`, `elf.offset_to_vaddr`), and given
+    to the resolver in place of the binary's symbol table for those DWARF describes (the same
+    `lookup`). Lookups raise `CorruptFile` when the symbol they read is damaged."""
+
+    source = "cache"  # as SymbolIndex.source: where the names came from
 
     __slots__ = ("_buf", "_crcs", "_ends", "_map", "_names", "_starts", "described", "label", "segments")
 
@@ -657,6 +660,16 @@ class SymbolTable:
     def __len__(self) -> int:
         return len(self._starts)
 
+    @property
+    def nbytes(self) -> int:
+        """The memory it holds, about (as SymbolIndex.nbytes): the file is mapped, not read."""
+        return 200
+
+    def items(self) -> Iterator[tuple[int, int, str]]:
+        """(start, end, name) of every symbol, in address order."""
+        for i in range(len(self._starts)):
+            yield self._starts[i], self._ends[i], self._name(i)
+
     def vaddr(self, offset: int) -> int | None:
         """The virtual address of a file offset, None outside every PT_LOAD segment."""
         for seg_offset, filesz, vaddr in self.segments:
@@ -675,18 +688,18 @@ class SymbolTable:
         i = bisect_right(self.described, (vaddr, 1 << 64)) - 1
         return i >= 0 and vaddr < self.described[i][1]
 
-    def lookup(self, vaddr: int) -> str | None:
-        """The name of the function holding `vaddr`, None outside every function."""
+    def lookup(self, vaddr: int) -> tuple[str, int] | None:
+        """(name, offset in it) of the function holding `vaddr`, None outside every function."""
         if not 0 <= vaddr < 1 << 64:
             return None
         i = bisect_right(self._starts, vaddr) - 1
         if i < 0:
             return None
         if vaddr < self._ends[i]:
-            return self._name(i)
+            return self._name(i), vaddr - self._starts[i]
         # A function can enclose a smaller symbol that starts inside it.
         if i > 0 and self._starts[i - 1] <= vaddr < self._ends[i - 1]:
-            return self._name(i - 1)
+            return self._name(i - 1), vaddr - self._starts[i - 1]
         return None
 
 

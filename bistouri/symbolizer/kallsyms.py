@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import gzip
-import hashlib
 import heapq
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import BinaryIO
 
 from .. import atomicfile
 from ..errors import BistouriError, GzipError, GzipTooLarge
+from ..sha import sha256
 from ..wire.snapshot import LoadedCodeDigest
 from . import tempfiles
 from .gunzip import GZIP_MAGIC, inflate
@@ -128,7 +128,7 @@ class _Table:
         return bytes(self.names[self.name_offs[i] : self.name_offs[i + 1]]).decode("utf-8", "replace")
 
     def digest(self) -> bytes:
-        h = hashlib.sha256()
+        h = sha256()
         for part in (self.addrs.tobytes(), self.name_offs.tobytes(), bytes(self.names), bytes(self.cut)):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
@@ -310,13 +310,19 @@ def _file_slices(f: BinaryIO, limit: int) -> Iterator[bytes]:
 
 
 class _Parsed:
-    """A snapshot's text symbols, parsed and sorted; `symbols()` gives them once, in address order.
+    """A snapshot's text symbols, parsed; `symbols()` gives them once, in address order.
 
-    One sortable int per symbol: address, then preference at that address, then row number. Names and
-    modules stay bytes in arrays until then: ~50 bytes a symbol, not ~150 as objects."""
+    Kept in arrays (address, preference at that address, name, module): ~25 bytes and the name a
+    symbol, not a Python int sort key each (~45 bytes). /proc/kallsyms is in address order but for
+    a few modules' symbols, so the rows are merged from their ascending runs; a snapshot with more
+    runs than that is sorted by key instead."""
+
+    MAX_RUNS = 256  # ascending runs merged; past them, one sort (a hostile or shuffled snapshot)
 
     def __init__(self, slices: Iterator[bytes]) -> None:
-        self.keys: list[int] = []
+        self.addrs = array("Q")
+        self.prefs = array("B")  # real names before labels, then global before local: lower first
+        self.runs = [0]  # first row of each ascending run of addresses
         self.name_blob = bytearray()
         self.name_offs = array("I", [0])
         self.row_module = array("H")  # index into `modules`
@@ -325,7 +331,8 @@ class _Parsed:
         self.text_addr = 0
         zero_addresses = False
         self.loaded_code = LoadedCodeDigest()
-        keys = self.keys
+        addrs, prefs, runs = self.addrs, self.prefs, self.runs
+        last = 0
         for piece in _lines(slices):
             self.loaded_code.feed(piece)
             for a, typ, n, m in _LINE.findall(piece):
@@ -335,7 +342,7 @@ class _Parsed:
                     continue
                 if len(n) > MAX_SYMBOL_NAME:
                     raise KallsymsError(f"a symbol name is over {MAX_SYMBOL_NAME} bytes: {n[:64]!r}…")
-                row = len(keys)
+                row = len(addrs)
                 if row >= MAX_SYMBOLS:
                     raise KallsymsTooLarge(f"the snapshot has more than {MAX_SYMBOLS} text symbols")
                 mod = module_ids.get(m)
@@ -344,40 +351,53 @@ class _Parsed:
                     self.modules.append(m.decode("utf-8", "replace"))
                 if not m and n == b"_text":
                     self.text_addr = addr
-                # Order at one address: real names before labels, then global before local.
                 label = n[:1] == b"_" and _is_label(n.decode("utf-8", "replace"))
-                pref = (2 if label else 0) + (typ in (b"t", b"w"))
-                keys.append(addr << 22 | pref << 20 | row)
+                if addr < last:
+                    runs.append(row)
+                last = addr
+                addrs.append(addr)
+                prefs.append((2 if label else 0) + (typ in (b"t", b"w")))
                 self.name_blob += n
                 self.name_offs.append(len(self.name_blob))
                 self.row_module.append(mod)
-        if not keys:
+        if not addrs:
             if zero_addresses:
                 raise KallsymsError(
                     "the snapshot's text symbols all have address 0: it was read without privileges. "
                     "Read /proc/kallsyms as root (or with CAP_SYSLOG) and kernel.kptr_restrict < 2"
                 )
             raise KallsymsError("the snapshot has no text symbols: it is not /proc/kallsyms output")
-        # Descending, to be consumed from the end: each key is freed as its symbol is given.
-        keys.sort(reverse=True)
+
+    def _in_address_order(self) -> Iterator[int]:
+        """Every row, by address (rows at one address in any order)."""
+        addrs, n = self.addrs, len(self.addrs)
+        if len(self.runs) <= self.MAX_RUNS:
+            bounds = [*self.runs, n]
+            return heapq.merge(*(range(a, b) for a, b in zip(bounds, bounds[1:])), key=addrs.__getitem__)
+        return iter(sorted(range(n), key=addrs.__getitem__))
 
     def symbols(self) -> Iterator[tuple[int, str, str]]:
-        """(address, name, module) in address order, one per address (later entries at one address are
-        less preferred aliases); module "" is the kernel itself."""
-        keys, blob, offs = self.keys, self.name_blob, self.name_offs
-        last = -1
-        while keys:
-            key = keys.pop()
-            addr = key >> 22
-            if addr != last:
-                last = addr
-                i = key & ((1 << 20) - 1)
-                yield (
-                    addr,
-                    blob[offs[i] : offs[i + 1]].decode("utf-8", "replace"),
-                    self.modules[self.row_module[i]],
-                )
+        """(address, name, module) in address order, one per address: the preferred of the names
+        there, the first in the snapshot among equals; module "" is the kernel itself."""
+        blob, offs, prefs = self.name_blob, self.name_offs, self.prefs
+        addrs = self.addrs
+        best, best_addr = -1, -1
+        for i in self._in_address_order():
+            addr = addrs[i]
+            if addr != best_addr:
+                if best >= 0:
+                    yield best_addr, self._name(best), self.modules[self.row_module[best]]
+                best, best_addr = i, addr
+            elif (prefs[i], i) < (prefs[best], best):
+                best = i
+        if best >= 0:
+            yield best_addr, self._name(best), self.modules[self.row_module[best]]
+        del blob, offs
         self.name_blob = bytearray()
+        self.addrs, self.prefs = array("Q"), array("B")
+
+    def _name(self, i: int) -> str:
+        return self.name_blob[self.name_offs[i] : self.name_offs[i + 1]].decode("utf-8", "replace")
 
 
 def _parse(slices: Iterator[bytes]) -> KallsymsIndex:

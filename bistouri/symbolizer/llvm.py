@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from .. import atomicfile
 from ..compat import SLOTS
 from ..discard import Discarded
+from ..sha import sha256
 
 # prometheus_client imported only with a registry: `record` passes none and keeps no metric
 # (bistouri.discard), which spares it ~75 modules and ~5-8 MB of RSS.
@@ -370,7 +370,7 @@ class Quarantine:
 
     def _entry(self, path: str) -> str:
         assert self.dir is not None
-        return os.path.join(self.dir, hashlib.sha256(os.fsencode(path)).hexdigest()[:32])
+        return os.path.join(self.dir, sha256(os.fsencode(path)).hexdigest()[:32])
 
     @contextlib.contextmanager
     def attempt(self, path: str) -> Iterator[None]:

@@ -6,7 +6,7 @@ digest of the one it holds (`loaded_code`, docs/api.md). Both sides compute it h
 
 from __future__ import annotations
 
-import hashlib
+from ..sha import sha256
 
 
 class LoadedCodeDigest:
@@ -17,7 +17,7 @@ class LoadedCodeDigest:
     __slots__ = ("_hash", "_started")
 
     def __init__(self) -> None:
-        self._hash = hashlib.sha256()
+        self._hash = sha256()
         self._started = False
 
     def feed(self, lines: bytes) -> None:

@@ -107,3 +107,35 @@ def test_a_go_program_s_dwarf_is_named_as_llvm_names_it(tmp_path: Path) -> None:
     addrs = sorted({rng.randrange(*rng.choice(functions)) for _ in range(2000)})
     share, differ = agreement(str(binary), addrs)
     assert share >= 0.99, differ[:5]
+
+
+def _shmem_kb() -> int:
+    """The process's shared anonymous memory now: where an inflated section is held."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_a_section_inflated_for_record_is_read_from_its_kept_file(tmp_path: Path) -> None:
+    """libc6-dbg's compressed sections (8.5 MB inflated), read with record's cache: inflated once,
+    then read from the kept file, whose pages count only as the reader touches them, not held in
+    anonymous memory while the file is open (they were, at a first run's peak)."""
+    from bistouri.record.dwarfpool import CachedLines
+    from bistouri.record.symcache import SymbolCache
+    from bistouri.symbolizer import dwarf
+
+    libc = _libc_debug()
+    if libc is None or not _compressed(libc[1]):
+        pytest.skip("no compressed debug file of libc (libc6-dbg)")
+    with ElfFile(libc[0]) as elf:
+        functions = [(s, e) for s, e, _ in elf.symbol_index().items() if e > s]
+    rng = random.Random(5)
+    addrs = sorted({rng.randrange(*rng.choice(functions)) for _ in range(50)})
+    held = {}
+    for how in ("anonymous", "kept"):
+        lines = CachedLines.of(SymbolCache(tmp_path / how), libc[1]) if how == "kept" else None
+        before = _shmem_kb()
+        with dwarf.DwarfFile(libc[1], lines) as f:
+            got = f.frames(addrs)
+            held[how] = _shmem_kb() - before
+        assert got == dwarf.symbolize(libc[1], addrs)
+    assert held["anonymous"] > 4096 and held["kept"] < 1024, held

@@ -41,6 +41,7 @@ _BASE = {
     "bistouri.discard",
     "bistouri.logtext",
     "bistouri.pressure",
+    "bistouri.sha",
     "bistouri.threads",
 }
 _CLI = {"bistouri.cli", "bistouri.__main__"}
@@ -143,14 +144,30 @@ def test_the_wire_format_pulls_in_neither_yaml_nor_the_agent() -> None:
 
 
 def test_records_capture_path_imports_neither_prometheus_nor_hashlib() -> None:
-    # What `record` imports until its capture ends counts in its peak RSS: prometheus_client is ~75
-    # modules and ~5.6 MB (record keeps no metric: capture.metrics.Discarded), hashlib maps libcrypto
-    # (~3.4 MB).
+    # What `record` imports counts in its peak RSS: prometheus_client is ~75 modules and ~5.6 MB
+    # (record keeps no metric: capture.metrics.Discarded), hashlib maps libcrypto (~3.9 MB; the
+    # symbolization's few digests are bistouri.sha's), and the symbolization phase is a first run's
+    # peak.
     code = (
         "import sys, bistouri.cli, bistouri.record.command, bistouri.capture.profiler, "
-        "bistouri.capture.sessions, bistouri.capture.episode, bistouri.capture.metrics, bistouri.wire\n"
+        "bistouri.capture.sessions, bistouri.capture.episode, bistouri.capture.metrics, bistouri.wire, "
+        "bistouri.record.symcache, bistouri.record.dwarfpool, bistouri.symbolizer.resolve, "
+        "bistouri.symbolizer.kallsyms, bistouri.symbolizer.formats\n"
         "bad = ('prometheus_client', 'hashlib', '_hashlib')\n"
         "print(' '.join(sorted(m for m in bad if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "", f"record's capture path imports: {out.strip()}"
+    assert out.strip() == "", f"record imports: {out.strip()}"
+
+
+def test_the_sha256_without_openssl_gives_hashlibs_digests() -> None:
+    import hashlib
+
+    from bistouri.sha import sha256
+
+    for data in (b"", b"abc", bytes(range(256)) * 1000):
+        h = sha256(data[:7])
+        h.update(data[7:])
+        assert (
+            h.hexdigest() == hashlib.sha256(data).hexdigest() and h.digest() == hashlib.sha256(data).digest()
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -243,8 +244,13 @@ def test_kernel_frames_named_without_the_resolver_equal_the_resolvers(tmp_path: 
     assert again.frames(keys) == got
 
 
-def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None:
-    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver."""
+@pytest.mark.parametrize("batch", [symcache.PROBE_BATCH, 3])
+def test_symbolize_through_the_cache_equals_the_resolver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Probes, cache and stack assembly give the resolver's profile; a rerun needs no resolver.
+    Named in batches of keys (3: every module in several), the same."""
+    monkeypatch.setattr(symcache, "PROBE_BATCH", batch)
     from bistouri.symbolizer import formats
     from bistouri.symbolizer.kallsyms import KallsymsStore
     from bistouri.symbolizer.resolve import Resolver
@@ -254,10 +260,10 @@ def test_symbolize_through_the_cache_equals_the_resolver(tmp_path: Path) -> None
     kernels = KallsymsStore(str(tmp_path / "state"))
     kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: object = None) -> Resolver:
         return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
 
-    def no_resolver(file_lines: bool) -> Resolver:
+    def no_resolver(file_lines: bool, known_symbols: object = None) -> Resolver:
         raise AssertionError("everything should come from the cache")
 
     def render(p) -> list[str]:
@@ -320,10 +326,10 @@ def test_bytes_around_a_new_leaf_are_cached_for_the_next_run(tmp_path: Path) -> 
     kernels = KallsymsStore(str(tmp_path / "state"))
     kernels.put(data.KERNEL_BUILD_ID, data.kallsyms_gz())
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: object = None) -> Resolver:
         return Resolver(DebugSources([], [str(data.WORKLOADS)], []), kernels, registry=None)
 
-    def no_resolver(file_lines: bool) -> Resolver:
+    def no_resolver(file_lines: bool, known_symbols: object = None) -> Resolver:
         raise AssertionError("the neighbours should come from the cache")
 
     session = next(iter(data.ui_sessions().values()))
@@ -395,7 +401,7 @@ def test_record_keeps_the_onset_and_the_wait_states_as_the_service_does(tmp_path
         pre_trigger_ns=5,
     )
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: object = None) -> Resolver:
         return Resolver(kernels=store, use_llvm=False, registry=None)
 
     with resolver() as r:
@@ -455,7 +461,7 @@ def test_record_names_python_frames_as_the_service_does(tmp_path: Path) -> None:
         traces=[wire.Trace((0xFFFFFFFF81001010,), user, 1, 1, on_cpu=3)],
     )
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: object = None) -> Resolver:
         return Resolver(kernels=store, use_llvm=False, registry=None)
 
     with resolver() as r:
@@ -494,10 +500,10 @@ def test_a_binary_without_dwarf_is_named_from_its_cached_symbols_as_the_resolver
         text = next(s for s in elf.segments if s.flags & 1)  # PF_X
     kernels = KallsymsStore(str(tmp_path / "state"))
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: object = None) -> Resolver:
         return Resolver(DebugSources([], [str(bins)], []), kernels, use_llvm=False, registry=None)
 
-    def no_resolver(file_lines: bool) -> Resolver:
+    def no_resolver(file_lines: bool, known_symbols: object = None) -> Resolver:
         raise AssertionError("the symbols should come from the cache")
 
     def session(offsets: range) -> wire.Session:
@@ -576,10 +582,17 @@ def test_a_binary_with_some_dwarf_is_named_from_its_symbols_where_no_dwarf_descr
 
     kernels = KallsymsStore(str(tmp_path / "state"))
     asked: list[bool] = []
+    given: list[str] = []  # where the resolver's names of the binary came from
 
-    def resolver(file_lines: bool = True) -> Resolver:
+    def resolver(file_lines: bool = True, known_symbols: Any = None) -> Resolver:
         asked.append(file_lines)
-        return Resolver(DebugSources([], [str(bins)], []), kernels, registry=None)
+
+        def spy(build_id: bytes) -> Any:
+            got = known_symbols(build_id) if known_symbols is not None else None
+            given.append("cache" if got is not None else "file")
+            return got
+
+        return Resolver(DebugSources([], [str(bins)], []), kernels, registry=None, known_symbols=spy)
 
     def session(offsets: list[int]) -> wire.Session:
         traces = [
@@ -598,5 +611,29 @@ def test_a_binary_with_some_dwarf_is_named_from_its_symbols_where_no_dwarf_descr
         want = r.symbolize(later)
     assert formats.folded(got, "on_cpu") == formats.folded(want, "on_cpu") and "main" in formats.folded(got)
     asked.clear()
-    symcache.symbolize(session([offset(with_dwarf[0])]), symcache.SymbolCache(cache_dir), resolver, "k", [])
-    assert asked == [True]  # DWARF describes it: the resolver's
+    given.clear()
+    inside = session([offset(with_dwarf[0]) + 2])
+    got, _ = symcache.symbolize(inside, symcache.SymbolCache(cache_dir), resolver, "k", [])
+    # DWARF describes it: the resolver's, named from the cached symbols (node's .symtab not read
+    # again for a warm run's few addresses in libuv), as the resolver names it from the file.
+    assert asked == [True] and given == ["cache"]
+    with Resolver(DebugSources([], [str(bins)], []), kernels, registry=None) as r:
+        want = r.symbolize(inside)
+    assert formats.folded(got, "on_cpu") == formats.folded(want, "on_cpu") == "with_dwarf 1\n"
+    assert got.frames == want.frames and got.frames[0].file.endswith("a.c") and got.frames[0].line == 1
+
+    # A damaged cached symbol is never a name: the file is removed and the binary read again.
+    symbols = cache_dir / f"{bid.hex()}.symbols"
+    raw = bytearray(symbols.read_bytes())
+    at = raw.index(b"with_dwarf")
+    raw[at] ^= 0x20
+    symbols.write_bytes(bytes(raw))
+    (cache_dir / f"{bid.hex()}.frames").unlink()  # the address is new again
+    given.clear()
+    again = session([offset(with_dwarf[0]) + 2])
+    got, _ = symcache.symbolize(again, symcache.SymbolCache(cache_dir), resolver, "k", [])
+    with Resolver(DebugSources([], [str(bins)], []), kernels, registry=None) as r:
+        want = r.symbolize(again)
+    assert given == ["cache", "file"]
+    assert formats.folded(got, "on_cpu") == formats.folded(want, "on_cpu") and got.frames == want.frames
+    assert b"With_dwarf" not in symbols.read_bytes()  # rewritten from the file

@@ -126,3 +126,36 @@ def test_the_snapshot_reports_the_agents_loaded_code_digest() -> None:
     assert loaded_code_digest(one_less) != agent_view
     # Only the modules' and programs' lines count: the kernel's own do not move it.
     assert loaded_code_digest(text.replace(b" schedule\n", b" schedule2\n")) == agent_view
+
+
+@pytest.mark.parametrize("order", ["as written", "modules first", "shuffled"])
+def test_rows_in_any_order_give_each_address_its_preferred_name(order: str) -> None:
+    """The rows are merged from their ascending runs (/proc/kallsyms has a few: its modules'), or
+    sorted past `_Parsed.MAX_RUNS` (a shuffled /proc/kallsyms): either way each address once, in
+    order, with the preferred of its names, the first line among equals; the fixture and the real
+    /proc/kallsyms."""
+    import random
+
+    from bistouri.symbolizer.kallsyms import _Parsed
+
+    real = Path("/proc/kallsyms").read_bytes()
+    for snapshot in (SNAPSHOT, real):
+        lines = snapshot.splitlines(keepends=True)
+        if order == "modules first":
+            lines = [ln for ln in lines if b"[" in ln] + [ln for ln in lines if b"[" not in ln]
+        elif order == "shuffled":
+            random.Random(7).shuffle(lines)
+        try:
+            parsed = _Parsed(iter([b"".join(lines)]))
+        except KallsymsError:
+            continue  # /proc/kallsyms without addresses (not root): the fixture alone
+        merged = len(parsed.runs) <= _Parsed.MAX_RUNS
+        assert merged == (order != "shuffled" or snapshot is not real)  # both paths taken
+        # What it must give: by address, then preference, then the line's rank.
+        rows = sorted(range(len(parsed.addrs)), key=lambda i: (parsed.addrs[i], parsed.prefs[i], i))
+        want: dict[int, tuple[int, str, str]] = {}
+        for i in rows:
+            a = parsed.addrs[i]
+            want.setdefault(a, (a, parsed._name(i), parsed.modules[parsed.row_module[i]]))
+        assert list(parsed.symbols()) == list(want.values())
+    assert parse_kallsyms(SNAPSHOT).lookup(0xFFFFFFFF81000010) == ("srso_alias_untrain_ret", "", 0x10)
