@@ -10,6 +10,8 @@ BENCHES = (
     "bench.bench_sampling",
     "bench.bench_unwind_tables",
     "bench.bench_symbolize",
+    "bench.bench_symcache",
+    "bench.bench_warm_dwarf",
     "bench.bench_ingest",
     "bench.bench_fleet",
     "bench.bench_upload",
@@ -23,6 +25,7 @@ BENCHES = (
     "bench.bench_verifier",
     "bench.bench_python_frames",
     "bench.bench_export",
+    "bench.bench_noregress",
 )
 
 
