@@ -44,7 +44,7 @@ import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from .. import atomicfile
 from ..compat import SLOTS, zip_strict
@@ -71,7 +71,8 @@ MAX_FRAMES_PER_FILE = 200_000  # (address, leaf) entries kept per binary
 
 # (file_lines, known_symbols) -> a Resolver: file_lines False when only the kernel and binaries
 # without DWARF miss; known_symbols gives it a binary's cached symbols (Resolver.known_symbols).
-OpenResolver = Callable[[bool, Callable[[bytes], SymbolTable | None]], "Resolver"]
+# (Optional, not `| None`: an alias is evaluated at import, and Python 3.9 has no `|` between types.)
+OpenResolver = Callable[[bool, Callable[[bytes], Optional[SymbolTable]]], "Resolver"]
 
 
 class CacheUnusable(BistouriError):
