@@ -30,7 +30,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import stat
 import struct
 import threading
@@ -319,6 +318,8 @@ def _trigger(
 
 
 def _request(sock_fd: int, pid: int, timeout_s: float, clock: Callable[[], float]) -> AttachResult:
+    import socket  # only when a JVM is attached to: ~2 ms of every record's start otherwise
+
     deadline = clock() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)

@@ -39,6 +39,7 @@ _BASE = {
     "bistouri.compat",
     "bistouri.errors",
     "bistouri.discard",
+    "bistouri.gckeep",
     "bistouri.logtext",
     "bistouri.pressure",
     "bistouri.sha",
