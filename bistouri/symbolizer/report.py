@@ -11,7 +11,6 @@ symbolizer serves, so the report and the service cannot drift apart.
 
 from __future__ import annotations
 
-import html
 import json
 import re
 from functools import cache
@@ -21,6 +20,8 @@ from typing import Any
 from . import formats
 
 UI_DIR = Path(__file__).with_name("ui")
+# html.escape's five replacements, without importing html (its entities table: ~1 ms of record's end).
+_HTML_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#x27;"})
 
 # In page order: the libraries first, then ours.
 _SCRIPTS = (
@@ -141,7 +142,7 @@ def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], titl
     as it is. The result references no URL, so it works offline from `file://`,
     and is pure ASCII, so any encoding writes it unchanged.
     """
-    t = html.escape(title)
+    t = title.translate(_HTML_ESCAPES)
     parts = [_markup(_HEAD.format(title=t))]
     parts += [_inline_style(_asset(rel)) for rel in _STYLES]
     parts += [_inline_script(_asset(rel)) for rel in _SCRIPTS]
