@@ -74,12 +74,16 @@ _UCRED = struct.Struct("<iII")  # pid, uid, gid
 
 @dataclass(frozen=True, **SLOTS)
 class AttachResult:
+    """How an attach to a JVM ended (one of `REASONS`), with a detail for the log."""
+
     reason: str  # one of REASONS
     detail: str = ""  # for the log
 
 
 @dataclass(frozen=True, **SLOTS)
 class _Proc:
+    """A process seen by the JVM attach: its pid in its namespace, credentials and caught signals."""
+
     nspid: int
     uid: int  # effective: what HotSpot compares with
     gid: int

@@ -50,6 +50,8 @@ def parse_text_address(kallsyms: bytes) -> int | None:
 
 @dataclass(frozen=True, **SLOTS)
 class KernelMeta:
+    """This host's kernel: release, build id, `_text` address and boot id."""
+
     release: str
     build_id: bytes  # empty when /sys/kernel/notes has none
     text_addr: int  # 0 when hidden

@@ -81,6 +81,8 @@ _LAST_DRAIN_S = 30.0
 
 @dataclass(frozen=True, **SLOTS)
 class PressureRule:
+    """One `--on-pressure` rule: a PSI resource and the stall share that starts the capture."""
+
     resource: str
     threshold: float
 

@@ -423,6 +423,8 @@ class CachedKallsyms:
 
 @dataclass(**SLOTS)
 class SymbolizeStats:
+    """What a symbolization did: addresses, cache hits, lookups and their cost."""
+
     addresses: int = 0  # distinct (module, address, leaf?) in the session
     cached: int = 0  # of which answered from the cache
     labels: int = 0  # of which named by what the agent sent (vDSO, JIT, unknown): no lookup

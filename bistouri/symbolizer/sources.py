@@ -64,6 +64,8 @@ _BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 
 @dataclass(frozen=True, **SLOTS)
 class Found:
+    """A debug file found for a build id, and where it was found."""
+
     path: str
     source: str  # debug-dir | binary-dir | cache | debuginfod | upload
 
