@@ -29,7 +29,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import atomicfile
 from ..compat import SLOTS
@@ -480,13 +479,13 @@ class DebugSources:
 
 
 def _cache_files(cache_dir: str) -> Iterable[tuple[str, int, float]]:
-    for entry in Path(cache_dir).iterdir():
-        if not entry.is_dir():
-            continue
+    with os.scandir(cache_dir) as entries:  # not pathlib: ~3.5 ms of record's imports
+        dirs = [e.path for e in entries if e.is_dir()]
+    for d in dirs:
         for kind in KINDS:
-            f = entry / kind
+            f = os.path.join(d, kind)
             try:
-                st = f.stat()
+                st = os.stat(f)
             except OSError:
                 continue
-            yield str(f), st.st_size, max(st.st_mtime, st.st_atime)
+            yield f, st.st_size, max(st.st_mtime, st.st_atime)
