@@ -180,7 +180,8 @@ def test_records_path_imports_no_module_it_does_not_use() -> None:
         "bad = ('pathlib', 'socket', 'html')\n"
         "print(' '.join(sorted(m for m in bad if m in sys.modules)))\n"
     )
-    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True)
+    out = run.stdout
     assert out.strip() == "", f"record imports: {out.strip()}"
 
 
