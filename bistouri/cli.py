@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .errors import BistouriError
+from .gckeep import kept
 
 DESCRIPTION = """\
 Bistouri is a reactive profiler: the agent stays dormant until Linux PSI
@@ -229,8 +230,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(_command_of(argv))
-    args = parser.parse_args(argv)
+    with kept():  # the command's modules are imported here, for the process's lifetime
+        parser = build_parser(_command_of(argv))
+        args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

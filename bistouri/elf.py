@@ -113,6 +113,8 @@ class Segment:
 
 @dataclass(frozen=True, **SLOTS)
 class Section:
+    """An ELF section header."""
+
     name: str
     type: int
     flags: int

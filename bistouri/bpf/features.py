@@ -37,6 +37,8 @@ FORCE_ENV = "BISTOURI_FORCE_DEGRADED"
 
 @dataclass(frozen=True, **SLOTS)
 class Degradation:
+    """A BPF helper an older kernel lacks: since when it exists and what its absence costs."""
+
     helper: str  # the BPF helper (enum bpf_func_id's name without BPF_FUNC_) whose absence it is
     since: str  # the kernel that brought it
     cost: str  # what its absence costs, in the user's words
@@ -94,6 +96,8 @@ COMPAT_SUFFIX = "_compat"
 
 @dataclass(frozen=True, **SLOTS)
 class KernelFeatures:
+    """What this kernel lacks (`DEGRADATIONS` by name) and which program twins it loads."""
+
     degraded: tuple[str, ...] = ()  # names of DEGRADATIONS, in its order
     forced: bool = False  # some of them by FORCE_ENV (testing)
     # The kernel's verifier refused the bounded twins (loader._load_twins): the compat ones instead.

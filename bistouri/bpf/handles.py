@@ -342,6 +342,8 @@ class Map:
 
 @dataclass(frozen=True, **SLOTS)
 class BtfMember:
+    """A struct member as the BTF describes it: name, offset and size in bytes."""
+
     name: str
     offset: int  # bytes
     size: int

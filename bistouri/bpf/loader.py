@@ -56,6 +56,8 @@ def default_object_path() -> str:
 
 @dataclass(frozen=True, **SLOTS)
 class ProfilerOptions:
+    """How the profiler samples and loads: frequency, off-CPU, unwinding and their budgets."""
+
     freq_hz: int = 19
     offcpu: bool = True
     # Every real wait counts: on a fast disk an fsync storm blocks for tens of µs at a

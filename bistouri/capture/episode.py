@@ -151,6 +151,8 @@ def aggressors(
 
 @dataclass(frozen=True, **SLOTS)
 class EpisodeStart:
+    """The victims' thread states and the cgroups' usage when an episode began."""
+
     threads: dict[int, StateTimes]
     cgroups: dict[str, CgroupUsage]
 

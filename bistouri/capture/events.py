@@ -87,6 +87,8 @@ PY_FRAME_BYTES = 24
 
 @dataclass(frozen=True, **SLOTS)
 class ExecMatch:
+    """An exec that matched an exec rule: the process, its cgroup and comm."""
+
     rule_id: int
     pid: int
     cgroup_id: int
@@ -95,6 +97,8 @@ class ExecMatch:
 
 @dataclass(frozen=True, **SLOTS)
 class BpfErrorEvent:
+    """An error a BPF program reported through the ring (a `Counter` kind and its code)."""
+
     kind: abi.Counter
     pid: int
     code: int

@@ -37,6 +37,8 @@ _U64 = (1 << 64) - 1
 
 @dataclass(**SLOTS)
 class RawStackStats:
+    """Counters of the raw stack copies: received, walked, whole, cut short, dropped."""
+
     received: int = 0  # raw copies read from the ring
     walked: int = 0  # walked with the process's tables into a stack record
     whole: int = 0  # ... of which reached the entry

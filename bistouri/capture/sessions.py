@@ -76,6 +76,8 @@ class SessionSink(Protocol):
 
 @dataclass(**SLOTS)
 class _Agg:
+    """The counts of one stack in a session: samples on and off CPU, and off-CPU time."""
+
     on_cpu: int = 0
     off_cpu: int = 0
     off_cpu_ns: int = 0
@@ -130,6 +132,8 @@ def _python_frame(f: PythonFrame, made: dict[PythonFrame, wire.UserFrame]) -> wi
 
 @dataclass(**SLOTS)
 class ActiveSession:
+    """A session being captured: its trigger, processes and stacks so far."""
+
     session_id: str
     trigger: wire.Trigger
     service: str

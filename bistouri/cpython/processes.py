@@ -78,6 +78,8 @@ class PythonStats:
 
 @dataclass(**SLOTS)
 class _Process:
+    """A CPython process described: its interpreter's layout, namers and caches of frames."""
+
     identity: tuple[int, int, int]  # start time, the executable's device and inode
     interp: Interpreter
     namer: CodeNamer
@@ -92,6 +94,8 @@ class _Process:
 
 @dataclass(frozen=True, **SLOTS)
 class _Refused:
+    """A process that is not a CPython bistouri can read, and why (kept to not look again)."""
+
     identity: tuple[int, int, int]
     why: Unsupported
     stack: PythonStack  # its samples' (NO_PYTHON when not CPython at all)

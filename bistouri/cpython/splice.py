@@ -82,6 +82,8 @@ def decode(raw: bytes) -> list[PyFrame]:
 
 @dataclass(frozen=True, **SLOTS)
 class Spliced(Generic[N, P]):
+    """Native and Python frames interleaved, leaf first, and the Python frames left over."""
+
     frames: list[N | P]  # leaf first
     leftover: int  # Python frames no eval frame took (put at the root end)
 

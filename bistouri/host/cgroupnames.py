@@ -52,6 +52,8 @@ _UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]{1,240}\.(service|scope|socket|mount|swap
 
 @dataclass(frozen=True, **SLOTS)
 class CgroupNames:
+    """What a cgroup path names: the systemd unit and the container, if any."""
+
     unit: str = ""  # the system unit ("nginx.service"), or the innermost slice of a path of slices
     container: wire.Container | None = None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..compat import SLOTS
 
@@ -50,6 +49,8 @@ def parse_text_address(kallsyms: bytes) -> int | None:
 
 @dataclass(frozen=True, **SLOTS)
 class KernelMeta:
+    """This host's kernel: release, build id, `_text` address and boot id."""
+
     release: str
     build_id: bytes  # empty when /sys/kernel/notes has none
     text_addr: int  # 0 when hidden
@@ -63,16 +64,16 @@ class KernelMeta:
 def read_kernel_meta(sys_root: str = "/sys", proc_root: str = "/proc") -> KernelMeta:
     """Never fatal (the original aborted): missing pieces are left empty and reported by preflight."""
     try:
-        build_id = build_id_from_notes(Path(sys_root, "kernel/notes").read_bytes()) or b""
+        build_id = build_id_from_notes(_read(f"{sys_root}/kernel/notes")) or b""
     except OSError:
         build_id = b""
     try:
-        text = parse_text_address(Path(proc_root, "kallsyms").read_bytes()) or 0
+        text = parse_text_address(_read(f"{proc_root}/kallsyms")) or 0
     except OSError:
         text = 0
     try:
         boot_id = bytes.fromhex(
-            Path(proc_root, "sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+            _read(f"{proc_root}/sys/kernel/random/boot_id").decode().strip().replace("-", "")
         )
     except (OSError, ValueError):
         boot_id = b""
@@ -86,4 +87,10 @@ def read_kernel_meta(sys_root: str = "/sys", proc_root: str = "/proc") -> Kernel
 
 def read_kallsyms(proc_root: str = "/proc") -> bytes:
     """A snapshot of /proc/kallsyms, to send to the symbolizer once per kernel build id."""
-    return Path(proc_root, "kallsyms").read_bytes()
+    return _read(f"{proc_root}/kallsyms")
+
+
+def _read(path: str) -> bytes:
+    # Not pathlib: it imports urllib.parse and ipaddress, ~3.5 ms of record's start.
+    with open(path, "rb") as f:
+        return f.read()

@@ -54,6 +54,8 @@ def thread_name(pid: int, tid: int, proc_root: str = "/proc") -> str | None:
 
 @dataclass(frozen=True, **SLOTS)
 class ProcStat:
+    """The fields of /proc/PID/stat that bistouri reads."""
+
     pid: int
     comm: str
     state: str  # R, S, D, Z, ...

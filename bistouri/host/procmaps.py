@@ -88,12 +88,16 @@ _LINES_PER_TOKEN = 4096  # a re-read of the maps costs one token per this many l
 
 @dataclass(frozen=True, **SLOTS)
 class MappedFile:
+    """A file mapped by a process: its build id and the basename its frames are labelled with."""
+
     build_id: bytes  # b"" when the file has none or could not be read
     name: str  # basename, what an unnamed frame is labelled with (`libc.so.6+0x2724a`)
 
 
 @dataclass(**SLOTS)
 class _Table:
+    """One process's mappings, sorted by start, as parallel arrays (bisected per frame)."""
+
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     pgoffs: list[int] = field(default_factory=list)
@@ -118,6 +122,8 @@ class _Table:
 
 @dataclass(**SLOTS)
 class _PerfMap:
+    """A process's perf map (`/tmp/perf-PID.map`): where it is, who may own it, what was read."""
+
     root: str  # the directory it is resolved in: `/`, or the process's `/proc/PID/root`
     path: str  # inside that root
     owners: frozenset[int]  # who may own it: the process's user, root
@@ -147,6 +153,8 @@ class _PerfRead(NamedTuple):
 
 @dataclass(**SLOTS)
 class ProcMapsStats:
+    """Counters of the mapping tables: reads, size, evictions, perf maps."""
+
     tables: int = 0
     bytes: int = 0
     reads: int = 0  # /proc/PID/maps reads

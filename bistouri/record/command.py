@@ -38,6 +38,7 @@ from ..bpf import abi
 from ..bpf.loader import ObjectLoad, ProfilerOptions
 from ..compat import SLOTS
 from ..errors import BistouriError
+from ..gckeep import kept
 from ..host import procfs
 from .outputs import BuildIdTree, OutputDir, default_cache_dir
 
@@ -80,6 +81,8 @@ _LAST_DRAIN_S = 30.0
 
 @dataclass(frozen=True, **SLOTS)
 class PressureRule:
+    """One `--on-pressure` rule: a PSI resource and the stall share that starts the capture."""
+
     resource: str
     threshold: float
 
@@ -447,13 +450,14 @@ def cmd_record(args: argparse.Namespace) -> int:
     loading = ObjectLoad(options, arm=None if args.on_pressure else dict.fromkeys(procs, _filter_flags(args)))
     try:
         loading.wait()
-        import signal  # not before either: its enums are ~0.4 ms of CPU
+        with kept():
+            import signal  # not before either: its enums are ~0.4 ms of CPU
 
-        from ..capture.profiler import Profiler
-        from ..elf import HOST_DEBUG_DIR  # not before: elf imports lzma
+            from ..capture.profiler import Profiler
+            from ..elf import HOST_DEBUG_DIR  # not before: elf imports lzma
 
-        out = OutputDir.open(args.output)
-        tree = BuildIdTree(args.proc_path, mirror=HOST_DEBUG_DIR if args.host_debuginfo else None)
+            out = OutputDir.open(args.output)
+            tree = BuildIdTree(args.proc_path, mirror=HOST_DEBUG_DIR if args.host_debuginfo else None)
     except BaseException:
         loading.close()
         raise
@@ -470,6 +474,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             profiler.attach_rest()
             targets.child = _start(command)  # attached first: sampled from its first instruction
         capture = _capture(args, profiler, targets, tree, trigger, progress, stop)
+        gc.freeze()  # the session lives to the end: the collections that follow need not walk it
         usage = Usage(capture_rss_bytes=_peak_rss(reset=True))
         progress.done(
             f"Captured {capture.samples} samples of {capture.processes} processes in {capture.seconds:.1f} s"
@@ -558,19 +563,14 @@ def _capture(
     while not stop and time.monotonic() - t0 < _TABLES_FIRST_S and not profiler.unwind.wait_idle(0.05):
         pass
 
-    # Sampling runs: what follows may take its time (imports, /proc reads). What the imports make
-    # lives as long as the process: the collector neither runs during them nor walks it after.
-    gc.disable()
-    try:
+    # Sampling runs: what follows may take its time (imports, /proc reads).
+    with kept():
         from .. import wire
         from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
         from ..capture.sessions import SessionCapture
         from ..discard import Discarded
         from ..host import mounts
         from ..host.cgroupfs import find_mounts
-    finally:
-        gc.freeze()
-        gc.enable()
 
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)

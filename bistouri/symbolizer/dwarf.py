@@ -158,6 +158,8 @@ class UnitStore(Protocol):
 
 @dataclass(**SLOTS)
 class _Unit:
+    """A compilation unit of .debug_info: its header and what its unit DIE says."""
+
     offset: int  # of its header in .debug_info
     end: int
     version: int
@@ -179,6 +181,8 @@ class _Unit:
 
 @dataclass(**SLOTS)
 class _Die:
+    """A DIE read from .debug_info: its tag and attributes."""
+
     offset: int
     tag: int
     children: bool

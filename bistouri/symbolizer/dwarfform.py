@@ -128,6 +128,8 @@ class Malformed(Exception):
 
 @dataclass(**SLOTS)
 class Abbrev:
+    """A DWARF abbreviation: a DIE's tag and its attributes' forms."""
+
     tag: int
     children: bool
     attrs: list[tuple[int, int, int]]  # (attribute, form, implicit constant)

@@ -41,6 +41,8 @@ Strings = Callable[[int, int], str]
 
 @dataclass(**SLOTS)
 class LineTable:
+    """A unit's DWARF line table: directories, files and the rows of its sequences."""
+
     version: int
     dirs: list[str]
     files: list[tuple[str, int]]  # (name, directory index)

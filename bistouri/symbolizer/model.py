@@ -84,6 +84,8 @@ class Frame:
 
 @dataclass(**SLOTS)
 class Sample:
+    """One sample of a profile: its stack (frame indexes) and thread."""
+
     stack: tuple[int, ...]  # indexes into Profile.frames, root first
     pid: int = 0
     tid: int = 0
@@ -107,6 +109,8 @@ PARTS = ("all", "before", "after")
 
 @dataclass(**SLOTS)
 class SessionMeta:
+    """A profile's metadata: session, host, trigger and times."""
+
     session_id: str
     tenant: str = ""
     service: str = ""

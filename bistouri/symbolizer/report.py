@@ -11,16 +11,18 @@ symbolizer serves, so the report and the service cannot drift apart.
 
 from __future__ import annotations
 
-import html
 import json
+import os
 import re
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from . import formats
 
-UI_DIR = Path(__file__).with_name("ui")
+# A str, not a pathlib.Path: pathlib imports urllib.parse and ipaddress (~3.5 ms of record's end).
+UI_DIR = os.path.join(os.path.dirname(__file__), "ui")
+# html.escape's five replacements, without importing html (its entities table: ~1 ms of record's end).
+_HTML_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#x27;"})
 
 # In page order: the libraries first, then ours.
 _SCRIPTS = (
@@ -47,7 +49,8 @@ _NON_ASCII = re.compile(r"[^\x00-\x7f]")
 
 @cache
 def _asset(rel: str) -> str:
-    return (UI_DIR / rel).read_text(encoding="utf-8")
+    with open(os.path.join(UI_DIR, rel), encoding="utf-8") as f:
+        return f.read()
 
 
 # The page is pure ASCII whatever encoding the caller writes it with: each non-ASCII
@@ -141,7 +144,7 @@ def flamegraph_html(trees: dict[str, dict[str, Any]], meta: dict[str, Any], titl
     as it is. The result references no URL, so it works offline from `file://`,
     and is pure ASCII, so any encoding writes it unchanged.
     """
-    t = html.escape(title)
+    t = title.translate(_HTML_ESCAPES)
     parts = [_markup(_HEAD.format(title=t))]
     parts += [_inline_style(_asset(rel)) for rel in _STYLES]
     parts += [_inline_script(_asset(rel)) for rel in _SCRIPTS]

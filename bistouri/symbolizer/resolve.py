@@ -110,6 +110,8 @@ class _Module:
 
 @dataclass(**SLOTS)
 class _Kernel:
+    """A kernel's symbols for the resolver: its kallsyms snapshot, held weakly."""
+
     gen: int
     hexid: str
     # Weak: the KallsymsStore's LRU, bounded in bytes, is what keeps a parsed snapshot alive.

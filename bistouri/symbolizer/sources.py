@@ -29,7 +29,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import atomicfile
 from ..compat import SLOTS
@@ -64,6 +63,8 @@ _BUILD_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 
 @dataclass(frozen=True, **SLOTS)
 class Found:
+    """A debug file found for a build id, and where it was found."""
+
     path: str
     source: str  # debug-dir | binary-dir | cache | debuginfod | upload
 
@@ -478,13 +479,13 @@ class DebugSources:
 
 
 def _cache_files(cache_dir: str) -> Iterable[tuple[str, int, float]]:
-    for entry in Path(cache_dir).iterdir():
-        if not entry.is_dir():
-            continue
+    with os.scandir(cache_dir) as entries:  # not pathlib: ~3.5 ms of record's imports
+        dirs = [e.path for e in entries if e.is_dir()]
+    for d in dirs:
         for kind in KINDS:
-            f = entry / kind
+            f = os.path.join(d, kind)
             try:
-                st = f.stat()
+                st = os.stat(f)
             except OSError:
                 continue
-            yield str(f), st.st_size, max(st.st_mtime, st.st_atime)
+            yield f, st.st_size, max(st.st_mtime, st.st_atime)

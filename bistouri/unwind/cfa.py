@@ -108,6 +108,8 @@ ARCH_OF_MACHINE = {EM_AARCH64: AARCH64}  # any other: x86-64's rules
 
 @dataclass(**SLOTS)
 class Cie:
+    """A CIE of .eh_frame / .debug_frame: the encodings and initial rules its FDEs share."""
+
     code_align: int
     data_align: int
     ra_reg: int

@@ -52,6 +52,8 @@ _PUSHED: Rule = (16, SAVED_RBP_OFF, CfaKind.RSP, RbpKind.AT_CFA)
 
 @dataclass(frozen=True, **SLOTS)
 class Prologue:
+    """A JIT-compiled method's prologue: where RBP is saved and the frame made."""
+
     push_end: int  # offset after which the caller's RBP is saved (after the push or the spill)
     frame_at: int  # offset at which CFA = RSP + frame (after the `sub`)
     frame: int  # CFA - RSP once the frame is made
@@ -105,6 +107,8 @@ def _epilogues(code: bytes, frame: int, start: int) -> list[tuple[int, int, int]
 
 @dataclass(**SLOTS)
 class JitLimits:
+    """Bounds on the work of building a JIT mapping's unwind rows."""
+
     max_entries: int = 1 << 17  # perf-map entries looked at per mapping
     max_rows: int = 1 << 18
     max_code_bytes: int = 64 << 10  # of one entry, scanned for epilogues
@@ -113,6 +117,8 @@ class JitLimits:
 
 @dataclass(**SLOTS)
 class JitStats:
+    """What building a JIT mapping's rows found, and whether a bound cut it short."""
+
     entries: int = 0  # perf-map entries in the mapping
     framed: int = 0  # ... with a prologue found: rows for them
     unreadable: int = 0  # ... whose code could not be read

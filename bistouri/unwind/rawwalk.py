@@ -75,6 +75,8 @@ RuleOf = Callable[[int, bool], Rule]
 
 @dataclass(**SLOTS)
 class Walked:
+    """A raw stack copy walked in user space: its addresses and how each frame was found."""
+
     ips: list[int] = field(default_factory=list)
     by_table: int = 0
     by_fp: int = 0

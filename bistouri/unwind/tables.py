@@ -98,6 +98,8 @@ class Table:
 
 @dataclass(**SLOTS)
 class UnwindStats:
+    """Counters of the unwind tables: built, cached, failed, and their cost."""
+
     built: int = 0  # tables compiled from ELF files
     build_cpu_s: float = 0.0
     cache_hits: int = 0  # tables read from the disk cache
@@ -116,6 +118,8 @@ class UnwindStats:
 
 @dataclass(**SLOTS)
 class _Loaded:
+    """Where a file's table sits in the rows map: first row, count, bucket index."""
+
     first: int
     count: int  # rows, then the bucket index after them
     rows: int
@@ -133,6 +137,8 @@ _FileMapping = tuple[tuple[int, int], int, Optional[MappedPath], bytes]  # Optio
 
 @dataclass(**SLOTS)
 class _Proc:
+    """A process's unwind tables: its slot and the files' entries it uses."""
+
     slot: int
     entries: list[_Entry] = field(default_factory=list)  # sorted by start
     source: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # the file mappings read

@@ -97,6 +97,8 @@ RUNTIMES = ("docker", "containerd", "podman", "crio")
 
 @dataclass(frozen=True, **SLOTS)
 class UserFrame:
+    """One user-space frame on the wire: resolved (build id, offset), JIT, Python or raw."""
+
     kind: int  # FRAME_*
     build_id: bytes  # empty unless kind == FRAME_RESOLVED (and empty then if the file has none)
     address: int  # file offset when resolved, the line for a Python frame, raw IP otherwise
@@ -139,6 +141,8 @@ class PressureEvent(Protocol):
 
 @dataclass(frozen=True, **SLOTS)
 class Trigger:
+    """What started a session: the PSI resource, the stall kind and the threshold crossed."""
+
     resource: str  # cpu | memory | io (a manual capture: the target's first resource)
     stall: str = "some"  # some | full
     threshold_us: int = 0
@@ -248,6 +252,8 @@ class Container:
 
 @dataclass(frozen=True, **SLOTS)
 class KernelInfo:
+    """The kernel a session ran on: release, build id, `_text` address and boot id."""
+
     release: str = ""
     build_id: bytes = b""
     text_addr: int = 0  # runtime address of _text (KASLR-corrected base)
@@ -256,6 +262,8 @@ class KernelInfo:
 
 @dataclass(**SLOTS)
 class Session:
+    """A capture on the wire: its trigger, kernel, processes, stacks and counts."""
+
     session_id: str
     trigger: Trigger
     kernel: KernelInfo

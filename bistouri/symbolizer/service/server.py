@@ -89,7 +89,7 @@ class ServerConfig:
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # an uploaded ELF file, uncompressed
     upload_quota: Quota = field(default_factory=Quota)
     claim_lease_s: float = CLAIM_LEASE_S
-    ui_dir: Path = UI_DIR
+    ui_dir: Path = Path(UI_DIR)
     export: ExportConfig = field(default_factory=ExportConfig)  # OTLP and Pyroscope endpoints
 
     @property
