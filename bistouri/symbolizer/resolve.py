@@ -230,6 +230,8 @@ class Resolver:
         self._gen = itertools.count(1)
         # Equal rows share one object, so a session indexes them by id() without hashing.
         self._interned: dict[model.FrameRow, model.FrameRow] = {VDSO: VDSO}
+        # The Frame of each row a profile held, for the next profiles (a warm session makes none).
+        self._frames: dict[model.FrameRow, model.Frame] = {}
 
     @classmethod
     def from_options(
@@ -484,6 +486,15 @@ class Resolver:
             self._interned = {VDSO: VDSO, f: f}  # only sharing is lost
         return got
 
+    def _frame(self, row: model.FrameRow) -> model.Frame:
+        got = self._frames.get(row)
+        if got is None:
+            got = model.Frame(*row)
+            if len(self._frames) >= self.cache_entries:
+                self._frames = {}  # only sharing is lost
+            self._frames[row] = got
+        return got
+
     # --- result cache ----------------------------------------------------------
 
     def _store(self, key: tuple[int, int, bool], frames: _Frames) -> None:
@@ -694,7 +705,7 @@ class Resolver:
                 kernel[leaf][ip] = frames
 
         # 3. Root-first stacks.
-        profile = stacks.profile(user, kernel)
+        profile = stacks.profile(user, kernel, self._frame)
 
         kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "python": 0, "unknown": 0}
         for t in stacks.distinct:

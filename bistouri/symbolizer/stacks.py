@@ -83,14 +83,17 @@ class SessionStacks:
                 kleaf[kern[0]] = None
                 kcall.update(dict.fromkeys(kern[1:]))
 
-    def profile(self, user: ByLeaf, kernel: ByLeaf) -> model.Profile:
+    def profile(
+        self, user: ByLeaf, kernel: ByLeaf, frame_of: Callable[[model.FrameRow], model.Frame] | None = None
+    ) -> model.Profile:
         """The profile, from the frames of every entry of `user` and `kernel` (same keys).
 
         Equal rows must be one object (interned): a frame is indexed by id(). The frame table
         lists frames in the order first met from the root of the session's stacks, whatever
-        order the answers came in: one Frame made per row met."""
+        order the answers came in. A row met becomes its Frame through `frame_of` (the resolver's,
+        shared by its profiles: a cached session's frames are not made again), else a new one."""
         session = self.session
-        Frame = model.Frame
+        Frame = frame_of or _new_frame
         frame_ids: dict[int, int] = {}
         frames_out: list[model.Frame] = []
         by_result: dict[int, tuple[int, ...]] = {}
@@ -105,7 +108,7 @@ class SessionStacks:
                 i = frame_ids.get(id(f))
                 if i is None:
                     i = frame_ids[id(f)] = len(frames_out)
-                    frames_out.append(Frame(*f))
+                    frames_out.append(Frame(f))
                 out.append(i)
             got = by_result[id(frames)] = tuple(out)
             return got
@@ -142,6 +145,10 @@ class SessionStacks:
             for t in session.traces
         ]
         return model.Profile(meta=model.SessionMeta.from_wire(session), frames=frames_out, samples=samples)
+
+
+def _new_frame(row: model.FrameRow) -> model.Frame:
+    return model.Frame(*row)
 
 
 class _Indexes(dict[int, tuple[int, ...]]):
