@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # imported when needed: a fully cached run loads none of the 
     from .. import wire
     from ..symbolizer.dwarflines import LineTable
     from ..symbolizer.kallsyms import KallsymsIndex
-    from ..symbolizer.model import Frame, Profile
+    from ..symbolizer.model import Profile
     from ..symbolizer.resolve import Resolver
     from ..symbolizer.stacks import SessionStacks
 
@@ -477,7 +477,9 @@ def symbolize(
     found), kernel addresses are named from it directly. The profile is assembled as the resolver's is
     (symbolizer/stacks.py): only the naming differs."""
     from .. import wire
+    from ..symbolizer.model import FrameRow
     from ..symbolizer.stacks import ByLeaf, SessionStacks, label
+    from ..symbolizer.stacks import Frames as StackFrames
 
     stacks = SessionStacks(session)
     keys, other_keys, names = _frame_keys(stacks)
@@ -488,15 +490,18 @@ def symbolize(
     stats.addresses += len(other_keys)
     stats.labels = len(other_keys)
 
-    # Equal frames become one object (the assembler indexes frames by id): the cache's, the
-    # resolver's and kallsyms' answers come from separate intern tables.
-    interned: dict[Frame, Frame] = {}
+    # Equal frames become one row object (the assembler indexes frames by id and takes rows,
+    # model.FrameRow): the cache's, the resolver's and kallsyms' answers come from separate tables.
+    interned: dict[FrameRow, FrameRow] = {}
 
-    def one(frames: Frames) -> Frames:
-        return tuple([interned.setdefault(f, f) for f in frames])
+    def intern(row: FrameRow) -> FrameRow:
+        return interned.setdefault(row, row)
+
+    def one(frames: Frames) -> StackFrames:
+        return tuple([intern(f.row) for f in frames])
 
     named = {m: {k: one(known[m][k]) for k in wanted} for m, wanted in keys.items()}
-    named_other = {k: one((label(k[0]),)) for k in other_keys}
+    named_other = {k: (intern(label(k[0])),) for k in other_keys}
     user: ByLeaf = ({}, {})
     kernel: ByLeaf = ({}, {})
     for leaf in (True, False):

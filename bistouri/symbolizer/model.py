@@ -24,9 +24,18 @@ KIND_PYTHON = "python"  # a CPython function, named by the agent (wire v4): file
 KIND_UNKNOWN = "unknown"
 
 
+# A frame as the symbolizers hold and cache it: a Frame's fields, in its order, in a plain tuple.
+# Holding only str, int and bool, the cyclic collector stops tracking it (and an answer, a tuple of
+# them) at its first look, where a Frame stays tracked as long as it lives: a Go binary's 50 000
+# distinct addresses leave ~36 000 answers and as many frames in the result cache, and every full
+# collection walked all of them (two in that batch where names only had one). A profile's frames
+# are made from them once per profile (stacks.SessionStacks.profile).
+FrameRow = tuple[str, str, str, int, str, bool]
+
+
 class Frame:
     """One frame of a profile. Immutable (its attributes are Final for mypy): equal frames are
-    shared, interned by the symbolizers.
+    shared within a profile (made once from the symbolizers' interned `FrameRow`).
 
     Equality, hash and repr are those of a frozen dataclass of these fields (equal only to a
     Frame; the hash of the fields' tuple), written out: a frozen dataclass's __init__ sets each
@@ -74,6 +83,11 @@ class Frame:
 
     def __hash__(self) -> int:
         return hash((self.name, self.module, self.file, self.line, self.kind, self.inlined))
+
+    @property
+    def row(self) -> FrameRow:
+        """The fields as the symbolizers hold them; `Frame(*f.row) == f`."""
+        return (self.name, self.module, self.file, self.line, self.kind, self.inlined)
 
     def __repr__(self) -> str:
         return (

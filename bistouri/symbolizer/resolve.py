@@ -66,7 +66,9 @@ _MODULE_OVERHEAD = 2048
 DEFAULT_RETRY_S = 30.0  # how long a module without debug info (or absent) is kept before looking again
 _EVICT_FRACTION = 8  # evict 1/8 of the oldest results at once
 
-_Frames = tuple[model.Frame, ...]  # one address, root first (outer function, then inlined callees)
+# One address, root first (outer function, then inlined callees): rows (model.FrameRow), which the
+# cyclic collector does not track, cached and handed to SessionStacks, which makes the Frames.
+_Frames = tuple[model.FrameRow, ...]
 
 
 class Symbols(Protocol):
@@ -228,8 +230,10 @@ class Resolver:
         self._lock = threading.Lock()
         self._load_locks: dict[str, threading.Lock] = {}
         self._gen = itertools.count(1)
-        # Equal frames share one object, so a session indexes them by id() without hashing.
-        self._interned: dict[model.Frame, model.Frame] = {VDSO: VDSO}
+        # Equal rows share one object, so a session indexes them by id() without hashing.
+        self._interned: dict[model.FrameRow, model.FrameRow] = {VDSO: VDSO}
+        # The Frame of each row a profile held, for the next profiles (a warm session makes none).
+        self._frames: dict[model.FrameRow, model.Frame] = {}
 
     @classmethod
     def from_options(
@@ -478,10 +482,19 @@ class Resolver:
             for key in [k for k in self._kernels if k[0] == hexid]:
                 del self._kernels[key]
 
-    def _intern(self, f: model.Frame) -> model.Frame:
-        got = self._interned.setdefault(f, f)  # one hash: a Frame's is computed in Python
+    def _intern(self, f: model.FrameRow) -> model.FrameRow:
+        got = self._interned.setdefault(f, f)
         if got is f and len(self._interned) > self.cache_entries:
             self._interned = {VDSO: VDSO, f: f}  # only sharing is lost
+        return got
+
+    def _frame(self, row: model.FrameRow) -> model.Frame:
+        got = self._frames.get(row)
+        if got is None:
+            got = model.Frame(*row)
+            if len(self._frames) >= self.cache_entries:
+                self._frames = {}  # only sharing is lost
+            self._frames[row] = got
         return got
 
     # --- result cache ----------------------------------------------------------
@@ -508,7 +521,7 @@ class Resolver:
         if mod is None:
             label = file_name or build_id.hex()[:8]
             self.metrics.unresolved.labels("no_file").inc(len(todo))
-            return [(self._intern(model.Frame(f"{label}+0x{off:x}", label)),) for off, _ in todo]
+            return [(self._intern(_row(f"{label}+0x{off:x}", label)),) for off, _ in todo]
         vaddrs: list[int | None] = []
         for off, leaf in todo:
             v = offset_to_vaddr(mod.segments, off if leaf else off - 1) if (leaf or off) else None
@@ -536,14 +549,14 @@ class Resolver:
         inlined calls), shared by the addresses that give it."""
         intern, module, user = self._intern, mod.name, model.KIND_USER
 
-        def make(function: str, file: str, line: int, inlined: bool) -> model.Frame:
+        def make(function: str, file: str, line: int, inlined: bool) -> model.FrameRow:
             # As _user_frames makes them from llvm's answer; Go's names are not mangled.
-            return intern(model.Frame(function, module, _path(file), line, user, inlined))
+            return intern((function, module, _path(file), line, user, inlined))
 
         got, unnamed = go.answers(vaddrs, make, mod.go_answers, MAX_NAMED_PER_MODULE)
         for i in unnamed:  # an inlined call without a name: labelled by this address, not kept
             label = f"{mod.name}+0x{todo[i][0]:x}"
-            got[i] = tuple(f if f.name else self._intern(_renamed(f, label)) for f in got[i] or ())
+            got[i] = tuple(f if f[0] else self._intern((label, *f[1:])) for f in got[i] or ())
         out: list[_Frames | _Uncached] = got  # type: ignore[assignment]  # the Nones replaced below
         for i, frames in enumerate(got):
             if frames is None:  # not in the table: from the symbols, as any ELF file's
@@ -561,10 +574,10 @@ class Resolver:
         if not src:
             if sym is None:
                 self.metrics.unresolved.labels("bad_offset" if vaddr is None else "no_symbol").inc()
-                return (self._intern(model.Frame(f"{mod.name}+0x{off:x}", mod.name)),)
+                return (self._intern(_row(f"{mod.name}+0x{off:x}", mod.name)),)
             got = mod.named.get(sym[0])
             if got is None:
-                got = (self._intern(model.Frame(demangle(sym[0]), mod.name)),)
+                got = (self._intern(_row(demangle(sym[0]), mod.name)),)
                 if len(mod.named) < MAX_NAMED_PER_MODULE:
                     mod.named[sym[0]] = got
             return got
@@ -577,8 +590,7 @@ class Resolver:
                 name = demangle(sf.function)
             else:
                 name = f"{mod.name}+0x{off:x}"
-            frame = model.Frame(name, mod.name, _path(sf.file), sf.line, model.KIND_USER, i != last)
-            frames.append(self._intern(frame))
+            frames.append(self._intern((name, mod.name, _path(sf.file), sf.line, model.KIND_USER, i != last)))
         frames.reverse()  # root first: the outer function, then what was inlined into it
         return tuple(frames)
 
@@ -609,8 +621,8 @@ class Resolver:
                 if vm.symbols.lookup(link) is None and not src:
                     frames = self._kallsyms_frame(idx, text_addr, todo[i][0], todo[i][0] - (not todo[i][1]))
                 out[i] = tuple(
-                    model.Frame(f.name, "vmlinux", f.file, f.line, model.KIND_KERNEL, f.inlined)
-                    for f in frames
+                    (name, "vmlinux", file, line, model.KIND_KERNEL, inl)
+                    for name, _, file, line, _, inl in frames
                 )
         return out
 
@@ -620,11 +632,9 @@ class Resolver:
             hit = idx.lookup(look if same_boot else look - text_addr + idx.text_addr)
             if hit is not None and (same_boot or not hit[1]):
                 name, module, _off = hit
-                return (
-                    self._intern(model.Frame(demangle(name), module or "vmlinux", kind=model.KIND_KERNEL)),
-                )
+                return (self._intern(_row(demangle(name), module or "vmlinux", model.KIND_KERNEL)),)
         self.metrics.unresolved.labels("no_kallsyms" if idx is None else "no_symbol").inc()
-        return (self._intern(model.Frame(f"[kernel]+0x{ip:x}", "[kernel]", kind=model.KIND_KERNEL)),)
+        return (self._intern(_row(f"[kernel]+0x{ip:x}", "[kernel]", model.KIND_KERNEL)),)
 
     # --- sessions --------------------------------------------------------------
 
@@ -697,7 +707,7 @@ class Resolver:
                 kernel[leaf][ip] = frames
 
         # 3. Root-first stacks.
-        profile = stacks.profile(user, kernel)
+        profile = stacks.profile(user, kernel, self._frame)
 
         kinds = {"user": 0, "kernel": 0, "vdso": 0, "jit": 0, "python": 0, "unknown": 0}
         for t in stacks.distinct:
@@ -736,8 +746,9 @@ def _weak(index: KallsymsIndex) -> Callable[[], KallsymsIndex | None]:
         return lambda: index
 
 
-def _renamed(f: model.Frame, name: str) -> model.Frame:
-    return model.Frame(name, f.module, f.file, f.line, f.kind, f.inlined)
+def _row(name: str, module: str, kind: str = model.KIND_USER) -> model.FrameRow:
+    """A frame with no file:line (a name, or a label) as the resolver holds it."""
+    return (name, module, "", 0, kind, False)
 
 
 class _Uncached:

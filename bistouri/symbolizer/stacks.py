@@ -22,29 +22,30 @@ from .. import wire
 from ..compat import zip_strict
 from . import model
 
-# One address's frames, root first (outer function, then what was inlined into it).
-Frames = tuple[model.Frame, ...]
+# One address's frames, root first (outer function, then what was inlined into it): rows, which the
+# collector does not track (model.FrameRow), made Frames in the profile.
+Frames = tuple[model.FrameRow, ...]
 # [call site, leaf]: indexed by `leaf` (False 0, True 1).
 ByLeaf = tuple[dict[int, Frames], dict[int, Frames]]
 
 
-VDSO = model.Frame("[vdso]", "[vdso]", kind=model.KIND_VDSO)
+VDSO: model.FrameRow = ("[vdso]", "[vdso]", "", 0, model.KIND_VDSO, False)
 JIT_MODULE = "[jit]"
 PYTHON_MODULE = "[python]"
 
 
-def label(f: wire.UserFrame) -> model.Frame:
+def label(f: wire.UserFrame) -> model.FrameRow:
     """A user frame named by what the agent sent alone, no file read: how a frame without a build id
     (a file's name and offset, the vDSO, JIT code, a Python function, an unknown address) is named."""
     if f.kind == wire.FRAME_RESOLVED and f.name:
-        return model.Frame(f"{f.name}+0x{f.address:x}", f.name)
+        return (f"{f.name}+0x{f.address:x}", f.name, "", 0, model.KIND_USER, False)
     if f.kind == wire.FRAME_VDSO:
         return VDSO
     if f.kind == wire.FRAME_JIT:  # named by the process's perf map on the host: the name is the answer
-        return model.Frame(f.name, JIT_MODULE, kind=model.KIND_JIT)
+        return (f.name, JIT_MODULE, "", 0, model.KIND_JIT, False)
     if f.kind == wire.FRAME_PYTHON:  # named while the process lived (wire v4): name, file and line
-        return model.Frame(f.name, PYTHON_MODULE, f.file, f.address, kind=model.KIND_PYTHON)
-    return model.Frame(f"[unknown]+0x{f.address:x}", kind=model.KIND_UNKNOWN)
+        return (f.name, PYTHON_MODULE, f.file, f.address, model.KIND_PYTHON, False)
+    return (f"[unknown]+0x{f.address:x}", "", "", 0, model.KIND_UNKNOWN, False)
 
 
 class SessionStacks:
@@ -82,13 +83,17 @@ class SessionStacks:
                 kleaf[kern[0]] = None
                 kcall.update(dict.fromkeys(kern[1:]))
 
-    def profile(self, user: ByLeaf, kernel: ByLeaf) -> model.Profile:
+    def profile(
+        self, user: ByLeaf, kernel: ByLeaf, frame_of: Callable[[model.FrameRow], model.Frame] | None = None
+    ) -> model.Profile:
         """The profile, from the frames of every entry of `user` and `kernel` (same keys).
 
-        Equal frames must be one object (interned): a frame is indexed by id(). The frame table
+        Equal rows must be one object (interned): a frame is indexed by id(). The frame table
         lists frames in the order first met from the root of the session's stacks, whatever
-        order the answers came in."""
+        order the answers came in. A row met becomes its Frame through `frame_of` (the resolver's,
+        shared by its profiles: a cached session's frames are not made again), else a new one."""
         session = self.session
+        Frame = frame_of or _new_frame
         frame_ids: dict[int, int] = {}
         frames_out: list[model.Frame] = []
         by_result: dict[int, tuple[int, ...]] = {}
@@ -103,7 +108,7 @@ class SessionStacks:
                 i = frame_ids.get(id(f))
                 if i is None:
                     i = frame_ids[id(f)] = len(frames_out)
-                    frames_out.append(f)
+                    frames_out.append(Frame(f))
                 out.append(i)
             got = by_result[id(frames)] = tuple(out)
             return got
@@ -140,6 +145,10 @@ class SessionStacks:
             for t in session.traces
         ]
         return model.Profile(meta=model.SessionMeta.from_wire(session), frames=frames_out, samples=samples)
+
+
+def _new_frame(row: model.FrameRow) -> model.Frame:
+    return model.Frame(*row)
 
 
 class _Indexes(dict[int, tuple[int, ...]]):
