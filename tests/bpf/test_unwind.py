@@ -94,10 +94,26 @@ class _Files:
 Chain = tuple[tuple[str, Optional[int]], ...]  # (file, function) from leaf to root
 
 
+def _tables_ready(agent: Profiler) -> int:
+    """Now, with the ring and the kernel's repeat counts drained: what is counted after it was
+    sampled with the tables loaded."""
+    agent.catch_up()
+    agent.take()
+    return time.monotonic_ns()
+
+
+def _taken_since(e: object, ns: int) -> bool:
+    """Whether `e` stands for samples taken after `ns`: a stack first sent then, or repeats that a
+    later drain counted (of a stack perhaps first sent before). By first timestamps alone, a stack
+    first seen before `ns` hides all its repeats after it, and a hot loop has a handful of stacks:
+    which ones were seen first decided whether a signal handler got 0 or 100 % of the samples."""
+    return isinstance(e, StackSample) and (e.counted_ns or e.timestamp_ns) > ns
+
+
 def _our_chains(agent: Profiler, events: list, pid: int, after_ns: int, files: _Files) -> list[Chain]:
     chains = []
     for e in events:
-        if not isinstance(e, StackSample) or e.pid != pid or e.timestamp_ns < after_ns:
+        if not _taken_since(e, after_ns) or e.pid != pid:
             continue
         chain = []
         for i, (status, fid, off) in enumerate(split_stacks(e.stacks, e.kernel_len)[1]):
@@ -168,7 +184,7 @@ def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, i
         assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1 and agent.unwind.stats.loaded_rows > 1000
-        ready = time.monotonic_ns()
+        ready = _tables_ready(agent)
         files.learn(pid)  # after the loader mapped its libraries
         perf_data = str(tmp / "perf.data")
         perf = subprocess.Popen(
@@ -180,10 +196,7 @@ def _compare(pid: int, files: _Files, tmp: Path) -> tuple[float, float, float, i
 
         def enough() -> bool:
             events.extend(agent.take())  # the queue is bounded: consumed as it fills
-            return (
-                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
-                >= SAMPLES
-            )
+            return sum(e.weight for e in events if _taken_since(e, ready)) >= SAMPLES
 
         try:
             assert wait_until(enough, 120), "samples taken"
@@ -311,16 +324,13 @@ def _ours_only(pid: int, files: _Files) -> list[Chain]:
         agent.start()
         agent.set_pid_filter(pid, abi.FilterFlags.ON_CPU)
         assert agent.unwind is not None and agent.unwind.wait_idle(120), "tables loaded"
-        ready = time.monotonic_ns()
+        ready = _tables_ready(agent)
         files.learn(pid)
         events: list = []
 
         def enough() -> bool:
             events.extend(agent.take())
-            return (
-                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
-                >= SAMPLES
-            )
+            return sum(e.weight for e in events if _taken_since(e, ready)) >= SAMPLES
 
         assert wait_until(enough, 120), "samples taken"
         agent.close()
@@ -383,21 +393,18 @@ def _mixed_chains(pid: int, ready_file: Path | None = None) -> list[tuple[list[s
         assert isinstance(agent.unwind, UnwindTables)
         assert agent.unwind.wait_idle(120), "tables loaded"
         assert agent.unwind.stats.procs == 1
-        ready = time.monotonic_ns()
+        ready = _tables_ready(agent)
         files.learn(pid)
         events: list = []
 
         def enough() -> bool:
             events.extend(agent.take())
-            return (
-                sum(e.weight for e in events if isinstance(e, StackSample) and e.timestamp_ns > ready)
-                >= SAMPLES
-            )
+            return sum(e.weight for e in events if _taken_since(e, ready)) >= SAMPLES
 
         assert wait_until(enough, 120), "samples taken"
         out = []
         for e in events:
-            if not isinstance(e, StackSample) or e.pid != pid or e.timestamp_ns < ready:
+            if not _taken_since(e, ready) or e.pid != pid:
                 continue
             user = split_stacks(e.stacks, e.kernel_len)[1]
             names = []
