@@ -180,3 +180,13 @@ def test_copies_are_held_within_their_bounds_and_released_counted():
     assert held.release() == [event_of(records[2])]
     assert held.stats.unwalked == 1 and len(held) == 0
     assert struct.unpack_from("<I", event_of(records[2]), abi.StackEvent.pid.offset)[0] == 2
+
+
+def test_an_ending_session_releases_the_copies_of_its_processes_only():
+    held = RawStacks(max_records=8, max_bytes=1 << 20)
+    records = [_raw_record(pid, (START, BASE, 0), b"\0" * 64, [START]) for pid in (1, 2, 2)]
+    for r in records:
+        held.hold(r)
+    assert held.nbytes == sum(map(len, records))
+    assert held.release([2, 3]) == [event_of(r) for r in records[1:]]
+    assert held.held_pids() == {1} and held.nbytes == len(records[0]) and held.stats.unwalked == 2
