@@ -66,7 +66,7 @@ def ring_thread_ns() -> int:
     """CPU time of this process's bistouri-ringbuf thread (schedstat, ns)."""
     for task in Path("/proc/self/task").iterdir():
         try:
-            if (task / "comm").read_text().strip() == "bistouri-ringbuf"[:15]:  # TASK_COMM_LEN
+            if (task / "comm").read_text().strip() == "ringbuf":  # its kernel name (threads.py)
                 return int((task / "schedstat").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue

@@ -353,9 +353,11 @@ class Profiler:
         """The unwind thread published every table of `pid`: its samples need no more raw copies, and
         those held are walked at the next drain."""
         with self._filter_lock:
+            # First, and under the lock: attach_rest() sees it, or stops them here; and the ring thread
+            # never sees the process neither ready nor asking (_on_raw_stack).
+            self._raw_ready.add(pid)
             if self._walk_attached:  # else attach_rest() stops them: the first sampler cannot walk
                 self._stop_raw_copies(pid)
-            self._raw_ready.add(pid)  # under the lock: attach_rest() sees it, or stops them here
 
     def _stop_raw_copies(self, pid: int) -> None:
         """Under _filter_lock: `pid`'s samples are walked in BPF from now on, no copy."""
@@ -606,6 +608,11 @@ class Profiler:
         pid = pid_of(data)
         if pid in self._raw_ready:  # sent before the filter was cleared
             self._on_walked(self.raw.walk(data, self._rules(pid)))
+        elif pid not in self._raw_filters:
+            # Sent before its session ended (and released what it held): nobody waits for its tables,
+            # and held it would sit in the bounds for the agent's life.
+            self.raw.stats.unwalked += 1
+            self._on_walked(event_of(data))
         elif not self.raw.hold(data):
             self._on_walked(event_of(data))
 
