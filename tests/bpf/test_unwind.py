@@ -793,3 +793,27 @@ def test_an_agent_session_started_with_its_target_has_whole_stacks_from_its_firs
     # episode's waits (run queue, sleep): stacks taken off CPU, never copied, short until the tables.
     waits = sum(t.off_cpu for t in session.traces)
     assert walks.get("entry", 0) >= whole and sum(walks.values()) <= len(chains) + waits, session.unwind
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz not installed")
+def test_a_process_whose_tables_are_in_is_never_asked_for_copies(tmp_path: Path) -> None:
+    """The usual case: the flight recorder has sampled the process (its tables built meanwhile)
+    before a session asks for copies; the bit is then never set, and no copy is sent."""
+    from bistouri.agent.daemon import profiler_options
+    from bistouri.agent.settings import AgentSettings
+
+    settings = AgentSettings(spool_dir=str(tmp_path / "spool"), offcpu=False)
+    with (
+        open("/dev/urandom", "rb") as endless,
+        _running(["xz", "-9", "-T1", "-c"], stdin=endless) as proc,
+        Profiler(profiler_options(settings)) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # the recorder's
+        assert agent.unwind.wait_idle(60), "tables in"
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK)  # a session's
+        value = agent._require().maps["pid_filter"].lookup(struct.pack("<I", proc.pid))
+        assert value is not None and int.from_bytes(value, "little") == abi.FilterFlags.ON_CPU
+        taken = agent.counters()[abi.Counter.ON_CPU_SAMPLES]
+        assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] >= taken + 20, 60)
+        assert _copies_sent(agent) == 0
