@@ -379,6 +379,7 @@ class SessionCapture:
                 continue
             s.processes[pid] = comm
             self._by_pid.setdefault(pid, []).append(s)
+            self._sync_filter(pid)  # a session's value (full rate, raw copies), as start_session's
 
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)

@@ -204,8 +204,10 @@ def test_only_sessions_ask_for_raw_stack_copies_and_release_theirs_as_they_end(t
     assert not filt.pids[7] & raw
     sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "a", 8: "b"}, 1)
     assert sid and filt.pids[7] & raw and filt.pids[8] & raw
+    orch.extend_session(sid, {9: "a fork"})  # a process joining later asks for copies too
+    assert filt.pids[9] & raw
     assert orch.tick(orch._clock() + 2) == [sid]
-    assert caught_up == [{7, 8}]
+    assert caught_up == [{7, 8, 9}]
     assert filt.pids.keys() == {7} and not filt.pids[7] & raw  # back to the recorder's value
     assert not session_flags(AgentSettings(raw_stacks_max_bytes=0)) & raw
 
