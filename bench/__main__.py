@@ -7,6 +7,7 @@ import sys
 
 BENCHES = (
     "bench.bench_agent",
+    "bench.bench_agent_raw",
     "bench.bench_sampling",
     "bench.bench_unwind_tables",
     "bench.bench_symbolize",

@@ -21,15 +21,18 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from .. import __version__, compat, threads
+from ..bpf import abi
 from ..capture.episode import EpisodeProbe
 from ..capture.events import BpfErrorEvent, Event, ExecMatch, StackSample
 from ..capture.profiler import Profiler, ProfilerOptions
-from ..capture.sessions import SessionCapture
+from ..capture.rawstacks import RawStacks
+from ..capture.sessions import FILTER_FLAGS, SessionCapture
 from ..cpython.processes import PythonStats
 from ..errors import BistouriError, ConfigError
 from ..host.cgroupfs import find_mounts
@@ -74,6 +77,36 @@ _BLOCKING_CHECKS = (
 # recorder's samples a few times a minute (Profiler._announce). Each wake-up polls every PSI fd (two
 # per watched cgroup): a dormant agent sleeps long.
 _IDLE_WAKEUP_S = 60.0
+
+# The raw stack copies' ring (kernel memory, held while the agent runs): at the agent's 19 Hz a copy
+# is at most 19.6 KiB (the event and 16 KiB of stack), the ring thread is woken once a quarter is
+# queued (~6 copies), and the rest holds ~19 more: a second of one busy CPU's copies, 0.25 s of four
+# (docs/benchmarks.md, "The agent's sessions whole from their first second").
+_RAW_RING_BYTES = 512 << 10
+# A copy is at least its event (3.2 KiB): one copy held per 4 KiB of --raw-stacks-max-bytes at most,
+# the ratio of `record`'s bounds (8 192 copies, 32 MiB).
+_RAW_COPY_MIN_BYTES = 4096
+
+
+def profiler_options(s: AgentSettings) -> ProfilerOptions:
+    """The agent's profiler: sampling as set, tables built at its CPU share into its disk cache, raw
+    stack copies of its sessions' processes held until their tables are in (unless turned off)."""
+    return ProfilerOptions(
+        freq_hz=s.freq,
+        offcpu=s.offcpu,
+        proc_root=s.proc_path,
+        # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
+        unwind_cache_dir=os.path.join(os.path.dirname(s.spool_dir.rstrip("/")), "unwind"),
+        raw_stacks=s.raw_stacks_max_bytes > 0,
+        raw_ring_bytes=_RAW_RING_BYTES,
+        raw_held_bytes=s.raw_stacks_max_bytes,
+        raw_held_records=max(1, s.raw_stacks_max_bytes // _RAW_COPY_MIN_BYTES),
+    )
+
+
+def session_flags(s: AgentSettings) -> int:
+    """What the agent's sessions sample their processes for: raw stack copies too, unless off."""
+    return FILTER_FLAGS | (abi.FilterFlags.RAW_STACK if s.raw_stacks_max_bytes > 0 else 0)
 
 
 class NoExporter:
@@ -223,14 +256,9 @@ class Agent:
 
     def _load(self) -> None:
         assert self.kernel is not None
-        opts = ProfilerOptions(
-            freq_hz=self.s.freq,
-            offcpu=self.s.offcpu,
-            proc_root=self.s.proc_path,
-            # Beside the spool, in the agent's state directory (/var/lib/bistouri/unwind).
-            unwind_cache_dir=os.path.join(os.path.dirname(self.s.spool_dir.rstrip("/")), "unwind"),
+        self.profiler = Profiler(
+            profiler_options(self.s), notify=lambda: compat.eventfd_write(self._event_fd, 1)
         )
-        self.profiler = Profiler(opts, notify=lambda: compat.eventfd_write(self._event_fd, 1))
         try:
             self.profiler.open()
         except BistouriError as e:
@@ -238,7 +266,11 @@ class Agent:
         if self.registry is not None:
             self.registry.register(
                 BpfCountersCollector(
-                    self.profiler.counters, self._cache_stats, self._unwind_stats, self._python_stats
+                    self.profiler.counters,
+                    self._cache_stats,
+                    self._unwind_stats,
+                    self._python_stats,
+                    self._raw_stacks,
                 )
             )
             self.registry.register(
@@ -250,6 +282,9 @@ class Agent:
 
     def _unwind_stats(self) -> UnwindStats:
         return self.profiler.unwind.stats if self.profiler is not None else UnwindStats()
+
+    def _raw_stacks(self) -> RawStacks:
+        return self.profiler.raw if self.profiler is not None else RawStacks()
 
     def _python_stats(self) -> PythonStats:
         return self.profiler.python.stats if self.profiler is not None else PythonStats()
@@ -272,6 +307,7 @@ class Agent:
             host=socket.gethostname(),
             labels=dict(self.s.labels),
             period_ns=self.s.period_ns,
+            filter_flags=session_flags(self.s),
             proc_root=self.s.proc_path,
             on_spooled=self._notify_exporter,
             catch_up=self._catch_up,
@@ -448,11 +484,13 @@ class Agent:
             self.profiler.dropped = 0
             self.metrics.ringbuf_queue_dropped.inc(dropped)
 
-    def _catch_up(self) -> None:
-        """Before a session starts: the samples still in the kernel into the flight recorder. Other
-        events wait for the main loop (handling an exec here could start a session within this one)."""
+    def _catch_up(self, release: Collection[int]) -> None:
+        """Before a session starts: the samples still in the kernel into the flight recorder; before
+        sessions end, into them, with the raw stack copies still held of `release` (their processes).
+        Other events wait for the main loop (handling an exec here could start a session within this
+        one)."""
         assert self.profiler is not None and self.capture is not None
-        self.profiler.catch_up()
+        self.profiler.catch_up(release)
         events = self.profiler.take()
         self.capture.add_samples(ev for ev in events if type(ev) is StackSample)
         others = [ev for ev in events if type(ev) is not StackSample]

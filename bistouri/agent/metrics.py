@@ -32,6 +32,7 @@ except ImportError:  # prometheus_client < 0.14 (Debian 11's 0.9): any object wi
 from .. import compat
 from ..bpf import abi
 from ..capture.metrics import CaptureMetrics
+from ..capture.rawstacks import RawStacks
 from ..compat import SLOTS
 from ..cpython.discover import REASONS
 from ..cpython.processes import PythonStats
@@ -112,11 +113,13 @@ class BpfCountersCollector(Collector):
         caches: Callable[[], tuple[ProcMapsStats, int]],
         unwind: Callable[[], UnwindStats] = UnwindStats,
         python: Callable[[], PythonStats] = PythonStats,
+        raw: Callable[[], RawStacks] = RawStacks,
     ) -> None:
         self._read = read
         self._caches = caches  # the profiler's address maps and its orphaned samples
         self._unwind = unwind  # its unwind tables
         self._python = python  # its CPython processes
+        self._raw = raw  # the raw stack copies it holds until their tables are in
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         try:
@@ -207,6 +210,7 @@ class BpfCountersCollector(Collector):
             "Requests to load or prepare a process's unwind tables lost to a full queue (4 096)",
             value=u.requests_dropped,
         )
+        yield from self._raw_stacks(c)
         maps, orphaned = self._caches()
         yield GaugeMetricFamily(
             "bistouri_proc_maps_tables", "Processes whose address maps the agent holds", value=maps.tables
@@ -282,6 +286,45 @@ class BpfCountersCollector(Collector):
             "bistouri_samples_orphaned",
             "On-CPU samples counted in the kernel whose stack never reached the agent (dropped)",
             value=orphaned,
+        )
+
+    def _raw_stacks(self, c: dict[abi.Counter, int]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The raw stack copies of samples taken before their process's tables were in: sent, walked
+        once the tables came, or left as the BPF walk cut them, by why (ring thread's counts, read
+        without its lock: each a single int)."""
+        raw = self._raw()
+        st = raw.stats
+        yield CounterMetricFamily(
+            "bistouri_raw_stacks",
+            "On-CPU samples sent as raw stack copies: cut short before their process's unwind tables were in",
+            value=c[abi.Counter.RAW_STACKS],
+        )
+        walked = CounterMetricFamily(
+            "bistouri_raw_stacks_walked",
+            "Raw stack copies walked in user space once their tables were in, by result",
+            labels=["result"],
+        )
+        walked.add_metric(["whole"], st.whole)
+        walked.add_metric(["cut_short"], st.walked - st.whole)
+        yield walked
+        dropped = CounterMetricFamily(
+            "bistouri_raw_stacks_dropped",
+            "Samples left as the BPF walk cut them instead of walked from a raw copy, by reason",
+            labels=["reason"],
+        )
+        dropped.add_metric(["ring_full"], c[abi.Counter.RAW_STACK_LOST])
+        dropped.add_metric(["memory"], st.dropped)
+        dropped.add_metric(["tables_late"], st.unwalked)
+        yield dropped
+        yield GaugeMetricFamily(
+            "bistouri_raw_stacks_held_bytes",
+            "Bytes of raw stack copies held until their tables are in",
+            value=raw.nbytes,
+        )
+        yield CounterMetricFamily(
+            "bistouri_raw_stacks_walk_cpu_seconds",
+            "CPU time of the ring thread walking raw stack copies",
+            value=st.walk_cpu_s,
         )
 
 

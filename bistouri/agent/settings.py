@@ -45,6 +45,8 @@ class AgentSettings:
     spool_max_bytes: int = 256 * 1024 * 1024
     capture_max_bytes: int = 64 * 1024 * 1024  # stacks held by running sessions
     recorder_max_bytes: int = 16 * 1024 * 1024  # flight recorder; 0: off for every target
+    # Raw stack copies of sessions' processes held until their unwind tables are in; 0: none asked.
+    raw_stacks_max_bytes: int = 8 * 1024 * 1024
     walk_interval_secs: float = 30.0
     offcpu: bool = True
     log_level: str = "info"
@@ -81,6 +83,8 @@ _FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--spool-max-bytes", "BISTOURI_SPOOL_MAX_BYTES", "SIZE", "spool size cap, e.g. 256MiB (default 256MiB)"),
     ("--capture-max-bytes", "BISTOURI_CAPTURE_MAX_BYTES", "SIZE", "stack memory of sessions (default 64MiB)"),
     ("--recorder-max-bytes", "BISTOURI_RECORDER_MAX_BYTES", "SIZE", "recorder memory, 0 off (default 16MiB)"),
+    ("--raw-stacks-max-bytes", "BISTOURI_RAW_STACKS_MAX_BYTES", "SIZE",
+     "stack copies held until unwind tables are in, 0 off (default 8MiB)"),
     ("--walk-interval-secs", "BISTOURI_WALK_INTERVAL", "SECS", "period of the /proc walk (default 30)"),
     ("--offcpu", "BISTOURI_OFFCPU", None, "capture off-CPU (D state) stacks (default on)"),
     ("--log-level", "BISTOURI_LOG_LEVEL", "LEVEL", "debug, info, warning or error (default info)"),
@@ -279,6 +283,7 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | No
     s["spool_max_bytes"] = size("spool_max_bytes", 256 << 20)
     s["capture_max_bytes"] = size("capture_max_bytes", 64 << 20)
     s["recorder_max_bytes"] = size("recorder_max_bytes", 16 << 20, zero_turns_off=True)
+    s["raw_stacks_max_bytes"] = size("raw_stacks_max_bytes", 8 << 20, zero_turns_off=True)
     s["walk_interval_secs"] = number("walk_interval_secs", 30.0, 1.0, 3600.0, integer=False)
 
     off, where = raw("offcpu")

@@ -105,10 +105,14 @@ class ProfilerOptions:
     # Ask each watched JVM for its perf map (host/jvm.py), at most once a minute per process.
     jvm_perf_maps: bool = True
     jvm_perf_map_interval_s: float = 60.0
-    # `record`: room for raw stack copies (the raw_stacks ring, sized by raw_ring_size), which the
-    # processes whose pid filter has FilterFlags.RAW_STACK send until their tables are in. Off: a
-    # page, never written (the agent never asks for copies).
+    # Room for raw stack copies, which the processes whose pid filter has FilterFlags.RAW_STACK send
+    # until their tables are in (`record`'s targets, the agent's sessions' processes): the raw_stacks
+    # ring (kernel memory), and the copies the ring thread holds until then (capture/rawstacks.py).
+    # Off: a page, never written.
     raw_stacks: bool = False
+    raw_ring_bytes: int = 0  # a power of two, at least a page; 0: sized from CPUs x frequency (raw_ring_size)
+    raw_held_bytes: int = 32 << 20
+    raw_held_records: int = 8192
 
 
 # The episode hooks (bpf/episode.bpf.h) -> their tracepoint. The scheduler
@@ -339,7 +343,10 @@ def _configure(
     for name in deferred:
         obj.maps[name].set_autocreate(False)
     obj.maps["stack_events"].set_max_entries(ring)
-    raw = raw_ring_size(ncpus, o.freq_hz, o.drain_interval_s) if o.raw_stacks else os.sysconf("SC_PAGE_SIZE")
+    if not o.raw_stacks:
+        raw = os.sysconf("SC_PAGE_SIZE")
+    else:
+        raw = o.raw_ring_bytes or raw_ring_size(ncpus, o.freq_hz, o.drain_interval_s)
     obj.maps["raw_stacks"].set_max_entries(raw)
     obj.maps["on_cpu_counts"].set_max_entries(counts_size(ncpus, o.freq_hz, o.drain_interval_s))
     obj.maps["unwind_rows"].set_max_entries(max(o.unwind_rows, 1))

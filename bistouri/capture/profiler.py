@@ -11,9 +11,9 @@ counts the kernel kept since the last drain (`events.py` says how records and
 counts become samples), maps user IPs to files (`procmaps.py`; a sample whose process's
 mappings changed wakes this thread at once, which re-reads them while the process
 lives), and hands decoded events to a bounded queue. A full queue drops the event and
-counts it: the kernel side is never blocked. Raw stack copies (`record`'s samples taken
-before their tables were in) wait in `rawstacks.RawStacks` until the tables are, then
-come out as ordinary stack events.
+counts it: the kernel side is never blocked. Raw stack copies (the samples of `record`'s
+targets and of the agent's sessions' processes taken before their tables were in) wait in
+`rawstacks.RawStacks` until the tables are, then come out as ordinary stack events.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Profiler:
         self.maps.on_reread = self._maps_reread
         # Raw stack copies (ProfilerOptions.raw_stacks): held on the ring thread until the tables of
         # their process are in (_raw_ready, added to by the unwind thread), then walked.
-        self.raw = RawStacks()
+        self.raw = RawStacks(options.raw_held_records, options.raw_held_bytes)
         self._raw_ready: set[int] = set()
         self._raw_filters: dict[int, int] = {}  # pid -> its filter value, while it asks for copies
         # sampler_first: False until attach_rest(), when the table walk has taken over. Until then a
@@ -319,8 +319,11 @@ class Profiler:
         with self._filter_lock:
             before = self._poll_ms
             new = bool(flags) and pid not in self._filtered
-            if flags & abi.FilterFlags.RAW_STACK and not isinstance(self.unwind, UnwindTables):
-                flags &= ~abi.FilterFlags.RAW_STACK  # no tables to walk copies with, ever
+            if flags & abi.FilterFlags.RAW_STACK and (
+                not isinstance(self.unwind, UnwindTables)  # no tables to walk copies with, ever
+                or (pid in self._raw_ready and self._walk_attached)  # its tables are in already
+            ):
+                flags &= ~abi.FilterFlags.RAW_STACK
             if flags & abi.FilterFlags.RAW_STACK:
                 self._raw_filters[pid] = flags  # until its tables are in (_tables_in)
             else:
@@ -350,9 +353,11 @@ class Profiler:
         """The unwind thread published every table of `pid`: its samples need no more raw copies, and
         those held are walked at the next drain."""
         with self._filter_lock:
+            # First, and under the lock: attach_rest() sees it, or stops them here; and the ring thread
+            # never sees the process neither ready nor asking (_on_raw_stack).
+            self._raw_ready.add(pid)
             if self._walk_attached:  # else attach_rest() stops them: the first sampler cannot walk
                 self._stop_raw_copies(pid)
-            self._raw_ready.add(pid)  # under the lock: attach_rest() sees it, or stops them here
 
     def _stop_raw_copies(self, pid: int) -> None:
         """Under _filter_lock: `pid`'s samples are walked in BPF from now on, no copy."""
@@ -431,11 +436,14 @@ class Profiler:
         if sooner and self._kick_fd >= 0:
             compat.eventfd_write(self._kick_fd, 1)  # leave the longer wait: samples are coming sooner
 
-    def catch_up(self) -> None:
+    def catch_up(self, release: Collection[int] = ()) -> None:
         """Drain the ring now, from the calling thread: a session about to start gets the samples
-        its processes' flight recorder still had in the kernel (up to a slow drain interval old)."""
+        its processes' flight recorder still had in the kernel (up to a slow drain interval old),
+        and one about to end those still in the kernel. The raw stack copies still held of
+        `release` (an ending session's processes) come too, as the BPF walk left them: their tables
+        are not in, and the session will not wait for them."""
         if self._rb is not None and self._thread is not None:
-            self.drain()
+            self.drain(release=release)
 
     def _perf_map_written(self, pid: int, outcome: str) -> None:
         """A perf-map request to a JVM ended (on the bistouri-jvm thread): its names are read anew,
@@ -600,6 +608,11 @@ class Profiler:
         pid = pid_of(data)
         if pid in self._raw_ready:  # sent before the filter was cleared
             self._on_walked(self.raw.walk(data, self._rules(pid)))
+        elif pid not in self._raw_filters:
+            # Sent before its session ended (and released what it held): nobody waits for its tables,
+            # and held it would sit in the bounds for the agent's life.
+            self.raw.stats.unwalked += 1
+            self._on_walked(event_of(data))
         elif not self.raw.hold(data):
             self._on_walked(event_of(data))
 
@@ -614,14 +627,15 @@ class Profiler:
             rules = self._raw_rules[pid] = MappedRules(self._obj.maps, pid)
         return rules
 
-    def _walk_raw(self, final: bool) -> None:
-        """Walk the copies whose tables are in; with `final`, send the rest on as they came."""
+    def _walk_raw(self, final: bool, release: Collection[int] = ()) -> None:
+        """Walk the copies whose tables are in; send those of `release` (all with `final`) on as
+        they came."""
         for pid in self.raw.held_pids() & self._raw_ready:
             rules = self._rules(pid)
             for copy in self.raw.take(pid):
                 self._on_walked(self.raw.walk(copy, rules))
-        if final:
-            for event in self.raw.release():
+        if final or release:
+            for event in self.raw.release(None if final else release):
                 self._on_walked(event)
         self._raw_rules.clear()  # the tables may change before the next drain
 
@@ -653,17 +667,18 @@ class Profiler:
             pass
         return out
 
-    def drain(self, final: bool = False) -> int:
+    def drain(self, final: bool = False, release: Collection[int] = ()) -> int:
         """Consume everything available now, in bounded batches. Returns records handled. `final`:
-        the last drain, raw stack copies still held are sent on as they are."""
+        the last drain, raw stack copies still held are sent on as they are; `release`: those of
+        these processes are."""
         rb = self._rb
         if rb is None:
             return 0
         with self._drain_lock:
             self.drains += 1
-            return self._drain(rb, final)
+            return self._drain(rb, final, release)
 
-    def _drain(self, rb: RingBuffer, final: bool = False) -> int:
+    def _drain(self, rb: RingBuffer, final: bool = False, release: Collection[int] = ()) -> int:
         total = 0
         try:
             while True:
@@ -674,7 +689,7 @@ class Profiler:
                     break
             total += self._take_counts()
             if len(self.raw) or self._raw_rules:
-                self._walk_raw(final)
+                self._walk_raw(final, release)
             return total
         finally:
             self._flush_batch()

@@ -1,21 +1,24 @@
 """Raw stack copies held until their process's tables are in, then walked into stack records.
 
-A process that asks for them (FilterFlags.RAW_STACK: `record`, until the tables of its
-files are published) has each on-CPU sample whose user walk was cut short sent as an
-abi.RawStack: the registers, the event as the BPF walk left it, and the top of the user
-stack. The ring thread keeps these here, bounded in count and bytes, and once the
-process's tables are in walks each with the same rows as the BPF walk (unwind/rawwalk.py)
-into the event's user stack: an ordinary stack record, same weight (1), same timestamp.
+A process that asks for them (FilterFlags.RAW_STACK: `record`'s targets and the agent's
+sessions' processes, until the tables of their files are published) has each on-CPU sample
+whose user walk was cut short sent as an abi.RawStack: the registers, the event as the BPF
+walk left it, and the top of the user stack. The ring thread keeps these here, bounded in
+count and bytes, and once the process's tables are in walks each with the same rows as the
+BPF walk (unwind/rawwalk.py) into the event's user stack: an ordinary stack record, same
+weight (1), same timestamp.
 Perf's `--call-graph dwarf` does the same with its copies, at `perf script` time.
 
-Copies beyond the bounds, and those whose tables never came (released at the end), go on
-as the BPF walk left them; every outcome is counted (`RawStackStats`).
+Copies beyond the bounds, and those whose tables did not come in time (released at the end
+of the capture, or of the agent's session that wanted them), go on as the BPF walk left them;
+every outcome is counted (`RawStackStats`).
 """
 
 from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..bpf import abi
@@ -97,6 +100,11 @@ class RawStacks:
     def __len__(self) -> int:
         return self._records
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copies held now."""
+        return self._bytes
+
     def hold(self, record: bytes) -> bool:
         """Keep a copy for later; False if the bounds are reached (the caller sends its event on)."""
         if self._records >= self.max_records or self._bytes + len(record) > self.max_bytes:
@@ -127,10 +135,11 @@ class RawStacks:
         self.stats.left_copy += w.left_copy
         return event
 
-    def release(self) -> list[bytes]:
-        """Every copy still held, as the BPF walk left its event (counted): their tables never came."""
+    def release(self, pids: Collection[int] | None = None) -> list[bytes]:
+        """The copies still held (of `pids`, or all), as the BPF walk left their events (counted):
+        their tables did not come in time."""
         out: list[bytes] = []
-        for pid in list(self._held):
+        for pid in list(self._held) if pids is None else [p for p in pids if p in self._held]:
             out.extend(event_of(r) for r in self.take(pid))
         self.stats.unwalked += len(out)
         return out

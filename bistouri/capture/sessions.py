@@ -59,6 +59,10 @@ _WAIT_OF_KIND = {
 }
 
 
+# What a session samples its processes for by default: on and off CPU, and the episode's times.
+FILTER_FLAGS = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.ON
+
+
 class Sampler(Protocol):
     """What a session needs of the profiler: the pid filter (who is sampled, and how), and the
     address maps its user frames were mapped with."""
@@ -182,25 +186,29 @@ class SessionCapture:
         host: str,
         labels: dict[str, str],
         period_ns: int,
-        filter_flags: int = abi.FilterFlags.ON_CPU | abi.FilterFlags.OFF_CPU | abi.EpisodeFilter.ON,
+        filter_flags: int = FILTER_FLAGS,
         proc_root: str = "/proc",
         on_spooled: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_bytes: int = DEFAULT_MAX_BYTES,
         recorder_max_bytes: int = DEFAULT_RECORDER_BYTES,
         episode: EpisodeProbe | NoEpisodeProbe = NO_EPISODE_PROBE,
-        catch_up: Callable[[], None] | None = None,
+        catch_up: Callable[[Collection[int]], None] | None = None,
         on_start: Callable[[Collection[int]], None] | None = None,
         degraded: Collection[str] = (),
         recorded_waits: Callable[[Collection[int], int], list[Recorded]] | None = None,
     ) -> None:
-        """`degraded`: what the kernel lacks (bpf/features.py), said in each session's note.
+        """`filter_flags`: what sessions sample their processes for; with FilterFlags.RAW_STACK
+        (the agent's unless turned off, `record`'s) a process sends raw stack copies while its
+        tables are not in (the profiler clears the bit once they are), and only for sessions.
+        `degraded`: what the kernel lacks (bpf/features.py), said in each session's note.
         `recorded_waits` (Profiler.recorded_waits): the waits the kernel counts for the flight
         recorder; with it, a process only recorded is marked so (abi.FilterFlags.RECORDED) and
         its waits are not sent."""
         self._filter = pid_filter
         # Delivers the samples still in the kernel (add_samples): before a session takes the
-        # recorder's, and before sessions end.
+        # recorder's, and before sessions end (with their processes: the raw stack copies held for
+        # them come too, as they are).
         self._catch_up = catch_up
         self._on_start = on_start  # told of a session's processes as it starts (JVM perf maps)
         self._sink = sink
@@ -283,7 +291,7 @@ class SessionCapture:
             self.metrics.sessions_dropped.labels("no_process").inc()
             return None
         if recorder_secs > 0 and self._catch_up is not None:
-            self._catch_up()  # before this session counts any sample as after its trigger
+            self._catch_up(())  # before this session counts any sample as after its trigger
         if len(self.sessions) >= self.MAX_SESSIONS:
             self.metrics.sessions_dropped.labels("too_many_sessions").inc()
             log.warning(
@@ -371,6 +379,7 @@ class SessionCapture:
                 continue
             s.processes[pid] = comm
             self._by_pid.setdefault(pid, []).append(s)
+            self._sync_filter(pid)  # a session's value (full rate, raw copies), as start_session's
 
     def _ref(self, pid: int) -> None:
         n = self._refs.get(pid, 0)
@@ -384,7 +393,8 @@ class SessionCapture:
         counted in the kernel, when a reader of them was given)."""
         if pid in self._by_pid:
             return abi.filter_value(self.filter_flags)
-        flags = self.filter_flags
+        # Raw stack copies for sessions only: the recorder's samples wait for nobody.
+        flags = self.filter_flags & ~abi.FilterFlags.RAW_STACK
         if self.recorder.kernel_waits is not None and self.recorder.watches(pid):
             flags |= abi.FilterFlags.RECORDED
         return abi.filter_value(flags, self._divisors.get(pid, 1))
@@ -525,7 +535,8 @@ class SessionCapture:
             self.metrics.recorder_bytes.set(self.recorder.nbytes)
         done = [s for s in self.sessions.values() if s.deadline <= now]
         if done and self._catch_up is not None:
-            self._catch_up()  # the samples and counts still in the kernel belong to these sessions
+            # The samples, counts and raw copies still in the kernel or held belong to these sessions.
+            self._catch_up({pid for s in done for pid in s.processes})
         for s in done:
             self._finish(s, now)
         return [s.session_id for s in done]

@@ -13,12 +13,13 @@ import os
 import pwd
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Optional
 
 import pytest
 
+from bistouri import wire
 from bistouri.bpf import abi
 from bistouri.capture.events import StackSample, split_stacks
 from bistouri.capture.profiler import Profiler, ProfilerOptions
@@ -675,3 +677,143 @@ def test_record_keeps_raw_copies_until_the_table_walk_has_taken_over(monkeypatch
     print(f"{len(between)} samples between the tables and the walk, raw copies: {agent.raw.stats}")
     assert len(between) >= 50, "samples taken while the walk was held back"
     assert sum(_reaches_entry(c, files) for c in between) / len(between) >= REACH_ENTRY
+
+
+# The agent's session below: on-CPU samples taken while xz's tables are held back (~3 s at 19 Hz).
+AGENT_HELD_SAMPLES = 60
+
+
+def _session_chains(session: wire.Session, files: _Files) -> list[Chain]:
+    """The on-CPU stacks of a session as (file, function) chains, by weight."""
+    chains: list[Chain] = []
+    for t in session.traces:
+        chain = []
+        for i, f in enumerate(t.user):
+            funcs = files.get(f.name) if f.kind == wire.FRAME_RESOLVED else None
+            vaddr = funcs.vaddr(f.address) - (1 if i else 0) if funcs else 0  # a return address: its call
+            chain.append((f.name or "?", funcs.function(vaddr) if funcs else None))
+        chains.extend([tuple(chain)] * t.on_cpu)
+    return chains
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz not installed")
+def test_an_agent_session_started_with_its_target_has_whole_stacks_from_its_first_second(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A service starts, stalls at once, the agent's session starts with it: the agent's own options
+    and session flags, a session on Debian's frameless xz started as it is spawned, its tables held
+    back until the kernel has taken AGENT_HELD_SAMPLES samples of it (never a time: a busy host gives
+    xz less CPU). The samples cut short meanwhile come as raw copies walked once the tables are in:
+    nearly all the session's samples reach the entry, and its note says so. Once the tables are in,
+    the pid filter no longer asks for copies and none is sent."""
+    from prometheus_client import CollectorRegistry
+
+    from bistouri.agent.daemon import profiler_options, session_flags
+    from bistouri.agent.metrics import BpfCountersCollector
+    from bistouri.agent.settings import AgentSettings
+    from bistouri.host.procmaps import ProcMapsStats
+    from testkit.agent_harness import SessionSink, capture_in_process
+
+    held: list[int] = []
+    publish = UnwindTables._publish
+    running: list[Profiler] = []
+
+    def samples_taken() -> int:
+        return running[0].counters()[abi.Counter.ON_CPU_SAMPLES] if running else 0
+
+    def late(self: UnwindTables, pid: int) -> None:
+        if not held:
+            assert wait_until(lambda: samples_taken() >= AGENT_HELD_SAMPLES, 120)
+            held.append(samples_taken())
+        publish(self, pid)
+
+    monkeypatch.setattr(UnwindTables, "_publish", late)
+    settings = AgentSettings(spool_dir=str(tmp_path / "spool"), offcpu=False)
+    files = _Files()
+    sink = SessionSink()
+    with Profiler(profiler_options(settings)) as agent:
+        running.append(agent)
+        agent.start()
+        reg = CollectorRegistry()
+        reg.register(
+            BpfCountersCollector(agent.counters, lambda: (ProcMapsStats(), 0), raw=lambda: agent.raw)
+        )
+
+        def catch_up(release: Collection[int]) -> None:
+            agent.catch_up(release)
+            capture.add_samples([e for e in agent.take() if isinstance(e, StackSample)])
+
+        capture = capture_in_process(
+            agent, sink, settings.freq, filter_flags=session_flags(settings), catch_up=catch_up
+        )
+        with (
+            open("/dev/urandom", "rb") as endless,
+            _running(["xz", "-9", "-T1", "-c"], stdin=endless) as proc,
+        ):
+            sid = capture.start_session(
+                wire.Trigger("cpu", time_ns=time.time_ns()), "xz", {}, {proc.pid: "xz"}, 3600
+            )
+            assert sid is not None
+
+            def fed(done: Callable[[], bool]) -> Callable[[], bool]:
+                return lambda: (
+                    capture.add_samples([e for e in agent.take() if isinstance(e, StackSample)]) or done()
+                )
+
+            assert wait_until(fed(lambda: bool(held) and agent.unwind.wait_idle(0)), 120), "tables published"
+            assert wait_until(fed(lambda: len(agent.raw) == 0), 10), "copies walked"
+            files.learn(proc.pid)
+            sent = _copies_sent(agent)
+            value = agent._require().maps["pid_filter"].lookup(struct.pack("<I", proc.pid))
+            assert value is not None and not int.from_bytes(value, "little") & abi.FilterFlags.RAW_STACK
+            after = samples_taken()
+            assert wait_until(fed(lambda: samples_taken() >= after + 40), 60), "samples after the tables"
+            assert _copies_sent(agent) == sent, "no copy once the tables are in"
+            assert capture.tick(time.monotonic() + 7200) == [sid]
+        stats = agent.raw.stats
+        lost = agent.counters()[abi.Counter.RAW_STACK_LOST]
+        # Exported as the agent's scrape reads them: what was walked, and what was not, by reason.
+        assert reg.get_sample_value("bistouri_raw_stacks_walked_total", {"result": "whole"}) == stats.whole
+        assert reg.get_sample_value("bistouri_raw_stacks_dropped_total", {"reason": "ring_full"}) == lost
+    [session] = sink.sessions
+    chains = _session_chains(session, files)
+    whole = sum(_reaches_entry(c, files) for c in chains)
+    walks = session.unwind.walks
+    print(
+        f"{len(chains)} samples, {whole} whole; held until {held[0]} samples; raw copies {stats}, "
+        f"lost {lost}; note {session.unwind}"
+    )
+    assert len(chains) >= AGENT_HELD_SAMPLES + 40
+    assert whole / len(chains) >= REACH_ENTRY  # 39 % without the copies (41 of 105)
+    assert stats.received == sent and lost == 0 and stats.dropped == stats.unwalked == 0
+    assert stats.walked == stats.received >= AGENT_HELD_SAMPLES * 0.9, (
+        "the samples before the tables came as copies"
+    )
+    # The data-quality note counts the copies walked whole as whole walks. Its other walks are the
+    # episode's waits (run queue, sleep): stacks taken off CPU, never copied, short until the tables.
+    waits = sum(t.off_cpu for t in session.traces)
+    assert walks.get("entry", 0) >= whole and sum(walks.values()) <= len(chains) + waits, session.unwind
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz not installed")
+def test_a_process_whose_tables_are_in_is_never_asked_for_copies(tmp_path: Path) -> None:
+    """The usual case: the flight recorder has sampled the process (its tables built meanwhile)
+    before a session asks for copies; the bit is then never set, and no copy is sent."""
+    from bistouri.agent.daemon import profiler_options
+    from bistouri.agent.settings import AgentSettings
+
+    settings = AgentSettings(spool_dir=str(tmp_path / "spool"), offcpu=False)
+    with (
+        open("/dev/urandom", "rb") as endless,
+        _running(["xz", "-9", "-T1", "-c"], stdin=endless) as proc,
+        Profiler(profiler_options(settings)) as agent,
+    ):
+        agent.start()
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU)  # the recorder's
+        assert agent.unwind.wait_idle(60), "tables in"
+        agent.set_pid_filter(proc.pid, abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK)  # a session's
+        value = agent._require().maps["pid_filter"].lookup(struct.pack("<I", proc.pid))
+        assert value is not None and int.from_bytes(value, "little") == abi.FilterFlags.ON_CPU
+        taken = agent.counters()[abi.Counter.ON_CPU_SAMPLES]
+        assert wait_until(lambda: agent.counters()[abi.Counter.ON_CPU_SAMPLES] >= taken + 20, 60)
+        assert _copies_sent(agent) == 0

@@ -199,3 +199,55 @@ def test_symbolizer_role_templates_the_export_endpoints(
     ]
     assert config.endpoints[-1].api == "push"
     assert config.max_rows == 5000 and config.max_bytes == 2 << 30
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", 8 << 20), ("0", 0), ("2MiB", 2 << 20)])
+def test_agent_role_templates_the_raw_stack_copies(
+    tmp_path: Path, ansible_env: dict[str, str], value: str, expected: int
+) -> None:
+    """The role's environment file, rendered by Ansible, sizes or turns off the agent's raw stack
+    copies, "" keeping its default: "0" is a value here, not "unset" as the role's 0 for numbers."""
+    playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
+    if not playbook.exists():
+        pytest.skip("ansible-playbook is not installed: make venv")
+    role = ROLES / "bistouri_agent"
+    env_file = tmp_path / "agent.env"
+    task = {
+        "ansible.builtin.template": {
+            "src": str(role / "templates" / "bistouri-agent.env.j2"),
+            "dest": str(env_file),
+        }
+    }
+    play = tmp_path / "env.yml"
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "connection": "local",
+                    "gather_facts": False,
+                    "vars_files": [str(role / "defaults" / "main.yml")],
+                    "tasks": [task],
+                }
+            ]
+        )
+    )
+    extra = tmp_path / "extra.json"
+    extra.write_text(
+        json.dumps(
+            {"bistouri_agent_raw_stacks_max_bytes": value, "ansible_python_interpreter": sys.executable}
+        )
+    )
+    cmd = [str(playbook), "-i", "localhost,", "-e", f"@{extra}", str(play)]
+    r = subprocess.run(cmd, env=ansible_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    env = dict(
+        line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#")
+    )
+    import argparse
+
+    from bistouri.agent.settings import add_agent_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    assert settings_from_args(parser.parse_args([]), env).raw_stacks_max_bytes == expected

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,8 @@ def test_a_session_ends_with_the_samples_still_in_the_kernel(workloads):
         with Profiler(options) as agent:
             agent.start()
 
-            def catch_up() -> None:
-                agent.catch_up()
+            def catch_up(release: Collection[int]) -> None:
+                agent.catch_up(release)
                 orch.add_samples([e for e in agent.take() if type(e) is StackSample])
 
             orch = capture_in_process(agent, sink, 99, filter_flags=abi.FilterFlags.ON_CPU, catch_up=catch_up)

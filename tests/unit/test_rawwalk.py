@@ -180,3 +180,31 @@ def test_copies_are_held_within_their_bounds_and_released_counted():
     assert held.release() == [event_of(records[2])]
     assert held.stats.unwalked == 1 and len(held) == 0
     assert struct.unpack_from("<I", event_of(records[2]), abi.StackEvent.pid.offset)[0] == 2
+
+
+def test_an_ending_session_releases_the_copies_of_its_processes_only():
+    held = RawStacks(max_records=8, max_bytes=1 << 20)
+    records = [_raw_record(pid, (START, BASE, 0), b"\0" * 64, [START]) for pid in (1, 2, 2)]
+    for r in records:
+        held.hold(r)
+    assert held.nbytes == sum(map(len, records))
+    assert held.release([2, 3]) == [event_of(r) for r in records[1:]]
+    assert held.held_pids() == {1} and held.nbytes == len(records[0]) and held.stats.unwalked == 2
+
+
+def test_the_ring_thread_holds_copies_only_while_their_process_asks_for_them():
+    """The agent's sessions: copies held while a session waits for their tables; released as they
+    came when it ends; a straggler sent after that (already in the ring) goes on at once, counted,
+    instead of sitting in the bounds for the agent's life. No BPF: the ring thread's handler fed."""
+    from bistouri.capture.profiler import Profiler, ProfilerOptions
+
+    p = Profiler(ProfilerOptions(proc_root="/nonexistent-proc", raw_stacks=True, raw_held_records=4))
+    copy = _raw_record(7, (START, BASE, 0), b"\0" * 64, [START])
+    p._raw_filters[7] = abi.FilterFlags.ON_CPU | abi.FilterFlags.RAW_STACK  # set_pid_filter's, in a session
+    p._on_raw_stack(copy)
+    assert len(p.raw) == 1 and not p._batch
+    p._walk_raw(final=False, release={7})  # the session ends (catch_up)
+    del p._raw_filters[7]  # ... and its filter value no longer asks
+    p._on_raw_stack(copy)
+    assert len(p.raw) == 0 and [s.pid for s in p._batch] == [7, 7]
+    assert p.raw.stats.received == 2 and p.raw.stats.unwalked == 2 and p.raw.stats.dropped == 0

@@ -177,6 +177,41 @@ def test_recorder_off_keeps_processes_out_of_the_filter(tmp_path):
     assert filt.pids == {}
 
 
+def test_only_sessions_ask_for_raw_stack_copies_and_release_theirs_as_they_end(tmp_path):
+    """The agent's sessions: their processes send raw copies while their tables are not in, a process
+    only recorded never does; an ending session's catch-up names its processes (their copies still
+    held come to it as they are)."""
+    from bistouri.agent.daemon import session_flags
+    from bistouri.agent.settings import AgentSettings
+
+    raw = abi.FilterFlags.RAW_STACK
+    caught_up: list[set[int]] = []
+    filt = _Filter(_NO_PROC)
+    orch = SessionCapture(
+        filt,
+        _Sink(),
+        AgentMetrics(CollectorRegistry()),
+        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
+        tenant="t",
+        host="h",
+        labels={},
+        period_ns=1_000_000,
+        proc_root=str(tmp_path),
+        filter_flags=session_flags(AgentSettings()),
+        catch_up=lambda pids: caught_up.append(set(pids)),
+    )
+    orch.watch(7, 5.0)
+    assert not filt.pids[7] & raw
+    sid = orch.start_session(wire.Trigger("cpu"), "svc", {}, {7: "a", 8: "b"}, 1)
+    assert sid and filt.pids[7] & raw and filt.pids[8] & raw
+    orch.extend_session(sid, {9: "a fork"})  # a process joining later asks for copies too
+    assert filt.pids[9] & raw
+    assert orch.tick(orch._clock() + 2) == [sid]
+    assert caught_up == [{7, 8, 9}]
+    assert filt.pids.keys() == {7} and not filt.pids[7] & raw  # back to the recorder's value
+    assert not session_flags(AgentSettings(raw_stacks_max_bytes=0)) & raw
+
+
 def test_the_recorder_leaves_room_in_the_pid_filter_for_sessions(tmp_path):
     from bistouri.capture.sessions import RECORDER_MAX_PROCESSES
 

@@ -171,6 +171,15 @@ def test_parse_size(text, size):
     assert parse_size(text) == size
 
 
+def test_raw_stack_copies_are_sized_or_turned_off():
+    assert parse([]).raw_stacks_max_bytes == 8 << 20
+    assert parse(["--raw-stacks-max-bytes", "0"]).raw_stacks_max_bytes == 0
+    assert parse([], {"BISTOURI_RAW_STACKS_MAX_BYTES": "2MiB"}).raw_stacks_max_bytes == 2 << 20
+    with pytest.raises(ConfigError) as ei:
+        parse(["--raw-stacks-max-bytes", "64KiB"])
+    assert "below the 1 MiB minimum (0 turns it off)" in ei.value.problems[0]
+
+
 def test_spool_minimum():
     with pytest.raises(ConfigError) as ei:
         parse(["--spool-max-bytes", "1KiB"])
