@@ -127,31 +127,23 @@ def test_symbolizer_preflight_refuses_the_sample_token(
         assert r.returncode != 0
 
 
-def test_symbolizer_role_templates_the_export_endpoints(
-    tmp_path: Path, ansible_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The role's environment file, rendered by Ansible, configures the service's forwarding."""
+def _rendered_env(
+    tmp_path: Path, ansible_env: dict[str, str], role_name: str, overrides: dict
+) -> tuple[Path, dict[str, str]]:
+    """A role's environment file rendered by Ansible from its defaults and `overrides` (extra vars,
+    above the defaults), and its variables."""
     playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
     if not playbook.exists():
         pytest.skip("ansible-playbook is not installed: make venv")
-    role = ROLES / "bistouri_symbolizer"
-    env_file = tmp_path / "symbolizer.env"
-    overrides = {
-        "bistouri_symbolizer_otlp_endpoints": ["http://c1:4318/v1development/profiles", "https://c2/p"],
-        "bistouri_symbolizer_otlp_headers": {"Authorization": "Bearer s3cret"},
-        "bistouri_symbolizer_pyroscope_url": "http://pyroscope:4040",
-        "bistouri_symbolizer_pyroscope_tenant": "team-a",
-        "bistouri_symbolizer_pyroscope_api": "push",
-        "bistouri_symbolizer_export_max_sessions": 5000,
-        "bistouri_symbolizer_export_max_bytes": "2G",
-    }
-    play = tmp_path / "env.yml"
+    role = ROLES / role_name
+    env_file = tmp_path / f"{role_name}.env"
     task = {
         "ansible.builtin.template": {
-            "src": str(role / "templates" / "bistouri-symbolizer.env.j2"),
+            "src": str(role / "templates" / f"{role_name.replace('_', '-')}.env.j2"),
             "dest": str(env_file),
         }
     }
+    play = tmp_path / "env.yml"
     play.write_text(
         yaml.safe_dump(
             [
@@ -165,8 +157,7 @@ def test_symbolizer_role_templates_the_export_endpoints(
             ]
         )
     )
-    # Extra vars: above the defaults (vars_files). The modules run with this Python: whatever interpreter
-    # discovery finds may be absent.
+    # The modules run with this Python: whatever interpreter discovery finds may be absent.
     extra = tmp_path / "extra.json"
     extra.write_text(json.dumps({**overrides, "ansible_python_interpreter": sys.executable}))
     cmd = [str(playbook), "-i", "localhost,", "-e", f"@{extra}", str(play)]
@@ -175,6 +166,23 @@ def test_symbolizer_role_templates_the_export_endpoints(
     env = dict(
         line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#")
     )
+    return env_file, env
+
+
+def test_symbolizer_role_templates_the_export_endpoints(
+    tmp_path: Path, ansible_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The role's environment file, rendered by Ansible, configures the service's forwarding."""
+    overrides = {
+        "bistouri_symbolizer_otlp_endpoints": ["http://c1:4318/v1development/profiles", "https://c2/p"],
+        "bistouri_symbolizer_otlp_headers": {"Authorization": "Bearer s3cret"},
+        "bistouri_symbolizer_pyroscope_url": "http://pyroscope:4040",
+        "bistouri_symbolizer_pyroscope_tenant": "team-a",
+        "bistouri_symbolizer_pyroscope_api": "push",
+        "bistouri_symbolizer_export_max_sessions": 5000,
+        "bistouri_symbolizer_export_max_bytes": "2G",
+    }
+    env_file, env = _rendered_env(tmp_path, ansible_env, "bistouri_symbolizer", overrides)
     assert env["BISTOURI_SYMBOLIZER_OTLP_HEADERS_FILE"] == "/etc/bistouri/symbolizer-otlp.headers"
     assert "s3cret" not in env_file.read_text()  # tokens only in the headers file (0640)
     # The service reads that environment: its forwarding configuration.
@@ -207,42 +215,8 @@ def test_agent_role_templates_the_raw_stack_copies(
 ) -> None:
     """The role's environment file, rendered by Ansible, sizes or turns off the agent's raw stack
     copies, "" keeping its default: "0" is a value here, not "unset" as the role's 0 for numbers."""
-    playbook = ROOT / ".venv" / "bin" / "ansible-playbook"
-    if not playbook.exists():
-        pytest.skip("ansible-playbook is not installed: make venv")
-    role = ROLES / "bistouri_agent"
-    env_file = tmp_path / "agent.env"
-    task = {
-        "ansible.builtin.template": {
-            "src": str(role / "templates" / "bistouri-agent.env.j2"),
-            "dest": str(env_file),
-        }
-    }
-    play = tmp_path / "env.yml"
-    play.write_text(
-        yaml.safe_dump(
-            [
-                {
-                    "hosts": "localhost",
-                    "connection": "local",
-                    "gather_facts": False,
-                    "vars_files": [str(role / "defaults" / "main.yml")],
-                    "tasks": [task],
-                }
-            ]
-        )
-    )
-    extra = tmp_path / "extra.json"
-    extra.write_text(
-        json.dumps(
-            {"bistouri_agent_raw_stacks_max_bytes": value, "ansible_python_interpreter": sys.executable}
-        )
-    )
-    cmd = [str(playbook), "-i", "localhost,", "-e", f"@{extra}", str(play)]
-    r = subprocess.run(cmd, env=ansible_env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    env = dict(
-        line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#")
+    _, env = _rendered_env(
+        tmp_path, ansible_env, "bistouri_agent", {"bistouri_agent_raw_stacks_max_bytes": value}
     )
     import argparse
 
