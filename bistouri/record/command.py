@@ -569,8 +569,10 @@ def _capture(
         from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
         from ..capture.sessions import SessionCapture
         from ..discard import Discarded
-        from ..host import mounts
-        from ..host.cgroupfs import find_mounts
+
+        if trigger is not None:  # the cgroups' readers: the episode's aggressors only
+            from ..host import mounts
+            from ..host.cgroupfs import find_mounts
 
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)
