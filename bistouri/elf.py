@@ -686,14 +686,14 @@ class ElfFile:
             if (self.endian == "<") != (sys.byteorder == "little"):
                 words.byteswap()
             for i, name_off in enumerate(words[::6]):  # st_name, each 24-byte entry's first word
-                name = named_at.get(name_off)
-                if name is None or name in found:
+                wanted = named_at.get(name_off)
+                if wanted is None or wanted in found:
                     continue
                 _, _info, _other, shndx, value, size = struct.unpack_from(
                     self.endian + "IBBHQQ", data, i * 24
                 )
                 if shndx != SHN_UNDEF:
-                    found[name] = (int(value), int(size))
+                    found[wanted] = (int(value), int(size))
         return found
 
 
