@@ -21,6 +21,7 @@ import lzma
 import mmap
 import os
 import struct
+import sys
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -657,7 +658,11 @@ class ElfFile:
 
     def find_symbols(self, names: Iterable[str]) -> dict[str, tuple[int, int]]:
         """(address, size) of the defined symbols of any type among `names`, `.symtab` first, then
-        `.dynsym` for those it lacks (one linear scan per table)."""
+        `.dynsym` for those it lacks.
+
+        The names are looked for in the string table first, and only the entries named at one of
+        their offsets are parsed: parsing all of them was ~6 ms of each description of pyenv's
+        libpython (8 names among 15 000 symbols; ~2.5 ms now)."""
         want = {n.encode(): n for n in names}
         found: dict[str, tuple[int, int]] = {}
         for sec_type in (SHT_SYMTAB, SHT_DYNSYM):
@@ -666,17 +671,29 @@ class ElfFile:
                 continue
             sec, strsec = tab
             strtab = self.section_data(strsec)
+            # Each offset where a wanted name stands whole: a linker may share its bytes with the
+            # tail of a longer name, so one name can stand at several.
+            named_at: dict[int, str] = {}
+            for raw, name in want.items():
+                at = -1 if name in found else strtab.find(raw + b"\0")
+                while at >= 0:
+                    named_at[at] = name
+                    at = strtab.find(raw + b"\0", at + 1)
+            if not named_at:
+                continue
             data = self.section_data(sec)
-            n = len(data) // 24
-            for name_off, _info, _o, shndx, value, size in struct.iter_unpack(
-                self.endian + "IBBHQQ", data[: n * 24]
-            ):
-                if shndx == SHN_UNDEF:
+            words = array("I", data[: len(data) // 24 * 24])
+            if (self.endian == "<") != (sys.byteorder == "little"):
+                words.byteswap()
+            for i, name_off in enumerate(words[::6]):  # st_name, each 24-byte entry's first word
+                wanted = named_at.get(name_off)
+                if wanted is None or wanted in found:
                     continue
-                end = strtab.find(b"\0", name_off, name_off + 256)
-                name = want.get(strtab[name_off:end]) if end >= 0 else None
-                if name is not None and name not in found:
-                    found[name] = (int(value), int(size))
+                _, _info, _other, shndx, value, size = struct.unpack_from(
+                    self.endian + "IBBHQQ", data, i * 24
+                )
+                if shndx != SHN_UNDEF:
+                    found[wanted] = (int(value), int(size))
         return found
 
 

@@ -31,7 +31,12 @@ from .. import wire
 from ..bpf import abi
 from ..compat import SLOTS
 from ..errors import BistouriError
-from ..host.cgroupfs import CgroupMounts, CgroupReader, CgroupUsage, find_mounts
+
+# The cgroup reader is imported by the probe that reads (an --on-pressure record, the agent):
+# `record` without one imports this module for its null probe (cgroupfs ~2 ms of its start).
+TYPE_CHECKING = False  # not typing's: compat.py says why
+if TYPE_CHECKING:
+    from ..host.cgroupfs import CgroupMounts, CgroupUsage
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +133,8 @@ def aggressors(
 ) -> tuple[list[wire.Aggressor], int]:
     """What each cgroup used between two snapshots, ranked by the trigger's resource; a cgroup
     created meanwhile counts from zero. Returns the kept rows and how many were left out."""
+    from ..host.cgroupfs import CgroupUsage
+
     rows = []
     zero = CgroupUsage()
     for cgroup, e in end.items():
@@ -191,6 +198,8 @@ class EpisodeProbe:
         max_cgroups: int = MAX_CGROUPS,
         mounts: CgroupMounts | None = None,
     ) -> None:
+        from ..host.cgroupfs import CgroupReader, find_mounts
+
         self._thread_times = thread_times
         self.cgroup_root = cgroup_root
         self._cgroups_reader = CgroupReader(mounts if mounts is not None else find_mounts())

@@ -569,8 +569,10 @@ def _capture(
         from ..capture.episode import NO_EPISODE_PROBE, EpisodeProbe
         from ..capture.sessions import SessionCapture
         from ..discard import Discarded
-        from ..host import mounts
-        from ..host.cgroupfs import find_mounts
+
+        if trigger is not None:  # the cgroups' readers: the episode's aggressors only
+            from ..host import mounts
+            from ..host.cgroupfs import find_mounts
 
     child = targets.child
     duration = args.duration if args.duration is not None else (None if child else 10.0)
@@ -822,12 +824,13 @@ def function_shares(profile, value: str = "on_cpu") -> tuple[Counter, Counter, i
     self_c: Counter = Counter()
     total_c: Counter = Counter()
     total = 0
+    name_of = [display_name(f) for f in profile.frames]  # once per frame, not per stack entry (~11 000)
     for s in profile.samples:
         v = getattr(s, value)
         if not v or not s.stack:
             continue
         total += v
-        names = [display_name(profile.frames[i]) for i in s.stack]
+        names = [name_of[i] for i in s.stack]
         self_c[names[-1]] += v
         for n in set(names):
             total_c[n] += v

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from ..compat import zip_strict
 from ..elf import ElfFile, ElfFormatError
-from ..symbolizer import dwarf
 from ..symbolizer.llvm import LlvmPool, SourceFrame
 
 if TYPE_CHECKING:
@@ -85,6 +84,10 @@ class DwarfFirstPool(LlvmPool):
         return True
 
     def symbolize(self, path: str, addrs: Sequence[int]) -> list[list[SourceFrame] | None]:
+        # Here, not at import: a run whose binaries have no DWARF (Debian's python3.11) needs no
+        # DWARF reader (~2 ms of its start).
+        from ..symbolizer import dwarf
+
         lines = CachedLines.of(self.cache, path) if self.cache is not None else None
         got = dwarf.symbolize(path, addrs, lines)
         self.cached_units += lines.hits if lines is not None else 0

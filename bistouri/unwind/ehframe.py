@@ -55,7 +55,6 @@ from .cfa import (
     State,
     run_program,
 )
-from .goframes import go_functions
 
 _PCREL_SDATA4 = 0x1B  # DW_EH_PE_pcrel | DW_EH_PE_sdata4: the FDE pointers of gcc's and clang's .eh_frame
 _SDATA4_PAIR = struct.Struct("<ii")  # an FDE's PC begin and range in that encoding
@@ -404,6 +403,10 @@ def _go_fdes(elf: ElfFile, limits: CfiLimits) -> list[Fde] | None:
     machine's Go binary gets its `.eh_frame`/`.debug_frame` rows."""
     if elf.machine in ARCH_OF_MACHINE:
         return None
+    # Here, not at import: only a table being built reads it, and record's runs on tables from the
+    # cache take no Go reader (goframes and gopclntab, ~1.3 ms).
+    from .goframes import go_functions
+
     try:
         funcs = go_functions(elf, limits.max_rows)
     except ValueError as e:

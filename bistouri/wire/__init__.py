@@ -10,35 +10,15 @@ The values (`model`), packing (`encode`), unpacking with validation (`decode`) a
 of a session on disk (`files`) are pure functions: no I/O, no clocks. This package imports
 nothing of bistouri but `errors` and `pressure` (tests/unit/test_layers.py); `snapshot` holds the
 kernel snapshots' digest both ends compute. Its names are re-exported here: `wire.Session`.
+
+The codecs (`decode`, `encode`, `files`, and msgpack with them) are imported at their first name's
+use: `bistouri record` builds sessions but never packs or unpacks one, and they were ~4 ms of its
+start.
 """
 
 from __future__ import annotations
 
 from ..pressure import RESOURCES, STALLS  # the trigger's vocabulary, validated by the decoder
-from .decode import (
-    decode_batch,
-    decode_session,
-    session_from_wire,
-)
-from .encode import (
-    count_objects,
-    encode_batch,
-    encode_session,
-    encode_session_to_fit,
-    session_to_wire,
-    work_of,
-)
-from .files import (
-    FILE_HEADER,
-    FILE_HEADER_MAX,
-    FILE_MAGIC,
-    FILE_MAGIC_V1,
-    SessionFile,
-    frame_session,
-    framed_kernel_build_id,
-    is_framed,
-    unframe_session,
-)
 from .model import (
     BATCH_VERSION,
     FRAME_JIT,
@@ -105,6 +85,34 @@ from .model import (
     UserFrame,
     Victim,
 )
+
+# Not `typing.TYPE_CHECKING` (compat.py says why): the codecs' names, for type checkers and readers.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .decode import (
+        decode_batch,
+        decode_session,
+        session_from_wire,
+    )
+    from .encode import (
+        count_objects,
+        encode_batch,
+        encode_session,
+        encode_session_to_fit,
+        session_to_wire,
+        work_of,
+    )
+    from .files import (
+        FILE_HEADER,
+        FILE_HEADER_MAX,
+        FILE_MAGIC,
+        FILE_MAGIC_V1,
+        SessionFile,
+        frame_session,
+        framed_kernel_build_id,
+        is_framed,
+        unframe_session,
+    )
 
 __all__ = [
     "BATCH_VERSION",
@@ -192,3 +200,45 @@ __all__ = [
     "unframe_session",
     "work_of",
 ]
+
+# What `__getattr__` imports at a codec name's first use: its module (the imports above, at run time).
+_CODECS = {
+    **dict.fromkeys(("decode_batch", "decode_session", "session_from_wire"), "decode"),
+    **dict.fromkeys(
+        (
+            "count_objects",
+            "encode_batch",
+            "encode_session",
+            "encode_session_to_fit",
+            "session_to_wire",
+            "work_of",
+        ),
+        "encode",
+    ),
+    **dict.fromkeys(
+        (
+            "FILE_HEADER",
+            "FILE_HEADER_MAX",
+            "FILE_MAGIC",
+            "FILE_MAGIC_V1",
+            "SessionFile",
+            "frame_session",
+            "framed_kernel_build_id",
+            "is_framed",
+            "unframe_session",
+        ),
+        "files",
+    ),
+}
+
+
+def __getattr__(name: str) -> object:
+    """A codec's name (PEP 562: called only for a name the package does not hold yet)."""
+    module = _CODECS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # held from now on: the next use is a plain attribute
+    return value

@@ -574,3 +574,17 @@ def test_a_bad_unit_or_container_is_refused(bad):
     m = {**wire.session_to_wire(sample_session()), **bad}
     with pytest.raises(WireError, match="malformed"):
         wire.decode_session(msgpack.packb(m, use_bin_type=True))
+
+
+def test_the_packages_names_are_its_modules_own() -> None:
+    # The codecs' names are imported at first use (wire.__getattr__): each name the package
+    # exports resolves, to the object of the module that defines it.
+    import importlib
+
+    for name in wire.__all__:
+        value = getattr(wire, name)
+        module = wire._CODECS.get(name)
+        if module is not None:
+            assert value is getattr(importlib.import_module(f"bistouri.wire.{module}"), name)
+    with pytest.raises(AttributeError):
+        wire.no_such_name  # noqa: B018

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lzma
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,23 @@ def test_symbol_versions_of_a_debug_symtab_are_left_out() -> None:
     with ElfFile(debug) as f:
         names = {n for _, _, n in f.symbol_index().items()}
     assert "__libc_start_main" in names and not any("@" in n for n in names)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_find_symbols_matches_nm_for_every_name(symfix: Path, dynamic: bool) -> None:
+    # Every defined symbol at once, from .symtab (the fixture) and .dynsym (the C library: its
+    # string table shares names' tails, `printf` inside `vprintf`): the addresses nm gives.
+    path = "/lib/x86_64-linux-gnu/libc.so.6" if dynamic else symfix / "cxx_app"
+    if not Path(path).exists():
+        pytest.skip(f"{path} not on this host")
+    out = subprocess.run(
+        ["nm", "--defined-only", *(["-D"] if dynamic else []), str(path)], capture_output=True, text=True
+    ).stdout
+    rows = [line.split() for line in out.splitlines()]
+    names = [(r[2].split("@")[0], int(r[0], 16)) for r in rows if len(r) == 3 and r[1] not in "Aa"]
+    once = {n for n, k in Counter(n for n, _ in names).items() if k == 1}  # versions of one name: left out
+    syms = {n: a for n, a in names if n in once}
+    assert len(syms) > 20
+    with ElfFile(path) as f:
+        found = f.find_symbols(syms)
+    assert {n: a for n, (a, _size) in found.items()} == syms
