@@ -24,7 +24,7 @@
  * co_version (3.12+). Per walk, on 3.11+: the thread state's fields in one
  * read, the stack window in another, 3.12+ the count of code objects made. The chain is
  * walked by bpf_loop (5.17+; before, walk_python_bounded: PY_BOUNDED_STEPS
- * unrolled). Its maps (python_procs, py_scratch) are in maps.bpf.h. Included
+ * unrolled), a step a global function (py_frame_step). Its maps (python_procs, py_scratch) are in maps.bpf.h. Included
  * after maps.bpf.h and before stack.bpf.h.
  */
 #ifndef BISTOURI_PYTHON_BPF_H
@@ -103,25 +103,34 @@ static __always_inline __u32 py_code_checksum(const struct bistouri_python_proc 
 			   py_u32(buf, pp->code_firstlineno), ident);
 }
 
-/* The walk's state, shared by walk_python and its bpf_loop steps. */
-struct py_walk {
-	struct bistouri_stack_event *ev;
-	const struct bistouri_python_proc *pp;
-	struct py_scratch *s;
+/* Where a walk is in the chain: what its steps read and write. No pointer in it (see struct py_walk). */
+struct py_chain {
 	__u64 frame;           /* the next frame to look at; 0: the chain ended */
 	__u64 lo, hi;          /* s->stack holds the user memory [lo, hi) of the frame stack; hi 0: none */
 	__u64 hash;            /* the user stack's hash, with the Python frames mixed in */
 	__u32 n;               /* frames emitted */
 	__u32 size;            /* bytes of a frame read */
+};
+
+/*
+ * The walk's state, shared by walk_python and its bpf_loop steps. The pointers
+ * stay out of the chain: py_frame_step() is a global function, and the verifier
+ * makes whatever its pointer arguments point to unknown numbers once it returns.
+ */
+struct py_walk {
+	struct bistouri_stack_event *ev;
+	const struct bistouri_python_proc *pp;
+	struct py_scratch *s;
+	struct py_chain c;
 	/* The count of code objects made is in s (py_scratch.counter): on this stack, 6.1's verifier
 	 * found handle_perf -> walk_python -> py_step 544 bytes deep, past its 512. */
 };
 
 /* Whether a kept checksum is this code object's: same address, same count read at the same place, same record. */
-static __always_inline bool py_code_kept(const struct py_walk *w, const struct py_code_entry *e, __u64 code)
+static __always_inline bool py_code_kept(const struct bistouri_python_proc *pp, const struct py_scratch *s,
+					 const struct py_code_entry *e, __u64 code)
 {
-	return e->code == code && e->counter == w->s->counter && e->counter_at == w->s->counter_at &&
-	       e->owner == w->pp->owner;
+	return e->code == code && e->counter == s->counter && e->counter_at == s->counter_at && e->owner == pp->owner;
 }
 
 /*
@@ -137,19 +146,17 @@ static __always_inline bool py_code_kept(const struct py_walk *w, const struct p
  * Kept two ways per set, the newer first: 30 code objects in a direct-mapped
  * table of 256 collided ~2 pairs a walk, each pair evicting the other (4 reads).
  */
-static __always_inline __u32 py_code_seen(struct py_walk *w, __u64 code)
+static __always_inline __u32 py_code_seen(const struct bistouri_python_proc *pp, struct py_scratch *s, __u64 code)
 {
-	const struct bistouri_python_proc *pp = w->pp;
-	struct py_scratch *s = w->s;
 	__u32 slot = ((code >> 4) ^ (code >> 10)) & (PY_SEEN - 1);
 	__u32 set = ((code >> 4) ^ (code >> 12)) & (PY_CODE_CACHE - 2), sum;
 	struct py_code_entry *e = &s->code_cache[set], *older = &s->code_cache[set + 1];
 
 	if (s->seen_code[slot] == code)
 		return s->seen_sum[slot];
-	if (s->counter && py_code_kept(w, e, code)) {
+	if (s->counter && py_code_kept(pp, s, e, code)) {
 		sum = e->sum;
-	} else if (s->counter && py_code_kept(w, older, code)) {
+	} else if (s->counter && py_code_kept(pp, s, older, code)) {
 		sum = older->sum;
 	} else {
 		sum = py_code_checksum(pp, s->code, code);
@@ -174,11 +181,9 @@ static __always_inline __u32 py_code_seen(struct py_walk *w, __u64 code)
  * the states (handle_perf_bounded 50 k -> 249 k instructions, the object's
  * load 1.3 -> 7.3 s).
  */
-static __always_inline long py_step_how(struct py_walk *w, bool fast)
+static __always_inline long py_step_how(struct py_chain *w, struct bistouri_stack_event *ev,
+				       const struct bistouri_python_proc *pp, struct py_scratch *s, bool fast)
 {
-	struct bistouri_stack_event *ev = w->ev;
-	const struct bistouri_python_proc *pp = w->pp;
-	struct py_scratch *s = w->s;
 	__u32 n = w->n, at, size;
 	const __u8 *f;         /* the frame's bytes */
 	__u64 code;
@@ -223,7 +228,7 @@ static __always_inline long py_step_how(struct py_walk *w, bool fast)
 	at = n & (BISTOURI_PY_MAX_DEPTH - 1);
 	ev->py_frames[at].code = code | (entry ? BISTOURI_PY_FRAME_ENTRY : 0);
 	ev->py_frames[at].offset = py_offset(pp, f, code);
-	ev->py_frames[at].checksum = fast ? py_code_seen(w, code) : py_code_checksum(pp, s->code, code);
+	ev->py_frames[at].checksum = fast ? py_code_seen(pp, s, code) : py_code_checksum(pp, s->code, code);
 	/* The checksum too: a function made at a freed one's address, sampled at the same offset, is not a
 	 * repeat of the old one's sample (which would count it under the old name). */
 	w->hash = (w->hash ^ code) * 0x100000001b3ULL;
@@ -233,17 +238,32 @@ static __always_inline long py_step_how(struct py_walk *w, bool fast)
 	return 0;
 }
 
-/* A bpf_loop step: verified once however long the chain (an unrolled loop of its branches went past the
- * verifier's budget). */
+/*
+ * The bpf_loop walk's step, global: verified once. As the callback itself, 6.7+
+ * verifiers (which walk a callback again until its state repeats) went through
+ * its branches 9 times in handle_perf, 7.9 k of its instructions (6.18).
+ */
+__noinline int py_frame_step(struct py_chain *c, struct bistouri_stack_event *ev, const struct bistouri_python_proc *pp,
+			     struct py_scratch *s)
+{
+	if (!c || !ev || !pp || !s)
+		return 1;
+	return py_step_how(c, ev, pp, s, true);
+}
+
+/* A bpf_loop step. */
 static long py_step(__u32 i, void *arg)
 {
-	return py_step_how(arg, true);
+	struct py_walk *w = arg;
+
+	/* A global function's result is any int to the verifier; bpf_loop takes 0 or 1. */
+	return py_frame_step(&w->c, w->ev, w->pp, w->s) ? 1 : 0;
 }
 
 /* The bounded walk's step: one subprogram called PY_BOUNDED_STEPS times, not as many copies of it. */
 static __noinline long py_step_bounded(struct py_walk *w)
 {
-	return py_step_how(w, false);
+	return py_step_how(&w->c, w->ev, w->pp, w->s, false);
 }
 
 /*
@@ -317,8 +337,8 @@ static __always_inline void py_stack_window(struct py_walk *w, const __u64 ends[
 	size = ends[1] - lo;
 	if (size == 0 || size > PY_STACK_WINDOW || bpf_probe_read_user(w->s->stack, size, (const void *)lo))
 		return;
-	w->lo = lo;
-	w->hi = ends[1];
+	w->c.lo = lo;
+	w->c.hi = ends[1];
 }
 
 /*
@@ -377,15 +397,15 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	if (w.pp->cframe_frame >= 0 && frame &&
 	    bpf_probe_read_user(&frame, sizeof(frame), (const void *)(frame + w.pp->cframe_frame)))
 		return 0;
-	w.frame = frame;
-	w.size = w.pp->frame_size;
+	w.c.frame = frame;
+	w.c.size = w.pp->frame_size;
 	if (!bounded) {
 		for (int i = 0; i < PY_SEEN; i++)
 			w.s->seen_code[i] = 0;
 		if (frame)
 			py_stack_window(&w, w.s->ends);
 	}
-	w.hash = ev->user_key.hash;
+	w.c.hash = ev->user_key.hash;
 	ev->py_status = BISTOURI_PY_STATUS_DEPTH;
 	if (bounded) {
 		/* No bpf_loop (< 5.17): the verifier walks each iteration, so fewer of them. */
@@ -395,8 +415,8 @@ static __always_inline int walk_python_how(struct bistouri_stack_event *ev, __u3
 	} else {
 		bpf_loop(PY_MAX_STEPS, py_step, &w, 0);
 	}
-	ev->py_depth = w.n;
-	ev->user_key.hash = w.hash;
+	ev->py_depth = w.c.n;
+	ev->user_key.hash = w.c.hash;
 	return 0;
 }
 

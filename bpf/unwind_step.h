@@ -17,8 +17,12 @@
  *       __u32 stop;                enum bistouri_counter of why the walk ended
  *       bool exact;                regs.ip is where the thread was, not a return address
  *       bool sp_floor;             aarch64 only: regs.sp is a lower bound (a frame record's step)
- *   static long unwind_read(struct walk *w, __u64 addr, __u64 *out),
+ *   struct stack_copy, what unwind_read reads the user stack from (may be
+ *       incomplete: it is only passed through),
+ *   static long unwind_read(struct walk *w, struct stack_copy *copy, __u64 addr, __u64 *out),
  *       the user-stack word at addr into *out: 0, or non-zero if unreadable.
+ * The copy is an argument, not a field of the walk: in BPF the step runs in a
+ * global function, which sees a pointer stored in its argument as a number.
  * The step works on the walk's own fields rather than on arguments and a
  * result: written so, the verifier processes what it did when this code was
  * inline in the BPF walk (a result struct or pointers to the counters cost
@@ -30,7 +34,7 @@
 #include "unwind_rule.h"
 
 /* Returns 1 if the walk ends at this frame (w->stop says why), else 0. */
-static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
+static __always_inline long unwind_step(struct walk *w, struct stack_copy *copy, struct unwind_rule rule)
 {
 	__u64 ip = w->regs.ip, sp = w->regs.sp, bp = w->regs.bp, cfa, ra = 0, saved_bp;
 	__u32 kind = rule.cfa_kind, rbp_kind = rule.rbp_kind;
@@ -86,14 +90,14 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 #endif
 	case BISTOURI_CFA_SIGNAL:
 		/* RSP points at the ucontext: its mcontext holds the interrupted registers. */
-		if (unwind_read(w, sp + UCONTEXT_RIP_OFF, &ra) || unwind_read(w, sp + UCONTEXT_RSP_OFF, &w->regs.sp) ||
-		    unwind_read(w, sp + UCONTEXT_RBP_OFF, &w->regs.bp)) {
+		if (unwind_read(w, copy, sp + UCONTEXT_RIP_OFF, &ra) || unwind_read(w, copy, sp + UCONTEXT_RSP_OFF, &w->regs.sp) ||
+		    unwind_read(w, copy, sp + UCONTEXT_RBP_OFF, &w->regs.bp)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
 #if defined(__TARGET_ARCH_arm64)
 		/* The interrupted function may be a leaf: its return address still in x30. */
-		if (unwind_read(w, sp + UCONTEXT_LR_OFF, &w->regs.lr)) {
+		if (unwind_read(w, copy, sp + UCONTEXT_LR_OFF, &w->regs.lr)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
@@ -138,7 +142,7 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 	}
 	if (ra_kind == BISTOURI_RA_LR) {
 		ra = w->regs.lr;
-	} else if (unwind_read(w, cfa + (ra_kind == BISTOURI_RA_AT_OFF ? rbp_off : rbp_off + RA_AFTER_FP), &ra)) {
+	} else if (unwind_read(w, copy, cfa + (ra_kind == BISTOURI_RA_AT_OFF ? rbp_off : rbp_off + RA_AFTER_FP), &ra)) {
 		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 		return 1;
 	}
@@ -150,13 +154,13 @@ static __always_inline long unwind_step(struct walk *w, struct unwind_rule rule)
 		w->stop = BISTOURI_CNT_WALK_BAD_FRAME;
 		return 1;
 	}
-	if (unwind_read(w, cfa + CFA_RA_OFF, &ra)) {
+	if (unwind_read(w, copy, cfa + CFA_RA_OFF, &ra)) {
 		w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 		return 1;
 	}
 #endif
 	if (rbp_kind == BISTOURI_RBP_AT_CFA) {
-		if (unwind_read(w, cfa + rbp_off, &saved_bp)) {
+		if (unwind_read(w, copy, cfa + rbp_off, &saved_bp)) {
 			w->stop = BISTOURI_CNT_WALK_READ_FAILED;
 			return 1;
 		}
