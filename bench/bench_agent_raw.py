@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._sampler import prog_stats  # noqa: E402
 from bench.bench_agent import enable_bpf_stats  # noqa: E402
 from bistouri import wire  # noqa: E402
 from bistouri.agent.daemon import profiler_options, session_flags  # noqa: E402
@@ -43,23 +44,6 @@ from bistouri.capture.profiler import Profiler  # noqa: E402
 from bistouri.unwind.tables import UnwindTables  # noqa: E402
 from testkit.agent_harness import SessionSink, capture_in_process  # noqa: E402
 from testkit.helpers import wait_until  # noqa: E402
-
-_PERF_EVENT = "7"  # BPF_PROG_TYPE_PERF_EVENT in fdinfo
-
-
-def sampler_stats() -> tuple[int, int]:
-    """(run_time_ns, run_cnt) of this process's perf_event programs (the on-CPU sampler)."""
-    ns = cnt = 0
-    for info in Path("/proc/self/fdinfo").glob("*"):
-        try:
-            text = info.read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
-        if fields.get("prog_type", "").strip() == _PERF_EVENT:
-            ns += int(fields.get("run_time_ns", "0"))
-            cnt += int(fields.get("run_cnt", "0"))
-    return ns, cnt
 
 
 def ring_thread_ns() -> int:
@@ -117,12 +101,12 @@ def one_run(copies: bool, samples: int, freq: int, tmp: Path) -> dict[str, float
             try:
                 sid = capture.start_session(wire.Trigger("cpu"), "xz", {}, {xz.pid: "xz"}, 3600)
                 assert sid is not None
-                ns0, cnt0 = sampler_stats()
+                ns0, cnt0 = prog_stats()
                 ring0, n0 = ring_thread_ns(), taken()
                 assert wait_until(lambda: feed() or taken() >= n0 + samples, 300), "samples"
                 agent.catch_up()
                 feed()
-                ns1, cnt1 = sampler_stats()
+                ns1, cnt1 = prog_stats()
                 ring1, n1 = ring_thread_ns(), taken()
                 held, held_bytes = len(agent.raw), agent.raw.nbytes
                 opened = time.monotonic()

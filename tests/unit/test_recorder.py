@@ -89,7 +89,7 @@ def test_entry_overhead_covers_what_python_allocates():
     assert (grown - stacks) / n <= ENTRY_OVERHEAD_BYTES, (grown - stacks) / n
 
 
-def _orch(tmp_path, filt, sink, reg=None) -> SessionCapture:
+def _orch(tmp_path, filt, sink, reg=None, **kw) -> SessionCapture:
     return SessionCapture(
         filt,
         sink,
@@ -100,6 +100,7 @@ def _orch(tmp_path, filt, sink, reg=None) -> SessionCapture:
         labels={},
         period_ns=1_000_000,
         proc_root=str(tmp_path),
+        **kw,
     )
 
 
@@ -187,16 +188,10 @@ def test_only_sessions_ask_for_raw_stack_copies_and_release_theirs_as_they_end(t
     raw = abi.FilterFlags.RAW_STACK
     caught_up: list[set[int]] = []
     filt = _Filter(_NO_PROC)
-    orch = SessionCapture(
+    orch = _orch(
+        tmp_path,
         filt,
         _Sink(),
-        AgentMetrics(CollectorRegistry()),
-        KernelMeta("6.18", b"\x01" * 20, 0xFFFFFFFF81000000),
-        tenant="t",
-        host="h",
-        labels={},
-        period_ns=1_000_000,
-        proc_root=str(tmp_path),
         filter_flags=session_flags(AgentSettings()),
         catch_up=lambda pids: caught_up.append(set(pids)),
     )
